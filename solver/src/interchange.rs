@@ -1,0 +1,321 @@
+//! Profile interchange format v1 (`mucudnn-profile-v1`, see docs/PROFILE_FORMAT.md): JSON text
+//! in, [`Profile`] out, and back. Pure string conversion; reading files is the caller's job.
+//!
+//! Records sharing (`layer`, `dtype`, `layout`, `op`) form one tuning problem; their shape fields
+//! must agree. Unknown keys are ignored, as the format requires. Entries keep the order in which
+//! their first record appears.
+
+use crate::problem::{ConvOp, ConvProblem, DType, Layout, MathMode};
+use crate::profile::{Measurement, OpProfile, Profile, ProfileError};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// The `format` value of version 1.
+pub const FORMAT_V1: &str = "mucudnn-profile-v1";
+
+/// Why a text is not a usable v1 profile.
+#[derive(Debug, thiserror::Error)]
+pub enum InterchangeError {
+    #[error("not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("unsupported profile format {found:?} (this build reads \"{FORMAT_V1}\")")]
+    Format { found: String },
+    #[error("record {index}: {message}")]
+    Record { index: usize, message: String },
+    #[error(
+        "record {index} ({layer} {dtype} {layout} {op}): {field} is {found}, but an earlier record of the same problem has {expected}"
+    )]
+    Inconsistent {
+        index: usize,
+        layer: String,
+        dtype: DType,
+        layout: Layout,
+        op: ConvOp,
+        field: &'static str,
+        expected: String,
+        found: String,
+    },
+    #[error(transparent)]
+    Profile(#[from] ProfileError),
+}
+
+#[derive(Deserialize)]
+struct RawProfile {
+    format: String,
+    #[serde(default)]
+    device: Option<String>,
+    #[serde(default)]
+    cudnn_version: Option<u64>,
+    #[serde(default)]
+    math: Option<String>,
+    #[serde(default)]
+    timing: Option<String>,
+    records: Vec<serde_json::Value>,
+}
+
+/// One line of the format. Field order is the order records are written in.
+#[derive(Serialize, Deserialize)]
+struct Record {
+    layer: String,
+    dtype: DType,
+    layout: Layout,
+    n: i64,
+    c: i64,
+    h: i64,
+    w: i64,
+    k: i64,
+    r: i64,
+    s: i64,
+    pad_h: i64,
+    pad_w: i64,
+    stride_h: i64,
+    stride_w: i64,
+    dilation_h: i64,
+    dilation_w: i64,
+    groups: i64,
+    /// Not in the v1 text; an extension key that other readers ignore. Absent means default.
+    #[serde(default, skip_serializing_if = "is_default_math")]
+    math: MathMode,
+    op: ConvOp,
+    algo: u32,
+    micro: i64,
+    workspace_bytes: u64,
+    time_ms: f64,
+}
+
+fn is_default_math(math: &MathMode) -> bool {
+    *math == MathMode::Default
+}
+
+impl Record {
+    fn problem(&self) -> ConvProblem {
+        ConvProblem {
+            n: self.n,
+            c: self.c,
+            h: self.h,
+            w: self.w,
+            k: self.k,
+            r: self.r,
+            s: self.s,
+            pad_h: self.pad_h,
+            pad_w: self.pad_w,
+            stride_h: self.stride_h,
+            stride_w: self.stride_w,
+            dilation_h: self.dilation_h,
+            dilation_w: self.dilation_w,
+            groups: self.groups,
+            dtype: self.dtype,
+            layout: self.layout,
+            math: self.math,
+        }
+    }
+}
+
+/// The first shape field in which two problems differ, as (name, a, b).
+fn first_difference(a: &ConvProblem, b: &ConvProblem) -> Option<(&'static str, String, String)> {
+    let fields: [(&'static str, i64, i64); 14] = [
+        ("n", a.n, b.n),
+        ("c", a.c, b.c),
+        ("h", a.h, b.h),
+        ("w", a.w, b.w),
+        ("k", a.k, b.k),
+        ("r", a.r, b.r),
+        ("s", a.s, b.s),
+        ("pad_h", a.pad_h, b.pad_h),
+        ("pad_w", a.pad_w, b.pad_w),
+        ("stride_h", a.stride_h, b.stride_h),
+        ("stride_w", a.stride_w, b.stride_w),
+        ("dilation_h", a.dilation_h, b.dilation_h),
+        ("dilation_w", a.dilation_w, b.dilation_w),
+        ("groups", a.groups, b.groups),
+    ];
+    if let Some((field, x, y)) = fields.into_iter().find(|(_, x, y)| x != y) {
+        return Some((field, x.to_string(), y.to_string()));
+    }
+    (a.math != b.math).then(|| ("math", a.math.to_string(), b.math.to_string()))
+}
+
+/// Parses a v1 profile and validates it (shapes, sizes, times, duplicates).
+pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
+    let raw: RawProfile = serde_json::from_str(text)?;
+    if raw.format != FORMAT_V1 {
+        return Err(InterchangeError::Format { found: raw.format });
+    }
+    let mut profile = Profile {
+        device: raw.device.unwrap_or_default(),
+        cudnn_version: raw.cudnn_version,
+        math: raw.math,
+        timing: raw.timing,
+        entries: Vec::new(),
+    };
+    let mut index_of: HashMap<(String, DType, Layout, ConvOp), usize> = HashMap::new();
+    for (index, value) in raw.records.into_iter().enumerate() {
+        let record: Record =
+            serde_json::from_value(value).map_err(|e| InterchangeError::Record {
+                index,
+                message: e.to_string(),
+            })?;
+        let problem = record.problem();
+        let key = (record.layer.clone(), record.dtype, record.layout, record.op);
+        let slot = *index_of.entry(key).or_insert_with(|| {
+            profile.entries.push(OpProfile {
+                layer: record.layer.clone(),
+                problem,
+                op: record.op,
+                measurements: Vec::new(),
+            });
+            profile.entries.len() - 1
+        });
+        let entry = &mut profile.entries[slot];
+        if let Some((field, expected, found)) = first_difference(&entry.problem, &problem) {
+            return Err(InterchangeError::Inconsistent {
+                index,
+                layer: record.layer,
+                dtype: record.dtype,
+                layout: record.layout,
+                op: record.op,
+                field,
+                expected,
+                found,
+            });
+        }
+        entry.measurements.push(Measurement {
+            micro: record.micro,
+            algo: record.algo,
+            time_ms: record.time_ms,
+            workspace_bytes: record.workspace_bytes,
+        });
+    }
+    profile.validate()?;
+    Ok(profile)
+}
+
+/// Writes a profile in v1 format: header fields, then one record per line.
+pub fn to_json_string(profile: &Profile) -> String {
+    let mut out = String::from("{\n");
+    let mut field = |key: &str, value: serde_json::Value| {
+        out += &format!("\"{key}\": {value},\n");
+    };
+    field("format", FORMAT_V1.into());
+    field("device", profile.device.clone().into());
+    if let Some(version) = profile.cudnn_version {
+        field("cudnn_version", version.into());
+    }
+    if let Some(math) = &profile.math {
+        field("math", math.clone().into());
+    }
+    if let Some(timing) = &profile.timing {
+        field("timing", timing.clone().into());
+    }
+    out += "\"records\": [";
+    let mut first = true;
+    for entry in &profile.entries {
+        let p = &entry.problem;
+        for m in &entry.measurements {
+            let record = Record {
+                layer: entry.layer.clone(),
+                dtype: p.dtype,
+                layout: p.layout,
+                n: p.n,
+                c: p.c,
+                h: p.h,
+                w: p.w,
+                k: p.k,
+                r: p.r,
+                s: p.s,
+                pad_h: p.pad_h,
+                pad_w: p.pad_w,
+                stride_h: p.stride_h,
+                stride_w: p.stride_w,
+                dilation_h: p.dilation_h,
+                dilation_w: p.dilation_w,
+                groups: p.groups,
+                math: p.math,
+                op: entry.op,
+                algo: m.algo,
+                micro: m.micro,
+                workspace_bytes: m.workspace_bytes,
+                time_ms: m.time_ms,
+            };
+            out += if first { "\n" } else { ",\n" };
+            first = false;
+            // Serialising a struct of numbers, strings and unit enums cannot fail.
+            out += &serde_json::to_string(&record).unwrap_or_default();
+        }
+    }
+    out += "\n]\n}\n";
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ONE: &str = r#"{"format": "mucudnn-profile-v1", "device": "d", "extra": [1, 2],
+      "records": [
+        {"layer": "a", "dtype": "fp32", "layout": "nchw", "n": 4, "c": 2, "h": 5, "w": 5, "k": 2,
+         "r": 3, "s": 3, "pad_h": 0, "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1,
+         "dilation_w": 1, "groups": 1, "op": "fwd", "algo": 1, "micro": 4,
+         "workspace_bytes": 10, "time_ms": 0.5, "unknown_key": "ignored"}
+      ]}"#;
+
+    #[test]
+    fn reads_and_ignores_unknown_keys() {
+        let p = from_json_str(ONE).unwrap();
+        assert_eq!(p.device, "d");
+        assert_eq!(p.entries.len(), 1);
+        assert_eq!(p.entries[0].measurements[0].workspace_bytes, 10);
+        assert_eq!(p.entries[0].problem.math, MathMode::Default);
+    }
+
+    #[test]
+    fn round_trip() {
+        let p = from_json_str(ONE).unwrap();
+        let text = to_json_string(&p);
+        assert_eq!(from_json_str(&text).unwrap(), p);
+    }
+
+    #[test]
+    fn errors_are_specific() {
+        let wrong = ONE.replace("mucudnn-profile-v1", "mucudnn-profile-v9");
+        assert!(matches!(
+            from_json_str(&wrong),
+            Err(InterchangeError::Format { .. })
+        ));
+        let missing = ONE.replace(r#""micro": 4,"#, "");
+        let err = from_json_str(&missing).unwrap_err().to_string();
+        assert!(
+            err.starts_with("record 0:") && err.contains("micro"),
+            "{err}"
+        );
+        let bad_op = ONE.replace(r#""fwd""#, r#""sideways""#);
+        assert!(from_json_str(&bad_op)
+            .unwrap_err()
+            .to_string()
+            .contains("record 0"));
+        assert!(matches!(from_json_str("{"), Err(InterchangeError::Json(_))));
+        let empty = r#"{"format": "mucudnn-profile-v1", "records": []}"#;
+        assert!(matches!(
+            from_json_str(empty),
+            Err(InterchangeError::Profile(ProfileError::Empty))
+        ));
+    }
+
+    #[test]
+    fn inconsistent_shapes_in_one_problem_are_refused() {
+        let text = ONE.replace("]}", ",")
+            + &ONE[ONE.find("{\"layer").unwrap()..].replace("\"c\": 2", "\"c\": 3");
+        let err = from_json_str(&text).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                InterchangeError::Inconsistent {
+                    index: 1,
+                    field: "c",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,71 @@
+//! mucudnn's pure core: the convolution problem model, measurements and their interchange
+//! format, and the solvers that turn measurements into micro-batching plans.
+//!
+//! Data enters as a [`Profile`] (measured by a backend, read from JSON or from the cache) and
+//! leaves as [`Plan`]s. Nothing here touches CUDA, files or the clock: every function is a
+//! deterministic function of its arguments (the MILP's time limit is the one exception, and the
+//! result says when it was hit).
+//!
+//! - [`problem`]: [`ConvProblem`], [`ConvOp`], dtype, layout, math mode.
+//! - [`profile`]: [`Measurement`], [`OpProfile`], [`Profile`], [`Policy`].
+//! - [`interchange`]: the `mucudnn-profile-v1` JSON format.
+//! - [`wr`]: workspace reuse, dynamic programming per (layer, op), and Pareto fronts.
+//! - [`wd`]: workspace division, a MILP over all (layer, op) pairs.
+//! - [`solve`]: a whole profile under one mode, with the undivided baseline.
+
+pub mod interchange;
+pub mod plan;
+pub mod problem;
+pub mod profile;
+pub mod solve;
+pub mod units;
+pub mod wd;
+pub mod wr;
+
+pub use plan::{MicroBatch, Plan};
+pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
+pub use profile::{Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError};
+pub use solve::{solve_profile, Mode, Solution, SolvedProblem};
+pub use wd::{solve_wd, WdChoice, WdOptions};
+pub use wr::{pareto_front, solve_wr, ParetoPoint};
+
+use units::format_bytes;
+
+/// Why no plan could be made.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum SolveError {
+    #[error(transparent)]
+    Profile(#[from] ProfileError),
+    #[error("{name}: the profile has no micro-batch size that policy {policy} allows for a mini-batch of {n}")]
+    NoSizes {
+        name: ProblemName,
+        policy: Policy,
+        n: i64,
+    },
+    #[error("{name}: no plan fits a workspace limit of {} with policy {policy}; {}",
+        format_bytes(*.workspace_limit_bytes),
+        match .min_workspace_bytes {
+            Some(min) => format!("the smallest limit that works is {} ({min} bytes)", format_bytes(*min)),
+            None => "the measured sizes cannot make up the mini-batch at any limit".to_string(),
+        })]
+    Infeasible {
+        name: ProblemName,
+        policy: Policy,
+        workspace_limit_bytes: u64,
+        min_workspace_bytes: Option<u64>,
+    },
+    #[error(
+        "a total workspace of {} cannot hold every layer's smallest plan; the smallest total that works is {} ({min_total_workspace_bytes} bytes)",
+        format_bytes(*.total_workspace_bytes), format_bytes(*.min_total_workspace_bytes)
+    )]
+    BudgetTooSmall {
+        total_workspace_bytes: u64,
+        min_total_workspace_bytes: u64,
+    },
+    #[error("workspace division needs at least one (layer, op) to divide among")]
+    NothingToDivide,
+    #[error("workspace division: point set {index} is empty")]
+    EmptyFront { index: usize },
+    #[error("workspace division: point set {index} has a time of {time_ms} ms")]
+    BadPoint { index: usize, time_ms: f64 },
+}

@@ -1,0 +1,348 @@
+//! Measurements: for one tuning problem (a layer's [`ConvProblem`] and a [`ConvOp`]), the time
+//! and workspace of every algorithm at every micro-batch size that was measured.
+//!
+//! A [`Profile`] is what the profiler produces, the cache stores and the solver reads. It holds
+//! raw measurements, never decisions, so that any workspace limit can be solved from it later.
+//! [`OpProfile::validate`] is checked by every solver entry point, so a hand-built profile is
+//! held to the same rules as one read from a file.
+
+use crate::problem::{ConvOp, ConvProblem, DType, Layout, ShapeError};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::fmt;
+
+/// One algorithm timed at one micro-batch size.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Measurement {
+    /// Micro-batch size, `1..=problem.n`.
+    pub micro: i64,
+    /// cuDNN's legacy algorithm number for the op (or the CPU backend's own number).
+    pub algo: u32,
+    /// Time of one call at this micro-batch size, in milliseconds.
+    pub time_ms: f64,
+    /// Workspace the call needs, in bytes.
+    pub workspace_bytes: u64,
+}
+
+/// All measurements of one tuning problem.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OpProfile {
+    /// Layer name, e.g. `alexnet.conv2`.
+    pub layer: String,
+    /// The convolution at the full mini-batch size (`problem.n`).
+    pub problem: ConvProblem,
+    pub op: ConvOp,
+    pub measurements: Vec<Measurement>,
+}
+
+/// A whole profile: the measurements of every tuning problem, plus where they were taken.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// Device name, e.g. `NVIDIA H100 80GB HBM3` or `cpu`.
+    pub device: String,
+    /// cuDNN version as cuDNN reports it (e.g. 91900), when measured with cuDNN.
+    pub cudnn_version: Option<u64>,
+    /// Free text: math mode used.
+    pub math: Option<String>,
+    /// Free text: how times were taken.
+    pub timing: Option<String>,
+    pub entries: Vec<OpProfile>,
+}
+
+/// Which micro-batch sizes a plan may use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Only the whole mini-batch: the best single algorithm.
+    Undivided,
+    /// 1, 2, 4, ... and the mini-batch size itself.
+    #[default]
+    PowerOfTwo,
+    /// Every size 1..=N.
+    All,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 3] = [Policy::Undivided, Policy::PowerOfTwo, Policy::All];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Undivided => "undivided",
+            Policy::PowerOfTwo => "power-of-two",
+            Policy::All => "all",
+        }
+    }
+
+    /// Whether a micro-batch of `size` is allowed for a mini-batch of `n`.
+    pub fn allows(self, size: i64, n: i64) -> bool {
+        match self {
+            Policy::Undivided => size == n,
+            Policy::PowerOfTwo => {
+                size == n || (size > 0 && size < n && (size as u64).is_power_of_two())
+            }
+            Policy::All => size >= 1 && size <= n,
+        }
+    }
+
+    /// The sizes the policy allows for a mini-batch of `n`, ascending.
+    pub fn sizes(self, n: i64) -> Vec<i64> {
+        match self {
+            Policy::Undivided => vec![n],
+            Policy::PowerOfTwo => {
+                let mut sizes: Vec<i64> =
+                    (0..63).map(|e| 1i64 << e).take_while(|&s| s < n).collect();
+                sizes.push(n);
+                sizes
+            }
+            Policy::All => (1..=n).collect(),
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| {
+                format!("unknown policy `{s}` (expected undivided, power-of-two or all)")
+            })
+    }
+}
+
+/// The identity of a tuning problem in messages: `alexnet.conv2 fp32 nchw fwd`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ProblemName {
+    pub layer: String,
+    pub dtype: DType,
+    pub layout: Layout,
+    pub op: ConvOp,
+}
+
+impl fmt::Display for ProblemName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} {} {}",
+            self.layer, self.dtype, self.layout, self.op
+        )
+    }
+}
+
+/// Why measurements cannot be used.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ProfileError {
+    #[error("profile has no measurements")]
+    Empty,
+    #[error("{name}: no measurements")]
+    NoMeasurements { name: ProblemName },
+    #[error("{name}: invalid shape: {source}")]
+    Shape {
+        name: ProblemName,
+        source: ShapeError,
+    },
+    #[error("{name}: micro-batch size {micro} is outside 1..={n}")]
+    MicroOutOfRange {
+        name: ProblemName,
+        micro: i64,
+        n: i64,
+    },
+    #[error("{name}: algo {algo} at micro-batch {micro}: time_ms must be a positive finite number, got {time_ms}")]
+    BadTime {
+        name: ProblemName,
+        micro: i64,
+        algo: u32,
+        time_ms: f64,
+    },
+    #[error("{name}: algo {algo} at micro-batch {micro} is measured twice")]
+    Duplicate {
+        name: ProblemName,
+        micro: i64,
+        algo: u32,
+    },
+    #[error("{name}: appears twice in the profile")]
+    DuplicateProblem { name: ProblemName },
+}
+
+impl OpProfile {
+    pub fn name(&self) -> ProblemName {
+        ProblemName {
+            layer: self.layer.clone(),
+            dtype: self.problem.dtype,
+            layout: self.problem.layout,
+            op: self.op,
+        }
+    }
+
+    /// Mini-batch size.
+    pub fn n(&self) -> i64 {
+        self.problem.n
+    }
+
+    /// Checks the shape and every measurement.
+    pub fn validate(&self) -> Result<(), ProfileError> {
+        let name = || self.name();
+        self.problem
+            .validate()
+            .map_err(|source| ProfileError::Shape {
+                name: name(),
+                source,
+            })?;
+        if self.measurements.is_empty() {
+            return Err(ProfileError::NoMeasurements { name: name() });
+        }
+        let mut seen = HashSet::with_capacity(self.measurements.len());
+        for m in &self.measurements {
+            if m.micro < 1 || m.micro > self.problem.n {
+                return Err(ProfileError::MicroOutOfRange {
+                    name: name(),
+                    micro: m.micro,
+                    n: self.problem.n,
+                });
+            }
+            if !(m.time_ms.is_finite() && m.time_ms > 0.0) {
+                return Err(ProfileError::BadTime {
+                    name: name(),
+                    micro: m.micro,
+                    algo: m.algo,
+                    time_ms: m.time_ms,
+                });
+            }
+            if !seen.insert((m.micro, m.algo)) {
+                return Err(ProfileError::Duplicate {
+                    name: name(),
+                    micro: m.micro,
+                    algo: m.algo,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The measurements a policy may use, at sizes that are in the profile.
+    pub fn allowed(&self, policy: Policy) -> impl Iterator<Item = &Measurement> + '_ {
+        let n = self.problem.n;
+        self.measurements
+            .iter()
+            .filter(move |m| policy.allows(m.micro, n))
+    }
+}
+
+impl Profile {
+    /// Checks every entry, and that no tuning problem appears twice.
+    pub fn validate(&self) -> Result<(), ProfileError> {
+        if self.entries.is_empty() {
+            return Err(ProfileError::Empty);
+        }
+        let mut names = HashSet::with_capacity(self.entries.len());
+        for entry in &self.entries {
+            entry.validate()?;
+            if !names.insert(entry.name()) {
+                return Err(ProfileError::DuplicateProblem { name: entry.name() });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_sizes() {
+        assert_eq!(Policy::Undivided.sizes(6), vec![6]);
+        assert_eq!(Policy::PowerOfTwo.sizes(6), vec![1, 2, 4, 6]);
+        assert_eq!(Policy::PowerOfTwo.sizes(8), vec![1, 2, 4, 8]);
+        assert_eq!(Policy::PowerOfTwo.sizes(1), vec![1]);
+        assert_eq!(Policy::All.sizes(3), vec![1, 2, 3]);
+        for policy in Policy::ALL {
+            for n in 1..40 {
+                for size in 1..=n {
+                    assert_eq!(
+                        policy.allows(size, n),
+                        policy.sizes(n).contains(&size),
+                        "{policy} {size} {n}"
+                    );
+                }
+            }
+        }
+        assert!(!Policy::All.allows(0, 4));
+        assert_eq!(
+            "power-of-two".parse::<Policy>().unwrap(),
+            Policy::PowerOfTwo
+        );
+        assert!("pow2".parse::<Policy>().is_err());
+    }
+
+    fn entry(measurements: Vec<Measurement>) -> OpProfile {
+        OpProfile {
+            layer: "l".into(),
+            problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
+            op: ConvOp::Forward,
+            measurements,
+        }
+    }
+
+    fn m(micro: i64, algo: u32, time_ms: f64) -> Measurement {
+        Measurement {
+            micro,
+            algo,
+            time_ms,
+            workspace_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn validation_names_the_problem() {
+        assert!(entry(vec![m(4, 0, 1.0)]).validate().is_ok());
+        let err = entry(vec![]).validate().unwrap_err();
+        assert_eq!(err.to_string(), "l fp32 nchw fwd: no measurements");
+        assert!(matches!(
+            entry(vec![m(5, 0, 1.0)]).validate(),
+            Err(ProfileError::MicroOutOfRange { .. })
+        ));
+        assert!(matches!(
+            entry(vec![m(0, 0, 1.0)]).validate(),
+            Err(ProfileError::MicroOutOfRange { .. })
+        ));
+        assert!(matches!(
+            entry(vec![m(1, 0, f64::NAN)]).validate(),
+            Err(ProfileError::BadTime { .. })
+        ));
+        assert!(matches!(
+            entry(vec![m(1, 0, -1.0)]).validate(),
+            Err(ProfileError::BadTime { .. })
+        ));
+        assert!(matches!(
+            entry(vec![m(1, 0, 1.0), m(1, 0, 2.0)]).validate(),
+            Err(ProfileError::Duplicate {
+                micro: 1,
+                algo: 0,
+                ..
+            })
+        ));
+        let mut bad_shape = entry(vec![m(1, 0, 1.0)]);
+        bad_shape.problem.groups = 0;
+        assert!(matches!(
+            bad_shape.validate(),
+            Err(ProfileError::Shape { .. })
+        ));
+        let twice = Profile {
+            entries: vec![entry(vec![m(1, 0, 1.0)]), entry(vec![m(1, 0, 1.0)])],
+            ..Default::default()
+        };
+        assert!(matches!(
+            twice.validate(),
+            Err(ProfileError::DuplicateProblem { .. })
+        ));
+        assert_eq!(Profile::default().validate(), Err(ProfileError::Empty));
+    }
+}
