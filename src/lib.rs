@@ -1,1 +1,10 @@
-//! mucudnn
+//! mucudnn: micro-batching convolution autotuner.
+//!
+//! Data flows problem -> profile -> (cache) -> solve -> plan -> execute:
+//! - the problem model, profiles and solvers live in the pure crate `mucudnn-solver`,
+//!   re-exported here as [`solver`];
+//! - [`backend`] measures and runs convolutions (cuDNN on the GPU, real algorithms on the CPU).
+
+pub use mucudnn_solver as solver;
+
+pub mod backend;

@@ -1,0 +1,1 @@
+//! CPU convolution backend (in progress).

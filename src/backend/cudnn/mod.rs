@@ -1,0 +1,1 @@
+//! cuDNN backend (in progress).
