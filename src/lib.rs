@@ -8,3 +8,4 @@
 pub use mucudnn_solver as solver;
 
 pub mod backend;
+pub mod report;

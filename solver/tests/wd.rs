@@ -19,7 +19,13 @@ fn brute_force(points: &[Vec<Point>], budget: u64) -> Option<f64> {
             Some((set, rest)) => {
                 for p in set {
                     if used + p.workspace_bytes <= budget {
-                        go(rest, budget, used + p.workspace_bytes, time + p.time_ms, best);
+                        go(
+                            rest,
+                            budget,
+                            used + p.workspace_bytes,
+                            time + p.time_ms,
+                            best,
+                        );
                     }
                 }
             }
@@ -37,7 +43,10 @@ fn merge_exact(points: &[Vec<Point>], budget: u64) -> Option<f64> {
     for set in points {
         let mut next: Vec<(u64, f64)> = front
             .iter()
-            .flat_map(|&(w, t)| set.iter().map(move |p| (w + p.workspace_bytes, t + p.time_ms)))
+            .flat_map(|&(w, t)| {
+                set.iter()
+                    .map(move |p| (w + p.workspace_bytes, t + p.time_ms))
+            })
             .filter(|&(w, _)| w <= budget)
             .collect();
         next.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)));
@@ -62,8 +71,16 @@ fn random_points(rng: &mut Rng, sets: usize, max_points: u64, tie_grid: bool) ->
                 .map(|_| {
                     let time = 0.1 + rng.unit() * 5.0;
                     Point {
-                        time_ms: if tie_grid { (time * 4.0).round() / 4.0 } else { time },
-                        workspace_bytes: if tie_grid { rng.below(8) << 20 } else { rng.below(64 << 20) },
+                        time_ms: if tie_grid {
+                            (time * 4.0).round() / 4.0
+                        } else {
+                            time
+                        },
+                        workspace_bytes: if tie_grid {
+                            rng.below(8) << 20
+                        } else {
+                            rng.below(64 << 20)
+                        },
                     }
                 })
                 .collect()
@@ -74,15 +91,33 @@ fn random_points(rng: &mut Rng, sets: usize, max_points: u64, tie_grid: bool) ->
 fn check(points: &[Vec<Point>], budget: u64, expected: Option<f64>, what: &str) {
     match (choose(points, budget, &WdOptions::default()), expected) {
         (Ok(choice), Some(optimum)) => {
-            assert!(choice.proven_optimal, "{what}: not proven ({})", choice.method);
-            assert!((choice.total_time_ms - optimum).abs() <= 1e-9 * optimum.max(1.0), "{what}: {} vs {optimum}", choice.total_time_ms);
-            let (t, w) = choice.choices.iter().zip(points).fold((0.0, 0), |(t, w), (&j, set)| {
-                (t + set[j].time_ms, w + set[j].workspace_bytes)
-            });
+            assert!(
+                choice.proven_optimal,
+                "{what}: not proven ({})",
+                choice.method
+            );
+            assert!(
+                (choice.total_time_ms - optimum).abs() <= 1e-9 * optimum.max(1.0),
+                "{what}: {} vs {optimum}",
+                choice.total_time_ms
+            );
+            let (t, w) = choice
+                .choices
+                .iter()
+                .zip(points)
+                .fold((0.0, 0), |(t, w), (&j, set)| {
+                    (t + set[j].time_ms, w + set[j].workspace_bytes)
+                });
             assert!(w <= budget && w == choice.total_workspace_bytes, "{what}");
             assert!((t - choice.total_time_ms).abs() < 1e-9, "{what}");
         }
-        (Err(SolveError::BudgetTooSmall { min_total_workspace_bytes, .. }), None) => {
+        (
+            Err(SolveError::BudgetTooSmall {
+                min_total_workspace_bytes,
+                ..
+            }),
+            None,
+        ) => {
             assert!(min_total_workspace_bytes > budget, "{what}");
         }
         (got, want) => panic!("{what}: {got:?} vs {want:?}"),
@@ -96,7 +131,12 @@ fn matches_brute_force_on_small_instances() {
         let sets = 1 + rng.below(5) as usize;
         let points = random_points(&mut rng, sets, 6, case % 2 == 0);
         let budget = rng.below(sets as u64 * (40 << 20));
-        check(&points, budget, brute_force(&points, budget), &format!("case {case}"));
+        check(
+            &points,
+            budget,
+            brute_force(&points, budget),
+            &format!("case {case}"),
+        );
     }
 }
 
@@ -106,7 +146,12 @@ fn matches_exact_merge_on_larger_tied_instances() {
     for case in 0..12 {
         let points = random_points(&mut rng, 20, 10, true);
         let budget = rng.below(20 * (6 << 20));
-        check(&points, budget, merge_exact(&points, budget), &format!("case {case}"));
+        check(
+            &points,
+            budget,
+            merge_exact(&points, budget),
+            &format!("case {case}"),
+        );
     }
 }
 
@@ -116,11 +161,22 @@ fn matches_exact_merge_on_alexnet_fronts() {
     let points: Vec<Vec<Point>> = profile
         .entries
         .iter()
-        .map(|e| pareto_front(e, Policy::PowerOfTwo).unwrap().iter().map(Point::from).collect())
+        .map(|e| {
+            pareto_front(e, Policy::PowerOfTwo)
+                .unwrap()
+                .iter()
+                .map(Point::from)
+                .collect()
+        })
         .collect();
     for budget_mib in [0u64, 1, 8, 32, 64, 128, 256, 1024, 8192] {
         let budget = budget_mib << 20;
-        check(&points, budget, merge_exact(&points, budget), &format!("{budget_mib} MiB"));
+        check(
+            &points,
+            budget,
+            merge_exact(&points, budget),
+            &format!("{budget_mib} MiB"),
+        );
     }
 }
 
@@ -128,21 +184,30 @@ fn matches_exact_merge_on_alexnet_fronts() {
 fn whole_profile_wd_respects_the_budget_and_beats_undivided() {
     let profile = alexnet_profile();
     let budget = 64u64 << 20;
-    let mode = Mode::WorkspaceDivision { total_workspace_bytes: budget };
-    let solution = solve_profile(&profile, Policy::PowerOfTwo, mode, &WdOptions::default()).unwrap();
+    let mode = Mode::WorkspaceDivision {
+        total_workspace_bytes: budget,
+    };
+    let solution =
+        solve_profile(&profile, Policy::PowerOfTwo, mode, &WdOptions::default()).unwrap();
     assert!(solution.total_workspace_bytes() <= budget);
     assert!(solution.proven_optimal);
     for solved in &solution.problems {
         assert_eq!(solved.plan.batch(), 256);
     }
     let undivided = solution.total_undivided_ms().unwrap();
-    assert!(solution.total_time_ms() < undivided, "{} vs {undivided}", solution.total_time_ms());
+    assert!(
+        solution.total_time_ms() < undivided,
+        "{} vs {undivided}",
+        solution.total_time_ms()
+    );
     // WD with the same total as WR's per-layer limit cannot beat WR (WR gives every layer the
     // whole limit).
     let wr = solve_profile(
         &profile,
         Policy::PowerOfTwo,
-        Mode::WorkspaceReuse { workspace_limit_bytes: budget },
+        Mode::WorkspaceReuse {
+            workspace_limit_bytes: budget,
+        },
         &WdOptions::default(),
     )
     .unwrap();
@@ -152,14 +217,38 @@ fn whole_profile_wd_respects_the_budget_and_beats_undivided() {
 #[test]
 fn too_small_budget_names_the_smallest_that_works() {
     let points = vec![
-        vec![Point { time_ms: 1.0, workspace_bytes: 10 }, Point { time_ms: 0.5, workspace_bytes: 100 }],
-        vec![Point { time_ms: 2.0, workspace_bytes: 5 }],
+        vec![
+            Point {
+                time_ms: 1.0,
+                workspace_bytes: 10,
+            },
+            Point {
+                time_ms: 0.5,
+                workspace_bytes: 100,
+            },
+        ],
+        vec![Point {
+            time_ms: 2.0,
+            workspace_bytes: 5,
+        }],
     ];
     let err = choose(&points, 14, &WdOptions::default()).unwrap_err();
-    assert_eq!(err, SolveError::BudgetTooSmall { total_workspace_bytes: 14, min_total_workspace_bytes: 15 });
+    assert_eq!(
+        err,
+        SolveError::BudgetTooSmall {
+            total_workspace_bytes: 14,
+            min_total_workspace_bytes: 15
+        }
+    );
     assert!(err.to_string().contains("15 bytes"), "{err}");
-    assert!(matches!(choose(&[], 1, &WdOptions::default()), Err(SolveError::NothingToDivide)));
-    assert!(matches!(choose(&[vec![]], 1, &WdOptions::default()), Err(SolveError::EmptyFront { index: 0 })));
+    assert!(matches!(
+        choose(&[], 1, &WdOptions::default()),
+        Err(SolveError::NothingToDivide)
+    ));
+    assert!(matches!(
+        choose(&[vec![]], 1, &WdOptions::default()),
+        Err(SolveError::EmptyFront { index: 0 })
+    ));
 }
 
 #[test]
@@ -167,7 +256,10 @@ fn a_tiny_time_limit_still_returns_a_feasible_answer() {
     let mut rng = Rng(5);
     let points = random_points(&mut rng, 60, 20, true);
     let budget = 60 * (3 << 20);
-    let options = WdOptions { time_limit_s: 0.001, ..WdOptions::default() };
+    let options = WdOptions {
+        time_limit_s: 0.001,
+        ..WdOptions::default()
+    };
     let choice = choose(&points, budget, &options).unwrap();
     assert!(choice.total_workspace_bytes <= budget);
     let optimum = merge_exact(&points, budget).unwrap();
@@ -188,6 +280,9 @@ fn the_milp_is_what_answers_when_the_fastest_points_do_not_fit() {
             *by_method.entry(choice.method).or_default() += 1;
         }
     }
-    assert!(by_method.get("microlp").copied().unwrap_or(0) >= 20, "{by_method:?}");
+    assert!(
+        by_method.get("microlp").copied().unwrap_or(0) >= 20,
+        "{by_method:?}"
+    );
     assert_eq!(by_method.get("greedy"), None, "{by_method:?}");
 }

@@ -17,13 +17,20 @@ fn close(a: f64, b: f64, rel: f64) -> bool {
 fn alexnet_64mib_power_of_two_matches_independent_dp_and_speedup() {
     let profile = alexnet_profile();
     assert_eq!(profile.entries.len(), 30, "5 layers x 3 ops x 2 dtypes");
-    let mode = Mode::WorkspaceReuse { workspace_limit_bytes: 64 * MIB };
-    let solution = solve_profile(&profile, Policy::PowerOfTwo, mode, &WdOptions::default()).unwrap();
+    let mode = Mode::WorkspaceReuse {
+        workspace_limit_bytes: 64 * MIB,
+    };
+    let solution =
+        solve_profile(&profile, Policy::PowerOfTwo, mode, &WdOptions::default()).unwrap();
     let mut totals = std::collections::BTreeMap::<String, (f64, f64, f64)>::new();
     for (solved, entry) in solution.problems.iter().zip(&profile.entries) {
         let expected = reference_wr(entry, Policy::PowerOfTwo, 64 * MIB).unwrap();
         let got = solved.plan.time_ms();
-        assert!(close(got, expected, 1e-9), "{}: {got} vs {expected}", entry.name());
+        assert!(
+            close(got, expected, 1e-9),
+            "{}: {got} vs {expected}",
+            entry.name()
+        );
         assert_eq!(solved.plan.batch(), 256);
         assert!(solved.plan.workspace_bytes() <= 64 * MIB);
         let undivided = solved.undivided.as_ref().unwrap().time_ms();
@@ -68,14 +75,21 @@ fn infeasible_limit_names_the_problem_and_the_smallest_limit() {
     let entry = &entry;
     let err = solve_wr(entry, Policy::PowerOfTwo, 0).unwrap_err();
     let min = match &err {
-        SolveError::Infeasible { name, min_workspace_bytes: Some(min), .. } => {
+        SolveError::Infeasible {
+            name,
+            min_workspace_bytes: Some(min),
+            ..
+        } => {
             assert_eq!(name.layer, entry.layer);
             *min
         }
         other => panic!("unexpected {other:?}"),
     };
     assert!(err.to_string().contains(&entry.layer), "{err}");
-    assert!(err.to_string().contains("smallest limit that works"), "{err}");
+    assert!(
+        err.to_string().contains("smallest limit that works"),
+        "{err}"
+    );
     // The named limit works and one byte less does not.
     assert!(solve_wr(entry, Policy::PowerOfTwo, min).is_ok());
     assert!(solve_wr(entry, Policy::PowerOfTwo, min - 1).is_err());
@@ -85,9 +99,17 @@ fn infeasible_limit_names_the_problem_and_the_smallest_limit() {
 fn missing_sizes_are_reported() {
     let mut entry = alexnet_profile().entries.remove(0);
     entry.measurements.retain(|m| m.micro != 256);
-    assert!(matches!(solve_wr(&entry, Policy::Undivided, u64::MAX), Err(SolveError::NoSizes { .. })));
+    assert!(matches!(
+        solve_wr(&entry, Policy::Undivided, u64::MAX),
+        Err(SolveError::NoSizes { .. })
+    ));
     // Power-of-two still composes 256 from 128s.
-    assert_eq!(solve_wr(&entry, Policy::PowerOfTwo, u64::MAX).unwrap().batch(), 256);
+    assert_eq!(
+        solve_wr(&entry, Policy::PowerOfTwo, u64::MAX)
+            .unwrap()
+            .batch(),
+        256
+    );
 }
 
 #[test]

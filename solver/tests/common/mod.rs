@@ -5,7 +5,10 @@
 use mucudnn_solver::{interchange, ConvOp, ConvProblem, Measurement, OpProfile, Policy, Profile};
 
 pub fn alexnet_profile() -> Profile {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/h100-alexnet-profile.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/h100-alexnet-profile.json"
+    );
     let text = std::fs::read_to_string(path).expect("fixture present");
     interchange::from_json_str(&text).expect("fixture parses")
 }
@@ -55,7 +58,11 @@ pub fn brute_force_wr(entry: &OpProfile, policy: Policy, limit: u64) -> Option<f
         entry
             .measurements
             .iter()
-            .filter(|m| m.micro == size && policy.allows(size, entry.problem.n) && m.workspace_bytes <= limit)
+            .filter(|m| {
+                m.micro == size
+                    && policy.allows(size, entry.problem.n)
+                    && m.workspace_bytes <= limit
+            })
             .map(|m| m.time_ms)
             .reduce(f64::min)
     };

@@ -1,0 +1,271 @@
+//! Presenting a [`Solution`]: the `--json` document that scripts read (its shape is a public
+//! contract, see README "JSON output") and the table people read.
+
+use crate::solver::units::format_bytes;
+use crate::solver::{Mode, Plan, Solution};
+use serde::Serialize;
+use std::fmt::Write as _;
+
+/// The `--json` document.
+#[derive(Debug, Serialize)]
+pub struct SolutionJson {
+    pub mode: &'static str,
+    pub policy: &'static str,
+    pub plans: Vec<PlanJson>,
+    pub total_time_ms: f64,
+    pub total_undivided_ms: Option<f64>,
+    pub total_workspace_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PlanJson {
+    pub layer: String,
+    pub dtype: &'static str,
+    pub layout: &'static str,
+    pub op: &'static str,
+    pub n: i64,
+    pub undivided_ms: Option<f64>,
+    pub time_ms: f64,
+    pub workspace_bytes: u64,
+    pub micro_batches: Vec<MicroBatchJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct MicroBatchJson {
+    pub size: i64,
+    pub algo: u32,
+    pub workspace_bytes: u64,
+    pub time_ms: f64,
+}
+
+impl SolutionJson {
+    pub fn new(solution: &Solution) -> Self {
+        SolutionJson {
+            mode: solution.mode.short_name(),
+            policy: solution.policy.name(),
+            plans: solution
+                .problems
+                .iter()
+                .map(|solved| {
+                    let plan = &solved.plan;
+                    PlanJson {
+                        layer: plan.layer.clone(),
+                        dtype: plan.problem.dtype.name(),
+                        layout: plan.problem.layout.name(),
+                        op: plan.op.name(),
+                        n: plan.problem.n,
+                        undivided_ms: solved.undivided.as_ref().map(Plan::time_ms),
+                        time_ms: plan.time_ms(),
+                        workspace_bytes: plan.workspace_bytes(),
+                        micro_batches: plan
+                            .micro_batches
+                            .iter()
+                            .map(|m| MicroBatchJson {
+                                size: m.size,
+                                algo: m.algo,
+                                workspace_bytes: m.workspace_bytes,
+                                time_ms: m.time_ms,
+                            })
+                            .collect(),
+                    }
+                })
+                .collect(),
+            total_time_ms: solution.total_time_ms(),
+            total_undivided_ms: solution.total_undivided_ms(),
+            total_workspace_bytes: solution.total_workspace_bytes(),
+        }
+    }
+}
+
+/// One line describing the constraint, e.g. `workspace reuse: at most 64 MiB per layer`.
+pub fn describe_mode(solution: &Solution) -> String {
+    let constraint = match solution.mode {
+        Mode::WorkspaceReuse {
+            workspace_limit_bytes,
+        } => {
+            format!(
+                "workspace reuse (per-layer limit {})",
+                format_bytes(workspace_limit_bytes)
+            )
+        }
+        Mode::WorkspaceDivision {
+            total_workspace_bytes,
+        } => {
+            format!(
+                "workspace division (total budget {})",
+                format_bytes(total_workspace_bytes)
+            )
+        }
+    };
+    format!("{constraint}, policy {}", solution.policy)
+}
+
+/// A warning to show when the WD optimum was not proven, else `None`.
+pub fn optimality_warning(solution: &Solution) -> Option<String> {
+    (!solution.proven_optimal).then(|| {
+        format!(
+            "warning: the MILP solver stopped at its time limit; this assignment ({}) is feasible but not proven optimal \
+             (raise --ilp-time-limit, or build with --features highs)",
+            solution.method
+        )
+    })
+}
+
+fn ms(value: f64) -> String {
+    format!("{value:.3}")
+}
+
+fn speedup(undivided: Option<f64>, time: f64) -> String {
+    match undivided {
+        Some(u) if time > 0.0 => format!("{:.2}x", u / time),
+        _ => "-".into(),
+    }
+}
+
+/// cuDNN's version number as text: 91900 -> `9.19.0` (cuDNN 9 encodes major*10000 +
+/// minor*100 + patch; earlier versions major*1000 + minor*100 + patch).
+pub fn cudnn_version_string(version: u64) -> String {
+    let major_scale = if version >= 90000 { 10000 } else { 1000 };
+    format!(
+        "{}.{}.{}",
+        version / major_scale,
+        (version % major_scale) / 100,
+        version % 100
+    )
+}
+
+/// The human table: one row per (layer, dtype, layout, op), then totals (per dtype and layout
+/// when the profile has several).
+pub fn render_table(solution: &Solution) -> String {
+    let header = [
+        "layer",
+        "dtype",
+        "layout",
+        "op",
+        "undivided ms",
+        "micro ms",
+        "speedup",
+        "workspace",
+        "split",
+    ];
+    let rows: Vec<[String; 9]> = solution
+        .problems
+        .iter()
+        .map(|solved| {
+            let plan = &solved.plan;
+            let undivided = solved.undivided.as_ref().map(Plan::time_ms);
+            [
+                plan.layer.clone(),
+                plan.problem.dtype.to_string(),
+                plan.problem.layout.to_string(),
+                plan.op.to_string(),
+                undivided.map_or("-".into(), ms),
+                ms(plan.time_ms()),
+                speedup(undivided, plan.time_ms()),
+                format_bytes(plan.workspace_bytes()),
+                plan.split_string(),
+            ]
+        })
+        .collect();
+    let total_workspace_label = match solution.mode {
+        Mode::WorkspaceReuse { .. } => "max",
+        Mode::WorkspaceDivision { .. } => "sum",
+    };
+    let total_row = |label: String, undivided: Option<f64>, time: f64, workspace: String| {
+        [
+            label,
+            String::new(),
+            String::new(),
+            String::new(),
+            undivided.map_or("-".into(), ms),
+            ms(time),
+            speedup(undivided, time),
+            workspace,
+            String::new(),
+        ]
+    };
+    // Subtotals per (dtype, layout) when a profile mixes them: their speedups differ a lot.
+    let mut groups: Vec<(String, Vec<&crate::solver::SolvedProblem>)> = Vec::new();
+    for solved in &solution.problems {
+        let key = format!(
+            "{} {}",
+            solved.plan.problem.dtype, solved.plan.problem.layout
+        );
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, members)) => members.push(solved),
+            None => groups.push((key, vec![solved])),
+        }
+    }
+    let mut totals = Vec::new();
+    if groups.len() > 1 {
+        for (key, members) in &groups {
+            let undivided: Option<f64> = members
+                .iter()
+                .map(|s| s.undivided.as_ref().map(Plan::time_ms))
+                .sum();
+            let time: f64 = members.iter().map(|s| s.plan.time_ms()).sum();
+            totals.push(total_row(
+                format!("total {key}"),
+                undivided,
+                time,
+                String::new(),
+            ));
+        }
+    }
+    totals.push(total_row(
+        "total".into(),
+        solution.total_undivided_ms(),
+        solution.total_time_ms(),
+        format!(
+            "{} ({total_workspace_label})",
+            format_bytes(solution.total_workspace_bytes())
+        ),
+    ));
+    let mut widths = header.map(str::len);
+    for row in rows.iter().chain(&totals) {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let numeric = |column: usize| (4..=7).contains(&column);
+    let mut out = String::new();
+    let mut line = |cells: &[String]| {
+        let mut text = String::new();
+        for (column, cell) in cells.iter().enumerate() {
+            let width = widths[column];
+            if column > 0 {
+                text.push_str("  ");
+            }
+            if numeric(column) {
+                let _ = write!(text, "{cell:>width$}");
+            } else {
+                let _ = write!(text, "{cell:<width$}");
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+    };
+    line(&header.map(String::from));
+    let rule: Vec<String> = widths.iter().map(|&w| "-".repeat(w)).collect();
+    line(&rule);
+    for row in &rows {
+        line(row);
+    }
+    line(&rule);
+    for row in &totals {
+        line(row);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cudnn_versions() {
+        assert_eq!(cudnn_version_string(91900), "9.19.0");
+        assert_eq!(cudnn_version_string(90100), "9.1.0");
+        assert_eq!(cudnn_version_string(8907), "8.9.7");
+    }
+}

@@ -1,0 +1,332 @@
+//! The `mucudnn` binary end to end: `solve` on the recorded profile, its JSON contract, and
+//! its errors.
+
+use serde_json::Value;
+use std::process::{Command, Output};
+
+const FIXTURE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/h100-alexnet-profile.json"
+);
+
+fn mucudnn(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mucudnn"))
+        .args(args)
+        .output()
+        .expect("binary runs")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn solve_json(extra: &[&str]) -> Value {
+    let mut args = vec!["solve", "--profile", FIXTURE, "--json"];
+    args.extend_from_slice(extra);
+    let output = mucudnn(&args);
+    assert!(output.status.success(), "{}", stderr(&output));
+    serde_json::from_str(&stdout(&output)).expect("valid JSON")
+}
+
+fn keys(value: &Value) -> Vec<&str> {
+    let mut keys: Vec<&str> = value
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    keys
+}
+
+#[test]
+fn json_has_exactly_the_documented_shape() {
+    let doc = solve_json(&[]);
+    assert_eq!(
+        keys(&doc),
+        [
+            "mode",
+            "plans",
+            "policy",
+            "total_time_ms",
+            "total_undivided_ms",
+            "total_workspace_bytes"
+        ]
+    );
+    assert_eq!(doc["mode"], "wr");
+    assert_eq!(doc["policy"], "power-of-two");
+    let plans = doc["plans"].as_array().unwrap();
+    assert_eq!(plans.len(), 30);
+    for plan in plans {
+        assert_eq!(
+            keys(plan),
+            [
+                "dtype",
+                "layer",
+                "layout",
+                "micro_batches",
+                "n",
+                "op",
+                "time_ms",
+                "undivided_ms",
+                "workspace_bytes"
+            ]
+        );
+        let micro = plan["micro_batches"].as_array().unwrap();
+        assert_eq!(
+            keys(&micro[0]),
+            ["algo", "size", "time_ms", "workspace_bytes"]
+        );
+        let sizes: i64 = micro.iter().map(|m| m["size"].as_i64().unwrap()).sum();
+        assert_eq!(sizes, plan["n"].as_i64().unwrap());
+        let time: f64 = micro.iter().map(|m| m["time_ms"].as_f64().unwrap()).sum();
+        assert!((time - plan["time_ms"].as_f64().unwrap()).abs() < 1e-9);
+        let ws = micro
+            .iter()
+            .map(|m| m["workspace_bytes"].as_u64().unwrap())
+            .max()
+            .unwrap();
+        assert_eq!(ws, plan["workspace_bytes"].as_u64().unwrap());
+        assert!(ws <= 64 << 20);
+    }
+    let max_ws = plans
+        .iter()
+        .map(|p| p["workspace_bytes"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    assert_eq!(doc["total_workspace_bytes"].as_u64().unwrap(), max_ws);
+    let fp32: f64 = plans
+        .iter()
+        .filter(|p| p["dtype"] == "fp32")
+        .map(|p| p["time_ms"].as_f64().unwrap())
+        .sum();
+    let fp32_undivided: f64 = plans
+        .iter()
+        .filter(|p| p["dtype"] == "fp32")
+        .map(|p| p["undivided_ms"].as_f64().unwrap())
+        .sum();
+    let speedup = fp32_undivided / fp32;
+    assert!((3.6..3.9).contains(&speedup), "{speedup}");
+}
+
+#[test]
+fn wd_mode_sums_workspaces_within_the_budget() {
+    let doc = solve_json(&["--total-workspace", "100MiB", "--policy", "all"]);
+    assert_eq!(doc["mode"], "wd");
+    assert_eq!(doc["policy"], "all");
+    let plans = doc["plans"].as_array().unwrap();
+    let sum: u64 = plans
+        .iter()
+        .map(|p| p["workspace_bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(doc["total_workspace_bytes"].as_u64().unwrap(), sum);
+    assert!(sum <= 100 << 20);
+    assert!(doc["total_time_ms"].as_f64().unwrap() < doc["total_undivided_ms"].as_f64().unwrap());
+}
+
+fn synthetic_profile(name: &str) -> String {
+    // One problem, N = 4: the whole batch needs 100 bytes of workspace, halves need 10.
+    let record = |micro: i64, ws: u64, time: f64| {
+        serde_json::json!({"layer": "toy.conv", "dtype": "fp32", "layout": "nchw", "n": 4, "c": 2, "h": 5, "w": 5,
+            "k": 2, "r": 3, "s": 3, "pad_h": 1, "pad_w": 1, "stride_h": 1, "stride_w": 1, "dilation_h": 1,
+            "dilation_w": 1, "groups": 1, "op": "fwd", "algo": 3, "micro": micro, "workspace_bytes": ws, "time_ms": time})
+    };
+    let doc = serde_json::json!({"format": "mucudnn-profile-v1", "device": "toy", "records": [record(4, 100, 1.0), record(2, 10, 0.4)]});
+    let path = std::env::temp_dir().join(format!("mucudnn-{name}-{}.json", std::process::id()));
+    std::fs::write(&path, doc.to_string()).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+#[test]
+fn undivided_is_null_when_no_single_algorithm_fits() {
+    let path = synthetic_profile("undivided-null");
+    for mode in [["--workspace-limit", "50"], ["--total-workspace", "50"]] {
+        let output = mucudnn(&["solve", "--profile", &path, "--json", mode[0], mode[1]]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        let doc: Value = serde_json::from_str(&stdout(&output)).unwrap();
+        assert!(doc["plans"][0]["undivided_ms"].is_null(), "{doc}");
+        assert!(doc["total_undivided_ms"].is_null(), "{doc}");
+        assert_eq!(
+            doc["plans"][0]["micro_batches"].as_array().unwrap().len(),
+            2
+        );
+        assert!((doc["total_time_ms"].as_f64().unwrap() - 0.8).abs() < 1e-12);
+    }
+    // With room for the whole batch, the undivided baseline appears.
+    let doc: Value = serde_json::from_str(&stdout(&mucudnn(&[
+        "solve",
+        "--profile",
+        &path,
+        "--json",
+        "--workspace-limit",
+        "100",
+    ])))
+    .unwrap();
+    assert_eq!(doc["plans"][0]["undivided_ms"].as_f64(), Some(1.0));
+    std::fs::remove_file(path).ok();
+}
+
+#[test]
+fn human_table_has_rows_subtotals_and_compact_splits() {
+    let output = mucudnn(&["solve", "--profile", FIXTURE]);
+    assert!(output.status.success());
+    let text = stdout(&output);
+    assert!(text.contains("per-layer limit 64 MiB"), "{text}");
+    assert!(text.contains("cuDNN 9.19.0"), "{text}");
+    let row: Vec<&str> = text
+        .lines()
+        .find(|l| l.starts_with("alexnet.conv2"))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(row[..4], ["alexnet.conv2", "fp32", "nchw", "fwd"], "{text}");
+    assert!(text.contains("8x32@algo1"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("total fp32 nchw") && l.contains("3.75x")),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("total ") && l.contains("(max)")),
+        "{text}"
+    );
+}
+
+#[test]
+fn errors_are_clear_and_exit_nonzero() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["solve", "--profile", "/nonexistent/profile.json"],
+            "cannot read profile",
+        ),
+        (
+            &["solve", "--profile", FIXTURE, "--workspace-limit", "64MB"],
+            "decimal suffixes are ambiguous",
+        ),
+        (
+            &["solve", "--profile", FIXTURE, "--policy", "pow2"],
+            "unknown policy",
+        ),
+        (
+            &[
+                "solve",
+                "--profile",
+                FIXTURE,
+                "--workspace-limit",
+                "1MiB",
+                "--total-workspace",
+                "1MiB",
+            ],
+            "cannot be used with",
+        ),
+        (
+            &[
+                "solve",
+                "--profile",
+                FIXTURE,
+                "--ilp-time-limit",
+                "0",
+                "--total-workspace",
+                "1GiB",
+            ],
+            "ilp-time-limit",
+        ),
+    ];
+    for (args, expected) in cases {
+        let output = mucudnn(args);
+        assert!(!output.status.success(), "{args:?} succeeded");
+        assert!(
+            stderr(&output).contains(expected),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+        assert!(!stderr(&output).contains("panicked"), "{args:?}");
+    }
+}
+
+#[test]
+fn bad_profiles_are_errors_not_panics() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    let original = std::fs::read_to_string(FIXTURE).unwrap();
+    let cases = [
+        (
+            write("truncated.json", &original[..original.len() / 2]),
+            "not valid JSON",
+        ),
+        (
+            write(
+                "empty.json",
+                r#"{"format": "mucudnn-profile-v1", "records": []}"#,
+            ),
+            "no measurements",
+        ),
+        (
+            write("wrongformat.json", r#"{"format": "other", "records": []}"#),
+            "unsupported profile format",
+        ),
+        (
+            write(
+                "negative.json",
+                &original.replacen("\"time_ms\": 0.031377", "\"time_ms\": -1", 1),
+            ),
+            "time_ms",
+        ),
+        (
+            write(
+                "inconsistent.json",
+                &original.replacen("\"k\": 96", "\"k\": 97", 1),
+            ),
+            "earlier record",
+        ),
+        (
+            write(
+                "badshape.json",
+                &original.replace("\"groups\": 1", "\"groups\": 0"),
+            ),
+            "groups must be positive",
+        ),
+    ];
+    for (path, expected) in cases {
+        let output = mucudnn(&["solve", "--profile", &path]);
+        assert!(!output.status.success(), "{path}");
+        assert!(
+            stderr(&output).contains(expected),
+            "{path}: {}",
+            stderr(&output)
+        );
+    }
+    // A 0-byte limit on a problem with no zero-workspace algorithm names the smallest limit.
+    let needs_workspace = original.replace("\"workspace_bytes\": 0,", "\"workspace_bytes\": 7,");
+    let path = write("needs-ws.json", &needs_workspace);
+    let output = mucudnn(&["solve", "--profile", &path, "--workspace-limit", "0"]);
+    assert!(!output.status.success());
+    assert!(
+        stderr(&output).contains("alexnet.conv1 fp32 nchw fwd: no plan fits"),
+        "{}",
+        stderr(&output)
+    );
+    assert!(
+        stderr(&output).contains("smallest limit that works is 7 B"),
+        "{}",
+        stderr(&output)
+    );
+    let output = mucudnn(&["solve", "--profile", &path, "--total-workspace", "100"]);
+    assert!(!output.status.success());
+    assert!(
+        stderr(&output).contains("smallest total that works is 210 B"),
+        "{}",
+        stderr(&output)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
