@@ -18,6 +18,7 @@ pub mod plan;
 pub mod problem;
 pub mod profile;
 pub mod solve;
+pub mod synthetic;
 pub mod units;
 pub mod wd;
 pub mod wr;

@@ -39,15 +39,24 @@ impl Default for WdOptions {
     }
 }
 
-/// The MILP solver behind good_lp.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// The MILP solver behind good_lp. The default is HiGHS when built with the `highs` feature,
+/// else microlp.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     /// Pure Rust; builds from crates alone.
-    #[default]
     Microlp,
     /// HiGHS (cargo feature `highs`; needs cmake and libclang to build).
     #[cfg(feature = "highs")]
     Highs,
+}
+
+impl Default for Backend {
+    fn default() -> Self {
+        #[cfg(feature = "highs")]
+        return Backend::Highs;
+        #[cfg(not(feature = "highs"))]
+        return Backend::Microlp;
+    }
 }
 
 impl Backend {
