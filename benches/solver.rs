@@ -13,6 +13,13 @@ fn dp(c: &mut Criterion) {
     c.bench_function("wr_dp n=1024 policy=all algos=10 limit=64MiB", |b| {
         b.iter(|| solve_wr(black_box(&entry), Policy::All, 64 << 20).unwrap())
     });
+    let entry = random_entry(&mut Rng(4), 1024, 10, Policy::All);
+    let mut group = c.benchmark_group("pareto_large");
+    group.sample_size(10);
+    group.bench_function("pareto_front n=1024 policy=all algos=10", |b| {
+        b.iter(|| pareto_front(black_box(&entry), Policy::All).unwrap())
+    });
+    group.finish();
     let entry = random_entry(&mut Rng(2), 256, 10, Policy::PowerOfTwo);
     c.bench_function("pareto_front n=256 policy=power-of-two algos=10", |b| {
         b.iter(|| pareto_front(black_box(&entry), Policy::PowerOfTwo).unwrap())

@@ -234,20 +234,39 @@ fn smallest_feasible_limit(cands: &Candidates, dp: &mut Dp) -> Option<u64> {
 pub fn pareto_front(profile: &OpProfile, policy: Policy) -> Result<Vec<ParetoPoint>, SolveError> {
     let cands = Candidates::new(profile, policy)?;
     let mut dp = Dp::new(cands.n);
+    // Every candidate in ascending workspace order: raising the limit admits them one by one.
+    let mut events: Vec<(u64, usize, Cand)> = cands
+        .by_size
+        .iter()
+        .enumerate()
+        .flat_map(|(index, (_, list))| list.iter().map(move |c| (c.workspace_bytes, index, *c)))
+        .collect();
+    events.sort_by_key(|&(workspace, _, _)| workspace);
+    let mut best: Vec<Option<Cand>> = vec![None; cands.by_size.len()];
+    let mut feasible = false;
     let mut front: Vec<ParetoPoint> = Vec::new();
-    let mut previous_best: Vec<Option<Cand>> = vec![None; cands.by_size.len()];
-    for limit in cands.workspace_values() {
-        let best = cands.best_within(limit);
-        let improved = best
-            .iter()
-            .zip(&previous_best)
-            .any(|(now, before)| match (now, before) {
-                (Some(a), Some(b)) => a.time_ms < b.time_ms,
-                (Some(_), None) => true,
-                _ => false,
-            });
-        previous_best = best.clone();
-        if !improved || !dp.run(&cands, &best) {
+    let mut start = 0;
+    while start < events.len() {
+        let limit = events[start].0;
+        let end = start + events[start..].iter().take_while(|e| e.0 == limit).count();
+        // A new candidate at size m changes the optimum somewhere only if it is faster than
+        // the current optimum for exactly m items (else any plan using it can swap it for
+        // that optimum's micro-batches); until the first feasible limit, any new size counts.
+        let mut changed = false;
+        for &(_, index, cand) in &events[start..end] {
+            if best[index].is_some_and(|b| b.time_ms <= cand.time_ms) {
+                continue;
+            }
+            let size = cands.by_size[index].0 as usize;
+            changed |= !feasible || best[index].is_none() || cand.time_ms < dp.time[size];
+            best[index] = Some(cand);
+        }
+        start = end;
+        if !changed {
+            continue;
+        }
+        feasible = dp.run(&cands, &best);
+        if !feasible {
             continue;
         }
         let plan = dp.plan(profile, &cands, &best);

@@ -189,3 +189,47 @@ proptest! {
         }
     }
 }
+
+/// The front is complete: at every limit, the best front point within it is the optimum.
+#[test]
+fn pareto_front_is_complete_on_random_profiles() {
+    let mut rng = Rng(1234);
+    for case in 0..60 {
+        let policy = Policy::ALL[case % 3];
+        let n = 1 + rng.below(40) as i64;
+        let algos = 1 + rng.below(6) as u32;
+        let entry = random_entry(&mut rng, n, algos, policy);
+        let front = match pareto_front(&entry, policy) {
+            Ok(front) => front,
+            Err(_) => {
+                assert!(
+                    reference_wr(&entry, policy, u64::MAX).is_none(),
+                    "case {case}"
+                );
+                continue;
+            }
+        };
+        let mut limits: Vec<u64> = entry
+            .measurements
+            .iter()
+            .map(|m| m.workspace_bytes)
+            .collect();
+        limits.sort_unstable();
+        limits.dedup();
+        for limit in limits {
+            let from_front = front
+                .iter()
+                .take_while(|p| p.workspace_bytes <= limit)
+                .last()
+                .map(|p| p.time_ms);
+            let optimum = reference_wr(&entry, policy, limit);
+            match (from_front, optimum) {
+                (Some(a), Some(b)) => {
+                    assert!(close(a, b, 1e-12), "case {case} limit {limit}: {a} vs {b}")
+                }
+                (None, None) => {}
+                other => panic!("case {case} limit {limit}: {other:?}"),
+            }
+        }
+    }
+}
