@@ -1,1 +1,603 @@
-//! cuDNN backend (in progress).
+//! cuDNN backend: run and time cuDNN's legacy convolution algorithms on an NVIDIA GPU.
+//!
+//! # Layering
+//!
+//! ```text
+//! cudarc::{driver, cudnn}::sys      raw bindings, loaded at run time (dynamic-loading)
+//!         |                          (panic when a library or symbol is missing)
+//! cudarc::{driver, cudnn}::result   thin Result-returning wrappers, still `unsafe`
+//!         |
+//! ffi  (this module's FFI wall)     the only code that names the two layers above and the
+//!         |                          only `unsafe` code: availability gates, RAII handle and
+//!         |                          descriptors, bounds-checked device views, workspace
+//!         |                          queries, execution, timing. Exports safe items only.
+//! mod  (re-exports), shape, host    pure helpers: cuDNN shapes of a problem, operand roles,
+//!         |                          micro-batch ranges, random data, a host reference
+//!         v
+//! profiler / executor (later)       measure every algorithm per micro-batch size, solve,
+//!                                    run a plan's micro-batches
+//! ```
+//!
+//! # Availability
+//!
+//! The crate builds and runs without CUDA: cudarc loads `libcuda` and `libcudnn` on first
+//! use, and this backend checks for them first, so a missing library, an old driver (the
+//! bindings are for CUDA 13.0), a cuDNN other than 9.x, or a machine without a visible GPU is
+//! a [`CudnnError`] ([`CudnnError::is_unavailable`]), never a panic. [`probe`] reports what is
+//! there.
+//!
+//! # Use
+//!
+//! ```no_run
+//! use mucudnn::backend::cudnn::{CudnnHandle, ConvDescriptors, Operand, WorkspaceView};
+//! use mucudnn::solver::{ConvOp, ConvProblem};
+//!
+//! # fn main() -> Result<(), mucudnn::backend::cudnn::CudnnError> {
+//! let handle = CudnnHandle::new(0)?;
+//! let problem = ConvProblem { pad_h: 1, pad_w: 1, ..ConvProblem::new(64, 32, 28, 28, 64, 3, 3) };
+//! let full = ConvDescriptors::new(&problem)?;
+//! let x = handle.alloc_random(problem.dtype, full.shapes().elements(Operand::Input), 1)?;
+//! let w = handle.alloc_random(problem.dtype, full.shapes().elements(Operand::Filter), 2)?;
+//! let mut y = handle.alloc_operand(&full, Operand::Output)?;
+//!
+//! // Forward in two micro-batches of 32, with algorithm 1.
+//! let micro = ConvDescriptors::new(&problem.with_batch(32))?;
+//! let bytes = handle.workspace_size(&micro, ConvOp::Forward, 1)?.expect("supported");
+//! let mut workspace = handle.alloc_workspace(bytes)?;
+//! for first in [0, 32] {
+//!     let (xo, xl) = full.shapes().sample_range(Operand::Input, first, 32).unwrap();
+//!     let (yo, yl) = full.shapes().sample_range(Operand::Output, first, 32).unwrap();
+//!     handle.convolve(
+//!         &micro, ConvOp::Forward, 1,
+//!         1.0, &x.view(xo, xl)?, &w.view_all(),
+//!         0.0, &mut y.view_mut(yo, yl)?, &mut workspace.view(),
+//!     )?;
+//! }
+//! let y_host = y.download()?;
+//! # let _ = (y_host, WorkspaceView::empty());
+//! # Ok(()) }
+//! ```
+//!
+//! # Safety
+//!
+//! No function or method here is `unsafe` to call. The contract that cuDNN's raw pointers
+//! need is enforced by construction and checked at run time (see the `ffi` module docs):
+//! device pointers exist only inside views that borrow a live buffer and were bounds-checked;
+//! [`CudnnHandle::convolve`] checks dtype, exact element count against the descriptor,
+//! stream, and workspace size before calling cuDNN; work is stream-ordered with frees.
+//! What remains the caller's business is *meaning*, not memory safety: which micro-batch
+//! range goes with which descriptors, and `beta` (0 overwrites, 1 accumulates).
+
+mod error;
+mod ffi;
+pub mod host;
+pub mod shape;
+
+pub use error::CudnnError;
+pub use ffi::{
+    algo_count, algo_name, library_status, probe, AlgoWorkspace, ConvDescriptors,
+    ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut,
+    FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
+    Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
+};
+pub use shape::{operand_roles, ConvShapes, Operand};
+
+/// Environment variable that enables the tests needing a GPU (`MUCUDNN_GPU_TESTS=1`).
+pub const GPU_TESTS_ENV: &str = "MUCUDNN_GPU_TESTS";
+
+#[cfg(test)]
+mod tests {
+    #![forbid(unsafe_code)]
+
+    use super::*;
+    use crate::solver::{ConvOp, ConvProblem, DType, Layout, MathMode};
+
+    fn small_problem() -> ConvProblem {
+        ConvProblem {
+            pad_h: 1,
+            pad_w: 1,
+            ..ConvProblem::new(4, 8, 10, 9, 16, 3, 3)
+        }
+    }
+
+    // ---- tests that run anywhere
+
+    #[test]
+    fn probe_without_gpu_is_a_clear_error_not_a_panic() {
+        let libs = library_status();
+        match probe() {
+            Ok(info) => {
+                // A GPU machine: the probe must describe at least one device.
+                assert!(!info.devices.is_empty());
+                println!("probe: {info:?}");
+            }
+            Err(e) => {
+                let message = e.to_string();
+                println!("probe error (expected without a GPU): {message}");
+                assert!(e.is_unavailable(), "{e:?}");
+                if !libs.libcuda {
+                    assert!(
+                        matches!(
+                            e,
+                            CudnnError::Unavailable {
+                                what: "libcuda",
+                                ..
+                            }
+                        ),
+                        "{e:?}"
+                    );
+                    assert!(message.contains("libcuda.so"), "{message}");
+                    assert!(message.contains("driver"), "{message}");
+                } else if !libs.libcudnn {
+                    assert!(message.contains("libcudnn"), "{message}");
+                    assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
+                }
+                // Asking again gives the same answer (cached, still no panic).
+                assert_eq!(probe().unwrap_err(), e);
+            }
+        }
+    }
+
+    #[test]
+    fn without_libraries_everything_is_an_error() {
+        let libs = library_status();
+        if !libs.libcudnn {
+            let e = ConvDescriptors::new(&small_problem()).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    CudnnError::Unavailable {
+                        what: "libcudnn",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            let message = e.to_string();
+            assert!(message.contains("libcudnn.so not found"), "{message}");
+            assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
+            assert!(message.contains("install cuDNN 9"), "{message}");
+            let s = ConvShapes::new(&small_problem()).unwrap();
+            assert!(TensorDescriptor::new(DType::Fp32, Layout::Nchw, s.input).is_err());
+            assert!(FilterDescriptor::new(DType::Fp32, Layout::Nchw, s.filter).is_err());
+            assert!(ConvolutionDescriptor::new(&s).is_err());
+        }
+        if !libs.libcuda || !libs.libcudnn {
+            let e = CudnnHandle::new(0).unwrap_err();
+            assert!(e.is_unavailable(), "{e:?}");
+            assert!(CudnnHandle::new(7).is_err());
+        }
+    }
+
+    #[test]
+    fn invalid_problem_is_reported_before_any_library_is_needed() {
+        let bad = ConvProblem {
+            groups: 3,
+            ..small_problem()
+        };
+        let e = ConvDescriptors::new(&bad).unwrap_err();
+        assert!(matches!(e, CudnnError::Shape(_)), "{e:?}");
+        assert!(e.to_string().starts_with("invalid convolution problem"));
+        let negative = ConvProblem {
+            n: -4,
+            ..small_problem()
+        };
+        assert!(matches!(
+            ConvDescriptors::new(&negative),
+            Err(CudnnError::Shape(_))
+        ));
+    }
+
+    // ---- tests that need a GPU (MUCUDNN_GPU_TESTS=1)
+
+    fn gpu_tests_enabled(test: &str) -> bool {
+        if std::env::var(GPU_TESTS_ENV).as_deref() == Ok("1") {
+            true
+        } else {
+            println!("{test}: skipped: set {GPU_TESTS_ENV}=1 to run the GPU tests");
+            false
+        }
+    }
+
+    /// Host data for `problem`'s three tensors, rounded to its dtype.
+    struct HostData {
+        x: Vec<f32>,
+        w: Vec<f32>,
+        dy: Vec<f32>,
+    }
+
+    impl HostData {
+        fn new(problem: &ConvProblem) -> Self {
+            let s = ConvShapes::new(problem).unwrap();
+            HostData {
+                x: host::random_values(problem.dtype, s.elements(Operand::Input), 11),
+                w: host::random_values(problem.dtype, s.elements(Operand::Filter), 12),
+                dy: host::random_values(problem.dtype, s.elements(Operand::Output), 13),
+            }
+        }
+
+        fn inputs(&self, op: ConvOp) -> (&[f32], &[f32]) {
+            match op {
+                ConvOp::Forward => (&self.x, &self.w),
+                ConvOp::BackwardData => (&self.w, &self.dy),
+                ConvOp::BackwardFilter => (&self.x, &self.dy),
+            }
+        }
+    }
+
+    /// Relative error allowed for `problem` (see [`host::Reference::max_relative_error`]).
+    /// Loose on purpose: an indexing or layout bug gives errors of order 1.
+    fn tolerance(problem: &ConvProblem) -> f64 {
+        match (problem.dtype, problem.math) {
+            // fp32 FMA: rounding only (FFT and Winograd transforms add a little).
+            (DType::Fp32, MathMode::Fma) => 1e-4,
+            // TF32 tensor cores: 10-bit mantissa inputs.
+            (DType::Fp32, _) => 5e-3,
+            // fp16 / bf16 outputs (2^-11 / 2^-8), and transforms in reduced precision.
+            (DType::Fp16, _) => 2e-2,
+            (DType::Bf16, _) => 3e-2,
+        }
+    }
+
+    /// Runs every legacy algorithm of every op that cuDNN accepts and compares each result
+    /// with the host reference (a mismatch fails the test). Returns how many algorithms ran
+    /// per op (in `ConvOp::ALL` order). Workspace-query errors other than NOT_SUPPORTED are
+    /// printed, not fatal: callers assert on the counts where every op must work.
+    fn check_all_algorithms(handle: &CudnnHandle, problem: &ConvProblem) -> [usize; 3] {
+        let d = ConvDescriptors::new(problem).unwrap();
+        let data = HostData::new(problem);
+        let mut ran = [0; 3];
+        for (op_index, op) in ConvOp::ALL.into_iter().enumerate() {
+            let [ra, rb, ro] = operand_roles(op);
+            let (a_host, b_host) = data.inputs(op);
+            let reference = host::reference_convolution(problem, op, a_host, b_host).unwrap();
+            let a = handle.upload(problem.dtype, a_host).unwrap();
+            let b = handle.upload(problem.dtype, b_host).unwrap();
+            assert_eq!(a.len(), d.shapes().elements(ra));
+            assert_eq!(b.len(), d.shapes().elements(rb));
+            for algo in 0..algo_count(op) {
+                let name = algo_name(op, algo).unwrap();
+                let workspace_bytes = match handle.workspace_size(&d, op, algo) {
+                    Ok(Some(bytes)) => bytes,
+                    Ok(None) => {
+                        println!("{} {op} {name}: not supported", problem.describe());
+                        continue;
+                    }
+                    Err(e) => {
+                        println!(
+                            "{} {op} {name}: WORKSPACE QUERY ERROR {e}",
+                            problem.describe()
+                        );
+                        continue;
+                    }
+                };
+                let mut out = handle.alloc_operand(&d, ro).unwrap();
+                out.fill_random(99).unwrap(); // beta = 0 must ignore it
+                let mut ws = handle.alloc_workspace(workspace_bytes).unwrap();
+                let result = handle.convolve(
+                    &d,
+                    op,
+                    algo,
+                    1.0,
+                    &a.view_all(),
+                    &b.view_all(),
+                    0.0,
+                    &mut out.view_all_mut(),
+                    &mut ws.view(),
+                );
+                match result {
+                    Ok(()) => {}
+                    Err(e) if e.is_not_supported() => {
+                        println!(
+                            "{} {op} {name}: not supported at run time: {e}",
+                            problem.describe()
+                        );
+                        continue;
+                    }
+                    Err(e) => panic!("{op} {name} on {}: {e}", problem.describe()),
+                }
+                let got = out.download().unwrap();
+                let err = reference.max_relative_error(&got);
+                println!(
+                    "{} {op} {name} ws {workspace_bytes}: max rel err {err:.2e}",
+                    problem.describe()
+                );
+                assert!(
+                    err <= tolerance(problem),
+                    "{op} {name} on {}: relative error {err}",
+                    problem.describe()
+                );
+                ran[op_index] += 1;
+            }
+        }
+        ran
+    }
+
+    #[test]
+    fn gpu_probe_describes_devices() {
+        if !gpu_tests_enabled("gpu_probe_describes_devices") {
+            return;
+        }
+        let info = probe().unwrap();
+        println!("{info:#?}");
+        assert!(info.driver_version >= MIN_DRIVER_VERSION);
+        assert_eq!(info.cudnn_version / 10_000, CUDNN_MAJOR);
+        assert!(!info.devices[0].name.is_empty());
+        assert!(info.devices[0].compute_capability.0 >= 5);
+        assert!(info.devices[0].total_memory_bytes > 0);
+    }
+
+    #[test]
+    fn gpu_forward_algo0_matches_host() {
+        if !gpu_tests_enabled("gpu_forward_algo0_matches_host") {
+            return;
+        }
+        let handle = CudnnHandle::new(0).unwrap();
+        let problem = ConvProblem {
+            math: MathMode::Fma,
+            ..small_problem()
+        };
+        let d = ConvDescriptors::new(&problem).unwrap();
+        let algos = handle.supported_algorithms(&d, ConvOp::Forward).unwrap();
+        println!("forward algorithms: {algos:?}");
+        assert_eq!(algos.first().map(|a| a.algo), Some(0));
+        let data = HostData::new(&problem);
+        let x = handle.upload(problem.dtype, &data.x).unwrap();
+        let w = handle.upload(problem.dtype, &data.w).unwrap();
+        let mut y = handle.alloc_operand(&d, Operand::Output).unwrap();
+        let bytes = handle
+            .workspace_size(&d, ConvOp::Forward, 0)
+            .unwrap()
+            .unwrap();
+        let mut ws = handle.alloc_workspace(bytes).unwrap();
+        handle
+            .convolve(
+                &d,
+                ConvOp::Forward,
+                0,
+                1.0,
+                &x.view_all(),
+                &w.view_all(),
+                0.0,
+                &mut y.view_all_mut(),
+                &mut ws.view(),
+            )
+            .unwrap();
+        let reference =
+            host::reference_convolution(&problem, ConvOp::Forward, &data.x, &data.w).unwrap();
+        let err = reference.max_relative_error(&y.download().unwrap());
+        assert!(err < 1e-5, "relative error {err}");
+        // x and w have the right lengths but are swapped: rejected before cuDNN sees them.
+        let swapped = handle.convolve(
+            &d,
+            ConvOp::Forward,
+            0,
+            1.0,
+            &w.view_all(),
+            &x.view_all(),
+            0.0,
+            &mut y.view_all_mut(),
+            &mut ws.view(),
+        );
+        assert!(matches!(swapped, Err(CudnnError::InvalidArgument { .. })));
+    }
+
+    #[test]
+    fn gpu_all_ops_and_algorithms_match_host() {
+        if !gpu_tests_enabled("gpu_all_ops_and_algorithms_match_host") {
+            return;
+        }
+        let handle = CudnnHandle::new(0).unwrap();
+        let base = small_problem();
+        let strided_grouped = ConvProblem {
+            stride_h: 2,
+            stride_w: 1,
+            dilation_h: 1,
+            dilation_w: 2,
+            pad_h: 2,
+            pad_w: 1,
+            groups: 2,
+            ..base
+        };
+        // The fp32 NCHW problems must run every op (cuDNN supports them all); the others must
+        // be right wherever cuDNN accepts them.
+        for (problem, every_op_required) in [
+            (
+                ConvProblem {
+                    math: MathMode::Fma,
+                    ..base
+                },
+                true,
+            ),
+            (base, true),
+            (
+                ConvProblem {
+                    math: MathMode::Fma,
+                    ..strided_grouped
+                },
+                true,
+            ),
+            (
+                ConvProblem {
+                    layout: Layout::Nhwc,
+                    math: MathMode::Fma,
+                    ..base
+                },
+                false,
+            ),
+            (
+                ConvProblem {
+                    dtype: DType::Fp16,
+                    layout: Layout::Nhwc,
+                    ..base
+                },
+                false,
+            ),
+            (
+                ConvProblem {
+                    dtype: DType::Bf16,
+                    ..base
+                },
+                false,
+            ),
+        ] {
+            let ran = check_all_algorithms(&handle, &problem);
+            println!("{}: algorithms run per op {ran:?}", problem.describe());
+            if every_op_required {
+                assert!(
+                    ran.iter().all(|&n| n > 0),
+                    "{}: {ran:?}",
+                    problem.describe()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn gpu_micro_batches_match_the_whole_batch() {
+        if !gpu_tests_enabled("gpu_micro_batches_match_the_whole_batch") {
+            return;
+        }
+        let handle = CudnnHandle::new(0).unwrap();
+        let problem = ConvProblem {
+            math: MathMode::Fma,
+            ..small_problem()
+        };
+        let full = ConvDescriptors::new(&problem).unwrap();
+        let data = HostData::new(&problem);
+        let x = handle.upload(problem.dtype, &data.x).unwrap();
+        let w = handle.upload(problem.dtype, &data.w).unwrap();
+        let dy = handle.upload(problem.dtype, &data.dy).unwrap();
+        let mut y = handle.alloc_operand(&full, Operand::Output).unwrap();
+        let mut dw = handle.alloc_operand(&full, Operand::Filter).unwrap();
+        let shapes = *full.shapes();
+        // Split 4 = 1 + 3, algorithm 0 (always available) for both ops.
+        for (i, (first, count)) in [(0usize, 1usize), (1, 3)].into_iter().enumerate() {
+            let micro = ConvDescriptors::new(&problem.with_batch(count as i64)).unwrap();
+            let (xo, xl) = shapes.sample_range(Operand::Input, first, count).unwrap();
+            let (yo, yl) = shapes.sample_range(Operand::Output, first, count).unwrap();
+            for op in [ConvOp::Forward, ConvOp::BackwardFilter] {
+                let bytes = handle.workspace_size(&micro, op, 0).unwrap().unwrap();
+                let mut ws = handle.alloc_workspace(bytes).unwrap();
+                let x_view = x.view(xo, xl).unwrap();
+                match op {
+                    ConvOp::Forward => handle.convolve(
+                        &micro,
+                        op,
+                        0,
+                        1.0,
+                        &x_view,
+                        &w.view_all(),
+                        0.0,
+                        &mut y.view_mut(yo, yl).unwrap(),
+                        &mut ws.view(),
+                    ),
+                    // dw accumulates over micro-batches: beta = 0 first, then 1.
+                    _ => handle.convolve(
+                        &micro,
+                        op,
+                        0,
+                        1.0,
+                        &x_view,
+                        &dy.view(yo, yl).unwrap(),
+                        if i == 0 { 0.0 } else { 1.0 },
+                        &mut dw.view_all_mut(),
+                        &mut ws.view(),
+                    ),
+                }
+                .unwrap();
+            }
+        }
+        let y_ref =
+            host::reference_convolution(&problem, ConvOp::Forward, &data.x, &data.w).unwrap();
+        let dw_ref =
+            host::reference_convolution(&problem, ConvOp::BackwardFilter, &data.x, &data.dy)
+                .unwrap();
+        assert!(y_ref.max_relative_error(&y.download().unwrap()) < 1e-5);
+        assert!(dw_ref.max_relative_error(&dw.download().unwrap()) < 1e-5);
+        // A micro-batch view must match the micro-batch descriptors exactly.
+        let micro = ConvDescriptors::new(&problem.with_batch(2)).unwrap();
+        let wrong = handle.convolve(
+            &micro,
+            ConvOp::Forward,
+            0,
+            1.0,
+            &x.view(0, shapes.elements_per_sample(Operand::Input) * 3)
+                .unwrap(),
+            &w.view_all(),
+            0.0,
+            &mut y
+                .view_mut(0, shapes.elements_per_sample(Operand::Output) * 2)
+                .unwrap(),
+            &mut WorkspaceView::empty(),
+        );
+        assert!(matches!(wrong, Err(CudnnError::InvalidArgument { .. })));
+        assert!(x.view(1, x.len()).is_err());
+    }
+
+    #[test]
+    fn gpu_timer_and_find() {
+        if !gpu_tests_enabled("gpu_timer_and_find") {
+            return;
+        }
+        let handle = CudnnHandle::new(0).unwrap();
+        let problem = ConvProblem {
+            pad_h: 1,
+            pad_w: 1,
+            ..ConvProblem::new(32, 64, 56, 56, 64, 3, 3)
+        };
+        let d = ConvDescriptors::new(&problem).unwrap();
+        let s = d.shapes();
+        let x = handle
+            .alloc_random(problem.dtype, s.elements(Operand::Input), 1)
+            .unwrap();
+        let w = handle
+            .alloc_random(problem.dtype, s.elements(Operand::Filter), 2)
+            .unwrap();
+        let mut y = handle.alloc_operand(&d, Operand::Output).unwrap();
+        let bytes = handle
+            .workspace_size(&d, ConvOp::Forward, 1)
+            .unwrap()
+            .unwrap();
+        let mut ws = handle.alloc_workspace(bytes).unwrap();
+        let timer = handle.timer().unwrap();
+        let (xv, wv) = (x.view_all(), w.view_all());
+        let mut yv = y.view_all_mut();
+        let mut wsv = ws.view();
+        let ms = timer
+            .time(|| {
+                for _ in 0..5 {
+                    handle.convolve(
+                        &d,
+                        ConvOp::Forward,
+                        1,
+                        1.0,
+                        &xv,
+                        &wv,
+                        0.0,
+                        &mut yv,
+                        &mut wsv,
+                    )?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        println!("5 x forward algo 1: {ms:.3} ms");
+        assert!(ms > 0.0 && ms < 10_000.0);
+        drop((yv, wsv));
+        let mut big = handle.alloc_workspace(256 << 20).unwrap();
+        let found = handle
+            .find_algorithms(
+                &d,
+                ConvOp::Forward,
+                &xv,
+                &wv,
+                &mut y.view_all_mut(),
+                &mut big.view(),
+            )
+            .unwrap();
+        println!("{found:#?}");
+        assert!(found.iter().any(|f| f.succeeded() && f.time_ms > 0.0));
+        assert!(found.iter().all(|f| f.algo < algo_count(ConvOp::Forward)));
+    }
+}

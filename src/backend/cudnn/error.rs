@@ -1,0 +1,185 @@
+//! [`CudnnError`]: every failure of the cuDNN backend, with enough context to act on.
+//!
+//! Nothing here names cudarc: the FFI wall ([`super::ffi`]) converts cudarc's status and
+//! driver errors into these variants, keeping the status *name* (e.g.
+//! `CUDNN_STATUS_NOT_SUPPORTED`) and *number* so that messages are searchable and callers can
+//! classify failures ([`CudnnError::is_not_supported`], [`CudnnError::is_out_of_memory`]).
+
+#![forbid(unsafe_code)]
+
+use crate::solver::{ConvOp, ShapeError};
+
+/// Why a cuDNN-backend operation failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum CudnnError {
+    /// A library this backend needs is missing, too old, or unusable: `what` is `"libcuda"`,
+    /// `"libcudnn"` or `"CUDA driver"`, and `detail` says what to install or where to point
+    /// `LD_LIBRARY_PATH`.
+    #[error("{what} unavailable: {detail}")]
+    Unavailable { what: &'static str, detail: String },
+
+    /// The driver loaded, but no GPU can be used (cuInit failed, no device is visible, or the
+    /// requested ordinal does not exist).
+    #[error("no usable CUDA device: {detail}")]
+    NoDevice { detail: String },
+
+    /// A cuDNN call returned an error status.
+    #[error("{call} failed with {status} ({code}){}", op_algo_suffix(.op, .algo))]
+    Cudnn {
+        /// The cuDNN function, e.g. `cudnnConvolutionForward`.
+        call: &'static str,
+        /// The `cudnnStatus_t` name, e.g. `CUDNN_STATUS_NOT_SUPPORTED`.
+        status: String,
+        /// The `cudnnStatus_t` number (cuDNN 9 numbering: 3000 is NOT_SUPPORTED).
+        code: u32,
+        /// The convolution op the call was for, where there is one.
+        op: Option<ConvOp>,
+        /// The legacy algorithm number the call was for, where there is one.
+        algo: Option<u32>,
+    },
+
+    /// A CUDA driver call failed.
+    #[error("{call} failed with {name} ({code}): {message}")]
+    Driver {
+        /// The driver function or cudarc operation, e.g. `cuMemAlloc`.
+        call: &'static str,
+        /// The `CUresult` name, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
+        name: String,
+        /// The `CUresult` number.
+        code: u32,
+        /// The driver's description of the error.
+        message: String,
+    },
+
+    /// The convolution problem itself is invalid.
+    #[error("invalid convolution problem: {0}")]
+    Shape(#[from] ShapeError),
+
+    /// Arguments that do not fit together (a view of the wrong length or dtype, an algorithm
+    /// number out of range, a buffer from another stream, a workspace that is too small, ...).
+    #[error("invalid argument to {call}: {detail}")]
+    InvalidArgument { call: &'static str, detail: String },
+}
+
+/// `cudnnStatus_t` numbers of cuDNN 9 (`CUDNN_STATUS_NOT_SUPPORTED` and its sub-codes
+/// `CUDNN_STATUS_NOT_SUPPORTED_*` occupy 3000..=3999).
+const NOT_SUPPORTED_CODES: std::ops::RangeInclusive<u32> = 3000..=3999;
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
+/// cuDNN 9's `CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED` and
+/// `CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED`.
+const CUDNN_ALLOCATION_FAILED_CODES: [u32; 2] = [4003, 4004];
+
+fn op_algo_suffix(op: &Option<ConvOp>, algo: &Option<u32>) -> String {
+    match (op, algo) {
+        (Some(op), Some(algo)) => format!(" for {op} algorithm {algo}"),
+        (Some(op), None) => format!(" for {op}"),
+        (None, Some(algo)) => format!(" for algorithm {algo}"),
+        (None, None) => String::new(),
+    }
+}
+
+impl CudnnError {
+    /// cuDNN said the configuration is not supported (`CUDNN_STATUS_NOT_SUPPORTED*`): a profiler
+    /// skips the algorithm instead of failing.
+    pub fn is_not_supported(&self) -> bool {
+        matches!(self, CudnnError::Cudnn { code, .. } if NOT_SUPPORTED_CODES.contains(code))
+    }
+
+    /// Device memory ran out (a driver allocation or a cuDNN-internal one).
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            CudnnError::Driver { code, .. } => *code == CUDA_ERROR_OUT_OF_MEMORY,
+            CudnnError::Cudnn { code, .. } => CUDNN_ALLOCATION_FAILED_CODES.contains(code),
+            _ => false,
+        }
+    }
+
+    /// The backend cannot run on this machine at all (missing library, old driver, no GPU):
+    /// callers fall back to another backend or report and stop.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            CudnnError::Unavailable { .. } | CudnnError::NoDevice { .. }
+        )
+    }
+
+    /// Attaches the op and algorithm a cuDNN failure belongs to (other variants are unchanged).
+    pub fn for_op_algo(self, for_op: ConvOp, for_algo: Option<u32>) -> Self {
+        match self {
+            CudnnError::Cudnn {
+                call, status, code, ..
+            } => CudnnError::Cudnn {
+                call,
+                status,
+                code,
+                op: Some(for_op),
+                algo: for_algo,
+            },
+            other => other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cudnn_error_message_names_call_status_code_op_and_algo() {
+        let e = CudnnError::Cudnn {
+            call: "cudnnConvolutionForward",
+            status: "CUDNN_STATUS_NOT_SUPPORTED".into(),
+            code: 3000,
+            op: Some(ConvOp::Forward),
+            algo: Some(4),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cudnnConvolutionForward failed with CUDNN_STATUS_NOT_SUPPORTED (3000) for fwd algorithm 4"
+        );
+        assert!(e.is_not_supported());
+        assert!(!e.is_out_of_memory());
+        let bare = CudnnError::Cudnn {
+            call: "cudnnCreate",
+            status: "CUDNN_STATUS_NOT_INITIALIZED".into(),
+            code: 1001,
+            op: None,
+            algo: None,
+        };
+        assert_eq!(
+            bare.to_string(),
+            "cudnnCreate failed with CUDNN_STATUS_NOT_INITIALIZED (1001)"
+        );
+        let tagged = bare.for_op_algo(ConvOp::BackwardFilter, Some(3));
+        assert!(tagged.to_string().ends_with("for bwd_filter algorithm 3"));
+        assert!(!tagged.is_not_supported());
+    }
+
+    #[test]
+    fn classification() {
+        let oom = CudnnError::Driver {
+            call: "cuMemAlloc",
+            name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+            code: 2,
+            message: "out of memory".into(),
+        };
+        assert!(oom.is_out_of_memory());
+        assert!(!oom.is_unavailable());
+        assert!(oom.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY (2)"));
+        let missing = CudnnError::Unavailable {
+            what: "libcudnn",
+            detail: "not found".into(),
+        };
+        assert!(missing.is_unavailable());
+        assert_eq!(missing.to_string(), "libcudnn unavailable: not found");
+        let sub = CudnnError::Cudnn {
+            call: "cudnnGetConvolutionForwardWorkspaceSize",
+            status: "CUDNN_STATUS_NOT_SUPPORTED_SHAPE".into(),
+            code: 3002,
+            op: None,
+            algo: None,
+        };
+        assert!(sub.is_not_supported());
+    }
+}

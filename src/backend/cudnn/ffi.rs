@@ -1,0 +1,1846 @@
+//! The FFI wall: the only module of the backend that names cudarc's raw layers
+//! (`cudarc::cudnn::{sys, result}`, `cudarc::driver::{sys, result}`) and the only one with
+//! `unsafe` code. Everything it exports is a safe function or a type with safe methods.
+//!
+//! # How the wall keeps the unsafe calls sound
+//!
+//! - **Libraries.** cudarc loads `libcuda` and `libcudnn` on first use and *panics* when one is
+//!   missing (and when a symbol is missing). Every entry point first passes a gate
+//!   (`driver()`, `cudnn()`), which checks presence with cudarc's `is_culib_present`, checks
+//!   the versions (driver API >= 13.0, cuDNN 9.x), checks that every cuDNN symbol this module
+//!   calls exists, and turns each failure into [`CudnnError::Unavailable`] or
+//!   [`CudnnError::NoDevice`]. A value of any type below exists only if its gate passed.
+//! - **Handles and descriptors** are RAII types: created and configured in one constructor,
+//!   destroyed exactly once in `Drop`, which never panics (a failed destroy is written to
+//!   stderr and otherwise ignored). They hold raw pointers, so they are neither `Send` nor
+//!   `Sync`, matching cuDNN's rule that a handle is used by one thread at a time.
+//! - **Device pointers** never cross the wall as integers. A [`DeviceView`] /
+//!   [`DeviceViewMut`] / [`WorkspaceView`] can only be made from a buffer allocated through a
+//!   [`CudnnHandle`] plus an element range that is bounds-checked against it, and it borrows
+//!   the buffer, so the memory outlives the view. [`CudnnHandle::convolve`] then checks that
+//!   every view has the dtype and exact element count its descriptor describes, lives on the
+//!   handle's stream, and that the workspace is at least what cuDNN asks for the algorithm.
+//!   Kernels run asynchronously on that stream; buffers are freed stream-ordered by cudarc
+//!   (after a stream wait on their events, with `cuMemFreeAsync` on the same stream, or after a
+//!   stream synchronize), so memory is never released under a running kernel.
+//! - **Status values.** cuDNN statuses arrive as cudarc's `cudnnStatus_t` enum (generated for
+//!   cuDNN 9.21, a superset of earlier 9.x codes); the results of `cudnnFind*AlgorithmEx` are
+//!   read field by field as `u32`, so an unknown enum value there cannot be undefined behaviour.
+
+use super::error::CudnnError;
+use super::host;
+use super::shape::{operand_roles, ConvShapes, Operand};
+use crate::solver::{ConvOp, ConvProblem, DType, Layout, MathMode};
+use cudarc::cudnn::{result as dnn, sys as dnn_sys};
+use cudarc::driver::{
+    result as drv, sys as drv_sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, DriverError, SyncOnDrop,
+};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::io::Write;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
+/// bindings use CUDA 13.0 entry points (`cuEventElapsedTime_v2`, ...). Driver 580 reports 13000.
+pub const MIN_DRIVER_VERSION: i32 = 13000;
+
+/// The cuDNN major version this build's bindings describe (cudarc feature `cudnn` = 9.21
+/// headers; the legacy convolution API is ABI-stable across 9.x).
+pub const CUDNN_MAJOR: u64 = 9;
+
+/// Every cuDNN symbol this module calls: checked up front so that cudarc's lazy loader never
+/// panics on a missing one.
+const CUDNN_SYMBOLS: &[&str] = &[
+    "cudnnGetVersion",
+    "cudnnGetCudartVersion",
+    "cudnnCreate",
+    "cudnnDestroy",
+    "cudnnSetStream",
+    "cudnnCreateTensorDescriptor",
+    "cudnnSetTensor4dDescriptor",
+    "cudnnDestroyTensorDescriptor",
+    "cudnnCreateFilterDescriptor",
+    "cudnnSetFilter4dDescriptor",
+    "cudnnDestroyFilterDescriptor",
+    "cudnnCreateConvolutionDescriptor",
+    "cudnnSetConvolution2dDescriptor",
+    "cudnnSetConvolutionGroupCount",
+    "cudnnSetConvolutionMathType",
+    "cudnnDestroyConvolutionDescriptor",
+    "cudnnGetConvolution2dForwardOutputDim",
+    "cudnnGetConvolutionForwardWorkspaceSize",
+    "cudnnGetConvolutionBackwardDataWorkspaceSize",
+    "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+    "cudnnConvolutionForward",
+    "cudnnConvolutionBackwardData",
+    "cudnnConvolutionBackwardFilter",
+    "cudnnFindConvolutionForwardAlgorithmEx",
+    "cudnnFindConvolutionBackwardDataAlgorithmEx",
+    "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+];
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+fn status_error(call: &'static str, status: dnn_sys::cudnnStatus_t) -> CudnnError {
+    CudnnError::Cudnn {
+        call,
+        status: format!("{status:?}"),
+        code: status as u32,
+        op: None,
+        algo: None,
+    }
+}
+
+fn dnn_err(call: &'static str) -> impl FnOnce(dnn::CudnnError) -> CudnnError {
+    move |e| status_error(call, e.0)
+}
+
+fn describe_driver_error(e: &DriverError) -> (String, String) {
+    let name = e
+        .error_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| format!("{:?}", e.0));
+    let message = e
+        .error_string()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "no description".to_string());
+    (name, message)
+}
+
+fn driver_error(call: &'static str, e: DriverError) -> CudnnError {
+    let (name, message) = describe_driver_error(&e);
+    CudnnError::Driver {
+        call,
+        name,
+        code: e.0 as u32,
+        message,
+    }
+}
+
+fn drv_err(call: &'static str) -> impl FnOnce(DriverError) -> CudnnError {
+    move |e| driver_error(call, e)
+}
+
+fn invalid(call: &'static str, detail: String) -> CudnnError {
+    CudnnError::InvalidArgument { call, detail }
+}
+
+/// Reports a failed destroy from a `Drop` impl without panicking (not even on a closed stderr).
+fn warn_drop(call: &str, status: dnn_sys::cudnnStatus_t) {
+    let _ = writeln!(
+        std::io::stderr(),
+        "mucudnn: warning: {call} failed while dropping: {status:?} ({})",
+        status as u32
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Availability
+
+/// Whether the two libraries can be found by the dynamic loader. Checking loads nothing for
+/// good and never panics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LibraryStatus {
+    pub libcuda: bool,
+    pub libcudnn: bool,
+}
+
+/// Which of `libcuda` and `libcudnn` the dynamic loader can find (cached after the first call).
+pub fn library_status() -> LibraryStatus {
+    LibraryStatus {
+        libcuda: libcuda_present(),
+        libcudnn: libcudnn_present(),
+    }
+}
+
+fn libcuda_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` dlopen()s libcuda under each candidate name and closes it again;
+    // running the NVIDIA driver library's initialisers is what cudarc does on first use anyway.
+    *PRESENT.get_or_init(|| unsafe { drv_sys::is_culib_present() })
+}
+
+fn libcudnn_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: as for libcuda: a dlopen()/dlclose() of libcudnn under its candidate names.
+    *PRESENT.get_or_init(|| unsafe { dnn_sys::is_culib_present() })
+}
+
+/// The file names cudarc tries for `lib`, without repeats.
+fn candidates(lib: &str) -> String {
+    let mut names: Vec<String> = Vec::new();
+    for name in cudarc::get_lib_name_candidates(lib) {
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names.join(", ")
+}
+
+/// Gate for everything that touches the driver: libcuda present, driver API new enough,
+/// cuInit succeeded. Returns the driver version (e.g. 13000). Cached.
+fn driver() -> Result<i32, CudnnError> {
+    static DRIVER: OnceLock<Result<i32, CudnnError>> = OnceLock::new();
+    DRIVER.get_or_init(init_driver).clone()
+}
+
+fn init_driver() -> Result<i32, CudnnError> {
+    if !libcuda_present() {
+        return Err(CudnnError::Unavailable {
+            what: "libcuda",
+            detail: format!(
+                "the NVIDIA driver library (libcuda.so.1) was not found: this machine has no \
+                 NVIDIA driver, or this process cannot see it (a container needs the NVIDIA \
+                 runtime, e.g. `--gpus all`; otherwise put the driver's lib folder on \
+                 LD_LIBRARY_PATH). The cuDNN backend needs an NVIDIA GPU with driver 580 or \
+                 newer (CUDA 13). Searched: {}",
+                candidates("cuda")
+            ),
+        });
+    }
+    let mut version: std::ffi::c_int = 0;
+    // SAFETY: libcuda is present (checked above), so cudarc's loader finds it; the call writes
+    // one int through a pointer to a live local. It needs no prior cuInit.
+    unsafe { drv_sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(drv_err("cuDriverGetVersion"))?;
+    if version < MIN_DRIVER_VERSION {
+        return Err(CudnnError::Unavailable {
+            what: "CUDA driver",
+            detail: format!(
+                "the installed driver supports CUDA {}.{} ({version}), but this build calls the \
+                 CUDA {}.{} driver API (cudarc feature cuda-13000): install NVIDIA driver 580 \
+                 or newer",
+                version / 1000,
+                version % 1000 / 10,
+                MIN_DRIVER_VERSION / 1000,
+                MIN_DRIVER_VERSION % 1000 / 10,
+            ),
+        });
+    }
+    drv::init().map_err(|e| {
+        let (name, message) = describe_driver_error(&e);
+        CudnnError::NoDevice {
+            detail: format!(
+                "cuInit failed with {name} ({}): {message} (is a GPU visible to this process? \
+                 check nvidia-smi and CUDA_VISIBLE_DEVICES)",
+                e.0 as u32
+            ),
+        }
+    })?;
+    Ok(version)
+}
+
+fn device_count() -> Result<usize, CudnnError> {
+    driver()?;
+    let count = drv::device::get_count().map_err(drv_err("cuDeviceGetCount"))?;
+    if count <= 0 {
+        return Err(CudnnError::NoDevice {
+            detail: "the CUDA driver sees no GPU (cuDeviceGetCount = 0; is CUDA_VISIBLE_DEVICES \
+                     empty or wrong?)"
+                .to_string(),
+        });
+    }
+    Ok(count as usize)
+}
+
+/// Gate for everything that touches cuDNN: libcudnn present, major version 9, every symbol
+/// this module calls exported. Returns `cudnnGetVersion()` (e.g. 91400). Cached.
+fn cudnn() -> Result<u64, CudnnError> {
+    static CUDNN: OnceLock<Result<u64, CudnnError>> = OnceLock::new();
+    CUDNN.get_or_init(init_cudnn).clone()
+}
+
+fn init_cudnn() -> Result<u64, CudnnError> {
+    if !libcudnn_present() {
+        return Err(CudnnError::Unavailable {
+            what: "libcudnn",
+            detail: format!(
+                "libcudnn.so not found: install cuDNN 9 or put its lib folder on \
+                 LD_LIBRARY_PATH (PyTorch ships one: python -c \"import nvidia.cudnn as m; \
+                 print(m.__path__[0] + '/lib')\"). Searched: {}",
+                candidates("cudnn")
+            ),
+        });
+    }
+    // cudnnGetVersion exists in every cuDNN; check the major version before anything else.
+    let version = dnn::get_version() as u64;
+    let major = if version >= 10_000 {
+        version / 10_000
+    } else {
+        version / 1_000
+    };
+    if major != CUDNN_MAJOR {
+        return Err(CudnnError::Unavailable {
+            what: "libcudnn",
+            detail: format!(
+                "found cuDNN {version} (major version {major}), but this build uses the cuDNN \
+                 {CUDNN_MAJOR} API: install cuDNN {CUDNN_MAJOR}.x or put it first on \
+                 LD_LIBRARY_PATH"
+            ),
+        });
+    }
+    // SAFETY: libcudnn is present (checked above), so `culib` loads it rather than panicking.
+    let lib = unsafe { dnn_sys::culib() };
+    let missing: Vec<&str> = CUDNN_SYMBOLS
+        .iter()
+        .copied()
+        // SAFETY: looking a symbol up does not call it; the type parameter is only the type
+        // the (unused) symbol would be read as.
+        .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
+        .collect();
+    if !missing.is_empty() {
+        return Err(CudnnError::Unavailable {
+            what: "libcudnn",
+            detail: format!(
+                "cuDNN {version} does not export {} (a partial or mismatched install?)",
+                missing.join(", ")
+            ),
+        });
+    }
+    Ok(version)
+}
+
+/// One GPU as the driver describes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    /// E.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// `(major, minor)`, e.g. `(9, 0)` for an H100.
+    pub compute_capability: (i32, i32),
+    pub total_memory_bytes: u64,
+    pub multiprocessors: i32,
+}
+
+/// What [`probe`] found.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SystemInfo {
+    /// `cuDriverGetVersion`: 1000 * major + 10 * minor (13000 is CUDA 13.0).
+    pub driver_version: i32,
+    /// `cudnnGetVersion`: 10000 * major + 100 * minor + patch (91400 is 9.14.0).
+    pub cudnn_version: u64,
+    /// `cudnnGetCudartVersion`: the CUDA runtime cuDNN was built against (e.g. 12080).
+    pub cudnn_cudart_version: u64,
+    pub devices: Vec<DeviceInfo>,
+}
+
+impl SystemInfo {
+    /// E.g. `13.0`.
+    pub fn driver_version_string(&self) -> String {
+        format!(
+            "{}.{}",
+            self.driver_version / 1000,
+            self.driver_version % 1000 / 10
+        )
+    }
+
+    /// E.g. `9.14.0`.
+    pub fn cudnn_version_string(&self) -> String {
+        let v = self.cudnn_version;
+        format!("{}.{}.{}", v / 10_000, v % 10_000 / 100, v % 100)
+    }
+}
+
+/// Checks that the backend can run here and describes the machine: driver version, cuDNN
+/// version, and every visible GPU. Errors (never panics) when libcuda or libcudnn is missing
+/// or too old, when cuInit fails, or when no GPU is visible.
+pub fn probe() -> Result<SystemInfo, CudnnError> {
+    let driver_version = driver()?;
+    let count = device_count()?;
+    let cudnn_version = cudnn()?;
+    let cudnn_cudart_version = dnn::get_cudart_version() as u64;
+    let devices = (0..count).map(device_info).collect::<Result<Vec<_>, _>>()?;
+    Ok(SystemInfo {
+        driver_version,
+        cudnn_version,
+        cudnn_cudart_version,
+        devices,
+    })
+}
+
+fn device_info(ordinal: usize) -> Result<DeviceInfo, CudnnError> {
+    let ordinal_int = std::ffi::c_int::try_from(ordinal).map_err(|_| {
+        invalid(
+            "device_info",
+            format!("device ordinal {ordinal} is too large"),
+        )
+    })?;
+    let dev = drv::device::get(ordinal_int).map_err(drv_err("cuDeviceGet"))?;
+    let name = drv::device::get_name(dev).map_err(drv_err("cuDeviceGetName"))?;
+    let attribute = |attr: drv_sys::CUdevice_attribute| {
+        // SAFETY: `dev` was returned by cuDeviceGet after cuInit succeeded.
+        unsafe { drv::device::get_attribute(dev, attr) }.map_err(drv_err("cuDeviceGetAttribute"))
+    };
+    use drv_sys::CUdevice_attribute as A;
+    let major = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let multiprocessors = attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    // SAFETY: as above.
+    let total = unsafe { drv::device::total_mem(dev) }.map_err(drv_err("cuDeviceTotalMem"))?;
+    Ok(DeviceInfo {
+        ordinal,
+        name,
+        compute_capability: (major, minor),
+        total_memory_bytes: total as u64,
+        multiprocessors,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Enum mappings
+
+fn data_type(dtype: DType) -> dnn_sys::cudnnDataType_t {
+    match dtype {
+        DType::Fp32 => dnn_sys::cudnnDataType_t::CUDNN_DATA_FLOAT,
+        DType::Fp16 => dnn_sys::cudnnDataType_t::CUDNN_DATA_HALF,
+        DType::Bf16 => dnn_sys::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
+    }
+}
+
+/// Compute (accumulation) type: fp32 for all three data types, as PyTorch does; cuDNN calls
+/// fp16/bf16 data with fp32 compute PSEUDO_HALF_CONFIG / PSEUDO_BFLOAT16_CONFIG.
+fn compute_type(_dtype: DType) -> dnn_sys::cudnnDataType_t {
+    dnn_sys::cudnnDataType_t::CUDNN_DATA_FLOAT
+}
+
+fn tensor_format(layout: Layout) -> dnn_sys::cudnnTensorFormat_t {
+    match layout {
+        Layout::Nchw => dnn_sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+        Layout::Nhwc => dnn_sys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+    }
+}
+
+fn math_type(math: MathMode) -> dnn_sys::cudnnMathType_t {
+    match math {
+        MathMode::Default => dnn_sys::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+        MathMode::TensorOp => dnn_sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+        MathMode::TensorOpAllowConversion => {
+            dnn_sys::cudnnMathType_t::CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION
+        }
+        MathMode::Fma => dnn_sys::cudnnMathType_t::CUDNN_FMA_MATH,
+    }
+}
+
+fn math_mode_from_raw(raw: u32) -> Option<MathMode> {
+    use dnn_sys::cudnnMathType_t as M;
+    [
+        (M::CUDNN_DEFAULT_MATH, MathMode::Default),
+        (M::CUDNN_TENSOR_OP_MATH, MathMode::TensorOp),
+        (
+            M::CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION,
+            MathMode::TensorOpAllowConversion,
+        ),
+        (M::CUDNN_FMA_MATH, MathMode::Fma),
+    ]
+    .into_iter()
+    .find(|&(m, _)| m as u32 == raw)
+    .map(|(_, mode)| mode)
+}
+
+use dnn_sys::cudnnConvolutionBwdDataAlgo_t as BwdDataAlgo;
+use dnn_sys::cudnnConvolutionBwdFilterAlgo_t as BwdFilterAlgo;
+use dnn_sys::cudnnConvolutionFwdAlgo_t as FwdAlgo;
+
+/// The legacy forward algorithms, indexed by their number.
+const FWD_ALGOS: [FwdAlgo; FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_COUNT as usize] = [
+    FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
+    FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+    FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_GEMM,
+    FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_DIRECT,
+    FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_FFT,
+    FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING,
+    FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD,
+    FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED,
+];
+
+/// The legacy backward-data algorithms, indexed by their number.
+const BWD_DATA_ALGOS: [BwdDataAlgo; BwdDataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT as usize] = [
+    BwdDataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0,
+    BwdDataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
+    BwdDataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT,
+    BwdDataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING,
+    BwdDataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD,
+    BwdDataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED,
+];
+
+/// The legacy backward-filter algorithms, indexed by their number.
+const BWD_FILTER_ALGOS: [BwdFilterAlgo;
+    BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT as usize] = [
+    BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0,
+    BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+    BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT,
+    BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3,
+    BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD,
+    BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED,
+    BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING,
+];
+
+/// Number of legacy algorithms of `op` (`CUDNN_CONVOLUTION_*_ALGO_COUNT`: 8, 6, 7); the
+/// algorithms are numbered `0..algo_count(op)`.
+pub fn algo_count(op: ConvOp) -> u32 {
+    match op {
+        ConvOp::Forward => FwdAlgo::CUDNN_CONVOLUTION_FWD_ALGO_COUNT as u32,
+        ConvOp::BackwardData => BwdDataAlgo::CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT as u32,
+        ConvOp::BackwardFilter => BwdFilterAlgo::CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT as u32,
+    }
+}
+
+/// cuDNN's name of algorithm `algo` of `op` without the `CUDNN_CONVOLUTION_` prefix, e.g.
+/// `FWD_ALGO_IMPLICIT_PRECOMP_GEMM`, `BWD_DATA_ALGO_1`; `None` when out of range.
+pub fn algo_name(op: ConvOp, algo: u32) -> Option<String> {
+    let name = match Algo::new(op, algo)? {
+        Algo::Fwd(a) => format!("{a:?}"),
+        Algo::BwdData(a) => format!("{a:?}"),
+        Algo::BwdFilter(a) => format!("{a:?}"),
+    };
+    Some(
+        name.strip_prefix("CUDNN_CONVOLUTION_")
+            .map(str::to_string)
+            .unwrap_or(name),
+    )
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Algo {
+    Fwd(FwdAlgo),
+    BwdData(BwdDataAlgo),
+    BwdFilter(BwdFilterAlgo),
+}
+
+impl Algo {
+    fn new(op: ConvOp, algo: u32) -> Option<Algo> {
+        let i = algo as usize;
+        match op {
+            ConvOp::Forward => FWD_ALGOS.get(i).copied().map(Algo::Fwd),
+            ConvOp::BackwardData => BWD_DATA_ALGOS.get(i).copied().map(Algo::BwdData),
+            ConvOp::BackwardFilter => BWD_FILTER_ALGOS.get(i).copied().map(Algo::BwdFilter),
+        }
+    }
+
+    fn checked(call: &'static str, op: ConvOp, algo: u32) -> Result<Algo, CudnnError> {
+        Algo::new(op, algo).ok_or_else(|| {
+            invalid(
+                call,
+                format!(
+                    "{op} has legacy algorithms 0..{}, not {algo}",
+                    algo_count(op)
+                ),
+            )
+        })
+    }
+}
+
+fn workspace_call(op: ConvOp) -> &'static str {
+    match op {
+        ConvOp::Forward => "cudnnGetConvolutionForwardWorkspaceSize",
+        ConvOp::BackwardData => "cudnnGetConvolutionBackwardDataWorkspaceSize",
+        ConvOp::BackwardFilter => "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+    }
+}
+
+fn execute_call(op: ConvOp) -> &'static str {
+    match op {
+        ConvOp::Forward => "cudnnConvolutionForward",
+        ConvOp::BackwardData => "cudnnConvolutionBackwardData",
+        ConvOp::BackwardFilter => "cudnnConvolutionBackwardFilter",
+    }
+}
+
+fn find_call(op: ConvOp) -> &'static str {
+    match op {
+        ConvOp::Forward => "cudnnFindConvolutionForwardAlgorithmEx",
+        ConvOp::BackwardData => "cudnnFindConvolutionBackwardDataAlgorithmEx",
+        ConvOp::BackwardFilter => "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handle
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+type WorkspaceKey = (u64, ConvOp, u32);
+
+/// A cuDNN handle bound to one CUDA stream of one device. All work it issues (convolutions,
+/// copies into its buffers, timer events) goes to that stream, in order.
+///
+/// Not `Send`/`Sync`: cuDNN handles must not be used by two threads at once; make one handle
+/// per thread.
+pub struct CudnnHandle {
+    raw: dnn_sys::cudnnHandle_t,
+    stream: Arc<CudaStream>,
+    /// Workspace sizes by (descriptor id, op, algo): `Ok` sizes and NOT_SUPPORTED answers.
+    workspace_cache: RefCell<HashMap<WorkspaceKey, Result<u64, CudnnError>>>,
+}
+
+impl std::fmt::Debug for CudnnHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudnnHandle")
+            .field("device", &self.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudnnHandle {
+    /// A handle on device `ordinal`, with a new non-blocking stream in the device's primary
+    /// context.
+    pub fn new(ordinal: usize) -> Result<Self, CudnnError> {
+        let count = device_count()?;
+        cudnn()?;
+        if ordinal >= count {
+            return Err(CudnnError::NoDevice {
+                detail: format!("device {ordinal} requested, but only {count} visible"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv_err("cuDevicePrimaryCtxRetain"))?;
+        let stream = ctx.new_stream().map_err(drv_err("cuStreamCreate"))?;
+        Self::with_stream(stream)
+    }
+
+    /// A handle that issues its work to `stream` (e.g. one shared with other cudarc code).
+    pub fn with_stream(stream: Arc<CudaStream>) -> Result<Self, CudnnError> {
+        driver()?;
+        cudnn()?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(drv_err("cuCtxSetCurrent"))?;
+        let raw = dnn::create_handle().map_err(dnn_err("cudnnCreate"))?;
+        // From here on, Drop destroys `raw`.
+        let handle = CudnnHandle {
+            raw,
+            stream,
+            workspace_cache: RefCell::new(HashMap::new()),
+        };
+        // SAFETY: `raw` is a live handle; the stream belongs to the current context and
+        // outlives the handle (the handle holds an Arc to it). The cast only renames the
+        // opaque `CUstream_st` type between cudarc's driver and cuDNN bindings.
+        unsafe { dnn::set_stream(handle.raw, handle.stream.cu_stream() as *mut _) }
+            .map_err(dnn_err("cudnnSetStream"))?;
+        Ok(handle)
+    }
+
+    /// The stream this handle's work goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.stream.context().ordinal()
+    }
+
+    /// Waits until all work issued on the handle's stream has finished.
+    pub fn synchronize(&self) -> Result<(), CudnnError> {
+        self.stream
+            .synchronize()
+            .map_err(drv_err("cuStreamSynchronize"))
+    }
+
+    fn bind(&self) -> Result<(), CudnnError> {
+        self.stream.context().bind_to_thread().map_err(drv_err(
+            "cuCtxSetCurrent (or an earlier deferred CUDA error)",
+        ))
+    }
+
+    fn query_workspace(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        algo: u32,
+    ) -> Result<u64, CudnnError> {
+        let key = (d.id, op, algo);
+        if let Some(hit) = self.workspace_cache.borrow().get(&key) {
+            return hit.clone();
+        }
+        let which = Algo::checked("CudnnHandle::workspace_size", op, algo)?;
+        self.bind()?;
+        // SAFETY: the handle and the four descriptors are alive (borrowed) for the call; the
+        // descriptors are configured and their tensor roles are the ones each function expects
+        // (x, w, conv, y / w, dy, conv, dx / x, dy, conv, dw); cudarc's wrapper passes a
+        // pointer to a local for the size.
+        let result = unsafe {
+            match which {
+                Algo::Fwd(a) => dnn::get_convolution_forward_workspace_size(
+                    self.raw,
+                    d.input.raw,
+                    d.filter.raw,
+                    d.conv.raw,
+                    d.output.raw,
+                    a,
+                ),
+                Algo::BwdData(a) => dnn::get_convolution_backward_data_workspace_size(
+                    self.raw,
+                    d.filter.raw,
+                    d.output.raw,
+                    d.conv.raw,
+                    d.input.raw,
+                    a,
+                ),
+                Algo::BwdFilter(a) => dnn::get_convolution_backward_filter_workspace_size(
+                    self.raw,
+                    d.input.raw,
+                    d.output.raw,
+                    d.conv.raw,
+                    d.filter.raw,
+                    a,
+                ),
+            }
+        };
+        let result = result
+            .map(|bytes| bytes as u64)
+            .map_err(|e| status_error(workspace_call(op), e.0).for_op_algo(op, Some(algo)));
+        if result
+            .as_ref()
+            .map_or_else(CudnnError::is_not_supported, |_| true)
+        {
+            self.workspace_cache
+                .borrow_mut()
+                .insert(key, result.clone());
+        }
+        result
+    }
+
+    /// Workspace bytes that legacy algorithm `algo` of `op` needs for `d`, or `None` when
+    /// cuDNN answers `CUDNN_STATUS_NOT_SUPPORTED*` for this configuration (skip the algorithm).
+    /// Other failures, and `algo >= algo_count(op)`, are errors. Answers are cached per
+    /// (descriptors, op, algo).
+    pub fn workspace_size(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        algo: u32,
+    ) -> Result<Option<u64>, CudnnError> {
+        match self.query_workspace(d, op, algo) {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(e) if e.is_not_supported() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every legacy algorithm of `op` that cuDNN reports a workspace size for, in algorithm
+    /// order. A listed algorithm may still fail with NOT_SUPPORTED when run (cuDNN decides some
+    /// limits only then): see [`CudnnError::is_not_supported`].
+    pub fn supported_algorithms(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+    ) -> Result<Vec<AlgoWorkspace>, CudnnError> {
+        let mut found = Vec::new();
+        for algo in 0..algo_count(op) {
+            if let Some(workspace_bytes) = self.workspace_size(d, op, algo)? {
+                found.push(AlgoWorkspace {
+                    algo,
+                    workspace_bytes,
+                });
+            }
+        }
+        Ok(found)
+    }
+
+    fn check_operands(
+        &self,
+        call: &'static str,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        operands: [(&'static str, &ViewParts<'_>); 3],
+        workspace: &WorkspaceView<'_>,
+    ) -> Result<(), CudnnError> {
+        let roles = operand_roles(op);
+        for ((name, view), role) in operands.into_iter().zip(roles) {
+            let expected = d.shapes.elements(role);
+            if view.dtype != d.shapes.dtype {
+                return Err(invalid(
+                    call,
+                    format!(
+                        "{op} operand {name} ({role:?}) is {} but the problem is {}",
+                        view.dtype, d.shapes.dtype
+                    ),
+                ));
+            }
+            if view.len != expected {
+                return Err(invalid(
+                    call,
+                    format!(
+                        "{op} operand {name} ({role:?}) has {} elements, the descriptor {} \
+                         (dims {:?})",
+                        view.len,
+                        expected,
+                        d.shapes.dims(role)
+                    ),
+                ));
+            }
+            if *view.stream != *self.stream {
+                return Err(invalid(
+                    call,
+                    format!("{op} operand {name} was allocated on another stream or device"),
+                ));
+            }
+        }
+        if let Some(stream) = workspace.stream {
+            if *stream != *self.stream {
+                return Err(invalid(
+                    call,
+                    "the workspace was allocated on another stream or device".to_string(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs legacy algorithm `algo` of `op` on the handle's stream (asynchronously):
+    /// `out = alpha * op(a, b) + beta * out`, with operands as in
+    /// [`super::shape::operand_roles`]:
+    ///
+    /// | op | a | b | out |
+    /// |---|---|---|---|
+    /// | forward | x | w | y |
+    /// | backward-data | w | dy | dx |
+    /// | backward-filter | x | dy | dw |
+    ///
+    /// `alpha` and `beta` are host f32 for fp32, fp16 and bf16 data (cuDNN's rule: float
+    /// scaling parameters for all but double data). With `beta = 0` the output is not read;
+    /// `beta = 1` accumulates (backward-filter over micro-batches).
+    ///
+    /// Each view must have the problem's dtype and exactly the element count of its role in
+    /// `d` (so a micro-batch is a view of `d.shapes().sample_range(..)` of a full-batch buffer,
+    /// with `d` built for the micro-batch size), and be on this handle's stream; the workspace
+    /// must hold at least [`Self::workspace_size`] bytes (an empty view where that is 0).
+    /// Violations are [`CudnnError::InvalidArgument`]; an algorithm cuDNN cannot run here is a
+    /// [`CudnnError::Cudnn`] with [`CudnnError::is_not_supported`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn convolve(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        algo: u32,
+        alpha: f32,
+        a: &DeviceView<'_>,
+        b: &DeviceView<'_>,
+        beta: f32,
+        out: &mut DeviceViewMut<'_>,
+        workspace: &mut WorkspaceView<'_>,
+    ) -> Result<(), CudnnError> {
+        const CALL: &str = "CudnnHandle::convolve";
+        let which = Algo::checked(CALL, op, algo)?;
+        let out_parts = out.parts();
+        self.check_operands(
+            CALL,
+            d,
+            op,
+            [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
+            workspace,
+        )?;
+        let required = self.query_workspace(d, op, algo)?;
+        if workspace.bytes < required {
+            return Err(invalid(
+                CALL,
+                format!(
+                    "{op} algorithm {algo} needs {required} workspace bytes, the workspace view \
+                     has {}",
+                    workspace.bytes
+                ),
+            ));
+        }
+        let workspace_bytes = usize::try_from(workspace.bytes)
+            .map_err(|_| invalid(CALL, "workspace larger than the address space".into()))?;
+        self.bind()?;
+        let alpha_ptr = (&alpha as *const f32).cast::<c_void>();
+        let beta_ptr = (&beta as *const f32).cast::<c_void>();
+        let (a_ptr, b_ptr) = (a.parts.ptr as *const c_void, b.parts.ptr as *const c_void);
+        let out_ptr = out_parts.ptr as *mut c_void;
+        let ws_ptr = workspace.raw_ptr();
+        // SAFETY:
+        // - the handle and descriptors are alive (borrowed) for the call, and cuDNN copies what
+        //   it needs from them before returning;
+        // - `a`, `b` and `out` point into live device allocations (the views borrow their
+        //   buffers) with exactly the element count and dtype their descriptors describe
+        //   (checked above), so cuDNN reads and writes only inside them; `out` is borrowed
+        //   mutably, so no other view aliases it;
+        // - the workspace view covers `workspace_bytes` bytes of a live allocation (or is null
+        //   with size 0), and is at least what cuDNN requires for this algorithm (checked);
+        // - all memory is on the handle's stream (checked), so the asynchronous kernel is
+        //   ordered before any later free of those buffers (cudarc frees stream-ordered);
+        // - alpha/beta point to host f32 locals, the scaling type for float/half/bf16 data.
+        let result = unsafe {
+            match which {
+                Algo::Fwd(algo_raw) => dnn::convolution_forward(
+                    self.raw,
+                    alpha_ptr,
+                    d.input.raw,
+                    a_ptr,
+                    d.filter.raw,
+                    b_ptr,
+                    d.conv.raw,
+                    algo_raw,
+                    ws_ptr,
+                    workspace_bytes,
+                    beta_ptr,
+                    d.output.raw,
+                    out_ptr,
+                ),
+                Algo::BwdData(algo_raw) => dnn::convolution_backward_data(
+                    self.raw,
+                    alpha_ptr,
+                    d.filter.raw,
+                    a_ptr,
+                    d.output.raw,
+                    b_ptr,
+                    d.conv.raw,
+                    algo_raw,
+                    ws_ptr,
+                    workspace_bytes,
+                    beta_ptr,
+                    d.input.raw,
+                    out_ptr,
+                ),
+                Algo::BwdFilter(algo_raw) => dnn::convolution_backward_filter(
+                    self.raw,
+                    alpha_ptr,
+                    d.input.raw,
+                    a_ptr,
+                    d.output.raw,
+                    b_ptr,
+                    d.conv.raw,
+                    algo_raw,
+                    ws_ptr,
+                    workspace_bytes,
+                    beta_ptr,
+                    d.filter.raw,
+                    out_ptr,
+                ),
+            }
+        };
+        result.map_err(|e| status_error(execute_call(op), e.0).for_op_algo(op, Some(algo)))
+    }
+
+    /// cuDNN's own benchmark of every legacy algorithm of `op` (`cudnnFind*AlgorithmEx`),
+    /// fastest first. It runs each algorithm on the given buffers (overwriting `out`) and
+    /// blocks until done; algorithms that need more than the workspace view are reported
+    /// with a failure status. Operand rules as for [`Self::convolve`].
+    pub fn find_algorithms(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        a: &DeviceView<'_>,
+        b: &DeviceView<'_>,
+        out: &mut DeviceViewMut<'_>,
+        workspace: &mut WorkspaceView<'_>,
+    ) -> Result<Vec<FoundAlgorithm>, CudnnError> {
+        const CALL: &str = "CudnnHandle::find_algorithms";
+        let out_parts = out.parts();
+        self.check_operands(
+            CALL,
+            d,
+            op,
+            [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
+            workspace,
+        )?;
+        let workspace_bytes = usize::try_from(workspace.bytes)
+            .map_err(|_| invalid(CALL, "workspace larger than the address space".into()))?;
+        self.bind()?;
+        let requested = algo_count(op) as usize;
+        let mut returned: std::ffi::c_int = 0;
+        let (a_ptr, b_ptr) = (a.parts.ptr as *const c_void, b.parts.ptr as *const c_void);
+        let out_ptr = out_parts.ptr as *mut c_void;
+        let ws_ptr = workspace.raw_ptr();
+
+        /// Reads one perf entry field by field; enum fields as their `u32` representation.
+        macro_rules! read_perf {
+            ($entry:expr) => {{
+                let p = $entry.as_ptr();
+                // SAFETY: `p` points to an initialised entry (zeroed, then possibly written by
+                // cuDNN); every field is read with its own plain type, enums as u32 (they are
+                // `repr(u32)`), so an unknown value is not undefined behaviour.
+                unsafe {
+                    FoundAlgorithm {
+                        algo: std::ptr::addr_of!((*p).algo).cast::<u32>().read(),
+                        status_code: std::ptr::addr_of!((*p).status).cast::<u32>().read(),
+                        time_ms: std::ptr::addr_of!((*p).time).read(),
+                        workspace_bytes: std::ptr::addr_of!((*p).memory).read() as u64,
+                        deterministic: std::ptr::addr_of!((*p).determinism).cast::<u32>().read()
+                            == dnn_sys::cudnnDeterminism_t::CUDNN_DETERMINISTIC as u32,
+                        math: math_mode_from_raw(
+                            std::ptr::addr_of!((*p).mathType).cast::<u32>().read(),
+                        ),
+                    }
+                }
+            }};
+        }
+
+        // SAFETY (all three arms): as for `convolve` (live handle and descriptors, operands
+        // checked against the descriptors and on the handle's stream, workspace pointer and
+        // size describing one live allocation or null/0); in addition, `perf` holds
+        // `requested` zero-initialised entries for cuDNN to fill and `returned` is a live
+        // local. The Find functions synchronise before returning.
+        let found: Vec<FoundAlgorithm> = match op {
+            ConvOp::Forward => {
+                let mut perf = vec![
+                    MaybeUninit::<dnn_sys::cudnnConvolutionFwdAlgoPerf_t>::zeroed();
+                    requested
+                ];
+                unsafe {
+                    dnn_sys::cudnnFindConvolutionForwardAlgorithmEx(
+                        self.raw,
+                        d.input.raw,
+                        a_ptr,
+                        d.filter.raw,
+                        b_ptr,
+                        d.conv.raw,
+                        d.output.raw,
+                        out_ptr,
+                        requested as std::ffi::c_int,
+                        &mut returned,
+                        perf.as_mut_ptr().cast(),
+                        ws_ptr,
+                        workspace_bytes,
+                    )
+                }
+                .result()
+                .map_err(|e| status_error(find_call(op), e.0).for_op_algo(op, None))?;
+                let n = (returned.max(0) as usize).min(requested);
+                perf[..n].iter().map(|e| read_perf!(e)).collect()
+            }
+            ConvOp::BackwardData => {
+                let mut perf = vec![
+                    MaybeUninit::<dnn_sys::cudnnConvolutionBwdDataAlgoPerf_t>::zeroed();
+                    requested
+                ];
+                unsafe {
+                    dnn_sys::cudnnFindConvolutionBackwardDataAlgorithmEx(
+                        self.raw,
+                        d.filter.raw,
+                        a_ptr,
+                        d.output.raw,
+                        b_ptr,
+                        d.conv.raw,
+                        d.input.raw,
+                        out_ptr,
+                        requested as std::ffi::c_int,
+                        &mut returned,
+                        perf.as_mut_ptr().cast(),
+                        ws_ptr,
+                        workspace_bytes,
+                    )
+                }
+                .result()
+                .map_err(|e| status_error(find_call(op), e.0).for_op_algo(op, None))?;
+                let n = (returned.max(0) as usize).min(requested);
+                perf[..n].iter().map(|e| read_perf!(e)).collect()
+            }
+            ConvOp::BackwardFilter => {
+                let mut perf = vec![
+                    MaybeUninit::<dnn_sys::cudnnConvolutionBwdFilterAlgoPerf_t>::zeroed();
+                    requested
+                ];
+                unsafe {
+                    dnn_sys::cudnnFindConvolutionBackwardFilterAlgorithmEx(
+                        self.raw,
+                        d.input.raw,
+                        a_ptr,
+                        d.output.raw,
+                        b_ptr,
+                        d.conv.raw,
+                        d.filter.raw,
+                        out_ptr,
+                        requested as std::ffi::c_int,
+                        &mut returned,
+                        perf.as_mut_ptr().cast(),
+                        ws_ptr,
+                        workspace_bytes,
+                    )
+                }
+                .result()
+                .map_err(|e| status_error(find_call(op), e.0).for_op_algo(op, None))?;
+                let n = (returned.max(0) as usize).min(requested);
+                perf[..n].iter().map(|e| read_perf!(e)).collect()
+            }
+        };
+        Ok(found)
+    }
+
+    // ---- memory
+
+    /// A zero-filled buffer of `len` elements of `dtype` on this handle's stream.
+    pub fn alloc_zeroed(&self, dtype: DType, len: usize) -> Result<DeviceBuffer, CudnnError> {
+        let bytes = buffer_bytes("CudnnHandle::alloc_zeroed", dtype, len)?;
+        let data = self
+            .stream
+            .alloc_zeros::<u8>(bytes)
+            .map_err(drv_err("cuMemAlloc"))?;
+        Ok(DeviceBuffer {
+            data,
+            stream: self.stream.clone(),
+            dtype,
+            len,
+        })
+    }
+
+    /// A buffer holding `values` converted to `dtype` (rounded to nearest).
+    pub fn upload(&self, dtype: DType, values: &[f32]) -> Result<DeviceBuffer, CudnnError> {
+        buffer_bytes("CudnnHandle::upload", dtype, values.len())?;
+        let data = self
+            .stream
+            .clone_htod(&host::encode(dtype, values))
+            .map_err(drv_err("cuMemcpyHtoDAsync"))?;
+        Ok(DeviceBuffer {
+            data,
+            stream: self.stream.clone(),
+            dtype,
+            len: values.len(),
+        })
+    }
+
+    /// A buffer of `len` random non-zero values ([`host::random_values`] with `seed`).
+    pub fn alloc_random(
+        &self,
+        dtype: DType,
+        len: usize,
+        seed: u64,
+    ) -> Result<DeviceBuffer, CudnnError> {
+        self.upload(dtype, &host::random_values(dtype, len, seed))
+    }
+
+    /// A zero-filled buffer for `role` of `d` (its full batch).
+    pub fn alloc_operand(
+        &self,
+        d: &ConvDescriptors,
+        role: Operand,
+    ) -> Result<DeviceBuffer, CudnnError> {
+        self.alloc_zeroed(d.shapes.dtype, d.shapes.elements(role))
+    }
+
+    /// A workspace of `bytes` bytes (no allocation for 0).
+    pub fn alloc_workspace(&self, bytes: u64) -> Result<Workspace, CudnnError> {
+        let data = if bytes == 0 {
+            None
+        } else {
+            let len = usize::try_from(bytes).map_err(|_| {
+                invalid(
+                    "CudnnHandle::alloc_workspace",
+                    format!("{bytes} bytes exceed the address space"),
+                )
+            })?;
+            Some(
+                self.stream
+                    .alloc_zeros::<u8>(len)
+                    .map_err(drv_err("cuMemAlloc"))?,
+            )
+        };
+        Ok(Workspace {
+            data,
+            stream: self.stream.clone(),
+            bytes,
+        })
+    }
+
+    /// A pair of timing events on this handle's stream.
+    pub fn timer(&self) -> Result<GpuTimer, CudnnError> {
+        let ctx = self.stream.context();
+        let event = || {
+            ctx.new_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv_err("cuEventCreate"))
+        };
+        Ok(GpuTimer {
+            start: event()?,
+            end: event()?,
+            stream: self.stream.clone(),
+        })
+    }
+}
+
+impl Drop for CudnnHandle {
+    fn drop(&mut self) {
+        // A failure to bind is recorded by cudarc in the context; the destroy is tried anyway.
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: `raw` was created by cudnnCreate in `with_stream` and is destroyed exactly
+        // once, here; no descriptor or view holds it.
+        if let Err(e) = unsafe { dnn::destroy_handle(self.raw) } {
+            warn_drop("cudnnDestroy", e.0);
+        }
+    }
+}
+
+/// A legacy algorithm and the workspace it needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AlgoWorkspace {
+    pub algo: u32,
+    pub workspace_bytes: u64,
+}
+
+/// One result of [`CudnnHandle::find_algorithms`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FoundAlgorithm {
+    pub algo: u32,
+    /// cuDNN's status for this algorithm: 0 when it ran.
+    pub status_code: u32,
+    pub time_ms: f32,
+    pub workspace_bytes: u64,
+    pub deterministic: bool,
+    /// The math mode cuDNN used (`None` for a value this build does not know).
+    pub math: Option<MathMode>,
+}
+
+impl FoundAlgorithm {
+    pub fn succeeded(&self) -> bool {
+        self.status_code == dnn_sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS as u32
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Descriptors
+
+/// A 4-D tensor descriptor: logical dims `[n, c, h, w]`, packed in `layout`.
+pub struct TensorDescriptor {
+    raw: dnn_sys::cudnnTensorDescriptor_t,
+    dims: [i32; 4],
+}
+
+impl TensorDescriptor {
+    pub fn new(dtype: DType, layout: Layout, dims: [i32; 4]) -> Result<Self, CudnnError> {
+        cudnn()?;
+        let raw =
+            dnn::create_tensor_descriptor().map_err(dnn_err("cudnnCreateTensorDescriptor"))?;
+        let desc = TensorDescriptor { raw, dims };
+        // SAFETY: `raw` is a live descriptor owned by `desc` (destroyed by its Drop).
+        unsafe {
+            dnn::set_tensor4d_descriptor(desc.raw, tensor_format(layout), data_type(dtype), dims)
+        }
+        .map_err(dnn_err("cudnnSetTensor4dDescriptor"))?;
+        Ok(desc)
+    }
+
+    pub fn dims(&self) -> [i32; 4] {
+        self.dims
+    }
+}
+
+impl Drop for TensorDescriptor {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed exactly once, here.
+        if let Err(e) = unsafe { dnn::destroy_tensor_descriptor(self.raw) } {
+            warn_drop("cudnnDestroyTensorDescriptor", e.0);
+        }
+    }
+}
+
+/// A 4-D filter descriptor: logical dims `[k, c / groups, r, s]`, packed in `layout`
+/// (NCHW: KCRS; NHWC: KRSC).
+pub struct FilterDescriptor {
+    raw: dnn_sys::cudnnFilterDescriptor_t,
+    dims: [i32; 4],
+}
+
+impl FilterDescriptor {
+    pub fn new(dtype: DType, layout: Layout, dims: [i32; 4]) -> Result<Self, CudnnError> {
+        cudnn()?;
+        let raw =
+            dnn::create_filter_descriptor().map_err(dnn_err("cudnnCreateFilterDescriptor"))?;
+        let desc = FilterDescriptor { raw, dims };
+        // SAFETY: `raw` is a live descriptor owned by `desc`. Note the argument order of
+        // cudnnSetFilter4dDescriptor: data type before format.
+        unsafe {
+            dnn::set_filter4d_descriptor(desc.raw, data_type(dtype), tensor_format(layout), dims)
+        }
+        .map_err(dnn_err("cudnnSetFilter4dDescriptor"))?;
+        Ok(desc)
+    }
+
+    pub fn dims(&self) -> [i32; 4] {
+        self.dims
+    }
+}
+
+impl Drop for FilterDescriptor {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed exactly once, here.
+        if let Err(e) = unsafe { dnn::destroy_filter_descriptor(self.raw) } {
+            warn_drop("cudnnDestroyFilterDescriptor", e.0);
+        }
+    }
+}
+
+/// A 2-D cross-correlation descriptor (what deep learning calls convolution): padding,
+/// stride, dilation, group count, fp32 compute, and the problem's math mode.
+pub struct ConvolutionDescriptor {
+    raw: dnn_sys::cudnnConvolutionDescriptor_t,
+}
+
+impl ConvolutionDescriptor {
+    pub fn new(shapes: &ConvShapes) -> Result<Self, CudnnError> {
+        cudnn()?;
+        let raw = dnn::create_convolution_descriptor()
+            .map_err(dnn_err("cudnnCreateConvolutionDescriptor"))?;
+        let desc = ConvolutionDescriptor { raw };
+        let [pad_h, pad_w] = shapes.pad;
+        let [u, v] = shapes.stride;
+        let [dilation_h, dilation_w] = shapes.dilation;
+        // SAFETY (three calls): `raw` is a live descriptor owned by `desc`.
+        unsafe {
+            dnn::set_convolution2d_descriptor(
+                desc.raw,
+                pad_h,
+                pad_w,
+                u,
+                v,
+                dilation_h,
+                dilation_w,
+                dnn_sys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                compute_type(shapes.dtype),
+            )
+        }
+        .map_err(dnn_err("cudnnSetConvolution2dDescriptor"))?;
+        unsafe { dnn::set_convolution_group_count(desc.raw, shapes.groups) }
+            .map_err(dnn_err("cudnnSetConvolutionGroupCount"))?;
+        unsafe { dnn::set_convolution_math_type(desc.raw, math_type(shapes.math)) }
+            .map_err(dnn_err("cudnnSetConvolutionMathType"))?;
+        Ok(desc)
+    }
+}
+
+impl Drop for ConvolutionDescriptor {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed exactly once, here.
+        if let Err(e) = unsafe { dnn::destroy_convolution_descriptor(self.raw) } {
+            warn_drop("cudnnDestroyConvolutionDescriptor", e.0);
+        }
+    }
+}
+
+/// All descriptors of one [`ConvProblem`] at one batch size: input, filter, output and
+/// convolution. Build one per micro-batch size (`problem.with_batch(m)`). Descriptors are not
+/// tied to a handle or device.
+pub struct ConvDescriptors {
+    id: u64,
+    problem: ConvProblem,
+    shapes: ConvShapes,
+    input: TensorDescriptor,
+    filter: FilterDescriptor,
+    output: TensorDescriptor,
+    conv: ConvolutionDescriptor,
+}
+
+impl std::fmt::Debug for ConvDescriptors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConvDescriptors")
+            .field("problem", &self.problem.describe())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConvDescriptors {
+    /// Validates `problem` (an error, not a panic, when invalid), then builds its descriptors
+    /// and checks that cuDNN computes the same output size.
+    pub fn new(problem: &ConvProblem) -> Result<Self, CudnnError> {
+        let shapes = ConvShapes::new(problem)?;
+        cudnn()?;
+        let input = TensorDescriptor::new(shapes.dtype, shapes.layout, shapes.input)?;
+        let filter = FilterDescriptor::new(shapes.dtype, shapes.layout, shapes.filter)?;
+        let output = TensorDescriptor::new(shapes.dtype, shapes.layout, shapes.output)?;
+        let conv = ConvolutionDescriptor::new(&shapes)?;
+        let mut dims = [0 as std::ffi::c_int; 4];
+        let [n, c, h, w] = &mut dims;
+        // SAFETY: the three descriptors are live and configured; the four outputs are
+        // distinct live locals.
+        unsafe {
+            dnn_sys::cudnnGetConvolution2dForwardOutputDim(
+                conv.raw, input.raw, filter.raw, n, c, h, w,
+            )
+        }
+        .result()
+        .map_err(dnn_err("cudnnGetConvolution2dForwardOutputDim"))?;
+        if dims != shapes.output {
+            return Err(invalid(
+                "ConvDescriptors::new",
+                format!(
+                    "cuDNN computes output dims {dims:?} for {}, mucudnn {:?}",
+                    problem.describe(),
+                    shapes.output
+                ),
+            ));
+        }
+        Ok(ConvDescriptors {
+            id: next_id(),
+            problem: *problem,
+            shapes,
+            input,
+            filter,
+            output,
+            conv,
+        })
+    }
+
+    pub fn problem(&self) -> &ConvProblem {
+        &self.problem
+    }
+
+    pub fn shapes(&self) -> &ConvShapes {
+        &self.shapes
+    }
+
+    pub fn input(&self) -> &TensorDescriptor {
+        &self.input
+    }
+
+    pub fn filter(&self) -> &FilterDescriptor {
+        &self.filter
+    }
+
+    pub fn output(&self) -> &TensorDescriptor {
+        &self.output
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device memory
+
+fn buffer_bytes(call: &'static str, dtype: DType, len: usize) -> Result<usize, CudnnError> {
+    if len == 0 {
+        return Err(invalid(
+            call,
+            "a device buffer needs at least one element".into(),
+        ));
+    }
+    len.checked_mul(dtype.size_bytes())
+        .ok_or_else(|| invalid(call, format!("{len} {dtype} elements overflow usize")))
+}
+
+/// A device array of `len` elements of one dtype, allocated on a handle's stream.
+/// Freed (stream-ordered) on drop.
+pub struct DeviceBuffer {
+    data: CudaSlice<u8>,
+    stream: Arc<CudaStream>,
+    dtype: DType,
+    len: usize,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("dtype", &self.dtype)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the wall needs to know about a view: where, how much, what, on which stream.
+struct ViewParts<'a> {
+    ptr: u64,
+    len: usize,
+    dtype: DType,
+    stream: &'a CudaStream,
+}
+
+/// A read-only window `[offset, offset + len)` (in elements) of a [`DeviceBuffer`]; it
+/// borrows the buffer. Made only by [`DeviceBuffer::view`], which checks the range.
+pub struct DeviceView<'a> {
+    parts: ViewParts<'a>,
+    /// Records the buffer's read event on drop (after the work using the view is issued).
+    _sync: SyncOnDrop<'a>,
+}
+
+/// A writable window of a [`DeviceBuffer`]; it borrows the buffer mutably, so nothing else
+/// reads or writes the buffer meanwhile. Made only by [`DeviceBuffer::view_mut`].
+pub struct DeviceViewMut<'a> {
+    ptr: u64,
+    len: usize,
+    dtype: DType,
+    stream: &'a CudaStream,
+    _sync: SyncOnDrop<'a>,
+}
+
+impl DeviceViewMut<'_> {
+    fn parts(&self) -> ViewParts<'_> {
+        ViewParts {
+            ptr: self.ptr,
+            len: self.len,
+            dtype: self.dtype,
+            stream: self.stream,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+impl DeviceView<'_> {
+    pub fn len(&self) -> usize {
+        self.parts.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parts.len == 0
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.parts.dtype
+    }
+}
+
+impl DeviceBuffer {
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: buffers have at least one element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn size_bytes(&self) -> usize {
+        self.len * self.dtype.size_bytes()
+    }
+
+    fn check_range(
+        &self,
+        call: &'static str,
+        offset: usize,
+        len: usize,
+    ) -> Result<u64, CudnnError> {
+        match offset.checked_add(len) {
+            Some(end) if len > 0 && end <= self.len => {
+                Ok((offset * self.dtype.size_bytes()) as u64)
+            }
+            _ => Err(invalid(
+                call,
+                format!(
+                    "elements [{offset}, {offset} + {len}) are not a non-empty range of a buffer \
+                     of {} elements",
+                    self.len
+                ),
+            )),
+        }
+    }
+
+    /// Elements `[offset, offset + len)`, read-only.
+    pub fn view(&self, offset: usize, len: usize) -> Result<DeviceView<'_>, CudnnError> {
+        let byte_offset = self.check_range("DeviceBuffer::view", offset, len)?;
+        let (base, sync) = self.data.device_ptr(&self.stream);
+        Ok(DeviceView {
+            parts: ViewParts {
+                ptr: base + byte_offset,
+                len,
+                dtype: self.dtype,
+                stream: &self.stream,
+            },
+            _sync: sync,
+        })
+    }
+
+    /// The whole buffer, read-only.
+    pub fn view_all(&self) -> DeviceView<'_> {
+        let (base, sync) = self.data.device_ptr(&self.stream);
+        DeviceView {
+            parts: ViewParts {
+                ptr: base,
+                len: self.len,
+                dtype: self.dtype,
+                stream: &self.stream,
+            },
+            _sync: sync,
+        }
+    }
+
+    /// Elements `[offset, offset + len)`, writable.
+    pub fn view_mut(&mut self, offset: usize, len: usize) -> Result<DeviceViewMut<'_>, CudnnError> {
+        let byte_offset = self.check_range("DeviceBuffer::view_mut", offset, len)?;
+        let (base, sync) = self.data.device_ptr_mut(&self.stream);
+        Ok(DeviceViewMut {
+            ptr: base + byte_offset,
+            len,
+            dtype: self.dtype,
+            stream: &self.stream,
+            _sync: sync,
+        })
+    }
+
+    /// The whole buffer, writable.
+    pub fn view_all_mut(&mut self) -> DeviceViewMut<'_> {
+        let len = self.len;
+        let (base, sync) = self.data.device_ptr_mut(&self.stream);
+        DeviceViewMut {
+            ptr: base,
+            len,
+            dtype: self.dtype,
+            stream: &self.stream,
+            _sync: sync,
+        }
+    }
+
+    /// Copies the buffer to the host (waiting for the work issued before), as f32.
+    pub fn download(&self) -> Result<Vec<f32>, CudnnError> {
+        let bytes = self
+            .stream
+            .clone_dtoh(&self.data)
+            .map_err(drv_err("cuMemcpyDtoHAsync"))?;
+        self.stream
+            .synchronize()
+            .map_err(drv_err("cuStreamSynchronize"))?;
+        host::decode(self.dtype, &bytes)
+    }
+
+    /// Overwrites the buffer with `values` converted to its dtype; `values.len()` must equal
+    /// [`Self::len`].
+    pub fn copy_from_host(&mut self, values: &[f32]) -> Result<(), CudnnError> {
+        if values.len() != self.len {
+            return Err(invalid(
+                "DeviceBuffer::copy_from_host",
+                format!("{} values for a buffer of {}", values.len(), self.len),
+            ));
+        }
+        let bytes = host::encode(self.dtype, values);
+        self.stream
+            .memcpy_htod(&bytes, &mut self.data)
+            .map_err(drv_err("cuMemcpyHtoDAsync"))
+    }
+
+    /// Overwrites the buffer with [`host::random_values`] (non-zero) from `seed`.
+    pub fn fill_random(&mut self, seed: u64) -> Result<(), CudnnError> {
+        let values = host::random_values(self.dtype, self.len, seed);
+        self.copy_from_host(&values)
+    }
+}
+
+/// Device scratch memory for cuDNN algorithms.
+pub struct Workspace {
+    data: Option<CudaSlice<u8>>,
+    stream: Arc<CudaStream>,
+    bytes: u64,
+}
+
+impl std::fmt::Debug for Workspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workspace")
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A byte range of a [`Workspace`] (or no workspace at all), borrowed mutably.
+pub struct WorkspaceView<'a> {
+    ptr: u64,
+    bytes: u64,
+    stream: Option<&'a CudaStream>,
+    _sync: Option<SyncOnDrop<'a>>,
+}
+
+impl WorkspaceView<'static> {
+    /// No workspace: for algorithms that need 0 bytes.
+    pub fn empty() -> Self {
+        WorkspaceView {
+            ptr: 0,
+            bytes: 0,
+            stream: None,
+            _sync: None,
+        }
+    }
+}
+
+impl WorkspaceView<'_> {
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    fn raw_ptr(&self) -> *mut c_void {
+        if self.bytes == 0 {
+            std::ptr::null_mut()
+        } else {
+            self.ptr as *mut c_void
+        }
+    }
+}
+
+impl Workspace {
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The whole workspace.
+    pub fn view(&mut self) -> WorkspaceView<'_> {
+        let bytes = self.bytes;
+        match self.data.as_mut() {
+            None => WorkspaceView::empty(),
+            Some(data) => {
+                let (ptr, sync) = data.device_ptr_mut(&self.stream);
+                WorkspaceView {
+                    ptr,
+                    bytes,
+                    stream: Some(&self.stream),
+                    _sync: Some(sync),
+                }
+            }
+        }
+    }
+
+    /// Bytes `[offset, offset + bytes)`: for sharing one allocation between layers
+    /// (µ-cuDNN's workspace division). A 0-byte range is an empty view.
+    pub fn view_range(&mut self, offset: u64, bytes: u64) -> Result<WorkspaceView<'_>, CudnnError> {
+        match offset.checked_add(bytes) {
+            Some(end) if end <= self.bytes => {}
+            _ => {
+                return Err(invalid(
+                    "Workspace::view_range",
+                    format!(
+                        "bytes [{offset}, {offset} + {bytes}) are outside a workspace of {} bytes",
+                        self.bytes
+                    ),
+                ))
+            }
+        }
+        if bytes == 0 {
+            return Ok(WorkspaceView::empty());
+        }
+        let mut whole = self.view();
+        whole.ptr += offset;
+        whole.bytes = bytes;
+        Ok(whole)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing
+
+/// Two CUDA events (with timing) on a handle's stream: `start()`, issue work, `stop()`,
+/// `elapsed_ms()`. The time is GPU time between the two points of the stream.
+pub struct GpuTimer {
+    start: CudaEvent,
+    end: CudaEvent,
+    stream: Arc<CudaStream>,
+}
+
+impl std::fmt::Debug for GpuTimer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuTimer").finish_non_exhaustive()
+    }
+}
+
+impl GpuTimer {
+    /// Records the start point on the stream.
+    pub fn start(&self) -> Result<(), CudnnError> {
+        self.start
+            .record(&self.stream)
+            .map_err(drv_err("cuEventRecord"))
+    }
+
+    /// Records the end point on the stream.
+    pub fn stop(&self) -> Result<(), CudnnError> {
+        self.end
+            .record(&self.stream)
+            .map_err(drv_err("cuEventRecord"))
+    }
+
+    /// Waits for the end point and returns the milliseconds between start and end.
+    pub fn elapsed_ms(&self) -> Result<f32, CudnnError> {
+        self.start
+            .elapsed_ms(&self.end)
+            .map_err(drv_err("cuEventElapsedTime"))
+    }
+
+    /// Times `work` (which issues work to the handle's stream): start, work, stop, wait.
+    pub fn time<F>(&self, work: F) -> Result<f32, CudnnError>
+    where
+        F: FnOnce() -> Result<(), CudnnError>,
+    {
+        self.start()?;
+        work()?;
+        self.stop()?;
+        self.elapsed_ms()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn algorithm_tables_match_cudnn_numbering() {
+        assert_eq!(algo_count(ConvOp::Forward), 8);
+        assert_eq!(algo_count(ConvOp::BackwardData), 6);
+        assert_eq!(algo_count(ConvOp::BackwardFilter), 7);
+        for (i, a) in FWD_ALGOS.iter().enumerate() {
+            assert_eq!(*a as usize, i);
+        }
+        for (i, a) in BWD_DATA_ALGOS.iter().enumerate() {
+            assert_eq!(*a as usize, i);
+        }
+        for (i, a) in BWD_FILTER_ALGOS.iter().enumerate() {
+            assert_eq!(*a as usize, i);
+        }
+        assert_eq!(
+            algo_name(ConvOp::Forward, 1).as_deref(),
+            Some("FWD_ALGO_IMPLICIT_PRECOMP_GEMM")
+        );
+        assert_eq!(
+            algo_name(ConvOp::BackwardData, 0).as_deref(),
+            Some("BWD_DATA_ALGO_0")
+        );
+        assert_eq!(
+            algo_name(ConvOp::BackwardFilter, 6).as_deref(),
+            Some("BWD_FILTER_ALGO_FFT_TILING")
+        );
+        assert_eq!(algo_name(ConvOp::Forward, 8), None);
+        assert!(Algo::checked("t", ConvOp::BackwardData, 6).is_err());
+    }
+
+    #[test]
+    fn enum_mappings() {
+        assert_eq!(data_type(DType::Bf16) as u32, 9);
+        assert_eq!(data_type(DType::Fp16) as u32, 2);
+        assert_eq!(compute_type(DType::Fp16) as u32, 0);
+        assert_eq!(tensor_format(Layout::Nhwc) as u32, 1);
+        for m in [
+            MathMode::Default,
+            MathMode::TensorOp,
+            MathMode::TensorOpAllowConversion,
+            MathMode::Fma,
+        ] {
+            assert_eq!(math_mode_from_raw(math_type(m) as u32), Some(m));
+        }
+        assert_eq!(math_mode_from_raw(99), None);
+    }
+
+    #[test]
+    fn status_conversion_keeps_name_and_number() {
+        let e = status_error(
+            "cudnnConvolutionForward",
+            dnn_sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED,
+        );
+        assert!(e.is_not_supported());
+        assert_eq!(
+            e.to_string(),
+            "cudnnConvolutionForward failed with CUDNN_STATUS_NOT_SUPPORTED (3000)"
+        );
+        let bad = status_error("x", dnn_sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM);
+        assert!(!bad.is_not_supported());
+        let oom = status_error(
+            "x",
+            dnn_sys::cudnnStatus_t::CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED,
+        );
+        assert!(oom.is_out_of_memory());
+    }
+}
