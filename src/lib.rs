@@ -8,4 +8,9 @@
 pub use mucudnn_solver as solver;
 
 pub mod backend;
+pub mod device;
+pub mod exec;
+pub mod models;
+pub mod profiler;
 pub mod report;
+pub mod tune;

@@ -258,6 +258,90 @@ pub fn render_table(solution: &Solution) -> String {
     out
 }
 
+/// The `measured` section of `tune --verify --json`: per plan the predicted and measured
+/// times of the plan and of its undivided baseline, then totals.
+pub fn verification_json(
+    solution: &Solution,
+    measured: &[crate::exec::verify::Measured],
+) -> serde_json::Value {
+    let plans: Vec<serde_json::Value> = solution
+        .problems
+        .iter()
+        .zip(measured)
+        .map(|(solved, m)| {
+            serde_json::json!({
+                "layer": solved.plan.layer,
+                "dtype": solved.plan.problem.dtype.name(),
+                "layout": solved.plan.problem.layout.name(),
+                "op": solved.plan.op.name(),
+                "predicted_ms": solved.plan.time_ms(),
+                "measured_ms": m.plan_ms,
+                "predicted_undivided_ms": solved.undivided.as_ref().map(Plan::time_ms),
+                "measured_undivided_ms": m.undivided_ms,
+            })
+        })
+        .collect();
+    let total: f64 = measured.iter().map(|m| m.plan_ms).sum();
+    let undivided: Option<f64> = measured.iter().map(|m| m.undivided_ms).sum();
+    serde_json::json!({"plans": plans, "total_measured_ms": total, "total_measured_undivided_ms": undivided})
+}
+
+/// The human table of `tune --verify`.
+pub fn render_verification(
+    solution: &Solution,
+    measured: &[crate::exec::verify::Measured],
+) -> String {
+    let row = |layer: &str, op: &str, cells: [String; 5]| {
+        format!(
+            "{layer:<28} {op:<10} {:>12} {:>12} {:>14} {:>14} {:>8}\n",
+            cells[0], cells[1], cells[2], cells[3], cells[4]
+        )
+    };
+    let mut out = row(
+        "layer",
+        "op",
+        [
+            "predicted ms",
+            "measured ms",
+            "undivided pred",
+            "undivided meas",
+            "speedup",
+        ]
+        .map(String::from),
+    );
+    for (solved, m) in solution.problems.iter().zip(measured) {
+        let label = format!("{} {}", solved.plan.layer, solved.plan.problem.dtype);
+        out += &row(
+            &label,
+            solved.plan.op.name(),
+            [
+                ms(solved.plan.time_ms()),
+                ms(m.plan_ms),
+                solved
+                    .undivided
+                    .as_ref()
+                    .map_or("-".into(), |u| ms(u.time_ms())),
+                m.undivided_ms.map_or("-".into(), ms),
+                speedup(m.undivided_ms, m.plan_ms),
+            ],
+        );
+    }
+    let total: f64 = measured.iter().map(|m| m.plan_ms).sum();
+    let undivided: Option<f64> = measured.iter().map(|m| m.undivided_ms).sum();
+    out += &row(
+        "total",
+        "",
+        [
+            ms(solution.total_time_ms()),
+            ms(total),
+            solution.total_undivided_ms().map_or("-".into(), ms),
+            undivided.map_or("-".into(), ms),
+            speedup(undivided, total),
+        ],
+    );
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,4 +1,100 @@
 //! Backends that measure and run convolutions: [`cudnn`] on NVIDIA GPUs, [`cpu`] everywhere.
+//!
+//! The profiler sees a backend only through [`Backend`]: give it a problem, an op and a
+//! micro-batch size, get back the time and workspace of every algorithm that works there.
+//! Execution is backend-specific (device pointers or host slices) but shares the micro-batch
+//! stepping in [`crate::exec`].
 
 pub mod cpu;
+pub mod cpu_timing;
 pub mod cudnn;
+pub mod cudnn_timing;
+
+use crate::device::DeviceFingerprint;
+use crate::solver::{ConvOp, ConvProblem, Measurement};
+
+pub use cpu_timing::CpuBackend;
+pub use cudnn_timing::CudnnBackend;
+
+/// How carefully to time one (micro-batch size, algorithm).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimingSettings {
+    /// Untimed calls first (caches, clocks, lazy initialisation).
+    pub warmup: u32,
+    /// Timed loops; the reported time is the median loop's time per call.
+    pub loops: u32,
+    /// Back-to-back calls per timed loop.
+    pub iterations: u32,
+    /// A single call slower than this many milliseconds is timed once, without warm-up or
+    /// further loops (a CPU convolution of a large micro-batch can take seconds).
+    pub long_call_ms: f64,
+}
+
+impl TimingSettings {
+    /// GPU: one warm-up, median of 3 loops of 5 back-to-back calls.
+    pub const GPU: TimingSettings = TimingSettings {
+        warmup: 1,
+        loops: 3,
+        iterations: 5,
+        long_call_ms: 1000.0,
+    };
+    /// CPU: one warm-up, median of 3 single calls; calls over 50 ms are timed once.
+    pub const CPU: TimingSettings = TimingSettings {
+        warmup: 1,
+        loops: 3,
+        iterations: 1,
+        long_call_ms: 50.0,
+    };
+}
+
+/// Why a backend could not measure or run.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error(transparent)]
+    Cpu(#[from] cpu::CpuError),
+    #[error(transparent)]
+    Cudnn(#[from] cudnn::CudnnError),
+    #[error("cannot profile on a mix of devices: {first} and {other} (select GPUs of one model with CUDA_VISIBLE_DEVICES)")]
+    MixedDevices { first: String, other: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A device that can time convolution algorithms.
+pub trait Backend {
+    /// The device the measurements belong to.
+    fn fingerprint(&self) -> &DeviceFingerprint;
+
+    /// Times every algorithm of `op` that supports `problem` at micro-batch size `micro`
+    /// (`problem.n` is the full mini-batch). Unsupported algorithms are left out.
+    fn measure(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        timing: &TimingSettings,
+    ) -> Result<Vec<Measurement>, BackendError>;
+}
+
+/// Times `call` per [`TimingSettings`] with a clock given as `time_one`, which runs
+/// `iterations` calls and returns their total milliseconds. Shared by the CPU and GPU backends.
+pub(crate) fn median_time<E>(
+    timing: &TimingSettings,
+    mut time_loop: impl FnMut(u32) -> Result<f64, E>,
+) -> Result<f64, E> {
+    // The first call tells whether this is a long call; it doubles as the warm-up.
+    let first = time_loop(1)?;
+    if first >= timing.long_call_ms {
+        return Ok(first);
+    }
+    for _ in 1..timing.warmup {
+        time_loop(1)?;
+    }
+    let iterations = timing.iterations.max(1);
+    let mut samples = Vec::with_capacity(timing.loops.max(1) as usize);
+    for _ in 0..timing.loops.max(1) {
+        samples.push(time_loop(iterations)? / f64::from(iterations));
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok(samples[samples.len() / 2])
+}

@@ -1,1 +1,610 @@
-//! CPU convolution backend (in progress).
+//! CPU convolution backend: real forward, backward-data and backward-filter kernels.
+//!
+//! This is the backend that `mucudnn` measures and runs when there is no GPU (its
+//! [`reference`] module is the yardstick other backends are checked against). It mirrors the
+//! parts of cuDNN the tuner depends on:
+//!
+//! - several algorithms per operation ([`CpuAlgo`]) with different speed and a different
+//!   workspace requirement, so that dividing a mini-batch into micro-batches is a real
+//!   time/memory trade-off;
+//! - [`workspace_bytes`], the exact scratch size an algorithm needs for a given problem (the
+//!   micro-batch size is `problem.n`), like `cudnnGetConvolution*WorkspaceSize`;
+//! - [`run`], which computes `out = alpha * op(a, b) + beta * out` using a caller-provided
+//!   raw-byte workspace, like `cudnnConvolution*`.
+//!
+//! Data enters as plain slices of storage elements ([`Element`]: `f32`, [`half::f16`],
+//! [`half::bf16`]) in the problem's layout and leaves by being written into the `out` slice;
+//! the workspace is only scratch. Arithmetic is always in `f32`.
+//!
+//! Tensor layouts (the batch dimension is outermost in both, so a micro-batch is a contiguous
+//! sub-slice of the batch):
+//!
+//! | layout | activations `x`, `y` | filters `w` |
+//! |--------|----------------------|-------------|
+//! | NCHW   | `n x c x h x w`      | `k x c/g x r x s` |
+//! | NHWC   | `n x h x w x c`      | `k x r x s x c/g` |
+//!
+//! Determinism: every algorithm computes each image independently for the forward and
+//! backward-data passes (and with a fixed summation order), so running a batch in
+//! micro-batches with the same algorithm gives bit-identical results. Backward filter sums
+//! over the batch, so micro-batching only changes the summation order.
+//!
+//! [`reference`] holds a naive `f64` implementation for tests.
+//!
+//! ```
+//! use mucudnn::backend::cpu::{self, AlignedWorkspace, CpuAlgo};
+//! use mucudnn::solver::{ConvOp, ConvProblem};
+//!
+//! let problem = ConvProblem { pad_h: 1, pad_w: 1, ..ConvProblem::new(2, 3, 8, 8, 4, 3, 3) };
+//! let [(_, x_len), (_, w_len), (_, y_len)] = cpu::buffer_lens(&problem, ConvOp::Forward)?;
+//! let (x, w) = (vec![1.0f32; x_len], vec![0.5f32; w_len]);
+//! let mut y = vec![0.0f32; y_len];
+//! let algo = CpuAlgo::Im2colGemm;
+//! let mut ws = AlignedWorkspace::new(cpu::workspace_bytes(&problem, ConvOp::Forward, algo));
+//! cpu::run(&problem, ConvOp::Forward, algo, 1.0, &x, &w, 0.0, &mut y, ws.as_bytes_mut())?;
+//! assert_eq!(y[1 * 8 + 1], 3.0 * 9.0 * 0.5); // an interior output sees 3 x 3 x 3 taps
+//! # Ok::<(), cpu::CpuError>(())
+//! ```
+
+mod direct;
+mod gemm;
+pub mod reference;
+#[cfg(test)]
+mod tests;
+
+use crate::solver::{ConvOp, ConvProblem, DType, Layout, ShapeError};
+use std::fmt;
+
+/// Convolution algorithms of the CPU backend. The numeric ids are stable (they are stored in
+/// profiles and plans).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CpuAlgo {
+    /// Direct loops over the convolution sum. No workspace.
+    Direct,
+    /// im2col (col2im for backward data) of the whole micro-batch, then one GEMM per group.
+    /// Fastest on large batches; workspace grows linearly with the micro-batch size.
+    Im2colGemm,
+    /// im2col + GEMM one image at a time. Workspace independent of the micro-batch size.
+    Im2colGemmPerImage,
+}
+
+impl CpuAlgo {
+    /// Every algorithm, in id order.
+    pub const ALL: [CpuAlgo; 3] = [
+        CpuAlgo::Direct,
+        CpuAlgo::Im2colGemm,
+        CpuAlgo::Im2colGemmPerImage,
+    ];
+
+    /// Stable numeric id (0, 1, 2).
+    pub fn id(self) -> u32 {
+        match self {
+            CpuAlgo::Direct => 0,
+            CpuAlgo::Im2colGemm => 1,
+            CpuAlgo::Im2colGemmPerImage => 2,
+        }
+    }
+
+    /// Inverse of [`CpuAlgo::id`].
+    pub fn from_id(id: u32) -> Option<Self> {
+        CpuAlgo::ALL.into_iter().find(|a| a.id() == id)
+    }
+
+    /// Short human-readable name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuAlgo::Direct => "direct",
+            CpuAlgo::Im2colGemm => "im2col_gemm",
+            CpuAlgo::Im2colGemmPerImage => "im2col_gemm_per_image",
+        }
+    }
+}
+
+impl fmt::Display for CpuAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// A tensor storage type: `f32`, [`half::f16`] or [`half::bf16`] (sealed: the GEMM path relies
+/// on `as_f32_slice` being `Some` exactly for fp32). Kernels load elements as `f32`,
+/// accumulate in `f32` and round once when storing.
+pub trait Element: sealed::Sealed + Copy + Send + Sync + fmt::Debug + 'static {
+    /// The problem dtype this type stores.
+    const DTYPE: DType;
+    /// Widen to `f32` (exact for all three types).
+    fn to_f32(self) -> f32;
+    /// Round from `f32` (round-to-nearest-even).
+    fn from_f32(value: f32) -> Self;
+    /// The same slice as `f32`, when `Self` is `f32`: lets the GEMM path read fp32 operands in
+    /// place instead of converting them into the workspace.
+    fn as_f32_slice(slice: &[Self]) -> Option<&[f32]> {
+        let _ = slice;
+        None
+    }
+    /// Widen `src` into `dst` (same length).
+    fn load_slice(src: &[Self], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::Fp32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+    fn as_f32_slice(slice: &[Self]) -> Option<&[f32]> {
+        Some(slice)
+    }
+    fn load_slice(src: &[Self], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl Element for half::f16 {
+    const DTYPE: DType = DType::Fp16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16_bits_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        half::f16::from_f32(value)
+    }
+    fn load_slice(src: &[Self], dst: &mut [f32]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+}
+
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::Bf16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        half::bf16::from_f32(value)
+    }
+    fn load_slice(src: &[Self], dst: &mut [f32]) {
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
+    }
+}
+
+/// Exact fp16 -> fp32 widening with integer operations only.
+///
+/// `half::f16::to_f32` checks for the F16C instruction at run time and calls a non-inlined
+/// intrinsic on every element, which made fp16 direct kernels 20x slower than fp32; this
+/// branch-light version inlines and vectorises. (After F. Giesen's `half_to_float`.)
+#[inline(always)]
+fn f16_bits_to_f32(h: u16) -> f32 {
+    const SHIFTED_EXP: u32 = 0x7c00 << 13; // fp16 exponent mask, in fp32 position
+    let h = u32::from(h);
+    let mut o = (h & 0x7fff) << 13; // exponent and mantissa
+    let exp = o & SHIFTED_EXP;
+    o += (127 - 15) << 23; // rebias the exponent
+    if exp == SHIFTED_EXP {
+        o += (128 - 16) << 23; // Inf / NaN: maximal exponent
+    } else if exp == 0 {
+        // Zero / subnormal: renormalise through a float subtraction (exact).
+        o += 1 << 23;
+        o = (f32::from_bits(o) - f32::from_bits(113 << 23)).to_bits();
+    }
+    f32::from_bits(o | ((h & 0x8000) << 16))
+}
+
+/// Why [`run`] refused to compute. Nothing is written to `out` when an error is returned.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CpuError {
+    #[error("invalid convolution: {0}")]
+    Shape(#[from] ShapeError),
+    #[error("{field} = {value} is too large for the CPU backend (limit 2^31 - 1)")]
+    FieldTooLarge { field: &'static str, value: i64 },
+    #[error("buffer `{buffer}` has {actual} elements, expected {expected}")]
+    BufferLength {
+        buffer: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    #[error("workspace too small: {needed} bytes needed, {provided} provided")]
+    WorkspaceTooSmall { needed: u64, provided: u64 },
+    #[error(
+        "workspace of {provided} bytes is not 4-byte aligned and too short to skip to an aligned \
+         start ({needed} aligned bytes needed); allocate it with `AlignedWorkspace`"
+    )]
+    WorkspaceMisaligned { needed: u64, provided: u64 },
+    #[error("element type is {buffer} but the problem's dtype is {problem}")]
+    DTypeMismatch { problem: DType, buffer: DType },
+}
+
+/// Validated problem sizes as `usize`, plus derived quantities.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Geom {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub k: usize,
+    pub r: usize,
+    pub s: usize,
+    pub ph: usize,
+    pub pw: usize,
+    pub sh: usize,
+    pub sw: usize,
+    pub dh: usize,
+    pub dw: usize,
+    pub groups: usize,
+    /// Channels per group.
+    pub cg: usize,
+    /// Filters per group.
+    pub kg: usize,
+    /// Output height.
+    pub p: usize,
+    /// Output width.
+    pub q: usize,
+    pub layout: Layout,
+}
+
+impl Geom {
+    pub fn new(problem: &ConvProblem) -> Result<Geom, CpuError> {
+        problem.validate()?;
+        let (p, q) = problem.output_hw();
+        // Bounding every field by 2^31 keeps all index arithmetic (at most sums of two products
+        // of two fields) inside isize/usize on 64-bit targets, even for absurd paddings or
+        // strides that `validate` accepts.
+        let fields = [
+            ("n", problem.n),
+            ("c", problem.c),
+            ("h", problem.h),
+            ("w", problem.w),
+            ("k", problem.k),
+            ("r", problem.r),
+            ("s", problem.s),
+            ("pad_h", problem.pad_h),
+            ("pad_w", problem.pad_w),
+            ("stride_h", problem.stride_h),
+            ("stride_w", problem.stride_w),
+            ("dilation_h", problem.dilation_h),
+            ("dilation_w", problem.dilation_w),
+            ("groups", problem.groups),
+        ];
+        let mut v = [0usize; 14];
+        for (slot, (field, value)) in v.iter_mut().zip(fields) {
+            // (On targets with a narrower usize every problem is refused.)
+            if value > i64::from(i32::MAX) || usize::BITS < 64 {
+                return Err(CpuError::FieldTooLarge { field, value });
+            }
+            *slot = value as usize;
+        }
+        let [n, c, h, w, k, r, s, ph, pw, sh, sw, dh, dw, groups] = v;
+        Ok(Geom {
+            n,
+            c,
+            h,
+            w,
+            k,
+            r,
+            s,
+            ph,
+            pw,
+            sh,
+            sw,
+            dh,
+            dw,
+            groups,
+            cg: c / groups,
+            kg: k / groups,
+            p: p as usize,
+            q: q as usize,
+            layout: problem.layout,
+        })
+    }
+
+    /// Elements of the input activation tensor (`x` / `dx`).
+    pub fn x_len(&self) -> usize {
+        self.n * self.c * self.h * self.w
+    }
+
+    /// Elements of the filter tensor (`w` / `dw`).
+    pub fn w_len(&self) -> usize {
+        self.k * self.cg * self.r * self.s
+    }
+
+    /// Elements of the output activation tensor (`y` / `dy`).
+    pub fn y_len(&self) -> usize {
+        self.n * self.k * self.p * self.q
+    }
+}
+
+/// Expected lengths (in elements) of the three buffers of [`run`] for `op`, in argument order
+/// `(a, b, out)`, with their names as used in error messages.
+pub fn buffer_lens(
+    problem: &ConvProblem,
+    op: ConvOp,
+) -> Result<[(&'static str, usize); 3], CpuError> {
+    let g = Geom::new(problem)?;
+    let (x, w, y) = (g.x_len(), g.w_len(), g.y_len());
+    Ok(match op {
+        ConvOp::Forward => [("x", x), ("w", w), ("y", y)],
+        ConvOp::BackwardData => [("w", w), ("dy", y), ("dx", x)],
+        ConvOp::BackwardFilter => [("x", x), ("dy", y), ("dw", w)],
+    })
+}
+
+/// Exact workspace, in bytes, that [`run`] needs for `algo` on `problem` (whose `n` is the
+/// micro-batch size). Zero for [`CpuAlgo::Direct`]; linear in `n` for
+/// [`CpuAlgo::Im2colGemm`]; independent of `n` for [`CpuAlgo::Im2colGemmPerImage`].
+/// The buffer must be 4-byte aligned (see [`AlignedWorkspace`]).
+///
+/// Returns 0 for a problem that [`run`] would reject anyway, and saturates at `u64::MAX`.
+pub fn workspace_bytes(problem: &ConvProblem, op: ConvOp, algo: CpuAlgo) -> u64 {
+    match Geom::new(problem) {
+        Ok(g) => workspace_floats(&g, problem.dtype, op, algo).saturating_mul(4),
+        Err(_) => 0,
+    }
+}
+
+/// Workspace in `f32` elements: the sum of the parts the GEMM path carves out of it.
+fn workspace_floats(g: &Geom, dtype: DType, op: ConvOp, algo: CpuAlgo) -> u64 {
+    match algo {
+        CpuAlgo::Direct => 0,
+        CpuAlgo::Im2colGemm | CpuAlgo::Im2colGemmPerImage => {
+            gemm::Parts::new(g, dtype, op, algo == CpuAlgo::Im2colGemmPerImage).total()
+        }
+    }
+}
+
+/// Runs one convolution operation on the CPU:
+///
+/// | `op`             | `a` | `b`  | `out` | computes |
+/// |------------------|-----|------|-------|----------|
+/// | `Forward`        | `x` | `w`  | `y`   | `y = alpha * conv(x, w) + beta * y` |
+/// | `BackwardData`   | `w` | `dy` | `dx`  | `dx = alpha * conv_transpose(dy, w) + beta * dx` |
+/// | `BackwardFilter` | `x` | `dy` | `dw`  | `dw = alpha * sum_n correlate(x, dy) + beta * dw` |
+///
+/// All buffers hold exactly `problem.n` images (see [`buffer_lens`]) in `problem.layout`.
+/// To run a micro-batch, pass `problem.with_batch(m)` and the corresponding sub-slices of the
+/// batched tensors; for backward filter pass the caller's `beta` for the first micro-batch and
+/// `1.0` for the following ones so that the filter gradients add up.
+///
+/// When `beta == 0` the previous content of `out` is not read (it may be NaN), as in cuDNN.
+///
+/// `workspace` is raw scratch memory of at least [`workspace_bytes`] bytes, 4-byte aligned
+/// (when it is not, the kernels skip to the first aligned byte, which needs up to 3 extra
+/// bytes; [`AlignedWorkspace`] always gives an aligned buffer). Its content on entry is
+/// irrelevant and on exit unspecified. `problem.math` is ignored (the CPU always computes in
+/// fp32). `T` must match `problem.dtype`.
+///
+/// Note: the GEMM algorithms additionally use `matrixmultiply`'s internal packing buffers
+/// (a few hundred KiB at most, independent of the problem size), which are not counted as
+/// workspace, just as cuDNN does not count its own small internal allocations.
+#[allow(clippy::too_many_arguments)]
+pub fn run<T: Element>(
+    problem: &ConvProblem,
+    op: ConvOp,
+    algo: CpuAlgo,
+    alpha: f32,
+    a: &[T],
+    b: &[T],
+    beta: f32,
+    out: &mut [T],
+    workspace: &mut [u8],
+) -> Result<(), CpuError> {
+    if T::DTYPE != problem.dtype {
+        return Err(CpuError::DTypeMismatch {
+            problem: problem.dtype,
+            buffer: T::DTYPE,
+        });
+    }
+    let g = Geom::new(problem)?;
+    let lens = buffer_lens(problem, op)?;
+    for ((buffer, expected), actual) in lens.into_iter().zip([a.len(), b.len(), out.len()]) {
+        if expected != actual {
+            return Err(CpuError::BufferLength {
+                buffer,
+                expected,
+                actual,
+            });
+        }
+    }
+    let floats = workspace_floats(&g, problem.dtype, op, algo);
+    let needed = floats.saturating_mul(4);
+    let provided = workspace.len() as u64;
+    if provided < needed {
+        return Err(CpuError::WorkspaceTooSmall { needed, provided });
+    }
+    let ws = aligned_f32(workspace);
+    let floats = usize::try_from(floats).unwrap_or(usize::MAX);
+    if ws.len() < floats {
+        return Err(CpuError::WorkspaceMisaligned { needed, provided });
+    }
+    let ws = &mut ws[..floats];
+
+    match (algo, op) {
+        (CpuAlgo::Direct, ConvOp::Forward) => direct::forward(&g, alpha, a, b, beta, out),
+        (CpuAlgo::Direct, ConvOp::BackwardData) => {
+            direct::backward_data(&g, alpha, a, b, beta, out)
+        }
+        (CpuAlgo::Direct, ConvOp::BackwardFilter) => {
+            direct::backward_filter(&g, alpha, a, b, beta, out)
+        }
+        (CpuAlgo::Im2colGemm | CpuAlgo::Im2colGemmPerImage, _) => {
+            let per_image = algo == CpuAlgo::Im2colGemmPerImage;
+            let parts = gemm::Parts::new(&g, problem.dtype, op, per_image);
+            gemm::run(&g, &parts, op, per_image, alpha, a, b, beta, out, ws)
+        }
+    }
+    Ok(())
+}
+
+/// The 4-byte-aligned middle of a byte buffer, as `f32`s.
+fn aligned_f32(bytes: &mut [u8]) -> &mut [f32] {
+    // SAFETY: every bit pattern is a valid f32 and every f32 is valid as bytes, so viewing the
+    // aligned middle of a byte slice as f32s cannot create an invalid value; `align_to_mut`
+    // handles alignment and length, and the returned slice borrows `bytes` exclusively.
+    let (_, middle, _) = unsafe { bytes.align_to_mut::<f32>() };
+    middle
+}
+
+/// An owned, 4-byte-aligned workspace buffer for [`run`].
+#[derive(Clone, Debug, Default)]
+pub struct AlignedWorkspace {
+    storage: Vec<f32>,
+    bytes: usize,
+}
+
+impl AlignedWorkspace {
+    /// A zeroed workspace of `bytes` bytes (e.g. the result of [`workspace_bytes`]).
+    ///
+    /// # Panics
+    /// If `bytes` does not fit in memory (like `Vec::with_capacity`).
+    pub fn new(bytes: u64) -> Self {
+        let bytes = usize::try_from(bytes).expect("workspace larger than the address space");
+        AlignedWorkspace {
+            storage: vec![0.0; bytes.div_ceil(4)],
+            bytes,
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether the workspace is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+
+    /// The buffer as raw bytes, as [`run`] takes it.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        let ptr = self.storage.as_mut_ptr().cast::<u8>();
+        // SAFETY: `storage` owns `4 * storage.len() >= bytes` initialised bytes starting at
+        // `ptr` (an f32 has no padding and any byte pattern is a valid f32, so writes through
+        // the byte view cannot make `storage` invalid); u8 has alignment 1; the slice borrows
+        // `self` mutably, so nothing else can access `storage` while it lives.
+        unsafe { std::slice::from_raw_parts_mut(ptr, self.bytes) }
+    }
+}
+
+/// Chunk length for stack accumulators: large enough to amortise loop overhead, small enough
+/// to stay in L1. Tiny under test so that the chunking logic is exercised by small shapes.
+pub(crate) const CHUNK: usize = if cfg!(test) { 5 } else { 256 };
+
+/// Output positions `o` in `0..o_len` whose input position `o * stride + off` lies in
+/// `lo..hi`: the taps of a convolution that fall inside the image (or inside a chunk of it).
+#[inline]
+pub(crate) fn valid_range(
+    o_len: usize,
+    lo: isize,
+    hi: isize,
+    stride: usize,
+    off: isize,
+) -> std::ops::Range<usize> {
+    let st = stride as isize;
+    // ceil((lo - off) / st) and floor((hi - 1 - off) / st) + 1, for any sign.
+    let first = (lo - off + st - 1).div_euclid(st).max(0);
+    let last = ((hi - 1 - off).div_euclid(st) + 1).min(o_len as isize);
+    if last <= first {
+        0..0
+    } else {
+        first as usize..last as usize
+    }
+}
+
+/// `out[i] = alpha * acc[i] + beta * out[i]`, not reading `out` when `beta == 0`.
+#[inline]
+pub(crate) fn store<T: Element>(out: &mut [T], acc: &[f32], alpha: f32, beta: f32) {
+    debug_assert_eq!(out.len(), acc.len());
+    if beta == 0.0 {
+        for (o, &v) in out.iter_mut().zip(acc) {
+            *o = T::from_f32(alpha * v);
+        }
+    } else {
+        for (o, &v) in out.iter_mut().zip(acc) {
+            *o = T::from_f32(alpha * v + beta * o.to_f32());
+        }
+    }
+}
+
+/// Single-element [`store`].
+#[inline]
+pub(crate) fn store1<T: Element>(out: &mut T, acc: f32, alpha: f32, beta: f32) {
+    *out = if beta == 0.0 {
+        T::from_f32(alpha * acc)
+    } else {
+        T::from_f32(alpha * acc + beta * out.to_f32())
+    };
+}
+
+/// `acc[i] += a * src[i * stride]`.
+#[inline]
+pub(crate) fn axpy_gather<T: Element>(acc: &mut [f32], a: f32, src: &[T], stride: usize) {
+    if stride == 1 {
+        for (o, s) in acc.iter_mut().zip(src) {
+            *o += a * s.to_f32();
+        }
+    } else {
+        for (o, s) in acc.iter_mut().zip(src.iter().step_by(stride)) {
+            *o += a * s.to_f32();
+        }
+    }
+}
+
+/// `acc[i * stride] += a * src[i]`.
+#[inline]
+pub(crate) fn axpy_scatter<T: Element>(acc: &mut [f32], stride: usize, a: f32, src: &[T]) {
+    if stride == 1 {
+        for (o, s) in acc.iter_mut().zip(src) {
+            *o += a * s.to_f32();
+        }
+    } else {
+        for (o, s) in acc.iter_mut().step_by(stride).zip(src) {
+            *o += a * s.to_f32();
+        }
+    }
+}
+
+/// Dot product of `a[i]` and `b[i * stride]` over `a`, in `f32` with a fixed summation order
+/// (eight interleaved partial sums, so that the unit-stride case vectorises).
+#[inline]
+pub(crate) fn dot_strided<T: Element>(a: &[T], b: &[T], stride: usize) -> f32 {
+    if stride == 1 {
+        let b = &b[..a.len()];
+        let mut lanes = [0f32; 8];
+        let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+        let (ar, br) = (ac.remainder(), bc.remainder());
+        for (x, y) in ac.zip(bc) {
+            for i in 0..8 {
+                lanes[i] += x[i].to_f32() * y[i].to_f32();
+            }
+        }
+        let mut tail = 0f32;
+        for (x, y) in ar.iter().zip(br) {
+            tail += x.to_f32() * y.to_f32();
+        }
+        ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
+            + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
+            + tail
+    } else {
+        let mut sum = 0f32;
+        for (x, y) in a.iter().zip(b.iter().step_by(stride)) {
+            sum += x.to_f32() * y.to_f32();
+        }
+        sum
+    }
+}

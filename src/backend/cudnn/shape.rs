@@ -12,41 +12,9 @@
 #![forbid(unsafe_code)]
 
 use super::error::CudnnError;
-use crate::solver::{ConvOp, ConvProblem, DType, Layout, MathMode};
+use crate::solver::{ConvProblem, DType, Layout, MathMode};
 
-/// One of the three tensors of a convolution, named by its forward role.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Operand {
-    /// `x` (forward, backward-filter) or `dx` (backward-data): `n x c x h x w`.
-    Input,
-    /// `w` (forward, backward-data) or `dw` (backward-filter): `k x c/groups x r x s`.
-    Filter,
-    /// `y` (forward) or `dy` (backward-data, backward-filter): `n x k x p x q`.
-    Output,
-}
-
-impl Operand {
-    /// Whether the tensor has a batch dimension (the filter does not).
-    pub fn is_batched(self) -> bool {
-        !matches!(self, Operand::Filter)
-    }
-}
-
-/// The operands of `op` in the order of [`super::CudnnHandle::convolve`]:
-/// `[a, b, out]` where `out = alpha * op(a, b) + beta * out`.
-///
-/// | op | a | b | out |
-/// |---|---|---|---|
-/// | forward | x (`Input`) | w (`Filter`) | y (`Output`) |
-/// | backward-data | w (`Filter`) | dy (`Output`) | dx (`Input`) |
-/// | backward-filter | x (`Input`) | dy (`Output`) | dw (`Filter`) |
-pub fn operand_roles(op: ConvOp) -> [Operand; 3] {
-    match op {
-        ConvOp::Forward => [Operand::Input, Operand::Filter, Operand::Output],
-        ConvOp::BackwardData => [Operand::Filter, Operand::Output, Operand::Input],
-        ConvOp::BackwardFilter => [Operand::Input, Operand::Output, Operand::Filter],
-    }
-}
+pub use crate::exec::{operand_roles, Operand};
 
 /// A validated problem in cuDNN's `int` terms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -177,6 +145,7 @@ impl ConvShapes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::solver::ConvOp;
 
     fn grouped() -> ConvProblem {
         ConvProblem {

@@ -1,0 +1,566 @@
+//! Algorithms 1 and 2: im2col/col2im + GEMM through `matrixmultiply::sgemm`.
+//!
+//! Both process the batch in chunks of `nb` images: the whole micro-batch
+//! (`Im2colGemm`, one large GEMM per group) or one image (`Im2colGemmPerImage`, `n` small
+//! GEMMs per group). Everything that does not fit the GEMM's strided-matrix model is staged
+//! in the workspace as `f32`, carved out as described by [`Parts`]:
+//!
+//! - `col`: the im2col matrix of a chunk for one group (`crs x nb*pq` for NCHW,
+//!   `nb*pq x crs` for NHWC; `crs = c/g * r * s`), or for backward data the GEMM result that
+//!   col2im gathers from;
+//! - `dy`: `dy` of a chunk and group repacked (and widened to f32) when it cannot be read in
+//!   place: for fp16/bf16, and for NCHW with more than one image per chunk (the batch stride
+//!   breaks the matrix view);
+//! - `filt`: one group's filters widened to f32 (fp16/bf16 forward and backward data only);
+//! - `out`: the GEMM result before `alpha`/`beta` are applied (forward: `nb*pq x k/g`;
+//!   backward filter: the `k/g x crs` accumulator over the chunks).
+//!
+//! The GEMM itself is always called with `alpha = 1` and `beta` 0 or 1, and the caller's
+//! `alpha`/`beta` are applied when storing. That keeps results independent of where an element
+//! falls in matrixmultiply's tiling (its edge tiles and interior tiles round `alpha * ab + beta
+//! * c` differently), which is what makes micro-batched results bit-identical.
+
+use super::{axpy_gather, store, valid_range, Element, Geom, CHUNK};
+use crate::solver::{ConvOp, DType, Layout};
+
+/// Sizes, in f32 elements, of the workspace parts (see the module docs). The single source of
+/// truth for both [`super::workspace_bytes`] and the kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Parts {
+    col: u64,
+    dy: u64,
+    filt: u64,
+    out: u64,
+}
+
+impl Parts {
+    pub fn new(g: &Geom, dtype: DType, op: ConvOp, per_image: bool) -> Parts {
+        let u = |v: usize| v as u64;
+        let mul = |a: u64, b: u64| a.saturating_mul(b);
+        let nb = if per_image { 1 } else { u(g.n) };
+        let rows = mul(nb, mul(u(g.p), u(g.q)));
+        let crs = mul(u(g.cg), mul(u(g.r), u(g.s)));
+        let kg = u(g.kg);
+        let widen = dtype != DType::Fp32;
+        let pack_dy = widen || (g.layout == Layout::Nchw && !per_image);
+        let col = mul(rows, crs);
+        let filt = if widen { mul(kg, crs) } else { 0 };
+        let dy = if pack_dy { mul(rows, kg) } else { 0 };
+        match op {
+            ConvOp::Forward => Parts {
+                col,
+                dy: 0,
+                filt,
+                out: mul(rows, kg),
+            },
+            ConvOp::BackwardData => Parts {
+                col,
+                dy,
+                filt,
+                out: 0,
+            },
+            // No filter operand: the filter gradient is the output, accumulated in `out`.
+            ConvOp::BackwardFilter => Parts {
+                col,
+                dy,
+                filt: 0,
+                out: mul(kg, crs),
+            },
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.col
+            .saturating_add(self.dy)
+            .saturating_add(self.filt)
+            .saturating_add(self.out)
+    }
+}
+
+/// A read-only strided f32 matrix for [`gemm`]: element `(i, j)` is `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    fn new(data: &'a [f32], rs: usize, cs: usize) -> Self {
+        Mat { data, rs, cs }
+    }
+
+    /// The transposed view.
+    fn t(self) -> Self {
+        Mat {
+            data: self.data,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+
+    /// Whether a `rows x cols` matrix with these strides lies inside `data`.
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `c = a * b` (`accumulate == false`) or `c += a * b`, with `a: m x kd`, `b: kd x n` and `c`
+/// row-major with row stride `rsc`.
+///
+/// # Panics
+/// If a matrix does not lie inside its slice: a bug in this module, never a consequence of
+/// user input (buffer sizes are checked by [`super::run`]).
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    m: usize,
+    kd: usize,
+    n: usize,
+    a: Mat,
+    b: Mat,
+    accumulate: bool,
+    c: &mut [f32],
+    rsc: usize,
+) {
+    assert!(m > 0 && kd > 0 && n > 0, "empty GEMM");
+    assert!(a.fits(m, kd) && b.fits(kd, n), "GEMM operand out of bounds");
+    assert!(
+        (m - 1) * rsc + n <= c.len() && (m == 1 || rsc >= n),
+        "GEMM output out of bounds"
+    );
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    // SAFETY: the asserts above guarantee that every element sgemm reads through
+    // (a.ptr, a.rs, a.cs) for m x kd, (b.ptr, b.rs, b.cs) for kd x n, and writes through
+    // (c.ptr, rsc, 1) for m x n lies inside the corresponding slice; distinct (i, j) of C map
+    // to distinct addresses since rsc >= n (or m == 1) with column stride 1; `c` is a unique
+    // borrow, so it aliases neither `a` nor `b`; all strides are below the slice lengths and
+    // hence fit in isize. With beta == 0, sgemm does not read C, so its content is irrelevant.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            kd,
+            n,
+            1.0,
+            a.data.as_ptr(),
+            a.rs as isize,
+            a.cs as isize,
+            b.data.as_ptr(),
+            b.rs as isize,
+            b.cs as isize,
+            beta,
+            c.as_mut_ptr(),
+            rsc as isize,
+            1,
+        );
+    }
+}
+
+/// Entry point for both GEMM algorithms; `parts` must come from [`Parts::new`] with the same
+/// arguments and `ws` must hold at least `parts.total()` elements.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run<T: Element>(
+    g: &Geom,
+    parts: &Parts,
+    op: ConvOp,
+    per_image: bool,
+    alpha: f32,
+    a: &[T],
+    b: &[T],
+    beta: f32,
+    out: &mut [T],
+    ws: &mut [f32],
+) {
+    // Each part is at most `ws.len()` elements here, so it fits usize.
+    let (col, rest) = ws.split_at_mut(parts.col as usize);
+    let (dyp, rest) = rest.split_at_mut(parts.dy as usize);
+    let (filt, rest) = rest.split_at_mut(parts.filt as usize);
+    let scratch = &mut rest[..parts.out as usize];
+    let s = Scratch {
+        col,
+        dyp,
+        filt,
+        out: scratch,
+    };
+    let nb = if per_image { 1 } else { g.n };
+    match op {
+        ConvOp::Forward => forward(g, nb, alpha, a, b, beta, out, s),
+        ConvOp::BackwardData => backward_data(g, nb, alpha, a, b, beta, out, s),
+        ConvOp::BackwardFilter => backward_filter(g, nb, alpha, a, b, beta, out, s),
+    }
+}
+
+struct Scratch<'a> {
+    col: &'a mut [f32],
+    dyp: &'a mut [f32],
+    filt: &'a mut [f32],
+    out: &'a mut [f32],
+}
+
+/// The filters of group `grp` as an f32 `k/g x crs` row-major block: in place for fp32,
+/// widened into `filt` otherwise.
+fn filter_group<'a, T: Element>(
+    g: &Geom,
+    w: &'a [T],
+    grp: usize,
+    filt: &'a mut [f32],
+) -> &'a [f32] {
+    let len = g.kg * g.cg * g.r * g.s;
+    let src = &w[grp * len..][..len];
+    match T::as_f32_slice(src) {
+        Some(f) => f,
+        None => {
+            T::load_slice(src, filt);
+            filt
+        }
+    }
+}
+
+/// `dy` of images `i0..i0 + nb`, group `grp`, as a matrix: `k/g x nb*pq` for NCHW,
+/// `nb*pq x k/g` for NHWC. Read in place when [`Parts`] reserved no `dy` space (fp32 and a
+/// layout/chunk that is a strided matrix), otherwise widened/repacked into `dyp`.
+fn dy_operand<'a, T: Element>(
+    g: &Geom,
+    dy: &'a [T],
+    i0: usize,
+    nb: usize,
+    grp: usize,
+    dyp: &'a mut [f32],
+) -> Mat<'a> {
+    let pq = g.p * g.q;
+    let m = nb * pq;
+    let in_place = if dyp.is_empty() {
+        T::as_f32_slice(dy)
+    } else {
+        None
+    };
+    match (g.layout, in_place) {
+        (Layout::Nchw, Some(d)) => {
+            debug_assert_eq!(nb, 1);
+            Mat::new(&d[(i0 * g.k + grp * g.kg) * pq..], pq, 1)
+        }
+        (Layout::Nhwc, Some(d)) => Mat::new(&d[i0 * pq * g.k + grp * g.kg..], g.k, 1),
+        (Layout::Nchw, None) => {
+            for kl in 0..g.kg {
+                for il in 0..nb {
+                    let src = &dy[((i0 + il) * g.k + grp * g.kg + kl) * pq..][..pq];
+                    T::load_slice(src, &mut dyp[kl * m + il * pq..][..pq]);
+                }
+            }
+            Mat::new(dyp, m, 1)
+        }
+        (Layout::Nhwc, None) => {
+            for j in 0..m {
+                let src = &dy[(i0 * pq + j) * g.k + grp * g.kg..][..g.kg];
+                T::load_slice(src, &mut dyp[j * g.kg..][..g.kg]);
+            }
+            Mat::new(dyp, g.kg, 1)
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward<T: Element>(
+    g: &Geom,
+    nb: usize,
+    alpha: f32,
+    x: &[T],
+    w: &[T],
+    beta: f32,
+    y: &mut [T],
+    s: Scratch,
+) {
+    let (pq, crs, kg) = (g.p * g.q, g.cg * g.r * g.s, g.kg);
+    let m = nb * pq;
+    let Scratch { col, filt, out, .. } = s;
+    for grp in 0..g.groups {
+        let wg = filter_group(g, w, grp, &mut *filt);
+        for i0 in (0..g.n).step_by(nb) {
+            match g.layout {
+                Layout::Nchw => {
+                    im2col_nchw(g, x, i0, nb, grp, col);
+                    // out[kg x m] = W_g[kg x crs] * col[crs x m]
+                    gemm(
+                        kg,
+                        crs,
+                        m,
+                        Mat::new(wg, crs, 1),
+                        Mat::new(col, m, 1),
+                        false,
+                        out,
+                        m,
+                    );
+                    for kl in 0..kg {
+                        for il in 0..nb {
+                            let dst = &mut y[((i0 + il) * g.k + grp * kg + kl) * pq..][..pq];
+                            store(dst, &out[kl * m + il * pq..][..pq], alpha, beta);
+                        }
+                    }
+                }
+                Layout::Nhwc => {
+                    im2col_nhwc(g, x, i0, nb, grp, col);
+                    // out[m x kg] = col[m x crs] * W_g^T[crs x kg]
+                    gemm(
+                        m,
+                        crs,
+                        kg,
+                        Mat::new(col, crs, 1),
+                        Mat::new(wg, 1, crs),
+                        false,
+                        out,
+                        kg,
+                    );
+                    for j in 0..m {
+                        let dst = &mut y[(i0 * pq + j) * g.k + grp * kg..][..kg];
+                        store(dst, &out[j * kg..][..kg], alpha, beta);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_data<T: Element>(
+    g: &Geom,
+    nb: usize,
+    alpha: f32,
+    w: &[T],
+    dy: &[T],
+    beta: f32,
+    dx: &mut [T],
+    s: Scratch,
+) {
+    let (crs, kg) = (g.cg * g.r * g.s, g.kg);
+    let m = nb * g.p * g.q;
+    let Scratch { col, dyp, filt, .. } = s;
+    for grp in 0..g.groups {
+        let wg = filter_group(g, w, grp, &mut *filt);
+        for i0 in (0..g.n).step_by(nb) {
+            let dyg = dy_operand(g, dy, i0, nb, grp, &mut *dyp);
+            match g.layout {
+                Layout::Nchw => {
+                    // col[crs x m] = W_g^T[crs x kg] * dy_g[kg x m]
+                    gemm(crs, kg, m, Mat::new(wg, 1, crs), dyg, false, col, m);
+                    col2im_nchw(g, col, i0, nb, grp, alpha, beta, dx);
+                }
+                Layout::Nhwc => {
+                    // col[m x crs] = dy_g[m x kg] * W_g[kg x crs]
+                    gemm(m, kg, crs, dyg, Mat::new(wg, crs, 1), false, col, crs);
+                    col2im_nhwc(g, col, i0, nb, grp, alpha, beta, dx);
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_filter<T: Element>(
+    g: &Geom,
+    nb: usize,
+    alpha: f32,
+    x: &[T],
+    dy: &[T],
+    beta: f32,
+    dw: &mut [T],
+    s: Scratch,
+) {
+    let (crs, kg) = (g.cg * g.r * g.s, g.kg);
+    let m = nb * g.p * g.q;
+    let Scratch {
+        col, dyp, out: acc, ..
+    } = s;
+    for grp in 0..g.groups {
+        for (chunk, i0) in (0..g.n).step_by(nb).enumerate() {
+            let dyg = dy_operand(g, dy, i0, nb, grp, &mut *dyp);
+            let accumulate = chunk > 0;
+            match g.layout {
+                Layout::Nchw => {
+                    im2col_nchw(g, x, i0, nb, grp, col);
+                    // acc[kg x crs] (+)= dy_g[kg x m] * col^T[m x crs]
+                    gemm(kg, m, crs, dyg, Mat::new(col, 1, m), accumulate, acc, crs);
+                }
+                Layout::Nhwc => {
+                    im2col_nhwc(g, x, i0, nb, grp, col);
+                    // acc[kg x crs] (+)= dy_g^T[kg x m] * col[m x crs]
+                    gemm(
+                        kg,
+                        m,
+                        crs,
+                        dyg.t(),
+                        Mat::new(col, crs, 1),
+                        accumulate,
+                        acc,
+                        crs,
+                    );
+                }
+            }
+        }
+        // NCHW filters are k x (c/g, r, s) and NHWC filters k x (r, s, c/g): in both, the
+        // group's block is contiguous and its columns are ordered like the im2col rows.
+        store(&mut dw[grp * kg * crs..][..kg * crs], acc, alpha, beta);
+    }
+}
+
+/// NCHW im2col of images `i0..i0 + nb`, group `grp`: `col[(c, r, s)][(image, p, q)]`.
+fn im2col_nchw<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, col: &mut [f32]) {
+    let (hw, pq) = (g.h * g.w, g.p * g.q);
+    let ld = nb * pq;
+    for c in 0..g.cg {
+        for r in 0..g.r {
+            for s in 0..g.s {
+                let row = &mut col[((c * g.r + r) * g.s + s) * ld..][..ld];
+                let off = (s * g.dw) as isize - g.pw as isize;
+                let qs = valid_range(g.q, 0, g.w as isize, g.sw, off);
+                for il in 0..nb {
+                    let xp = &x[((i0 + il) * g.c + grp * g.cg + c) * hw..][..hw];
+                    for p in 0..g.p {
+                        let dst = &mut row[il * pq + p * g.q..][..g.q];
+                        let ih = (p * g.sh + r * g.dh) as isize - g.ph as isize;
+                        if ih < 0 || ih >= g.h as isize || qs.is_empty() {
+                            dst.fill(0.0);
+                            continue;
+                        }
+                        let xrow = &xp[ih as usize * g.w..][..g.w];
+                        dst[..qs.start].fill(0.0);
+                        dst[qs.end..].fill(0.0);
+                        let start = ((qs.start * g.sw) as isize + off) as usize;
+                        let dst = &mut dst[qs.clone()];
+                        if g.sw == 1 {
+                            T::load_slice(&xrow[start..start + dst.len()], dst);
+                        } else {
+                            for (d, v) in dst.iter_mut().zip(xrow[start..].iter().step_by(g.sw)) {
+                                *d = v.to_f32();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// NHWC im2col of images `i0..i0 + nb`, group `grp`: `col[(image, p, q)][(r, s, c)]`.
+fn im2col_nhwc<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, col: &mut [f32]) {
+    let (cg, crs) = (g.cg, g.cg * g.r * g.s);
+    for il in 0..nb {
+        for p in 0..g.p {
+            for q in 0..g.q {
+                let row = &mut col[((il * g.p + p) * g.q + q) * crs..][..crs];
+                for r in 0..g.r {
+                    let seg = &mut row[r * g.s * cg..][..g.s * cg];
+                    let ih = (p * g.sh + r * g.dh) as isize - g.ph as isize;
+                    if ih < 0 || ih >= g.h as isize {
+                        seg.fill(0.0);
+                        continue;
+                    }
+                    for s in 0..g.s {
+                        let dst = &mut seg[s * cg..][..cg];
+                        let iw = (q * g.sw + s * g.dw) as isize - g.pw as isize;
+                        if iw < 0 || iw >= g.w as isize {
+                            dst.fill(0.0);
+                            continue;
+                        }
+                        let pix = ((i0 + il) * g.h + ih as usize) * g.w + iw as usize;
+                        T::load_slice(&x[pix * g.c + grp * cg..][..cg], dst);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// NCHW col2im as a gather (`dx[c][h][w]` sums every `col[(c, r, s)][(p, q)]` that maps to
+/// it), so each `dx` element is accumulated in f32 and stored once with `alpha`/`beta`.
+#[allow(clippy::too_many_arguments)]
+fn col2im_nchw<T: Element>(
+    g: &Geom,
+    col: &[f32],
+    i0: usize,
+    nb: usize,
+    grp: usize,
+    alpha: f32,
+    beta: f32,
+    dx: &mut [T],
+) {
+    let pq = g.p * g.q;
+    let ld = nb * pq;
+    let mut acc = [0f32; CHUNK];
+    for il in 0..nb {
+        for c in 0..g.cg {
+            for h in 0..g.h {
+                let dxrow = &mut dx[(((i0 + il) * g.c + grp * g.cg + c) * g.h + h) * g.w..][..g.w];
+                for w0 in (0..g.w).step_by(CHUNK) {
+                    let wn = CHUNK.min(g.w - w0);
+                    let acc = &mut acc[..wn];
+                    acc.fill(0.0);
+                    for r in 0..g.r {
+                        let t = (h + g.ph) as isize - (r * g.dh) as isize;
+                        if t < 0 || t as usize % g.sh != 0 || t as usize / g.sh >= g.p {
+                            continue;
+                        }
+                        let p = t as usize / g.sh;
+                        for s in 0..g.s {
+                            let off = (s * g.dw) as isize - g.pw as isize;
+                            let qs = valid_range(g.q, w0 as isize, (w0 + wn) as isize, g.sw, off);
+                            if qs.is_empty() {
+                                continue;
+                            }
+                            let src =
+                                &col[((c * g.r + r) * g.s + s) * ld + il * pq + p * g.q..][..g.q];
+                            let start = ((qs.start * g.sw) as isize + off) as usize - w0;
+                            super::axpy_scatter(&mut acc[start..], g.sw, 1.0, &src[qs]);
+                        }
+                    }
+                    store(&mut dxrow[w0..w0 + wn], acc, alpha, beta);
+                }
+            }
+        }
+    }
+}
+
+/// NHWC col2im as a gather, like [`col2im_nchw`].
+#[allow(clippy::too_many_arguments)]
+fn col2im_nhwc<T: Element>(
+    g: &Geom,
+    col: &[f32],
+    i0: usize,
+    nb: usize,
+    grp: usize,
+    alpha: f32,
+    beta: f32,
+    dx: &mut [T],
+) {
+    let crs = g.cg * g.r * g.s;
+    let mut acc = [0f32; CHUNK];
+    for il in 0..nb {
+        for h in 0..g.h {
+            for x in 0..g.w {
+                let base = (((i0 + il) * g.h + h) * g.w + x) * g.c + grp * g.cg;
+                for c0 in (0..g.cg).step_by(CHUNK) {
+                    let cn = CHUNK.min(g.cg - c0);
+                    let acc = &mut acc[..cn];
+                    acc.fill(0.0);
+                    for r in 0..g.r {
+                        let t = (h + g.ph) as isize - (r * g.dh) as isize;
+                        if t < 0 || t as usize % g.sh != 0 || t as usize / g.sh >= g.p {
+                            continue;
+                        }
+                        let p = t as usize / g.sh;
+                        for s in 0..g.s {
+                            let u = (x + g.pw) as isize - (s * g.dw) as isize;
+                            if u < 0 || u as usize % g.sw != 0 || u as usize / g.sw >= g.q {
+                                continue;
+                            }
+                            let q = u as usize / g.sw;
+                            let src = &col
+                                [((il * g.p + p) * g.q + q) * crs + (r * g.s + s) * g.cg + c0..]
+                                [..cn];
+                            axpy_gather(acc, 1.0, src, 1);
+                        }
+                    }
+                    store(&mut dx[base + c0..][..cn], acc, alpha, beta);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! The cuDNN backend as the profiler sees it: times every legacy algorithm with CUDA events on
+//! random device data, at a micro-batch offset inside a full-batch buffer (as the executor
+//! runs it, so pointer alignment matches).
+
+use super::cudnn::{
+    algo_count, probe, ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, Workspace,
+};
+use super::{median_time, Backend, BackendError, TimingSettings};
+use crate::device::{BackendKind, DeviceFingerprint};
+use crate::exec::{operand_roles, Operand, Step};
+use crate::solver::{ConvOp, ConvProblem, Measurement};
+
+/// Full-batch random operands of one problem, indexed by [`Operand`].
+struct Operands {
+    problem: ConvProblem,
+    input: DeviceBuffer,
+    filter: DeviceBuffer,
+    output: DeviceBuffer,
+}
+
+impl Operands {
+    /// `(a, b, out)` for `op`.
+    fn for_op(&mut self, op: ConvOp) -> (&DeviceBuffer, &DeviceBuffer, &mut DeviceBuffer) {
+        match op {
+            ConvOp::Forward => (&self.input, &self.filter, &mut self.output),
+            ConvOp::BackwardData => (&self.filter, &self.output, &mut self.input),
+            ConvOp::BackwardFilter => (&self.input, &self.output, &mut self.filter),
+        }
+    }
+}
+
+/// Times cuDNN's algorithms on one GPU.
+pub struct CudnnBackend {
+    handle: CudnnHandle,
+    fingerprint: DeviceFingerprint,
+    operands: Option<Operands>,
+    workspace: Option<Workspace>,
+}
+
+impl CudnnBackend {
+    /// Opens GPU `ordinal`; an error (never a panic) when CUDA, cuDNN or the GPU is missing.
+    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+        let system = probe()?;
+        let device = system.devices.get(ordinal).ok_or_else(|| {
+            BackendError::Invalid(format!(
+                "no GPU {ordinal}: {} visible",
+                system.devices.len()
+            ))
+        })?;
+        let fingerprint = DeviceFingerprint {
+            backend: BackendKind::Cuda,
+            name: device.name.clone(),
+            compute_capability: Some((
+                device.compute_capability.0 as u32,
+                device.compute_capability.1 as u32,
+            )),
+            driver_version: Some(system.driver_version as u32),
+            cudnn_version: Some(system.cudnn_version),
+        };
+        Ok(CudnnBackend {
+            handle: CudnnHandle::new(ordinal)?,
+            fingerprint,
+            operands: None,
+            workspace: None,
+        })
+    }
+
+    /// Number of visible GPUs (0 with an error when CUDA or cuDNN is missing).
+    pub fn device_count() -> Result<usize, BackendError> {
+        Ok(probe()?.devices.len())
+    }
+
+    pub fn handle(&self) -> &CudnnHandle {
+        &self.handle
+    }
+
+    fn ensure_operands(&mut self, problem: &ConvProblem) -> Result<(), CudnnError> {
+        if self
+            .operands
+            .as_ref()
+            .is_some_and(|o| o.problem == *problem)
+        {
+            return Ok(());
+        }
+        self.operands = None; // free before allocating the next problem's buffers
+        let d = ConvDescriptors::new(problem)?;
+        let len = |role| d.shapes().elements(role);
+        let dtype = problem.dtype;
+        self.operands = Some(Operands {
+            problem: *problem,
+            input: self.handle.alloc_random(dtype, len(Operand::Input), 1)?,
+            filter: self.handle.alloc_random(dtype, len(Operand::Filter), 2)?,
+            output: self.handle.alloc_random(dtype, len(Operand::Output), 3)?,
+        });
+        Ok(())
+    }
+
+    fn ensure_workspace(&mut self, bytes: u64) -> Result<(), CudnnError> {
+        if self.workspace.as_ref().is_none_or(|w| w.bytes() < bytes) {
+            self.workspace = None;
+            self.workspace = Some(self.handle.alloc_workspace(bytes)?);
+        }
+        Ok(())
+    }
+
+    fn time_algo(
+        &mut self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        algo: u32,
+        first: usize,
+        timing: &TimingSettings,
+    ) -> Result<f64, CudnnError> {
+        let micro = d.problem().n as usize;
+        let full = self.operands.as_ref().expect("ensured").problem;
+        let roles = operand_roles(op);
+        let step = Step {
+            first,
+            size: micro,
+            algo,
+            beta: 0.0,
+        };
+        let range = |role: Operand| step.range(role, role.elements_per_sample(&full));
+        let (ra, rb, ro) = (range(roles[0]), range(roles[1]), range(roles[2]));
+        let timer = self.handle.timer()?;
+        let handle = &self.handle;
+        let (a, b, out) = self.operands.as_mut().expect("ensured").for_op(op);
+        // Views are made once, outside the timed loops (making one records stream events).
+        let (a, b, mut out) = (
+            a.view(ra.0, ra.1)?,
+            b.view(rb.0, rb.1)?,
+            out.view_mut(ro.0, ro.1)?,
+        );
+        let mut workspace = self.workspace.as_mut().expect("ensured").view();
+        median_time(timing, |iterations| {
+            let ms = timer.time(|| {
+                for _ in 0..iterations {
+                    // beta = 0: outputs are overwritten, so repeated calls stay finite.
+                    handle.convolve(d, op, algo, 1.0, &a, &b, 0.0, &mut out, &mut workspace)?;
+                }
+                Ok(())
+            })?;
+            Ok(f64::from(ms))
+        })
+    }
+}
+
+impl Backend for CudnnBackend {
+    fn fingerprint(&self) -> &DeviceFingerprint {
+        &self.fingerprint
+    }
+
+    fn measure(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        timing: &TimingSettings,
+    ) -> Result<Vec<Measurement>, BackendError> {
+        problem
+            .validate()
+            .map_err(|e| BackendError::Invalid(e.to_string()))?;
+        if micro < 1 || micro > problem.n {
+            return Err(BackendError::Invalid(format!(
+                "micro-batch {micro} outside 1..={}",
+                problem.n
+            )));
+        }
+        self.ensure_operands(problem)?;
+        let d = ConvDescriptors::new(&problem.with_batch(micro))?;
+        // The last `micro` samples: a non-zero offset whenever the plan splits the batch.
+        let first = (problem.n - micro) as usize;
+        let mut measurements = Vec::new();
+        for algo in 0..algo_count(op) {
+            let Some(workspace_bytes) = self.handle.workspace_size(&d, op, algo)? else {
+                continue;
+            };
+            match self
+                .ensure_workspace(workspace_bytes)
+                .and_then(|()| self.time_algo(&d, op, algo, first, timing))
+            {
+                Ok(time_ms) => measurements.push(Measurement {
+                    micro,
+                    algo,
+                    time_ms: time_ms.max(1e-6),
+                    workspace_bytes,
+                }),
+                // Unsupported when run, or its workspace does not fit in memory: leave it out.
+                Err(e) if e.is_not_supported() || e.is_out_of_memory() => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(measurements)
+    }
+}

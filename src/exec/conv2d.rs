@@ -1,0 +1,333 @@
+//! The drop-in convolution layer: weights, an optional bias, `forward` and `backward`. The
+//! first time it sees an input shape it tunes itself (profile -> solve, per-layer workspace
+//! limit) and from then on only executes the stored plans.
+//!
+//! This layer works on host tensors with the CPU backend, so it runs anywhere. On a GPU the
+//! same pieces are used directly: [`CudnnBackend`](crate::backend::CudnnBackend) with
+//! [`LayerTuning`] to tune, and [`PreparedPlan`](super::cudnn::PreparedPlan) to execute over
+//! device buffers.
+
+use super::{cpu_workspace_bytes, execute_cpu, ExecError};
+use crate::backend::cpu::AlignedWorkspace;
+use crate::backend::{CpuBackend, TimingSettings};
+use crate::solver::{ConvOp, ConvProblem, Layout, Plan, Policy, ShapeError};
+use crate::tune::{LayerTuning, TuneError};
+use std::collections::HashMap;
+
+/// A 4-D host tensor. `dims` are logical `[n, c, h, w]` whatever the layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    pub dims: [usize; 4],
+    pub layout: Layout,
+    pub data: Vec<f32>,
+}
+
+impl Tensor {
+    pub fn zeros(dims: [usize; 4], layout: Layout) -> Self {
+        Tensor {
+            dims,
+            layout,
+            data: vec![0.0; dims.iter().product()],
+        }
+    }
+
+    /// Element index of logical `(n, c, h, w)`.
+    pub fn index(&self, n: usize, c: usize, h: usize, w: usize) -> usize {
+        let [_, cs, hs, ws] = self.dims;
+        match self.layout {
+            Layout::Nchw => ((n * cs + c) * hs + h) * ws + w,
+            Layout::Nhwc => ((n * hs + h) * ws + w) * cs + c,
+        }
+    }
+}
+
+/// Gradients of a [`Conv2d::backward`] call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gradients {
+    pub input: Tensor,
+    /// Same shape and layout as [`Conv2d::weight`].
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+}
+
+/// Why a layer call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    #[error("{layer}: {message}")]
+    Input { layer: String, message: String },
+    #[error("{layer}: {source}")]
+    Shape { layer: String, source: ShapeError },
+    #[error(transparent)]
+    Tune(#[from] TuneError),
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+}
+
+/// A 2-D convolution layer (fp32), cross-correlation as in cuDNN and PyTorch.
+pub struct Conv2d {
+    name: String,
+    /// The problem at batch 1 and height/width 1; the input shape fills those in.
+    template: ConvProblem,
+    /// Filters: `k x c/g x r x s` (NCHW) or `k x r x s x c/g` (NHWC).
+    pub weight: Vec<f32>,
+    pub bias: Option<Vec<f32>>,
+    tuning: LayerTuning,
+    backend: CpuBackend,
+    plans: HashMap<(i64, i64, i64), [Plan; 3]>,
+    workspace: AlignedWorkspace,
+}
+
+impl Conv2d {
+    /// A layer with `kernel x kernel` filters, stride 1, no padding, NCHW, a bias, and weights
+    /// drawn uniformly from `±1/sqrt(fan_in)` (deterministic from the name).
+    pub fn new(name: &str, in_channels: i64, out_channels: i64, kernel: i64) -> Self {
+        let template =
+            ConvProblem::new(1, in_channels, kernel, kernel, out_channels, kernel, kernel);
+        let mut layer = Conv2d {
+            name: name.to_string(),
+            template,
+            weight: Vec::new(),
+            bias: Some(vec![0.0; out_channels.max(0) as usize]),
+            tuning: LayerTuning {
+                policy: Policy::PowerOfTwo,
+                workspace_limit_bytes: 64 << 20,
+                timing: TimingSettings::CPU,
+            },
+            backend: CpuBackend::new(),
+            plans: HashMap::new(),
+            workspace: AlignedWorkspace::default(),
+        };
+        layer.reset_weights();
+        layer
+    }
+
+    fn reset_weights(&mut self) {
+        let t = &self.template;
+        let fan_in = (t.c / t.groups.max(1)) * t.r * t.s;
+        let len = (t.k * fan_in).max(0) as usize;
+        let bound = 1.0 / (fan_in.max(1) as f32).sqrt();
+        let seed = self.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        let values =
+            crate::backend::cudnn::host::random_values(crate::solver::DType::Fp32, len, seed);
+        self.weight = values.into_iter().map(|v| v * bound).collect();
+        self.plans.clear();
+    }
+
+    pub fn with_stride(mut self, stride: i64) -> Self {
+        (self.template.stride_h, self.template.stride_w) = (stride, stride);
+        self.plans.clear();
+        self
+    }
+
+    pub fn with_padding(mut self, padding: i64) -> Self {
+        (self.template.pad_h, self.template.pad_w) = (padding, padding);
+        self.plans.clear();
+        self
+    }
+
+    pub fn with_dilation(mut self, dilation: i64) -> Self {
+        (self.template.dilation_h, self.template.dilation_w) = (dilation, dilation);
+        self.plans.clear();
+        self
+    }
+
+    /// Grouped convolution (weights are re-drawn for the new shape).
+    pub fn with_groups(mut self, groups: i64) -> Self {
+        self.template.groups = groups;
+        self.reset_weights();
+        self
+    }
+
+    pub fn with_layout(mut self, layout: Layout) -> Self {
+        self.template.layout = layout;
+        self.plans.clear();
+        self
+    }
+
+    pub fn without_bias(mut self) -> Self {
+        self.bias = None;
+        self
+    }
+
+    /// Tuning settings (policy, per-layer workspace limit, timing). Clears tuned plans.
+    pub fn with_tuning(mut self, tuning: LayerTuning) -> Self {
+        self.tuning = tuning;
+        self.plans.clear();
+        self
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The plans tuned for an input of `n x h x w`, if that shape has been seen:
+    /// `[forward, backward-data, backward-filter]`.
+    pub fn plans(&self, n: i64, h: i64, w: i64) -> Option<&[Plan; 3]> {
+        self.plans.get(&(n, h, w))
+    }
+
+    fn input_error(&self, message: String) -> LayerError {
+        LayerError::Input {
+            layer: self.name.clone(),
+            message,
+        }
+    }
+
+    /// The problem for input `x`, checked against the layer.
+    fn problem_for(&self, x: &Tensor) -> Result<ConvProblem, LayerError> {
+        let [n, c, h, w] = x.dims.map(|d| d as i64);
+        if x.layout != self.template.layout {
+            return Err(self.input_error(format!(
+                "input is {}, the layer is {}",
+                x.layout, self.template.layout
+            )));
+        }
+        if c != self.template.c {
+            return Err(self.input_error(format!(
+                "input has {c} channels, the layer expects {}",
+                self.template.c
+            )));
+        }
+        if x.data.len() != x.dims.iter().product::<usize>() {
+            return Err(self.input_error(format!(
+                "input data has {} elements for dims {:?}",
+                x.data.len(),
+                x.dims
+            )));
+        }
+        let expected_weights = (self.template.k
+            * (self.template.c / self.template.groups.max(1))
+            * self.template.r
+            * self.template.s)
+            .max(0);
+        if self.weight.len() != expected_weights as usize {
+            return Err(self.input_error(format!(
+                "weight has {} elements, expected {expected_weights}",
+                self.weight.len()
+            )));
+        }
+        let problem = ConvProblem {
+            n,
+            h,
+            w,
+            ..self.template
+        };
+        problem.validate().map_err(|source| LayerError::Shape {
+            layer: self.name.clone(),
+            source,
+        })?;
+        Ok(problem)
+    }
+
+    /// Tunes on first sight of the shape; returns the plans.
+    fn ensure_plans(&mut self, problem: &ConvProblem) -> Result<[Plan; 3], LayerError> {
+        let key = (problem.n, problem.h, problem.w);
+        if let Some(plans) = self.plans.get(&key) {
+            return Ok(plans.clone());
+        }
+        let plans = self.tuning.tune(&mut self.backend, &self.name, problem)?;
+        let needed = plans.iter().map(cpu_workspace_bytes).max().unwrap_or(0);
+        if (self.workspace.len() as u64) < needed {
+            self.workspace = AlignedWorkspace::new(needed);
+        }
+        self.plans.insert(key, plans.clone());
+        Ok(plans)
+    }
+
+    fn output_tensor(&self, problem: &ConvProblem) -> Tensor {
+        let (p, q) = problem.output_hw();
+        Tensor::zeros(
+            [
+                problem.n as usize,
+                problem.k as usize,
+                p as usize,
+                q as usize,
+            ],
+            problem.layout,
+        )
+    }
+
+    /// `y = conv(x, weight) + bias`.
+    pub fn forward(&mut self, x: &Tensor) -> Result<Tensor, LayerError> {
+        let problem = self.problem_for(x)?;
+        let plans = self.ensure_plans(&problem)?;
+        let mut y = self.output_tensor(&problem);
+        execute_cpu(
+            &plans[0],
+            1.0,
+            &x.data,
+            &self.weight,
+            0.0,
+            &mut y.data,
+            self.workspace.as_bytes_mut(),
+        )?;
+        if let Some(bias) = &self.bias {
+            let [n, k, p, q] = y.dims;
+            for image in 0..n {
+                for (channel, &b) in bias.iter().enumerate().take(k) {
+                    for row in 0..p {
+                        for col in 0..q {
+                            let i = y.index(image, channel, row, col);
+                            y.data[i] += b;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(y)
+    }
+
+    /// Gradients of the loss with respect to the input, the weights and the bias, given the
+    /// input `x` of the forward pass and the output gradient `dy`.
+    pub fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Gradients, LayerError> {
+        let problem = self.problem_for(x)?;
+        let expected = self.output_tensor(&problem);
+        if dy.dims != expected.dims
+            || dy.layout != expected.layout
+            || dy.data.len() != expected.data.len()
+        {
+            return Err(self.input_error(format!(
+                "output gradient has dims {:?} ({}), expected {:?} ({})",
+                dy.dims, dy.layout, expected.dims, expected.layout
+            )));
+        }
+        let plans = self.ensure_plans(&problem)?;
+        let mut dx = Tensor::zeros(x.dims, x.layout);
+        let mut dw = vec![0.0; self.weight.len()];
+        let workspace = self.workspace.as_bytes_mut();
+        execute_cpu(
+            &plans[1],
+            1.0,
+            &self.weight,
+            &dy.data,
+            0.0,
+            &mut dx.data,
+            workspace,
+        )?;
+        execute_cpu(&plans[2], 1.0, &x.data, &dy.data, 0.0, &mut dw, workspace)?;
+        let bias = self.bias.as_ref().map(|bias| {
+            let [n, k, p, q] = dy.dims;
+            let mut db = vec![0.0f64; bias.len()];
+            for image in 0..n {
+                for (channel, sum) in db.iter_mut().enumerate().take(k) {
+                    for row in 0..p {
+                        for col in 0..q {
+                            *sum += f64::from(dy.data[dy.index(image, channel, row, col)]);
+                        }
+                    }
+                }
+            }
+            db.into_iter().map(|v| v as f32).collect()
+        });
+        Ok(Gradients {
+            input: dx,
+            weight: dw,
+            bias,
+        })
+    }
+
+    /// The op each tuned plan is for, in the order [`Conv2d::plans`] returns them.
+    pub const PLAN_OPS: [ConvOp; 3] = ConvOp::ALL;
+}

@@ -1,0 +1,134 @@
+//! The profiler: measure every algorithm of an op at every micro-batch size a policy allows,
+//! producing the raw [`OpProfile`] that the cache stores and the solver reads.
+//!
+//! With several devices of one model, sizes are dealt out round-robin, one thread and one
+//! backend per device (as µ-cuDNN's benchmark devices do); the results are merged in size order.
+
+use crate::backend::{Backend, BackendError, TimingSettings};
+use crate::device::DeviceFingerprint;
+use crate::solver::{ConvOp, ConvProblem, Measurement, OpProfile, Policy};
+
+/// One tuning problem to measure.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Job {
+    pub layer: String,
+    pub problem: ConvProblem,
+    pub op: ConvOp,
+}
+
+/// Reported after each measured micro-batch size.
+#[derive(Clone, Copy, Debug)]
+pub struct Progress<'a> {
+    pub job: &'a Job,
+    pub micro: i64,
+    /// Sizes measured so far for this job, and in all.
+    pub done: usize,
+    pub total: usize,
+}
+
+/// Measures one job on one backend.
+pub fn profile_job(
+    backend: &mut dyn Backend,
+    job: &Job,
+    policy: Policy,
+    timing: &TimingSettings,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<OpProfile, BackendError> {
+    job.problem
+        .validate()
+        .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
+    let sizes = policy.sizes(job.problem.n);
+    let mut measurements = Vec::new();
+    for (index, &micro) in sizes.iter().enumerate() {
+        measurements.extend(backend.measure(&job.problem, job.op, micro, timing)?);
+        progress(Progress {
+            job,
+            micro,
+            done: index + 1,
+            total: sizes.len(),
+        });
+    }
+    Ok(OpProfile {
+        layer: job.layer.clone(),
+        problem: job.problem,
+        op: job.op,
+        measurements,
+    })
+}
+
+/// Measures one job on several devices at once: device `d` takes sizes `d, d + D, ...`.
+/// `make(d)` opens the backend for device `d` inside its thread (cuDNN handles stay on the
+/// thread that made them). All devices must have the same fingerprint name.
+pub fn profile_job_parallel<B, F>(
+    make: F,
+    devices: usize,
+    job: &Job,
+    policy: Policy,
+    timing: &TimingSettings,
+) -> Result<(DeviceFingerprint, OpProfile), BackendError>
+where
+    B: Backend,
+    F: Fn(usize) -> Result<B, BackendError> + Sync,
+{
+    job.problem
+        .validate()
+        .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
+    let sizes = policy.sizes(job.problem.n);
+    let devices = devices.clamp(1, sizes.len());
+    type Part = Result<(DeviceFingerprint, Vec<(i64, Vec<Measurement>)>), BackendError>;
+    let parts: Vec<Part> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..devices)
+            .map(|device| {
+                let (make, sizes) = (&make, &sizes);
+                scope.spawn(move || -> Part {
+                    let mut backend = make(device)?;
+                    let mut measured = Vec::new();
+                    for &micro in sizes.iter().skip(device).step_by(devices) {
+                        measured
+                            .push((micro, backend.measure(&job.problem, job.op, micro, timing)?));
+                    }
+                    Ok((backend.fingerprint().clone(), measured))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(BackendError::Invalid("a profiling thread panicked".into()))
+                })
+            })
+            .collect()
+    });
+    let mut fingerprint: Option<DeviceFingerprint> = None;
+    let mut by_size = Vec::new();
+    for part in parts {
+        let (device, measured) = part?;
+        match &fingerprint {
+            Some(first)
+                if first.name != device.name
+                    || first.compute_capability != device.compute_capability =>
+            {
+                return Err(BackendError::MixedDevices {
+                    first: first.to_string(),
+                    other: device.to_string(),
+                });
+            }
+            Some(_) => {}
+            None => fingerprint = Some(device),
+        }
+        by_size.extend(measured);
+    }
+    by_size.sort_by_key(|(micro, _)| *micro);
+    let measurements = by_size.into_iter().flat_map(|(_, m)| m).collect();
+    let fingerprint = fingerprint.ok_or_else(|| BackendError::Invalid("no device".into()))?;
+    Ok((
+        fingerprint,
+        OpProfile {
+            layer: job.layer.clone(),
+            problem: job.problem,
+            op: job.op,
+            measurements,
+        },
+    ))
+}
