@@ -330,3 +330,76 @@ fn bad_profiles_are_errors_not_panics() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn tune_errors_are_clear() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "tune", "--model", "alexnet", "--batch", "0", "--device", "cpu",
+            ],
+            "--batch must be at least 1",
+        ),
+        (
+            &["tune", "--model", "vgg", "--batch", "4"],
+            "unknown model `vgg`",
+        ),
+        (
+            &[
+                "tune", "--model", "alexnet", "--batch", "4", "--dtype", "fp64",
+            ],
+            "unknown dtype",
+        ),
+        (
+            &[
+                "tune", "--model", "alexnet", "--batch", "4", "--layout", "chwn",
+            ],
+            "unknown layout",
+        ),
+        (
+            &[
+                "tune",
+                "--model",
+                "alexnet",
+                "--batch",
+                "4",
+                "--workspace-limit",
+                "1M",
+                "--total-workspace",
+                "1M",
+            ],
+            "cannot be used with",
+        ),
+    ];
+    for (args, expected) in cases {
+        let output = mucudnn(args);
+        assert!(!output.status.success(), "{args:?} succeeded");
+        assert!(
+            stderr(&output).contains(expected),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
+}
+
+/// Without a GPU, asking for CUDA is an error that says what is missing; never a panic.
+#[test]
+fn tune_on_cuda_without_a_gpu_is_a_clear_error() {
+    if std::env::var("MUCUDNN_GPU_TESTS").as_deref() == Ok("1") {
+        eprintln!("skipped: a GPU is expected to be present (MUCUDNN_GPU_TESTS=1)");
+        return;
+    }
+    let output = mucudnn(&[
+        "tune", "--model", "alexnet", "--batch", "2", "--device", "cuda",
+    ]);
+    if output.status.success() {
+        eprintln!("skipped: this machine has a usable GPU");
+        return;
+    }
+    let text = stderr(&output);
+    assert!(
+        text.contains("--device cuda") && text.contains("unavailable"),
+        "{text}"
+    );
+    assert!(!text.contains("panicked"), "{text}");
+}

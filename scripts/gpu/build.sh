@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds, here (no GPU needed), everything scripts/gpu/check.sh runs on the GPU machine, into
+# .gpu/ (ignored by git through .git/info/exclude), then: run the device tool with
+#   command: bash .gpu/check.sh     carry: [".gpu"]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p .gpu
+grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
+cargo build --release --locked
+exe() { # the test executable of a cargo target, from cargo's JSON messages
+  cargo test --release --locked --no-run --message-format=json "$@" 2>/dev/null |
+    python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["executable"])' | tail -n 1
+}
+cp target/release/mucudnn .gpu/mucudnn
+cp "$(exe --lib)" .gpu/lib-tests
+cp "$(exe --test gpu_cudnn)" .gpu/gpu-tests
+cp scripts/gpu/check.sh scripts/gpu/torch_cases.py scripts/gpu/compare_profile.py .gpu/
+cp tests/fixtures/h100-alexnet-profile.json .gpu/
+du -sh .gpu

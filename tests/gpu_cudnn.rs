@@ -1,0 +1,337 @@
+//! GPU acceptance on cuDNN, run on the GPU machine with `MUCUDNN_GPU_TESTS=1` (elsewhere each
+//! test says it was skipped and passes): executing a micro-batched plan gives the undivided
+//! result (bitwise for forward and for deterministic backward-data algorithms, 1e-6 relative
+//! for backward-filter in fp32), every algorithm matches a float64 host reference, and, when
+//! `MUCUDNN_TORCH_DIR` holds cases written by `scripts/gpu/torch_cases.py`, PyTorch's
+//! `conv2d` and its gradients on the same data.
+
+use mucudnn::backend::cudnn::host::{reference_convolution, Reference};
+use mucudnn::backend::cudnn::{ConvDescriptors, CudnnHandle, DeviceBuffer};
+use mucudnn::exec::cudnn::PreparedPlan;
+use mucudnn::exec::{operand_roles, Operand};
+use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MathMode, MicroBatch, Plan};
+
+fn gpu_enabled(test: &str) -> bool {
+    let on = std::env::var("MUCUDNN_GPU_TESTS").as_deref() == Ok("1");
+    if !on {
+        println!("{test}: skipped: set MUCUDNN_GPU_TESTS=1 on a machine with a GPU to run it");
+    }
+    on
+}
+
+fn plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: u32) -> Plan {
+    Plan {
+        layer: "gpu-test".into(),
+        problem,
+        op,
+        micro_batches: sizes
+            .iter()
+            .map(|&size| MicroBatch {
+                size,
+                algo,
+                workspace_bytes: 0,
+                time_ms: 1.0,
+            })
+            .collect(),
+    }
+}
+
+/// cuDNN's non-deterministic legacy algorithms (atomics): compared by tolerance, not bits.
+fn deterministic(op: ConvOp, algo: u32) -> bool {
+    !matches!(
+        (op, algo),
+        (ConvOp::BackwardData, 0) | (ConvOp::BackwardFilter, 0) | (ConvOp::BackwardFilter, 3)
+    )
+}
+
+/// Runs `plan` on `(a, b)` into a fresh output (beta = 0 over garbage) and downloads it; `None`
+/// when cuDNN does not support the plan's algorithm at one of its sizes.
+fn run(
+    handle: &CudnnHandle,
+    plan: &Plan,
+    a: &DeviceBuffer,
+    b: &DeviceBuffer,
+    out_len: usize,
+) -> Option<Vec<f32>> {
+    let prepared = match PreparedPlan::new(handle, plan.clone()) {
+        Ok(p) => p,
+        Err(e) => {
+            println!(
+                "    {} algo {} sizes {:?}: not run: {e}",
+                plan.op,
+                plan.micro_batches[0].algo,
+                plan.micro_batches
+                    .iter()
+                    .map(|m| m.size)
+                    .collect::<Vec<_>>()
+            );
+            return None;
+        }
+    };
+    let mut out = handle
+        .alloc_random(plan.problem.dtype, out_len, 99)
+        .expect("alloc");
+    let mut workspace = handle
+        .alloc_workspace(prepared.workspace_bytes())
+        .expect("workspace");
+    match prepared.execute(handle, 1.0, a, b, 0.0, &mut out, &mut workspace) {
+        Ok(()) => Some(out.download().expect("download")),
+        Err(e) => {
+            println!(
+                "    {} algo {}: execution failed: {e}",
+                plan.op, plan.micro_batches[0].algo
+            );
+            None
+        }
+    }
+}
+
+fn tolerance(problem: &ConvProblem) -> f64 {
+    match (problem.dtype, problem.math) {
+        (DType::Fp32, MathMode::Fma) => 1e-5,
+        (DType::Fp32, _) => 5e-3, // TF32 allowed
+        (DType::Fp16, _) => 2e-2,
+        (DType::Bf16, _) => 3e-2,
+    }
+}
+
+/// Checks every supported algorithm of every op of `problem`: split == undivided, and both
+/// against `expected(op)` (values plus an error scale). Returns table rows.
+fn check_problem(
+    handle: &CudnnHandle,
+    label: &str,
+    problem: ConvProblem,
+    inputs: [&DeviceBuffer; 3],
+    expected: &dyn Fn(ConvOp) -> Reference,
+) -> Vec<String> {
+    let d = ConvDescriptors::new(&problem).expect("descriptors");
+    let n = problem.n;
+    let split = [n / 2, n / 4, n - n / 2 - n / 4];
+    let mut rows = Vec::new();
+    for op in ConvOp::ALL {
+        let roles = operand_roles(op);
+        let pick = |role: Operand| match role {
+            Operand::Input => inputs[0],
+            Operand::Filter => inputs[1],
+            Operand::Output => inputs[2],
+        };
+        let out_len = d.shapes().elements(roles[2]);
+        let want = expected(op);
+        for supported in handle.supported_algorithms(&d, op).expect("algorithms") {
+            let algo = supported.algo;
+            let whole = run(
+                handle,
+                &plan(problem, op, &[n], algo),
+                pick(roles[0]),
+                pick(roles[1]),
+                out_len,
+            );
+            let parts = run(
+                handle,
+                &plan(problem, op, &split, algo),
+                pick(roles[0]),
+                pick(roles[1]),
+                out_len,
+            );
+            let (Some(whole), Some(parts)) = (whole, parts) else {
+                continue;
+            };
+            let error = want.max_relative_error(&whole);
+            assert!(
+                error <= tolerance(&problem),
+                "{label} {op} algo {algo}: error {error:.2e} against the reference"
+            );
+            let split_error = want.max_relative_error(&parts);
+            assert!(
+                split_error <= tolerance(&problem),
+                "{label} {op} algo {algo} split: error {split_error:.2e}"
+            );
+            let bitwise = whole
+                .iter()
+                .zip(&parts)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            let scale = whole
+                .iter()
+                .fold(0.0f32, |m, v| m.max(v.abs()))
+                .max(f32::MIN_POSITIVE);
+            let split_vs_whole = whole
+                .iter()
+                .zip(&parts)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max)
+                / scale;
+            match op {
+                ConvOp::BackwardFilter if problem.dtype == DType::Fp32 => assert!(
+                    f64::from(split_vs_whole) <= 1e-6 || !deterministic(op, algo),
+                    "{label} {op} algo {algo}: split differs by {split_vs_whole:.2e}"
+                ),
+                ConvOp::BackwardFilter => {}
+                _ if deterministic(op, algo) => {
+                    assert!(bitwise, "{label} {op} algo {algo}: split is not bitwise equal ({split_vs_whole:.2e})")
+                }
+                _ => {}
+            }
+            rows.push(format!(
+                "{label:<34} {:<10} algo {algo}  err {error:.1e}  split err {split_error:.1e}  split==whole {}",
+                op.name(),
+                if bitwise { "bitwise".to_string() } else { format!("{split_vs_whole:.1e}") }
+            ));
+        }
+    }
+    rows
+}
+
+#[test]
+fn cudnn_plans_equal_undivided_and_the_host_reference() {
+    if !gpu_enabled("cudnn_plans_equal_undivided_and_the_host_reference") {
+        return;
+    }
+    let handle = CudnnHandle::new(0).expect("a GPU");
+    let base = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new(8, 16, 14, 14, 32, 3, 3)
+    };
+    let cases = [
+        (
+            "fp32 nchw fma 3x3",
+            ConvProblem {
+                math: MathMode::Fma,
+                ..base
+            },
+        ),
+        (
+            "fp32 nchw fma stride2 dil2 g2",
+            ConvProblem {
+                math: MathMode::Fma,
+                stride_h: 2,
+                stride_w: 2,
+                dilation_h: 2,
+                dilation_w: 2,
+                pad_h: 2,
+                pad_w: 2,
+                groups: 2,
+                ..base
+            },
+        ),
+        (
+            "fp32 nhwc fma 3x3",
+            ConvProblem {
+                math: MathMode::Fma,
+                layout: Layout::Nhwc,
+                ..base
+            },
+        ),
+        ("fp32 nchw default (tf32)", base),
+        (
+            "fp16 nhwc tensor-op",
+            ConvProblem {
+                dtype: DType::Fp16,
+                layout: Layout::Nhwc,
+                math: MathMode::TensorOp,
+                ..base
+            },
+        ),
+        (
+            "fp16 nchw",
+            ConvProblem {
+                dtype: DType::Fp16,
+                ..base
+            },
+        ),
+    ];
+    let mut rows = Vec::new();
+    for (label, problem) in cases {
+        let d = ConvDescriptors::new(&problem).expect("descriptors");
+        let len = |role| d.shapes().elements(role);
+        let x = handle
+            .alloc_random(problem.dtype, len(Operand::Input), 1)
+            .unwrap();
+        let w = handle
+            .alloc_random(problem.dtype, len(Operand::Filter), 2)
+            .unwrap();
+        let dy = handle
+            .alloc_random(problem.dtype, len(Operand::Output), 3)
+            .unwrap();
+        let host = [
+            x.download().unwrap(),
+            w.download().unwrap(),
+            dy.download().unwrap(),
+        ];
+        let expected = |op: ConvOp| {
+            let (a, b) = match op {
+                ConvOp::Forward => (&host[0], &host[1]),
+                ConvOp::BackwardData => (&host[1], &host[2]),
+                ConvOp::BackwardFilter => (&host[0], &host[2]),
+            };
+            reference_convolution(&problem, op, a, b).expect("reference")
+        };
+        rows.extend(check_problem(
+            &handle,
+            label,
+            problem,
+            [&x, &w, &dy],
+            &expected,
+        ));
+    }
+    println!("\n{}", rows.join("\n"));
+}
+
+/// One PyTorch case: shapes and file names in `cases.json` of `MUCUDNN_TORCH_DIR`.
+#[derive(serde::Deserialize)]
+struct TorchCase {
+    name: String,
+    problem: ConvProblem,
+    /// Raw little-endian f32 files in the problem's layout: x, w, dy, y, dx, dw.
+    files: std::collections::BTreeMap<String, String>,
+}
+
+#[test]
+fn cudnn_plans_match_pytorch() {
+    if !gpu_enabled("cudnn_plans_match_pytorch") {
+        return;
+    }
+    let Ok(dir) = std::env::var("MUCUDNN_TORCH_DIR") else {
+        println!("cudnn_plans_match_pytorch: skipped: MUCUDNN_TORCH_DIR is not set (run scripts/gpu/torch_cases.py)");
+        return;
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let cases: Vec<TorchCase> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let handle = CudnnHandle::new(0).expect("a GPU");
+    let mut rows = Vec::new();
+    for case in cases {
+        let read = |key: &str| -> Vec<f32> {
+            let bytes = std::fs::read(dir.join(&case.files[key])).unwrap();
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let problem = case.problem;
+        let upload = |values: &[f32]| handle.upload(problem.dtype, values).unwrap();
+        let (x, w, dy) = (upload(&read("x")), upload(&read("w")), upload(&read("dy")));
+        let torch = [read("y"), read("dx"), read("dw")];
+        // PyTorch's results are the expected values; the error scale is the float64 reference's
+        // (sum of |products|), which PyTorch does not give.
+        let host = [read("x"), read("w"), read("dy")];
+        let expected = |op: ConvOp| {
+            let (a, b, index) = match op {
+                ConvOp::Forward => (&host[0], &host[1], 0),
+                ConvOp::BackwardData => (&host[1], &host[2], 1),
+                ConvOp::BackwardFilter => (&host[0], &host[2], 2),
+            };
+            let mut reference = reference_convolution(&problem, op, a, b).expect("reference");
+            reference.values = torch[index].iter().map(|&v| f64::from(v)).collect();
+            reference
+        };
+        rows.extend(check_problem(
+            &handle,
+            &format!("torch {}", case.name),
+            problem,
+            [&x, &w, &dy],
+            &expected,
+        ));
+    }
+    println!("\n{}", rows.join("\n"));
+}
