@@ -2,7 +2,7 @@
 //! data with the host clock.
 
 use super::cpu::{self, AlignedWorkspace, CpuAlgo, Element};
-use super::{median_time, Backend, BackendError, TimingSettings};
+use super::{check_measure_args, median_time, Backend, BackendError, TimingSettings};
 use crate::backend::cudnn::host::random_values;
 use crate::device::DeviceFingerprint;
 use crate::exec::Operand;
@@ -127,15 +127,7 @@ impl Backend for CpuBackend {
         micro: i64,
         timing: &TimingSettings,
     ) -> Result<Vec<Measurement>, BackendError> {
-        problem
-            .validate()
-            .map_err(|e| BackendError::Invalid(e.to_string()))?;
-        if micro < 1 || micro > problem.n {
-            return Err(BackendError::Invalid(format!(
-                "micro-batch {micro} outside 1..={}",
-                problem.n
-            )));
-        }
+        check_measure_args(problem, micro)?;
         let mut measurements = Vec::with_capacity(CpuAlgo::ALL.len());
         for algo in CpuAlgo::ALL {
             let workspace_bytes = cpu::workspace_bytes(&problem.with_batch(micro), op, algo);

@@ -5,7 +5,7 @@
 use super::cudnn::{
     algo_count, probe, ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, Workspace,
 };
-use super::{median_time, Backend, BackendError, TimingSettings};
+use super::{check_measure_args, median_time, Backend, BackendError, TimingSettings};
 use crate::device::{BackendKind, DeviceFingerprint};
 use crate::exec::{operand_roles, Operand, Step};
 use crate::solver::{ConvOp, ConvProblem, Measurement};
@@ -157,15 +157,7 @@ impl Backend for CudnnBackend {
         micro: i64,
         timing: &TimingSettings,
     ) -> Result<Vec<Measurement>, BackendError> {
-        problem
-            .validate()
-            .map_err(|e| BackendError::Invalid(e.to_string()))?;
-        if micro < 1 || micro > problem.n {
-            return Err(BackendError::Invalid(format!(
-                "micro-batch {micro} outside 1..={}",
-                problem.n
-            )));
-        }
+        check_measure_args(problem, micro)?;
         self.ensure_operands(problem)?;
         let d = ConvDescriptors::new(&problem.with_batch(micro))?;
         // The last `micro` samples: a non-zero offset whenever the plan splits the batch.

@@ -76,8 +76,23 @@ pub trait Backend {
     ) -> Result<Vec<Measurement>, BackendError>;
 }
 
-/// Times `call` per [`TimingSettings`] with a clock given as `time_one`, which runs
-/// `iterations` calls and returns their total milliseconds. Shared by the CPU and GPU backends.
+/// The checks every [`Backend::measure`] makes first: a valid problem and `1 <= micro <= n`.
+pub(crate) fn check_measure_args(problem: &ConvProblem, micro: i64) -> Result<(), BackendError> {
+    problem
+        .validate()
+        .map_err(|e| BackendError::Invalid(e.to_string()))?;
+    if micro < 1 || micro > problem.n {
+        return Err(BackendError::Invalid(format!(
+            "micro-batch {micro} outside 1..={}",
+            problem.n
+        )));
+    }
+    Ok(())
+}
+
+/// The time of one call per [`TimingSettings`]: `time_loop(k)` runs `k` back-to-back calls
+/// and returns their total milliseconds on the backend's clock. The first single call is the
+/// warm-up, or the answer when it is a long call. Shared by the CPU and GPU backends.
 pub(crate) fn median_time<E>(
     timing: &TimingSettings,
     mut time_loop: impl FnMut(u32) -> Result<f64, E>,
