@@ -6,6 +6,21 @@
 //! same pieces are used directly: [`CudnnBackend`](crate::backend::CudnnBackend) with
 //! [`LayerTuning`] to tune, and [`PreparedPlan`](super::cudnn::PreparedPlan) to execute over
 //! device buffers.
+//!
+//! ```
+//! use mucudnn::exec::conv2d::{Conv2d, Tensor};
+//! use mucudnn::solver::Layout;
+//!
+//! # fn main() -> Result<(), mucudnn::exec::conv2d::LayerError> {
+//! let mut conv = Conv2d::new("net.conv1", 3, 4, 3).with_padding(1);
+//! let x = Tensor { dims: [2, 3, 8, 8], layout: Layout::Nchw, data: vec![0.5; 2 * 3 * 8 * 8] };
+//! let y = conv.forward(&x)?; // tunes on first sight of this shape, then executes
+//! assert_eq!(y.dims, [2, 4, 8, 8]);
+//! let grads = conv.backward(&x, &y)?; // dx, dw, db with the tuned plans
+//! assert_eq!(grads.input.dims, x.dims);
+//! assert!(conv.plans(2, 8, 8).is_some());
+//! # Ok(()) }
+//! ```
 
 use super::{cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::backend::cpu::AlignedWorkspace;
