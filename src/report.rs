@@ -1,6 +1,7 @@
 //! Presenting a [`Solution`]: the `--json` document that scripts read (its shape is a public
 //! contract, see README "JSON output") and the table people read.
 
+pub use crate::solver::device::cudnn_version_string;
 use crate::solver::units::format_bytes;
 use crate::solver::{Mode, Plan, Solution};
 use serde::Serialize;
@@ -120,18 +121,6 @@ fn speedup(undivided: Option<f64>, time: f64) -> String {
         Some(u) if time > 0.0 => format!("{:.2}x", u / time),
         _ => "-".into(),
     }
-}
-
-/// cuDNN's version number as text: 91900 -> `9.19.0` (cuDNN 9 encodes major*10000 +
-/// minor*100 + patch; earlier versions major*1000 + minor*100 + patch).
-pub fn cudnn_version_string(version: u64) -> String {
-    let major_scale = if version >= 90000 { 10000 } else { 1000 };
-    format!(
-        "{}.{}.{}",
-        version / major_scale,
-        (version % major_scale) / 100,
-        version % 100
-    )
 }
 
 /// The human table: one row per (layer, dtype, layout, op), then totals (per dtype and layout
@@ -340,16 +329,4 @@ pub fn render_verification(
         ],
     );
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cudnn_versions() {
-        assert_eq!(cudnn_version_string(91900), "9.19.0");
-        assert_eq!(cudnn_version_string(90100), "9.1.0");
-        assert_eq!(cudnn_version_string(8907), "8.9.7");
-    }
 }

@@ -198,7 +198,7 @@ fn profiler_measures_every_size_and_algorithm_with_cpu_workspaces() {
         // Two "devices" deal the sizes out and give the same (size, algo) set.
         let (device, parallel) =
             profile_job_parallel(|_| Ok(CpuBackend::new()), 2, &job, Policy::All, &FAST).unwrap();
-        assert_eq!(device, DeviceFingerprint::cpu());
+        assert_eq!(device, mucudnn::device::cpu_fingerprint());
         let keys = |ms: &[Measurement]| {
             ms.iter()
                 .map(|m| (m.micro, m.algo, m.workspace_bytes))
@@ -234,7 +234,7 @@ fn parallel_profiling_refuses_different_device_models() {
         op: ConvOp::Forward,
     };
     let make = |device: usize| {
-        let mut fingerprint = DeviceFingerprint::cpu();
+        let mut fingerprint = mucudnn::device::cpu_fingerprint();
         fingerprint.name = format!("model {device}");
         Ok(Renamed(CpuBackend::new(), fingerprint))
     };

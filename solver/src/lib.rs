@@ -13,6 +13,7 @@
 //! - [`wd`]: workspace division, a MILP over all (layer, op) pairs.
 //! - [`solve`]: a whole profile under one mode, with the undivided baseline.
 
+pub mod device;
 pub mod interchange;
 pub mod plan;
 pub mod problem;
@@ -23,6 +24,7 @@ pub mod units;
 pub mod wd;
 pub mod wr;
 
+pub use device::{BackendKind, DeviceFingerprint};
 pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
 pub use profile::{Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError};

@@ -33,7 +33,7 @@ impl Default for CpuBackend {
 impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
-            fingerprint: DeviceFingerprint::cpu(),
+            fingerprint: crate::device::cpu_fingerprint(),
             operands: None,
             workspace: AlignedWorkspace::default(),
         }
