@@ -1,0 +1,164 @@
+//! The cache's SQLite schema and its migrations.
+//!
+//! `meta.schema_version` says which version a file has; [`migrate`] brings any older file up to
+//! [`SCHEMA_VERSION`] inside one immediate transaction, so concurrent openers serialise on it
+//! and each migration runs once. A file from a newer mucudnn is refused (the caller falls back to
+//! memory rather than damage it).
+//!
+//! Layout: a measurement belongs to a device, a convolution *shape* (every problem field except
+//! the batch size), an op and the micro-batch size it was timed at: a micro-batch of 32 costs
+//! the same whether it is part of a batch of 64 or 256, so one measurement serves every
+//! mini-batch. `measured_sizes` records that a (device, shape, op, micro) was measured, so an
+//! algorithm-free size is told apart from one never measured. `seen` remembers the named
+//! problems (with their batch size) that were tuned, for listing and export. Plans are keyed by
+//! device, the full problem, op, policy and constraint.
+
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
+
+/// The schema this build reads and writes.
+pub const SCHEMA_VERSION: i64 = 1;
+
+const V1: &str = "
+CREATE TABLE IF NOT EXISTS devices (
+    id INTEGER PRIMARY KEY,
+    backend TEXT NOT NULL,
+    name TEXT NOT NULL,
+    cc_major INTEGER,
+    cc_minor INTEGER,
+    driver_version INTEGER,
+    cudnn_version INTEGER,
+    -- every field above, canonically joined: NULL-safe uniqueness
+    fingerprint TEXT NOT NULL UNIQUE
+);
+CREATE TABLE IF NOT EXISTS shapes (
+    id INTEGER PRIMARY KEY,
+    c INTEGER NOT NULL, h INTEGER NOT NULL, w INTEGER NOT NULL,
+    k INTEGER NOT NULL, r INTEGER NOT NULL, s INTEGER NOT NULL,
+    pad_h INTEGER NOT NULL, pad_w INTEGER NOT NULL,
+    stride_h INTEGER NOT NULL, stride_w INTEGER NOT NULL,
+    dilation_h INTEGER NOT NULL, dilation_w INTEGER NOT NULL,
+    groups INTEGER NOT NULL,
+    dtype TEXT NOT NULL, layout TEXT NOT NULL, math TEXT NOT NULL,
+    UNIQUE (c, h, w, k, r, s, pad_h, pad_w, stride_h, stride_w, dilation_h, dilation_w,
+            groups, dtype, layout, math)
+);
+CREATE TABLE IF NOT EXISTS measured_sizes (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    op TEXT NOT NULL,
+    micro INTEGER NOT NULL,
+    measured_at INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, op, micro)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS measurements (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    op TEXT NOT NULL,
+    micro INTEGER NOT NULL,
+    algo INTEGER NOT NULL,
+    time_ms REAL NOT NULL,
+    workspace_bytes INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, op, micro, algo)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS seen (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    layer TEXT NOT NULL,
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    n INTEGER NOT NULL,
+    op TEXT NOT NULL,
+    last_used INTEGER NOT NULL,
+    -- tuning order, for listing and export
+    seq INTEGER NOT NULL,
+    PRIMARY KEY (device_id, layer, shape_id, n, op)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS plans (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    n INTEGER NOT NULL,
+    op TEXT NOT NULL,
+    policy TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    limit_bytes INTEGER NOT NULL,
+    -- for workspace division: a digest of every (problem, op) solved together; '' for reuse
+    context TEXT NOT NULL,
+    plan_json TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, n, op, policy, mode, limit_bytes, context)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS seen_by_shape ON seen (device_id, shape_id, op);
+";
+
+/// Why a file cannot be used as a cache.
+#[derive(Debug, thiserror::Error)]
+pub enum SchemaError {
+    #[error("{0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("the cache file has schema version {found}; this build reads up to {SCHEMA_VERSION}")]
+    TooNew { found: i64 },
+}
+
+/// Creates or upgrades the schema. Safe to call from many processes at once.
+pub fn migrate(conn: &mut Connection) -> Result<(), SchemaError> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    tx.execute_batch(
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);",
+    )?;
+    let found: i64 = tx
+        .query_row(
+            "SELECT value FROM meta WHERE key = 'schema_version'",
+            [],
+            |row| row.get::<_, String>(0),
+        )
+        .optional()?
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    if found > SCHEMA_VERSION {
+        return Err(SchemaError::TooNew { found });
+    }
+    // One arm per version step; a future version 2 adds `if found < 2 { ... }`.
+    if found < 1 {
+        tx.execute_batch(V1)?;
+    }
+    tx.execute(
+        "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
+         ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        [SCHEMA_VERSION.to_string()],
+    )?;
+    tx.commit()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrate_is_idempotent_and_records_the_version() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn).unwrap();
+        migrate(&mut conn).unwrap();
+        let version: String = conn
+            .query_row(
+                "SELECT value FROM meta WHERE key = 'schema_version'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION.to_string());
+    }
+
+    #[test]
+    fn a_newer_file_is_refused() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn).unwrap();
+        conn.execute(
+            "UPDATE meta SET value = '99' WHERE key = 'schema_version'",
+            [],
+        )
+        .unwrap();
+        assert!(matches!(
+            migrate(&mut conn),
+            Err(SchemaError::TooNew { found: 99 })
+        ));
+    }
+}

@@ -1,0 +1,534 @@
+//! The cache's queries. Every statement is parameterised and cached (`prepare_cached`); writes
+//! run in immediate transactions so that concurrent writers queue on the busy timeout instead
+//! of failing halfway. Lookups never create rows.
+
+use mucudnn_solver::{
+    BackendKind, ConvOp, ConvProblem, DType, DeviceFingerprint, Layout, MathMode, Measurement,
+    Mode, OpProfile, Plan, Policy, Profile,
+};
+use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
+use std::collections::BTreeMap;
+
+type Result<T> = rusqlite::Result<T>;
+
+/// What a cached plan was solved for, besides its problem and op.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanKey {
+    pub policy: Policy,
+    pub mode: Mode,
+    /// For workspace division: a digest of every (problem, op) solved together (the plan
+    /// depends on them); empty for workspace reuse.
+    pub context: String,
+}
+
+impl PlanKey {
+    /// The key of a workspace-reuse plan.
+    pub fn reuse(policy: Policy, workspace_limit_bytes: u64) -> Self {
+        PlanKey {
+            policy,
+            mode: Mode::WorkspaceReuse {
+                workspace_limit_bytes,
+            },
+            context: String::new(),
+        }
+    }
+
+    fn mode_and_limit(&self) -> (&'static str, i64) {
+        match self.mode {
+            Mode::WorkspaceReuse {
+                workspace_limit_bytes,
+            } => ("wr", clamp(workspace_limit_bytes)),
+            Mode::WorkspaceDivision {
+                total_workspace_bytes,
+            } => ("wd", clamp(total_workspace_bytes)),
+        }
+    }
+}
+
+/// One named problem and op tuned on a device, for `mucudnn cache list`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EntrySummary {
+    pub device: DeviceFingerprint,
+    pub layer: String,
+    pub problem: ConvProblem,
+    pub op: ConvOp,
+    /// Micro-batch sizes measured (up to the problem's batch size).
+    pub sizes: usize,
+    pub measurements: usize,
+    /// Cached plans for this problem and op.
+    pub plans: usize,
+}
+
+fn clamp(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+fn canonical(device: &DeviceFingerprint) -> String {
+    let opt = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    format!(
+        "{}|{}|{}|{}|{}",
+        device.backend,
+        device.name,
+        opt(device.compute_capability.map(|(a, b)| format!("{a}.{b}"))),
+        opt(device.driver_version.map(|v| v.to_string())),
+        opt(device.cudnn_version.map(|v| v.to_string())),
+    )
+}
+
+fn begin(conn: &Connection) -> Result<Transaction<'_>> {
+    Transaction::new_unchecked(conn, TransactionBehavior::Immediate)
+}
+
+fn device_id(conn: &Connection, device: &DeviceFingerprint) -> Result<Option<i64>> {
+    conn.prepare_cached("SELECT id FROM devices WHERE fingerprint = ?1")?
+        .query_row([canonical(device)], |row| row.get(0))
+        .optional()
+}
+
+fn ensure_device(conn: &Connection, device: &DeviceFingerprint) -> Result<i64> {
+    conn.prepare_cached(
+        "INSERT INTO devices (backend, name, cc_major, cc_minor, driver_version, cudnn_version, fingerprint)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT (fingerprint) DO NOTHING",
+    )?
+    .execute(params![
+        device.backend.name(),
+        device.name,
+        device.compute_capability.map(|c| c.0),
+        device.compute_capability.map(|c| c.1),
+        device.driver_version,
+        device.cudnn_version.map(clamp),
+        canonical(device),
+    ])?;
+    device_id(conn, device)?.ok_or(rusqlite::Error::QueryReturnedNoRows)
+}
+
+const SHAPE_COLUMNS: &str =
+    "c, h, w, k, r, s, pad_h, pad_w, stride_h, stride_w, dilation_h, dilation_w, groups, dtype, layout, math";
+
+fn shape_params(p: &ConvProblem) -> [Box<dyn rusqlite::ToSql>; 16] {
+    [
+        Box::new(p.c),
+        Box::new(p.h),
+        Box::new(p.w),
+        Box::new(p.k),
+        Box::new(p.r),
+        Box::new(p.s),
+        Box::new(p.pad_h),
+        Box::new(p.pad_w),
+        Box::new(p.stride_h),
+        Box::new(p.stride_w),
+        Box::new(p.dilation_h),
+        Box::new(p.dilation_w),
+        Box::new(p.groups),
+        Box::new(p.dtype.name()),
+        Box::new(p.layout.name()),
+        Box::new(p.math.name()),
+    ]
+}
+
+fn shape_id(conn: &Connection, problem: &ConvProblem) -> Result<Option<i64>> {
+    let sql = format!(
+        "SELECT id FROM shapes WHERE ({SHAPE_COLUMNS}) = (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"
+    );
+    let params = shape_params(problem);
+    conn.prepare_cached(&sql)?
+        .query_row(
+            rusqlite::params_from_iter(params.iter().map(|b| b.as_ref())),
+            |row| row.get(0),
+        )
+        .optional()
+}
+
+fn ensure_shape(conn: &Connection, problem: &ConvProblem) -> Result<i64> {
+    let sql = format!(
+        "INSERT INTO shapes ({SHAPE_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)
+         ON CONFLICT DO NOTHING"
+    );
+    let params = shape_params(problem);
+    conn.prepare_cached(&sql)?
+        .execute(rusqlite::params_from_iter(
+            params.iter().map(|b| b.as_ref()),
+        ))?;
+    shape_id(conn, problem)?.ok_or(rusqlite::Error::QueryReturnedNoRows)
+}
+
+/// (device id, shape id) when both are known.
+fn ids(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+) -> Result<Option<(i64, i64)>> {
+    Ok(match (device_id(conn, device)?, shape_id(conn, problem)?) {
+        (Some(d), Some(s)) => Some((d, s)),
+        _ => None,
+    })
+}
+
+fn read_measurement(row: &rusqlite::Row<'_>) -> Result<Measurement> {
+    Ok(Measurement {
+        micro: row.get(0)?,
+        algo: row.get(1)?,
+        time_ms: row.get(2)?,
+        workspace_bytes: row.get::<_, i64>(3)?.max(0) as u64,
+    })
+}
+
+pub(crate) fn measurements(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+    micro: i64,
+) -> Result<Option<Vec<Measurement>>> {
+    let Some((d, s)) = ids(conn, device, problem)? else {
+        return Ok(None);
+    };
+    let measured: Option<i64> = conn
+        .prepare_cached("SELECT 1 FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4")?
+        .query_row(params![d, s, op.name(), micro], |row| row.get(0))
+        .optional()?;
+    if measured.is_none() {
+        return Ok(None);
+    }
+    let mut stmt = conn.prepare_cached(
+        "SELECT micro, algo, time_ms, workspace_bytes FROM measurements
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 ORDER BY algo",
+    )?;
+    let rows = stmt.query_map(params![d, s, op.name(), micro], read_measurement)?;
+    rows.collect::<Result<Vec<_>>>().map(Some)
+}
+
+/// Every cached measurement of `problem`'s shape and `op` at micro-batch sizes up to `n`.
+pub(crate) fn measurements_up_to(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+    n: i64,
+) -> Result<Vec<Measurement>> {
+    let Some((d, s)) = ids(conn, device, problem)? else {
+        return Ok(Vec::new());
+    };
+    let mut stmt = conn.prepare_cached(
+        "SELECT micro, algo, time_ms, workspace_bytes FROM measurements
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 ORDER BY micro, algo",
+    )?;
+    let rows = stmt.query_map(params![d, s, op.name(), n], read_measurement)?;
+    rows.collect()
+}
+
+pub(crate) fn measured_sizes(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+) -> Result<Vec<i64>> {
+    let Some((d, s)) = ids(conn, device, problem)? else {
+        return Ok(Vec::new());
+    };
+    let mut stmt = conn.prepare_cached(
+        "SELECT micro FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3",
+    )?;
+    let rows = stmt.query_map(params![d, s, op.name()], |row| row.get(0))?;
+    rows.collect()
+}
+
+fn insert_measurements(
+    conn: &Connection,
+    d: i64,
+    s: i64,
+    op: ConvOp,
+    micro: i64,
+    measurements: &[Measurement],
+) -> Result<usize> {
+    conn.prepare_cached("DELETE FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4")?
+        .execute(params![d, s, op.name(), micro])?;
+    let mut insert = conn.prepare_cached(
+        "INSERT INTO measurements (device_id, shape_id, op, micro, algo, time_ms, workspace_bytes)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+         ON CONFLICT DO UPDATE SET time_ms = excluded.time_ms, workspace_bytes = excluded.workspace_bytes",
+    )?;
+    for m in measurements.iter().filter(|m| m.micro == micro) {
+        insert.execute(params![
+            d,
+            s,
+            op.name(),
+            micro,
+            m.algo,
+            m.time_ms,
+            clamp(m.workspace_bytes)
+        ])?;
+    }
+    conn.prepare_cached(
+        "INSERT INTO measured_sizes (device_id, shape_id, op, micro, measured_at) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT DO UPDATE SET measured_at = excluded.measured_at",
+    )?
+    .execute(params![d, s, op.name(), micro, now()])?;
+    Ok(measurements.len())
+}
+
+fn insert_seen(
+    conn: &Connection,
+    d: i64,
+    s: i64,
+    layer: &str,
+    problem: &ConvProblem,
+    op: ConvOp,
+) -> Result<()> {
+    conn.prepare_cached(
+        "INSERT INTO seen (device_id, layer, shape_id, n, op, last_used, seq)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, (SELECT COALESCE(MAX(seq), 0) + 1 FROM seen))
+         ON CONFLICT DO UPDATE SET last_used = excluded.last_used",
+    )?
+    .execute(params![d, layer, s, problem.n, op.name(), now()])?;
+    Ok(())
+}
+
+pub(crate) fn store_measurements(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    layer: &str,
+    problem: &ConvProblem,
+    op: ConvOp,
+    micro: i64,
+    measurements: &[Measurement],
+) -> Result<()> {
+    let tx = begin(conn)?;
+    let d = ensure_device(&tx, device)?;
+    let s = ensure_shape(&tx, problem)?;
+    insert_measurements(&tx, d, s, op, micro, measurements)?;
+    insert_seen(&tx, d, s, layer, problem, op)?;
+    tx.commit()
+}
+
+pub(crate) fn mark_seen(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    layer: &str,
+    problem: &ConvProblem,
+    op: ConvOp,
+) -> Result<()> {
+    let Some((d, s)) = ids(conn, device, problem)? else {
+        return Ok(());
+    };
+    insert_seen(conn, d, s, layer, problem, op)
+}
+
+pub(crate) fn plan(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+    key: &PlanKey,
+) -> Result<Option<Plan>> {
+    let Some((d, s)) = ids(conn, device, problem)? else {
+        return Ok(None);
+    };
+    let (mode, limit) = key.mode_and_limit();
+    let json: Option<String> = conn
+        .prepare_cached(
+            "SELECT plan_json FROM plans WHERE device_id = ?1 AND shape_id = ?2 AND n = ?3 AND op = ?4
+             AND policy = ?5 AND mode = ?6 AND limit_bytes = ?7 AND context = ?8",
+        )?
+        .query_row(params![d, s, problem.n, op.name(), key.policy.name(), mode, limit, key.context], |row| row.get(0))
+        .optional()?;
+    // A row that does not parse, or is for another problem, is a miss.
+    Ok(json
+        .and_then(|text| serde_json::from_str::<Plan>(&text).ok())
+        .filter(|plan| plan.problem == *problem && plan.op == op && plan.batch() == problem.n))
+}
+
+pub(crate) fn store_plan(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    plan: &Plan,
+    key: &PlanKey,
+) -> Result<()> {
+    let json = serde_json::to_string(plan)
+        .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+    let (mode, limit) = key.mode_and_limit();
+    let tx = begin(conn)?;
+    let d = ensure_device(&tx, device)?;
+    let s = ensure_shape(&tx, &plan.problem)?;
+    tx.prepare_cached(
+        "INSERT INTO plans (device_id, shape_id, n, op, policy, mode, limit_bytes, context, plan_json, created_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+         ON CONFLICT DO UPDATE SET plan_json = excluded.plan_json, created_at = excluded.created_at",
+    )?
+    .execute(params![d, s, plan.problem.n, plan.op.name(), key.policy.name(), mode, limit, key.context, json, now()])?;
+    tx.commit()
+}
+
+fn read_device(row: &rusqlite::Row<'_>, first: usize) -> Result<DeviceFingerprint> {
+    let backend: String = row.get(first)?;
+    let cc: (Option<u32>, Option<u32>) = (row.get(first + 2)?, row.get(first + 3)?);
+    Ok(DeviceFingerprint {
+        backend: if backend == "cuda" {
+            BackendKind::Cuda
+        } else {
+            BackendKind::Cpu
+        },
+        name: row.get(first + 1)?,
+        compute_capability: cc.0.zip(cc.1),
+        driver_version: row.get(first + 4)?,
+        cudnn_version: row
+            .get::<_, Option<i64>>(first + 5)?
+            .map(|v| v.max(0) as u64),
+    })
+}
+
+/// Reads a problem from `seen`/`shapes` columns starting at `first` (n, then the shape), or a
+/// conversion error for a damaged row.
+fn read_problem(row: &rusqlite::Row<'_>, first: usize) -> Result<ConvProblem> {
+    let text = |i: usize| row.get::<_, String>(first + i);
+    let bad = |i: usize, message: String| {
+        rusqlite::Error::FromSqlConversionFailure(
+            first + i,
+            rusqlite::types::Type::Text,
+            message.into(),
+        )
+    };
+    let int = |i: usize| row.get::<_, i64>(first + i);
+    Ok(ConvProblem {
+        n: int(0)?,
+        c: int(1)?,
+        h: int(2)?,
+        w: int(3)?,
+        k: int(4)?,
+        r: int(5)?,
+        s: int(6)?,
+        pad_h: int(7)?,
+        pad_w: int(8)?,
+        stride_h: int(9)?,
+        stride_w: int(10)?,
+        dilation_h: int(11)?,
+        dilation_w: int(12)?,
+        groups: int(13)?,
+        dtype: text(14)?.parse::<DType>().map_err(|e| bad(14, e))?,
+        layout: text(15)?.parse::<Layout>().map_err(|e| bad(15, e))?,
+        math: text(16)?.parse::<MathMode>().map_err(|e| bad(16, e))?,
+    })
+}
+
+/// The `seen` rows with device and problem, in a stable order.
+fn seen_rows(
+    conn: &Connection,
+) -> Result<Vec<(i64, i64, DeviceFingerprint, String, ConvProblem, ConvOp)>> {
+    let sql = format!(
+        "SELECT seen.device_id, seen.shape_id,
+                devices.backend, devices.name, devices.cc_major, devices.cc_minor, devices.driver_version,
+                devices.cudnn_version, seen.layer, seen.n, {}, seen.op
+         FROM seen JOIN devices ON devices.id = seen.device_id JOIN shapes ON shapes.id = seen.shape_id
+         ORDER BY seen.device_id, seen.seq",
+        SHAPE_COLUMNS.split(", ").map(|c| format!("shapes.{c}")).collect::<Vec<_>>().join(", ")
+    );
+    let mut stmt = conn.prepare(&sql)?;
+    let rows = stmt.query_map([], |row| {
+        let op_text: String = row.get(26)?;
+        let op = op_text.parse::<ConvOp>().map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(26, rusqlite::types::Type::Text, e.into())
+        })?;
+        Ok((
+            row.get(0)?,
+            row.get(1)?,
+            read_device(row, 2)?,
+            row.get(8)?,
+            read_problem(row, 9)?,
+            op,
+        ))
+    })?;
+    rows.collect()
+}
+
+pub(crate) fn entries(conn: &Connection) -> Result<Vec<EntrySummary>> {
+    let mut out = Vec::new();
+    for (d, s, device, layer, problem, op) in seen_rows(conn)? {
+        let count = |sql: &str| -> Result<i64> {
+            conn.prepare_cached(sql)?
+                .query_row(params![d, s, op.name(), problem.n], |row| row.get(0))
+        };
+        out.push(EntrySummary {
+            sizes: count(
+                "SELECT COUNT(*) FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4",
+            )? as usize,
+            measurements: count(
+                "SELECT COUNT(*) FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4",
+            )? as usize,
+            plans: count("SELECT COUNT(*) FROM plans WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND n = ?4")?
+                as usize,
+            device,
+            layer,
+            problem,
+            op,
+        });
+    }
+    Ok(out)
+}
+
+pub(crate) fn export(conn: &Connection, only: Option<&DeviceFingerprint>) -> Result<Vec<Profile>> {
+    let mut by_device: BTreeMap<i64, Profile> = BTreeMap::new();
+    for (d, _, device, layer, problem, op) in seen_rows(conn)? {
+        if only.is_some_and(|o| *o != device) {
+            continue;
+        }
+        let measurements = measurements_up_to(conn, &device, &problem, op, problem.n)?;
+        if measurements.is_empty() {
+            continue;
+        }
+        let profile = by_device.entry(d).or_insert_with(|| Profile {
+            device: device.name.clone(),
+            cudnn_version: device.cudnn_version,
+            math: None,
+            timing: Some("exported from the mucudnn cache".into()),
+            fingerprint: Some(device.clone()),
+            entries: Vec::new(),
+        });
+        profile.entries.push(OpProfile {
+            layer,
+            problem,
+            op,
+            measurements,
+        });
+    }
+    Ok(by_device.into_values().collect())
+}
+
+pub(crate) fn import(
+    conn: &Connection,
+    profile: &Profile,
+    local: &DeviceFingerprint,
+) -> Result<usize> {
+    let tx = begin(conn)?;
+    let d = ensure_device(&tx, local)?;
+    let mut stored = 0;
+    for entry in &profile.entries {
+        let s = ensure_shape(&tx, &entry.problem)?;
+        let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
+        for m in &entry.measurements {
+            by_size.entry(m.micro).or_default().push(*m);
+        }
+        for (micro, measurements) in by_size {
+            stored += insert_measurements(&tx, d, s, entry.op, micro, &measurements)?;
+        }
+        insert_seen(&tx, d, s, &entry.layer, &entry.problem, entry.op)?;
+    }
+    tx.commit()?;
+    Ok(stored)
+}
+
+pub(crate) fn clear(conn: &Connection) -> Result<()> {
+    let tx = begin(conn)?;
+    tx.execute_batch(
+        "DELETE FROM plans; DELETE FROM measurements; DELETE FROM measured_sizes; DELETE FROM seen;
+         DELETE FROM shapes; DELETE FROM devices;",
+    )?;
+    tx.commit()?;
+    // Give the space back (outside the transaction, as VACUUM requires).
+    conn.execute_batch("VACUUM")
+}

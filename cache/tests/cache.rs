@@ -1,0 +1,534 @@
+//! The cache's contract: what is stored comes back; a new limit is solved from cached
+//! measurements; export -> clear -> import -> solve gives identical plans; a corrupt file, an
+//! unwritable location and a newer schema never stop tuning; and 8 processes writing one file
+//! at once lose nothing.
+
+use mucudnn_cache::{Cache, Location, PlanKey};
+use mucudnn_solver::{
+    interchange, solve_profile, BackendKind, ConvOp, ConvProblem, DeviceFingerprint, Measurement,
+    Mode, Policy, Profile, WdOptions,
+};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn h100() -> DeviceFingerprint {
+    DeviceFingerprint {
+        backend: BackendKind::Cuda,
+        name: "NVIDIA H100 80GB HBM3".into(),
+        compute_capability: Some((9, 0)),
+        driver_version: Some(13000),
+        cudnn_version: Some(91900),
+    }
+}
+
+fn fixture() -> Profile {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/h100-alexnet-profile.json"
+    );
+    interchange::from_json_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("mucudnn-cache-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn m(micro: i64, algo: u32, time_ms: f64, workspace_bytes: u64) -> Measurement {
+    Measurement {
+        micro,
+        algo,
+        time_ms,
+        workspace_bytes,
+    }
+}
+
+#[test]
+fn measurements_round_trip_and_serve_every_batch_size() {
+    let dir = temp_dir("round-trip");
+    let cache = Cache::open(&dir.join("c.sqlite"));
+    assert_eq!(cache.location(), &Location::File(dir.join("c.sqlite")));
+    let device = h100();
+    let problem = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new(8, 16, 14, 14, 32, 3, 3)
+    };
+    let op = ConvOp::Forward;
+    assert_eq!(cache.measurements(&device, &problem, op, 4), None);
+    assert_eq!(
+        cache.missing_sizes(&device, &problem, op, &[1, 2, 4, 8]),
+        vec![1, 2, 4, 8]
+    );
+    for micro in [1, 2, 4, 8] {
+        let ms = [
+            m(micro, 0, 0.1 * micro as f64, 0),
+            m(micro, 1, 0.05 * micro as f64, 1000 * micro as u64),
+        ];
+        cache.store_measurements(&device, "net.conv", &problem, op, micro, &ms);
+    }
+    assert_eq!(
+        cache.measurements(&device, &problem, op, 4).unwrap()[1],
+        m(4, 1, 0.2, 4000)
+    );
+    // Measured with no supported algorithm is not the same as never measured.
+    let other = ConvOp::BackwardData;
+    cache.store_measurements(&device, "net.conv", &problem, other, 1, &[]);
+    assert_eq!(
+        cache.measurements(&device, &problem, other, 1),
+        Some(vec![])
+    );
+    assert_eq!(
+        cache.missing_sizes(&device, &problem, other, &[1, 2]),
+        vec![2]
+    );
+
+    let profile = cache
+        .op_profile(&device, "net.conv", &problem, op, Policy::PowerOfTwo)
+        .unwrap();
+    assert_eq!(profile.measurements.len(), 8);
+    profile.validate().unwrap();
+    // A smaller mini-batch reuses the micro-batch measurements; a larger one is incomplete.
+    let half = problem.with_batch(4);
+    assert_eq!(
+        cache
+            .op_profile(&device, "net.conv", &half, op, Policy::PowerOfTwo)
+            .unwrap()
+            .measurements
+            .len(),
+        6
+    );
+    assert!(cache
+        .op_profile(
+            &device,
+            "net.conv",
+            &problem.with_batch(16),
+            op,
+            Policy::PowerOfTwo
+        )
+        .is_none());
+    // Another device, another shape: misses.
+    let mut a100 = h100();
+    a100.name = "NVIDIA A100".into();
+    assert!(cache
+        .op_profile(&a100, "net.conv", &problem, op, Policy::PowerOfTwo)
+        .is_none());
+    assert!(cache
+        .op_profile(
+            &device,
+            "net.conv",
+            &ConvProblem {
+                groups: 2,
+                ..problem
+            },
+            op,
+            Policy::PowerOfTwo
+        )
+        .is_none());
+    // It persists.
+    drop(cache);
+    let cache = Cache::open(&dir.join("c.sqlite"));
+    assert_eq!(
+        cache.measurements(&device, &problem, op, 8).unwrap().len(),
+        2
+    );
+    assert!(cache.warnings().is_empty(), "{:?}", cache.warnings());
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn plans_are_keyed_by_policy_and_constraint() {
+    let cache = Cache::in_memory();
+    let device = h100();
+    let profile = fixture();
+    let entry = &profile.entries[3];
+    let plan = mucudnn_solver::solve_wr(entry, Policy::PowerOfTwo, 64 << 20).unwrap();
+    let key = PlanKey::reuse(Policy::PowerOfTwo, 64 << 20);
+    assert_eq!(cache.plan(&device, &entry.problem, entry.op, &key), None);
+    cache.store_plan(&device, &plan, &key);
+    assert_eq!(
+        cache.plan(&device, &entry.problem, entry.op, &key),
+        Some(plan.clone())
+    );
+    for other in [
+        PlanKey::reuse(Policy::All, 64 << 20),
+        PlanKey::reuse(Policy::PowerOfTwo, 32 << 20),
+        PlanKey {
+            policy: Policy::PowerOfTwo,
+            mode: Mode::WorkspaceDivision {
+                total_workspace_bytes: 64 << 20,
+            },
+            context: "x".into(),
+        },
+    ] {
+        assert_eq!(
+            cache.plan(&device, &entry.problem, entry.op, &other),
+            None,
+            "{other:?}"
+        );
+    }
+    assert_eq!(
+        cache.plan(&device, &entry.problem.with_batch(128), entry.op, &key),
+        None
+    );
+}
+
+#[test]
+fn a_new_limit_is_solved_from_cached_measurements() {
+    let cache = Cache::in_memory();
+    let device = h100();
+    let profile = fixture();
+    cache.import(&profile, &device, true).unwrap();
+    for limit in [8u64 << 20, 64 << 20, 512 << 20] {
+        for entry in &profile.entries {
+            let cached = cache
+                .op_profile(
+                    &device,
+                    &entry.layer,
+                    &entry.problem,
+                    entry.op,
+                    Policy::PowerOfTwo,
+                )
+                .unwrap();
+            let from_cache = mucudnn_solver::solve_wr(&cached, Policy::PowerOfTwo, limit).unwrap();
+            let direct = mucudnn_solver::solve_wr(entry, Policy::PowerOfTwo, limit).unwrap();
+            assert_eq!(from_cache, direct, "{} at {limit}", entry.name());
+        }
+    }
+}
+
+#[test]
+fn export_clear_import_solve_gives_identical_plans() {
+    let cache = Cache::in_memory();
+    let device = h100();
+    let profile = fixture();
+    let stored = cache.import(&profile, &device, true).unwrap();
+    assert_eq!(
+        stored,
+        profile
+            .entries
+            .iter()
+            .map(|e| e.measurements.len())
+            .sum::<usize>()
+    );
+    let modes = [
+        Mode::WorkspaceReuse {
+            workspace_limit_bytes: 64 << 20,
+        },
+        Mode::WorkspaceDivision {
+            total_workspace_bytes: 128 << 20,
+        },
+    ];
+    let solve = |p: &Profile, mode| {
+        solve_profile(p, Policy::PowerOfTwo, mode, &WdOptions::default()).unwrap()
+    };
+    let exported = cache.export(Some(&device)).unwrap();
+    assert_eq!(exported.len(), 1);
+    let text = interchange::to_json_string(&exported[0]);
+    let before: Vec<_> = modes
+        .iter()
+        .map(|&mode| solve(&exported[0], mode))
+        .collect();
+
+    cache.clear().unwrap();
+    assert!(cache.export(None).unwrap().is_empty());
+    assert!(cache.entries().unwrap().is_empty());
+
+    let reread = interchange::from_json_str(&text).unwrap();
+    assert_eq!(reread.fingerprint.as_ref(), Some(&device));
+    cache.import(&reread, &device, false).unwrap();
+    let again = cache.export(Some(&device)).unwrap();
+    for (mode, plans) in modes.iter().zip(&before) {
+        assert_eq!(&solve(&again[0], *mode), plans, "{mode:?}");
+    }
+    // And the plans equal those of the original profile.
+    assert_eq!(solve(&profile, modes[0]).problems, before[0].problems);
+    let entries = cache.entries().unwrap();
+    assert_eq!(entries.len(), 30);
+    assert!(entries.iter().all(|e| e.sizes == 9 && e.measurements > 0));
+}
+
+#[test]
+fn import_refuses_another_device_unless_forced() {
+    let cache = Cache::in_memory();
+    let profile = fixture(); // no fingerprint, device "NVIDIA H100 80GB HBM3", cuDNN 91900
+    let mut other = h100();
+    other.name = "NVIDIA A100-SXM4-80GB".into();
+    let err = cache.import(&profile, &other, false).unwrap_err();
+    assert!(err.to_string().contains("--force"), "{err}");
+    // Same name and cuDNN version, no fingerprint: accepted.
+    cache.import(&profile, &h100(), false).unwrap();
+    // A fingerprint that differs in the driver only is still another device.
+    let mut with_fingerprint = profile.clone();
+    with_fingerprint.fingerprint = Some(DeviceFingerprint {
+        driver_version: Some(12080),
+        ..h100()
+    });
+    let err = cache.import(&with_fingerprint, &h100(), false).unwrap_err();
+    assert!(err.to_string().contains("driver 12.8"), "{err}");
+    assert!(cache.import(&with_fingerprint, &other, true).unwrap() > 0);
+    assert!(cache
+        .op_profile(
+            &other,
+            "alexnet.conv1",
+            &profile.entries[0].problem,
+            ConvOp::Forward,
+            Policy::PowerOfTwo
+        )
+        .is_some());
+}
+
+#[test]
+fn a_corrupt_file_is_moved_aside_and_replaced() {
+    let dir = temp_dir("corrupt");
+    let path = dir.join("cache.sqlite");
+    std::fs::write(
+        &path,
+        b"this is not an SQLite database, it is a text file that got here by mistake".repeat(100),
+    )
+    .unwrap();
+    let cache = Cache::open(&path).quiet();
+    assert_eq!(cache.location(), &Location::File(path.clone()));
+    let warnings = cache.warnings();
+    assert!(
+        warnings.iter().any(|w| w.contains("moved it to")),
+        "{warnings:?}"
+    );
+    let aside: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".corrupt-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "the damaged file is kept for inspection");
+    // The fresh cache works and persists.
+    let problem = ConvProblem::new(2, 2, 5, 5, 2, 3, 3);
+    cache.store_measurements(
+        &h100(),
+        "l",
+        &problem,
+        ConvOp::Forward,
+        1,
+        &[m(1, 0, 1.0, 0)],
+    );
+    drop(cache);
+    assert!(Cache::open(&path)
+        .measurements(&h100(), &problem, ConvOp::Forward, 1)
+        .is_some());
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn a_damaged_database_never_stops_tuning() {
+    let dir = temp_dir("truncated");
+    let path = dir.join("cache.sqlite");
+    let cache = Cache::open(&path);
+    cache.import(&fixture(), &h100(), true).unwrap();
+    drop(cache);
+    // Keep the header, damage the pages: a realistic half-written file.
+    let bytes = std::fs::read(&path).unwrap();
+    let mut damaged = bytes[..bytes.len() / 2].to_vec();
+    damaged.extend(std::iter::repeat_n(0xA5u8, bytes.len() / 2));
+    damaged[100..4096].fill(0x5A);
+    std::fs::write(&path, damaged).unwrap();
+    let _ = std::fs::remove_file(dir.join("cache.sqlite-wal"));
+    let cache = Cache::open(&path).quiet();
+    // Whatever the damage, the cache opens and works, from a file or from memory.
+    let problem = ConvProblem::new(2, 2, 5, 5, 2, 3, 3);
+    cache.store_measurements(
+        &h100(),
+        "l",
+        &problem,
+        ConvOp::Forward,
+        1,
+        &[m(1, 0, 1.0, 0)],
+    );
+    assert!(cache
+        .measurements(&h100(), &problem, ConvOp::Forward, 1)
+        .is_some());
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn an_unwritable_location_falls_back_to_memory() {
+    let dir = temp_dir("unwritable");
+    // A parent that is a regular file cannot hold a directory, even for root.
+    let blocker = dir.join("not-a-directory");
+    std::fs::write(&blocker, b"x").unwrap();
+    let cache = Cache::open(&blocker.join("sub").join("cache.sqlite")).quiet();
+    assert!(
+        matches!(cache.location(), Location::Memory { .. }),
+        "{:?}",
+        cache.location()
+    );
+    assert!(
+        cache.warnings().iter().any(|w| w.contains("in memory")),
+        "{:?}",
+        cache.warnings()
+    );
+    let problem = ConvProblem::new(2, 2, 5, 5, 2, 3, 3);
+    cache.store_measurements(
+        &h100(),
+        "l",
+        &problem,
+        ConvOp::Forward,
+        1,
+        &[m(1, 0, 1.0, 0)],
+    );
+    assert!(cache
+        .measurements(&h100(), &problem, ConvOp::Forward, 1)
+        .is_some());
+    // A directory where the file should be.
+    let cache = Cache::open(&dir).quiet();
+    assert!(matches!(cache.location(), Location::Memory { .. }));
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn a_file_from_a_newer_mucudnn_is_left_alone() {
+    let dir = temp_dir("newer");
+    let path = dir.join("cache.sqlite");
+    drop(Cache::open(&path));
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute(
+            "UPDATE meta SET value = '99' WHERE key = 'schema_version'",
+            [],
+        )
+        .unwrap();
+    let cache = Cache::open(&path).quiet();
+    assert!(matches!(cache.location(), Location::Memory { .. }));
+    assert!(
+        cache
+            .warnings()
+            .iter()
+            .any(|w| w.contains("schema version 99")),
+        "{:?}",
+        cache.warnings()
+    );
+    assert!(path.exists(), "not moved aside: it is not damaged");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+const CHILD_ENV: &str = "MUCUDNN_CACHE_TEST_CHILD";
+const ROWS_PER_CHILD: i64 = 40;
+
+/// Not a test of its own: the body of one writer process of
+/// `eight_processes_tuning_into_one_file_lose_nothing`, which runs this test binary 8 times with
+/// `CHILD_ENV` set. Without it, it returns at once.
+#[test]
+fn concurrent_writer_child() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let (path, index) = spec.rsplit_once('|').unwrap();
+    let index: i64 = index.parse().unwrap();
+    let cache = Cache::open(Path::new(path));
+    for row in 0..ROWS_PER_CHILD {
+        // A distinct shape per (child, row), several sizes, and a plan: many small transactions.
+        let problem = ConvProblem::new(4, 1 + index, 8, 8, 1 + row, 3, 3);
+        let layer = format!("rank{index}.layer{row}");
+        for micro in [1, 2, 4] {
+            let ms = [
+                m(micro, 0, 1.0, 0),
+                m(micro, 1, 0.5, 100),
+                m(micro, 2, 0.25, 1000),
+            ];
+            cache.store_measurements(&h100(), &layer, &problem, ConvOp::Forward, micro, &ms);
+        }
+        let profile = cache
+            .op_profile(
+                &h100(),
+                &layer,
+                &problem,
+                ConvOp::Forward,
+                Policy::PowerOfTwo,
+            )
+            .unwrap();
+        let plan = mucudnn_solver::solve_wr(&profile, Policy::PowerOfTwo, 500).unwrap();
+        cache.store_plan(&h100(), &plan, &PlanKey::reuse(Policy::PowerOfTwo, 500));
+    }
+    assert!(
+        cache.warnings().is_empty(),
+        "writer {index}: {:?}",
+        cache.warnings()
+    );
+    assert!(matches!(cache.location(), Location::File(_)));
+}
+
+#[test]
+fn eight_processes_tuning_into_one_file_lose_nothing() {
+    if std::env::var(CHILD_ENV).is_ok() {
+        return;
+    }
+    let dir = temp_dir("concurrent");
+    let path = dir.join("shared.sqlite");
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..8)
+        .map(|index| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "concurrent_writer_child",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(CHILD_ENV, format!("{}|{index}", path.display()))
+                .output_async()
+        })
+        .collect();
+    for (index, child) in children.into_iter().enumerate() {
+        let output = child.wait_with_output().unwrap();
+        assert!(
+            output.status.success(),
+            "writer {index} failed:\n{}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let cache = Cache::open(&path);
+    let entries = cache.entries().unwrap();
+    assert_eq!(
+        entries.len() as i64,
+        8 * ROWS_PER_CHILD,
+        "one entry per rank and layer"
+    );
+    for index in 0..8 {
+        for row in 0..ROWS_PER_CHILD {
+            let problem = ConvProblem::new(4, 1 + index, 8, 8, 1 + row, 3, 3);
+            for micro in [1, 2, 4] {
+                let got = cache.measurements(&h100(), &problem, ConvOp::Forward, micro);
+                assert_eq!(
+                    got.map(|v| v.len()),
+                    Some(3),
+                    "writer {index} row {row} micro {micro}"
+                );
+            }
+            assert!(cache
+                .plan(
+                    &h100(),
+                    &problem,
+                    ConvOp::Forward,
+                    &PlanKey::reuse(Policy::PowerOfTwo, 500)
+                )
+                .is_some());
+        }
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// `Command::spawn` with piped output, so that children run at once and are awaited later.
+trait SpawnPiped {
+    fn output_async(&mut self) -> std::process::Child;
+}
+
+impl SpawnPiped for Command {
+    fn output_async(&mut self) -> std::process::Child {
+        self.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+}
