@@ -39,6 +39,7 @@ pub fn profile_jobs(
                 crate::device::BackendKind::Cpu => "host monotonic",
             }
         )),
+        fingerprint: Some(fingerprint.clone()),
         entries: Vec::with_capacity(jobs.len()),
     };
     for job in jobs {

@@ -416,10 +416,11 @@ fn read_problem(row: &rusqlite::Row<'_>, first: usize) -> Result<ConvProblem> {
     })
 }
 
-/// The `seen` rows with device and problem, in a stable order.
-fn seen_rows(
-    conn: &Connection,
-) -> Result<Vec<(i64, i64, DeviceFingerprint, String, ConvProblem, ConvOp)>> {
+/// A `seen` row: (device id, shape id, device, layer, problem, op).
+type SeenRow = (i64, i64, DeviceFingerprint, String, ConvProblem, ConvOp);
+
+/// The `seen` rows with device and problem, in tuning order.
+fn seen_rows(conn: &Connection) -> Result<Vec<SeenRow>> {
     let sql = format!(
         "SELECT seen.device_id, seen.shape_id,
                 devices.backend, devices.name, devices.cc_major, devices.cc_minor, devices.driver_version,

@@ -50,6 +50,10 @@ struct RawProfile {
     math: Option<String>,
     #[serde(default)]
     timing: Option<String>,
+    /// mucudnn's extension: the full device fingerprint. A malformed one is ignored, as an
+    /// unknown key would be.
+    #[serde(default)]
+    fingerprint: Option<serde_json::Value>,
     records: Vec<serde_json::Value>,
 }
 
@@ -146,6 +150,7 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
         cudnn_version: raw.cudnn_version,
         math: raw.math,
         timing: raw.timing,
+        fingerprint: raw.fingerprint.and_then(|value| serde_json::from_value(value).ok()),
         entries: Vec::new(),
     };
     let mut index_of: HashMap<(String, DType, Layout, ConvOp), usize> = HashMap::new();
@@ -206,6 +211,10 @@ pub fn to_json_string(profile: &Profile) -> String {
     }
     if let Some(timing) = &profile.timing {
         field("timing", timing.clone().into());
+    }
+    if let Some(fingerprint) = &profile.fingerprint {
+        // Serialising plain data cannot fail.
+        field("fingerprint", serde_json::to_value(fingerprint).unwrap_or_default());
     }
     out += "\"records\": [";
     let mut first = true;
@@ -270,9 +279,22 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let p = from_json_str(ONE).unwrap();
+        let mut p = from_json_str(ONE).unwrap();
         let text = to_json_string(&p);
         assert_eq!(from_json_str(&text).unwrap(), p);
+        p.fingerprint = Some(crate::device::DeviceFingerprint {
+            backend: crate::device::BackendKind::Cuda,
+            name: "d".into(),
+            compute_capability: Some((9, 0)),
+            driver_version: Some(13000),
+            cudnn_version: Some(91900),
+        });
+        let text = to_json_string(&p);
+        assert!(text.contains("\"fingerprint\""));
+        assert_eq!(from_json_str(&text).unwrap(), p);
+        // A malformed fingerprint is ignored like an unknown key.
+        let odd = ONE.replace("\"extra\"", "\"fingerprint\": 7, \"extra\"");
+        assert_eq!(from_json_str(&odd).unwrap().fingerprint, None);
     }
 
     #[test]

@@ -46,6 +46,8 @@ pub struct Profile {
     pub math: Option<String>,
     /// Free text: how times were taken.
     pub timing: Option<String>,
+    /// The full device fingerprint, when known (written as the extension key `fingerprint`).
+    pub fingerprint: Option<crate::device::DeviceFingerprint>,
     pub entries: Vec<OpProfile>,
 }
 
