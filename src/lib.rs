@@ -5,6 +5,7 @@
 //!   re-exported here as [`solver`];
 //! - [`backend`] measures and runs convolutions (cuDNN on the GPU, real algorithms on the CPU).
 
+pub use mucudnn_cache as cache;
 pub use mucudnn_solver as solver;
 
 pub mod backend;

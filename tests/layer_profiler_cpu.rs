@@ -4,6 +4,7 @@
 
 use mucudnn::backend::cpu::{self, reference, CpuAlgo};
 use mucudnn::backend::{Backend, BackendError, CpuBackend, TimingSettings};
+use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
 use mucudnn::exec::conv2d::{Conv2d, LayerError, Tensor};
 use mucudnn::profiler::{profile_job, profile_job_parallel, Job};
@@ -121,7 +122,7 @@ fn conv2d_tunes_once_and_matches_the_reference() {
 
 #[test]
 fn conv2d_rejects_bad_input() {
-    let mut layer = Conv2d::new("toy.conv", 4, 6, 3);
+    let mut layer = Conv2d::new("toy.conv", 4, 6, 3).with_cache(Cache::in_memory());
     let cases = [
         (tensor([2, 3, 8, 8], Layout::Nchw, 1), "3 channels"),
         (tensor([2, 4, 8, 8], Layout::Nhwc, 1), "layer is nchw"),
@@ -147,7 +148,9 @@ fn conv2d_rejects_bad_input() {
         matches!(err, LayerError::Input { .. }) && err.to_string().contains("output gradient"),
         "{err}"
     );
-    let mut grouped = Conv2d::new("toy.grouped", 4, 6, 3).with_groups(4);
+    let mut grouped = Conv2d::new("toy.grouped", 4, 6, 3)
+        .with_groups(4)
+        .with_cache(Cache::in_memory());
     assert!(grouped
         .forward(&x)
         .unwrap_err()

@@ -150,7 +150,9 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
         cudnn_version: raw.cudnn_version,
         math: raw.math,
         timing: raw.timing,
-        fingerprint: raw.fingerprint.and_then(|value| serde_json::from_value(value).ok()),
+        fingerprint: raw
+            .fingerprint
+            .and_then(|value| serde_json::from_value(value).ok()),
         entries: Vec::new(),
     };
     let mut index_of: HashMap<(String, DType, Layout, ConvOp), usize> = HashMap::new();
@@ -214,7 +216,10 @@ pub fn to_json_string(profile: &Profile) -> String {
     }
     if let Some(fingerprint) = &profile.fingerprint {
         // Serialising plain data cannot fail.
-        field("fingerprint", serde_json::to_value(fingerprint).unwrap_or_default());
+        field(
+            "fingerprint",
+            serde_json::to_value(fingerprint).unwrap_or_default(),
+        );
     }
     out += "\"records\": [";
     let mut first = true;
@@ -295,6 +300,41 @@ mod tests {
         // A malformed fingerprint is ignored like an unknown key.
         let odd = ONE.replace("\"extra\"", "\"fingerprint\": 7, \"extra\"");
         assert_eq!(from_json_str(&odd).unwrap().fingerprint, None);
+    }
+
+    #[test]
+    fn times_survive_a_round_trip_bit_for_bit() {
+        let mut p = from_json_str(ONE).unwrap();
+        let mut rng = crate::synthetic::Rng(12345);
+        let times: Vec<f64> = [13.618241999999999, 0.1 + 0.2, 1e-7 / 3.0]
+            .into_iter()
+            .chain((0..200).map(|_| rng.unit() * 10f64.powi(rng.below(8) as i32 - 4)))
+            .filter(|t| *t > 0.0)
+            .collect();
+        p.entries[0].measurements = times
+            .iter()
+            .enumerate()
+            .map(|(i, &time_ms)| Measurement {
+                micro: 1 + (i as i64 % 4),
+                algo: i as u32,
+                time_ms,
+                workspace_bytes: 0,
+            })
+            .collect();
+        let back = from_json_str(&to_json_string(&p)).unwrap();
+        for (a, b) in p.entries[0]
+            .measurements
+            .iter()
+            .zip(&back.entries[0].measurements)
+        {
+            assert_eq!(
+                a.time_ms.to_bits(),
+                b.time_ms.to_bits(),
+                "{} became {}",
+                a.time_ms,
+                b.time_ms
+            );
+        }
     }
 
     #[test]

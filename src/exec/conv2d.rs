@@ -8,11 +8,13 @@
 //! device buffers.
 //!
 //! ```
+//! use mucudnn::cache::Cache;
 //! use mucudnn::exec::conv2d::{Conv2d, Tensor};
 //! use mucudnn::solver::Layout;
 //!
 //! # fn main() -> Result<(), mucudnn::exec::conv2d::LayerError> {
-//! let mut conv = Conv2d::new("net.conv1", 3, 4, 3).with_padding(1);
+//! // Without `with_cache`, the layer uses the user's cache file.
+//! let mut conv = Conv2d::new("net.conv1", 3, 4, 3).with_padding(1).with_cache(Cache::in_memory());
 //! let x = Tensor { dims: [2, 3, 8, 8], layout: Layout::Nchw, data: vec![0.5; 2 * 3 * 8 * 8] };
 //! let y = conv.forward(&x)?; // tunes on first sight of this shape, then executes
 //! assert_eq!(y.dims, [2, 4, 8, 8]);
@@ -27,6 +29,7 @@ use crate::backend::cpu::AlignedWorkspace;
 use crate::backend::{CpuBackend, TimingSettings};
 use crate::solver::{ConvOp, ConvProblem, Layout, Plan, Policy, ShapeError};
 use crate::tune::{LayerTuning, TuneError};
+use mucudnn_cache::Cache;
 use std::collections::HashMap;
 
 /// A 4-D host tensor. `dims` are logical `[n, c, h, w]` whatever the layout.
@@ -88,6 +91,8 @@ pub struct Conv2d {
     pub bias: Option<Vec<f32>>,
     tuning: LayerTuning,
     backend: CpuBackend,
+    /// Opened on first tuning (the user's cache file) unless given with [`Conv2d::with_cache`].
+    cache: Option<Cache>,
     plans: HashMap<(i64, i64, i64), [Plan; 3]>,
     workspace: AlignedWorkspace,
 }
@@ -109,6 +114,7 @@ impl Conv2d {
                 timing: TimingSettings::CPU,
             },
             backend: CpuBackend::new(),
+            cache: None,
             plans: HashMap::new(),
             workspace: AlignedWorkspace::default(),
         };
@@ -170,6 +176,13 @@ impl Conv2d {
     pub fn with_tuning(mut self, tuning: LayerTuning) -> Self {
         self.tuning = tuning;
         self.plans.clear();
+        self
+    }
+
+    /// The tuning cache to read and fill (default: the user's cache file, see
+    /// `mucudnn_cache::default_path`).
+    pub fn with_cache(mut self, cache: Cache) -> Self {
+        self.cache = Some(cache);
         self
     }
 
@@ -242,7 +255,10 @@ impl Conv2d {
         if let Some(plans) = self.plans.get(&key) {
             return Ok(plans.clone());
         }
-        let plans = self.tuning.tune(&mut self.backend, &self.name, problem)?;
+        let cache = self.cache.get_or_insert_with(|| Cache::open_default(None));
+        let plans = self
+            .tuning
+            .tune(&mut self.backend, cache, &self.name, problem)?;
         let needed = plans.iter().map(cpu_workspace_bytes).max().unwrap_or(0);
         if (self.workspace.len() as u64) < needed {
             self.workspace = AlignedWorkspace::new(needed);

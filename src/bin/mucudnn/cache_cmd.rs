@@ -1,0 +1,203 @@
+//! `mucudnn cache path|list|show|export|import|clear`.
+
+use crate::{open_device, read_profile, DeviceChoice};
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use mucudnn::cache::{Cache, Location, SCHEMA_VERSION};
+use mucudnn::solver::units::format_bytes;
+use mucudnn::solver::{interchange, DeviceFingerprint};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub(crate) struct CacheArgs {
+    /// The cache file (default: $MUCUDNN_CACHE, else the user's cache directory).
+    #[arg(long, value_name = "PATH", global = true)]
+    cache: Option<PathBuf>,
+    #[command(subcommand)]
+    action: CacheAction,
+}
+
+#[derive(Subcommand)]
+enum CacheAction {
+    /// Print where the cache file is.
+    Path,
+    /// One line per tuned (device, layer, op): micro-batch sizes, measurements, plans.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Location, schema, size, and totals per device.
+    Show {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write this machine's cached measurements as a profile (interchange format).
+    Export {
+        file: PathBuf,
+        /// Which device's measurements: this machine's GPU (auto/cuda) or its CPU backend.
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+        device: DeviceChoice,
+    },
+    /// Read a profile (interchange format) into the cache as this machine's measurements.
+    Import {
+        file: PathBuf,
+        /// Import a profile measured on another device (or driver, or cuDNN) anyway.
+        #[arg(long)]
+        force: bool,
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+        device: DeviceChoice,
+    },
+    /// Delete every measurement and plan.
+    Clear,
+}
+
+fn local_fingerprint(choice: DeviceChoice) -> Result<DeviceFingerprint> {
+    let mut device = open_device(choice, false)?;
+    Ok(device.backend().fingerprint().clone())
+}
+
+pub(crate) fn run(args: &CacheArgs) -> Result<()> {
+    if let CacheAction::Path = args.action {
+        // Resolving the path opens nothing.
+        match args.cache.clone().or_else(mucudnn::cache::default_path) {
+            Some(path) => println!("{}", path.display()),
+            None => anyhow::bail!("no cache location: set MUCUDNN_CACHE or HOME, or pass --cache"),
+        }
+        return Ok(());
+    }
+    let cache = Cache::open_default(args.cache.as_deref());
+    match &args.action {
+        CacheAction::Path => unreachable!("handled above"),
+        CacheAction::List { json } => list(&cache, *json),
+        CacheAction::Show { json } => show(&cache, *json),
+        CacheAction::Export { file, device } => {
+            let local = local_fingerprint(*device)?;
+            let profiles = cache.export(Some(&local))?;
+            let Some(profile) = profiles.into_iter().next() else {
+                let others: Vec<String> = cache
+                    .export(None)?
+                    .iter()
+                    .map(|p| p.device.clone())
+                    .collect();
+                anyhow::bail!(
+                    "nothing cached for {local}{}",
+                    if others.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (the cache has: {})", others.join("; "))
+                    }
+                );
+            };
+            let records: usize = profile.entries.iter().map(|e| e.measurements.len()).sum();
+            std::fs::write(file, interchange::to_json_string(&profile))
+                .with_context(|| format!("cannot write {}", file.display()))?;
+            eprintln!(
+                "exported {records} measurements of {} (layer, op) to {}",
+                profile.entries.len(),
+                file.display()
+            );
+            Ok(())
+        }
+        CacheAction::Import {
+            file,
+            force,
+            device,
+        } => {
+            let profile = read_profile(file)?;
+            let local = local_fingerprint(*device)?;
+            let stored = cache.import(&profile, &local, *force)?;
+            eprintln!(
+                "imported {stored} measurements of {} (layer, op) into {}",
+                profile.entries.len(),
+                cache.location()
+            );
+            Ok(())
+        }
+        CacheAction::Clear => {
+            let entries = cache.entries()?.len();
+            cache.clear()?;
+            eprintln!(
+                "cleared {entries} tuned (layer, op) entries from {}",
+                cache.location()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn list(cache: &Cache, json: bool) -> Result<()> {
+    let entries = cache.entries()?;
+    if json {
+        let rows: Vec<serde_json::Value> = entries
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "device": e.device.to_string(), "layer": e.layer, "problem": e.problem, "op": e.op.name(),
+                    "sizes": e.sizes, "measurements": e.measurements, "plans": e.plans,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    let mut device = None;
+    for e in &entries {
+        if device != Some(&e.device) {
+            println!("{}:", e.device);
+            device = Some(&e.device);
+        }
+        println!(
+            "  {:<32} {:<10} {:<44} {:>3} sizes {:>5} measurements {:>3} plans",
+            e.layer,
+            e.op.name(),
+            e.problem.describe(),
+            e.sizes,
+            e.measurements,
+            e.plans
+        );
+    }
+    if entries.is_empty() {
+        println!("the cache at {} is empty", cache.location());
+    }
+    Ok(())
+}
+
+fn show(cache: &Cache, json: bool) -> Result<()> {
+    let entries = cache.entries()?;
+    let mut per_device: BTreeMap<String, (usize, usize, usize)> = BTreeMap::new();
+    for e in &entries {
+        let t = per_device.entry(e.device.to_string()).or_default();
+        t.0 += 1;
+        t.1 += e.measurements;
+        t.2 += e.plans;
+    }
+    let size = match cache.location() {
+        Location::File(path) => std::fs::metadata(path).map(|m| m.len()).ok(),
+        Location::Memory { .. } => None,
+    };
+    if json {
+        let devices: Vec<serde_json::Value> = per_device
+            .iter()
+            .map(|(d, (e, m, p))| serde_json::json!({"device": d, "entries": e, "measurements": m, "plans": p}))
+            .collect();
+        let doc = serde_json::json!({
+            "location": cache.location().to_string(), "schema_version": SCHEMA_VERSION,
+            "file_bytes": size, "devices": devices,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    println!("location: {}", cache.location());
+    println!("schema version: {SCHEMA_VERSION}");
+    if let Some(bytes) = size {
+        println!("file size: {}", format_bytes(bytes));
+    }
+    for (device, (e, m, p)) in &per_device {
+        println!("{device}: {e} tuned (layer, op), {m} measurements, {p} plans");
+    }
+    if per_device.is_empty() {
+        println!("empty");
+    }
+    Ok(())
+}

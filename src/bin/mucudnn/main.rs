@@ -1,0 +1,216 @@
+//! The `mucudnn` command line: thin glue from arguments to the library, with errors reported
+//! through anyhow and an exit status of 1 (2 for usage errors, from clap; 130 when interrupted).
+//!
+//! - `tune` (tune.rs): profile a network through the cache, solve, print, optionally verify.
+//! - `solve` (here): solve a saved profile.
+//! - `cache` (cache_cmd.rs): inspect, export, import and clear the tuning cache.
+
+mod cache_cmd;
+mod tune;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use mucudnn::backend::{Backend, CpuBackend, CudnnBackend};
+use mucudnn::report::{
+    cudnn_version_string, describe_mode, optimality_warning, render_table, SolutionJson,
+};
+use mucudnn::solver::units::parse_size;
+use mucudnn::solver::{interchange, solve_profile, Mode, Policy, Profile, Solution, WdOptions};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "mucudnn",
+    version,
+    about = "Micro-batching convolution autotuner (after µ-cuDNN)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Profile every conv layer of a model (all three ops), then solve and print the plans.
+    Tune(tune::TuneArgs),
+    /// Solve a saved profile: the fastest micro-batching plan per (layer, op).
+    Solve(SolveArgs),
+    /// The tuning cache: where it is, what it holds; export, import, clear.
+    Cache(cache_cmd::CacheArgs),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum DeviceChoice {
+    /// The GPU when CUDA, cuDNN and a GPU are present, else the CPU.
+    Auto,
+    Cuda,
+    Cpu,
+}
+
+/// The constraint and solver settings shared by every command that solves.
+#[derive(Args)]
+pub(crate) struct SolveSettings {
+    /// Micro-batch sizes a plan may use: undivided, power-of-two or all.
+    #[arg(long, default_value = "power-of-two", value_parser = parse_policy)]
+    pub policy: Policy,
+    /// Per-layer workspace limit (workspace reuse). Bytes, or with KiB/MiB/GiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "total_workspace")]
+    pub workspace_limit: Option<u64>,
+    /// One workspace budget shared by all layers (workspace division, solved as a MILP).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub total_workspace: Option<u64>,
+    /// Time limit for the workspace-division MILP, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    pub ilp_time_limit: f64,
+    /// Print the result as JSON (see README) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+const DEFAULT_WORKSPACE_LIMIT: u64 = 64 << 20;
+
+impl SolveSettings {
+    pub fn mode(&self) -> Mode {
+        match self.total_workspace {
+            Some(total_workspace_bytes) => Mode::WorkspaceDivision {
+                total_workspace_bytes,
+            },
+            None => Mode::WorkspaceReuse {
+                workspace_limit_bytes: self.workspace_limit.unwrap_or(DEFAULT_WORKSPACE_LIMIT),
+            },
+        }
+    }
+
+    fn wd_options(&self) -> Result<WdOptions> {
+        anyhow::ensure!(
+            self.ilp_time_limit.is_finite() && self.ilp_time_limit > 0.0,
+            "--ilp-time-limit must be a positive number of seconds, got {}",
+            self.ilp_time_limit
+        );
+        Ok(WdOptions {
+            time_limit_s: self.ilp_time_limit,
+            ..WdOptions::default()
+        })
+    }
+}
+
+#[derive(Args)]
+struct SolveArgs {
+    /// A profile in mucudnn-profile-v1 JSON (as written by `tune --save-profile`).
+    #[arg(long, value_name = "FILE")]
+    profile: PathBuf,
+    #[command(flatten)]
+    settings: SolveSettings,
+}
+
+fn parse_policy(text: &str) -> Result<Policy, String> {
+    text.parse()
+}
+
+/// The backend a command measures on.
+#[allow(clippy::large_enum_variant)] // one per process
+pub(crate) enum Device {
+    Cuda(CudnnBackend),
+    Cpu(CpuBackend),
+}
+
+impl Device {
+    pub fn backend(&mut self) -> &mut dyn Backend {
+        match self {
+            Device::Cuda(b) => b,
+            Device::Cpu(b) => b,
+        }
+    }
+}
+
+/// Opens the backend the user asked for; `auto` falls back to the CPU and says why.
+pub(crate) fn open_device(choice: DeviceChoice, quiet: bool) -> Result<Device> {
+    match choice {
+        DeviceChoice::Cuda => Ok(Device::Cuda(CudnnBackend::new(0).context("--device cuda")?)),
+        DeviceChoice::Cpu => Ok(Device::Cpu(CpuBackend::new())),
+        DeviceChoice::Auto => {
+            match CudnnBackend::new(0) {
+                Ok(backend) => Ok(Device::Cuda(backend)),
+                Err(error) => {
+                    if !quiet {
+                        // The first clause says what is missing; `--device cuda` prints it all.
+                        let text = error.to_string();
+                        let short = text.split(": ").next().unwrap_or(&text);
+                        eprintln!("no usable GPU ({short}); using the CPU backend (`--device cuda` says why)");
+                    }
+                    Ok(Device::Cpu(CpuBackend::new()))
+                }
+            }
+        }
+    }
+}
+
+pub(crate) fn read_profile(path: &Path) -> Result<Profile> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read profile {}", path.display()))?;
+    interchange::from_json_str(&text)
+        .with_context(|| format!("{} is not a usable profile", path.display()))
+}
+
+/// Solves and prints; shared by `solve` and `tune`. The JSON document is printed only when
+/// `print_json` (a caller that adds to it prints it itself).
+pub(crate) fn solve_and_print(
+    profile: &Profile,
+    settings: &SolveSettings,
+    print_json: bool,
+) -> Result<Solution> {
+    let solution = solve_profile(
+        profile,
+        settings.policy,
+        settings.mode(),
+        &settings.wd_options()?,
+    )?;
+    if let Some(warning) = optimality_warning(&solution) {
+        eprintln!("{warning}");
+    }
+    if settings.json {
+        if print_json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&SolutionJson::new(&solution))?
+            );
+        }
+    } else {
+        let device = match profile.cudnn_version {
+            Some(version) => format!(
+                "{} (cuDNN {})",
+                profile.device,
+                cudnn_version_string(version)
+            ),
+            None => profile.device.clone(),
+        };
+        println!("{}; measured on {device}\n", describe_mode(&solution));
+        print!("{}", render_table(&solution));
+    }
+    Ok(solution)
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Tune(args) => tune::run(&args),
+        Command::Solve(args) => {
+            let profile = read_profile(&args.profile)?;
+            solve_and_print(&profile, &args.settings, true).map(drop)
+        }
+        Command::Cache(args) => cache_cmd::run(&args),
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            let interrupted = error
+                .downcast_ref::<mucudnn::tune::TuneError>()
+                .is_some_and(|e| matches!(e, mucudnn::tune::TuneError::Interrupted { .. }));
+            ExitCode::from(if interrupted { 130 } else { 1 })
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! `mucudnn tune`: model -> jobs -> profile (through the cache, with progress and Ctrl-C) ->
+//! solve -> print, then optionally execute the plans to verify them.
+
+use crate::{open_device, solve_and_print, Device, DeviceChoice, SolveSettings};
+use anyhow::{Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use mucudnn::backend::TimingSettings;
+use mucudnn::cache::Cache;
+use mucudnn::device::BackendKind;
+use mucudnn::exec::verify::{measure_solution, time_plan_cpu, time_plan_cuda};
+use mucudnn::models::Model;
+use mucudnn::report::{render_verification, verification_json, SolutionJson};
+use mucudnn::solver::{interchange, DType, Layout, Plan, Solution};
+use mucudnn::tune::{jobs_for, profile_jobs, ProfileRun};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Args)]
+pub(crate) struct TuneArgs {
+    /// The network whose conv layers to tune.
+    #[arg(long, value_parser = parse_model)]
+    model: Model,
+    /// Mini-batch size.
+    #[arg(long, value_name = "N")]
+    batch: i64,
+    #[arg(long, default_value = "fp32", value_parser = parse_dtype)]
+    dtype: DType,
+    #[arg(long, default_value = "nchw", value_parser = parse_layout)]
+    layout: Layout,
+    /// Where to measure.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    device: DeviceChoice,
+    /// Write the measurements in interchange format (for `mucudnn solve`).
+    #[arg(long, value_name = "FILE")]
+    save_profile: Option<PathBuf>,
+    /// After solving, execute every plan and its undivided baseline end to end and report
+    /// measured times next to the predicted ones.
+    #[arg(long)]
+    verify: bool,
+    /// The tuning cache file (default: $MUCUDNN_CACHE, else the user's cache directory).
+    #[arg(long, value_name = "PATH", conflicts_with = "no_cache")]
+    cache: Option<PathBuf>,
+    /// Measure everything again and keep nothing.
+    #[arg(long)]
+    no_cache: bool,
+    /// No progress output.
+    #[arg(long)]
+    quiet: bool,
+    #[command(flatten)]
+    settings: SolveSettings,
+}
+
+fn parse_model(text: &str) -> Result<Model, String> {
+    text.parse()
+}
+
+fn parse_dtype(text: &str) -> Result<DType, String> {
+    text.parse()
+}
+
+fn parse_layout(text: &str) -> Result<Layout, String> {
+    text.parse()
+}
+
+/// Shows progress: a bar with ETA on a terminal, one line per (layer, op) otherwise.
+struct Reporter {
+    bar: Option<ProgressBar>,
+    lines: bool,
+    started: Instant,
+    done: u64,
+    total: u64,
+}
+
+impl Reporter {
+    fn new(total: u64, quiet: bool) -> Self {
+        let terminal = std::io::stderr().is_terminal();
+        let bar = (!quiet && terminal).then(|| {
+            let bar = ProgressBar::new(total);
+            let style = ProgressStyle::with_template(
+                "{spinner} [{bar:30}] {pos}/{len} sizes  {elapsed} elapsed, ETA {eta}  {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> ");
+            bar.set_style(style);
+            bar
+        });
+        Reporter {
+            bar,
+            lines: !quiet && !terminal,
+            started: Instant::now(),
+            done: 0,
+            total,
+        }
+    }
+
+    fn step(&mut self, layer: &str, op: &str, finished_job: bool, from_cache: bool) {
+        self.done += 1;
+        if let Some(bar) = &self.bar {
+            bar.set_message(format!(
+                "{layer} {op}{}",
+                if from_cache { " (cached)" } else { "" }
+            ));
+            bar.inc(1);
+        }
+        if self.lines && finished_job {
+            eprintln!(
+                "[{:>4}/{}] {layer} {op} done ({:.1} s)",
+                self.done,
+                self.total,
+                self.started.elapsed().as_secs_f64()
+            );
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+pub(crate) fn run(args: &TuneArgs) -> Result<()> {
+    anyhow::ensure!(
+        args.batch >= 1,
+        "--batch must be at least 1, got {}",
+        args.batch
+    );
+    let layers = args.model.layers(args.batch, args.dtype, args.layout);
+    for layer in &layers {
+        layer
+            .problem
+            .validate()
+            .with_context(|| layer.name.clone())?;
+    }
+    let mut device = open_device(args.device, args.quiet)?;
+    let backend = device.backend();
+    let fingerprint = backend.fingerprint().clone();
+    let timing = match fingerprint.backend {
+        BackendKind::Cuda => TimingSettings::GPU,
+        BackendKind::Cpu => TimingSettings::CPU,
+    };
+    let cache = if args.no_cache {
+        Cache::in_memory()
+    } else {
+        Cache::open_default(args.cache.as_deref())
+    };
+    let jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
+    let policy = args.settings.policy;
+    let sizes = policy.sizes(args.batch).len();
+    if !args.quiet {
+        eprintln!(
+            "tuning {} ({} distinct conv layers, batch {}, {} {}) on {fingerprint}: {} ops x {sizes} micro-batch sizes; cache: {}",
+            args.model,
+            layers.len(),
+            args.batch,
+            args.dtype,
+            args.layout,
+            jobs.len(),
+            cache.location()
+        );
+    }
+
+    // The first Ctrl-C stops after the current measurement (what was measured stays in the
+    // cache); a second one exits at once.
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let flag = interrupt.clone();
+    let _ = ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\ninterrupted: finishing the current measurement (Ctrl-C again to quit now)");
+    });
+
+    let mut reporter = Reporter::new((jobs.len() * sizes) as u64, args.quiet);
+    let run = ProfileRun {
+        policy,
+        timing,
+        cache: &cache,
+        interrupt: Some(&interrupt),
+    };
+    let result = profile_jobs(backend, &jobs, &run, &mut |p, from_cache| {
+        reporter.step(&p.job.layer, p.job.op.name(), p.done == p.total, from_cache);
+    });
+    reporter.finish();
+    let (profile, stats) = result?;
+    if !args.quiet {
+        if stats.measured == 0 {
+            eprintln!(
+                "all {} measurements came from the cache: no benchmark was run",
+                stats.cached
+            );
+        } else {
+            eprintln!(
+                "profiled in {:.1} s ({} sizes measured, {} from the cache)",
+                reporter.started.elapsed().as_secs_f64(),
+                stats.measured,
+                stats.cached
+            );
+        }
+    }
+    if let Some(path) = &args.save_profile {
+        std::fs::write(path, interchange::to_json_string(&profile))
+            .with_context(|| format!("cannot write profile {}", path.display()))?;
+        if !args.quiet {
+            eprintln!("profile written to {}", path.display());
+        }
+    }
+    let solution = solve_and_print(&profile, &args.settings, !args.verify)?;
+    if args.verify {
+        let measured = verify(&device, &solution, args.settings.json, args.quiet)?;
+        if args.settings.json {
+            let mut doc = serde_json::to_value(SolutionJson::new(&solution))?;
+            doc["measured"] = measured;
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        }
+    }
+    Ok(())
+}
+
+/// Executes the solution's plans and baselines and prints measured against predicted times.
+fn verify(
+    device: &Device,
+    solution: &Solution,
+    json: bool,
+    quiet: bool,
+) -> Result<serde_json::Value> {
+    let progress = |plan: &Plan| {
+        if !quiet {
+            eprintln!(
+                "executing {} {} and its undivided baseline",
+                plan.layer, plan.op
+            );
+        }
+    };
+    let (measured, clock) = match device {
+        Device::Cuda(backend) => {
+            let timing = TimingSettings::GPU;
+            let handle = backend.handle();
+            (
+                measure_solution(
+                    solution,
+                    |plan| time_plan_cuda(handle, plan, &timing),
+                    progress,
+                )?,
+                "CUDA events",
+            )
+        }
+        Device::Cpu(_) => {
+            let timing = TimingSettings::CPU;
+            (
+                measure_solution(solution, |plan| time_plan_cpu(plan, &timing), progress)?,
+                "host clock",
+            )
+        }
+    };
+    let report = verification_json(solution, &measured);
+    if !json {
+        println!("\nmeasured end to end ({clock}, median of timed loops):\n");
+        print!("{}", render_verification(solution, &measured));
+    }
+    Ok(report)
+}
