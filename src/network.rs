@@ -1,0 +1,884 @@
+//! Network files: a TOML list of convolution layers, for `mucudnn tune --network FILE.toml`.
+//!
+//! Text enters (with the batch size, dtype and layout the caller chose, as for a zoo model) and
+//! leaves as a [`Network`]: the same [`ModelLayer`]s the model zoo produces, identical shapes
+//! merged with their counts added, so profiling and reports treat a file like a zoo model.
+//! The format is documented in `docs/NETWORK_FORMAT.md`:
+//!
+//! ```toml
+//! name = "mynet"          # optional: prefix of every layer name (`mynet.conv1`)
+//!
+//! [[layer]]
+//! name = "conv1"          # required, unique
+//! in_channels = 3         # required: C
+//! out_channels = 64       # required: K
+//! input = [224, 224]      # required: [H, W], or one number for a square input
+//! kernel = 7              # required: [R, S], or one number
+//! stride = 2              # [vertical, horizontal] or one number; default 1
+//! padding = 3             # [vertical, horizontal] or one number; default 0
+//! dilation = 1            # [vertical, horizontal] or one number; default 1
+//! groups = 1              # default 1 (depthwise: groups = in_channels = out_channels)
+//! count = 1               # how many layers of the network have this shape; default 1
+//! ```
+//!
+//! Every mistake is an error value, never a panic, and names the 1-based line and the field:
+//! TOML syntax, unknown fields (a typo such as `kernal`), wrong types, missing fields, values
+//! that do not make a convolution (checked field by field, then by
+//! [`ConvProblem::validate`]), and duplicate layer names.
+//!
+//! Parsing goes through `toml`'s spanned document tree ([`toml::de::DeTable`]) rather than
+//! straight into serde structs, so that every error knows which layer it is in and which key
+//! is at fault; each layer table is then deserialised on its own (`deny_unknown_fields` backs
+//! up the explicit key check).
+
+use crate::models::{dedup, ModelLayer};
+use crate::solver::{ConvProblem, DType, Layout, ShapeError};
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use toml::de::{DeTable, DeValue, ValueDeserializer};
+use toml::Spanned;
+
+/// The layers of a network file at one batch size, dtype and layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Network {
+    /// The file's `name`, if it has one (already prefixed to every layer name).
+    pub name: Option<String>,
+    /// Distinct layers in file order; a shape that appears in several layers is listed once,
+    /// under its first layer's name, with the counts added.
+    pub layers: Vec<ModelLayer>,
+}
+
+impl Network {
+    /// Convolutions in the network, counting multiplicity.
+    pub fn convolutions(&self) -> u64 {
+        self.layers.iter().map(|l| u64::from(l.count)).sum()
+    }
+}
+
+/// Why a network file cannot be used. Lines are 1-based.
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error("cannot read network file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// Any other error, with the file it came from.
+    #[error("{}: {source}", path.display())]
+    InFile {
+        path: PathBuf,
+        source: Box<NetworkError>,
+    },
+    #[error("batch size must be positive, got {batch}")]
+    BadBatch { batch: i64 },
+    #[error("line {line}: TOML syntax error: {message}")]
+    Syntax { line: usize, message: String },
+    /// `where_` is `in layer N` or `at the top level`.
+    #[error("line {line}: unknown field `{field}` {where_} (expected one of {expected})")]
+    UnknownField {
+        line: usize,
+        field: String,
+        where_: String,
+        expected: String,
+    },
+    #[error("line {line}: {layer}: missing field `{field}`")]
+    MissingField {
+        line: usize,
+        layer: LayerRef,
+        field: &'static str,
+    },
+    /// A value of the wrong type (`where_` is a layer or `the top level`).
+    #[error("line {line}: {where_}: field `{field}`: {message}")]
+    WrongType {
+        line: usize,
+        where_: String,
+        field: String,
+        message: String,
+    },
+    /// A value of the right type that does not make a convolution.
+    #[error("line {line}: {layer}: field `{field}`: {message}")]
+    InvalidLayer {
+        line: usize,
+        layer: LayerRef,
+        field: &'static str,
+        message: String,
+    },
+    #[error(
+        "line {line}: {layer}: the name `{name}` is already used by layer {first_index} (line {first_line})"
+    )]
+    DuplicateName {
+        line: usize,
+        layer: LayerRef,
+        name: String,
+        first_index: usize,
+        first_line: usize,
+    },
+    #[error("the network has no layers: add [[layer]] tables")]
+    NoLayers,
+}
+
+impl NetworkError {
+    /// The 1-based line the error is about, when it is about one.
+    pub fn line(&self) -> Option<usize> {
+        match self {
+            NetworkError::Read { .. } | NetworkError::BadBatch { .. } | NetworkError::NoLayers => {
+                None
+            }
+            NetworkError::InFile { source, .. } => source.line(),
+            NetworkError::Syntax { line, .. }
+            | NetworkError::UnknownField { line, .. }
+            | NetworkError::MissingField { line, .. }
+            | NetworkError::WrongType { line, .. }
+            | NetworkError::InvalidLayer { line, .. }
+            | NetworkError::DuplicateName { line, .. } => Some(*line),
+        }
+    }
+}
+
+/// A layer in messages: `layer 2 `conv2`` (1-based, in file order), its name when known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerRef {
+    pub index: usize,
+    pub name: Option<String>,
+}
+
+impl fmt::Display for LayerRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "layer {}", self.index)?;
+        if let Some(name) = &self.name {
+            write!(f, " `{name}`")?;
+        }
+        Ok(())
+    }
+}
+
+const TOP_LEVEL_FIELDS: [&str; 2] = ["name", "layer"];
+const LAYER_FIELDS: [&str; 10] = [
+    "name",
+    "in_channels",
+    "out_channels",
+    "input",
+    "kernel",
+    "stride",
+    "padding",
+    "dilation",
+    "groups",
+    "count",
+];
+const REQUIRED_LAYER_FIELDS: [&str; 5] = ["name", "in_channels", "out_channels", "input", "kernel"];
+
+/// One `[[layer]]` table as written (before any check beyond types).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LayerSpec {
+    name: String,
+    in_channels: Int,
+    out_channels: Int,
+    input: Pair,
+    kernel: Pair,
+    #[serde(default)]
+    stride: Option<Pair>,
+    #[serde(default)]
+    padding: Option<Pair>,
+    #[serde(default)]
+    dilation: Option<Pair>,
+    #[serde(default)]
+    groups: Option<Int>,
+    #[serde(default)]
+    count: Option<Int>,
+}
+
+/// An integer; its own type only so that a wrong value's message says "expected an integer"
+/// rather than serde's "expected i64".
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Int(i64);
+
+impl<'de> Deserialize<'de> for Int {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct IntVisitor;
+        impl Visitor<'_> for IntVisitor {
+            type Value = Int;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an integer")
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<Int, E> {
+                Ok(Int(value))
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<Int, E> {
+                i64::try_from(value)
+                    .map(Int)
+                    .map_err(|_| E::custom(format!("{value} is too large")))
+            }
+        }
+        deserializer.deserialize_any(IntVisitor)
+    }
+}
+
+/// `[vertical, horizontal]`, written as one integer when both are equal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Pair(i64, i64);
+
+impl<'de> Deserialize<'de> for Pair {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct PairVisitor;
+        impl<'de> Visitor<'de> for PairVisitor {
+            type Value = Pair;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an integer or an array of two integers")
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<Pair, E> {
+                Ok(Pair(value, value))
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<Pair, E> {
+                i64::try_from(value)
+                    .map(|v| Pair(v, v))
+                    .map_err(|_| E::custom(format!("{value} is too large")))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Pair, A::Error> {
+                let Int(first) = seq
+                    .next_element()?
+                    .ok_or_else(|| de::Error::invalid_length(0, &self))?;
+                let Int(second) = seq
+                    .next_element()?
+                    .ok_or_else(|| de::Error::invalid_length(1, &self))?;
+                if seq.next_element::<de::IgnoredAny>()?.is_some() {
+                    return Err(de::Error::invalid_length(3, &self));
+                }
+                Ok(Pair(first, second))
+            }
+        }
+        deserializer.deserialize_any(PairVisitor)
+    }
+}
+
+/// Reads and parses a network file; errors name the file.
+pub fn read_network(
+    path: &Path,
+    batch: i64,
+    dtype: DType,
+    layout: Layout,
+) -> Result<Network, NetworkError> {
+    let text = std::fs::read_to_string(path).map_err(|source| NetworkError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_network(&text, batch, dtype, layout).map_err(|source| NetworkError::InFile {
+        path: path.to_path_buf(),
+        source: Box::new(source),
+    })
+}
+
+/// Parses a network file's text into its distinct layers at batch size `batch`.
+pub fn parse_network(
+    text: &str,
+    batch: i64,
+    dtype: DType,
+    layout: Layout,
+) -> Result<Network, NetworkError> {
+    if batch < 1 {
+        return Err(NetworkError::BadBatch { batch });
+    }
+    let lines = LineIndex::new(text);
+    let root = DeTable::parse(text).map_err(|err| NetworkError::Syntax {
+        line: lines.line(err.span().map_or(0, |s| s.start)),
+        message: err.message().to_string(),
+    })?;
+    let root = root.get_ref();
+    if let Some((key, _)) = first_unknown(root, &TOP_LEVEL_FIELDS) {
+        return Err(NetworkError::UnknownField {
+            line: lines.line(key.span().start),
+            field: key.get_ref().to_string(),
+            where_: "at the top level".into(),
+            expected: expected_list(&TOP_LEVEL_FIELDS),
+        });
+    }
+    let prefix = match root.get("name") {
+        None => None,
+        Some(value) => {
+            let line = lines.line(value.span().start);
+            let wrong = |message: String| NetworkError::WrongType {
+                line,
+                where_: "the top level".into(),
+                field: "name".into(),
+                message,
+            };
+            let name = value
+                .get_ref()
+                .as_str()
+                .ok_or_else(|| wrong(format!("expected a string, found {}", type_name(value))))?;
+            check_name(name).map_err(wrong)?;
+            Some(name.to_string())
+        }
+    };
+    let items: &[Spanned<DeValue<'_>>] = match root.get("layer") {
+        None => return Err(NetworkError::NoLayers),
+        Some(value) => match value.get_ref().as_array() {
+            Some(array) => array.as_ref(),
+            None => {
+                return Err(NetworkError::WrongType {
+                    line: lines.line(value.span().start),
+                    where_: "the top level".into(),
+                    field: "layer".into(),
+                    message: format!(
+                        "expected an array of tables (write `[[layer]]`, not `[layer]`), found {}",
+                        type_name(value)
+                    ),
+                })
+            }
+        },
+    };
+    if items.is_empty() {
+        return Err(NetworkError::NoLayers);
+    }
+    let mut layers = Vec::with_capacity(items.len());
+    // Name -> (layer index, line), to point a duplicate at its first use.
+    let mut seen: HashMap<String, (usize, usize)> = HashMap::new();
+    for (position, item) in items.iter().enumerate() {
+        let index = position + 1;
+        let header_line = lines.line(item.span().start);
+        let Some(table) = item.get_ref().as_table() else {
+            return Err(NetworkError::WrongType {
+                line: header_line,
+                where_: format!("layer {index}"),
+                field: "layer".into(),
+                message: format!("expected a table, found {}", type_name(item)),
+            });
+        };
+        let layer = LayerRef {
+            index,
+            name: table
+                .get("name")
+                .and_then(|v| v.get_ref().as_str())
+                .map(str::to_string),
+        };
+        let field_line = |field: &str| {
+            table
+                .get(field)
+                .map_or(header_line, |value| lines.line(value.span().start))
+        };
+        if let Some((key, _)) = first_unknown(table, &LAYER_FIELDS) {
+            return Err(NetworkError::UnknownField {
+                line: lines.line(key.span().start),
+                field: key.get_ref().to_string(),
+                where_: format!("in layer {index}"),
+                expected: expected_list(&LAYER_FIELDS),
+            });
+        }
+        if let Some(field) = REQUIRED_LAYER_FIELDS
+            .into_iter()
+            .find(|field| table.get(*field).is_none())
+        {
+            return Err(NetworkError::MissingField {
+                line: header_line,
+                layer,
+                field,
+            });
+        }
+        let spec =
+            LayerSpec::deserialize(ValueDeserializer::from(item.clone())).map_err(|err| {
+                // The error's span lies in the value at fault; find its key.
+                let at = err.span().map_or(item.span().start, |s| s.start);
+                let field = table
+                    .iter()
+                    .find(|(_, value)| contains(&value.span(), at))
+                    .map_or_else(|| "?".to_string(), |(key, _)| key.get_ref().to_string());
+                NetworkError::WrongType {
+                    line: lines.line(at),
+                    where_: layer.to_string(),
+                    field,
+                    message: err.message().to_string(),
+                }
+            })?;
+        let invalid = |field: &'static str, message: String| NetworkError::InvalidLayer {
+            line: field_line(field),
+            layer: layer.clone(),
+            field,
+            message,
+        };
+        check_name(&spec.name).map_err(|message| invalid("name", message))?;
+        let name = match &prefix {
+            Some(prefix) => format!("{prefix}.{}", spec.name),
+            None => spec.name.clone(),
+        };
+        let name_line = field_line("name");
+        if let Some(&(first_index, first_line)) = seen.get(&name) {
+            return Err(NetworkError::DuplicateName {
+                line: name_line,
+                layer,
+                name,
+                first_index,
+                first_line,
+            });
+        }
+        seen.insert(name.clone(), (index, name_line));
+        let problem = layer_problem(&spec, batch, dtype, layout)
+            .map_err(|(field, message)| invalid(field, message))?;
+        let count = spec.count.map_or(1, |Int(c)| c);
+        let count = u32::try_from(count)
+            .ok()
+            .filter(|&c| c >= 1)
+            .ok_or_else(|| invalid("count", format!("must be at least 1, got {count}")))?;
+        layers.push(ModelLayer {
+            name,
+            problem,
+            count,
+        });
+    }
+    dedup(&mut layers);
+    Ok(Network {
+        name: prefix,
+        layers,
+    })
+}
+
+/// The convolution a layer describes, or the field at fault and why.
+fn layer_problem(
+    spec: &LayerSpec,
+    batch: i64,
+    dtype: DType,
+    layout: Layout,
+) -> Result<ConvProblem, (&'static str, String)> {
+    let one = Pair(1, 1);
+    let stride = spec.stride.unwrap_or(one);
+    let padding = spec.padding.unwrap_or(Pair(0, 0));
+    let dilation = spec.dilation.unwrap_or(one);
+    let groups = spec.groups.map_or(1, |Int(g)| g);
+    let (Int(in_channels), Int(out_channels)) = (spec.in_channels, spec.out_channels);
+    // Field by field first, so that the message points at the line the user must change.
+    let positive = [
+        ("in_channels", in_channels, in_channels),
+        ("out_channels", out_channels, out_channels),
+        ("input", spec.input.0, spec.input.1),
+        ("kernel", spec.kernel.0, spec.kernel.1),
+        ("stride", stride.0, stride.1),
+        ("dilation", dilation.0, dilation.1),
+        ("groups", groups, groups),
+    ];
+    for (field, a, b) in positive {
+        if a < 1 || b < 1 {
+            return Err((field, format!("must be positive, got {}", a.min(b))));
+        }
+    }
+    if padding.0 < 0 || padding.1 < 0 {
+        let value = padding.0.min(padding.1);
+        return Err(("padding", format!("must not be negative, got {value}")));
+    }
+    let problem = ConvProblem {
+        pad_h: padding.0,
+        pad_w: padding.1,
+        stride_h: stride.0,
+        stride_w: stride.1,
+        dilation_h: dilation.0,
+        dilation_w: dilation.1,
+        groups,
+        dtype,
+        layout,
+        ..ConvProblem::new(
+            batch,
+            in_channels,
+            spec.input.0,
+            spec.input.1,
+            out_channels,
+            spec.kernel.0,
+            spec.kernel.1,
+        )
+    };
+    problem.validate().map_err(|err| {
+        let field = match &err {
+            ShapeError::Groups { .. } => "groups",
+            ShapeError::NotPositive { field, .. } | ShapeError::Negative { field, .. } => {
+                file_field(field)
+            }
+            // The filter (with its dilation) does not fit the padded input.
+            ShapeError::EmptyOutput { .. } => "kernel",
+            ShapeError::TooLarge { .. } => "input",
+        };
+        let message = match &err {
+            ShapeError::TooLarge { .. } => format!("{err} at batch size {batch}"),
+            _ => err.to_string(),
+        };
+        (field, message)
+    })?;
+    Ok(problem)
+}
+
+/// The file's name for a [`ConvProblem`] field.
+fn file_field(problem_field: &str) -> &'static str {
+    match problem_field {
+        "c" => "in_channels",
+        "k" => "out_channels",
+        "h" | "w" => "input",
+        "r" | "s" => "kernel",
+        "stride_h" | "stride_w" => "stride",
+        "dilation_h" | "dilation_w" => "dilation",
+        "pad_h" | "pad_w" => "padding",
+        "groups" => "groups",
+        _ => "input",
+    }
+}
+
+/// Names end up in tables, profiles and file names: no blanks, nothing invisible.
+fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "`{}` contains whitespace or control characters",
+            name.escape_debug()
+        ));
+    }
+    Ok(())
+}
+
+/// The key (in document order) that is not among `known`, if any.
+fn first_unknown<'t, 'i>(
+    table: &'t DeTable<'i>,
+    known: &[&str],
+) -> Option<(
+    &'t Spanned<std::borrow::Cow<'i, str>>,
+    &'t Spanned<DeValue<'i>>,
+)> {
+    table
+        .iter()
+        .filter(|(key, _)| !known.contains(&key.get_ref().as_ref()))
+        .min_by_key(|(key, _)| key.span().start)
+}
+
+fn expected_list(fields: &[&str]) -> String {
+    fields
+        .iter()
+        .map(|f| format!("`{f}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn type_name(value: &Spanned<DeValue<'_>>) -> &'static str {
+    value.get_ref().type_str()
+}
+
+fn contains(span: &Range<usize>, at: usize) -> bool {
+    span.start <= at && at < span.end.max(span.start + 1)
+}
+
+/// Byte offset -> 1-based line.
+struct LineIndex {
+    /// Offsets at which lines start.
+    starts: Vec<usize>,
+    len: usize,
+}
+
+impl LineIndex {
+    fn new(text: &str) -> Self {
+        let starts = std::iter::once(0)
+            .chain(text.match_indices('\n').map(|(i, _)| i + 1))
+            .collect();
+        LineIndex {
+            starts,
+            len: text.len(),
+        }
+    }
+
+    fn line(&self, offset: usize) -> usize {
+        self.starts
+            .partition_point(|&start| start <= offset.min(self.len))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TINY: &str = include_str!("../examples/networks/tiny.toml");
+    const VGG_BLOCK: &str = include_str!("../examples/networks/vgg-block.toml");
+
+    fn parse(text: &str) -> Result<Network, NetworkError> {
+        parse_network(text, 4, DType::Fp32, Layout::Nchw)
+    }
+
+    /// Parses `text`, expects an error, and checks its line and that its message contains
+    /// every one of `parts`.
+    fn check_error(text: &str, line: usize, parts: &[&str]) -> NetworkError {
+        let err = parse(text).expect_err("the file should be refused");
+        let message = err.to_string();
+        assert_eq!(err.line(), Some(line), "{message}");
+        assert!(message.starts_with(&format!("line {line}: ")), "{message}");
+        for part in parts {
+            assert!(message.contains(part), "`{part}` not in: {message}");
+        }
+        err
+    }
+
+    /// A one-layer file with `extra` lines appended to the layer (line 7 onwards).
+    fn one_layer(extra: &str) -> String {
+        format!(
+            "[[layer]]\nname = \"c\"\nin_channels = 4\nout_channels = 4\ninput = 8\nkernel = 3\n{extra}"
+        )
+    }
+
+    #[test]
+    fn tiny_example() {
+        let net = parse_network(TINY, 2, DType::Fp16, Layout::Nhwc).unwrap();
+        assert_eq!(net.name.as_deref(), Some("tiny"));
+        let names: Vec<&str> = net.layers.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(names, ["tiny.conv1", "tiny.conv2", "tiny.conv3_dw"]);
+        assert_eq!(net.convolutions(), 4);
+        let conv1 = &net.layers[0].problem;
+        assert_eq!(
+            *conv1,
+            ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                dtype: DType::Fp16,
+                layout: Layout::Nhwc,
+                ..ConvProblem::new(2, 3, 12, 12, 8, 3, 3)
+            }
+        );
+        let conv2 = &net.layers[1].problem;
+        assert_eq!(
+            (conv2.h, conv2.w, conv2.stride_h, conv2.stride_w),
+            (12, 12, 2, 2)
+        );
+        assert_eq!(conv2.output_hw(), (6, 6));
+        let dw = &net.layers[2];
+        assert_eq!((dw.problem.groups, dw.count), (8, 2));
+        // Small enough for CPU tuning in debug builds.
+        for layer in &net.layers {
+            let p = &layer.problem;
+            assert!(
+                p.c <= 8 && p.k <= 8 && p.h <= 12 && p.w <= 12,
+                "{}",
+                layer.name
+            );
+        }
+    }
+
+    #[test]
+    fn vgg_block_example_merges_repeated_shapes() {
+        let net = parse_network(VGG_BLOCK, 64, DType::Fp32, Layout::Nchw).unwrap();
+        let summary: Vec<(&str, u32)> = net
+            .layers
+            .iter()
+            .map(|l| (l.name.as_str(), l.count))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("vgg16_block3.conv3_1", 1),
+                ("vgg16_block3.conv3_2", 2),
+                ("vgg16_block3.conv4_1", 1)
+            ]
+        );
+        // The same shapes as the zoo's VGG-16.
+        let zoo = crate::models::Model::Vgg16.layers(64, DType::Fp32, Layout::Nchw);
+        for layer in &net.layers {
+            let suffix = layer.name.trim_start_matches("vgg16_block3.");
+            let twin = zoo
+                .iter()
+                .find(|z| z.name == format!("vgg16.{suffix}"))
+                .unwrap();
+            assert_eq!(twin.problem, layer.problem, "{}", layer.name);
+        }
+    }
+
+    #[test]
+    fn pairs_defaults_and_no_prefix() {
+        let text =
+            one_layer("stride = [1, 2]\npadding = [0, 1]\ndilation = 2\ngroups = 2\ncount = 3\n")
+                .replace("input = 8", "input = [9, 10]")
+                .replace("kernel = 3", "kernel = [3, 1]");
+        let net = parse(&text).unwrap();
+        assert_eq!(net.name, None);
+        let layer = &net.layers[0];
+        assert_eq!((layer.name.as_str(), layer.count), ("c", 3));
+        let p = &layer.problem;
+        assert_eq!((p.n, p.c, p.h, p.w, p.k, p.r, p.s), (4, 4, 9, 10, 4, 3, 1));
+        assert_eq!((p.stride_h, p.stride_w, p.pad_h, p.pad_w), (1, 2, 0, 1));
+        assert_eq!((p.dilation_h, p.dilation_w, p.groups), (2, 2, 2));
+        let defaults = parse(&one_layer("")).unwrap().layers[0].problem;
+        assert_eq!(defaults, ConvProblem::new(4, 4, 8, 8, 4, 3, 3));
+    }
+
+    #[test]
+    fn unknown_fields() {
+        let err = check_error(&one_layer("").replace("kernel", "kernal"), 6, &[]);
+        assert_eq!(
+            err.to_string(),
+            "line 6: unknown field `kernal` in layer 1 (expected one of `name`, `in_channels`, \
+             `out_channels`, `input`, `kernel`, `stride`, `padding`, `dilation`, `groups`, `count`)"
+        );
+        // The first unknown key in the file is reported, not the first alphabetically.
+        let two = one_layer("zzz = 1\naaa = 2\n");
+        check_error(&two, 7, &["unknown field `zzz` in layer 1"]);
+        let top = format!("nmae = \"x\"\n{}", one_layer(""));
+        check_error(
+            &top,
+            1,
+            &["unknown field `nmae` at the top level", "`name`, `layer`"],
+        );
+        // A sub-table of a layer is an unknown field of that layer.
+        let nested = format!(
+            "{}[[layer]]\nname = \"d\"\n[layer.extra]\nx = 1\n",
+            one_layer("")
+        );
+        check_error(&nested, 9, &["unknown field `extra` in layer 2"]);
+    }
+
+    #[test]
+    fn wrong_types() {
+        let text = one_layer("").replace("in_channels = 4", "in_channels = \"four\"");
+        check_error(
+            &text,
+            3,
+            &[
+                "layer 1 `c`",
+                "field `in_channels`",
+                "string",
+                "expected an integer",
+            ],
+        );
+        let text = one_layer("stride = 1.5\n");
+        check_error(
+            &text,
+            7,
+            &[
+                "field `stride`",
+                "1.5",
+                "an integer or an array of two integers",
+            ],
+        );
+        let text = one_layer("padding = [1, 2, 3]\n");
+        check_error(
+            &text,
+            7,
+            &["field `padding`", "an integer or an array of two integers"],
+        );
+        let text = one_layer("").replace("kernel = 3", "kernel = [3]");
+        check_error(&text, 6, &["field `kernel`"]);
+        let text = one_layer("").replace("name = \"c\"", "name = 7");
+        check_error(&text, 2, &["layer 1:", "field `name`"]);
+        let text = one_layer("count = 99999999999999999999\n");
+        check_error(&text, 7, &["field `count`"]);
+        let top = format!("name = [1]\n{}", one_layer(""));
+        check_error(
+            &top,
+            1,
+            &["the top level: field `name`", "expected a string"],
+        );
+        let single = "[layer]\nname = \"c\"\n";
+        check_error(single, 1, &["field `layer`", "write `[[layer]]`"]);
+        let not_table = "layer = [1, 2]\n";
+        check_error(not_table, 1, &["layer 1: field `layer`: expected a table"]);
+    }
+
+    #[test]
+    fn missing_fields_point_at_the_layer_header() {
+        let text = format!(
+            "{}\n[[layer]]\nname = \"d\"\nin_channels = 4\n",
+            one_layer("")
+        );
+        check_error(&text, 8, &["layer 2 `d`: missing field `out_channels`"]);
+        let inline =
+            "layer = [\n  {name = \"a\", in_channels = 1, out_channels = 1, input = 4},\n]\n";
+        check_error(inline, 2, &["layer 1 `a`: missing field `kernel`"]);
+    }
+
+    #[test]
+    fn invalid_shapes_name_the_field() {
+        let zero = one_layer("").replace("in_channels = 4", "in_channels = 0");
+        check_error(&zero, 3, &["field `in_channels`: must be positive, got 0"]);
+        check_error(
+            &one_layer("padding = [0, -1]\n"),
+            7,
+            &["`padding`: must not be negative"],
+        );
+        check_error(
+            &one_layer("stride = [1, 0]\n"),
+            7,
+            &["`stride`: must be positive"],
+        );
+        check_error(
+            &one_layer("groups = 3\n"),
+            7,
+            &["field `groups`", "divisible by groups (3)"],
+        );
+        let big = one_layer("").replace("kernel = 3", "kernel = 9");
+        check_error(&big, 6, &["field `kernel`", "output height size is 0"]);
+        check_error(
+            &one_layer("dilation = 5\n"),
+            6,
+            &["field `kernel`", "dilated filter 11"],
+        );
+        check_error(
+            &one_layer("count = 0\n"),
+            7,
+            &["field `count`: must be at least 1, got 0"],
+        );
+        let huge = one_layer("")
+            .replace("in_channels = 4", "in_channels = 65536")
+            .replace("input = 8", "input = 4096");
+        check_error(&huge, 5, &["field `input`", "too large", "batch size 4"]);
+        let blank = one_layer("").replace("name = \"c\"", "name = \"my conv\"");
+        check_error(&blank, 2, &["field `name`", "whitespace"]);
+        let empty = one_layer("").replace("name = \"c\"", "name = \"\"");
+        check_error(&empty, 2, &["field `name`: must not be empty"]);
+    }
+
+    #[test]
+    fn duplicate_names() {
+        let text = format!(
+            "name = \"n\"\n{}\n{}",
+            one_layer(""),
+            one_layer("groups = 2\n")
+        );
+        check_error(
+            &text,
+            10,
+            &["layer 2 `c`", "`n.c` is already used by layer 1 (line 3)"],
+        );
+    }
+
+    #[test]
+    fn syntax_errors_empty_files_and_batch() {
+        check_error(
+            "[[layer]]\nname = \"a\"\nin_channels = \n",
+            3,
+            &["TOML syntax error"],
+        );
+        check_error("[[layer]\n", 1, &["TOML syntax error"]);
+        for empty in ["", "# nothing\n", "name = \"x\"\n", "layer = []\n"] {
+            assert!(
+                matches!(parse(empty), Err(NetworkError::NoLayers)),
+                "{empty:?}"
+            );
+        }
+        let err = parse_network(TINY, 0, DType::Fp32, Layout::Nchw).unwrap_err();
+        assert!(matches!(err, NetworkError::BadBatch { batch: 0 }), "{err}");
+    }
+
+    #[test]
+    fn files() {
+        let dir = std::env::temp_dir().join(format!("mucudnn-network-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.toml");
+        std::fs::write(&good, TINY).unwrap();
+        let net = read_network(&good, 1, DType::Fp32, Layout::Nchw).unwrap();
+        assert_eq!(net.layers.len(), 3);
+        let bad = dir.join("bad.toml");
+        std::fs::write(&bad, one_layer("kernal = 1\n")).unwrap();
+        let err = read_network(&bad, 1, DType::Fp32, Layout::Nchw).unwrap_err();
+        assert_eq!(err.line(), Some(7));
+        let message = err.to_string();
+        assert!(
+            message.contains("bad.toml: line 7: unknown field `kernal`"),
+            "{message}"
+        );
+        let missing = read_network(&dir.join("nope.toml"), 1, DType::Fp32, Layout::Nchw);
+        assert!(matches!(missing, Err(NetworkError::Read { .. })));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
