@@ -5,6 +5,7 @@ pub use crate::solver::device::cudnn_version_string;
 use crate::solver::units::format_bytes;
 use crate::solver::{Mode, Plan, Solution};
 use serde::Serialize;
+use std::collections::HashMap;
 use std::fmt::Write as _;
 
 /// The `--json` document.
@@ -125,7 +126,17 @@ fn speedup(undivided: Option<f64>, time: f64) -> String {
 
 /// The human table: one row per (layer, dtype, layout, op), then totals (per dtype and layout
 /// when the profile has several).
-pub fn render_table(solution: &Solution) -> String {
+///
+/// With `multiplicity` (layer name -> how many layers of the network share the shape), layers
+/// that occur more than once are marked `(xN)` and a total weighted by multiplicity follows:
+/// the conv time of one training iteration.
+pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u32>>) -> String {
+    let count = |layer: &str| {
+        multiplicity
+            .and_then(|m| m.get(layer))
+            .copied()
+            .unwrap_or(1)
+    };
     let header = [
         "layer",
         "dtype",
@@ -143,8 +154,13 @@ pub fn render_table(solution: &Solution) -> String {
         .map(|solved| {
             let plan = &solved.plan;
             let undivided = solved.undivided.as_ref().map(Plan::time_ms);
+            let times = count(&plan.layer);
             [
-                plan.layer.clone(),
+                if times > 1 {
+                    format!("{} (x{times})", plan.layer)
+                } else {
+                    plan.layer.clone()
+                },
                 plan.problem.dtype.to_string(),
                 plan.problem.layout.to_string(),
                 plan.op.to_string(),
@@ -210,6 +226,25 @@ pub fn render_table(solution: &Solution) -> String {
             format_bytes(solution.total_workspace_bytes())
         ),
     ));
+    if solution.problems.iter().any(|s| count(&s.plan.layer) > 1) {
+        let weight = |s: &crate::solver::SolvedProblem| f64::from(count(&s.plan.layer));
+        let undivided: Option<f64> = solution
+            .problems
+            .iter()
+            .map(|s| s.undivided.as_ref().map(|u| u.time_ms() * weight(s)))
+            .sum();
+        let time: f64 = solution
+            .problems
+            .iter()
+            .map(|s| s.plan.time_ms() * weight(s))
+            .sum();
+        totals.push(total_row(
+            "total x multiplicity".into(),
+            undivided,
+            time,
+            String::new(),
+        ));
+    }
     let mut widths = header.map(str::len);
     for row in rows.iter().chain(&totals) {
         for (width, cell) in widths.iter_mut().zip(row) {

@@ -4,8 +4,10 @@
 //! - `tune` (tune.rs): profile a network through the cache, solve, print, optionally verify.
 //! - `solve` (here): solve a saved profile.
 //! - `cache` (cache_cmd.rs): inspect, export, import and clear the tuning cache.
+//! - `report`, `explain` (report_cmd.rs): report files from a saved profile; why a split won.
 
 mod cache_cmd;
+mod report_cmd;
 mod tune;
 
 use anyhow::{Context, Result};
@@ -16,6 +18,7 @@ use mucudnn::report::{
 };
 use mucudnn::solver::units::parse_size;
 use mucudnn::solver::{interchange, solve_profile, Mode, Policy, Profile, Solution, WdOptions};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -38,6 +41,10 @@ enum Command {
     Solve(SolveArgs),
     /// The tuning cache: where it is, what it holds; export, import, clear.
     Cache(cache_cmd::CacheArgs),
+    /// Write report.md and SVG plots from a saved profile.
+    Report(report_cmd::ReportArgs),
+    /// Show, per micro-batch size, the best algorithm within each workspace limit.
+    Explain(report_cmd::ExplainArgs),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -159,6 +166,7 @@ pub(crate) fn solve_and_print(
     profile: &Profile,
     settings: &SolveSettings,
     print_json: bool,
+    multiplicity: Option<&HashMap<String, u32>>,
 ) -> Result<Solution> {
     let solution = solve_profile(
         profile,
@@ -186,7 +194,7 @@ pub(crate) fn solve_and_print(
             None => profile.device.clone(),
         };
         println!("{}; measured on {device}\n", describe_mode(&solution));
-        print!("{}", render_table(&solution));
+        print!("{}", render_table(&solution, multiplicity));
     }
     Ok(solution)
 }
@@ -196,9 +204,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Tune(args) => tune::run(&args),
         Command::Solve(args) => {
             let profile = read_profile(&args.profile)?;
-            solve_and_print(&profile, &args.settings, true).map(drop)
+            solve_and_print(&profile, &args.settings, true, None).map(drop)
         }
         Command::Cache(args) => cache_cmd::run(&args),
+        Command::Report(args) => report_cmd::report(&args),
+        Command::Explain(args) => report_cmd::explain_command(&args),
     }
 }
 

@@ -9,8 +9,10 @@ use mucudnn::backend::TimingSettings;
 use mucudnn::cache::Cache;
 use mucudnn::device::BackendKind;
 use mucudnn::exec::verify::{measure_solution, time_plan_cpu, time_plan_cuda};
-use mucudnn::models::Model;
+use mucudnn::models::{multiplicities, Model, ModelLayer};
+use mucudnn::network::read_network;
 use mucudnn::report::{render_verification, verification_json, SolutionJson};
+use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::{interchange, DType, Layout, Plan, Solution};
 use mucudnn::tune::{jobs_for, profile_jobs, ProfileRun};
 use std::io::IsTerminal;
@@ -19,39 +21,120 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Which conv layers: a zoo model or a network file, at a batch size, dtype and layout.
 #[derive(Args)]
-pub(crate) struct TuneArgs {
-    /// The network whose conv layers to tune.
-    #[arg(long, value_parser = parse_model)]
-    model: Model,
-    /// Mini-batch size.
+pub(crate) struct LayerSource {
+    /// A network from the zoo: alexnet, resnet18, resnet50, vgg16, densenet121, mobilenet_v2,
+    /// deepbench.
+    #[arg(long, value_parser = parse_model, conflicts_with = "network")]
+    model: Option<Model>,
+    /// A network file: a TOML list of conv layers (docs/NETWORK_FORMAT.md).
+    #[arg(long, value_name = "FILE.toml")]
+    network: Option<PathBuf>,
+    /// Mini-batch size (not used by deepbench, whose entries fix their own).
     #[arg(long, value_name = "N")]
-    batch: i64,
+    batch: Option<i64>,
     #[arg(long, default_value = "fp32", value_parser = parse_dtype)]
     dtype: DType,
     #[arg(long, default_value = "nchw", value_parser = parse_layout)]
     layout: Layout,
-    /// Where to measure.
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
-    device: DeviceChoice,
+}
+
+impl LayerSource {
+    /// The network's name and its distinct layers (with multiplicity), validated.
+    pub fn layers(&self) -> Result<(String, Vec<ModelLayer>)> {
+        let batch = |what: &str| -> Result<i64> {
+            let batch = self
+                .batch
+                .with_context(|| format!("--batch is required for {what}"))?;
+            anyhow::ensure!(batch >= 1, "--batch must be at least 1, got {batch}");
+            Ok(batch)
+        };
+        let (name, layers) = match (&self.model, &self.network) {
+            (Some(model), None) if model.fixed_batch() => {
+                if self.batch.is_some() {
+                    eprintln!("note: {model} fixes each layer's batch size; --batch is ignored");
+                }
+                (model.to_string(), model.layers(1, self.dtype, self.layout))
+            }
+            (Some(model), None) => (
+                model.to_string(),
+                model.layers(batch(model.name())?, self.dtype, self.layout),
+            ),
+            (None, Some(path)) => {
+                let network =
+                    read_network(path, batch("a network file")?, self.dtype, self.layout)?;
+                (
+                    network
+                        .name
+                        .clone()
+                        .unwrap_or_else(|| path.display().to_string()),
+                    network.layers,
+                )
+            }
+            _ => anyhow::bail!("give --model NAME or --network FILE.toml"),
+        };
+        for layer in &layers {
+            layer
+                .problem
+                .validate()
+                .with_context(|| layer.name.clone())?;
+        }
+        Ok((name, layers))
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct TuneArgs {
+    #[command(flatten)]
+    source: LayerSource,
+    #[command(flatten)]
+    device: DeviceArgs,
     /// Write the measurements in interchange format (for `mucudnn solve`).
     #[arg(long, value_name = "FILE")]
     save_profile: Option<PathBuf>,
+    /// Write report.md and SVG plots (Pareto front per layer, speedups) into DIR.
+    #[arg(long, value_name = "DIR")]
+    report: Option<PathBuf>,
     /// After solving, execute every plan and its undivided baseline end to end and report
     /// measured times next to the predicted ones.
     #[arg(long)]
     verify: bool,
+    /// No progress output.
+    #[arg(long)]
+    quiet: bool,
+    #[command(flatten)]
+    settings: SolveSettings,
+}
+
+/// Where to measure and which cache to use.
+#[derive(Args)]
+pub(crate) struct DeviceArgs {
+    /// Where to measure.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    device: DeviceChoice,
     /// The tuning cache file (default: $MUCUDNN_CACHE, else the user's cache directory).
     #[arg(long, value_name = "PATH", conflicts_with = "no_cache")]
     cache: Option<PathBuf>,
     /// Measure everything again and keep nothing.
     #[arg(long)]
     no_cache: bool,
-    /// No progress output.
-    #[arg(long)]
-    quiet: bool,
-    #[command(flatten)]
-    settings: SolveSettings,
+}
+
+impl DeviceArgs {
+    pub fn open(&self, quiet: bool) -> Result<(Device, Cache, TimingSettings)> {
+        let mut device = open_device(self.device, quiet)?;
+        let timing = match device.backend().fingerprint().backend {
+            BackendKind::Cuda => TimingSettings::GPU,
+            BackendKind::Cpu => TimingSettings::CPU,
+        };
+        let cache = if self.no_cache {
+            Cache::in_memory()
+        } else {
+            Cache::open_default(self.cache.as_deref())
+        };
+        Ok((device, cache, timing))
+    }
 }
 
 fn parse_model(text: &str) -> Result<Model, String> {
@@ -124,41 +207,25 @@ impl Reporter {
 }
 
 pub(crate) fn run(args: &TuneArgs) -> Result<()> {
-    anyhow::ensure!(
-        args.batch >= 1,
-        "--batch must be at least 1, got {}",
-        args.batch
-    );
-    let layers = args.model.layers(args.batch, args.dtype, args.layout);
-    for layer in &layers {
-        layer
-            .problem
-            .validate()
-            .with_context(|| layer.name.clone())?;
-    }
-    let mut device = open_device(args.device, args.quiet)?;
+    let (network, layers) = args.source.layers()?;
+    let (mut device, cache, timing) = args.device.open(args.quiet)?;
     let backend = device.backend();
     let fingerprint = backend.fingerprint().clone();
-    let timing = match fingerprint.backend {
-        BackendKind::Cuda => TimingSettings::GPU,
-        BackendKind::Cpu => TimingSettings::CPU,
-    };
-    let cache = if args.no_cache {
-        Cache::in_memory()
-    } else {
-        Cache::open_default(args.cache.as_deref())
-    };
     let jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
     let policy = args.settings.policy;
-    let sizes = policy.sizes(args.batch).len();
+    let total_sizes: usize = jobs
+        .iter()
+        .map(|job| policy.sizes(job.problem.n).len())
+        .sum();
     if !args.quiet {
+        let convolutions: u32 = layers.iter().map(|l| l.count).sum();
         eprintln!(
-            "tuning {} ({} distinct conv layers, batch {}, {} {}) on {fingerprint}: {} ops x {sizes} micro-batch sizes; cache: {}",
-            args.model,
+            "tuning {network} ({} distinct conv shapes of {convolutions} layers, {}, {} {}) on {fingerprint}: \
+             {} (layer, op) x micro-batch sizes = {total_sizes} measurements; cache: {}",
             layers.len(),
-            args.batch,
-            args.dtype,
-            args.layout,
+            args.source.batch.map_or("own batch sizes".to_string(), |b| format!("batch {b}")),
+            args.source.dtype,
+            args.source.layout,
             jobs.len(),
             cache.location()
         );
@@ -175,7 +242,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         eprintln!("\ninterrupted: finishing the current measurement (Ctrl-C again to quit now)");
     });
 
-    let mut reporter = Reporter::new((jobs.len() * sizes) as u64, args.quiet);
+    let mut reporter = Reporter::new(total_sizes as u64, args.quiet);
     let run = ProfileRun {
         policy,
         timing,
@@ -209,7 +276,23 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
             eprintln!("profile written to {}", path.display());
         }
     }
-    let solution = solve_and_print(&profile, &args.settings, !args.verify)?;
+    let multiplicity = multiplicities(&layers);
+    let solution = solve_and_print(&profile, &args.settings, !args.verify, Some(&multiplicity))?;
+    if let Some(dir) = &args.report {
+        let input = ReportInput {
+            profile: &profile,
+            solution: &solution,
+            device: &fingerprint.to_string(),
+            cudnn_version: fingerprint.cudnn_version,
+            multiplicity: Some(&multiplicity),
+            title: Some(&network),
+        };
+        let files = write_report(dir, &input)
+            .with_context(|| format!("cannot write the report into {}", dir.display()))?;
+        if !args.quiet {
+            eprintln!("report: {} files in {}", files.len(), dir.display());
+        }
+    }
     if args.verify {
         let measured = verify(&device, &solution, args.settings.json, args.quiet)?;
         if args.settings.json {

@@ -1,0 +1,144 @@
+//! `mucudnn report` (report files from a saved profile) and `mucudnn explain` (why a split won).
+
+use crate::tune::{DeviceArgs, LayerSource};
+use crate::{read_profile, solve_and_print, SolveSettings};
+use anyhow::{Context, Result};
+use clap::Args;
+use mucudnn::explain::{default_limits, explain, render_explanation, UNLIMITED};
+use mucudnn::profiler::Job;
+use mucudnn::report_files::{write_report, ReportInput};
+use mucudnn::solver::units::parse_size;
+use mucudnn::solver::{ConvOp, OpProfile, Policy, Profile};
+use mucudnn::tune::{profile_jobs, ProfileRun};
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub(crate) struct ReportArgs {
+    /// A profile in mucudnn-profile-v1 JSON.
+    #[arg(long, value_name = "FILE")]
+    profile: PathBuf,
+    /// Where to write report.md and the SVG plots.
+    #[arg(long, value_name = "DIR", default_value = "mucudnn-report")]
+    out: PathBuf,
+    #[command(flatten)]
+    settings: SolveSettings,
+}
+
+pub(crate) fn report(args: &ReportArgs) -> Result<()> {
+    let profile = read_profile(&args.profile)?;
+    let solution = solve_and_print(&profile, &args.settings, true, None)?;
+    let device = match &profile.fingerprint {
+        Some(fingerprint) => fingerprint.to_string(),
+        None => profile.device.clone(),
+    };
+    let title = args.profile.display().to_string();
+    let input = ReportInput {
+        profile: &profile,
+        solution: &solution,
+        device: &device,
+        cudnn_version: profile.cudnn_version,
+        multiplicity: None,
+        title: Some(&title),
+    };
+    let files = write_report(&args.out, &input)
+        .with_context(|| format!("cannot write the report into {}", args.out.display()))?;
+    eprintln!("report: {} files in {}", files.len(), args.out.display());
+    Ok(())
+}
+
+#[derive(Args)]
+pub(crate) struct ExplainArgs {
+    /// The layer to explain (as named in the table).
+    #[arg(long)]
+    layer: String,
+    /// The op: fwd, bwd_data or bwd_filter.
+    #[arg(long, value_parser = parse_op)]
+    op: ConvOp,
+    /// Explain from a saved profile instead of measuring (through the cache).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "network"])]
+    profile: Option<PathBuf>,
+    #[command(flatten)]
+    source: LayerSource,
+    #[command(flatten)]
+    device: DeviceArgs,
+    /// Workspace limits to compare, comma-separated (e.g. 8MiB,64MiB,unlimited). Default:
+    /// the limits at which some micro-batch size's best algorithm changes.
+    #[arg(long, value_name = "SIZES", value_delimiter = ',', value_parser = parse_limit)]
+    limits: Vec<u64>,
+    #[arg(long, default_value = "power-of-two", value_parser = |s: &str| s.parse::<Policy>())]
+    policy: Policy,
+}
+
+fn parse_op(text: &str) -> Result<ConvOp, String> {
+    text.parse()
+}
+
+fn parse_limit(text: &str) -> Result<u64, String> {
+    if text.trim().eq_ignore_ascii_case("unlimited") {
+        Ok(UNLIMITED)
+    } else {
+        parse_size(text)
+    }
+}
+
+/// The entry to explain: from the saved profile, or measured (through the cache) now.
+fn entry(args: &ExplainArgs) -> Result<OpProfile> {
+    let find = |profile: Profile| -> Result<OpProfile> {
+        let names: Vec<String> = profile.entries.iter().map(|e| e.layer.clone()).collect();
+        profile
+            .entries
+            .into_iter()
+            .find(|e| e.layer == args.layer && e.op == args.op)
+            .with_context(|| {
+                let mut names = names;
+                names.dedup();
+                format!(
+                    "no {} {} in the profile (layers: {})",
+                    args.layer,
+                    args.op,
+                    names.join(", ")
+                )
+            })
+    };
+    if let Some(path) = &args.profile {
+        return find(read_profile(path)?);
+    }
+    let (_, layers) = args.source.layers()?;
+    let layer = layers
+        .iter()
+        .find(|l| l.name == args.layer)
+        .with_context(|| {
+            let names: Vec<&str> = layers.iter().map(|l| l.name.as_str()).collect();
+            format!(
+                "no layer {} (distinct layers: {})",
+                args.layer,
+                names.join(", ")
+            )
+        })?;
+    let (mut device, cache, timing) = args.device.open(true)?;
+    let job = Job {
+        layer: layer.name.clone(),
+        problem: layer.problem,
+        op: args.op,
+    };
+    let run = ProfileRun {
+        policy: args.policy,
+        timing,
+        cache: &cache,
+        interrupt: None,
+    };
+    let (profile, _) = profile_jobs(device.backend(), &[job], &run, &mut |_, _| {})?;
+    find(profile)
+}
+
+pub(crate) fn explain_command(args: &ExplainArgs) -> Result<()> {
+    let entry = entry(args)?;
+    let limits = if args.limits.is_empty() {
+        default_limits(&entry, args.policy)
+    } else {
+        args.limits.clone()
+    };
+    let explanation = explain(&entry, args.policy, &limits)?;
+    print!("{}", render_explanation(&explanation));
+    Ok(())
+}
