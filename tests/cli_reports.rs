@@ -233,3 +233,65 @@ fn explain_measures_one_layer_of_a_network_through_the_cache() {
     );
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Ctrl-C (SIGINT) stops after the current measurement; what was measured stays cached.
+#[test]
+fn ctrl_c_stops_cleanly_and_keeps_the_measurements() {
+    let dir = temp("interrupt");
+    let cache = dir.join("cache.sqlite");
+    let network = dir.join("slow.toml");
+    // Big enough to take many seconds in a debug build, small enough for one measurement to
+    // finish quickly.
+    std::fs::write(
+        &network,
+        "[[layer]]\nname = \"a\"\nin_channels = 32\nout_channels = 32\ninput = 24\nkernel = 3\npadding = 1\n\
+         [[layer]]\nname = \"b\"\nin_channels = 32\nout_channels = 48\ninput = 24\nkernel = 5\npadding = 2\n",
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mucudnn"))
+        .args([
+            "tune",
+            "--network",
+            network.to_str().unwrap(),
+            "--batch",
+            "16",
+            "--device",
+            "cpu",
+            "--policy",
+            "all",
+        ])
+        .env("MUCUDNN_CACHE", &cache)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let still_running = child.try_wait().unwrap().is_none();
+    assert!(
+        still_running,
+        "the run finished before it could be interrupted: make the network slower"
+    );
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let output = child.wait_with_output().unwrap();
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(
+        stderr.contains("interrupted") && stderr.contains("kept in the cache"),
+        "{stderr}"
+    );
+    let list = mucudnn(&["cache", "list", "--json"], cache.to_str().unwrap());
+    let entries: serde_json::Value = serde_json::from_str(&text(&list.stdout)).unwrap();
+    let sizes: u64 = entries
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["sizes"].as_u64().unwrap())
+        .sum();
+    assert!(sizes >= 1, "measured sizes were kept: {entries}");
+    assert!(sizes < 2 * 3 * 16, "the run did stop early");
+    std::fs::remove_dir_all(dir).ok();
+}
