@@ -33,9 +33,15 @@ $G/mucudnn tune --model alexnet --batch 256 --dtype fp16 --layout nhwc --workspa
   --device cuda --verify > "$OUT/verify-alexnet-fp16.txt" 2>&1
 status "tune --verify alexnet fp16 nhwc" $?
 
+# Issue "tuning for real networks": ResNet-50 fp16 NHWC at batch 128 under 8 MiB, with a report.
+$G/mucudnn tune --model resnet50 --batch 128 --dtype fp16 --layout nhwc --workspace-limit 8MiB \
+  --device cuda --report "$OUT/resnet50-fp16-report" > "$OUT/tune-resnet50-fp16.txt" 2>&1
+status "tune resnet50 fp16 nhwc 8MiB (+ report)" $?
+
 cat "$OUT/gpu.txt"
 grep -E "profiled in" "$OUT/tune-alexnet-fp32.txt"
 tail -n 12 "$OUT/compare-profile.txt"
 grep -A 20 "measured end to end" "$OUT/verify-alexnet-fp32.txt" | tail -n 18
+grep -E "^total" "$OUT/tune-resnet50-fp16.txt"
 echo
 cat "$OUT/summary.txt"
