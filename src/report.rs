@@ -113,11 +113,13 @@ pub fn optimality_warning(solution: &Solution) -> Option<String> {
     })
 }
 
-fn ms(value: f64) -> String {
+/// Milliseconds as tables show them.
+pub(crate) fn ms(value: f64) -> String {
     format!("{value:.3}")
 }
 
-fn speedup(undivided: Option<f64>, time: f64) -> String {
+/// `undivided / time` as `3.75x`, or `-` without a baseline.
+pub(crate) fn speedup(undivided: Option<f64>, time: f64) -> String {
     match undivided {
         Some(u) if time > 0.0 => format!("{:.2}x", u / time),
         _ => "-".into(),

@@ -158,16 +158,7 @@ fn unique_file_name(name: &ProblemName, used: &mut HashSet<String>) -> String {
 // ---------------------------------------------------------------------------------------
 // report.md
 
-fn ms(value: f64) -> String {
-    format!("{value:.3}")
-}
-
-fn speedup_text(undivided: Option<f64>, time: f64) -> String {
-    match undivided {
-        Some(u) if time > 0.0 => format!("{:.2}x", u / time),
-        _ => "-".into(),
-    }
-}
+use crate::report::{ms, speedup as speedup_text};
 
 /// Markdown table cells: a `|` would end the cell.
 fn md(text: &str) -> String {
