@@ -12,6 +12,7 @@ pub mod backend;
 pub mod device;
 pub mod exec;
 pub mod explain;
+pub mod ffi;
 pub mod models;
 pub mod network;
 pub mod profiler;

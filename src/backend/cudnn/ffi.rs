@@ -1,6 +1,8 @@
 //! The FFI wall: the only module of the backend that names cudarc's raw layers
 //! (`cudarc::cudnn::{sys, result}`, `cudarc::driver::{sys, result}`) and the only one with
-//! `unsafe` code. Everything it exports is a safe function or a type with safe methods.
+//! `unsafe` code. Everything it exports is a safe function or a type with safe methods, except
+//! the C ABI's view of a caller's objects ([`foreign`]), whose constructors are `unsafe fn`s
+//! with a `# Safety` contract (a C caller's pointers can be checked only so far).
 //!
 //! # How the wall keeps the unsafe calls sound
 //!
@@ -45,6 +47,15 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+mod foreign;
+
+pub use foreign::{
+    read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
+    save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard, DataTypeCode,
+    FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
+    RawDeviceViewMut, TensorDescriptorInfo,
+};
+
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
 /// bindings use CUDA 13.0 entry points (`cuEventElapsedTime_v2`, ...). Driver 580 reports 13000.
 pub const MIN_DRIVER_VERSION: i32 = 13000;
@@ -82,6 +93,13 @@ const CUDNN_SYMBOLS: &[&str] = &[
     "cudnnFindConvolutionForwardAlgorithmEx",
     "cudnnFindConvolutionBackwardDataAlgorithmEx",
     "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+    // Reading a C caller's handle and descriptors (`foreign`).
+    "cudnnGetStream",
+    "cudnnGetTensor4dDescriptor",
+    "cudnnGetFilter4dDescriptor",
+    "cudnnGetConvolution2dDescriptor",
+    "cudnnGetConvolutionGroupCount",
+    "cudnnGetConvolutionMathType",
 ];
 
 // ---------------------------------------------------------------------------------------------
@@ -562,6 +580,191 @@ fn find_call(op: ConvOp) -> &'static str {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Raw calls, shared by the owned handle ([`CudnnHandle`]) and a caller's ([`ForeignHandle`])
+
+/// Workspace bytes that `which` (algorithm `algo` of `op`) needs for `d`: one
+/// `cudnnGetConvolution*WorkspaceSize` call.
+///
+/// # Safety
+///
+/// `raw` is a live cuDNN handle created by the libcudnn that cudarc loaded (the `cudnn()` gate
+/// has passed), and no other thread uses it during the call.
+unsafe fn raw_workspace_size(
+    raw: dnn_sys::cudnnHandle_t,
+    d: &ConvDescriptors,
+    op: ConvOp,
+    algo: u32,
+    which: Algo,
+) -> Result<u64, CudnnError> {
+    // SAFETY: `raw` is live and unshared (the caller's contract); the four descriptors are
+    // alive (borrowed) for the call, configured, and in the tensor roles each function expects
+    // (x, w, conv, y / w, dy, conv, dx / x, dy, conv, dw); cudarc's wrapper passes a pointer to
+    // a local for the size.
+    let result = unsafe {
+        match which {
+            Algo::Fwd(a) => dnn::get_convolution_forward_workspace_size(
+                raw,
+                d.input.raw,
+                d.filter.raw,
+                d.conv.raw,
+                d.output.raw,
+                a,
+            ),
+            Algo::BwdData(a) => dnn::get_convolution_backward_data_workspace_size(
+                raw,
+                d.filter.raw,
+                d.output.raw,
+                d.conv.raw,
+                d.input.raw,
+                a,
+            ),
+            Algo::BwdFilter(a) => dnn::get_convolution_backward_filter_workspace_size(
+                raw,
+                d.input.raw,
+                d.output.raw,
+                d.conv.raw,
+                d.filter.raw,
+                a,
+            ),
+        }
+    };
+    result
+        .map(|bytes| bytes as u64)
+        .map_err(|e| status_error(workspace_call(op), e.0).for_op_algo(op, Some(algo)))
+}
+
+/// Checks that the operands `[a, b, out]` of `op`, given as (name, dtype, element count), have
+/// the dtype and exact element count that `d` describes for their roles.
+fn check_operand_shapes(
+    call: &'static str,
+    d: &ConvDescriptors,
+    op: ConvOp,
+    operands: [(&'static str, DType, usize); 3],
+) -> Result<(), CudnnError> {
+    for ((name, dtype, len), role) in operands.into_iter().zip(operand_roles(op)) {
+        if dtype != d.shapes.dtype {
+            return Err(invalid(
+                call,
+                format!(
+                    "{op} operand {name} ({role:?}) is {dtype} but the problem is {}",
+                    d.shapes.dtype
+                ),
+            ));
+        }
+        let expected = d.shapes.elements(role);
+        if len != expected {
+            return Err(invalid(
+                call,
+                format!(
+                    "{op} operand {name} ({role:?}) has {len} elements, the descriptor {expected} \
+                     (dims {:?})",
+                    d.shapes.dims(role)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The device addresses of one convolution call: operands in `[a, b, out]` order (see
+/// [`operand_roles`]) and the workspace.
+#[derive(Clone, Copy, Debug)]
+struct CallPointers {
+    a: u64,
+    b: u64,
+    out: u64,
+    /// Null exactly when `workspace_bytes` is 0.
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+}
+
+/// `out = alpha * op(a, b) + beta * out` with `which` (algorithm `algo` of `op`): one
+/// `cudnnConvolution*` call, queued on the handle's stream.
+///
+/// # Safety
+///
+/// - `raw` is as for [`raw_workspace_size`];
+/// - `pointers.a` and `pointers.b` point to device memory that the handle's device can read,
+///   holding exactly the elements that `d` describes for roles `a` and `b` of `op`, in `d`'s
+///   dtype; `pointers.out` likewise for `out`, and writable, overlapping neither the inputs nor
+///   the workspace;
+/// - `pointers.workspace` is null with `workspace_bytes == 0`, or points to `workspace_bytes`
+///   writable device bytes, at least what cuDNN requires for `which` on `d`;
+/// - all of this memory stays allocated until the work queued on the handle's stream has
+///   finished with it.
+#[allow(clippy::too_many_arguments)]
+unsafe fn raw_convolve(
+    raw: dnn_sys::cudnnHandle_t,
+    d: &ConvDescriptors,
+    op: ConvOp,
+    algo: u32,
+    which: Algo,
+    alpha: f32,
+    beta: f32,
+    pointers: CallPointers,
+) -> Result<(), CudnnError> {
+    let alpha_ptr = (&alpha as *const f32).cast::<c_void>();
+    let beta_ptr = (&beta as *const f32).cast::<c_void>();
+    let (a_ptr, b_ptr) = (pointers.a as *const c_void, pointers.b as *const c_void);
+    let out_ptr = pointers.out as *mut c_void;
+    let (ws_ptr, workspace_bytes) = (pointers.workspace, pointers.workspace_bytes);
+    // SAFETY: the handle, memory and workspace are as the caller's contract says; the
+    // descriptors are alive (borrowed) for the call and cuDNN copies what it needs from them
+    // before returning; alpha/beta point to host f32 locals, the scaling type for
+    // float/half/bf16 data.
+    let result = unsafe {
+        match which {
+            Algo::Fwd(algo_raw) => dnn::convolution_forward(
+                raw,
+                alpha_ptr,
+                d.input.raw,
+                a_ptr,
+                d.filter.raw,
+                b_ptr,
+                d.conv.raw,
+                algo_raw,
+                ws_ptr,
+                workspace_bytes,
+                beta_ptr,
+                d.output.raw,
+                out_ptr,
+            ),
+            Algo::BwdData(algo_raw) => dnn::convolution_backward_data(
+                raw,
+                alpha_ptr,
+                d.filter.raw,
+                a_ptr,
+                d.output.raw,
+                b_ptr,
+                d.conv.raw,
+                algo_raw,
+                ws_ptr,
+                workspace_bytes,
+                beta_ptr,
+                d.input.raw,
+                out_ptr,
+            ),
+            Algo::BwdFilter(algo_raw) => dnn::convolution_backward_filter(
+                raw,
+                alpha_ptr,
+                d.input.raw,
+                a_ptr,
+                d.output.raw,
+                b_ptr,
+                d.conv.raw,
+                algo_raw,
+                ws_ptr,
+                workspace_bytes,
+                beta_ptr,
+                d.filter.raw,
+                out_ptr,
+            ),
+        }
+    };
+    result.map_err(|e| status_error(execute_call(op), e.0).for_op_algo(op, Some(algo)))
+}
+
+// ---------------------------------------------------------------------------------------------
 // Handle
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -666,41 +869,9 @@ impl CudnnHandle {
         }
         let which = Algo::checked("CudnnHandle::workspace_size", op, algo)?;
         self.bind()?;
-        // SAFETY: the handle and the four descriptors are alive (borrowed) for the call; the
-        // descriptors are configured and their tensor roles are the ones each function expects
-        // (x, w, conv, y / w, dy, conv, dx / x, dy, conv, dw); cudarc's wrapper passes a
-        // pointer to a local for the size.
-        let result = unsafe {
-            match which {
-                Algo::Fwd(a) => dnn::get_convolution_forward_workspace_size(
-                    self.raw,
-                    d.input.raw,
-                    d.filter.raw,
-                    d.conv.raw,
-                    d.output.raw,
-                    a,
-                ),
-                Algo::BwdData(a) => dnn::get_convolution_backward_data_workspace_size(
-                    self.raw,
-                    d.filter.raw,
-                    d.output.raw,
-                    d.conv.raw,
-                    d.input.raw,
-                    a,
-                ),
-                Algo::BwdFilter(a) => dnn::get_convolution_backward_filter_workspace_size(
-                    self.raw,
-                    d.input.raw,
-                    d.output.raw,
-                    d.conv.raw,
-                    d.filter.raw,
-                    a,
-                ),
-            }
-        };
-        let result = result
-            .map(|bytes| bytes as u64)
-            .map_err(|e| status_error(workspace_call(op), e.0).for_op_algo(op, Some(algo)));
+        // SAFETY: `self.raw` is a live handle made by cudnnCreate after the `cudnn()` gate
+        // passed, and the type is not `Sync`, so no other thread uses it meanwhile.
+        let result = unsafe { raw_workspace_size(self.raw, d, op, algo, which) };
         if result
             .as_ref()
             .map_or_else(CudnnError::is_not_supported, |_| true)
@@ -757,30 +928,13 @@ impl CudnnHandle {
         operands: [(&'static str, &ViewParts<'_>); 3],
         workspace: &WorkspaceView<'_>,
     ) -> Result<(), CudnnError> {
-        let roles = operand_roles(op);
-        for ((name, view), role) in operands.into_iter().zip(roles) {
-            let expected = d.shapes.elements(role);
-            if view.dtype != d.shapes.dtype {
-                return Err(invalid(
-                    call,
-                    format!(
-                        "{op} operand {name} ({role:?}) is {} but the problem is {}",
-                        view.dtype, d.shapes.dtype
-                    ),
-                ));
-            }
-            if view.len != expected {
-                return Err(invalid(
-                    call,
-                    format!(
-                        "{op} operand {name} ({role:?}) has {} elements, the descriptor {} \
-                         (dims {:?})",
-                        view.len,
-                        expected,
-                        d.shapes.dims(role)
-                    ),
-                ));
-            }
+        check_operand_shapes(
+            call,
+            d,
+            op,
+            operands.map(|(name, view)| (name, view.dtype, view.len)),
+        )?;
+        for (name, view) in operands {
             if *view.stream != *self.stream {
                 return Err(invalid(
                     call,
@@ -856,14 +1010,16 @@ impl CudnnHandle {
         let workspace_bytes = usize::try_from(workspace.bytes)
             .map_err(|_| invalid(CALL, "workspace larger than the address space".into()))?;
         self.bind()?;
-        let alpha_ptr = (&alpha as *const f32).cast::<c_void>();
-        let beta_ptr = (&beta as *const f32).cast::<c_void>();
-        let (a_ptr, b_ptr) = (a.parts.ptr as *const c_void, b.parts.ptr as *const c_void);
-        let out_ptr = out_parts.ptr as *mut c_void;
-        let ws_ptr = workspace.raw_ptr();
-        // SAFETY:
-        // - the handle and descriptors are alive (borrowed) for the call, and cuDNN copies what
-        //   it needs from them before returning;
+        let pointers = CallPointers {
+            a: a.parts.ptr,
+            b: b.parts.ptr,
+            out: out_parts.ptr,
+            workspace: workspace.raw_ptr(),
+            workspace_bytes,
+        };
+        // SAFETY (the contract of `raw_convolve`):
+        // - `self.raw` is a live handle (not `Sync`, so used by this thread alone) whose stream
+        //   is `self.stream`;
         // - `a`, `b` and `out` point into live device allocations (the views borrow their
         //   buffers) with exactly the element count and dtype their descriptors describe
         //   (checked above), so cuDNN reads and writes only inside them; `out` is borrowed
@@ -871,58 +1027,8 @@ impl CudnnHandle {
         // - the workspace view covers `workspace_bytes` bytes of a live allocation (or is null
         //   with size 0), and is at least what cuDNN requires for this algorithm (checked);
         // - all memory is on the handle's stream (checked), so the asynchronous kernel is
-        //   ordered before any later free of those buffers (cudarc frees stream-ordered);
-        // - alpha/beta point to host f32 locals, the scaling type for float/half/bf16 data.
-        let result = unsafe {
-            match which {
-                Algo::Fwd(algo_raw) => dnn::convolution_forward(
-                    self.raw,
-                    alpha_ptr,
-                    d.input.raw,
-                    a_ptr,
-                    d.filter.raw,
-                    b_ptr,
-                    d.conv.raw,
-                    algo_raw,
-                    ws_ptr,
-                    workspace_bytes,
-                    beta_ptr,
-                    d.output.raw,
-                    out_ptr,
-                ),
-                Algo::BwdData(algo_raw) => dnn::convolution_backward_data(
-                    self.raw,
-                    alpha_ptr,
-                    d.filter.raw,
-                    a_ptr,
-                    d.output.raw,
-                    b_ptr,
-                    d.conv.raw,
-                    algo_raw,
-                    ws_ptr,
-                    workspace_bytes,
-                    beta_ptr,
-                    d.input.raw,
-                    out_ptr,
-                ),
-                Algo::BwdFilter(algo_raw) => dnn::convolution_backward_filter(
-                    self.raw,
-                    alpha_ptr,
-                    d.input.raw,
-                    a_ptr,
-                    d.output.raw,
-                    b_ptr,
-                    d.conv.raw,
-                    algo_raw,
-                    ws_ptr,
-                    workspace_bytes,
-                    beta_ptr,
-                    d.filter.raw,
-                    out_ptr,
-                ),
-            }
-        };
-        result.map_err(|e| status_error(execute_call(op), e.0).for_op_algo(op, Some(algo)))
+        //   ordered before any later free of those buffers (cudarc frees stream-ordered).
+        unsafe { raw_convolve(self.raw, d, op, algo, which, alpha, beta, pointers) }
     }
 
     /// cuDNN's own benchmark of every legacy algorithm of `op` (`cudnnFind*AlgorithmEx`),

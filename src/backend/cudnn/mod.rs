@@ -60,13 +60,21 @@
 //!
 //! # Safety
 //!
-//! No function or method here is `unsafe` to call. The contract that cuDNN's raw pointers
-//! need is enforced by construction and checked at run time (see the `ffi` module docs):
+//! Apart from the C ABI's foreign objects (below), no function or method here is `unsafe` to
+//! call. The contract that cuDNN's raw pointers need is enforced by construction and checked
+//! at run time (see the `ffi` module docs):
 //! device pointers exist only inside views that borrow a live buffer and were bounds-checked;
 //! [`CudnnHandle::convolve`] checks dtype, exact element count against the descriptor,
 //! stream, and workspace size before calling cuDNN; work is stream-ordered with frees.
 //! What remains the caller's business is *meaning*, not memory safety: which micro-batch
 //! range goes with which descriptors, and `beta` (0 overwrites, 1 accumulates).
+//!
+//! The C ABI's foreign objects ([`ForeignHandle`], [`RawDeviceView`], [`RawDeviceViewMut`],
+//! the `read_*_descriptor` functions) are the exception: a C caller's handle, descriptors and
+//! pointers can only be trusted, not proven, so their constructors are `unsafe fn`s whose
+//! `# Safety` sections are the contract `include/mucudnn.h` states. What can be checked is
+//! checked: null pointers, one libcudnn per process, operand memory that CUDA knows on the
+//! right GPU, overlapping outputs, element counts and workspace sizes.
 
 mod error;
 mod ffi;
@@ -79,6 +87,15 @@ pub use ffi::{
     ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut,
     FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
     Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
+};
+/// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
+/// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
+/// workspace mucudnn allocates for it.
+pub use ffi::{
+    read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
+    save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard, DataTypeCode,
+    FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
+    RawDeviceViewMut, TensorDescriptorInfo,
 };
 pub use shape::{operand_roles, ConvShapes, Operand};
 

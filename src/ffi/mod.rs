@@ -1,0 +1,839 @@
+//! The C ABI (`include/mucudnn.h`, generated from this module by cbindgen; see docs/C_ABI.md).
+//!
+//! Two halves:
+//!
+//! - a pure solver entry point, `mucudnnSolveProfile`: a profile in the interchange format and
+//!   JSON options in, the `mucudnn solve --json` document out; it needs no GPU;
+//! - a handle over the caller's own cuDNN handle and CUDA stream (`mucudnnCreate`), with drop-in
+//!   `mucudnnConvolutionForward` / `BackwardData` / `BackwardFilter` that take cuDNN's arguments
+//!   in cuDNN's order. A call reads the caller's descriptors, tunes on first sight of a
+//!   (problem, op) and runs the plan as one cuDNN call per micro-batch on the caller's handle,
+//!   stream and device pointers ([`handle`]).
+//!
+//! Every entry point returns a [`mucudnnStatus_t`] and leaves a message for
+//! `mucudnnGetLastError`; its body runs under [`error::guard`], so no panic crosses into C
+//! (a panic is `MUCUDNN_STATUS_INTERNAL_ERROR`). Raw pointers are checked for null, strings
+//! for UTF-8, enum-like integers for range, handles against a registry of live handles; what
+//! cannot be checked (that a non-null pointer really is what the header says) is the C
+//! caller's side of the contract, stated on each function. This module names no cudarc item:
+//! it reaches cuDNN only through the FFI wall (`crate::backend::cudnn`).
+//!
+//! The doc comments below are C documentation: cbindgen copies them into the header.
+
+#![allow(non_camel_case_types, non_snake_case)]
+
+mod descriptors;
+mod error;
+mod handle;
+mod solve;
+
+use crate::backend::cudnn::{library_status, probe, ForeignHandle};
+use crate::backend::TimingSettings;
+use crate::solver::{ConvOp, Policy};
+use crate::tune::LayerTuning;
+use error::{
+    guard, invalid, last_error_ptr, optional_str_arg, out_arg, owned_c_string, set_last_error,
+    str_arg, FfiError,
+};
+use handle::{Handle, RawDescriptors, RawOperands, Registry, Settings};
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+// ---------------------------------------------------------------------------------------------
+// Types
+
+/// What every mucudnn function that can fail returns. On anything but
+/// MUCUDNN_STATUS_SUCCESS, mucudnnGetLastError() says what happened, naming the function, the
+/// argument or layer, and the cause.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum mucudnnStatus_t {
+    MUCUDNN_STATUS_SUCCESS = 0,
+    /// A NULL pointer, an out-of-range value, invalid UTF-8, bad options, a stale handle, a
+    /// handle in use by another thread, descriptors that do not make one convolution, memory
+    /// that is not device memory of the handle's GPU.
+    MUCUDNN_STATUS_INVALID_ARGUMENT = 1,
+    /// No NVIDIA driver (libcuda), no cuDNN 9 (libcudnn), no usable GPU, a driver older than
+    /// CUDA 13, or two different libcudnn loaded in one process.
+    MUCUDNN_STATUS_NOT_AVAILABLE = 2,
+    /// A convolution cuDNN could run but mucudnn does not: not fully packed NCHW/NHWC, double
+    /// or integer data, CUDNN_CONVOLUTION mode, a non-float compute type.
+    MUCUDNN_STATUS_NOT_SUPPORTED = 3,
+    /// A cuDNN call failed (the message has the cuDNN status name and number).
+    MUCUDNN_STATUS_CUDNN_ERROR = 4,
+    /// A CUDA driver call failed (the message has the CUresult name and number).
+    MUCUDNN_STATUS_CUDA_ERROR = 5,
+    /// Device memory ran out (for the workspace, or while tuning).
+    MUCUDNN_STATUS_OUT_OF_MEMORY = 6,
+    /// No plan exists: no micro-batching fits the workspace limit (the message names the
+    /// smallest limit that works), or a workspace-division budget is too small.
+    MUCUDNN_STATUS_SOLVER_ERROR = 7,
+    /// The profile JSON is malformed or inconsistent (the message names the record and field).
+    MUCUDNN_STATUS_BAD_PROFILE = 8,
+    /// A bug in mucudnn, a panic included; please report the message.
+    MUCUDNN_STATUS_INTERNAL_ERROR = 9,
+}
+
+/// The three convolution operations: one of the MUCUDNN_OP_* values.
+pub type mucudnnConvOp_t = i32;
+/// y = conv(x, w) (cudnnConvolutionForward).
+pub const MUCUDNN_OP_FORWARD: mucudnnConvOp_t = 0;
+/// dx = conv_transpose(dy, w) (cudnnConvolutionBackwardData).
+pub const MUCUDNN_OP_BACKWARD_DATA: mucudnnConvOp_t = 1;
+/// dw = sum over the batch of correlate(x, dy) (cudnnConvolutionBackwardFilter).
+pub const MUCUDNN_OP_BACKWARD_FILTER: mucudnnConvOp_t = 2;
+
+/// Which micro-batch sizes a plan may use: one of the MUCUDNN_POLICY_* values.
+pub type mucudnnPolicy_t = i32;
+/// Only the whole mini-batch: the best single algorithm within the limit.
+pub const MUCUDNN_POLICY_UNDIVIDED: mucudnnPolicy_t = 0;
+/// 1, 2, 4, ... and the mini-batch size itself (the default).
+pub const MUCUDNN_POLICY_POWER_OF_TWO: mucudnnPolicy_t = 1;
+/// Every size from 1 to the mini-batch size (slowest to tune).
+pub const MUCUDNN_POLICY_ALL: mucudnnPolicy_t = 2;
+
+/// The version of this header: 10000 * major + 100 * minor + patch (compare with
+/// mucudnnGetVersion()).
+pub const MUCUDNN_VERSION: u32 = 100;
+
+/// The mucudnnOptions_t layout this header describes.
+pub const MUCUDNN_OPTIONS_VERSION: u32 = 1;
+
+/// A workspace size meaning "no limit".
+pub const MUCUDNN_NO_LIMIT: u64 = u64::MAX;
+
+/// The default per-layer workspace limit (mucudnnOptionsInit, mucudnnSolveProfile): 64 MiB,
+/// as `mucudnn solve`.
+pub const MUCUDNN_DEFAULT_WORKSPACE_LIMIT: u64 = 67_108_864;
+
+/// How a handle tunes. Fill it with mucudnnOptionsInit(), then change fields; a NULL options
+/// pointer means the defaults.
+///
+/// Forward compatibility: `size` and `version` say which layout the caller compiled against.
+/// A later library reads a struct from an earlier header by its size (fields it lacks get
+/// their defaults); a struct from a newer header than the library is refused.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct mucudnnOptions_t {
+    /// sizeof(mucudnnOptions_t) as the caller compiled it.
+    pub size: u32,
+    /// MUCUDNN_OPTIONS_VERSION as the caller compiled it.
+    pub version: u32,
+    /// The tuning cache file (UTF-8 path), or NULL for the default location ($MUCUDNN_CACHE,
+    /// else $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite). Copied
+    /// by mucudnnCreate. Measurements are read from and stored into it, so a (problem, op)
+    /// seen before on this device (by any process) is not profiled again. A cache that cannot
+    /// be opened or written never fails a call: it warns on stderr and works in memory.
+    pub cache_path: *const c_char,
+    /// A MUCUDNN_POLICY_* value (default MUCUDNN_POLICY_POWER_OF_TWO).
+    pub policy: mucudnnPolicy_t,
+    /// Non-zero: print one line to stderr per micro-batch size measured and per plan made.
+    pub verbose: i32,
+    /// The workspace each (layer, op) plan may use, in bytes (default
+    /// MUCUDNN_DEFAULT_WORKSPACE_LIMIT; MUCUDNN_NO_LIMIT for none).
+    pub workspace_limit_bytes: u64,
+    /// A budget for the handle's whole workspace, in bytes (default MUCUDNN_NO_LIMIT). The
+    /// handle runs one convolution at a time on one workspace buffer, sized to its largest
+    /// plan, so the budget is met by solving every plan within it: plans are solved under
+    /// min(workspace_limit_bytes, total_workspace_bytes). Workspace division (layers holding
+    /// separate workspaces that share a budget, `mucudnn solve --total-workspace`) is not done
+    /// by a handle.
+    pub total_workspace_bytes: u64,
+}
+
+impl Default for mucudnnOptions_t {
+    fn default() -> Self {
+        mucudnnOptions_t {
+            size: std::mem::size_of::<mucudnnOptions_t>() as u32,
+            version: MUCUDNN_OPTIONS_VERSION,
+            cache_path: std::ptr::null(),
+            policy: MUCUDNN_POLICY_POWER_OF_TWO,
+            verbose: 0,
+            workspace_limit_bytes: MUCUDNN_DEFAULT_WORKSPACE_LIMIT,
+            total_workspace_bytes: MUCUDNN_NO_LIMIT,
+        }
+    }
+}
+
+/// What a mucudnnHandle_t points to (opaque).
+pub struct mucudnnContext {
+    handle: Handle,
+}
+
+/// A mucudnn handle: the caller's cuDNN handle and stream, the plans tuned so far, and one
+/// workspace. Made by mucudnnCreate, freed by mucudnnDestroy. Used by one thread at a time
+/// (a second thread's concurrent call fails with MUCUDNN_STATUS_INVALID_ARGUMENT); it may move
+/// between threads.
+pub type mucudnnHandle_t = *mut mucudnnContext;
+
+/// cuDNN's handle struct (opaque; declared so that this header does not need cudnn.h).
+pub struct cudnnContext {
+    _opaque: [u8; 0],
+}
+/// cuDNN's tensor descriptor struct (opaque).
+pub struct cudnnTensorStruct {
+    _opaque: [u8; 0],
+}
+/// cuDNN's filter descriptor struct (opaque).
+pub struct cudnnFilterStruct {
+    _opaque: [u8; 0],
+}
+/// cuDNN's convolution descriptor struct (opaque).
+pub struct cudnnConvolutionStruct {
+    _opaque: [u8; 0],
+}
+/// CUDA's stream struct (opaque).
+pub struct CUstream_st {
+    _opaque: [u8; 0],
+}
+
+/// The same type as cuDNN's cudnnHandle_t (struct cudnnContext *): pass a cudnnHandle_t as is.
+pub type mucudnnCudnnHandle_t = *mut cudnnContext;
+/// The same type as cudnnTensorDescriptor_t (struct cudnnTensorStruct *).
+pub type mucudnnTensorDescriptor_t = *mut cudnnTensorStruct;
+/// The same type as cudnnFilterDescriptor_t (struct cudnnFilterStruct *).
+pub type mucudnnFilterDescriptor_t = *mut cudnnFilterStruct;
+/// The same type as cudnnConvolutionDescriptor_t (struct cudnnConvolutionStruct *).
+pub type mucudnnConvolutionDescriptor_t = *mut cudnnConvolutionStruct;
+/// The same type as cudaStream_t and CUstream (struct CUstream_st *); NULL is the legacy
+/// default stream.
+pub type mucudnnStream_t = *mut CUstream_st;
+
+/// The live handles.
+static HANDLES: Registry<mucudnnContext> = Registry::new();
+
+// ---------------------------------------------------------------------------------------------
+// Argument helpers
+
+fn conv_op_arg(op: mucudnnConvOp_t) -> Result<ConvOp, FfiError> {
+    match op {
+        MUCUDNN_OP_FORWARD => Ok(ConvOp::Forward),
+        MUCUDNN_OP_BACKWARD_DATA => Ok(ConvOp::BackwardData),
+        MUCUDNN_OP_BACKWARD_FILTER => Ok(ConvOp::BackwardFilter),
+        other => Err(invalid(format!(
+            "op is {other}; expected MUCUDNN_OP_FORWARD (0), MUCUDNN_OP_BACKWARD_DATA (1) or \
+             MUCUDNN_OP_BACKWARD_FILTER (2)"
+        ))),
+    }
+}
+
+fn policy_arg(policy: mucudnnPolicy_t) -> Result<Policy, FfiError> {
+    match policy {
+        MUCUDNN_POLICY_UNDIVIDED => Ok(Policy::Undivided),
+        MUCUDNN_POLICY_POWER_OF_TWO => Ok(Policy::PowerOfTwo),
+        MUCUDNN_POLICY_ALL => Ok(Policy::All),
+        other => Err(invalid(format!(
+            "options->policy is {other}; expected MUCUDNN_POLICY_UNDIVIDED (0), \
+             MUCUDNN_POLICY_POWER_OF_TWO (1) or MUCUDNN_POLICY_ALL (2)"
+        ))),
+    }
+}
+
+fn layer_arg(layer_id: i64) -> Result<Option<i64>, FfiError> {
+    match layer_id {
+        -1 => Ok(None),
+        id if id >= 0 => Ok(Some(id)),
+        other => Err(invalid(format!(
+            "layer_id is {other}; give a layer number >= 0, or -1 for none"
+        ))),
+    }
+}
+
+/// A host scaling factor (`alpha` or `beta`): a float, as cuDNN takes for float, half and
+/// bfloat16 data.
+///
+/// # Safety
+///
+/// `ptr` is null (an error) or points to a readable `float`.
+unsafe fn scalar_arg(ptr: *const c_void, name: &str) -> Result<f32, FfiError> {
+    if ptr.is_null() {
+        return Err(invalid(format!(
+            "{name} is NULL (it points to a host float, as in cuDNN)"
+        )));
+    }
+    // SAFETY: non-null and pointing to a float (this function's contract); an unaligned read
+    // tolerates any address.
+    Ok(unsafe { ptr.cast::<f32>().read_unaligned() })
+}
+
+/// The settings a handle is made with, from a caller's options (NULL: the defaults).
+///
+/// # Safety
+///
+/// `options` is null or points to a `mucudnnOptions_t` of at least `options->size` bytes whose
+/// `cache_path` is null or a NUL-terminated string.
+unsafe fn settings_arg(options: *const mucudnnOptions_t) -> Result<Settings, FfiError> {
+    let options = if options.is_null() {
+        mucudnnOptions_t::default()
+    } else {
+        // SAFETY: `options` points to at least the `size` field (this function's contract).
+        let size = unsafe { options.cast::<u32>().read_unaligned() } as usize;
+        let ours = std::mem::size_of::<mucudnnOptions_t>();
+        if size < ours {
+            return Err(invalid(format!(
+                "options->size is {size}, but this library's mucudnnOptions_t has {ours} bytes: \
+                 fill the options with mucudnnOptionsInit()"
+            )));
+        }
+        // SAFETY: the struct has at least `size >= ours` readable bytes (the contract).
+        let options = unsafe { options.read_unaligned() };
+        if options.version == 0 || options.version > MUCUDNN_OPTIONS_VERSION {
+            return Err(invalid(format!(
+                "options->version is {}, but this library reads mucudnnOptions_t versions 1 to \
+                 {MUCUDNN_OPTIONS_VERSION}: fill the options with mucudnnOptionsInit()",
+                options.version
+            )));
+        }
+        options
+    };
+    let policy = policy_arg(options.policy)?;
+    // SAFETY: `cache_path` is null or NUL-terminated (the contract); it is copied at once.
+    let cache_path = unsafe { optional_str_arg(options.cache_path, "options->cache_path") }?;
+    if cache_path == Some("") {
+        return Err(invalid(
+            "options->cache_path is empty; pass NULL for the default cache location",
+        ));
+    }
+    let size = |bytes: u64| (bytes != MUCUDNN_NO_LIMIT).then_some(bytes);
+    let workspace_limit_bytes = size(options.workspace_limit_bytes);
+    let total_workspace_bytes = size(options.total_workspace_bytes);
+    Ok(Settings {
+        tuning: LayerTuning {
+            policy,
+            workspace_limit_bytes: Settings::effective_limit(
+                workspace_limit_bytes,
+                total_workspace_bytes,
+            ),
+            timing: TimingSettings::GPU,
+        },
+        workspace_limit_bytes,
+        total_workspace_bytes,
+        cache_path: cache_path.map(PathBuf::from),
+        verbose: options.verbose != 0,
+    })
+}
+
+/// Hands `text` to the caller's `out` slot as an owned string.
+fn give_string(out: &mut *mut c_char, text: &str) {
+    *out = owned_c_string(text);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Library information and errors
+
+/// The library's version: 10000 * major + 100 * minor + patch (MUCUDNN_VERSION of the header it
+/// was built with). Thread-safe; never fails.
+#[no_mangle]
+pub extern "C" fn mucudnnGetVersion() -> u32 {
+    const fn parse(text: &str) -> u32 {
+        let bytes = text.as_bytes();
+        let mut value = 0;
+        let mut i = 0;
+        while i < bytes.len() {
+            value = value * 10 + (bytes[i] - b'0') as u32;
+            i += 1;
+        }
+        value
+    }
+    const VERSION: u32 = parse(env!("CARGO_PKG_VERSION_MAJOR")) * 10_000
+        + parse(env!("CARGO_PKG_VERSION_MINOR")) * 100
+        + parse(env!("CARGO_PKG_VERSION_PATCH"));
+    VERSION
+}
+
+/// What this build is, as one line of text: crate version, cargo features, the CUDA/cuDNN
+/// bindings (cudarc, CUDA 13.0 driver API, cuDNN 9 loaded at run time), target and profile.
+/// A static string: do not free it. Thread-safe; never fails.
+#[no_mangle]
+pub extern "C" fn mucudnnGetBuildInfo() -> *const c_char {
+    static INFO: OnceLock<CString> = OnceLock::new();
+    INFO.get_or_init(|| {
+        error::c_string_lossless(&format!(
+            "mucudnn {} (features: highs={}; bindings: cudarc 0.19, CUDA 13.0 driver API \
+             (cuda-13000), cuDNN 9 legacy convolution API, libcuda and libcudnn loaded at run \
+             time; target {}-{}; {} build)",
+            env!("CARGO_PKG_VERSION"),
+            if cfg!(feature = "highs") { "on" } else { "off" },
+            std::env::consts::ARCH,
+            std::env::consts::OS,
+            if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            },
+        ))
+    })
+    .as_ptr()
+}
+
+/// The name of a status, e.g. "MUCUDNN_STATUS_NOT_AVAILABLE"
+/// ("MUCUDNN_STATUS_UNKNOWN" for a value that is none). A static string: do not free it.
+/// Thread-safe; never fails.
+#[no_mangle]
+pub extern "C" fn mucudnnGetStatusString(status: i32) -> *const c_char {
+    let name: &'static CStr = match status {
+        0 => c"MUCUDNN_STATUS_SUCCESS",
+        1 => c"MUCUDNN_STATUS_INVALID_ARGUMENT",
+        2 => c"MUCUDNN_STATUS_NOT_AVAILABLE",
+        3 => c"MUCUDNN_STATUS_NOT_SUPPORTED",
+        4 => c"MUCUDNN_STATUS_CUDNN_ERROR",
+        5 => c"MUCUDNN_STATUS_CUDA_ERROR",
+        6 => c"MUCUDNN_STATUS_OUT_OF_MEMORY",
+        7 => c"MUCUDNN_STATUS_SOLVER_ERROR",
+        8 => c"MUCUDNN_STATUS_BAD_PROFILE",
+        9 => c"MUCUDNN_STATUS_INTERNAL_ERROR",
+        _ => c"MUCUDNN_STATUS_UNKNOWN",
+    };
+    name.as_ptr()
+}
+
+/// The message of the last mucudnn call on this thread: empty after a success (except for a
+/// warning that mucudnnSolveProfile may leave), the reason after a failure. Never NULL.
+/// The string belongs to mucudnn and stays valid until the next mucudnn call on the same
+/// thread (other than this one and the static-string functions); copy it to keep it.
+/// Each thread has its own message.
+#[no_mangle]
+pub extern "C" fn mucudnnGetLastError() -> *const c_char {
+    last_error_ptr()
+}
+
+/// Frees a string that mucudnn returned through a `char**` argument (mucudnnSolveProfile,
+/// mucudnnProbe, mucudnnGetPlansJson). NULL is ignored.
+///
+/// # Safety
+///
+/// `text` is NULL or a string returned that way and not yet freed; never a string from
+/// anywhere else (not the static strings, not mucudnnGetLastError()).
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnFreeString(text: *mut c_char) {
+    if text.is_null() {
+        return;
+    }
+    let free = move || {
+        // SAFETY: `text` came from `CString::into_raw` in `owned_c_string` and is freed once
+        // (this function's contract).
+        drop(unsafe { CString::from_raw(text) });
+    };
+    // Freeing cannot panic; if it ever did, the panic must still not reach C.
+    let _ = std::panic::catch_unwind(free);
+}
+
+/// Describes the CUDA driver, cuDNN and the GPUs mucudnn can use, as JSON:
+/// {"driver_version": 13000, "cudnn_version": 91900, "cudnn_cudart_version": ...,
+///  "devices": [{"ordinal": 0, "name": ..., "compute_capability": [9, 0], ...}],
+///  "libraries": {"libcuda": true, "libcudnn": true}}.
+/// On success `*info_json_out` is a string to free with mucudnnFreeString(); otherwise it is
+/// NULL and the status is MUCUDNN_STATUS_NOT_AVAILABLE (with what is missing, and what to
+/// install, in mucudnnGetLastError()). Thread-safe.
+///
+/// # Safety
+///
+/// `info_json_out` is NULL (an error) or valid for writing one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnProbe(info_json_out: *mut *mut c_char) -> mucudnnStatus_t {
+    guard("mucudnnProbe", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(info_json_out, "info_json_out", std::ptr::null_mut()) }?;
+        let info = probe()?;
+        let mut doc = serde_json::to_value(&info)
+            .map_err(|e| FfiError::Internal(format!("writing the probe: {e}")))?;
+        doc["libraries"] = serde_json::to_value(library_status())
+            .map_err(|e| FfiError::Internal(format!("writing the probe: {e}")))?;
+        give_string(out, &doc.to_string());
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pure solver
+
+/// Solves a profile, without a GPU: the same plans, and the same JSON document, as
+/// `mucudnn solve --profile FILE --json`.
+///
+/// `profile_json`: measurements in the mucudnn-profile-v1 interchange format (as written by
+/// `mucudnn tune --save-profile`; see docs/PROFILE_FORMAT.md). UTF-8.
+///
+/// `options_json`: NULL for the defaults, or a JSON object with any of
+///   "policy": "undivided" | "power-of-two" (default) | "all",
+///   "workspace_limit": bytes or a string like "64MiB" (workspace reuse: a per-layer limit;
+///                      the default is 64 MiB),
+///   "total_workspace": bytes or "1GiB" (workspace division: one budget for all layers;
+///                      not together with workspace_limit),
+///   "ilp_time_limit": seconds for the workspace-division MILP (default 10).
+/// Sizes accept B, KiB, MiB, GiB, TiB (and K, M, G, T, all powers of 1024); "MB" and friends
+/// are refused as ambiguous. Unknown keys are errors.
+///
+/// On success `*plan_json_out` is the document (free it with mucudnnFreeString()); if the
+/// workspace-division solver stopped at its time limit, mucudnnGetLastError() holds a warning
+/// that the answer is feasible but not proven optimal. On failure `*plan_json_out` is NULL:
+/// MUCUDNN_STATUS_BAD_PROFILE for a malformed profile, MUCUDNN_STATUS_INVALID_ARGUMENT for bad
+/// options, NULL pointers or invalid UTF-8, MUCUDNN_STATUS_SOLVER_ERROR when no plan fits.
+/// Thread-safe.
+///
+/// # Safety
+///
+/// `profile_json` and `options_json` are NULL or NUL-terminated strings; `plan_json_out` is
+/// NULL (an error) or valid for writing one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnSolveProfile(
+    profile_json: *const c_char,
+    options_json: *const c_char,
+    plan_json_out: *mut *mut c_char,
+) -> mucudnnStatus_t {
+    let mut warning = None;
+    let status = guard("mucudnnSolveProfile", || {
+        // SAFETY (three calls): this function's contract.
+        let out = unsafe { out_arg(plan_json_out, "plan_json_out", std::ptr::null_mut()) }?;
+        let profile = unsafe { str_arg(profile_json, "profile_json") }?;
+        let options = unsafe { optional_str_arg(options_json, "options_json") }?;
+        let solved = solve::solve_profile_json(profile, options)?;
+        give_string(out, &solved.json);
+        warning = solved.warning;
+        Ok(())
+    });
+    if let Some(warning) = warning {
+        set_last_error(&format!("mucudnnSolveProfile: {warning}"));
+    }
+    status
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handles
+
+/// Fills `*options` with the defaults: size and version of this header, the default cache,
+/// MUCUDNN_POLICY_POWER_OF_TWO, not verbose, a 64 MiB per-layer workspace limit, no total
+/// budget. Thread-safe.
+///
+/// # Safety
+///
+/// `options` is NULL (an error) or valid for writing one mucudnnOptions_t.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnOptionsInit(options: *mut mucudnnOptions_t) -> mucudnnStatus_t {
+    guard("mucudnnOptionsInit", || {
+        // SAFETY: this function's contract.
+        unsafe { out_arg(options, "options", mucudnnOptions_t::default()) }?;
+        Ok(())
+    })
+}
+
+/// Makes a mucudnn handle over the caller's cuDNN handle and CUDA stream. mucudnn never
+/// destroys either: destroy the mucudnn handle first, then them.
+///
+/// `cudnn`: a cudnnHandle_t, made by the same libcudnn that mucudnn loads (mucudnn looks for
+/// libcudnn.so, then libcudnn.so.9, ... on the library path; two different libcudnn in one
+/// process are refused with MUCUDNN_STATUS_NOT_AVAILABLE). `stream`: where the work goes
+/// (NULL: the legacy default stream, with the device current on the calling thread). Every
+/// convolution call sets this stream on the cuDNN handle and puts the handle's previous
+/// stream back before returning. `options`: NULL for the defaults (see mucudnnOptionsInit).
+///
+/// The handle's GPU is the stream's. Without a CUDA driver, cuDNN 9 or a GPU this returns
+/// MUCUDNN_STATUS_NOT_AVAILABLE (the message says what is missing) without touching `cudnn`
+/// or `stream`. On failure `*handle_out` is NULL.
+///
+/// # Safety
+///
+/// `handle_out` is NULL (an error) or valid for writing one pointer; `cudnn` is NULL (an
+/// error) or a live cudnnHandle_t as described, used by no other thread during mucudnn's
+/// calls; `stream` is NULL or a live stream of the same GPU that outlives the handle (or
+/// until mucudnnSetStream replaces it); `options` is NULL or a mucudnnOptions_t as described
+/// there, with `cache_path` NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnCreate(
+    handle_out: *mut mucudnnHandle_t,
+    cudnn: mucudnnCudnnHandle_t,
+    stream: mucudnnStream_t,
+    options: *const mucudnnOptions_t,
+) -> mucudnnStatus_t {
+    guard("mucudnnCreate", || {
+        // SAFETY (three calls): this function's contract.
+        let out = unsafe { out_arg(handle_out, "handle_out", std::ptr::null_mut()) }?;
+        let settings = unsafe { settings_arg(options) }?;
+        let foreign = unsafe { ForeignHandle::new(cudnn.cast(), stream.cast()) }?;
+        *out = HANDLES.insert(mucudnnContext {
+            handle: Handle::new(foreign, settings),
+        });
+        Ok(())
+    })
+}
+
+/// Destroys a handle: frees its workspace (after the GPU has finished with it) and its plans.
+/// A NULL, already destroyed or unknown handle is MUCUDNN_STATUS_INVALID_ARGUMENT, and so is a
+/// handle in use by another thread at that moment.
+///
+/// # Safety
+///
+/// The cuDNN handle, stream and CUDA context the handle was made with are still alive.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnDestroy(handle: mucudnnHandle_t) -> mucudnnStatus_t {
+    guard("mucudnnDestroy", || HANDLES.remove(handle, "handle"))
+}
+
+/// Sends the handle's later work to `stream` (NULL: the legacy default stream), which must be
+/// on the handle's GPU.
+///
+/// # Safety
+///
+/// `stream` is as for mucudnnCreate.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnSetStream(
+    handle: mucudnnHandle_t,
+    stream: mucudnnStream_t,
+) -> mucudnnStatus_t {
+    guard("mucudnnSetStream", || {
+        let mut entered = HANDLES.enter(handle, "handle")?;
+        // SAFETY: this function's contract.
+        unsafe { entered.handle.set_stream(stream.cast()) }
+    })
+}
+
+/// The shared body of the three convolution calls.
+///
+/// # Safety
+///
+/// As for the three calls.
+#[allow(clippy::too_many_arguments)]
+unsafe fn convolution(
+    handle: mucudnnHandle_t,
+    op: ConvOp,
+    layer_id: i64,
+    alpha: *const c_void,
+    beta: *const c_void,
+    descriptors: RawDescriptors,
+    a: *const c_void,
+    b: *const c_void,
+    out: *mut c_void,
+) -> Result<(), FfiError> {
+    let mut entered = HANDLES.enter(handle, "handle")?;
+    let layer = layer_arg(layer_id)?;
+    // SAFETY (three calls): the contract of the three calls.
+    let alpha = unsafe { scalar_arg(alpha, "alpha") }?;
+    let beta = unsafe { scalar_arg(beta, "beta") }?;
+    let operands = RawOperands {
+        alpha,
+        a,
+        b,
+        beta,
+        out,
+    };
+    unsafe { entered.handle.convolve(op, layer, descriptors, operands) }
+}
+
+/// y = alpha * conv(x, w) + beta * y, like cudnnConvolutionForward (same arguments, in the
+/// same order, without the algorithm and workspace: mucudnn chooses them). On first sight of a
+/// (problem, op) the call tunes (profiles every cuDNN algorithm at every micro-batch size the
+/// policy allows, on the handle's GPU, synchronising the stream first; this takes from
+/// milliseconds to seconds) and keeps the plan; later calls only run it: one cuDNN call per
+/// micro-batch on the handle's stream, asynchronously, with no host synchronisation.
+///
+/// `alpha`, `beta`: host floats (float, half and bfloat16 data, as in cuDNN). Data: float,
+/// half or bfloat16, fully packed NCHW or NHWC tensors, the filter in the same layout; the
+/// convolution descriptor in CUDNN_CROSS_CORRELATION mode with a float compute type; any
+/// padding, stride, dilation, group count and math type. `layer_id`: a number >= 0 that names
+/// the layer in plans and messages, or -1; layers with the same problem share one plan.
+///
+/// mucudnn checks that the descriptors make one convolution, and that the first and last byte
+/// of each tensor is device memory of the handle's GPU and that y overlaps neither input.
+///
+/// # Safety
+///
+/// `handle` is NULL or a pointer from mucudnnCreate (stale pointers are detected); `alpha` and
+/// `beta` are NULL (an error) or point to floats; each descriptor is NULL (an error) or a live
+/// descriptor of its kind made by the same libcudnn (a garbage descriptor is undefined
+/// behaviour, as in cuDNN); `x`, `w` and `y` are the device addresses of the tensors the
+/// descriptors describe, readable (and `y` writable) by the handle's GPU, allocated until the
+/// work queued on the stream has finished, and not written by anyone else meanwhile.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnConvolutionForward(
+    handle: mucudnnHandle_t,
+    alpha: *const c_void,
+    x_desc: mucudnnTensorDescriptor_t,
+    x: *const c_void,
+    w_desc: mucudnnFilterDescriptor_t,
+    w: *const c_void,
+    conv_desc: mucudnnConvolutionDescriptor_t,
+    beta: *const c_void,
+    y_desc: mucudnnTensorDescriptor_t,
+    y: *mut c_void,
+    layer_id: i64,
+) -> mucudnnStatus_t {
+    guard("mucudnnConvolutionForward", || {
+        let descriptors = RawDescriptors {
+            input: x_desc.cast(),
+            filter: w_desc.cast(),
+            conv: conv_desc.cast(),
+            output: y_desc.cast(),
+        };
+        // SAFETY: this function's contract.
+        unsafe {
+            convolution(
+                handle,
+                ConvOp::Forward,
+                layer_id,
+                alpha,
+                beta,
+                descriptors,
+                x,
+                w,
+                y,
+            )
+        }
+    })
+}
+
+/// dx = alpha * conv_transpose(dy, w) + beta * dx, like cudnnConvolutionBackwardData (same
+/// arguments and order, without algorithm and workspace). Tuning, data and checks as for
+/// mucudnnConvolutionForward.
+///
+/// # Safety
+///
+/// As for mucudnnConvolutionForward, with `w` and `dy` read and `dx` written.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnConvolutionBackwardData(
+    handle: mucudnnHandle_t,
+    alpha: *const c_void,
+    w_desc: mucudnnFilterDescriptor_t,
+    w: *const c_void,
+    dy_desc: mucudnnTensorDescriptor_t,
+    dy: *const c_void,
+    conv_desc: mucudnnConvolutionDescriptor_t,
+    beta: *const c_void,
+    dx_desc: mucudnnTensorDescriptor_t,
+    dx: *mut c_void,
+    layer_id: i64,
+) -> mucudnnStatus_t {
+    guard("mucudnnConvolutionBackwardData", || {
+        let descriptors = RawDescriptors {
+            input: dx_desc.cast(),
+            filter: w_desc.cast(),
+            conv: conv_desc.cast(),
+            output: dy_desc.cast(),
+        };
+        // SAFETY: this function's contract.
+        unsafe {
+            convolution(
+                handle,
+                ConvOp::BackwardData,
+                layer_id,
+                alpha,
+                beta,
+                descriptors,
+                w,
+                dy,
+                dx,
+            )
+        }
+    })
+}
+
+/// dw = alpha * (sum over the batch of correlate(x, dy)) + beta * dw, like
+/// cudnnConvolutionBackwardFilter (same arguments and order, without algorithm and
+/// workspace). The first micro-batch uses the caller's beta and later ones beta = 1, so the
+/// gradient sums over the whole mini-batch. Tuning, data and checks as for
+/// mucudnnConvolutionForward.
+///
+/// # Safety
+///
+/// As for mucudnnConvolutionForward, with `x` and `dy` read and `dw` written.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnConvolutionBackwardFilter(
+    handle: mucudnnHandle_t,
+    alpha: *const c_void,
+    x_desc: mucudnnTensorDescriptor_t,
+    x: *const c_void,
+    dy_desc: mucudnnTensorDescriptor_t,
+    dy: *const c_void,
+    conv_desc: mucudnnConvolutionDescriptor_t,
+    beta: *const c_void,
+    dw_desc: mucudnnFilterDescriptor_t,
+    dw: *mut c_void,
+    layer_id: i64,
+) -> mucudnnStatus_t {
+    guard("mucudnnConvolutionBackwardFilter", || {
+        let descriptors = RawDescriptors {
+            input: x_desc.cast(),
+            filter: dw_desc.cast(),
+            conv: conv_desc.cast(),
+            output: dy_desc.cast(),
+        };
+        // SAFETY: this function's contract.
+        unsafe {
+            convolution(
+                handle,
+                ConvOp::BackwardFilter,
+                layer_id,
+                alpha,
+                beta,
+                descriptors,
+                x,
+                dy,
+                dw,
+            )
+        }
+    })
+}
+
+/// The workspace the handle needs for `op` of the layer these descriptors describe, in bytes
+/// (tuning the (problem, op) now if it has not been seen). Descriptors in forward roles for
+/// every op: x (dx), w (dw), conv, y (dy). The handle allocates its one workspace itself, sized
+/// to the largest plan so far; this is for the caller's memory planning.
+///
+/// # Safety
+///
+/// `handle` and the descriptors as for mucudnnConvolutionForward; `size_out` is NULL (an
+/// error) or valid for writing one size_t.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnGetWorkspaceSize(
+    handle: mucudnnHandle_t,
+    op: mucudnnConvOp_t,
+    x_desc: mucudnnTensorDescriptor_t,
+    w_desc: mucudnnFilterDescriptor_t,
+    conv_desc: mucudnnConvolutionDescriptor_t,
+    y_desc: mucudnnTensorDescriptor_t,
+    size_out: *mut usize,
+) -> mucudnnStatus_t {
+    guard("mucudnnGetWorkspaceSize", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(size_out, "size_out", 0) }?;
+        let mut entered = HANDLES.enter(handle, "handle")?;
+        let op = conv_op_arg(op)?;
+        let descriptors = RawDescriptors {
+            input: x_desc.cast(),
+            filter: w_desc.cast(),
+            conv: conv_desc.cast(),
+            output: y_desc.cast(),
+        };
+        // SAFETY: this function's contract.
+        let bytes = unsafe { entered.handle.workspace_size(op, descriptors) }?;
+        *out = usize::try_from(bytes)
+            .map_err(|_| FfiError::Internal(format!("{bytes} workspace bytes overflow size_t")))?;
+        Ok(())
+    })
+}
+
+/// The plans the handle has tuned so far, in the order it tuned them, as the
+/// `mucudnn solve --json` document (mode "wr" under the handle's effective workspace limit;
+/// layers are named "layer<id>", or "unnamed"). `*json_out` is a string to free with
+/// mucudnnFreeString(), NULL on failure.
+///
+/// # Safety
+///
+/// `handle` as for mucudnnConvolutionForward; `json_out` is NULL (an error) or valid for
+/// writing one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnGetPlansJson(
+    handle: mucudnnHandle_t,
+    json_out: *mut *mut c_char,
+) -> mucudnnStatus_t {
+    guard("mucudnnGetPlansJson", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(json_out, "json_out", std::ptr::null_mut()) }?;
+        let entered = HANDLES.enter(handle, "handle")?;
+        let json = entered.handle.plans_json()?;
+        give_string(out, &json);
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,452 @@
+//! The C entry points called from Rust, as a C program would call them, without a GPU.
+
+use super::*;
+use crate::backend::cudnn::library_status;
+use error::last_error;
+use std::ptr::{null, null_mut};
+
+const H100: &str = include_str!("../../tests/fixtures/h100-alexnet-profile.json");
+
+fn c(text: &str) -> CString {
+    CString::new(text).unwrap()
+}
+
+/// Takes a string mucudnn returned, copies it, and frees it.
+fn take(text: *mut c_char) -> String {
+    assert!(!text.is_null());
+    // SAFETY: a live string from mucudnn, freed once right after.
+    let copy = unsafe { CStr::from_ptr(text) }
+        .to_str()
+        .unwrap()
+        .to_string();
+    // SAFETY: as above.
+    unsafe { mucudnnFreeString(text) };
+    copy
+}
+
+/// Whether this machine lacks the libraries, so that a fake cuDNN handle is never touched.
+fn no_gpu_libraries() -> bool {
+    let libs = library_status();
+    !(libs.libcuda && libs.libcudnn)
+}
+
+#[test]
+fn version_and_build_info() {
+    assert_eq!(mucudnnGetVersion(), MUCUDNN_VERSION);
+    let [major, minor, patch] = [
+        env!("CARGO_PKG_VERSION_MAJOR"),
+        env!("CARGO_PKG_VERSION_MINOR"),
+        env!("CARGO_PKG_VERSION_PATCH"),
+    ]
+    .map(|v| v.parse::<u32>().unwrap());
+    assert_eq!(MUCUDNN_VERSION, major * 10_000 + minor * 100 + patch);
+    // SAFETY: a static NUL-terminated string.
+    let info = unsafe { CStr::from_ptr(mucudnnGetBuildInfo()) }
+        .to_str()
+        .unwrap();
+    assert!(
+        info.starts_with(&format!("mucudnn {} (", env!("CARGO_PKG_VERSION"))),
+        "{info}"
+    );
+    assert!(info.contains("highs="), "{info}");
+    assert!(info.contains("cudarc 0.19"), "{info}");
+    // The build info names the cudarc line the lock file has.
+    let lock = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.lock")).unwrap();
+    let cudarc = lock
+        .split("[[package]]")
+        .find(|p| p.contains("name = \"cudarc\""))
+        .unwrap();
+    assert!(cudarc.contains("version = \"0.19."), "{cudarc}");
+}
+
+#[test]
+fn status_strings() {
+    // SAFETY (all): static NUL-terminated strings.
+    let name = |s: i32| {
+        unsafe { CStr::from_ptr(mucudnnGetStatusString(s)) }
+            .to_str()
+            .unwrap()
+    };
+    assert_eq!(
+        name(mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS as i32),
+        "MUCUDNN_STATUS_SUCCESS"
+    );
+    assert_eq!(
+        name(mucudnnStatus_t::MUCUDNN_STATUS_NOT_AVAILABLE as i32),
+        "MUCUDNN_STATUS_NOT_AVAILABLE"
+    );
+    assert_eq!(
+        name(mucudnnStatus_t::MUCUDNN_STATUS_INTERNAL_ERROR as i32),
+        "MUCUDNN_STATUS_INTERNAL_ERROR"
+    );
+    assert_eq!(name(10), "MUCUDNN_STATUS_UNKNOWN");
+    assert_eq!(name(-1), "MUCUDNN_STATUS_UNKNOWN");
+}
+
+#[test]
+fn solve_profile() {
+    let profile = c(H100);
+    let options = c(r#"{"policy": "power-of-two", "workspace_limit": "64MiB"}"#);
+    let mut out: *mut c_char = std::ptr::dangling_mut::<c_char>();
+    // SAFETY: valid strings and output slot.
+    let status = unsafe { mucudnnSolveProfile(profile.as_ptr(), options.as_ptr(), &mut out) };
+    assert_eq!(
+        status,
+        mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS,
+        "{}",
+        last_error()
+    );
+    assert_eq!(last_error(), "");
+    let doc: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(doc["mode"], "wr");
+    assert_eq!(doc["plans"].as_array().unwrap().len(), 30);
+    // NULL options are the defaults (the same limit here).
+    let mut defaults: *mut c_char = null_mut();
+    // SAFETY: as above.
+    let status = unsafe { mucudnnSolveProfile(profile.as_ptr(), null(), &mut defaults) };
+    assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS);
+    let defaults: serde_json::Value = serde_json::from_str(&take(defaults)).unwrap();
+    assert_eq!(defaults, doc);
+    // Workspace division.
+    let wd = c(r#"{"total_workspace": "1GiB", "ilp_time_limit": 5}"#);
+    let mut out = null_mut();
+    // SAFETY: as above.
+    let status = unsafe { mucudnnSolveProfile(profile.as_ptr(), wd.as_ptr(), &mut out) };
+    assert_eq!(
+        status,
+        mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS,
+        "{}",
+        last_error()
+    );
+    let doc: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+    assert_eq!(doc["mode"], "wd");
+}
+
+#[test]
+fn solve_profile_errors() {
+    use mucudnnStatus_t as S;
+    let profile = c(H100);
+    let solve = |profile: *const c_char, options: *const c_char| {
+        let mut out: *mut c_char = std::ptr::dangling_mut::<c_char>();
+        // SAFETY: the pointers are null or valid strings, and `out` a live slot.
+        let status = unsafe { mucudnnSolveProfile(profile, options, &mut out) };
+        assert!(out.is_null(), "the output is NULL after a failure");
+        (status, last_error())
+    };
+    let (status, message) = solve(null(), null());
+    assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+    assert_eq!(message, "mucudnnSolveProfile: profile_json is NULL");
+    let bad_json = c("{\"format\": ");
+    let (status, message) = solve(bad_json.as_ptr(), null());
+    assert_eq!(status, S::MUCUDNN_STATUS_BAD_PROFILE);
+    assert!(
+        message.starts_with("mucudnnSolveProfile: bad profile: not valid JSON"),
+        "{message}"
+    );
+    let wrong_format = c(&H100.replace("mucudnn-profile-v1", "mucudnn-profile-v7"));
+    let (status, message) = solve(wrong_format.as_ptr(), null());
+    assert_eq!(status, S::MUCUDNN_STATUS_BAD_PROFILE);
+    assert!(message.contains("mucudnn-profile-v7"), "{message}");
+    let bad_options = c(r#"{"workspace_limit": "64MB"}"#);
+    let (status, message) = solve(profile.as_ptr(), bad_options.as_ptr());
+    assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+    assert!(
+        message.contains("decimal suffixes are ambiguous"),
+        "{message}"
+    );
+    let invalid_utf8 = [0xffu8, 0xfe, 0];
+    let (status, message) = solve(invalid_utf8.as_ptr().cast(), null());
+    assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+    assert!(
+        message.contains("profile_json is not valid UTF-8"),
+        "{message}"
+    );
+    let needs_1000 = c(solve::tests::NEEDS_1000_BYTES);
+    let tiny = c(r#"{"total_workspace": 10}"#);
+    let (status, message) = solve(needs_1000.as_ptr(), tiny.as_ptr());
+    assert_eq!(status, S::MUCUDNN_STATUS_SOLVER_ERROR, "{message}");
+    assert!(
+        message.contains("the smallest total that works"),
+        "{message}"
+    );
+    // A NULL output slot.
+    // SAFETY: valid strings; the NULL output is refused, not written.
+    let status = unsafe { mucudnnSolveProfile(profile.as_ptr(), null(), null_mut()) };
+    assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+    assert_eq!(last_error(), "mucudnnSolveProfile: plan_json_out is NULL");
+    // SAFETY: NULL is ignored.
+    unsafe { mucudnnFreeString(null_mut()) };
+}
+
+#[test]
+fn options_init_and_validation() {
+    let mut options = std::mem::MaybeUninit::<mucudnnOptions_t>::uninit();
+    // SAFETY: a writable slot for one options struct.
+    let status = unsafe { mucudnnOptionsInit(options.as_mut_ptr()) };
+    assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS);
+    // SAFETY: initialised by mucudnnOptionsInit.
+    let options = unsafe { options.assume_init() };
+    assert_eq!(
+        options.size as usize,
+        std::mem::size_of::<mucudnnOptions_t>()
+    );
+    assert_eq!(
+        std::mem::size_of::<mucudnnOptions_t>(),
+        40,
+        "the C layout of version 1"
+    );
+    assert_eq!(options.version, MUCUDNN_OPTIONS_VERSION);
+    assert_eq!(options.policy, MUCUDNN_POLICY_POWER_OF_TWO);
+    assert_eq!(options.workspace_limit_bytes, 64 << 20);
+    assert_eq!(options.total_workspace_bytes, MUCUDNN_NO_LIMIT);
+    // SAFETY: NULL is refused.
+    let status = unsafe { mucudnnOptionsInit(null_mut()) };
+    assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
+
+    // SAFETY (all below): pointers to live options whose cache path is NULL or a C string.
+    let settings = unsafe { settings_arg(&options) }.unwrap();
+    assert_eq!(settings.tuning.workspace_limit_bytes, 64 << 20);
+    assert_eq!(settings.tuning.policy, Policy::PowerOfTwo);
+    assert_eq!(settings.cache_path, None);
+    assert_eq!(unsafe { settings_arg(null()) }.unwrap(), settings);
+    let path = c("/tmp/mucudnn-cache.sqlite");
+    let budget = mucudnnOptions_t {
+        cache_path: path.as_ptr(),
+        policy: MUCUDNN_POLICY_ALL,
+        verbose: 1,
+        workspace_limit_bytes: MUCUDNN_NO_LIMIT,
+        total_workspace_bytes: 8 << 20,
+        ..options
+    };
+    let settings = unsafe { settings_arg(&budget) }.unwrap();
+    assert_eq!(settings.tuning.workspace_limit_bytes, 8 << 20);
+    assert_eq!(settings.tuning.policy, Policy::All);
+    assert_eq!(
+        settings.cache_path,
+        Some(PathBuf::from("/tmp/mucudnn-cache.sqlite"))
+    );
+    assert!(settings.verbose);
+    let error = |o: &mucudnnOptions_t| unsafe { settings_arg(o) }.unwrap_err().to_string();
+    assert!(error(&mucudnnOptions_t { size: 8, ..options }).contains("options->size is 8"));
+    assert!(error(&mucudnnOptions_t {
+        version: 2,
+        ..options
+    })
+    .contains("options->version is 2"));
+    assert!(error(&mucudnnOptions_t {
+        policy: 3,
+        ..options
+    })
+    .contains("options->policy is 3"));
+    let empty = c("");
+    let message = error(&mucudnnOptions_t {
+        cache_path: empty.as_ptr(),
+        ..options
+    });
+    assert!(message.contains("cache_path is empty"), "{message}");
+    let bad = [b'/', 0xff, 0];
+    let message = error(&mucudnnOptions_t {
+        cache_path: bad.as_ptr().cast(),
+        ..options
+    });
+    assert!(
+        message.contains("cache_path is not valid UTF-8"),
+        "{message}"
+    );
+}
+
+#[test]
+fn create_checks_arguments_then_availability() {
+    use mucudnnStatus_t as S;
+    let fake_cudnn = 0x10 as mucudnnCudnnHandle_t;
+    let mut handle: mucudnnHandle_t = 1 as mucudnnHandle_t;
+    // SAFETY: NULL outputs and handles are refused before anything is touched.
+    unsafe {
+        assert_eq!(
+            mucudnnCreate(null_mut(), fake_cudnn, null_mut(), null()),
+            S::MUCUDNN_STATUS_INVALID_ARGUMENT
+        );
+        assert_eq!(last_error(), "mucudnnCreate: handle_out is NULL");
+        assert_eq!(
+            mucudnnCreate(&mut handle, null_mut(), null_mut(), null()),
+            S::MUCUDNN_STATUS_INVALID_ARGUMENT
+        );
+        assert!(handle.is_null());
+        assert!(
+            last_error().contains("the cuDNN handle is NULL"),
+            "{}",
+            last_error()
+        );
+        let bad = mucudnnOptions_t {
+            policy: 7,
+            ..Default::default()
+        };
+        assert_eq!(
+            mucudnnCreate(&mut handle, fake_cudnn, null_mut(), &bad),
+            S::MUCUDNN_STATUS_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("options->policy is 7"));
+    }
+    if no_gpu_libraries() {
+        // SAFETY: without libcuda or libcudnn the fake handle is never dereferenced.
+        let status = unsafe { mucudnnCreate(&mut handle, fake_cudnn, null_mut(), null()) };
+        assert_eq!(status, S::MUCUDNN_STATUS_NOT_AVAILABLE);
+        assert!(handle.is_null());
+        let message = last_error();
+        // "libcuda unavailable: ...", "libcudnn unavailable: ..." or "no usable CUDA device".
+        assert!(message.starts_with("mucudnnCreate: "), "{message}");
+        assert!(
+            message.contains("unavailable") || message.contains("no usable"),
+            "{message}"
+        );
+        println!("without a GPU: {message}");
+    } else {
+        println!("CUDA and cuDNN are present: the fake-handle case is left to the C client");
+    }
+}
+
+#[test]
+fn probe_reports_what_is_missing() {
+    let mut out: *mut c_char = std::ptr::dangling_mut::<c_char>();
+    // SAFETY: a live output slot.
+    let status = unsafe { mucudnnProbe(&mut out) };
+    if no_gpu_libraries() {
+        assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_NOT_AVAILABLE);
+        assert!(out.is_null());
+        assert!(
+            last_error().starts_with("mucudnnProbe: "),
+            "{}",
+            last_error()
+        );
+    } else if status == mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS {
+        let doc: serde_json::Value = serde_json::from_str(&take(out)).unwrap();
+        assert_eq!(doc["libraries"]["libcudnn"], true);
+    }
+}
+
+#[test]
+fn handle_calls_refuse_null_stale_and_foreign_handles() {
+    use mucudnnStatus_t as S;
+    let garbage = 0x1234usize as *mut c_void;
+    let one = 1.0f32;
+    let zero = 0.0f32;
+    for handle in [null_mut(), 0x40 as mucudnnHandle_t] {
+        // SAFETY: the handle is refused (NULL, or not registered) before any other argument,
+        // the garbage descriptors and pointers included, is touched.
+        unsafe {
+            let status = mucudnnConvolutionForward(
+                handle,
+                (&one as *const f32).cast(),
+                garbage.cast(),
+                garbage,
+                garbage.cast(),
+                garbage,
+                garbage.cast(),
+                (&zero as *const f32).cast(),
+                garbage.cast(),
+                garbage,
+                -1,
+            );
+            assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+            let message = last_error();
+            assert!(
+                message.starts_with("mucudnnConvolutionForward: handle is"),
+                "{message}"
+            );
+            assert_eq!(
+                mucudnnConvolutionBackwardData(
+                    handle,
+                    null(),
+                    null_mut(),
+                    null(),
+                    null_mut(),
+                    null(),
+                    null_mut(),
+                    null(),
+                    null_mut(),
+                    null_mut(),
+                    0,
+                ),
+                S::MUCUDNN_STATUS_INVALID_ARGUMENT
+            );
+            assert_eq!(
+                mucudnnConvolutionBackwardFilter(
+                    handle,
+                    null(),
+                    garbage.cast(),
+                    null(),
+                    garbage.cast(),
+                    null(),
+                    garbage.cast(),
+                    null(),
+                    garbage.cast(),
+                    null_mut(),
+                    5,
+                ),
+                S::MUCUDNN_STATUS_INVALID_ARGUMENT
+            );
+            let mut size = 7usize;
+            assert_eq!(
+                mucudnnGetWorkspaceSize(
+                    handle,
+                    MUCUDNN_OP_FORWARD,
+                    garbage.cast(),
+                    garbage.cast(),
+                    garbage.cast(),
+                    garbage.cast(),
+                    &mut size,
+                ),
+                S::MUCUDNN_STATUS_INVALID_ARGUMENT
+            );
+            assert_eq!(size, 0);
+            let mut json: *mut c_char = std::ptr::dangling_mut::<c_char>();
+            assert_eq!(
+                mucudnnGetPlansJson(handle, &mut json),
+                S::MUCUDNN_STATUS_INVALID_ARGUMENT
+            );
+            assert!(json.is_null());
+            assert_eq!(
+                mucudnnSetStream(handle, null_mut()),
+                S::MUCUDNN_STATUS_INVALID_ARGUMENT
+            );
+            assert_eq!(mucudnnDestroy(handle), S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+            let message = last_error();
+            assert!(
+                message == "mucudnnDestroy: handle is NULL"
+                    || message.contains("is not a live mucudnn handle"),
+                "{message}"
+            );
+        }
+    }
+}
+
+#[test]
+fn argument_conversions() {
+    assert_eq!(
+        conv_op_arg(MUCUDNN_OP_BACKWARD_FILTER).unwrap(),
+        ConvOp::BackwardFilter
+    );
+    assert!(conv_op_arg(3).unwrap_err().to_string().contains("op is 3"));
+    assert_eq!(
+        policy_arg(MUCUDNN_POLICY_UNDIVIDED).unwrap(),
+        Policy::Undivided
+    );
+    assert_eq!(layer_arg(-1).unwrap(), None);
+    assert_eq!(layer_arg(12).unwrap(), Some(12));
+    assert!(layer_arg(-2)
+        .unwrap_err()
+        .to_string()
+        .contains("layer_id is -2"));
+    let half = 0.5f32;
+    // SAFETY: a live float, then NULL (refused).
+    unsafe {
+        assert_eq!(
+            scalar_arg((&half as *const f32).cast(), "alpha").unwrap(),
+            0.5
+        );
+        assert!(scalar_arg(null(), "beta")
+            .unwrap_err()
+            .to_string()
+            .starts_with("beta is NULL"));
+    }
+}
