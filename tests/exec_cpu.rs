@@ -79,6 +79,24 @@ fn problems() -> Vec<ConvProblem> {
             pad_w: 1,
             ..base
         }, // depthwise
+        // Rows wider than the direct kernels' 16-column register strips, not a multiple of
+        // them (the last strip overlaps), with padding at both ends, and strided.
+        ConvProblem {
+            pad_h: 1,
+            pad_w: 1,
+            w: 37,
+            ..base
+        },
+        ConvProblem {
+            pad_h: 2,
+            pad_w: 2,
+            w: 45,
+            stride_w: 2,
+            r: 5,
+            s: 5,
+            k: 5,
+            ..base
+        },
     ]
 }
 

@@ -18,8 +18,8 @@ use crate::solver::Layout;
 /// `y = alpha * conv(x, w) + beta * y`.
 pub(super) fn forward<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y: &mut [T]) {
     match g.layout {
-        Layout::Nchw => forward_nchw(g, alpha, x, w, beta, y),
-        Layout::Nhwc => forward_nhwc(g, alpha, x, w, beta, y),
+        Layout::Nchw => fast_forward_nchw(g, alpha, x, w, beta, y),
+        Layout::Nhwc => fast_forward_nhwc(g, alpha, x, w, beta, y),
     }
 }
 
@@ -33,8 +33,11 @@ pub(super) fn backward_data<T: Element>(
     dx: &mut [T],
 ) {
     match g.layout {
-        Layout::Nchw => backward_data_nchw(g, alpha, w, dy, beta, dx),
-        Layout::Nhwc => backward_data_nhwc(g, alpha, w, dy, beta, dx),
+        // The gather kernel needs unit column stride (every input column then reads a
+        // contiguous run of dy); strided layers keep the chunked scatter kernel.
+        Layout::Nchw if g.sw == 1 => fast_backward_data_nchw_gather(g, alpha, w, dy, beta, dx),
+        Layout::Nchw => fast_backward_data_nchw(g, alpha, w, dy, beta, dx),
+        Layout::Nhwc => fast_backward_data_nhwc(g, alpha, w, dy, beta, dx),
     }
 }
 
@@ -48,8 +51,94 @@ pub(super) fn backward_filter<T: Element>(
     dw: &mut [T],
 ) {
     match g.layout {
-        Layout::Nchw => backward_filter_nchw(g, alpha, x, dy, beta, dw),
-        Layout::Nhwc => backward_filter_nhwc(g, alpha, x, dy, beta, dw),
+        Layout::Nchw => fast_backward_filter_nchw(g, alpha, x, dy, beta, dw),
+        Layout::Nhwc => fast_backward_filter_nhwc(g, alpha, x, dy, beta, dw),
+    }
+}
+
+/// `$name` runs the kernel `$imp` compiled for AVX2 + FMA when the CPU has them (the crate's
+/// baseline target is plain x86-64, i.e. 4-wide SSE2; the GEMM algorithms get the same from
+/// matrixmultiply's run-time dispatch), else as compiled. The kernels are
+/// `#[inline(always)]` so that they are generated inside the feature-enabled function, one
+/// function per kernel so that LLVM optimises each on its own.
+macro_rules! simd_dispatch {
+    ($name:ident, $avx:ident, $imp:path) => {
+        fn $name<T: Element>(g: &Geom, alpha: f32, a: &[T], b: &[T], beta: f32, out: &mut [T]) {
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU supports the features the function is compiled for.
+                return unsafe { $avx(g, alpha, a, b, beta, out) };
+            }
+            $imp(g, alpha, a, b, beta, out)
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn $avx<T: Element>(
+            g: &Geom,
+            alpha: f32,
+            a: &[T],
+            b: &[T],
+            beta: f32,
+            out: &mut [T],
+        ) {
+            $imp(g, alpha, a, b, beta, out)
+        }
+    };
+}
+
+simd_dispatch!(fast_forward_nchw, forward_nchw_avx2, forward_nchw_any);
+simd_dispatch!(fast_forward_nhwc, forward_nhwc_avx2, forward_nhwc);
+simd_dispatch!(
+    fast_backward_data_nchw_gather,
+    backward_data_nchw_gather_avx2,
+    backward_data_nchw_gather
+);
+simd_dispatch!(
+    fast_backward_data_nchw,
+    backward_data_nchw_avx2,
+    backward_data_nchw
+);
+simd_dispatch!(
+    fast_backward_data_nhwc,
+    backward_data_nhwc_avx2,
+    backward_data_nhwc
+);
+simd_dispatch!(
+    fast_backward_filter_nchw,
+    backward_filter_nchw_avx2,
+    backward_filter_nchw
+);
+simd_dispatch!(
+    fast_backward_filter_nhwc,
+    backward_filter_nhwc_avx2,
+    backward_filter_nhwc
+);
+
+/// Forward NCHW with the register strip as wide as the rows allow.
+#[inline(always)]
+fn forward_nchw_any<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y: &mut [T]) {
+    match g.q {
+        16.. => forward_nchw::<T, 16>(g, alpha, x, w, beta, y),
+        8.. => forward_nchw::<T, 8>(g, alpha, x, w, beta, y),
+        _ => forward_nchw::<T, 4>(g, alpha, x, w, beta, y),
+    }
+}
+
+/// Backward data NCHW (unit column stride) with the register strip as wide as the rows allow.
+#[inline(always)]
+fn backward_data_nchw_gather<T: Element>(
+    g: &Geom,
+    alpha: f32,
+    w: &[T],
+    dy: &[T],
+    beta: f32,
+    dx: &mut [T],
+) {
+    match g.w {
+        16.. => backward_data_nchw_blocked::<T, 16>(g, alpha, w, dy, beta, dx),
+        8.. => backward_data_nchw_blocked::<T, 8>(g, alpha, w, dy, beta, dx),
+        _ => backward_data_nchw_blocked::<T, 4>(g, alpha, w, dy, beta, dx),
     }
 }
 
@@ -60,20 +149,65 @@ fn lin(i: usize, step: usize, pad: usize) -> isize {
     (i * step) as isize - pad as isize
 }
 
-/// Per chunk of `CHUNK` output columns `q0..q0 + qn` and column tap `s` (index
-/// `chunk * s_len + s`): the outputs `q0 + lo..q0 + hi` whose tap lands inside the input row,
-/// and the input column `start` the first of them reads. Precomputed once per call because
-/// the two divisions in [`valid_range`] would otherwise dominate short rows.
-fn forward_column_spans(g: &Geom) -> Vec<(usize, usize, usize)> {
-    let mut spans = Vec::with_capacity(g.q.div_ceil(CHUNK) * g.s);
-    for q0 in (0..g.q).step_by(CHUNK) {
-        let qn = CHUNK.min(g.q - q0);
-        for s in 0..g.s {
-            let off = lin(s, g.dw, g.pw);
-            let qs = valid_range(g.q, 0, g.w as isize, g.sw, off);
-            let (lo, hi) = (qs.start.max(q0), qs.end.min(q0 + qn));
+/// Register block: output channels (forward), input channels (backward data) or filters
+/// (backward filter) computed together, so that every loaded activation is used `KB` times.
+const KB: usize = 4;
+
+/// A strip of `QB` consecutive output columns `q0..q0 + QB` held in registers. Strips tile
+/// the row; when the row length is not a multiple of `QB` the last strip overlaps the one
+/// before it (so it is still full width) and stores only its columns from `from` on.
+#[derive(Clone, Copy)]
+struct Strip {
+    q0: usize,
+    from: usize,
+    len: usize,
+}
+
+fn strips(len: usize, qb: usize) -> Vec<Strip> {
+    if len < qb {
+        return vec![Strip {
+            q0: 0,
+            from: 0,
+            len,
+        }];
+    }
+    let mut out: Vec<Strip> = (0..len / qb)
+        .map(|i| Strip {
+            q0: i * qb,
+            from: 0,
+            len: qb,
+        })
+        .collect();
+    if len % qb != 0 {
+        out.push(Strip {
+            q0: len - qb,
+            from: qb - len % qb,
+            len: qb,
+        });
+    }
+    out
+}
+
+/// Per strip and column tap `s` (index `strip * s_len + s`): the lanes `lo..hi` whose source
+/// column `q * stride + off(s)` lies in `0..src_len`, and the source column of lane `lo`.
+fn strip_spans(
+    strips: &[Strip],
+    s_len: usize,
+    src_len: usize,
+    stride: usize,
+    off: impl Fn(usize) -> isize,
+) -> Vec<(usize, usize, usize)> {
+    let mut spans = Vec::with_capacity(strips.len() * s_len);
+    for st in strips {
+        for s in 0..s_len {
+            let qs = valid_range(st.q0 + st.len, 0, src_len as isize, stride, off(s));
+            let (lo, hi) = (qs.start.max(st.q0), qs.end);
             spans.push(if lo < hi {
-                (lo - q0, hi - q0, ((lo * g.sw) as isize + off) as usize)
+                (
+                    lo - st.q0,
+                    hi - st.q0,
+                    ((lo * stride) as isize + off(s)) as usize,
+                )
             } else {
                 (0, 0, 0)
             });
@@ -82,41 +216,405 @@ fn forward_column_spans(g: &Geom) -> Vec<(usize, usize, usize)> {
     spans
 }
 
-fn forward_nchw<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y: &mut [T]) {
+/// The hot case of [`tile_tap`], unswitched on the stride (`UNIT`) so that nothing goes
+/// through memory: full-width loads from `src[m * sstep..]` (lane 0's column), masked to the
+/// lanes `lo..hi` (all of them but at the padding; a select, not a multiply, so that values
+/// outside cannot leak in, not even as NaN).
+#[inline(always)]
+fn tile_tap_masked<T: Element, const QB: usize, const UNIT: bool>(
+    acc: &mut [[f32; QB]; KB],
+    n: usize,
+    (w, wstep, jstep): (&[T], usize, usize),
+    (src, sstep): (&[T], usize),
+    count: usize,
+    (lo, hi): (usize, usize),
+    stride: usize,
+) {
+    let mut mask = [0u32; QB];
+    mask[lo..hi].fill(!0);
+    for m in 0..count {
+        let wm = &w[m * wstep..];
+        let mut wv = [0f32; KB];
+        for (j, o) in wv.iter_mut().enumerate() {
+            if j < n {
+                *o = wm[j * jstep].to_f32();
+            }
+        }
+        let mut xv = [0f32; QB];
+        if UNIT {
+            let xs: &[T; QB] = src[m * sstep..m * sstep + QB].try_into().unwrap();
+            for i in 0..QB {
+                xv[i] = f32::from_bits(xs[i].to_f32().to_bits() & mask[i]);
+            }
+        } else {
+            let xs = &src[m * sstep..m * sstep + (QB - 1) * stride + 1];
+            for i in 0..QB {
+                xv[i] = f32::from_bits(xs[i * stride].to_f32().to_bits() & mask[i]);
+            }
+        }
+        for (a, &wj) in acc.iter_mut().zip(&wv) {
+            for (o, &xi) in a.iter_mut().zip(&xv) {
+                *o += wj * xi;
+            }
+        }
+    }
+}
+
+/// The reduction of one register tile over one tap: for `m` in `0..count`,
+/// `acc[j][i] += w[wofs + m * wstep + j * jstep] * src[sofs + m * sstep + (i - lo) * stride]`
+/// for lanes `i` in `lo..hi` (and `+= w * 0` for the other lanes, so that all strips run the
+/// same constant-indexed code and `acc` stays in registers; like im2col + GEMM, this
+/// multiplies weights by zeros of the padding). Rows `j >= n` get zero weights.
+///
+/// The loop runs over the longest reduction (channels or filters) with the tap fixed, so
+/// each iteration is just `QB` source and `KB` weight loads and `KB * QB` multiply-adds.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn tile_tap<T: Element, const QB: usize>(
+    acc: &mut [[f32; QB]; KB],
+    n: usize,
+    (w, wofs, wstep, jstep): (&[T], usize, usize, usize),
+    (src, sofs, sstep): (&[T], usize, usize),
+    count: usize,
+    (lo, hi): (usize, usize),
+    stride: usize,
+) {
+    if count == 0 || lo >= hi {
+        return;
+    }
+    let w = &w[wofs..=wofs + (count - 1) * wstep + (n - 1) * jstep];
+    let span = (QB - 1) * stride + 1;
+    if sofs >= lo * stride && sofs - lo * stride + (count - 1) * sstep + span <= src.len() {
+        let src = &src[sofs - lo * stride..];
+        if stride == 1 {
+            tile_tap_masked::<T, QB, true>(
+                acc,
+                n,
+                (w, wstep, jstep),
+                (src, sstep),
+                count,
+                (lo, hi),
+                1,
+            );
+        } else {
+            tile_tap_masked::<T, QB, false>(
+                acc,
+                n,
+                (w, wstep, jstep),
+                (src, sstep),
+                count,
+                (lo, hi),
+                stride,
+            );
+        }
+        return;
+    }
+    // Bounds checked once here rather than per load.
+    let src = &src[sofs..=sofs + (count - 1) * sstep + (hi - lo - 1) * stride];
+    for m in 0..count {
+        let mut wv = [0f32; KB];
+        if n == KB {
+            for (j, o) in wv.iter_mut().enumerate() {
+                *o = w[m * wstep + j * jstep].to_f32();
+            }
+        } else {
+            for (j, o) in wv[..n].iter_mut().enumerate() {
+                *o = w[m * wstep + j * jstep].to_f32();
+            }
+        }
+        let xs = &src[m * sstep..];
+        let mut xv = [0f32; QB];
+        if lo == 0 && hi == QB && stride == 1 {
+            let xs: &[T; QB] = xs[..QB].try_into().unwrap();
+            xv = xs.map(T::to_f32);
+        } else if lo == 0 && hi == QB {
+            for (i, o) in xv.iter_mut().enumerate() {
+                *o = xs[i * stride].to_f32();
+            }
+        } else {
+            for (o, v) in xv[lo..hi].iter_mut().zip(xs.iter().step_by(stride)) {
+                *o = v.to_f32();
+            }
+        }
+        for (a, &wj) in acc.iter_mut().zip(&wv) {
+            for (o, &xi) in a.iter_mut().zip(&xv) {
+                *o += wj * xi;
+            }
+        }
+    }
+}
+
+/// Forward NCHW: for each image, group, output row and block of `KB` filters, a strip of
+/// `QB` output columns x `KB` filters accumulates in registers over the taps (r, s) and,
+/// innermost, the channels, then is stored once. Each output's sum runs over (r, s, c) in
+/// that order whatever the batch, so micro-batches are bit-identical.
+#[inline(always)]
+fn forward_nchw<T: Element, const QB: usize>(
+    g: &Geom,
+    alpha: f32,
+    x: &[T],
+    w: &[T],
+    beta: f32,
+    y: &mut [T],
+) {
     let (hw, pq, rs) = (g.h * g.w, g.p * g.q, g.r * g.s);
-    let spans = forward_column_spans(g);
-    let mut acc = [0f32; CHUNK];
+    let strips = strips(g.q, QB);
+    let spans = strip_spans(&strips, g.s, g.w, g.sw, |s| lin(s, g.dw, g.pw));
     for img in 0..g.n {
-        for kk in 0..g.k {
-            let grp = kk / g.kg;
-            let wk = &w[kk * g.cg * rs..][..g.cg * rs];
+        for grp in 0..g.groups {
             let xg = &x[(img * g.c + grp * g.cg) * hw..][..g.cg * hw];
-            let yk = &mut y[(img * g.k + kk) * pq..][..pq];
+            // Output rows outside filter blocks: the input rows one output row reads then
+            // stay in cache while every filter block uses them.
             for p in 0..g.p {
                 let rows = valid_range(g.r, 0, g.h as isize, g.dh, lin(p, g.sh, g.ph));
-                for (chunk, q0) in (0..g.q).step_by(CHUNK).enumerate() {
-                    let qn = CHUNK.min(g.q - q0);
-                    let spans = &spans[chunk * g.s..][..g.s];
-                    let acc = &mut acc[..qn];
-                    acc.fill(0.0);
-                    for c in 0..g.cg {
-                        let wc = &wk[c * rs..][..rs];
+                for k0 in (grp * g.kg..(grp + 1) * g.kg).step_by(KB) {
+                    let kn = KB.min((grp + 1) * g.kg - k0);
+                    for (st, spans) in strips.iter().zip(spans.chunks_exact(g.s)) {
+                        let mut acc = [[0f32; QB]; KB];
                         for r in rows.clone() {
                             let ih = p * g.sh + r * g.dh - g.ph;
-                            let xrow = &xg[(c * g.h + ih) * g.w..][..g.w];
-                            for (&(lo, hi, start), &wv) in spans.iter().zip(&wc[r * g.s..][..g.s]) {
-                                if lo < hi {
-                                    axpy_gather(
-                                        &mut acc[lo..hi],
-                                        wv.to_f32(),
-                                        &xrow[start..],
+                            for (s, &(lo, hi, start)) in spans.iter().enumerate() {
+                                tile_tap(
+                                    &mut acc,
+                                    kn,
+                                    (w, k0 * g.cg * rs + r * g.s + s, rs, g.cg * rs),
+                                    (xg, ih * g.w + start, hw),
+                                    g.cg,
+                                    (lo, hi),
+                                    g.sw,
+                                );
+                            }
+                        }
+                        for (j, a) in acc[..kn].iter().enumerate() {
+                            let yrow = &mut y[(img * g.k + k0 + j) * pq + p * g.q..][..g.q];
+                            let out = &mut yrow[st.q0 + st.from..st.q0 + st.len];
+                            store(out, &a[st.from..st.len], alpha, beta);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Backward data NCHW with unit column stride, as a gather: for each image, group, input row
+/// and block of `KB` input channels, a strip of `QB` columns accumulates in registers over
+/// the (r, p) row taps that reach the row, the column taps s and, innermost, the group's
+/// filters, then is stored once. Input column `wc` reads `dy` column `wc + pw - s * dw`
+/// through tap `s`.
+#[inline(always)]
+fn backward_data_nchw_blocked<T: Element, const QB: usize>(
+    g: &Geom,
+    alpha: f32,
+    w: &[T],
+    dy: &[T],
+    beta: f32,
+    dx: &mut [T],
+) {
+    debug_assert_eq!(g.sw, 1);
+    let (hw, pq, rs) = (g.h * g.w, g.p * g.q, g.r * g.s);
+    let strips = strips(g.w, QB);
+    let spans = strip_spans(&strips, g.s, g.q, 1, |s| -lin(s, g.dw, g.pw));
+    let mut rows = Vec::with_capacity(g.r);
+    for img in 0..g.n {
+        for grp in 0..g.groups {
+            let dyg = &dy[(img * g.k + grp * g.kg) * pq..][..g.kg * pq];
+            // Input rows outside channel blocks, so that the dy rows they read stay in cache.
+            for h in 0..g.h {
+                taps_of(h, g.r, g.sh, g.dh, g.ph, g.p, &mut rows);
+                for c0 in (0..g.cg).step_by(KB) {
+                    let cn = KB.min(g.cg - c0);
+                    for (st, spans) in strips.iter().zip(spans.chunks_exact(g.s)) {
+                        let mut acc = [[0f32; QB]; KB];
+                        for &(r, p) in &rows {
+                            for (s, &(lo, hi, start)) in spans.iter().enumerate() {
+                                tile_tap(
+                                    &mut acc,
+                                    cn,
+                                    (
+                                        w,
+                                        (grp * g.kg * g.cg + c0) * rs + r * g.s + s,
+                                        g.cg * rs,
+                                        rs,
+                                    ),
+                                    (dyg, p * g.q + start, pq),
+                                    g.kg,
+                                    (lo, hi),
+                                    1,
+                                );
+                            }
+                        }
+                        for (j, a) in acc[..cn].iter().enumerate() {
+                            let ci = grp * g.cg + c0 + j;
+                            let dxrow = &mut dx[(img * g.c + ci) * hw + h * g.w..][..g.w];
+                            let out = &mut dxrow[st.q0 + st.from..st.q0 + st.len];
+                            store(out, &a[st.from..st.len], alpha, beta);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Channels per backward-filter register tile.
+const CB: usize = 2;
+
+/// The hot case of [`tile_dot`], unswitched on the stride (`UNIT`) and with constant
+/// indices so that `acc` stays in registers: full-width loads, masked to the lanes `..hi`
+/// (a select, so that nothing leaks in, not even NaN).
+#[inline(always)]
+fn tile_dot_masked<T: Element, const UNIT: bool>(
+    acc: &mut [[[f32; 8]; CB]; KB],
+    (dy, dofs, dstep): (&[T], [usize; KB], usize),
+    (x, xofs, xstep): (&[T], [usize; CB], usize),
+    count: usize,
+    hi: usize,
+    stride: usize,
+) {
+    let mut mask = [0u32; 8];
+    mask[..hi].fill(!0);
+    for m in 0..count {
+        // (Explicit loops: `array::map` closures are not always inlined.)
+        let mut xv = [[0f32; 8]; CB];
+        for (xt, &o) in xv.iter_mut().zip(&xofs) {
+            if UNIT {
+                let xs = <&[T; 8]>::try_from(&x[o + m * xstep..][..8]).unwrap();
+                for i in 0..8 {
+                    xt[i] = f32::from_bits(xs[i].to_f32().to_bits() & mask[i]);
+                }
+            } else {
+                let xs = &x[o + m * xstep..][..7 * stride + 1];
+                for i in 0..8 {
+                    xt[i] = f32::from_bits(xs[i * stride].to_f32().to_bits() & mask[i]);
+                }
+            }
+        }
+        for (a, &o) in acc.iter_mut().zip(&dofs) {
+            let ds = <&[T; 8]>::try_from(&dy[o + m * dstep..][..8]).unwrap();
+            for (at, xt) in a.iter_mut().zip(&xv) {
+                for i in 0..8 {
+                    // Both operands masked: the lanes are summed in the end, so an Inf or
+                    // NaN past the row must not reach them.
+                    at[i] += f32::from_bits(ds[i].to_f32().to_bits() & mask[i]) * xt[i];
+                }
+            }
+        }
+    }
+}
+
+/// The register tile of backward filter: for `m` in `0..count`, `acc[j][t][i] +=
+/// dy[dofs[j] + m * dstep + i] * x[xofs[t] + m * xstep + i * stride]` for lanes `i < hi`
+/// (the other lanes read nothing, or are masked to zero). `KB` filters x `CB` channels, so
+/// that each loaded vector serves several multiply-adds.
+#[inline(always)]
+fn tile_dot<T: Element>(
+    acc: &mut [[[f32; 8]; CB]; KB],
+    (dy, dofs, dstep): (&[T], [usize; KB], usize),
+    (x, xofs, xstep): (&[T], [usize; CB], usize),
+    count: usize,
+    hi: usize,
+    stride: usize,
+) {
+    if count == 0 || hi == 0 {
+        return;
+    }
+    let fits = dofs
+        .iter()
+        .all(|&o| o + (count - 1) * dstep + 8 <= dy.len())
+        && xofs
+            .iter()
+            .all(|&o| o + (count - 1) * xstep + 7 * stride < x.len());
+    if fits && stride == 1 {
+        tile_dot_masked::<T, true>(acc, (dy, dofs, dstep), (x, xofs, xstep), count, hi, 1);
+        return;
+    } else if fits {
+        tile_dot_masked::<T, false>(acc, (dy, dofs, dstep), (x, xofs, xstep), count, hi, stride);
+        return;
+    }
+    for m in 0..count {
+        let mut xv = [[0f32; 8]; CB];
+        for (xt, &o) in xv.iter_mut().zip(&xofs) {
+            for (i, v) in xt[..hi].iter_mut().enumerate() {
+                *v = x[o + m * xstep + i * stride].to_f32();
+            }
+        }
+        for (a, &o) in acc.iter_mut().zip(&dofs) {
+            let mut dv = [0f32; 8];
+            for (d, v) in dv[..hi].iter_mut().zip(&dy[o + m * dstep..]) {
+                *d = v.to_f32();
+            }
+            for (at, xt) in a.iter_mut().zip(&xv) {
+                for i in 0..8 {
+                    at[i] += dv[i] * xt[i];
+                }
+            }
+        }
+    }
+}
+
+/// Backward filter NCHW: for each block of `KB` filters, block of `CB` channels and tap, a
+/// tile of `KB x CB` dot products x eight output columns accumulates in registers over the
+/// images and, innermost, the output rows, and is reduced once at the end. Rows of missing
+/// filters or channels in a short block alias the first one's and are discarded.
+#[inline(always)]
+fn backward_filter_nchw<T: Element>(
+    g: &Geom,
+    alpha: f32,
+    x: &[T],
+    dy: &[T],
+    beta: f32,
+    dw: &mut [T],
+) {
+    let (hw, pq, rs) = (g.h * g.w, g.p * g.q, g.r * g.s);
+    for grp in 0..g.groups {
+        for k0 in (grp * g.kg..(grp + 1) * g.kg).step_by(KB) {
+            let kn = KB.min((grp + 1) * g.kg - k0);
+            for c0 in (0..g.cg).step_by(CB) {
+                let cn = CB.min(g.cg - c0);
+                for r in 0..g.r {
+                    let ps = valid_range(g.p, 0, g.h as isize, g.sh, lin(r, g.dh, g.ph));
+                    for s in 0..g.s {
+                        let off = lin(s, g.dw, g.pw);
+                        let qs = valid_range(g.q, 0, g.w as isize, g.sw, off);
+                        let mut acc = [[[0f32; 8]; CB]; KB];
+                        if !ps.is_empty() && !qs.is_empty() {
+                            let ih0 = ps.start * g.sh + r * g.dh - g.ph;
+                            for img in 0..g.n {
+                                let dofs = [0, 1, 2, 3].map(|j| {
+                                    (img * g.k + k0 + j.min(kn - 1)) * pq + ps.start * g.q
+                                });
+                                let xofs = [0, 1].map(|t| {
+                                    let ci = grp * g.cg + c0 + t.min(cn - 1);
+                                    (img * g.c + ci) * hw + ih0 * g.w
+                                });
+                                for q0 in qs.clone().step_by(8) {
+                                    let iw0 = ((q0 * g.sw) as isize + off) as usize;
+                                    let mut d = dofs;
+                                    d.iter_mut().for_each(|o| *o += q0);
+                                    let mut xo = xofs;
+                                    xo.iter_mut().for_each(|o| *o += iw0);
+                                    tile_dot(
+                                        &mut acc,
+                                        (dy, d, g.q),
+                                        (x, xo, g.sh * g.w),
+                                        ps.len(),
+                                        8.min(qs.end - q0),
                                         g.sw,
                                     );
                                 }
                             }
                         }
+                        let tap = r * g.s + s;
+                        for (j, a) in acc[..kn].iter().enumerate() {
+                            for (t, a) in a[..cn].iter().enumerate() {
+                                let sum = ((a[0] + a[4]) + (a[1] + a[5]))
+                                    + ((a[2] + a[6]) + (a[3] + a[7]));
+                                let idx = ((k0 + j) * g.cg + c0 + t) * rs + tap;
+                                store1(&mut dw[idx], sum, alpha, beta);
+                            }
+                        }
                     }
-                    store(&mut yk[p * g.q + q0..][..qn], acc, alpha, beta);
                 }
             }
         }
@@ -124,7 +622,7 @@ fn forward_nchw<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y
 }
 
 /// Walks filters `k0..k0 + len` with their group, without a division per filter.
-#[inline]
+#[inline(always)]
 fn for_filters(k0: usize, len: usize, kg: usize, mut f: impl FnMut(usize, usize, usize)) {
     let (mut grp, mut kl) = (k0 / kg, k0 % kg);
     for j in 0..len {
@@ -137,6 +635,7 @@ fn for_filters(k0: usize, len: usize, kg: usize, mut f: impl FnMut(usize, usize,
     }
 }
 
+#[inline(always)]
 fn forward_nhwc<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y: &mut [T]) {
     let (rs, cg) = (g.r * g.s, g.cg);
     let mut acc = [0f32; CHUNK];
@@ -159,14 +658,26 @@ fn forward_nhwc<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y
                             if cg == 1 {
                                 // Depthwise-like: one multiply per filter, vectorised across
                                 // filters instead of a dot product of length 1.
-                                for_filters(k0, kn, g.kg, |j, kk, grp| {
-                                    acc[j] += xpix[grp].to_f32() * w[kk * rs + tap].to_f32();
-                                });
+                                for_filters(
+                                    k0,
+                                    kn,
+                                    g.kg,
+                                    #[inline(always)]
+                                    |j, kk, grp| {
+                                        acc[j] += xpix[grp].to_f32() * w[kk * rs + tap].to_f32();
+                                    },
+                                );
                             } else {
-                                for_filters(k0, kn, g.kg, |j, kk, grp| {
-                                    let wv = &w[(kk * rs + tap) * cg..][..cg];
-                                    acc[j] += dot_strided(&xpix[grp * cg..][..cg], wv, 1);
-                                });
+                                for_filters(
+                                    k0,
+                                    kn,
+                                    g.kg,
+                                    #[inline(always)]
+                                    |j, kk, grp| {
+                                        let wv = &w[(kk * rs + tap) * cg..][..cg];
+                                        acc[j] += dot_strided(&xpix[grp * cg..][..cg], wv, 1);
+                                    },
+                                );
                             }
                         }
                     }
@@ -201,6 +712,7 @@ fn taps_of(
     }
 }
 
+#[inline(always)]
 fn backward_data_nchw<T: Element>(
     g: &Geom,
     alpha: f32,
@@ -268,6 +780,7 @@ fn backward_data_nchw<T: Element>(
     }
 }
 
+#[inline(always)]
 fn backward_data_nhwc<T: Element>(
     g: &Geom,
     alpha: f32,
@@ -331,53 +844,7 @@ fn backward_data_nhwc<T: Element>(
     }
 }
 
-fn backward_filter_nchw<T: Element>(
-    g: &Geom,
-    alpha: f32,
-    x: &[T],
-    dy: &[T],
-    beta: f32,
-    dw: &mut [T],
-) {
-    let (hw, pq, rs) = (g.h * g.w, g.p * g.q, g.r * g.s);
-    let mut acc = [0f32; CHUNK];
-    for kk in 0..g.k {
-        let grp = kk / g.kg;
-        for c in 0..g.cg {
-            let ci = grp * g.cg + c;
-            // All taps of one (filter, channel) pair at once, so that the x and dy planes of an
-            // image are read from cache for every tap.
-            for t0 in (0..rs).step_by(CHUNK) {
-                let tn = CHUNK.min(rs - t0);
-                let acc = &mut acc[..tn];
-                acc.fill(0.0);
-                for img in 0..g.n {
-                    let xp = &x[(img * g.c + ci) * hw..][..hw];
-                    let dyp = &dy[(img * g.k + kk) * pq..][..pq];
-                    for (slot, tap) in acc.iter_mut().zip(t0..t0 + tn) {
-                        let (r, s) = (tap / g.s, tap % g.s);
-                        let ps = valid_range(g.p, 0, g.h as isize, g.sh, lin(r, g.dh, g.ph));
-                        let qs = valid_range(g.q, 0, g.w as isize, g.sw, lin(s, g.dw, g.pw));
-                        if ps.is_empty() || qs.is_empty() {
-                            continue;
-                        }
-                        let start = qs.start * g.sw + s * g.dw - g.pw;
-                        let mut sum = 0f32;
-                        for p in ps {
-                            let ih = p * g.sh + r * g.dh - g.ph;
-                            let xrow = &xp[ih * g.w..][..g.w];
-                            let dyrow = &dyp[p * g.q..][..g.q];
-                            sum += dot_strided(&dyrow[qs.clone()], &xrow[start..], g.sw);
-                        }
-                        *slot += sum;
-                    }
-                }
-                store(&mut dw[(kk * g.cg + c) * rs + t0..][..tn], acc, alpha, beta);
-            }
-        }
-    }
-}
-
+#[inline(always)]
 fn backward_filter_nhwc<T: Element>(
     g: &Geom,
     alpha: f32,
@@ -408,9 +875,15 @@ fn backward_filter_nhwc<T: Element>(
                                 let iw = q * g.sw + s * g.dw - g.pw;
                                 let dyv = &dy[((img * g.p + p) * g.q + q) * g.k + k0..][..kn];
                                 let xpix = &x[((img * g.h + ih) * g.w + iw) * g.c..][..g.c];
-                                for_filters(k0, kn, g.kg, |j, _, grp| {
-                                    acc[j] += dyv[j].to_f32() * xpix[grp].to_f32();
-                                });
+                                for_filters(
+                                    k0,
+                                    kn,
+                                    g.kg,
+                                    #[inline(always)]
+                                    |j, _, grp| {
+                                        acc[j] += dyv[j].to_f32() * xpix[grp].to_f32();
+                                    },
+                                );
                             }
                         }
                     }
