@@ -70,16 +70,42 @@ where
     B: Backend,
     F: Fn(usize) -> Result<B, BackendError> + Sync,
 {
+    let sizes = policy.sizes(job.problem.n);
+    let (fingerprint, by_size) = measure_sizes_parallel(&make, devices, job, &sizes, timing)?;
+    let measurements = by_size.into_iter().flat_map(|(_, m)| m).collect();
+    Ok((
+        fingerprint,
+        OpProfile {
+            layer: job.layer.clone(),
+            problem: job.problem,
+            op: job.op,
+            measurements,
+        },
+    ))
+}
+
+/// Measures `sizes` of one job, dealt out round-robin over `devices` backends (one thread
+/// each, made by `make(d)` in its thread). Returns the common fingerprint and the
+/// measurements per size, in size order. Devices of different models are refused.
+pub fn measure_sizes_parallel<B, F>(
+    make: &F,
+    devices: usize,
+    job: &Job,
+    sizes: &[i64],
+    timing: &TimingSettings,
+) -> Result<(DeviceFingerprint, Vec<(i64, Vec<Measurement>)>), BackendError>
+where
+    B: Backend,
+    F: Fn(usize) -> Result<B, BackendError> + Sync,
+{
     job.problem
         .validate()
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
-    let sizes = policy.sizes(job.problem.n);
-    let devices = devices.clamp(1, sizes.len());
+    let devices = devices.clamp(1, sizes.len().max(1));
     type Part = Result<(DeviceFingerprint, Vec<(i64, Vec<Measurement>)>), BackendError>;
     let parts: Vec<Part> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|device| {
-                let (make, sizes) = (&make, &sizes);
                 scope.spawn(move || -> Part {
                     let mut backend = make(device)?;
                     let mut measured = Vec::new();
@@ -105,10 +131,7 @@ where
     for part in parts {
         let (device, measured) = part?;
         match &fingerprint {
-            Some(first)
-                if first.name != device.name
-                    || first.compute_capability != device.compute_capability =>
-            {
+            Some(first) if !same_model(first, &device) => {
                 return Err(BackendError::MixedDevices {
                     first: first.to_string(),
                     other: device.to_string(),
@@ -120,15 +143,11 @@ where
         by_size.extend(measured);
     }
     by_size.sort_by_key(|(micro, _)| *micro);
-    let measurements = by_size.into_iter().flat_map(|(_, m)| m).collect();
     let fingerprint = fingerprint.ok_or_else(|| BackendError::Invalid("no device".into()))?;
-    Ok((
-        fingerprint,
-        OpProfile {
-            layer: job.layer.clone(),
-            problem: job.problem,
-            op: job.op,
-            measurements,
-        },
-    ))
+    Ok((fingerprint, by_size))
+}
+
+/// Whether two devices' measurements may be mixed in one profile.
+pub fn same_model(a: &DeviceFingerprint, b: &DeviceFingerprint) -> bool {
+    a.name == b.name && a.compute_capability == b.compute_capability
 }

@@ -6,7 +6,7 @@
 //! interrupted run keeps its work. A layer's solved plans are cached too.
 
 use crate::backend::{Backend, BackendError, TimingSettings};
-use crate::profiler::{Job, Progress};
+use crate::profiler::{measure_sizes_parallel, same_model, Job, Progress};
 use crate::solver::{
     solve_wr, ConvOp, ConvProblem, DeviceFingerprint, Measurement, OpProfile, Plan, Policy,
     Profile, SolveError,
@@ -108,17 +108,9 @@ fn profile_job_cached(
     })
 }
 
-/// Measures every job into one profile, in job order, through the cache. `progress` is told
-/// after each micro-batch size whether it came from the cache.
-pub fn profile_jobs(
-    backend: &mut dyn Backend,
-    jobs: &[Job],
-    run: &ProfileRun<'_>,
-    progress: &mut dyn FnMut(Progress<'_>, bool),
-) -> Result<(Profile, CacheStats), TuneError> {
-    let fingerprint = backend.fingerprint().clone();
-    let timing = &run.timing;
-    let mut profile = Profile {
+/// An empty profile that says where and how its measurements were taken.
+fn profile_header(fingerprint: &DeviceFingerprint, timing: &TimingSettings) -> Profile {
+    Profile {
         device: fingerprint.name.clone(),
         cudnn_version: fingerprint.cudnn_version,
         math: Some("as in each record's problem (default unless stated)".into()),
@@ -133,15 +125,115 @@ pub fn profile_jobs(
                 BackendKind::Cpu => "host monotonic",
             }
         )),
-        fingerprint: Some(fingerprint),
-        entries: Vec::with_capacity(jobs.len()),
-    };
+        fingerprint: Some(fingerprint.clone()),
+        entries: Vec::new(),
+    }
+}
+
+/// Measures every job into one profile, in job order, through the cache. `progress` is told
+/// after each micro-batch size whether it came from the cache.
+pub fn profile_jobs(
+    backend: &mut dyn Backend,
+    jobs: &[Job],
+    run: &ProfileRun<'_>,
+    progress: &mut dyn FnMut(Progress<'_>, bool),
+) -> Result<(Profile, CacheStats), TuneError> {
+    let mut profile = profile_header(backend.fingerprint(), &run.timing);
+    profile.entries.reserve(jobs.len());
     let mut stats = CacheStats::default();
     for job in jobs {
         profile
             .entries
             .push(profile_job_cached(backend, job, run, &mut stats, progress)?);
     }
+    Ok((profile, stats))
+}
+
+/// Like [`profile_jobs`] on several devices of one model: for each job, the sizes the cache
+/// lacks are dealt out over `devices` backends, one thread each, made by `make(d)` inside
+/// its thread (cuDNN handles stay on the thread that made them). Measurements are stored
+/// under `fingerprint`, which must be the devices' model. Progress is reported per job.
+pub fn profile_jobs_parallel<B, F>(
+    make: F,
+    devices: usize,
+    fingerprint: &DeviceFingerprint,
+    jobs: &[Job],
+    run: &ProfileRun<'_>,
+    progress: &mut dyn FnMut(Progress<'_>, bool),
+) -> Result<(Profile, CacheStats), TuneError>
+where
+    B: Backend,
+    F: Fn(usize) -> Result<B, BackendError> + Sync,
+{
+    let mut stats = CacheStats::default();
+    let mut entries = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let sizes = run.policy.sizes(job.problem.n);
+        let mut by_size: Vec<(i64, Vec<Measurement>)> = Vec::with_capacity(sizes.len());
+        let mut missing = Vec::new();
+        for &micro in &sizes {
+            match run
+                .cache
+                .measurements(fingerprint, &job.problem, job.op, micro)
+            {
+                Some(found) => by_size.push((micro, found)),
+                None => missing.push(micro),
+            }
+        }
+        stats.cached += by_size.len();
+        if !missing.is_empty() {
+            if run
+                .interrupt
+                .is_some_and(|flag| flag.load(Ordering::Relaxed))
+            {
+                return Err(TuneError::Interrupted {
+                    measured: stats.measured,
+                });
+            }
+            let (device, measured) =
+                measure_sizes_parallel(&make, devices, job, &missing, &run.timing)?;
+            if !same_model(&device, fingerprint) {
+                return Err(BackendError::MixedDevices {
+                    first: fingerprint.to_string(),
+                    other: device.to_string(),
+                }
+                .into());
+            }
+            for (micro, found) in measured {
+                run.cache.store_measurements(
+                    fingerprint,
+                    &job.layer,
+                    &job.problem,
+                    job.op,
+                    micro,
+                    &found,
+                );
+                stats.measured += 1;
+                by_size.push((micro, found));
+            }
+        }
+        by_size.sort_by_key(|(micro, _)| *micro);
+        for (index, &micro) in sizes.iter().enumerate() {
+            progress(
+                Progress {
+                    job,
+                    micro,
+                    done: index + 1,
+                    total: sizes.len(),
+                },
+                !missing.contains(&micro),
+            );
+        }
+        let measurements = by_size.into_iter().flat_map(|(_, m)| m).collect();
+        entries.push(OpProfile {
+            layer: job.layer.clone(),
+            problem: job.problem,
+            op: job.op,
+            measurements,
+        });
+    }
+    let mut profile = profile_header(fingerprint, &run.timing);
+    profile.entries = entries;
     Ok((profile, stats))
 }
 

@@ -260,3 +260,89 @@ fn parallel_profiling_refuses_different_device_models() {
     )
     .is_err());
 }
+
+/// `tune` on several devices: each job's missing sizes are dealt out over the devices and
+/// stored in the cache; a second run measures nothing; a device of another model is refused.
+#[test]
+fn parallel_tuning_goes_through_the_cache() {
+    use mucudnn::tune::{jobs_for, profile_jobs, profile_jobs_parallel, ProfileRun};
+    let problem = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new(4, 2, 6, 6, 3, 3, 3)
+    };
+    let jobs = jobs_for([
+        ("toy.a".to_string(), problem),
+        ("toy.b".to_string(), ConvProblem { k: 5, ..problem }),
+    ]);
+    let cache = Cache::in_memory();
+    let run = ProfileRun {
+        policy: Policy::All,
+        timing: FAST,
+        cache: &cache,
+        interrupt: None,
+    };
+    let fingerprint = mucudnn::device::cpu_fingerprint();
+    let mut steps = 0;
+    let (parallel, stats) = profile_jobs_parallel(
+        |_| Ok(CpuBackend::new()),
+        2,
+        &fingerprint,
+        &jobs,
+        &run,
+        &mut |_, _| steps += 1,
+    )
+    .unwrap();
+    assert_eq!((stats.measured, stats.cached, steps), (24, 0, 24));
+    parallel.validate().unwrap();
+    // The same (size, algo, workspace) set as one device measuring everything.
+    let (sequential, _) = profile_jobs(
+        &mut CpuBackend::new(),
+        &jobs,
+        &ProfileRun {
+            cache: &Cache::in_memory(),
+            ..run
+        },
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let keys = |p: &mucudnn::solver::Profile| {
+        p.entries
+            .iter()
+            .flat_map(|e| {
+                e.measurements
+                    .iter()
+                    .map(|m| (e.op, m.micro, m.algo, m.workspace_bytes))
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(keys(&parallel), keys(&sequential));
+    // Warm: nothing measured, same measurements.
+    let (again, stats) = profile_jobs_parallel(
+        |_| Ok(CpuBackend::new()),
+        2,
+        &fingerprint,
+        &jobs,
+        &run,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert_eq!((stats.measured, stats.cached), (0, 24));
+    assert_eq!(again.entries, parallel.entries);
+    // The devices must be the model the measurements are stored under.
+    let mut other = fingerprint.clone();
+    other.name = "another CPU".into();
+    let err = profile_jobs_parallel(
+        |_| Ok(CpuBackend::new()),
+        2,
+        &other,
+        &jobs,
+        &ProfileRun {
+            cache: &Cache::in_memory(),
+            ..run
+        },
+        &mut |_, _| {},
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("mix of devices"), "{err}");
+}

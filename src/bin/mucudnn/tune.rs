@@ -5,16 +5,18 @@ use crate::{open_device, solve_and_print, Device, DeviceChoice, SolveSettings};
 use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use mucudnn::backend::CudnnBackend;
 use mucudnn::backend::TimingSettings;
 use mucudnn::cache::Cache;
 use mucudnn::device::BackendKind;
 use mucudnn::exec::verify::{measure_solution, time_plan_cpu, time_plan_cuda};
 use mucudnn::models::{multiplicities, Model, ModelLayer};
 use mucudnn::network::read_network;
+use mucudnn::profiler::Progress;
 use mucudnn::report::{render_verification, verification_json, SolutionJson};
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::{interchange, DType, Layout, Plan, Solution};
-use mucudnn::tune::{jobs_for, profile_jobs, ProfileRun};
+use mucudnn::tune::{jobs_for, profile_jobs, profile_jobs_parallel, ProfileRun};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -209,8 +211,7 @@ impl Reporter {
 pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     let (network, layers) = args.source.layers()?;
     let (mut device, cache, timing) = args.device.open(args.quiet)?;
-    let backend = device.backend();
-    let fingerprint = backend.fingerprint().clone();
+    let fingerprint = device.backend().fingerprint().clone();
     let jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
     let policy = args.settings.policy;
     let total_sizes: usize = jobs
@@ -249,9 +250,29 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         cache: &cache,
         interrupt: Some(&interrupt),
     };
-    let result = profile_jobs(backend, &jobs, &run, &mut |p, from_cache| {
+    let mut step = |p: Progress<'_>, from_cache: bool| {
         reporter.step(&p.job.layer, p.job.op.name(), p.done == p.total, from_cache);
-    });
+    };
+    // Several GPUs: deal each job's sizes out over all of them (one thread and handle each).
+    let gpus = match &device {
+        Device::Cuda(_) => CudnnBackend::device_count().unwrap_or(1),
+        Device::Cpu(_) => 1,
+    };
+    let result = if gpus > 1 {
+        if !args.quiet {
+            eprintln!("profiling on {gpus} GPUs in parallel");
+        }
+        profile_jobs_parallel(
+            CudnnBackend::new,
+            gpus,
+            &fingerprint,
+            &jobs,
+            &run,
+            &mut step,
+        )
+    } else {
+        profile_jobs(device.backend(), &jobs, &run, &mut step)
+    };
     reporter.finish();
     let (profile, stats) = result?;
     if !args.quiet {
