@@ -84,6 +84,9 @@ where
     ))
 }
 
+/// Measurements per micro-batch size, in size order.
+pub type BySize = Vec<(i64, Vec<Measurement>)>;
+
 /// Measures `sizes` of one job, dealt out round-robin over `devices` backends (one thread
 /// each, made by `make(d)` in its thread). Returns the common fingerprint and the
 /// measurements per size, in size order. Devices of different models are refused.
@@ -93,7 +96,7 @@ pub fn measure_sizes_parallel<B, F>(
     job: &Job,
     sizes: &[i64],
     timing: &TimingSettings,
-) -> Result<(DeviceFingerprint, Vec<(i64, Vec<Measurement>)>), BackendError>
+) -> Result<(DeviceFingerprint, BySize), BackendError>
 where
     B: Backend,
     F: Fn(usize) -> Result<B, BackendError> + Sync,
@@ -102,7 +105,7 @@ where
         .validate()
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
     let devices = devices.clamp(1, sizes.len().max(1));
-    type Part = Result<(DeviceFingerprint, Vec<(i64, Vec<Measurement>)>), BackendError>;
+    type Part = Result<(DeviceFingerprint, BySize), BackendError>;
     let parts: Vec<Part> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|device| {
