@@ -997,18 +997,8 @@ impl CudnnHandle {
             workspace,
         )?;
         let required = self.query_workspace(d, op, algo)?;
-        if workspace.bytes < required {
-            return Err(invalid(
-                CALL,
-                format!(
-                    "{op} algorithm {algo} needs {required} workspace bytes, the workspace view \
-                     has {}",
-                    workspace.bytes
-                ),
-            ));
-        }
-        let workspace_bytes = usize::try_from(workspace.bytes)
-            .map_err(|_| invalid(CALL, "workspace larger than the address space".into()))?;
+        let workspace_bytes =
+            checked_workspace_bytes(CALL, op, algo, required, workspace.bytes, "workspace view")?;
         self.bind()?;
         let pointers = CallPointers {
             a: a.parts.ptr,
@@ -1302,6 +1292,29 @@ impl FoundAlgorithm {
     pub fn succeeded(&self) -> bool {
         self.status_code == dnn_sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS as u32
     }
+}
+
+/// Checks that a workspace of `have` bytes (called `what` in the message) holds the `required`
+/// bytes of `op`'s algorithm `algo`, and returns its size as cuDNN takes it. Shared by the
+/// owned and the foreign handle's `convolve`.
+fn checked_workspace_bytes(
+    call: &'static str,
+    op: ConvOp,
+    algo: u32,
+    required: u64,
+    have: u64,
+    what: &str,
+) -> Result<usize, CudnnError> {
+    if have < required {
+        return Err(invalid(
+            call,
+            format!(
+                "{op} algorithm {algo} needs {required} workspace bytes, the {what} has {have}"
+            ),
+        ));
+    }
+    usize::try_from(have)
+        .map_err(|_| invalid(call, "workspace larger than the address space".into()))
 }
 
 // ---------------------------------------------------------------------------------------------

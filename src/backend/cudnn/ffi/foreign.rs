@@ -21,8 +21,9 @@
 //! ([`ForeignWorkspace`]), lives in the stream's context.
 
 use super::{
-    check_operand_shapes, cudnn, driver, drv_err, invalid, math_mode_from_raw, raw_convolve,
-    raw_workspace_size, Algo, CallPointers, ConvDescriptors, CudnnError,
+    check_operand_shapes, checked_workspace_bytes, cudnn, driver, drv_err, invalid,
+    math_mode_from_raw, raw_convolve, raw_workspace_size, Algo, CallPointers, ConvDescriptors,
+    CudnnError,
 };
 use crate::solver::{ConvOp, DType, Layout, MathMode};
 use cudarc::cudnn::sys as dnn_sys;
@@ -1037,17 +1038,8 @@ impl ForeignSession<'_> {
             ));
         }
         let required = self.query_workspace(d, op, algo)?;
-        if workspace.bytes < required {
-            return Err(invalid(
-                CALL,
-                format!(
-                    "{op} algorithm {algo} needs {required} workspace bytes, the workspace has {}",
-                    workspace.bytes
-                ),
-            ));
-        }
-        let workspace_bytes = usize::try_from(workspace.bytes)
-            .map_err(|_| invalid(CALL, "workspace larger than the address space".into()))?;
+        let workspace_bytes =
+            checked_workspace_bytes(CALL, op, algo, required, workspace.bytes, "workspace")?;
         let pointers = CallPointers {
             a: a.ptr,
             b: b.ptr,
