@@ -9,7 +9,8 @@ use mucudnn::solver::synthetic::{random_entry, Rng};
 use mucudnn::solver::{
     solve_profile, ConvOp, ConvProblem, DeviceFingerprint, Measurement, Mode, Policy, WdOptions,
 };
-use mucudnn::tune::{jobs_for, profile_jobs, ProfileRun};
+use mucudnn::solver::{AlgoKind, CandidateSet};
+use mucudnn::tune::{jobs_for, profile_jobs, EngineOptions, ProfileRun};
 
 /// A backend that must never be asked to measure: everything is cached.
 struct NoMeasuring(DeviceFingerprint);
@@ -61,7 +62,7 @@ fn warm_tune(c: &mut Criterion) {
                     .filter(|m| m.micro == micro)
                     .copied()
                     .collect();
-                cache.store_measurements(&device, name, problem, op, micro, &at);
+                cache.store_measurements(&device, name, problem, op, micro, AlgoKind::Legacy, &at);
             }
         }
     }
@@ -71,6 +72,8 @@ fn warm_tune(c: &mut Criterion) {
         timing: TimingSettings::CPU,
         cache: &cache,
         interrupt: None,
+        candidates: CandidateSet::All,
+        engines: EngineOptions::default(),
     };
     let mut backend = NoMeasuring(device);
     let mode = Mode::WorkspaceReuse {

@@ -11,7 +11,9 @@
 //! [`solve_wr`]'s.
 
 use crate::solver::units::format_bytes;
-use crate::solver::{solve_wr, Measurement, OpProfile, Plan, Policy, ProblemName, SolveError};
+use crate::solver::{
+    solve_wr, Algo, Measurement, OpProfile, Plan, Policy, ProblemName, SolveError,
+};
 use std::fmt::Write as _;
 
 /// The limit meaning "no limit".
@@ -23,7 +25,7 @@ pub const DEFAULT_COLUMNS: usize = 6;
 /// The fastest algorithm at one micro-batch size within one limit.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AlgoChoice {
-    pub algo: u32,
+    pub algo: Algo,
     /// Time of one call at this micro-batch size.
     pub time_ms: f64,
     pub workspace_bytes: u64,
@@ -167,7 +169,7 @@ pub fn default_limits(entry: &OpProfile, policy: Policy) -> Vec<u64> {
     let mut sizes: Vec<i64> = allowed.iter().map(|m| m.micro).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    let choices = |limit: u64| -> Vec<Option<u32>> {
+    let choices = |limit: u64| -> Vec<Option<Algo>> {
         sizes
             .iter()
             .map(|&micro| best_within(&allowed, micro, limit).map(|c| c.algo))
@@ -175,7 +177,7 @@ pub fn default_limits(entry: &OpProfile, policy: Policy) -> Vec<u64> {
     };
     let mut changes = Vec::new();
     // Below the smallest value nothing fits at any size.
-    let mut previous: Vec<Option<u32>> = vec![None; sizes.len()];
+    let mut previous: Vec<Option<Algo>> = vec![None; sizes.len()];
     for &value in &values {
         let current = choices(value);
         if current != previous {
@@ -230,8 +232,8 @@ pub fn render_explanation(explanation: &Explanation) -> String {
         let mut cells = vec![row.micro.to_string()];
         cells.extend(row.best.iter().map(|cell| match cell {
             Some(c) => format!(
-                "algo{} {:.3}ms {}",
-                c.algo,
+                "{} {:.3}ms {}",
+                c.algo.label(),
                 c.time_ms,
                 compact_bytes(c.workspace_bytes)
             ),
@@ -438,7 +440,7 @@ mod tests {
     fn measurement(micro: i64, algo: u32, time_ms: f64, workspace_bytes: u64) -> Measurement {
         Measurement {
             micro,
-            algo,
+            algo: Algo::Legacy(algo),
             time_ms,
             workspace_bytes,
         }
@@ -465,12 +467,12 @@ mod tests {
             [
                 None,
                 Some(AlgoChoice {
-                    algo: 0,
+                    algo: Algo::Legacy(0),
                     time_ms: 1.0,
                     workspace_bytes: 100
                 }),
                 Some(AlgoChoice {
-                    algo: 0,
+                    algo: Algo::Legacy(0),
                     time_ms: 1.0,
                     workspace_bytes: 100
                 })

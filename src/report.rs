@@ -3,7 +3,7 @@
 
 pub use crate::solver::device::cudnn_version_string;
 use crate::solver::units::format_bytes;
-use crate::solver::{Mode, Plan, Solution};
+use crate::solver::{AlgoKind, Mode, Plan, Solution};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -35,7 +35,14 @@ pub struct PlanJson {
 #[derive(Debug, Serialize)]
 pub struct MicroBatchJson {
     pub size: i64,
-    pub algo: u32,
+    /// `legacy` or `engine`.
+    pub kind: AlgoKind,
+    /// The legacy algorithm number; absent for an engine configuration.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub algo: Option<u32>,
+    /// The engine configuration's name; absent for a legacy algorithm.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
     pub workspace_bytes: u64,
     pub time_ms: f64,
 }
@@ -64,7 +71,9 @@ impl SolutionJson {
                             .iter()
                             .map(|m| MicroBatchJson {
                                 size: m.size,
-                                algo: m.algo,
+                                kind: m.algo.kind(),
+                                algo: m.algo.legacy(),
+                                engine: m.algo.engine().map(|e| e.to_string()),
                                 workspace_bytes: m.workspace_bytes,
                                 time_ms: m.time_ms,
                             })
@@ -281,7 +290,40 @@ pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u
     for row in &totals {
         line(row);
     }
+    if let Some(summary) = kind_summary(solution) {
+        out.push('\n');
+        out.push_str(&summary);
+        out.push('\n');
+    }
     out
+}
+
+/// Which kind of candidate won, when engine configurations took part: micro-batches and
+/// predicted time per kind over all plans. `None` when every micro-batch is a legacy one.
+pub fn kind_summary(solution: &Solution) -> Option<String> {
+    let mut engine = (0usize, 0.0f64);
+    let mut legacy = (0usize, 0.0f64);
+    for solved in &solution.problems {
+        for mb in &solved.plan.micro_batches {
+            let slot = match mb.algo.kind() {
+                AlgoKind::Engine => &mut engine,
+                AlgoKind::Legacy => &mut legacy,
+            };
+            slot.0 += 1;
+            slot.1 += mb.time_ms;
+        }
+    }
+    if engine.0 == 0 {
+        return None;
+    }
+    let total = (engine.1 + legacy.1).max(f64::MIN_POSITIVE);
+    Some(format!(
+        "winners: engine configurations run {} micro-batches ({:.0}% of the time), legacy algorithms {} ({:.0}%)",
+        engine.0,
+        100.0 * engine.1 / total,
+        legacy.0,
+        100.0 * legacy.1 / total
+    ))
 }
 
 /// The `measured` section of `tune --verify --json`: per plan the predicted and measured

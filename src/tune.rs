@@ -5,13 +5,14 @@
 //! on this device is read, not measured; each newly measured size is stored at once, so an
 //! interrupted run keeps its work. A layer's solved plans are cached too.
 
-use crate::backend::{Backend, BackendError, TimingSettings};
-use crate::profiler::{measure_sizes_parallel, same_model, Job, Progress};
+use crate::backend::{measure_kind, Backend, BackendError, EngineSearch, TimingSettings};
+use crate::profiler::{measure_sizes_parallel, prune, same_model, Job, Progress};
 use crate::solver::{
-    solve_wr, ConvOp, ConvProblem, DeviceFingerprint, Measurement, OpProfile, Plan, Policy,
-    Profile, SolveError,
+    solve_wr, AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement,
+    OpProfile, Plan, Policy, Profile, SolveError,
 };
 use mucudnn_cache::{Cache, PlanKey};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use crate::device::BackendKind;
@@ -30,10 +31,31 @@ pub enum TuneError {
 /// Where a profile's measurements came from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
-    /// (job, micro-batch size) pairs read from the cache.
+    /// (job, micro-batch size, candidate kind) triples read from the cache.
     pub cached: usize,
-    /// (job, micro-batch size) pairs measured by the backend in this run.
+    /// (job, micro-batch size, candidate kind) triples measured by the backend in this run.
     pub measured: usize,
+    /// Engine configurations (size, configuration) not timed because pruning dropped them.
+    pub pruned: usize,
+}
+
+/// How engine configurations are searched: a bound and pruning (see [`prune`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EngineOptions {
+    /// At most this many configurations per (op, micro-batch size); `None`: all found.
+    pub max_candidates: Option<usize>,
+    /// Drop a configuration at larger sizes once a candidate needing no more workspace is
+    /// faster by more than this factor; `None`: time every configuration at every size.
+    pub prune_margin: Option<f64>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            max_candidates: None,
+            prune_margin: Some(prune::DEFAULT_MARGIN),
+        }
+    }
 }
 
 /// Everything a profiling run needs besides the backend and the jobs.
@@ -43,9 +65,74 @@ pub struct ProfileRun<'a> {
     pub cache: &'a Cache,
     /// Set (e.g. by Ctrl-C) to stop after the current micro-batch size.
     pub interrupt: Option<&'a AtomicBool>,
+    /// Which candidates to measure. Kinds the backend lacks are left out when the set has
+    /// another kind (`all` on the CPU measures its algorithms); a set of only those is an error.
+    pub candidates: CandidateSet,
+    pub engines: EngineOptions,
 }
 
-/// Measures one job, reading what the cache has and storing what it measures.
+impl ProfileRun<'_> {
+    /// The kinds to measure on a backend that offers `offered`.
+    fn kinds(&self, offered: &[AlgoKind], backend: &str) -> Result<Vec<AlgoKind>, BackendError> {
+        let kinds: Vec<AlgoKind> = self
+            .candidates
+            .kinds()
+            .iter()
+            .copied()
+            .filter(|kind| offered.contains(kind))
+            .collect();
+        if kinds.is_empty() {
+            return Err(BackendError::NoEngines {
+                backend: backend.to_string(),
+            });
+        }
+        Ok(kinds)
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupt
+            .is_some_and(|flag| flag.load(Ordering::Relaxed))
+    }
+
+    /// The engine search at one step: the bound, and for a size between two anchors the
+    /// configurations dominated at both (from what `by_size` holds for them).
+    fn engine_search(
+        &self,
+        kind: AlgoKind,
+        step: prune::Step,
+        by_size: &BTreeMap<i64, Vec<Measurement>>,
+    ) -> EngineSearch {
+        let skip = match (kind, step.between, self.engines.prune_margin) {
+            (AlgoKind::Engine, Some((lower, upper)), Some(margin)) => {
+                match (by_size.get(&lower), by_size.get(&upper)) {
+                    (Some(lower), Some(upper)) => prune::skip_between(lower, upper, margin),
+                    _ => BTreeSet::new(),
+                }
+            }
+            _ => BTreeSet::new(),
+        };
+        EngineSearch {
+            max_candidates: self.engines.max_candidates,
+            skip,
+        }
+    }
+
+    /// The candidate set actually measured on a backend that offers `offered` (the plan key).
+    pub fn effective_candidates(&self, offered: &[AlgoKind]) -> CandidateSet {
+        let kinds: Vec<AlgoKind> = self
+            .candidates
+            .kinds()
+            .iter()
+            .copied()
+            .filter(|kind| offered.contains(kind))
+            .collect();
+        CandidateSet::from_kinds(&kinds).unwrap_or(self.candidates)
+    }
+}
+
+/// Measures one job, reading what the cache has and storing what it measures. Sizes go in
+/// [`prune::measure_order`]: anchors first, then the sizes between them, where engine
+/// configurations dominated at both neighbouring anchors are not timed.
 fn profile_job_cached(
     backend: &mut dyn Backend,
     job: &Job,
@@ -57,39 +144,50 @@ fn profile_job_cached(
         .validate()
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
     let device = backend.fingerprint().clone();
+    let kinds = run.kinds(backend.kinds(), &device.name)?;
     let sizes = run.policy.sizes(job.problem.n);
-    let mut measurements: Vec<Measurement> = Vec::new();
-    for (index, &micro) in sizes.iter().enumerate() {
-        let cached = run.cache.measurements(&device, &job.problem, job.op, micro);
-        let from_cache = cached.is_some();
-        let found = match cached {
-            Some(found) => {
+    let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
+    for (index, step) in prune::measure_order(&sizes).into_iter().enumerate() {
+        let micro = step.micro;
+        let mut from_cache = true;
+        for &kind in &kinds {
+            if let Some(found) = run
+                .cache
+                .measurements(&device, &job.problem, job.op, micro, kind)
+            {
                 stats.cached += 1;
-                found
+                by_size.entry(micro).or_default().extend(found);
+                continue;
             }
-            None => {
-                if run
-                    .interrupt
-                    .is_some_and(|flag| flag.load(Ordering::Relaxed))
-                {
-                    return Err(TuneError::Interrupted {
-                        measured: stats.measured,
-                    });
-                }
-                let found = backend.measure(&job.problem, job.op, micro, &run.timing)?;
-                run.cache.store_measurements(
-                    &device,
-                    &job.layer,
-                    &job.problem,
-                    job.op,
-                    micro,
-                    &found,
-                );
-                stats.measured += 1;
-                found
+            if run.interrupted() {
+                return Err(TuneError::Interrupted {
+                    measured: stats.measured,
+                });
             }
-        };
-        measurements.extend(found);
+            let search = run.engine_search(kind, step, &by_size);
+            let found = measure_kind(
+                backend,
+                kind,
+                &job.problem,
+                job.op,
+                micro,
+                &run.timing,
+                &search,
+            )?;
+            stats.pruned += search.skip.len();
+            run.cache.store_measurements(
+                &device,
+                &job.layer,
+                &job.problem,
+                job.op,
+                micro,
+                kind,
+                &found,
+            );
+            stats.measured += 1;
+            from_cache = false;
+            by_size.entry(micro).or_default().extend(found);
+        }
         progress(
             Progress {
                 job,
@@ -104,7 +202,7 @@ fn profile_job_cached(
         layer: job.layer.clone(),
         problem: job.problem,
         op: job.op,
-        measurements,
+        measurements: by_size.into_values().flatten().collect(),
     })
 }
 
@@ -149,14 +247,18 @@ pub fn profile_jobs(
     Ok((profile, stats))
 }
 
-/// Like [`profile_jobs`] on several devices of one model: for each job, the sizes the cache
-/// lacks are dealt out over `devices` backends, one thread each, made by `make(d)` inside
-/// its thread (cuDNN handles stay on the thread that made them). Measurements are stored
-/// under `fingerprint`, which must be the devices' model. Progress is reported per job.
+/// Like [`profile_jobs`] on several devices of one model: for each job and candidate kind,
+/// the sizes the cache lacks are dealt out over `devices` backends, one thread each, made by
+/// `make(d)` inside its thread (cuDNN handles stay on the thread that made them). The anchor
+/// sizes are dealt out first, then the sizes between them, so pruning still applies. Measurements are stored under `fingerprint`, which must be the
+/// devices' model, whose backends offer the candidate kinds `offered`. Progress is reported
+/// per job.
+#[allow(clippy::too_many_arguments)]
 pub fn profile_jobs_parallel<B, F>(
     make: F,
     devices: usize,
     fingerprint: &DeviceFingerprint,
+    offered: &[AlgoKind],
     jobs: &[Job],
     run: &ProfileRun<'_>,
     progress: &mut dyn FnMut(Progress<'_>, bool),
@@ -165,54 +267,87 @@ where
     B: Backend,
     F: Fn(usize) -> Result<B, BackendError> + Sync,
 {
+    let kinds = run.kinds(offered, &fingerprint.name)?;
+    let devices = devices.max(1);
     let mut stats = CacheStats::default();
     let mut entries = Vec::with_capacity(jobs.len());
     for job in jobs {
         let sizes = run.policy.sizes(job.problem.n);
-        let mut by_size: Vec<(i64, Vec<Measurement>)> = Vec::with_capacity(sizes.len());
-        let mut missing = Vec::new();
-        for &micro in &sizes {
-            match run
-                .cache
-                .measurements(fingerprint, &job.problem, job.op, micro)
-            {
-                Some(found) => by_size.push((micro, found)),
-                None => missing.push(micro),
-            }
-        }
-        stats.cached += by_size.len();
-        if !missing.is_empty() {
-            if run
-                .interrupt
-                .is_some_and(|flag| flag.load(Ordering::Relaxed))
-            {
-                return Err(TuneError::Interrupted {
-                    measured: stats.measured,
-                });
-            }
-            let (device, measured) =
-                measure_sizes_parallel(&make, devices, job, &missing, &run.timing)?;
-            if !same_model(&device, fingerprint) {
-                return Err(BackendError::MixedDevices {
-                    first: fingerprint.to_string(),
-                    other: device.to_string(),
+        let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
+        let mut measured_sizes: BTreeSet<i64> = BTreeSet::new();
+        for &kind in &kinds {
+            let mut missing = Vec::new();
+            for &micro in &sizes {
+                match run
+                    .cache
+                    .measurements(fingerprint, &job.problem, job.op, micro, kind)
+                {
+                    Some(found) => {
+                        stats.cached += 1;
+                        by_size.entry(micro).or_default().extend(found);
+                    }
+                    None => missing.push(micro),
                 }
-                .into());
             }
-            for (micro, found) in measured {
-                run.cache.store_measurements(
-                    fingerprint,
-                    &job.layer,
-                    &job.problem,
-                    job.op,
-                    micro,
-                    &found,
-                );
-                stats.measured += 1;
-                by_size.push((micro, found));
+            // Anchors first, then the sizes between them (see `prune`); each pass is dealt
+            // out over the devices.
+            let order = prune::measure_order(&missing);
+            let passes = [
+                order
+                    .iter()
+                    .filter(|s| s.between.is_none())
+                    .copied()
+                    .collect::<Vec<_>>(),
+                order
+                    .iter()
+                    .filter(|s| s.between.is_some())
+                    .copied()
+                    .collect(),
+            ];
+            for pass in passes.iter().filter(|p| !p.is_empty()) {
+                if run.interrupted() {
+                    return Err(TuneError::Interrupted {
+                        measured: stats.measured,
+                    });
+                }
+                let searches: BTreeMap<i64, EngineSearch> = pass
+                    .iter()
+                    .map(|&step| (step.micro, run.engine_search(kind, step, &by_size)))
+                    .collect();
+                let micros: Vec<i64> = pass.iter().map(|s| s.micro).collect();
+                let (device, measured) = measure_sizes_parallel(
+                    &make,
+                    devices,
+                    job,
+                    &micros,
+                    &run.timing,
+                    kind,
+                    &|micro| searches.get(&micro).cloned().unwrap_or_default(),
+                )?;
+                if !same_model(&device, fingerprint) {
+                    return Err(BackendError::MixedDevices {
+                        first: fingerprint.to_string(),
+                        other: device.to_string(),
+                    }
+                    .into());
+                }
+                for (micro, found) in measured {
+                    run.cache.store_measurements(
+                        fingerprint,
+                        &job.layer,
+                        &job.problem,
+                        job.op,
+                        micro,
+                        kind,
+                        &found,
+                    );
+                    stats.measured += 1;
+                    stats.pruned += searches.get(&micro).map_or(0, |s| s.skip.len());
+                    measured_sizes.insert(micro);
+                    by_size.entry(micro).or_default().extend(found);
+                }
             }
         }
-        by_size.sort_by_key(|(micro, _)| *micro);
         for (index, &micro) in sizes.iter().enumerate() {
             progress(
                 Progress {
@@ -221,10 +356,10 @@ where
                     done: index + 1,
                     total: sizes.len(),
                 },
-                !missing.contains(&micro),
+                !measured_sizes.contains(&micro),
             );
         }
-        let measurements = by_size.into_iter().flat_map(|(_, m)| m).collect();
+        let measurements = by_size.into_values().flatten().collect();
         entries.push(OpProfile {
             layer: job.layer.clone(),
             problem: job.problem,
@@ -257,6 +392,8 @@ pub struct LayerTuning {
     pub policy: Policy,
     pub workspace_limit_bytes: u64,
     pub timing: TimingSettings,
+    pub candidates: CandidateSet,
+    pub engines: EngineOptions,
 }
 
 impl LayerTuning {
@@ -270,7 +407,19 @@ impl LayerTuning {
         problem: &ConvProblem,
     ) -> Result<[Plan; 3], TuneError> {
         let device: DeviceFingerprint = backend.fingerprint().clone();
-        let key = PlanKey::reuse(self.policy, self.workspace_limit_bytes);
+        let run = ProfileRun {
+            policy: self.policy,
+            timing: self.timing,
+            cache,
+            interrupt: None,
+            candidates: self.candidates,
+            engines: self.engines,
+        };
+        let key = PlanKey::reuse(
+            self.policy,
+            run.effective_candidates(backend.kinds()),
+            self.workspace_limit_bytes,
+        );
         let cached: Vec<Plan> = ConvOp::ALL
             .iter()
             .filter_map(|&op| cache.plan(&device, problem, op, &key))
@@ -281,12 +430,6 @@ impl LayerTuning {
                 ..plan
             }));
         }
-        let run = ProfileRun {
-            policy: self.policy,
-            timing: self.timing,
-            cache,
-            interrupt: None,
-        };
         let mut stats = CacheStats::default();
         let mut plans = Vec::with_capacity(3);
         for op in ConvOp::ALL {

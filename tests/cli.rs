@@ -79,7 +79,7 @@ fn json_has_exactly_the_documented_shape() {
         let micro = plan["micro_batches"].as_array().unwrap();
         assert_eq!(
             keys(&micro[0]),
-            ["algo", "size", "time_ms", "workspace_bytes"]
+            ["algo", "kind", "size", "time_ms", "workspace_bytes"]
         );
         let sizes: i64 = micro.iter().map(|m| m["size"].as_i64().unwrap()).sum();
         assert_eq!(sizes, plan["n"].as_i64().unwrap());

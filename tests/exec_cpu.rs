@@ -6,7 +6,7 @@
 use mucudnn::backend::cpu::{self, reference, CpuAlgo};
 use mucudnn::backend::cudnn::host::random_values;
 use mucudnn::exec::{cpu_workspace_bytes, execute_cpu, ExecError};
-use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MicroBatch, Plan};
+use mucudnn::solver::{Algo, ConvOp, ConvProblem, DType, Layout, MicroBatch, Plan};
 
 fn plan(problem: ConvProblem, op: ConvOp, sizes: &[(i64, CpuAlgo)]) -> Plan {
     Plan {
@@ -17,7 +17,7 @@ fn plan(problem: ConvProblem, op: ConvOp, sizes: &[(i64, CpuAlgo)]) -> Plan {
             .iter()
             .map(|&(size, algo)| MicroBatch {
                 size,
-                algo: algo.id(),
+                algo: Algo::Legacy(algo.id()),
                 workspace_bytes: 0,
                 time_ms: 1.0,
             })
@@ -247,7 +247,7 @@ fn bad_input_is_an_error_not_a_panic() {
     let unknown = Plan {
         micro_batches: vec![MicroBatch {
             size: 2,
-            algo: 99,
+            algo: Algo::Legacy(99),
             workspace_bytes: 0,
             time_ms: 1.0,
         }],
@@ -257,6 +257,15 @@ fn bad_input_is_an_error_not_a_panic() {
         .unwrap_err()
         .to_string()
         .contains("algo 99"));
+    let engine = Plan {
+        micro_batches: vec![MicroBatch {
+            algo: Algo::Engine("eng38_k2=8".parse().unwrap()),
+            ..unknown.micro_batches[0]
+        }],
+        ..ok.clone()
+    };
+    let err = run(&engine, 1.0, &a, &b, 0.0, &mut out).unwrap_err();
+    assert!(err.to_string().contains("eng38_k2=8"), "{err}");
     let needs = plan(problem, op, &[(2, CpuAlgo::Im2colGemm)]);
     let err = execute_cpu(&needs, 1.0, &a, &b, 0.0, &mut out, &mut []).unwrap_err();
     assert!(err.to_string().contains("workspace"), "{err}");

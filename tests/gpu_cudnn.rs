@@ -28,7 +28,7 @@ fn plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: u32) -> Plan {
             .iter()
             .map(|&size| MicroBatch {
                 size,
-                algo,
+                algo: mucudnn::solver::Algo::Legacy(algo),
                 workspace_bytes: 0,
                 time_ms: 1.0,
             })

@@ -8,7 +8,7 @@ use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
 use mucudnn::exec::conv2d::{Conv2d, LayerError, Tensor};
 use mucudnn::profiler::{profile_job, profile_job_parallel, Job};
-use mucudnn::solver::{ConvOp, ConvProblem, Layout, Measurement, Policy};
+use mucudnn::solver::{AlgoKind, CandidateSet, ConvOp, ConvProblem, Layout, Measurement, Policy};
 
 const FAST: TimingSettings = TimingSettings {
     warmup: 0,
@@ -180,7 +180,7 @@ fn profiler_measures_every_size_and_algorithm_with_cpu_workspaces() {
         profile.validate().unwrap();
         assert_eq!(profile.measurements.len(), 3 * CpuAlgo::ALL.len());
         for m in &profile.measurements {
-            let algo = CpuAlgo::from_id(m.algo).unwrap();
+            let algo = CpuAlgo::from_id(m.algo.legacy().unwrap()).unwrap();
             assert_eq!(
                 m.workspace_bytes,
                 cpu::workspace_bytes(&problem.with_batch(m.micro), op, algo)
@@ -192,7 +192,10 @@ fn profiler_measures_every_size_and_algorithm_with_cpu_workspaces() {
             profile
                 .measurements
                 .iter()
-                .find(|m| m.micro == micro && m.algo == CpuAlgo::Im2colGemm.id())
+                .find(|m| {
+                    m.micro == micro
+                        && m.algo == mucudnn::solver::Algo::Legacy(CpuAlgo::Im2colGemm.id())
+                })
                 .unwrap()
                 .workspace_bytes
         };
@@ -265,7 +268,7 @@ fn parallel_profiling_refuses_different_device_models() {
 /// stored in the cache; a second run measures nothing; a device of another model is refused.
 #[test]
 fn parallel_tuning_goes_through_the_cache() {
-    use mucudnn::tune::{jobs_for, profile_jobs, profile_jobs_parallel, ProfileRun};
+    use mucudnn::tune::{jobs_for, profile_jobs, profile_jobs_parallel, EngineOptions, ProfileRun};
     let problem = ConvProblem {
         pad_h: 1,
         pad_w: 1,
@@ -281,6 +284,8 @@ fn parallel_tuning_goes_through_the_cache() {
         timing: FAST,
         cache: &cache,
         interrupt: None,
+        candidates: CandidateSet::All,
+        engines: EngineOptions::default(),
     };
     let fingerprint = mucudnn::device::cpu_fingerprint();
     let mut steps = 0;
@@ -288,6 +293,7 @@ fn parallel_tuning_goes_through_the_cache() {
         |_| Ok(CpuBackend::new()),
         2,
         &fingerprint,
+        &[AlgoKind::Legacy],
         &jobs,
         &run,
         &mut |_, _| steps += 1,
@@ -322,6 +328,7 @@ fn parallel_tuning_goes_through_the_cache() {
         |_| Ok(CpuBackend::new()),
         2,
         &fingerprint,
+        &[AlgoKind::Legacy],
         &jobs,
         &run,
         &mut |_, _| {},
@@ -336,6 +343,7 @@ fn parallel_tuning_goes_through_the_cache() {
         |_| Ok(CpuBackend::new()),
         2,
         &other,
+        &[AlgoKind::Legacy],
         &jobs,
         &ProfileRun {
             cache: &Cache::in_memory(),

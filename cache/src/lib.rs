@@ -20,7 +20,8 @@ pub use schema::SCHEMA_VERSION;
 pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
-    ConvOp, ConvProblem, DeviceFingerprint, Measurement, OpProfile, Plan, Policy, Profile,
+    AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement, OpProfile, Plan,
+    Policy, Profile,
 };
 use rusqlite::{Connection, OpenFlags};
 use std::cell::RefCell;
@@ -202,25 +203,28 @@ impl Cache {
             .ok()
     }
 
-    /// The measurements of `problem` (its shape; the batch size is ignored) at micro-batch
-    /// `micro`, if that size was measured on `device`. An empty list means measured, with no
-    /// supported algorithm.
+    /// The measurements of `kind`'s candidates for `problem` (its shape; the batch size is
+    /// ignored) at micro-batch `micro`, if that kind was measured at that size on `device`. An
+    /// empty list means measured, with no supported candidate.
     pub fn measurements(
         &self,
         device: &DeviceFingerprint,
         problem: &ConvProblem,
         op: ConvOp,
         micro: i64,
+        kind: AlgoKind,
     ) -> Option<Vec<Measurement>> {
         self.read(
             "measurements",
-            store::measurements(&self.conn, device, problem, op, micro),
+            store::measurements(&self.conn, device, problem, op, micro, kind),
         )
         .flatten()
     }
 
-    /// Records the measurements of one micro-batch size (replacing earlier ones), and that the
-    /// named problem was tuned on `device`.
+    /// Records the measurements of `kind`'s candidates at one micro-batch size (replacing
+    /// earlier ones of that kind; measurements of another kind or size are ignored), and that
+    /// the named problem was tuned on `device`.
+    #[allow(clippy::too_many_arguments)]
     pub fn store_measurements(
         &self,
         device: &DeviceFingerprint,
@@ -228,25 +232,37 @@ impl Cache {
         problem: &ConvProblem,
         op: ConvOp,
         micro: i64,
+        kind: AlgoKind,
         measurements: &[Measurement],
     ) {
         self.write(
             "measurements",
-            store::store_measurements(&self.conn, device, layer, problem, op, micro, measurements),
+            store::store_measurements(
+                &self.conn,
+                device,
+                layer,
+                problem,
+                op,
+                micro,
+                kind,
+                measurements,
+            ),
         );
     }
 
-    /// The sizes among `sizes` that have not been measured for `problem` and `op` on `device`.
+    /// The sizes among `sizes` at which `kind`'s candidates have not been measured for
+    /// `problem` and `op` on `device`.
     pub fn missing_sizes(
         &self,
         device: &DeviceFingerprint,
         problem: &ConvProblem,
         op: ConvOp,
+        kind: AlgoKind,
         sizes: &[i64],
     ) -> Vec<i64> {
         self.read(
             "measured sizes",
-            store::measured_sizes(&self.conn, device, problem, op),
+            store::measured_sizes(&self.conn, device, problem, op, kind),
         )
         .map(|measured| {
             sizes
@@ -258,8 +274,9 @@ impl Cache {
         .unwrap_or_else(|| sizes.to_vec())
     }
 
-    /// Everything cached for `problem` and `op` on `device` at sizes the policy allows, as a
-    /// profile entry named `layer`, if every allowed size was measured.
+    /// Everything cached for `problem` and `op` on `device` at sizes the policy allows, among
+    /// `candidates`, as a profile entry named `layer`, if every kind in the set was measured
+    /// at every allowed size.
     pub fn op_profile(
         &self,
         device: &DeviceFingerprint,
@@ -267,14 +284,20 @@ impl Cache {
         problem: &ConvProblem,
         op: ConvOp,
         policy: Policy,
+        candidates: CandidateSet,
     ) -> Option<OpProfile> {
         let sizes = policy.sizes(problem.n);
-        if !self.missing_sizes(device, problem, op, &sizes).is_empty() {
-            return None;
+        for &kind in candidates.kinds() {
+            if !self
+                .missing_sizes(device, problem, op, kind, &sizes)
+                .is_empty()
+            {
+                return None;
+            }
         }
         let measurements = self.read(
             "profile",
-            store::measurements_up_to(&self.conn, device, problem, op, problem.n),
+            store::measurements_up_to(&self.conn, device, problem, op, problem.n, candidates),
         )?;
         let measurements = measurements
             .into_iter()

@@ -16,7 +16,7 @@
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 /// The schema this build reads and writes.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 const V1: &str = "
 CREATE TABLE IF NOT EXISTS devices (
@@ -88,6 +88,60 @@ CREATE TABLE IF NOT EXISTS plans (
 CREATE INDEX IF NOT EXISTS seen_by_shape ON seen (device_id, shape_id, op);
 ";
 
+/// Version 2: candidates are legacy algorithms or graph-API engine configurations. A
+/// measurement's key gains `engine` (the configuration's name; '' for a legacy algorithm,
+/// whose `algo` is then its number; `algo` is -1 for an engine), and a measured size is
+/// recorded per candidate `kind` ('legacy' or 'engine'), since either set can be measured
+/// without the other. Version-1 rows are all legacy and are kept. A plan's key gains the
+/// candidate set it was chosen from; version-1 plans are dropped (they are re-solved from the
+/// kept measurements in microseconds).
+const V2: &str = "
+CREATE TABLE measured_sizes_v2 (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    op TEXT NOT NULL,
+    micro INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    measured_at INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, op, micro, kind)
+) WITHOUT ROWID;
+INSERT INTO measured_sizes_v2 (device_id, shape_id, op, micro, kind, measured_at)
+    SELECT device_id, shape_id, op, micro, 'legacy', measured_at FROM measured_sizes;
+DROP TABLE measured_sizes;
+ALTER TABLE measured_sizes_v2 RENAME TO measured_sizes;
+CREATE TABLE measurements_v2 (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    op TEXT NOT NULL,
+    micro INTEGER NOT NULL,
+    algo INTEGER NOT NULL,
+    engine TEXT NOT NULL,
+    time_ms REAL NOT NULL,
+    workspace_bytes INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, op, micro, algo, engine)
+) WITHOUT ROWID;
+INSERT INTO measurements_v2 (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes)
+    SELECT device_id, shape_id, op, micro, algo, '', time_ms, workspace_bytes FROM measurements;
+DROP TABLE measurements;
+ALTER TABLE measurements_v2 RENAME TO measurements;
+DROP TABLE plans;
+CREATE TABLE plans (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    n INTEGER NOT NULL,
+    op TEXT NOT NULL,
+    policy TEXT NOT NULL,
+    -- the candidate set the plan was chosen from: legacy, engines or all
+    candidates TEXT NOT NULL,
+    mode TEXT NOT NULL,
+    limit_bytes INTEGER NOT NULL,
+    context TEXT NOT NULL,
+    plan_json TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, n, op, policy, candidates, mode, limit_bytes, context)
+) WITHOUT ROWID;
+";
+
 /// Why a file cannot be used as a cache.
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
@@ -115,9 +169,12 @@ pub fn migrate(conn: &mut Connection) -> Result<(), SchemaError> {
     if found > SCHEMA_VERSION {
         return Err(SchemaError::TooNew { found });
     }
-    // One arm per version step; a future version 2 adds `if found < 2 { ... }`.
+    // One arm per version step, applied in order.
     if found < 1 {
         tx.execute_batch(V1)?;
+    }
+    if found < 2 {
+        tx.execute_batch(V2)?;
     }
     tx.execute(
         "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
@@ -145,6 +202,36 @@ mod tests {
             )
             .unwrap();
         assert_eq!(version, SCHEMA_VERSION.to_string());
+    }
+
+    #[test]
+    fn version_1_rows_survive_the_upgrade_as_legacy() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(V1).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             INSERT INTO meta VALUES ('schema_version', '1');
+             INSERT INTO devices VALUES (1, 'cuda', 'gpu', 9, 0, 13000, 91900, 'gpu');
+             INSERT INTO shapes VALUES (1, 8, 9, 9, 8, 3, 3, 0, 0, 1, 1, 1, 1, 1, 'fp32', 'nchw', 'default');
+             INSERT INTO measured_sizes VALUES (1, 1, 'fwd', 4, 100);
+             INSERT INTO measurements VALUES (1, 1, 'fwd', 4, 6, 0.5, 1024);",
+        )
+        .unwrap();
+        migrate(&mut conn).unwrap();
+        let row: (i64, String, f64, i64) = conn
+            .query_row(
+                "SELECT algo, engine, time_ms, workspace_bytes FROM measurements",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .unwrap();
+        assert_eq!(row, (6, String::new(), 0.5, 1024));
+        let kind: String = conn
+            .query_row("SELECT kind FROM measured_sizes WHERE micro = 4", [], |r| {
+                r.get(0)
+            })
+            .unwrap();
+        assert_eq!(kind, "legacy");
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! of failing halfway. Lookups never create rows.
 
 use mucudnn_solver::{
-    BackendKind, ConvOp, ConvProblem, DType, DeviceFingerprint, Layout, MathMode, Measurement,
-    Mode, OpProfile, Plan, Policy, Profile,
+    Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
+    EngineName, Layout, MathMode, Measurement, Mode, OpProfile, Plan, Policy, Profile,
 };
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use std::collections::BTreeMap;
@@ -15,6 +15,8 @@ type Result<T> = rusqlite::Result<T>;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlanKey {
     pub policy: Policy,
+    /// The candidates the plan was chosen from.
+    pub candidates: CandidateSet,
     pub mode: Mode,
     /// For workspace division: a digest of every (problem, op) solved together (the plan
     /// depends on them); empty for workspace reuse.
@@ -23,9 +25,10 @@ pub struct PlanKey {
 
 impl PlanKey {
     /// The key of a workspace-reuse plan.
-    pub fn reuse(policy: Policy, workspace_limit_bytes: u64) -> Self {
+    pub fn reuse(policy: Policy, candidates: CandidateSet, workspace_limit_bytes: u64) -> Self {
         PlanKey {
             policy,
+            candidates,
             mode: Mode::WorkspaceReuse {
                 workspace_limit_bytes,
             },
@@ -170,13 +173,38 @@ fn ids(
     })
 }
 
+/// Columns: micro, algo, engine, time_ms, workspace_bytes. A row whose engine name does not
+/// parse (or whose algo number is negative) is an error, which the caller treats as a miss.
 fn read_measurement(row: &rusqlite::Row<'_>) -> Result<Measurement> {
+    let engine: String = row.get(2)?;
+    let algo = if engine.is_empty() {
+        let number: i64 = row.get(1)?;
+        Algo::Legacy(u32::try_from(number).map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(
+                1,
+                rusqlite::types::Type::Integer,
+                Box::new(e),
+            )
+        })?)
+    } else {
+        Algo::Engine(EngineName::new(&engine).map_err(|e| {
+            rusqlite::Error::FromSqlConversionFailure(2, rusqlite::types::Type::Text, Box::new(e))
+        })?)
+    };
     Ok(Measurement {
         micro: row.get(0)?,
-        algo: row.get(1)?,
-        time_ms: row.get(2)?,
-        workspace_bytes: row.get::<_, i64>(3)?.max(0) as u64,
+        algo,
+        time_ms: row.get(3)?,
+        workspace_bytes: row.get::<_, i64>(4)?.max(0) as u64,
     })
+}
+
+/// The SQL condition selecting one kind's measurement rows.
+fn kind_condition(kind: AlgoKind) -> &'static str {
+    match kind {
+        AlgoKind::Legacy => "engine = ''",
+        AlgoKind::Engine => "engine <> ''",
+    }
 }
 
 pub(crate) fn measurements(
@@ -185,57 +213,70 @@ pub(crate) fn measurements(
     problem: &ConvProblem,
     op: ConvOp,
     micro: i64,
+    kind: AlgoKind,
 ) -> Result<Option<Vec<Measurement>>> {
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(None);
     };
     let measured: Option<i64> = conn
-        .prepare_cached("SELECT 1 FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4")?
-        .query_row(params![d, s, op.name(), micro], |row| row.get(0))
+        .prepare_cached("SELECT 1 FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND kind = ?5")?
+        .query_row(params![d, s, op.name(), micro, kind.name()], |row| row.get(0))
         .optional()?;
     if measured.is_none() {
         return Ok(None);
     }
-    let mut stmt = conn.prepare_cached(
-        "SELECT micro, algo, time_ms, workspace_bytes FROM measurements
-         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 ORDER BY algo",
-    )?;
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT micro, algo, engine, time_ms, workspace_bytes FROM measurements
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND {}
+         ORDER BY algo, engine",
+        kind_condition(kind)
+    ))?;
     let rows = stmt.query_map(params![d, s, op.name(), micro], read_measurement)?;
     rows.collect::<Result<Vec<_>>>().map(Some)
 }
 
-/// Every cached measurement of `problem`'s shape and `op` at micro-batch sizes up to `n`.
+/// Every cached measurement of `problem`'s shape and `op` at micro-batch sizes up to `n`, of
+/// the kinds in `candidates`.
 pub(crate) fn measurements_up_to(
     conn: &Connection,
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
     n: i64,
+    candidates: CandidateSet,
 ) -> Result<Vec<Measurement>> {
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
-    let mut stmt = conn.prepare_cached(
-        "SELECT micro, algo, time_ms, workspace_bytes FROM measurements
-         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 ORDER BY micro, algo",
-    )?;
+    let condition = match candidates {
+        CandidateSet::Legacy => kind_condition(AlgoKind::Legacy),
+        CandidateSet::Engines => kind_condition(AlgoKind::Engine),
+        CandidateSet::All => "1",
+    };
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT micro, algo, engine, time_ms, workspace_bytes FROM measurements
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND {condition}
+         ORDER BY micro, algo, engine"
+    ))?;
     let rows = stmt.query_map(params![d, s, op.name(), n], read_measurement)?;
     rows.collect()
 }
 
+/// The micro-batch sizes at which `kind`'s candidates were measured.
 pub(crate) fn measured_sizes(
     conn: &Connection,
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
+    kind: AlgoKind,
 ) -> Result<Vec<i64>> {
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
     let mut stmt = conn.prepare_cached(
-        "SELECT micro FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3",
+        "SELECT micro FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND kind = ?4",
     )?;
-    let rows = stmt.query_map(params![d, s, op.name()], |row| row.get(0))?;
+    let rows = stmt.query_map(params![d, s, op.name(), kind.name()], |row| row.get(0))?;
     rows.collect()
 }
 
@@ -245,32 +286,46 @@ fn insert_measurements(
     s: i64,
     op: ConvOp,
     micro: i64,
+    kind: AlgoKind,
     measurements: &[Measurement],
 ) -> Result<usize> {
-    conn.prepare_cached("DELETE FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4")?
-        .execute(params![d, s, op.name(), micro])?;
+    conn.prepare_cached(&format!(
+        "DELETE FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND {}",
+        kind_condition(kind)
+    ))?
+    .execute(params![d, s, op.name(), micro])?;
     let mut insert = conn.prepare_cached(
-        "INSERT INTO measurements (device_id, shape_id, op, micro, algo, time_ms, workspace_bytes)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+        "INSERT INTO measurements (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
          ON CONFLICT DO UPDATE SET time_ms = excluded.time_ms, workspace_bytes = excluded.workspace_bytes",
     )?;
-    for m in measurements.iter().filter(|m| m.micro == micro) {
+    let mut stored = 0;
+    for m in measurements
+        .iter()
+        .filter(|m| m.micro == micro && m.algo.kind() == kind)
+    {
+        let (algo, engine) = match m.algo {
+            Algo::Legacy(number) => (i64::from(number), ""),
+            Algo::Engine(name) => (-1, name.as_str()),
+        };
         insert.execute(params![
             d,
             s,
             op.name(),
             micro,
-            m.algo,
+            algo,
+            engine,
             m.time_ms,
             clamp(m.workspace_bytes)
         ])?;
+        stored += 1;
     }
     conn.prepare_cached(
-        "INSERT INTO measured_sizes (device_id, shape_id, op, micro, measured_at) VALUES (?1, ?2, ?3, ?4, ?5)
+        "INSERT INTO measured_sizes (device_id, shape_id, op, micro, kind, measured_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
          ON CONFLICT DO UPDATE SET measured_at = excluded.measured_at",
     )?
-    .execute(params![d, s, op.name(), micro, now()])?;
-    Ok(measurements.len())
+    .execute(params![d, s, op.name(), micro, kind.name(), now()])?;
+    Ok(stored)
 }
 
 fn insert_seen(
@@ -290,6 +345,7 @@ fn insert_seen(
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn store_measurements(
     conn: &Connection,
     device: &DeviceFingerprint,
@@ -297,12 +353,13 @@ pub(crate) fn store_measurements(
     problem: &ConvProblem,
     op: ConvOp,
     micro: i64,
+    kind: AlgoKind,
     measurements: &[Measurement],
 ) -> Result<()> {
     let tx = begin(conn)?;
     let d = ensure_device(&tx, device)?;
     let s = ensure_shape(&tx, problem)?;
-    insert_measurements(&tx, d, s, op, micro, measurements)?;
+    insert_measurements(&tx, d, s, op, micro, kind, measurements)?;
     insert_seen(&tx, d, s, layer, problem, op)?;
     tx.commit()
 }
@@ -334,9 +391,9 @@ pub(crate) fn plan(
     let json: Option<String> = conn
         .prepare_cached(
             "SELECT plan_json FROM plans WHERE device_id = ?1 AND shape_id = ?2 AND n = ?3 AND op = ?4
-             AND policy = ?5 AND mode = ?6 AND limit_bytes = ?7 AND context = ?8",
+             AND policy = ?5 AND mode = ?6 AND limit_bytes = ?7 AND context = ?8 AND candidates = ?9",
         )?
-        .query_row(params![d, s, problem.n, op.name(), key.policy.name(), mode, limit, key.context], |row| row.get(0))
+        .query_row(params![d, s, problem.n, op.name(), key.policy.name(), mode, limit, key.context, key.candidates.name()], |row| row.get(0))
         .optional()?;
     // A row that does not parse, or is for another problem, is a miss.
     Ok(json
@@ -357,11 +414,11 @@ pub(crate) fn store_plan(
     let d = ensure_device(&tx, device)?;
     let s = ensure_shape(&tx, &plan.problem)?;
     tx.prepare_cached(
-        "INSERT INTO plans (device_id, shape_id, n, op, policy, mode, limit_bytes, context, plan_json, created_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+        "INSERT INTO plans (device_id, shape_id, n, op, policy, mode, limit_bytes, context, plan_json, created_at, candidates)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
          ON CONFLICT DO UPDATE SET plan_json = excluded.plan_json, created_at = excluded.created_at",
     )?
-    .execute(params![d, s, plan.problem.n, plan.op.name(), key.policy.name(), mode, limit, key.context, json, now()])?;
+    .execute(params![d, s, plan.problem.n, plan.op.name(), key.policy.name(), mode, limit, key.context, json, now(), key.candidates.name()])?;
     tx.commit()
 }
 
@@ -456,7 +513,7 @@ pub(crate) fn entries(conn: &Connection) -> Result<Vec<EntrySummary>> {
         };
         out.push(EntrySummary {
             sizes: count(
-                "SELECT COUNT(*) FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4",
+                "SELECT COUNT(DISTINCT micro) FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4",
             )? as usize,
             measurements: count(
                 "SELECT COUNT(*) FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4",
@@ -478,7 +535,8 @@ pub(crate) fn export(conn: &Connection, only: Option<&DeviceFingerprint>) -> Res
         if only.is_some_and(|o| *o != device) {
             continue;
         }
-        let measurements = measurements_up_to(conn, &device, &problem, op, problem.n)?;
+        let measurements =
+            measurements_up_to(conn, &device, &problem, op, problem.n, CandidateSet::All)?;
         if measurements.is_empty() {
             continue;
         }
@@ -510,12 +568,15 @@ pub(crate) fn import(
     let mut stored = 0;
     for entry in &profile.entries {
         let s = ensure_shape(&tx, &entry.problem)?;
-        let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
+        let mut by_size: BTreeMap<(i64, AlgoKind), Vec<Measurement>> = BTreeMap::new();
         for m in &entry.measurements {
-            by_size.entry(m.micro).or_default().push(*m);
+            by_size
+                .entry((m.micro, m.algo.kind()))
+                .or_default()
+                .push(*m);
         }
-        for (micro, measurements) in by_size {
-            stored += insert_measurements(&tx, d, s, entry.op, micro, &measurements)?;
+        for ((micro, kind), measurements) in by_size {
+            stored += insert_measurements(&tx, d, s, entry.op, micro, kind, &measurements)?;
         }
         insert_seen(&tx, d, s, &entry.layer, &entry.problem, entry.op)?;
     }

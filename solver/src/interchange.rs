@@ -5,6 +5,7 @@
 //! must agree. Unknown keys are ignored, as the format requires. Entries keep the order in which
 //! their first record appears.
 
+use crate::algo::{Algo, EngineName};
 use crate::problem::{ConvOp, ConvProblem, DType, Layout, MathMode};
 use crate::profile::{Measurement, OpProfile, Profile, ProfileError};
 use serde::{Deserialize, Serialize};
@@ -81,7 +82,12 @@ struct Record {
     #[serde(default, skip_serializing_if = "is_default_math")]
     math: MathMode,
     op: ConvOp,
-    algo: u32,
+    /// A legacy algorithm number; absent for an engine configuration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    algo: Option<u32>,
+    /// A graph-API engine configuration's name; absent for a legacy algorithm.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    engine: Option<String>,
     micro: i64,
     workspace_bytes: u64,
     time_ms: f64,
@@ -186,9 +192,34 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
                 found,
             });
         }
+        let algo = match (record.algo, &record.engine) {
+            (Some(algo), None) => Algo::Legacy(algo),
+            (None, Some(engine)) => {
+                Algo::Engine(
+                    EngineName::new(engine).map_err(|e| InterchangeError::Record {
+                        index,
+                        message: e.to_string(),
+                    })?,
+                )
+            }
+            (Some(_), Some(_)) => {
+                return Err(InterchangeError::Record {
+                    index,
+                    message: "has both `algo` and `engine` (a candidate is one or the other)"
+                        .into(),
+                })
+            }
+            (None, None) => {
+                return Err(InterchangeError::Record {
+                    index,
+                    message: "missing field `algo` (or `engine` for an engine configuration)"
+                        .into(),
+                })
+            }
+        };
         entry.measurements.push(Measurement {
             micro: record.micro,
-            algo: record.algo,
+            algo,
             time_ms: record.time_ms,
             workspace_bytes: record.workspace_bytes,
         });
@@ -246,7 +277,8 @@ pub fn to_json_string(profile: &Profile) -> String {
                 groups: p.groups,
                 math: p.math,
                 op: entry.op,
-                algo: m.algo,
+                algo: m.algo.legacy(),
+                engine: m.algo.engine().map(|name| name.as_str().to_string()),
                 micro: m.micro,
                 workspace_bytes: m.workspace_bytes,
                 time_ms: m.time_ms,
@@ -283,6 +315,27 @@ mod tests {
     }
 
     #[test]
+    fn engine_records_carry_an_engine_name_instead_of_algo() {
+        let engine = ONE.replace(r#""algo": 1"#, r#""engine": "eng38_k2=8_k13=1""#);
+        let p = from_json_str(&engine).unwrap();
+        let name: EngineName = "eng38_k2=8_k13=1".parse().unwrap();
+        assert_eq!(p.entries[0].measurements[0].algo, Algo::Engine(name));
+        let text = to_json_string(&p);
+        assert!(text.contains(r#""engine":"eng38_k2=8_k13=1""#), "{text}");
+        assert!(!text.contains(r#""algo""#), "{text}");
+        assert_eq!(from_json_str(&text).unwrap(), p);
+        let both = ONE.replace(r#""algo": 1"#, r#""algo": 1, "engine": "eng3""#);
+        let err = from_json_str(&both).unwrap_err().to_string();
+        assert!(err.contains("both `algo` and `engine`"), "{err}");
+        let neither = ONE.replace(r#""algo": 1,"#, "");
+        let err = from_json_str(&neither).unwrap_err().to_string();
+        assert!(err.contains("missing field `algo`"), "{err}");
+        let bad = ONE.replace(r#""algo": 1"#, r#""engine": "cudnn-38""#);
+        let err = from_json_str(&bad).unwrap_err().to_string();
+        assert!(err.contains("not an engine configuration name"), "{err}");
+    }
+
+    #[test]
     fn round_trip() {
         let mut p = from_json_str(ONE).unwrap();
         let text = to_json_string(&p);
@@ -316,7 +369,11 @@ mod tests {
             .enumerate()
             .map(|(i, &time_ms)| Measurement {
                 micro: 1 + (i as i64 % 4),
-                algo: i as u32,
+                algo: if i % 3 == 0 {
+                    Algo::Engine(format!("eng{i}_k2={}", i % 7).parse().unwrap())
+                } else {
+                    Algo::Legacy(i as u32)
+                },
                 time_ms,
                 workspace_bytes: 0,
             })

@@ -6,6 +6,7 @@
 //! deterministic function of its arguments (the MILP's time limit is the one exception, and the
 //! result says when it was hit).
 //!
+//! - [`algo`]: [`Algo`], a candidate: a legacy algorithm number or an engine configuration.
 //! - [`problem`]: [`ConvProblem`], [`ConvOp`], dtype, layout, math mode.
 //! - [`profile`]: [`Measurement`], [`OpProfile`], [`Profile`], [`Policy`].
 //! - [`interchange`]: the `mucudnn-profile-v1` JSON format.
@@ -13,6 +14,7 @@
 //! - [`wd`]: workspace division, a MILP over all (layer, op) pairs.
 //! - [`solve`]: a whole profile under one mode, with the undivided baseline.
 
+pub mod algo;
 pub mod device;
 pub mod interchange;
 pub mod plan;
@@ -24,6 +26,7 @@ pub mod units;
 pub mod wd;
 pub mod wr;
 
+pub use algo::{Algo, AlgoKind, CandidateSet, EngineName, EngineNameError};
 pub use device::{BackendKind, DeviceFingerprint};
 pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};

@@ -1,6 +1,7 @@
 //! A plan: how to run one tuning problem as a sequence of micro-batches. Plain serde data that
 //! can be printed, stored in the cache and executed again without the solver.
 
+use crate::algo::Algo;
 use crate::problem::{ConvOp, ConvProblem};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -9,7 +10,7 @@ use std::fmt::Write as _;
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MicroBatch {
     pub size: i64,
-    pub algo: u32,
+    pub algo: Algo,
     pub workspace_bytes: u64,
     pub time_ms: f64,
 }
@@ -43,7 +44,8 @@ impl Plan {
         self.micro_batches.iter().map(|m| m.size).sum()
     }
 
-    /// Compact split: runs of equal (size, algo) as `2x128@algo1`, joined by `+`.
+    /// Compact split: runs of equal (size, algo) as `2x128@algo1` (or `2x128@eng38_k2=8` for
+    /// an engine configuration), joined by `+`.
     pub fn split_string(&self) -> String {
         let mut out = String::new();
         let mut i = 0;
@@ -56,7 +58,7 @@ impl Plan {
             if !out.is_empty() {
                 out.push('+');
             }
-            let _ = write!(out, "{run}x{}@algo{}", m.size, m.algo);
+            let _ = write!(out, "{run}x{}@{}", m.size, m.algo.label());
             i += run;
         }
         out
@@ -71,7 +73,7 @@ mod tests {
     fn split_string_groups_runs() {
         let mb = |size, algo| MicroBatch {
             size,
-            algo,
+            algo: Algo::Legacy(algo),
             workspace_bytes: size as u64,
             time_ms: 1.0,
         };
@@ -82,6 +84,9 @@ mod tests {
             micro_batches: vec![mb(2, 1), mb(2, 1), mb(2, 0), mb(1, 0)],
         };
         assert_eq!(plan.split_string(), "2x2@algo1+1x2@algo0+1x1@algo0");
+        let mut engines = plan.clone();
+        engines.micro_batches[2].algo = Algo::Engine("eng3_k2=1".parse().unwrap());
+        assert_eq!(engines.split_string(), "2x2@algo1+1x2@eng3_k2=1+1x1@algo0");
         assert_eq!(plan.batch(), 7);
         assert_eq!(plan.workspace_bytes(), 2);
         assert_eq!(plan.time_ms(), 4.0);

@@ -6,6 +6,7 @@
 //! [`OpProfile::validate`] is checked by every solver entry point, so a hand-built profile is
 //! held to the same rules as one read from a file.
 
+use crate::algo::{Algo, CandidateSet};
 use crate::problem::{ConvOp, ConvProblem, DType, Layout, ShapeError};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -16,8 +17,9 @@ use std::fmt;
 pub struct Measurement {
     /// Micro-batch size, `1..=problem.n`.
     pub micro: i64,
-    /// cuDNN's legacy algorithm number for the op (or the CPU backend's own number).
-    pub algo: u32,
+    /// The candidate: cuDNN's legacy algorithm number for the op (or the CPU backend's own
+    /// number), or a graph-API engine configuration.
+    pub algo: Algo,
     /// Time of one call at this micro-batch size, in milliseconds.
     pub time_ms: f64,
     /// Workspace the call needs, in bytes.
@@ -160,17 +162,21 @@ pub enum ProfileError {
     BadTime {
         name: ProblemName,
         micro: i64,
-        algo: u32,
+        algo: Algo,
         time_ms: f64,
     },
     #[error("{name}: algo {algo} at micro-batch {micro} is measured twice")]
     Duplicate {
         name: ProblemName,
         micro: i64,
-        algo: u32,
+        algo: Algo,
     },
     #[error("{name}: appears twice in the profile")]
     DuplicateProblem { name: ProblemName },
+    #[error("cannot merge profiles of different devices: {first} and {other}")]
+    MergeDevices { first: String, other: String },
+    #[error("{name}: the merged profiles disagree on its shape")]
+    MergeShapes { name: ProblemName },
 }
 
 impl OpProfile {
@@ -238,6 +244,58 @@ impl OpProfile {
 }
 
 impl Profile {
+    /// Adds `other`'s measurements: entries of the same (layer, dtype, layout, op) are joined
+    /// (their shapes must agree), others appended. Both must come from one device and cuDNN
+    /// version. The result is validated (a candidate measured in both at one size is refused).
+    pub fn merge(&mut self, other: &Profile) -> Result<(), ProfileError> {
+        if self.device != other.device || self.cudnn_version != other.cudnn_version {
+            let describe = |p: &Profile| match p.cudnn_version {
+                Some(v) => format!("{} (cuDNN {v})", p.device),
+                None => p.device.clone(),
+            };
+            return Err(ProfileError::MergeDevices {
+                first: describe(self),
+                other: describe(other),
+            });
+        }
+        for entry in &other.entries {
+            match self.entries.iter_mut().find(|e| e.name() == entry.name()) {
+                Some(mine) if mine.problem != entry.problem => {
+                    return Err(ProfileError::MergeShapes { name: entry.name() })
+                }
+                Some(mine) => mine.measurements.extend_from_slice(&entry.measurements),
+                None => self.entries.push(entry.clone()),
+            }
+        }
+        if self.fingerprint.is_none() {
+            self.fingerprint.clone_from(&other.fingerprint);
+        }
+        self.validate()
+    }
+
+    /// The profile restricted to one set of candidates; entries left without measurements
+    /// are dropped.
+    pub fn only(&self, candidates: CandidateSet) -> Profile {
+        let entries = self
+            .entries
+            .iter()
+            .map(|e| OpProfile {
+                measurements: e
+                    .measurements
+                    .iter()
+                    .filter(|m| candidates.contains(m.algo.kind()))
+                    .copied()
+                    .collect(),
+                ..e.clone()
+            })
+            .filter(|e| !e.measurements.is_empty())
+            .collect();
+        Profile {
+            entries,
+            ..self.clone()
+        }
+    }
+
     /// Checks every entry, and that no tuning problem appears twice.
     pub fn validate(&self) -> Result<(), ProfileError> {
         if self.entries.is_empty() {
@@ -296,7 +354,7 @@ mod tests {
     fn m(micro: i64, algo: u32, time_ms: f64) -> Measurement {
         Measurement {
             micro,
-            algo,
+            algo: Algo::Legacy(algo),
             time_ms,
             workspace_bytes: 0,
         }
@@ -327,7 +385,7 @@ mod tests {
             entry(vec![m(1, 0, 1.0), m(1, 0, 2.0)]).validate(),
             Err(ProfileError::Duplicate {
                 micro: 1,
-                algo: 0,
+                algo: Algo::Legacy(0),
                 ..
             })
         ));

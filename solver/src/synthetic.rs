@@ -1,6 +1,7 @@
 //! Deterministic synthetic profiles and point sets shaped like real measurements, for tests and
 //! benchmarks (never for tuning decisions).
 
+use crate::algo::Algo;
 use crate::problem::{ConvOp, ConvProblem};
 use crate::profile::{Measurement, OpProfile, Policy};
 use crate::wd::Point;
@@ -44,7 +45,7 @@ pub fn random_entry(rng: &mut Rng, n: i64, algos: u32, policy: Policy) -> OpProf
             let time = fixed + per_image * micro as f64 * (0.8 + 0.4 * rng.unit());
             measurements.push(Measurement {
                 micro,
-                algo,
+                algo: Algo::Legacy(algo),
                 time_ms: (time * 1000.0).round() / 1000.0 + 0.001,
                 workspace_bytes: ws_per_image * micro as u64 + rng.below(4096),
             });

@@ -10,6 +10,7 @@
 //! The Pareto front sweeps the limit over every distinct workspace value in the profile; the
 //! DP is re-run only where some `best[m]` improves, which is the only place the optimum can.
 
+use crate::algo::Algo;
 use crate::plan::{MicroBatch, Plan};
 use crate::profile::{OpProfile, Policy};
 use crate::SolveError;
@@ -33,7 +34,7 @@ struct Candidates {
 
 #[derive(Clone, Copy, Debug)]
 struct Cand {
-    algo: u32,
+    algo: Algo,
     workspace_bytes: u64,
     time_ms: f64,
 }

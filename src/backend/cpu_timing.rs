@@ -6,7 +6,7 @@ use super::{check_measure_args, median_time, Backend, BackendError, TimingSettin
 use crate::backend::cudnn::host::random_values;
 use crate::device::DeviceFingerprint;
 use crate::exec::Operand;
-use crate::solver::{ConvOp, ConvProblem, DType, Measurement};
+use crate::solver::{Algo, ConvOp, ConvProblem, DType, Measurement};
 use half::{bf16, f16};
 use std::time::Instant;
 
@@ -89,7 +89,7 @@ fn time_algo<T: Element>(
         let step = crate::exec::Step {
             first,
             size: micro as usize,
-            algo: algo.id(),
+            algo: Algo::Legacy(algo.id()),
             beta: 0.0,
         };
         let (offset, len) = step.range(role, role.elements_per_sample(problem));
@@ -167,7 +167,7 @@ impl Backend for CpuBackend {
             self.workspace = workspace;
             measurements.push(Measurement {
                 micro,
-                algo: algo.id(),
+                algo: Algo::Legacy(algo.id()),
                 time_ms: time_ms?.max(1e-6),
                 workspace_bytes,
             });

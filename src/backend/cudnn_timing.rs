@@ -8,7 +8,7 @@ use super::cudnn::{
 use super::{check_measure_args, median_time, Backend, BackendError, TimingSettings};
 use crate::device::{BackendKind, DeviceFingerprint};
 use crate::exec::{operand_roles, Operand, Step};
-use crate::solver::{ConvOp, ConvProblem, Measurement};
+use crate::solver::{Algo, ConvOp, ConvProblem, Measurement};
 
 /// Full-batch random operands of one problem, indexed by [`Operand`].
 struct Operands {
@@ -117,7 +117,7 @@ impl CudnnBackend {
         let step = Step {
             first,
             size: micro,
-            algo,
+            algo: Algo::Legacy(algo),
             beta: 0.0,
         };
         let range = |role: Operand| step.range(role, role.elements_per_sample(&full));
@@ -173,7 +173,7 @@ impl Backend for CudnnBackend {
             {
                 Ok(time_ms) => measurements.push(Measurement {
                     micro,
-                    algo,
+                    algo: Algo::Legacy(algo),
                     time_ms: time_ms.max(1e-6),
                     workspace_bytes,
                 }),

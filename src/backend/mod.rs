@@ -11,7 +11,8 @@ pub mod cudnn;
 pub mod cudnn_timing;
 
 use crate::device::DeviceFingerprint;
-use crate::solver::{ConvOp, ConvProblem, Measurement};
+use crate::solver::{AlgoKind, ConvOp, ConvProblem, EngineName, Measurement};
+use std::collections::BTreeSet;
 
 pub use cpu_timing::CpuBackend;
 pub use cudnn_timing::CudnnBackend;
@@ -56,8 +57,20 @@ pub enum BackendError {
     Cudnn(#[from] cudnn::CudnnError),
     #[error("cannot profile on a mix of devices: {first} and {other} (select GPUs of one model with CUDA_VISIBLE_DEVICES)")]
     MixedDevices { first: String, other: String },
+    #[error("{backend} has no graph-API engine configurations; tune with --candidates legacy (or all, which then measures the legacy algorithms only)")]
+    NoEngines { backend: String },
     #[error("{0}")]
     Invalid(String),
+}
+
+/// How to search engine configurations at one micro-batch size.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineSearch {
+    /// At most this many configurations are built and timed (heuristics order first);
+    /// `None`: every one found.
+    pub max_candidates: Option<usize>,
+    /// Configurations not to time (pruned at a smaller size).
+    pub skip: BTreeSet<EngineName>,
 }
 
 /// A device that can time convolution algorithms.
@@ -65,8 +78,8 @@ pub trait Backend {
     /// The device the measurements belong to.
     fn fingerprint(&self) -> &DeviceFingerprint;
 
-    /// Times every algorithm of `op` that supports `problem` at micro-batch size `micro`
-    /// (`problem.n` is the full mini-batch). Unsupported algorithms are left out.
+    /// Times every legacy algorithm of `op` that supports `problem` at micro-batch size
+    /// `micro` (`problem.n` is the full mini-batch). Unsupported algorithms are left out.
     fn measure(
         &mut self,
         problem: &ConvProblem,
@@ -74,6 +87,43 @@ pub trait Backend {
         micro: i64,
         timing: &TimingSettings,
     ) -> Result<Vec<Measurement>, BackendError>;
+
+    /// The kinds of candidate this backend can measure.
+    fn kinds(&self) -> &'static [AlgoKind] {
+        &[AlgoKind::Legacy]
+    }
+
+    /// Times the graph-API engine configurations of `op` at micro-batch size `micro`, as
+    /// `search` bounds them. Backends without engines say so.
+    fn measure_engines(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        timing: &TimingSettings,
+        search: &EngineSearch,
+    ) -> Result<Vec<Measurement>, BackendError> {
+        let _ = (problem, op, micro, timing, search);
+        Err(BackendError::NoEngines {
+            backend: self.fingerprint().name.clone(),
+        })
+    }
+}
+
+/// Measures one kind of candidate: [`Backend::measure`] or [`Backend::measure_engines`].
+pub fn measure_kind(
+    backend: &mut dyn Backend,
+    kind: AlgoKind,
+    problem: &ConvProblem,
+    op: ConvOp,
+    micro: i64,
+    timing: &TimingSettings,
+    search: &EngineSearch,
+) -> Result<Vec<Measurement>, BackendError> {
+    match kind {
+        AlgoKind::Legacy => backend.measure(problem, op, micro, timing),
+        AlgoKind::Engine => backend.measure_engines(problem, op, micro, timing, search),
+    }
 }
 
 /// The checks every [`Backend::measure`] makes first: a valid problem and `1 <= micro <= n`.

@@ -27,8 +27,8 @@
 use super::{cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::backend::cpu::AlignedWorkspace;
 use crate::backend::{CpuBackend, TimingSettings};
-use crate::solver::{ConvOp, ConvProblem, Layout, Plan, Policy, ShapeError};
-use crate::tune::{LayerTuning, TuneError};
+use crate::solver::{CandidateSet, ConvOp, ConvProblem, Layout, Plan, Policy, ShapeError};
+use crate::tune::{EngineOptions, LayerTuning, TuneError};
 use mucudnn_cache::Cache;
 use std::collections::HashMap;
 
@@ -112,6 +112,8 @@ impl Conv2d {
                 policy: Policy::PowerOfTwo,
                 workspace_limit_bytes: 64 << 20,
                 timing: TimingSettings::CPU,
+                candidates: CandidateSet::All,
+                engines: EngineOptions::default(),
             },
             backend: CpuBackend::new(),
             cache: None,

@@ -28,7 +28,14 @@ impl PreparedPlan {
         let mut workspace_bytes = 0;
         for mb in &plan.micro_batches {
             let d = ConvDescriptors::new(&plan.problem.with_batch(mb.size)).map_err(error)?;
-            match handle.workspace_size(&d, plan.op, mb.algo).map_err(error)? {
+            let Some(algo) = mb.algo.legacy() else {
+                return Err(ExecError::InvalidPlan {
+                    layer: plan.layer.clone(),
+                    op: plan.op,
+                    reason: format!("engine configuration {} is not executable yet", mb.algo),
+                });
+            };
+            match handle.workspace_size(&d, plan.op, algo).map_err(error)? {
                 Some(bytes) => workspace_bytes = workspace_bytes.max(bytes),
                 None => {
                     return Err(ExecError::InvalidPlan {
@@ -94,7 +101,7 @@ impl PreparedPlan {
                 .convolve(
                     d,
                     plan.op,
-                    mb.algo,
+                    mb.algo.legacy().unwrap_or_default(),
                     alpha,
                     &a,
                     &b,

@@ -16,7 +16,7 @@ pub mod cudnn;
 pub mod verify;
 
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
-use crate::solver::{ConvOp, ConvProblem, Plan};
+use crate::solver::{Algo, ConvOp, ConvProblem, Plan};
 
 /// One of the three tensors of a convolution, named by its forward role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -72,7 +72,7 @@ pub fn operand_roles(op: ConvOp) -> [Operand; 3] {
 pub struct Step {
     pub first: usize,
     pub size: usize,
-    pub algo: u32,
+    pub algo: Algo,
     pub beta: f32,
 }
 
@@ -160,7 +160,7 @@ pub fn check_plan(plan: &Plan) -> Result<(), ExecError> {
 pub fn cpu_workspace_bytes(plan: &Plan) -> u64 {
     steps(plan, 0.0)
         .filter_map(|s| {
-            CpuAlgo::from_id(s.algo).map(|algo| {
+            s.algo.legacy().and_then(CpuAlgo::from_id).map(|algo| {
                 cpu::workspace_bytes(&plan.problem.with_batch(s.size as i64), plan.op, algo)
             })
         })
@@ -206,7 +206,7 @@ pub fn execute_cpu<T: Element>(
     if let Some(mb) = plan
         .micro_batches
         .iter()
-        .find(|mb| CpuAlgo::from_id(mb.algo).is_none())
+        .find(|mb| mb.algo.legacy().and_then(CpuAlgo::from_id).is_none())
     {
         return Err(invalid(format!("algo {} is not a CPU algorithm", mb.algo)));
     }
@@ -220,8 +220,11 @@ pub fn execute_cpu<T: Element>(
     let roles = operand_roles(plan.op);
     let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
     for step in steps(plan, beta) {
-        let algo =
-            CpuAlgo::from_id(step.algo).ok_or_else(|| invalid(format!("algo {}", step.algo)))?;
+        let algo = step
+            .algo
+            .legacy()
+            .and_then(CpuAlgo::from_id)
+            .ok_or_else(|| invalid(format!("algo {}", step.algo)))?;
         let slice = |i: usize| {
             let (offset, len) = step.range(roles[i], per_sample[i]);
             offset..offset + len

@@ -215,6 +215,8 @@ impl Handle {
                 timing: tuning.timing,
                 cache: &self.cache,
                 interrupt: None,
+                candidates: tuning.candidates,
+                engines: tuning.engines,
             };
             let (profile, stats) = profile_jobs(&mut backend, &[job], &run, &mut |p, cached| {
                 if verbose {
@@ -306,8 +308,15 @@ impl Handle {
                     sizes.len() - 1
                 }
             };
+            // Plans for the C ABI come from legacy algorithms only (see `Settings`).
+            let algo = mb.algo.legacy().ok_or_else(|| {
+                invalid(format!(
+                    "engine configuration {} cannot run through the C ABI",
+                    mb.algo
+                ))
+            })?;
             let bytes = session
-                .workspace_size(&descriptors[index], plan.op, mb.algo)?
+                .workspace_size(&descriptors[index], plan.op, algo)?
                 .ok_or_else(|| {
                     FfiError::Cudnn(crate::backend::cudnn::CudnnError::InvalidArgument {
                         call: "mucudnn plan",
@@ -441,11 +450,17 @@ impl Handle {
             let a = a.slice(ra.0, ra.1)?;
             let b = b.slice(rb.0, rb.1)?;
             let mut out = out.slice_mut(ro.0, ro.1)?;
+            let algo = step.algo.legacy().ok_or_else(|| {
+                invalid(format!(
+                    "engine configuration {} cannot run through the C ABI",
+                    step.algo
+                ))
+            })?;
             session
                 .convolve(
                     &prepared.descriptors[index],
                     op,
-                    step.algo,
+                    algo,
                     operands.alpha,
                     &a,
                     &b,

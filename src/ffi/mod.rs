@@ -29,8 +29,8 @@ mod solve;
 
 use crate::backend::cudnn::{library_status, probe, ForeignHandle};
 use crate::backend::TimingSettings;
-use crate::solver::{ConvOp, Policy};
-use crate::tune::LayerTuning;
+use crate::solver::{CandidateSet, ConvOp, Policy};
+use crate::tune::{EngineOptions, LayerTuning};
 use error::{
     guard, invalid, last_error_ptr, optional_str_arg, out_arg, owned_c_string, set_last_error,
     str_arg, FfiError,
@@ -306,6 +306,10 @@ unsafe fn settings_arg(options: *const mucudnnOptions_t) -> Result<Settings, Ffi
                 total_workspace_bytes,
             ),
             timing: TimingSettings::GPU,
+            // Plans run on the caller's cuDNN handle through the legacy API; engine
+            // configurations are not offered through the C ABI yet.
+            candidates: CandidateSet::Legacy,
+            engines: EngineOptions::default(),
         },
         workspace_limit_bytes,
         total_workspace_bytes,

@@ -17,7 +17,9 @@ use mucudnn::report::{
     cudnn_version_string, describe_mode, optimality_warning, render_table, SolutionJson,
 };
 use mucudnn::solver::units::parse_size;
-use mucudnn::solver::{interchange, solve_profile, Mode, Policy, Profile, Solution, WdOptions};
+use mucudnn::solver::{
+    interchange, solve_profile, CandidateSet, Mode, Policy, Profile, Solution, WdOptions,
+};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -104,11 +106,19 @@ impl SolveSettings {
 
 #[derive(Args)]
 struct SolveArgs {
-    /// A profile in mucudnn-profile-v1 JSON (as written by `tune --save-profile`).
-    #[arg(long, value_name = "FILE")]
-    profile: PathBuf,
+    /// A profile in mucudnn-profile-v1 JSON (as written by `tune --save-profile`). Repeat to
+    /// merge profiles of one device (e.g. legacy algorithms and engine configurations).
+    #[arg(long, value_name = "FILE", required = true)]
+    profile: Vec<PathBuf>,
+    /// Solve with only these candidates from the profile: legacy, engines or all.
+    #[arg(long, default_value = "all", value_parser = parse_candidates)]
+    candidates: CandidateSet,
     #[command(flatten)]
     settings: SolveSettings,
+}
+
+fn parse_candidates(text: &str) -> Result<CandidateSet, String> {
+    text.parse()
 }
 
 fn parse_policy(text: &str) -> Result<Policy, String> {
@@ -203,7 +213,18 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Tune(args) => tune::run(&args),
         Command::Solve(args) => {
-            let profile = read_profile(&args.profile)?;
+            let mut profile = read_profile(&args.profile[0])?;
+            for path in &args.profile[1..] {
+                profile
+                    .merge(&read_profile(path)?)
+                    .with_context(|| format!("cannot merge {}", path.display()))?;
+            }
+            let profile = profile.only(args.candidates);
+            anyhow::ensure!(
+                !profile.entries.is_empty(),
+                "the profile has no {} candidates",
+                args.candidates
+            );
             solve_and_print(&profile, &args.settings, true, None).map(drop)
         }
         Command::Cache(args) => cache_cmd::run(&args),

@@ -121,11 +121,14 @@ fn entry(args: &ExplainArgs) -> Result<OpProfile> {
         problem: layer.problem,
         op: args.op,
     };
+    let (candidates, engines) = args.device.candidates();
     let run = ProfileRun {
         policy: args.policy,
         timing,
         cache: &cache,
         interrupt: None,
+        candidates,
+        engines,
     };
     let (profile, _) = profile_jobs(device.backend(), &[job], &run, &mut |_, _| {})?;
     find(profile)

@@ -12,11 +12,13 @@ use mucudnn::device::BackendKind;
 use mucudnn::exec::verify::{measure_solution, time_plan_cpu, time_plan_cuda};
 use mucudnn::models::{multiplicities, Model, ModelLayer};
 use mucudnn::network::read_network;
+use mucudnn::profiler::prune::DEFAULT_MARGIN;
 use mucudnn::profiler::Progress;
 use mucudnn::report::{render_verification, verification_json, SolutionJson};
 use mucudnn::report_files::{write_report, ReportInput};
+use mucudnn::solver::CandidateSet;
 use mucudnn::solver::{interchange, DType, Layout, Plan, Solution};
-use mucudnn::tune::{jobs_for, profile_jobs, profile_jobs_parallel, ProfileRun};
+use mucudnn::tune::{jobs_for, profile_jobs, profile_jobs_parallel, EngineOptions, ProfileRun};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -121,6 +123,22 @@ pub(crate) struct DeviceArgs {
     /// Measure everything again and keep nothing.
     #[arg(long)]
     no_cache: bool,
+    /// Which candidates to time: cuDNN's legacy algorithms, its graph-API engine
+    /// configurations, or both (the solver takes the best of either). The CPU has legacy
+    /// algorithms only.
+    #[arg(long, default_value = "all", value_parser = parse_candidates)]
+    candidates: CandidateSet,
+    /// Time at most N engine configurations per (op, micro-batch size), in cuDNN's
+    /// heuristics order (default: every one found).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    max_candidates: Option<u64>,
+    /// Stop timing an engine configuration at larger micro-batch sizes once a candidate
+    /// needing no more workspace is faster by more than this factor.
+    #[arg(long, value_name = "FACTOR", default_value_t = DEFAULT_MARGIN, value_parser = parse_margin, conflicts_with = "no_prune")]
+    prune_margin: f64,
+    /// Time every engine configuration at every size.
+    #[arg(long)]
+    no_prune: bool,
 }
 
 impl DeviceArgs {
@@ -136,6 +154,34 @@ impl DeviceArgs {
             Cache::open_default(self.cache.as_deref())
         };
         Ok((device, cache, timing))
+    }
+
+    /// The candidate set and the engine search bounds.
+    pub fn candidates(&self) -> (CandidateSet, EngineOptions) {
+        (
+            self.candidates,
+            EngineOptions {
+                max_candidates: self.max_candidates.map(|n| n as usize),
+                prune_margin: (!self.no_prune).then_some(self.prune_margin),
+            },
+        )
+    }
+}
+
+fn parse_candidates(text: &str) -> Result<CandidateSet, String> {
+    text.parse()
+}
+
+fn parse_margin(text: &str) -> Result<f64, String> {
+    let margin: f64 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number"))?;
+    if margin.is_finite() && margin >= 1.0 {
+        Ok(margin)
+    } else {
+        Err(format!(
+            "the margin must be a finite number >= 1, got {text}"
+        ))
     }
 }
 
@@ -244,11 +290,14 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     });
 
     let mut reporter = Reporter::new(total_sizes as u64, args.quiet);
+    let (candidates, engines) = args.device.candidates();
     let run = ProfileRun {
         policy,
         timing,
         cache: &cache,
         interrupt: Some(&interrupt),
+        candidates,
+        engines,
     };
     let mut step = |p: Progress<'_>, from_cache: bool| {
         reporter.step(&p.job.layer, p.job.op.name(), p.done == p.total, from_cache);
@@ -266,6 +315,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
             CudnnBackend::new,
             gpus,
             &fingerprint,
+            device.backend().kinds(),
             &jobs,
             &run,
             &mut step,
@@ -275,6 +325,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     };
     reporter.finish();
     let (profile, stats) = result?;
+    let tuning_seconds = reporter.started.elapsed().as_secs_f64();
     if !args.quiet {
         if stats.measured == 0 {
             eprintln!(
@@ -283,13 +334,24 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
             );
         } else {
             eprintln!(
-                "profiled in {:.1} s ({} sizes measured, {} from the cache)",
-                reporter.started.elapsed().as_secs_f64(),
+                "profiled in {tuning_seconds:.1} s ({} sizes measured, {} from the cache{})",
                 stats.measured,
-                stats.cached
+                stats.cached,
+                if stats.pruned > 0 {
+                    format!("; {} engine timings pruned", stats.pruned)
+                } else {
+                    String::new()
+                }
             );
         }
     }
+    let tuning_json = serde_json::json!({
+        "seconds": tuning_seconds,
+        "candidates": run.effective_candidates(device.backend().kinds()).name(),
+        "sizes_measured": stats.measured,
+        "sizes_cached": stats.cached,
+        "engine_timings_pruned": stats.pruned,
+    });
     if let Some(path) = &args.save_profile {
         std::fs::write(path, interchange::to_json_string(&profile))
             .with_context(|| format!("cannot write profile {}", path.display()))?;
@@ -298,7 +360,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         }
     }
     let multiplicity = multiplicities(&layers);
-    let solution = solve_and_print(&profile, &args.settings, !args.verify, Some(&multiplicity))?;
+    let solution = solve_and_print(&profile, &args.settings, false, Some(&multiplicity))?;
     if let Some(dir) = &args.report {
         let input = ReportInput {
             profile: &profile,
@@ -314,13 +376,18 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
             eprintln!("report: {} files in {}", files.len(), dir.display());
         }
     }
-    if args.verify {
-        let measured = verify(&device, &solution, args.settings.json, args.quiet)?;
-        if args.settings.json {
-            let mut doc = serde_json::to_value(SolutionJson::new(&solution))?;
+    let measured = if args.verify {
+        Some(verify(&device, &solution, args.settings.json, args.quiet)?)
+    } else {
+        None
+    };
+    if args.settings.json {
+        let mut doc = serde_json::to_value(SolutionJson::new(&solution))?;
+        doc["tuning"] = tuning_json;
+        if let Some(measured) = measured {
             doc["measured"] = measured;
-            println!("{}", serde_json::to_string_pretty(&doc)?);
         }
+        println!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
 }

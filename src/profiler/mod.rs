@@ -4,9 +4,11 @@
 //! With several devices of one model, sizes are dealt out round-robin, one thread and one
 //! backend per device (as µ-cuDNN's benchmark devices do); the results are merged in size order.
 
-use crate::backend::{Backend, BackendError, TimingSettings};
+pub mod prune;
+
+use crate::backend::{measure_kind, Backend, BackendError, EngineSearch, TimingSettings};
 use crate::device::DeviceFingerprint;
-use crate::solver::{ConvOp, ConvProblem, Measurement, OpProfile, Policy};
+use crate::solver::{AlgoKind, ConvOp, ConvProblem, Measurement, OpProfile, Policy};
 
 /// One tuning problem to measure.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,7 +28,7 @@ pub struct Progress<'a> {
     pub total: usize,
 }
 
-/// Measures one job on one backend.
+/// Measures one job's legacy algorithms on one backend.
 pub fn profile_job(
     backend: &mut dyn Backend,
     job: &Job,
@@ -56,7 +58,8 @@ pub fn profile_job(
     })
 }
 
-/// Measures one job on several devices at once: device `d` takes sizes `d, d + D, ...`.
+/// Measures one job's legacy algorithms on several devices at once: device `d` takes sizes
+/// `d, d + D, ...`.
 /// `make(d)` opens the backend for device `d` inside its thread (cuDNN handles stay on the
 /// thread that made them). All devices must have the same fingerprint name.
 pub fn profile_job_parallel<B, F>(
@@ -71,7 +74,15 @@ where
     F: Fn(usize) -> Result<B, BackendError> + Sync,
 {
     let sizes = policy.sizes(job.problem.n);
-    let (fingerprint, by_size) = measure_sizes_parallel(&make, devices, job, &sizes, timing)?;
+    let (fingerprint, by_size) = measure_sizes_parallel(
+        &make,
+        devices,
+        job,
+        &sizes,
+        timing,
+        AlgoKind::Legacy,
+        &|_| EngineSearch::default(),
+    )?;
     let measurements = by_size.into_iter().flat_map(|(_, m)| m).collect();
     Ok((
         fingerprint,
@@ -87,15 +98,19 @@ where
 /// Measurements per micro-batch size, in size order.
 pub type BySize = Vec<(i64, Vec<Measurement>)>;
 
-/// Measures `sizes` of one job, dealt out round-robin over `devices` backends (one thread
-/// each, made by `make(d)` in its thread). Returns the common fingerprint and the
-/// measurements per size, in size order. Devices of different models are refused.
+/// Measures `kind`'s candidates at `sizes` of one job (engine configurations as
+/// `search(micro)` bounds them), dealt out round-robin over `devices`
+/// backends (one thread each, made by `make(d)` in its thread). Returns the common
+/// fingerprint and the measurements per size, in size order. Devices of different models are
+/// refused.
 pub fn measure_sizes_parallel<B, F>(
     make: &F,
     devices: usize,
     job: &Job,
     sizes: &[i64],
     timing: &TimingSettings,
+    kind: AlgoKind,
+    search: &(dyn Fn(i64) -> EngineSearch + Sync),
 ) -> Result<(DeviceFingerprint, BySize), BackendError>
 where
     B: Backend,
@@ -113,8 +128,16 @@ where
                     let mut backend = make(device)?;
                     let mut measured = Vec::new();
                     for &micro in sizes.iter().skip(device).step_by(devices) {
-                        measured
-                            .push((micro, backend.measure(&job.problem, job.op, micro, timing)?));
+                        let found = measure_kind(
+                            &mut backend,
+                            kind,
+                            &job.problem,
+                            job.op,
+                            micro,
+                            timing,
+                            &search(micro),
+                        )?;
+                        measured.push((micro, found));
                     }
                     Ok((backend.fingerprint().clone(), measured))
                 })
