@@ -3,6 +3,7 @@
 # through .git/info/exclude). Then run the device tool, one call each, carry [".gpu"]:
 #   bash .gpu/check.sh                    backend, plans vs PyTorch, tune/verify, profile check
 #   bash scripts/gpu/c_abi_check.sh run   the C ABI clients (C and PyTorch ctypes)
+#   bash .gpu/engines_vs_torch.sh         issue 8: executed plans (legacy + engines) vs PyTorch
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .gpu
@@ -20,6 +21,7 @@ cp target/release/mucudnn .gpu/mucudnn
 cp "$(exe --lib)" .gpu/lib-tests
 cp "$(exe --test gpu_cudnn)" .gpu/gpu-tests
 cp scripts/gpu/check.sh scripts/gpu/torch_cases.py scripts/gpu/compare_profile.py .gpu/
+cp scripts/gpu/engines_vs_torch.sh scripts/gpu/torch_bench.py .gpu/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/
 bash scripts/gpu/c_abi_check.sh build
 du -sh .gpu

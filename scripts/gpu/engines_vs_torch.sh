@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Issue 8's acceptance in one call on the GPU machine (build first: scripts/gpu/build.sh):
+# mucudnn's executed plans (legacy algorithms and graph-API engines, micro-batched under a
+# workspace limit) against PyTorch's cudnn.benchmark (no limit) on AlexNet (batch 256) and
+# ResNet-50's distinct conv shapes (batch 128), forward + backward, fp16 NHWC and fp32 NCHW.
+# Also times tuning all AlexNet layers with engines from an empty cache. Logs under $OUT;
+# the table comes last.
+set -uo pipefail
+G=${G:-.gpu}
+OUT=${OUT:-/tmp/mucudnn-gpu}
+mkdir -p "$OUT"
+TORCH_CUDNN=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib
+[ -d "$TORCH_CUDNN" ] && export LD_LIBRARY_PATH="$TORCH_CUDNN:${LD_LIBRARY_PATH:-}"
+CACHE="$OUT/engines-cache.sqlite"
+rm -f "$CACHE"
+: > "$OUT/engines-rows.txt"
+# model batch dtype layout limit
+CASES="alexnet 256 fp16 nhwc 8MiB
+alexnet 256 fp32 nchw 64MiB
+alexnet 256 fp32 nchw 256MiB
+resnet50 128 fp16 nhwc 8MiB
+resnet50 128 fp32 nchw 64MiB
+resnet50 128 fp32 nchw 256MiB"
+while read -r model batch dtype layout limit; do
+  tag="$model-$dtype-$layout-$limit"
+  $G/mucudnn tune --model "$model" --batch "$batch" --dtype "$dtype" --layout "$layout" \
+    --workspace-limit "$limit" --device cuda --candidates all --cache "$CACHE" \
+    --save-profile "$OUT/$tag.profile.json" --verify --json > "$OUT/$tag.json" 2> "$OUT/$tag.log"
+  rc=$?
+  if [ ! -s "$OUT/$model-$dtype-$layout.torch.json" ]; then
+    python3 $G/torch_bench.py "$OUT/$tag.profile.json" "$OUT/$model-$dtype-$layout.torch.json" \
+      2> "$OUT/$model-$dtype-$layout.torch.log"
+  fi
+  echo "$tag $rc" >> "$OUT/engines-rows.txt"
+done <<< "$CASES"
+
+# Tuning time: all AlexNet layers, engines and legacy, fp16 and fp32, from an empty cache.
+for dtype_layout in "fp32 nchw" "fp16 nhwc"; do
+  set -- $dtype_layout
+  rm -f "$OUT/tuning-time.sqlite"
+  $G/mucudnn tune --model alexnet --batch 256 --dtype "$1" --layout "$2" --workspace-limit 64MiB \
+    --device cuda --candidates all --cache "$OUT/tuning-time.sqlite" --json \
+    > "$OUT/tuning-time-$1.json" 2> "$OUT/tuning-time-$1.log"
+done
+
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+targets = {("fp16", "8MiB"): 1.0, ("fp32", "256MiB"): 1.0, ("fp32", "64MiB"): 1.2}
+rows = [l.split() for l in open(os.path.join(out, "engines-rows.txt"))]
+print(f'{"case":<32} {"mucudnn ms":>11} {"pytorch ms":>11} {"ratio":>7} {"target":>7} {"ws max":>9} {"pt extra max":>13} {"engines%":>9} {"tune s":>7}')
+for tag, rc in rows:
+    model, dtype, layout, limit = tag.split("-")
+    try:
+        doc = json.load(open(os.path.join(out, tag + ".json")))
+        torch = json.load(open(os.path.join(out, f"{model}-{dtype}-{layout}.torch.json")))
+    except Exception as e:
+        print(f"{tag:<32} FAILED (rc {rc}): {e}")
+        continue
+    ours = doc["measured"]["total_measured_ms"]
+    theirs = sum(l["ms"] for l in torch["layers"])
+    ratio = ours / theirs
+    target = targets.get((dtype, limit))
+    mbs = [mb for p in doc["plans"] for mb in p["micro_batches"]]
+    eng = sum(mb["time_ms"] for mb in mbs if mb["kind"] == "engine") / max(1e-12, sum(mb["time_ms"] for mb in mbs))
+    ok = "" if target is None else ("ok" if ratio <= target else "MISS")
+    print(f'{tag:<32} {ours:11.3f} {theirs:11.3f} {ratio:7.3f} {str(target or "-"):>7} '
+          f'{doc["total_workspace_bytes"]/2**20:8.1f}M {max(l["extra_mib"] for l in torch["layers"]):12.1f}M '
+          f'{100*eng:8.0f}% {doc["tuning"]["seconds"]:7.1f} {ok}')
+for dtype in ("fp32", "fp16"):
+    try:
+        t = json.load(open(os.path.join(out, f"tuning-time-{dtype}.json")))["tuning"]
+        print(f'tuning all AlexNet layers ({dtype}, legacy + engines, empty cache): {t["seconds"]:.1f} s '
+              f'({t["sizes_measured"]} sizes, {t["engine_timings_pruned"]} engine timings pruned; target < 120 s)')
+    except Exception as e:
+        print(f"tuning time {dtype}: FAILED: {e}")
+PY
