@@ -76,18 +76,31 @@
 //! checked: null pointers, one libcudnn per process, operand memory that CUDA knows on the
 //! right GPU, overlapping outputs, element counts and workspace sizes.
 
+mod engine_name;
+mod engine_search;
 mod error;
 mod ffi;
+pub mod graph_params;
 pub mod host;
 pub mod shape;
 
+pub use engine_name::{EngineConfig, EngineNameError};
+pub use engine_search::{
+    knob_combinations, EngineNotes, EngineSearch, HeurMode, KnobRange, DEFAULT_MAX_CANDIDATES,
+    MAX_VALUES_PER_KNOB,
+};
 pub use error::CudnnError;
+#[doc(hidden)]
+pub use ffi::heuristic_plan_workspaces;
 pub use ffi::{
-    algo_count, algo_name, library_status, probe, AlgoWorkspace, ConvDescriptors,
+    algo_count, algo_name, cudnn_version, library_status, probe, AlgoWorkspace, ConvDescriptors,
     ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut,
     FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
     Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
 };
+/// Convolution through cuDNN's graph (backend) API: engine configurations as a second
+/// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
+pub use ffi::{engine_configs, EnginePlan};
 /// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
 /// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
 /// workspace mucudnn allocates for it.
