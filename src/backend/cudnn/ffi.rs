@@ -25,6 +25,10 @@
 //!   Kernels run asynchronously on that stream; buffers are freed stream-ordered by cudarc
 //!   (after a stream wait on their events, with `cuMemFreeAsync` on the same stream, or after a
 //!   stream synchronize), so memory is never released under a running kernel.
+//! - **The graph API** ([`graph`]: engine configurations and execution plans) follows the same
+//!   rules with its own gate for the six `cudnnBackend*` symbols, RAII backend descriptors
+//!   dropped referrers-first, typed attribute setters, and `EnginePlan::execute` checks that add
+//!   pointer alignment; its module docs say how.
 //! - **Status values.** cuDNN statuses arrive as cudarc's `cudnnStatus_t` enum (generated for
 //!   cuDNN 9.21, a superset of earlier 9.x codes); the results of `cudnnFind*AlgorithmEx` are
 //!   read field by field as `u32`, so an unknown enum value there cannot be undefined behaviour.
