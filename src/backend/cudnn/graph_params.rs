@@ -11,8 +11,10 @@
 //! [`operand_roles`](super::operand_roles)): forward writes `y`, backward-data writes `x`
 //! (dx from dy = `y`), backward-filter writes `w` (dw from `x` and dy = `y`).
 //! Groups are not an attribute of the backend API: cuDNN infers the group count from
-//! `x.c / w.c`, as PyTorch's graph-API path relies on; engines that cannot do a grouped
-//! problem answer `CUDNN_STATUS_NOT_SUPPORTED`.
+//! `x.c / w.c` (NVIDIA's answer in cudnn-frontend issue #114; PyTorch's graph-API path relies
+//! on it too). A graph or engine that cannot do a grouped problem answers
+//! `CUDNN_STATUS_NOT_SUPPORTED*`, which reaches callers as a typed
+//! [`CudnnError::Backend`](super::CudnnError::Backend) with `is_not_supported()`.
 //!
 //! # Byte alignment
 //!
