@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, here (no GPU needed), everything the GPU checks run, into .gpu/ (ignored by git
 # through .git/info/exclude). Then run the device tool, one call each, carry [".gpu"]:
-#   bash .gpu/check.sh                    backend, plans vs PyTorch, tune/verify, profile check
+#   bash .gpu/check.sh                    backend, plans vs PyTorch, graph-API engines,
+#                                         tune/verify, profile check
 #   bash scripts/gpu/c_abi_check.sh run   the C ABI clients (C and PyTorch ctypes)
 #   bash .gpu/engines_vs_torch.sh         issue 8: executed plans (legacy + engines) vs PyTorch
 set -euo pipefail
@@ -20,6 +21,7 @@ for line in sys.stdin:
 cp target/release/mucudnn .gpu/mucudnn
 cp "$(exe --lib)" .gpu/lib-tests
 cp "$(exe --test gpu_cudnn)" .gpu/gpu-tests
+cp "$(exe --test gpu_engines)" .gpu/gpu-engines
 cp scripts/gpu/check.sh scripts/gpu/torch_cases.py scripts/gpu/compare_profile.py .gpu/
 cp scripts/gpu/engines_vs_torch.sh scripts/gpu/torch_bench.py .gpu/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/

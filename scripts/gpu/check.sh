@@ -17,6 +17,8 @@ python3 $G/torch_cases.py "$OUT/torch" > "$OUT/torch-cases.txt" 2>&1
 status "PyTorch cases" $?
 MUCUDNN_GPU_TESTS=1 MUCUDNN_TORCH_DIR="$OUT/torch" $G/gpu-tests --nocapture --test-threads=1 > "$OUT/gpu-tests.txt" 2>&1
 status "plan equivalence (host reference, PyTorch)" $?
+MUCUDNN_GPU_TESTS=1 $G/gpu-engines --nocapture --test-threads=1 > "$OUT/gpu-engines.txt" 2>&1
+status "graph-API engines (host reference, offset micro-batches, names)" $?
 
 start=$(date +%s.%N)
 $G/mucudnn tune --model alexnet --batch 256 --dtype fp32 --layout nchw --workspace-limit 64MiB \
@@ -40,6 +42,7 @@ status "tune resnet50 fp16 nhwc 8MiB (+ report)" $?
 
 cat "$OUT/gpu.txt"
 grep -E "profiled in" "$OUT/tune-alexnet-fp32.txt"
+grep -E "rebuilt from their names|: sweep [0-9]+ configurations|beta = 1 checked" "$OUT/gpu-engines.txt"
 tail -n 12 "$OUT/compare-profile.txt"
 grep -A 20 "measured end to end" "$OUT/verify-alexnet-fp32.txt" | tail -n 18
 grep -E "^total" "$OUT/tune-resnet50-fp16.txt"

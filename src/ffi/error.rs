@@ -79,11 +79,13 @@ fn cudnn_status(e: &CudnnError) -> mucudnnStatus_t {
         return mucudnnStatus_t::MUCUDNN_STATUS_OUT_OF_MEMORY;
     }
     match e {
-        CudnnError::Cudnn { .. } => mucudnnStatus_t::MUCUDNN_STATUS_CUDNN_ERROR,
+        CudnnError::Cudnn { .. }
+        | CudnnError::Backend { .. }
+        | CudnnError::EngineNotSupported { .. } => mucudnnStatus_t::MUCUDNN_STATUS_CUDNN_ERROR,
         CudnnError::Driver { .. } => mucudnnStatus_t::MUCUDNN_STATUS_CUDA_ERROR,
-        CudnnError::Shape(_) | CudnnError::InvalidArgument { .. } => {
-            mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT
-        }
+        CudnnError::Shape(_)
+        | CudnnError::InvalidArgument { .. }
+        | CudnnError::Misaligned { .. } => mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT,
         CudnnError::Unavailable { .. } | CudnnError::NoDevice { .. } => {
             mucudnnStatus_t::MUCUDNN_STATUS_NOT_AVAILABLE
         }

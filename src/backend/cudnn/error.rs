@@ -59,6 +59,55 @@ pub enum CudnnError {
     /// number out of range, a buffer from another stream, a workspace that is too small, ...).
     #[error("invalid argument to {call}: {detail}")]
     InvalidArgument { call: &'static str, detail: String },
+
+    /// A call of cuDNN's graph (backend) API failed: `call` on a descriptor of type
+    /// `descriptor`, e.g. `cudnnBackendFinalize` on `CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR`.
+    /// A `CUDNN_STATUS_NOT_SUPPORTED*` status means this engine configuration (or, when the
+    /// operation graph itself fails, the whole problem) cannot run through the graph API here:
+    /// see [`CudnnError::is_not_supported`].
+    #[error(
+        "{call} on {descriptor} failed with {status} ({code}){}",
+        op_engine_suffix(.op, .engine)
+    )]
+    Backend {
+        /// The backend function, e.g. `cudnnBackendFinalize`.
+        call: &'static str,
+        /// The `cudnnBackendDescriptorType_t` name, e.g. `CUDNN_BACKEND_ENGINE_DESCRIPTOR`.
+        descriptor: &'static str,
+        /// The `cudnnStatus_t` name.
+        status: String,
+        /// The `cudnnStatus_t` number.
+        code: u32,
+        /// The convolution op the graph was for, where known.
+        op: Option<ConvOp>,
+        /// The engine configuration's name (`eng38_k2=8_...`), where there is one.
+        engine: Option<String>,
+    },
+
+    /// mucudnn declines an engine configuration before asking cuDNN: the problem's math mode
+    /// excludes the engine's numerics (e.g. tensor cores under `fma`), or the configuration
+    /// cannot be expressed (a knob type out of range). A profiler skips it like a
+    /// `CUDNN_STATUS_NOT_SUPPORTED` ([`CudnnError::is_not_supported`] is true).
+    #[error("engine {engine} is not used for {op}: {reason}")]
+    EngineNotSupported {
+        op: ConvOp,
+        engine: String,
+        reason: String,
+    },
+
+    /// A device pointer handed to an execution plan is less aligned than the byte alignment
+    /// the plan's tensor descriptors declared (cuDNN may then use vector loads that fault).
+    #[error(
+        "misaligned operand in {call}: {operand} at address {address:#x} is not a multiple of \
+         the {required}-byte alignment the execution plan declares"
+    )]
+    Misaligned {
+        call: &'static str,
+        /// `a`, `b`, `out` (see `operand_roles`) or `workspace`.
+        operand: &'static str,
+        address: u64,
+        required: u64,
+    },
 }
 
 /// `cudnnStatus_t` numbers of cuDNN 9 (`CUDNN_STATUS_NOT_SUPPORTED` and its sub-codes
@@ -79,19 +128,60 @@ fn op_algo_suffix(op: &Option<ConvOp>, algo: &Option<u32>) -> String {
     }
 }
 
+fn op_engine_suffix(op: &Option<ConvOp>, engine: &Option<String>) -> String {
+    match (op, engine) {
+        (Some(op), Some(engine)) => format!(" for {op} engine {engine}"),
+        (Some(op), None) => format!(" for {op}"),
+        (None, Some(engine)) => format!(" for engine {engine}"),
+        (None, None) => String::new(),
+    }
+}
+
 impl CudnnError {
-    /// cuDNN said the configuration is not supported (`CUDNN_STATUS_NOT_SUPPORTED*`): a profiler
-    /// skips the algorithm instead of failing.
+    /// cuDNN said the configuration is not supported (`CUDNN_STATUS_NOT_SUPPORTED*`, from the
+    /// legacy or the graph API), or mucudnn declined an engine configuration
+    /// ([`CudnnError::EngineNotSupported`]): a profiler skips the candidate instead of failing.
     pub fn is_not_supported(&self) -> bool {
-        matches!(self, CudnnError::Cudnn { code, .. } if NOT_SUPPORTED_CODES.contains(code))
+        match self {
+            CudnnError::Cudnn { code, .. } | CudnnError::Backend { code, .. } => {
+                NOT_SUPPORTED_CODES.contains(code)
+            }
+            CudnnError::EngineNotSupported { .. } => true,
+            _ => false,
+        }
     }
 
     /// Device memory ran out (a driver allocation or a cuDNN-internal one).
     pub fn is_out_of_memory(&self) -> bool {
         match self {
             CudnnError::Driver { code, .. } => *code == CUDA_ERROR_OUT_OF_MEMORY,
-            CudnnError::Cudnn { code, .. } => CUDNN_ALLOCATION_FAILED_CODES.contains(code),
+            CudnnError::Cudnn { code, .. } | CudnnError::Backend { code, .. } => {
+                CUDNN_ALLOCATION_FAILED_CODES.contains(code)
+            }
             _ => false,
+        }
+    }
+
+    /// Attaches the op and engine configuration a graph-API failure belongs to (other variants
+    /// are unchanged; an op or engine already recorded is kept).
+    pub fn for_engine(self, for_op: ConvOp, for_engine: Option<&str>) -> Self {
+        match self {
+            CudnnError::Backend {
+                call,
+                descriptor,
+                status,
+                code,
+                op,
+                engine,
+            } => CudnnError::Backend {
+                call,
+                descriptor,
+                status,
+                code,
+                op: op.or(Some(for_op)),
+                engine: engine.or_else(|| for_engine.map(str::to_string)),
+            },
+            other => other,
         }
     }
 
@@ -181,5 +271,69 @@ mod tests {
             algo: None,
         };
         assert!(sub.is_not_supported());
+    }
+
+    #[test]
+    fn graph_api_errors() {
+        let e = CudnnError::Backend {
+            call: "cudnnBackendFinalize",
+            descriptor: "CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR",
+            status: "CUDNN_STATUS_NOT_SUPPORTED_SHAPE".into(),
+            code: 3002,
+            op: None,
+            engine: None,
+        };
+        assert!(e.is_not_supported());
+        assert!(!e.is_out_of_memory());
+        assert_eq!(
+            e.to_string(),
+            "cudnnBackendFinalize on CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR failed with \
+             CUDNN_STATUS_NOT_SUPPORTED_SHAPE (3002)"
+        );
+        let tagged = e.for_engine(ConvOp::BackwardFilter, Some("eng0"));
+        assert!(tagged
+            .to_string()
+            .ends_with("(3002) for bwd_filter engine eng0"));
+        // Already-recorded context wins.
+        let again = tagged.clone().for_engine(ConvOp::Forward, Some("eng1"));
+        assert_eq!(again, tagged);
+        let bad = CudnnError::Backend {
+            call: "cudnnBackendSetAttribute",
+            descriptor: "CUDNN_BACKEND_TENSOR_DESCRIPTOR",
+            status: "CUDNN_STATUS_BAD_PARAM".into(),
+            code: 2000,
+            op: Some(ConvOp::Forward),
+            engine: None,
+        };
+        assert!(!bad.is_not_supported());
+        assert!(bad.to_string().ends_with("(2000) for fwd"));
+        let oom = CudnnError::Backend {
+            call: "cudnnBackendExecute",
+            descriptor: "CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR",
+            status: "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED".into(),
+            code: 4004,
+            op: None,
+            engine: None,
+        };
+        assert!(oom.is_out_of_memory());
+        let declined = CudnnError::EngineNotSupported {
+            op: ConvOp::Forward,
+            engine: "eng1_k2=3".into(),
+            reason: "math mode fma excludes tensor cores".into(),
+        };
+        assert!(declined.is_not_supported());
+        assert_eq!(
+            declined.to_string(),
+            "engine eng1_k2=3 is not used for fwd: math mode fma excludes tensor cores"
+        );
+        let misaligned = CudnnError::Misaligned {
+            call: "EnginePlan::execute",
+            operand: "a",
+            address: 0x7f00_0002,
+            required: 16,
+        };
+        assert!(!misaligned.is_not_supported());
+        assert!(misaligned.to_string().contains("a at address 0x7f000002"));
+        assert!(misaligned.to_string().contains("16-byte alignment"));
     }
 }

@@ -25,6 +25,10 @@
 //!   Kernels run asynchronously on that stream; buffers are freed stream-ordered by cudarc
 //!   (after a stream wait on their events, with `cuMemFreeAsync` on the same stream, or after a
 //!   stream synchronize), so memory is never released under a running kernel.
+//! - **The graph API** ([`graph`]: engine configurations and execution plans) follows the same
+//!   rules with its own gate for the six `cudnnBackend*` symbols, RAII backend descriptors
+//!   dropped referrers-first, typed attribute setters, and `EnginePlan::execute` checks that add
+//!   pointer alignment; its module docs say how.
 //! - **Status values.** cuDNN statuses arrive as cudarc's `cudnnStatus_t` enum (generated for
 //!   cuDNN 9.21, a superset of earlier 9.x codes); the results of `cudnnFind*AlgorithmEx` are
 //!   read field by field as `u32`, so an unknown enum value there cannot be undefined behaviour.
@@ -44,10 +48,12 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::io::Write;
 use std::mem::MaybeUninit;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 mod foreign;
+mod graph;
 
 pub use foreign::{
     read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
@@ -55,6 +61,7 @@ pub use foreign::{
     FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
     RawDeviceViewMut, TensorDescriptorInfo,
 };
+pub use graph::{engine_configs, heuristic_plan_workspaces, EnginePlan};
 
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
 /// bindings use CUDA 13.0 entry points (`cuEventElapsedTime_v2`, ...). Driver 580 reports 13000.
@@ -304,15 +311,7 @@ fn init_cudnn() -> Result<u64, CudnnError> {
             ),
         });
     }
-    // SAFETY: libcudnn is present (checked above), so `culib` loads it rather than panicking.
-    let lib = unsafe { dnn_sys::culib() };
-    let missing: Vec<&str> = CUDNN_SYMBOLS
-        .iter()
-        .copied()
-        // SAFETY: looking a symbol up does not call it; the type parameter is only the type
-        // the (unused) symbol would be read as.
-        .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
-        .collect();
+    let missing = missing_cudnn_symbols(CUDNN_SYMBOLS);
     if !missing.is_empty() {
         return Err(CudnnError::Unavailable {
             what: "libcudnn",
@@ -323,6 +322,28 @@ fn init_cudnn() -> Result<u64, CudnnError> {
         });
     }
     Ok(version)
+}
+
+/// The names in `symbols` that the loaded libcudnn does not export. Call only after
+/// `libcudnn_present()` (so that `culib` loads the library instead of panicking).
+fn missing_cudnn_symbols(symbols: &[&'static str]) -> Vec<&'static str> {
+    // SAFETY: the caller checked that libcudnn is present, so `culib` loads it rather than
+    // panicking.
+    let lib = unsafe { dnn_sys::culib() };
+    symbols
+        .iter()
+        .copied()
+        // SAFETY: looking a symbol up does not call it; the type parameter is only the type
+        // the (unused) symbol would be read as.
+        .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
+        .collect()
+}
+
+/// The version of the libcudnn this process uses (`cudnnGetVersion`, e.g. 91400 for 9.14.0),
+/// after the availability checks. Engine configurations are only meaningful within one
+/// version: it belongs in the key of anything cached about them.
+pub fn cudnn_version() -> Result<u64, CudnnError> {
+    cudnn()
 }
 
 /// One GPU as the driver describes it.
@@ -634,31 +655,32 @@ unsafe fn raw_workspace_size(
 }
 
 /// Checks that the operands `[a, b, out]` of `op`, given as (name, dtype, element count), have
-/// the dtype and exact element count that `d` describes for their roles.
+/// the dtype and exact element count that `shapes` (the descriptors' problem) has for their
+/// roles.
 fn check_operand_shapes(
     call: &'static str,
-    d: &ConvDescriptors,
+    shapes: &ConvShapes,
     op: ConvOp,
     operands: [(&'static str, DType, usize); 3],
 ) -> Result<(), CudnnError> {
     for ((name, dtype, len), role) in operands.into_iter().zip(operand_roles(op)) {
-        if dtype != d.shapes.dtype {
+        if dtype != shapes.dtype {
             return Err(invalid(
                 call,
                 format!(
                     "{op} operand {name} ({role:?}) is {dtype} but the problem is {}",
-                    d.shapes.dtype
+                    shapes.dtype
                 ),
             ));
         }
-        let expected = d.shapes.elements(role);
+        let expected = shapes.elements(role);
         if len != expected {
             return Err(invalid(
                 call,
                 format!(
                     "{op} operand {name} ({role:?}) has {len} elements, the descriptor {expected} \
                      (dims {:?})",
-                    d.shapes.dims(role)
+                    shapes.dims(role)
                 ),
             ));
         }
@@ -781,8 +803,12 @@ type WorkspaceKey = (u64, ConvOp, u32);
 /// Not `Send`/`Sync`: cuDNN handles must not be used by two threads at once; make one handle
 /// per thread.
 pub struct CudnnHandle {
+    /// `owner.raw`, for brevity.
     raw: dnn_sys::cudnnHandle_t,
     stream: Arc<CudaStream>,
+    /// Destroys the handle once this value and every execution plan built on it are gone
+    /// (a plan stores the handle, `CUDNN_ATTR_EXECUTION_PLAN_HANDLE`).
+    owner: Rc<HandleOwner>,
     /// Workspace sizes by (descriptor id, op, algo): `Ok` sizes and NOT_SUPPORTED answers.
     workspace_cache: RefCell<HashMap<WorkspaceKey, Result<u64, CudnnError>>>,
 }
@@ -820,10 +846,15 @@ impl CudnnHandle {
             .bind_to_thread()
             .map_err(drv_err("cuCtxSetCurrent"))?;
         let raw = dnn::create_handle().map_err(dnn_err("cudnnCreate"))?;
-        // From here on, Drop destroys `raw`.
+        // From here on, the owner's Drop destroys `raw`.
+        let owner = Rc::new(HandleOwner {
+            raw,
+            stream: stream.clone(),
+        });
         let handle = CudnnHandle {
             raw,
             stream,
+            owner,
             workspace_cache: RefCell::new(HashMap::new()),
         };
         // SAFETY: `raw` is a live handle; the stream belongs to the current context and
@@ -923,14 +954,14 @@ impl CudnnHandle {
     fn check_operands(
         &self,
         call: &'static str,
-        d: &ConvDescriptors,
+        shapes: &ConvShapes,
         op: ConvOp,
         operands: [(&'static str, &ViewParts<'_>); 3],
         workspace: &WorkspaceView<'_>,
     ) -> Result<(), CudnnError> {
         check_operand_shapes(
             call,
-            d,
+            shapes,
             op,
             operands.map(|(name, view)| (name, view.dtype, view.len)),
         )?;
@@ -991,7 +1022,7 @@ impl CudnnHandle {
         let out_parts = out.parts();
         self.check_operands(
             CALL,
-            d,
+            &d.shapes,
             op,
             [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
             workspace,
@@ -1038,7 +1069,7 @@ impl CudnnHandle {
         let out_parts = out.parts();
         self.check_operands(
             CALL,
-            d,
+            &d.shapes,
             op,
             [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
             workspace,
@@ -1256,12 +1287,20 @@ impl CudnnHandle {
     }
 }
 
-impl Drop for CudnnHandle {
+/// The owner of a [`CudnnHandle`]'s raw handle, shared (not across threads) with the execution
+/// plans built on it, so the handle outlives them.
+struct HandleOwner {
+    raw: dnn_sys::cudnnHandle_t,
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for HandleOwner {
     fn drop(&mut self) {
         // A failure to bind is recorded by cudarc in the context; the destroy is tried anyway.
         let _ = self.stream.context().bind_to_thread();
-        // SAFETY: `raw` was created by cudnnCreate in `with_stream` and is destroyed exactly
-        // once, here; no descriptor or view holds it.
+        // SAFETY: `raw` was created by cudnnCreate in `CudnnHandle::with_stream` and is
+        // destroyed exactly once, here, after the handle and every plan holding this owner
+        // are gone.
         if let Err(e) = unsafe { dnn::destroy_handle(self.raw) } {
             warn_drop("cudnnDestroy", e.0);
         }

@@ -1,4 +1,6 @@
-//! cuDNN backend: run and time cuDNN's legacy convolution algorithms on an NVIDIA GPU.
+//! cuDNN backend: run and time cuDNN's convolutions on an NVIDIA GPU: the legacy algorithms
+//! (`cudnnConvolution*` with an algorithm number) and the graph API's engine configurations
+//! ([`engine_configs`], [`EnginePlan`]).
 //!
 //! # Layering
 //!
@@ -12,7 +14,9 @@
 //!         |                          descriptors, bounds-checked device views, workspace
 //!         |                          queries, execution, timing. Exports safe items only.
 //! mod  (re-exports), shape, host    pure helpers: cuDNN shapes of a problem, operand roles,
-//!         |                          micro-batch ranges, random data, a host reference
+//!         |                          micro-batch ranges, random data, a host reference;
+//!         |                          engine_name, engine_search, graph_params: the graph
+//!         |                          API's names, search options and descriptor values
 //!         v
 //! profiler / executor (later)       measure every algorithm per micro-batch size, solve,
 //!                                    run a plan's micro-batches
@@ -58,6 +62,51 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Engine configurations (graph API)
+//!
+//! A second source of candidates: for a problem at one micro-batch size and one op,
+//! [`engine_configs`] asks cuDNN's heuristics (and optionally sweeps every engine's knobs)
+//! for [`EngineConfig`]s, named like the cuDNN frontend names plans (`eng38_k2=8_k13=1`); an
+//! [`EnginePlan`] is one of them built for (problem at that size, op, alpha, beta), once, and
+//! executed like `convolve` on micro-batch views. Backward-filter's accumulating micro-batches
+//! need a second plan built with beta 1.
+//!
+//! ```no_run
+//! use mucudnn::backend::cudnn::{engine_configs, CudnnHandle, EnginePlan, EngineSearch, Operand};
+//! use mucudnn::backend::cudnn::ConvShapes;
+//! use mucudnn::solver::{ConvOp, ConvProblem};
+//!
+//! # fn main() -> Result<(), mucudnn::backend::cudnn::CudnnError> {
+//! let handle = CudnnHandle::new(0)?;
+//! let problem = ConvProblem { pad_h: 1, pad_w: 1, ..ConvProblem::new(64, 32, 28, 28, 64, 3, 3) };
+//! let full = ConvShapes::new(&problem)?;
+//! let x = handle.alloc_random(problem.dtype, full.elements(Operand::Input), 1)?;
+//! let w = handle.alloc_random(problem.dtype, full.elements(Operand::Filter), 2)?;
+//! let mut y = handle.alloc_zeroed(problem.dtype, full.elements(Operand::Output))?;
+//!
+//! // Candidates for micro-batches of 32; build the first that cuDNN accepts, time it.
+//! let micro = problem.with_batch(32);
+//! let search = EngineSearch { max_candidates: 16, ..EngineSearch::default() };
+//! let configs = engine_configs(&handle, &micro, ConvOp::Forward, &search)?;
+//! let plan = configs
+//!     .iter()
+//!     .find_map(|c| EnginePlan::new(&handle, &micro, ConvOp::Forward, c, 1.0, 0.0).ok())
+//!     .expect("a supported configuration");
+//! let mut workspace = handle.alloc_workspace(plan.workspace_bytes())?;
+//! let timer = handle.timer()?;
+//! let ms = timer.time(|| {
+//!     for first in [0, 32] {
+//!         let (xo, xl) = full.sample_range(Operand::Input, first, 32).unwrap();
+//!         let (yo, yl) = full.sample_range(Operand::Output, first, 32).unwrap();
+//!         plan.execute(&handle, &x.view(xo, xl)?, &w.view_all(),
+//!                      &mut y.view_mut(yo, yl)?, &mut workspace.view())?;
+//!     }
+//!     Ok(())
+//! })?;
+//! println!("{} ({} workspace bytes): {ms} ms for the mini-batch", plan.config(), plan.workspace_bytes());
+//! # Ok(()) }
+//! ```
+//!
 //! # Safety
 //!
 //! Apart from the C ABI's foreign objects (below), no function or method here is `unsafe` to
@@ -76,18 +125,31 @@
 //! checked: null pointers, one libcudnn per process, operand memory that CUDA knows on the
 //! right GPU, overlapping outputs, element counts and workspace sizes.
 
+mod engine_name;
+mod engine_search;
 mod error;
 mod ffi;
+pub mod graph_params;
 pub mod host;
 pub mod shape;
 
+pub use engine_name::{EngineConfig, EngineNameError};
+pub use engine_search::{
+    knob_combinations, EngineNotes, EngineSearch, HeurMode, KnobRange, DEFAULT_MAX_CANDIDATES,
+    MAX_VALUES_PER_KNOB,
+};
 pub use error::CudnnError;
+#[doc(hidden)]
+pub use ffi::heuristic_plan_workspaces;
 pub use ffi::{
-    algo_count, algo_name, library_status, probe, AlgoWorkspace, ConvDescriptors,
+    algo_count, algo_name, cudnn_version, library_status, probe, AlgoWorkspace, ConvDescriptors,
     ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut,
     FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
     Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
 };
+/// Convolution through cuDNN's graph (backend) API: engine configurations as a second
+/// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
+pub use ffi::{engine_configs, EnginePlan};
 /// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
 /// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
 /// workspace mucudnn allocates for it.

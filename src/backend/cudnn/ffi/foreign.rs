@@ -1023,7 +1023,7 @@ impl ForeignSession<'_> {
         let which = Algo::checked(CALL, op, algo)?;
         check_operand_shapes(
             CALL,
-            d,
+            &d.shapes,
             op,
             [
                 ("a", a.dtype, a.len),

@@ -1,0 +1,327 @@
+//! The values of the graph-API descriptors for one convolution: tensor unique ids, dimensions,
+//! strides and byte alignments, and the convolution's paddings, strides and dilations.
+//!
+//! Pure arithmetic on a [`ConvShapes`] (no cuDNN), so that CI tests exactly what the FFI wall
+//! (`ffi/graph.rs`) will set with `cudnnBackendSetAttribute`.
+//!
+//! # The graph of one op
+//!
+//! Every op has the same three tensors, `x` (`[n, c, h, w]`), `w` (`[k, c / groups, r, s]`) and
+//! `y` (`[n, k, p, q]`); the op decides which one is written (see
+//! [`operand_roles`](super::operand_roles)): forward writes `y`, backward-data writes `x`
+//! (dx from dy = `y`), backward-filter writes `w` (dw from `x` and dy = `y`).
+//! Groups are not an attribute of the backend API: cuDNN infers the group count from
+//! `x.c / w.c` (NVIDIA's answer in cudnn-frontend issue #114; PyTorch's graph-API path relies
+//! on it too). A graph or engine that cannot do a grouped problem answers
+//! `CUDNN_STATUS_NOT_SUPPORTED*`, which reaches callers as a typed
+//! [`CudnnError::Backend`](super::CudnnError::Backend) with `is_not_supported()`.
+//!
+//! # Byte alignment
+//!
+//! Each tensor declares `CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT`, a promise about every pointer it
+//! will be executed with; engines may use vector loads that rely on it. A micro-batch runs on
+//! a view that starts `first` samples into a full-batch buffer, `first * sample_bytes` bytes
+//! past an allocation that is 256-byte aligned, and `first` can be any integer: so `x` and `y`
+//! declare the largest power of two dividing their per-sample bytes, capped at 16 (what the
+//! cuDNN frontend declares by default), and `w` (never offset) declares 16. One declaration
+//! then holds for every micro-batch of every plan; the plan checks it again at execution.
+
+#![forbid(unsafe_code)]
+
+use super::shape::{operand_roles, ConvShapes, Operand};
+use crate::solver::{ConvOp, DType, Layout};
+
+/// `CUDNN_ATTR_TENSOR_UNIQUE_ID` of the input `x` (dx in backward-data).
+pub const UID_X: i64 = 1;
+/// `CUDNN_ATTR_TENSOR_UNIQUE_ID` of the filter `w` (dw in backward-filter).
+pub const UID_W: i64 = 2;
+/// `CUDNN_ATTR_TENSOR_UNIQUE_ID` of the output `y` (dy in both backward ops).
+pub const UID_Y: i64 = 3;
+
+/// The largest byte alignment a tensor declares (the frontend's default, and what 128-bit
+/// vector loads need).
+pub const MAX_DECLARED_ALIGNMENT: u64 = 16;
+
+/// The alignment an execution plan requires of a non-empty workspace pointer. cuDNN documents
+/// none; every caller it was tested with passes a fresh `cudaMalloc` (256-byte aligned), so
+/// the plan asks for the same rather than find out on a GPU. Sub-ranges of a shared workspace
+/// (workspace division) must start at multiples of this.
+pub const WORKSPACE_ALIGNMENT: u64 = 256;
+
+/// One `CUDNN_BACKEND_TENSOR_DESCRIPTOR`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TensorParams {
+    /// `CUDNN_ATTR_TENSOR_UNIQUE_ID`: the key of its pointer in the variant pack.
+    pub uid: i64,
+    /// `CUDNN_ATTR_TENSOR_DIMENSIONS`, in cuDNN's logical order (`[n, c, h, w]` /
+    /// `[k, c / groups, r, s]`) whatever the layout.
+    pub dims: [i64; 4],
+    /// `CUDNN_ATTR_TENSOR_STRIDES` (in elements), packed in the problem's layout.
+    pub strides: [i64; 4],
+    /// `CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT`.
+    pub alignment: u64,
+}
+
+/// One `CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR` (2 spatial dims, cross-correlation, fp32 compute).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvParams {
+    /// `CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS` `[pad_h, pad_w]`.
+    pub pre_paddings: [i64; 2],
+    /// `CUDNN_ATTR_CONVOLUTION_POST_PADDINGS`: symmetric padding, as the legacy API.
+    pub post_paddings: [i64; 2],
+    /// `CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES` `[stride_h, stride_w]`.
+    pub filter_strides: [i64; 2],
+    /// `CUDNN_ATTR_CONVOLUTION_DILATIONS` `[dilation_h, dilation_w]`.
+    pub dilations: [i64; 2],
+}
+
+/// Everything the operation graph of one (problem at one batch size, op, alpha, beta) sets.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GraphParams {
+    pub shapes: ConvShapes,
+    pub op: ConvOp,
+    pub x: TensorParams,
+    pub w: TensorParams,
+    pub y: TensorParams,
+    pub conv: ConvParams,
+    /// `CUDNN_ATTR_OPERATION_CONVOLUTION_*_ALPHA` (`CUDNN_TYPE_FLOAT`).
+    pub alpha: f32,
+    /// `CUDNN_ATTR_OPERATION_CONVOLUTION_*_BETA`: 0 overwrites, 1 accumulates.
+    pub beta: f32,
+}
+
+/// Packed strides (in elements) of logical dims `[n, c, h, w]` in `layout`: NCHW keeps `w`
+/// fastest, NHWC keeps `c` fastest (filters: KCRS / KRSC).
+pub fn packed_strides(layout: Layout, dims: [i64; 4]) -> [i64; 4] {
+    let [_, c, h, w] = dims;
+    match layout {
+        Layout::Nchw => [c * h * w, h * w, w, 1],
+        Layout::Nhwc => [h * w * c, 1, w * c, c],
+    }
+}
+
+/// The largest power of two that divides `bytes`, capped at [`MAX_DECLARED_ALIGNMENT`].
+pub fn alignment_of_bytes(bytes: u64) -> u64 {
+    if bytes == 0 {
+        MAX_DECLARED_ALIGNMENT
+    } else {
+        (1u64 << bytes.trailing_zeros()).min(MAX_DECLARED_ALIGNMENT)
+    }
+}
+
+/// The alignment every pointer to `role` is guaranteed when views start at a whole sample of
+/// a buffer allocated by CUDA (see the module docs).
+pub fn declared_alignment(shapes: &ConvShapes, role: Operand) -> u64 {
+    if role.is_batched() {
+        let sample_bytes = shapes.elements_per_sample(role) * shapes.dtype.size_bytes();
+        alignment_of_bytes(sample_bytes as u64)
+    } else {
+        MAX_DECLARED_ALIGNMENT
+    }
+}
+
+/// Whether `address` is a multiple of `alignment` (a power of two).
+pub fn is_aligned(address: u64, alignment: u64) -> bool {
+    alignment <= 1 || address % alignment == 0
+}
+
+/// The tensor's unique id for `role`.
+pub fn uid(role: Operand) -> i64 {
+    match role {
+        Operand::Input => UID_X,
+        Operand::Filter => UID_W,
+        Operand::Output => UID_Y,
+    }
+}
+
+/// The unique ids of `op`'s operands in `[a, b, out]` order (the order of
+/// [`operand_roles`] and of `EnginePlan::execute`'s arguments).
+pub fn operand_uids(op: ConvOp) -> [i64; 3] {
+    operand_roles(op).map(uid)
+}
+
+impl GraphParams {
+    /// The descriptor values for `shapes` (the problem at the micro-batch size the plan runs),
+    /// `op`, and the scaling `out = alpha * op(a, b) + beta * out`.
+    pub fn new(shapes: &ConvShapes, op: ConvOp, alpha: f32, beta: f32) -> Self {
+        let tensor = |role: Operand| {
+            let dims = shapes.dims(role).map(i64::from);
+            TensorParams {
+                uid: uid(role),
+                dims,
+                strides: packed_strides(shapes.layout, dims),
+                alignment: declared_alignment(shapes, role),
+            }
+        };
+        let pad = shapes.pad.map(i64::from);
+        GraphParams {
+            shapes: *shapes,
+            op,
+            x: tensor(Operand::Input),
+            w: tensor(Operand::Filter),
+            y: tensor(Operand::Output),
+            conv: ConvParams {
+                pre_paddings: pad,
+                post_paddings: pad,
+                filter_strides: shapes.stride.map(i64::from),
+                dilations: shapes.dilation.map(i64::from),
+            },
+            alpha,
+            beta,
+        }
+    }
+
+    /// The tensor that plays `role`.
+    pub fn tensor(&self, role: Operand) -> &TensorParams {
+        match role {
+            Operand::Input => &self.x,
+            Operand::Filter => &self.w,
+            Operand::Output => &self.y,
+        }
+    }
+
+    /// The data type of all three tensors.
+    pub fn dtype(&self) -> DType {
+        self.shapes.dtype
+    }
+
+    /// The declared alignments of `op`'s operands in `[a, b, out]` order.
+    pub fn operand_alignments(&self) -> [u64; 3] {
+        operand_roles(self.op).map(|role| self.tensor(role).alignment)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::solver::ConvProblem;
+
+    fn problem() -> ConvProblem {
+        ConvProblem {
+            pad_h: 1,
+            pad_w: 2,
+            stride_h: 2,
+            stride_w: 1,
+            dilation_h: 1,
+            dilation_w: 2,
+            groups: 2,
+            ..ConvProblem::new(8, 6, 9, 10, 4, 3, 3)
+        }
+    }
+
+    #[test]
+    fn strides_for_nchw_and_nhwc() {
+        assert_eq!(
+            packed_strides(Layout::Nchw, [8, 6, 9, 10]),
+            [540, 90, 10, 1]
+        );
+        assert_eq!(packed_strides(Layout::Nhwc, [8, 6, 9, 10]), [540, 1, 60, 6]);
+        // Filters: KCRS and KRSC.
+        assert_eq!(packed_strides(Layout::Nchw, [4, 3, 3, 3]), [27, 9, 3, 1]);
+        assert_eq!(packed_strides(Layout::Nhwc, [4, 3, 3, 3]), [27, 1, 9, 3]);
+        // The batch stride is the per-sample element count in both layouts (micro-batches are
+        // contiguous ranges), and the strides address every element exactly once.
+        for layout in [Layout::Nchw, Layout::Nhwc] {
+            let dims = [2, 3, 4, 5];
+            let strides = packed_strides(layout, dims);
+            assert_eq!(strides[0], 60);
+            let mut seen = [false; 120];
+            for n in 0..2 {
+                for c in 0..3 {
+                    for h in 0..4 {
+                        for w in 0..5 {
+                            let at =
+                                n * strides[0] + c * strides[1] + h * strides[2] + w * strides[3];
+                            assert!(!seen[at as usize]);
+                            seen[at as usize] = true;
+                        }
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
+    }
+
+    #[test]
+    fn tensors_uids_and_dims_per_op() {
+        for layout in [Layout::Nchw, Layout::Nhwc] {
+            let p = ConvProblem {
+                layout,
+                ..problem()
+            };
+            let shapes = ConvShapes::new(&p.with_batch(3)).unwrap();
+            for op in ConvOp::ALL {
+                let g = GraphParams::new(&shapes, op, 1.0, 0.0);
+                assert_eq!(g.x.dims, [3, 6, 9, 10]);
+                assert_eq!(g.w.dims, [4, 3, 3, 3]); // c / groups
+                assert_eq!(g.y.dims, [3, 4, 5, 10]);
+                assert_eq!((g.x.uid, g.w.uid, g.y.uid), (UID_X, UID_W, UID_Y));
+                assert_eq!(g.x.strides, packed_strides(layout, g.x.dims));
+                assert_eq!(g.w.strides, packed_strides(layout, g.w.dims));
+                assert_eq!(g.y.strides, packed_strides(layout, g.y.dims));
+                assert_eq!(g.conv.pre_paddings, [1, 2]);
+                assert_eq!(g.conv.post_paddings, [1, 2]);
+                assert_eq!(g.conv.filter_strides, [2, 1]);
+                assert_eq!(g.conv.dilations, [1, 2]);
+                for role in operand_roles(op) {
+                    assert_eq!(g.tensor(role).uid, uid(role));
+                }
+            }
+        }
+        assert_eq!(operand_uids(ConvOp::Forward), [UID_X, UID_W, UID_Y]);
+        assert_eq!(operand_uids(ConvOp::BackwardData), [UID_W, UID_Y, UID_X]);
+        assert_eq!(operand_uids(ConvOp::BackwardFilter), [UID_X, UID_Y, UID_W]);
+        // Unique ids are distinct and non-zero.
+        const { assert!(UID_X != UID_W && UID_W != UID_Y && UID_X != UID_Y) };
+        const { assert!(UID_X > 0 && UID_W > 0 && UID_Y > 0) };
+    }
+
+    #[test]
+    fn alignment_holds_at_every_sample_offset() {
+        assert_eq!(alignment_of_bytes(1), 1);
+        assert_eq!(alignment_of_bytes(6), 2);
+        assert_eq!(alignment_of_bytes(12), 4);
+        assert_eq!(alignment_of_bytes(24), 8);
+        assert_eq!(alignment_of_bytes(48), 16);
+        assert_eq!(alignment_of_bytes(1 << 20), 16);
+        // fp16, 6 x 9 x 10 = 540 elements = 1080 bytes per sample: 8-byte aligned offsets.
+        let fp16 = ConvProblem {
+            dtype: DType::Fp16,
+            ..problem()
+        };
+        let s = ConvShapes::new(&fp16).unwrap();
+        assert_eq!(declared_alignment(&s, Operand::Input), 8);
+        // y: 4 x 5 x 10 = 200 elements = 400 bytes: 16.
+        assert_eq!(declared_alignment(&s, Operand::Output), 16);
+        assert_eq!(declared_alignment(&s, Operand::Filter), 16);
+        // An odd per-sample count in fp16: only 2-byte alignment is certain.
+        let odd = ConvProblem {
+            dtype: DType::Fp16,
+            ..ConvProblem::new(4, 3, 5, 5, 2, 3, 3)
+        };
+        let s = ConvShapes::new(&odd).unwrap();
+        assert_eq!(declared_alignment(&s, Operand::Input), 2);
+        // Property: every sample offset of a 256-aligned buffer satisfies the declaration.
+        for problem in [problem(), fp16, odd] {
+            let s = ConvShapes::new(&problem).unwrap();
+            for role in [Operand::Input, Operand::Output] {
+                let align = declared_alignment(&s, role);
+                let sample_bytes = (s.elements_per_sample(role) * s.dtype.size_bytes()) as u64;
+                for first in 0..s.batch() as u64 {
+                    assert!(is_aligned(0x7f00_0000_0000 + first * sample_bytes, align));
+                }
+            }
+        }
+        assert!(is_aligned(0x1002, 2));
+        assert!(!is_aligned(0x1002, 4));
+        assert!(is_aligned(0x1003, 1));
+        let g = GraphParams::new(
+            &ConvShapes::new(&odd).unwrap(),
+            ConvOp::BackwardData,
+            1.0,
+            0.0,
+        );
+        // [w, dy, dx]: filter 16; y = 2 x 3 x 3 = 18 elements = 36 bytes: 4; x: 2.
+        assert_eq!(g.operand_alignments(), [16, 4, 2]);
+    }
+}
