@@ -335,3 +335,106 @@ fn cudnn_plans_match_pytorch() {
     }
     println!("\n{}", rows.join("\n"));
 }
+
+/// The profiler's engine candidates run through the executor: for each op, the engine
+/// configurations `CudnnBackend::measure_engines` times at micro-batch 4 of 8 execute as a
+/// split plan [4, 4] (offset views; backward-filter accumulating with beta = 1) and match the
+/// float64 reference, and a plan mixing a legacy algorithm and an engine does too.
+#[test]
+fn engine_candidates_from_the_profiler_execute_as_plans() {
+    use mucudnn::backend::{Backend, CudnnBackend, EngineSearch, TimingSettings};
+    use mucudnn::solver::{Algo, AlgoKind};
+    if !gpu_enabled("engine_candidates_from_the_profiler_execute_as_plans") {
+        return;
+    }
+    let mut backend = CudnnBackend::new(0).expect("a GPU");
+    assert!(
+        backend.kinds().contains(&AlgoKind::Engine),
+        "the loaded cuDNN has no graph API"
+    );
+    let quick = TimingSettings {
+        warmup: 1,
+        loops: 1,
+        iterations: 1,
+        long_call_ms: 1000.0,
+    };
+    let base = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new(8, 16, 14, 14, 32, 3, 3)
+    };
+    let cases = [
+        ("fp32 nchw default", base),
+        (
+            "fp16 nhwc tensor-op",
+            ConvProblem {
+                dtype: DType::Fp16,
+                layout: Layout::Nhwc,
+                math: MathMode::TensorOp,
+                ..base
+            },
+        ),
+    ];
+    let mut rows = Vec::new();
+    for (label, problem) in cases {
+        let d = ConvDescriptors::new(&problem).expect("descriptors");
+        let len = |role| d.shapes().elements(role);
+        let handle = backend.handle();
+        let inputs = [
+            handle
+                .alloc_random(problem.dtype, len(Operand::Input), 1)
+                .unwrap(),
+            handle
+                .alloc_random(problem.dtype, len(Operand::Filter), 2)
+                .unwrap(),
+            handle
+                .alloc_random(problem.dtype, len(Operand::Output), 3)
+                .unwrap(),
+        ];
+        let host: Vec<Vec<f32>> = inputs.iter().map(|b| b.download().unwrap()).collect();
+        for op in ConvOp::ALL {
+            let search = EngineSearch {
+                max_candidates: Some(6),
+                ..Default::default()
+            };
+            let measured = backend
+                .measure_engines(&problem, op, 4, &quick, &search)
+                .expect("engines measured");
+            assert!(!measured.is_empty(), "{label} {op}: no engine ran");
+            let roles = operand_roles(op);
+            let pick = |role: Operand| match role {
+                Operand::Input => 0,
+                Operand::Filter => 1,
+                Operand::Output => 2,
+            };
+            let (ia, ib) = (pick(roles[0]), pick(roles[1]));
+            let want = reference_convolution(&problem, op, &host[ia], &host[ib]).expect("ref");
+            let handle = backend.handle();
+            for m in &measured {
+                assert!(matches!(m.algo, Algo::Engine(_)) && m.micro == 4 && m.time_ms > 0.0);
+                let mut split = plan(problem, op, &[4, 4], 0);
+                for mb in &mut split.micro_batches {
+                    mb.algo = m.algo;
+                }
+                let mut mixed = split.clone();
+                mixed.micro_batches[0].algo = Algo::Legacy(0);
+                for (kind, p) in [("engine", &split), ("legacy+engine", &mixed)] {
+                    let Some(got) = run(handle, p, &inputs[ia], &inputs[ib], len(roles[2])) else {
+                        panic!("{label} {op} {kind} {}: did not run", m.algo);
+                    };
+                    let error = want.max_relative_error(&got);
+                    assert!(
+                        error <= tolerance(&problem),
+                        "{label} {op} {kind} {}: error {error:.2e}",
+                        m.algo
+                    );
+                    rows.push(format!(
+                        "{label} {op} {kind} {}: {:.4} ms, {} B, error {error:.1e}",
+                        m.algo, m.time_ms, m.workspace_bytes
+                    ));
+                }
+            }
+        }
+    }
+    println!("\n{}", rows.join("\n"));
+}

@@ -3,12 +3,13 @@
 //! runs it, so pointer alignment matches).
 
 use super::cudnn::{
-    algo_count, probe, ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, Workspace,
+    algo_count, engine_configs, graph_api_status, probe, ConvDescriptors, CudnnError, CudnnHandle,
+    DeviceBuffer, EngineConfig, EnginePlan, Workspace,
 };
-use super::{check_measure_args, median_time, Backend, BackendError, TimingSettings};
+use super::{check_measure_args, median_time, Backend, BackendError, EngineSearch, TimingSettings};
 use crate::device::{BackendKind, DeviceFingerprint};
 use crate::exec::{operand_roles, Operand, Step};
-use crate::solver::{Algo, ConvOp, ConvProblem, Measurement};
+use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, Measurement};
 
 /// Full-batch random operands of one problem, indexed by [`Operand`].
 struct Operands {
@@ -29,12 +30,14 @@ impl Operands {
     }
 }
 
-/// Times cuDNN's algorithms on one GPU.
+/// Times cuDNN's algorithms on one GPU: the legacy algorithms and, where the loaded cuDNN
+/// exports the graph API, its engine configurations.
 pub struct CudnnBackend {
     handle: CudnnHandle,
     fingerprint: DeviceFingerprint,
     operands: Option<Operands>,
     workspace: Option<Workspace>,
+    kinds: &'static [AlgoKind],
 }
 
 impl CudnnBackend {
@@ -62,6 +65,11 @@ impl CudnnBackend {
             fingerprint,
             operands: None,
             workspace: None,
+            kinds: if graph_api_status().is_ok() {
+                &[AlgoKind::Legacy, AlgoKind::Engine]
+            } else {
+                &[AlgoKind::Legacy]
+            },
         })
     }
 
@@ -103,6 +111,85 @@ impl CudnnBackend {
         Ok(())
     }
 
+    /// Runs `run` on the `(a, b, out)` views of one micro-batch at sample `first` of the
+    /// full-batch operands (the offset the executor would use) and the workspace. Views are
+    /// made once, outside the timed loops (making one records stream events).
+    fn time_views<R>(
+        &mut self,
+        op: ConvOp,
+        micro: usize,
+        first: usize,
+        run: impl FnOnce(
+            &CudnnHandle,
+            &super::cudnn::DeviceView<'_>,
+            &super::cudnn::DeviceView<'_>,
+            &mut super::cudnn::DeviceViewMut<'_>,
+            &mut super::cudnn::WorkspaceView<'_>,
+        ) -> Result<R, CudnnError>,
+    ) -> Result<R, CudnnError> {
+        let full = self.operands.as_ref().expect("ensured").problem;
+        let roles = operand_roles(op);
+        let step = Step {
+            first,
+            size: micro,
+            algo: Algo::Legacy(0),
+            beta: 0.0,
+        };
+        let range = |role: Operand| step.range(role, role.elements_per_sample(&full));
+        let (ra, rb, ro) = (range(roles[0]), range(roles[1]), range(roles[2]));
+        let handle = &self.handle;
+        let (a, b, out) = self.operands.as_mut().expect("ensured").for_op(op);
+        let (a, b, mut out) = (
+            a.view(ra.0, ra.1)?,
+            b.view(rb.0, rb.1)?,
+            out.view_mut(ro.0, ro.1)?,
+        );
+        let mut workspace = self.workspace.as_mut().expect("ensured").view();
+        run(handle, &a, &b, &mut out, &mut workspace)
+    }
+
+    /// Times one engine configuration at one micro-batch: `None` when cuDNN cannot build it
+    /// (or, for backward-filter, its accumulating variant that later micro-batches need).
+    fn time_engine(
+        &mut self,
+        micro_problem: &ConvProblem,
+        op: ConvOp,
+        config: &EngineConfig,
+        first: usize,
+        timing: &TimingSettings,
+    ) -> Result<Option<(f64, u64)>, CudnnError> {
+        let skip = |e: &CudnnError| e.is_not_supported() || e.is_out_of_memory();
+        let plan = match EnginePlan::new(&self.handle, micro_problem, op, config, 1.0, 0.0) {
+            Ok(plan) => plan,
+            Err(e) if skip(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if op == ConvOp::BackwardFilter {
+            match EnginePlan::new(&self.handle, micro_problem, op, config, 1.0, 1.0) {
+                Ok(_) => {}
+                Err(e) if skip(&e) => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
+        let bytes = plan.workspace_bytes();
+        match self.ensure_workspace(bytes) {
+            Ok(()) => {}
+            Err(e) if e.is_out_of_memory() => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        let micro = micro_problem.n as usize;
+        let timed = self.time_views(op, micro, first, |handle, a, b, out, workspace| {
+            time_calls(handle, timing, || {
+                plan.execute(handle, a, b, out, workspace)
+            })
+        });
+        match timed {
+            Ok(ms) => Ok(Some((ms, bytes))),
+            Err(e) if skip(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     fn time_algo(
         &mut self,
         d: &ConvDescriptors,
@@ -112,42 +199,82 @@ impl CudnnBackend {
         timing: &TimingSettings,
     ) -> Result<f64, CudnnError> {
         let micro = d.problem().n as usize;
-        let full = self.operands.as_ref().expect("ensured").problem;
-        let roles = operand_roles(op);
-        let step = Step {
-            first,
-            size: micro,
-            algo: Algo::Legacy(algo),
-            beta: 0.0,
-        };
-        let range = |role: Operand| step.range(role, role.elements_per_sample(&full));
-        let (ra, rb, ro) = (range(roles[0]), range(roles[1]), range(roles[2]));
-        let timer = self.handle.timer()?;
-        let handle = &self.handle;
-        let (a, b, out) = self.operands.as_mut().expect("ensured").for_op(op);
-        // Views are made once, outside the timed loops (making one records stream events).
-        let (a, b, mut out) = (
-            a.view(ra.0, ra.1)?,
-            b.view(rb.0, rb.1)?,
-            out.view_mut(ro.0, ro.1)?,
-        );
-        let mut workspace = self.workspace.as_mut().expect("ensured").view();
-        median_time(timing, |iterations| {
-            let ms = timer.time(|| {
-                for _ in 0..iterations {
-                    // beta = 0: outputs are overwritten, so repeated calls stay finite.
-                    handle.convolve(d, op, algo, 1.0, &a, &b, 0.0, &mut out, &mut workspace)?;
-                }
-                Ok(())
-            })?;
-            Ok(f64::from(ms))
+        self.time_views(op, micro, first, |handle, a, b, out, workspace| {
+            time_calls(handle, timing, || {
+                // beta = 0: outputs are overwritten, so repeated calls stay finite.
+                handle.convolve(d, op, algo, 1.0, a, b, 0.0, out, workspace)
+            })
         })
     }
+}
+
+/// The median time of one `call` per [`TimingSettings`], with CUDA events on `handle`'s stream.
+fn time_calls(
+    handle: &CudnnHandle,
+    timing: &TimingSettings,
+    mut call: impl FnMut() -> Result<(), CudnnError>,
+) -> Result<f64, CudnnError> {
+    let timer = handle.timer()?;
+    median_time(timing, |iterations| {
+        let ms = timer.time(|| {
+            for _ in 0..iterations {
+                call()?;
+            }
+            Ok(())
+        })?;
+        Ok(f64::from(ms))
+    })
 }
 
 impl Backend for CudnnBackend {
     fn fingerprint(&self) -> &DeviceFingerprint {
         &self.fingerprint
+    }
+
+    fn kinds(&self) -> &'static [AlgoKind] {
+        self.kinds
+    }
+
+    /// Enumerates configurations with cuDNN's heuristics (modes A, B and the fallback list, in
+    /// that ranking, at most `search.max_candidates`), builds each one's execution plan for
+    /// the micro-batch, and times it like a legacy algorithm (same offsets, same clock).
+    /// Configurations cuDNN cannot build or run here are left out.
+    fn measure_engines(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        timing: &TimingSettings,
+        search: &EngineSearch,
+    ) -> Result<Vec<Measurement>, BackendError> {
+        check_measure_args(problem, micro)?;
+        graph_api_status()?;
+        self.ensure_operands(problem)?;
+        let micro_problem = problem.with_batch(micro);
+        let heuristics = super::cudnn::EngineSearch {
+            max_candidates: search.max_candidates.unwrap_or(usize::MAX),
+            ..Default::default()
+        };
+        let configs = engine_configs(&self.handle, &micro_problem, op, &heuristics)?;
+        let first = (problem.n - micro) as usize;
+        let mut measurements = Vec::new();
+        for config in configs {
+            let name = config.name();
+            if search.skip.contains(&name) {
+                continue;
+            }
+            if let Some((time_ms, workspace_bytes)) =
+                self.time_engine(&micro_problem, op, &config, first, timing)?
+            {
+                measurements.push(Measurement {
+                    micro,
+                    algo: Algo::Engine(name),
+                    time_ms: time_ms.max(1e-6),
+                    workspace_bytes,
+                });
+            }
+        }
+        Ok(measurements)
     }
 
     fn measure(

@@ -1,22 +1,47 @@
-//! Executing a plan with cuDNN: descriptors for each micro-batch size are built once, when the
-//! plan is prepared; execution is then one `cudnnConvolution*` call per micro-batch on offset
-//! views of the caller's device buffers, all on one stream, with no host synchronisation.
+//! Executing a plan with cuDNN: everything a micro-batch needs is built once, when the plan is
+//! prepared (descriptors for a legacy algorithm; the execution plan for an engine
+//! configuration), and shared by micro-batches of the same size and candidate. Execution is
+//! then one cuDNN call per micro-batch on offset views of the caller's device buffers, all on
+//! one stream, with no host synchronisation.
+//!
+//! An engine configuration's execution plan has alpha and beta built in, so the plans for
+//! `(alpha, beta) = (1, 0)` and, for backward-filter's accumulating micro-batches, `(1, 1)` are
+//! built up front; a caller's other alpha or beta builds its plan on first use and keeps it.
 
 use super::{check_plan, operand_roles, steps, ExecError};
-use crate::backend::cudnn::{ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, Workspace};
-use crate::solver::Plan;
+use crate::backend::cudnn::{
+    ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan, Workspace,
+};
+use crate::solver::{Algo, ConvOp, ConvProblem, Plan};
+use std::cell::RefCell;
+
+/// What one distinct (micro-batch size, candidate) runs.
+enum Kernel {
+    Legacy {
+        descriptors: ConvDescriptors,
+        algo: u32,
+    },
+    Engine {
+        /// The problem at the micro-batch size.
+        problem: ConvProblem,
+        config: EngineConfig,
+        /// Built plans, one per (alpha, beta) used so far.
+        plans: RefCell<Vec<EnginePlan>>,
+    },
+}
 
 /// A plan ready to run on one cuDNN handle.
 pub struct PreparedPlan {
     plan: Plan,
-    /// Descriptors per micro-batch, in plan order (sizes that repeat share nothing mutable, so
-    /// duplicates are cheap: a descriptor set is a few small host structs).
-    descriptors: Vec<ConvDescriptors>,
+    /// Distinct (size, candidate) kernels, and the kernel of each micro-batch in plan order.
+    kernels: Vec<(i64, Algo, Kernel)>,
+    kernel_of: Vec<usize>,
     workspace_bytes: u64,
 }
 
 impl PreparedPlan {
-    /// Builds the descriptors and checks that cuDNN supports every micro-batch's algorithm.
+    /// Builds every micro-batch's descriptors or execution plans and checks that cuDNN
+    /// supports each one's candidate at its size.
     pub fn new(handle: &CudnnHandle, plan: Plan) -> Result<Self, ExecError> {
         check_plan(&plan)?;
         let error = |source: CudnnError| ExecError::Cudnn {
@@ -24,35 +49,85 @@ impl PreparedPlan {
             op: plan.op,
             source,
         };
-        let mut descriptors = Vec::with_capacity(plan.micro_batches.len());
+        let unsupported = |what: String| ExecError::InvalidPlan {
+            layer: plan.layer.clone(),
+            op: plan.op,
+            reason: what,
+        };
+        let mut kernels: Vec<(i64, Algo, Kernel)> = Vec::new();
+        let mut kernel_of = Vec::with_capacity(plan.micro_batches.len());
         let mut workspace_bytes = 0;
         for mb in &plan.micro_batches {
-            let d = ConvDescriptors::new(&plan.problem.with_batch(mb.size)).map_err(error)?;
-            let Some(algo) = mb.algo.legacy() else {
-                return Err(ExecError::InvalidPlan {
-                    layer: plan.layer.clone(),
-                    op: plan.op,
-                    reason: format!("engine configuration {} is not executable yet", mb.algo),
-                });
-            };
-            match handle.workspace_size(&d, plan.op, algo).map_err(error)? {
-                Some(bytes) => workspace_bytes = workspace_bytes.max(bytes),
+            let known = kernels
+                .iter()
+                .position(|(size, algo, _)| *size == mb.size && *algo == mb.algo);
+            let k = match known {
+                Some(k) => k,
                 None => {
-                    return Err(ExecError::InvalidPlan {
-                        layer: plan.layer.clone(),
-                        op: plan.op,
-                        reason: format!(
-                            "cuDNN does not support algo {} at micro-batch {}",
-                            mb.algo, mb.size
-                        ),
-                    })
+                    let problem = plan.problem.with_batch(mb.size);
+                    let kernel = match mb.algo {
+                        Algo::Legacy(algo) => {
+                            let d = ConvDescriptors::new(&problem).map_err(error)?;
+                            let bytes = handle
+                                .workspace_size(&d, plan.op, algo)
+                                .map_err(error)?
+                                .ok_or_else(|| {
+                                    unsupported(format!(
+                                        "cuDNN does not support algo {algo} at micro-batch {}",
+                                        mb.size
+                                    ))
+                                })?;
+                            workspace_bytes = workspace_bytes.max(bytes);
+                            Kernel::Legacy {
+                                descriptors: d,
+                                algo,
+                            }
+                        }
+                        Algo::Engine(name) => {
+                            let config = EngineConfig::from_name(name)
+                                .map_err(|e| unsupported(e.to_string()))?;
+                            let build = |beta: f32| {
+                                EnginePlan::new(handle, &problem, plan.op, &config, 1.0, beta)
+                                    .map_err(error)
+                            };
+                            let first = build(0.0)?;
+                            workspace_bytes = workspace_bytes.max(first.workspace_bytes());
+                            Kernel::Engine {
+                                problem,
+                                config,
+                                plans: RefCell::new(vec![first]),
+                            }
+                        }
+                    };
+                    kernels.push((mb.size, mb.algo, kernel));
+                    kernels.len() - 1
+                }
+            };
+            kernel_of.push(k);
+        }
+        // A later backward-filter micro-batch of an already-seen kernel accumulates: make sure
+        // its beta = 1 plan exists too.
+        if plan.op == ConvOp::BackwardFilter {
+            for &k in kernel_of.iter().skip(1) {
+                if let Kernel::Engine {
+                    problem,
+                    config,
+                    plans,
+                } = &kernels[k].2
+                {
+                    if !plans.borrow().iter().any(|p| p.beta() == 1.0) {
+                        let p = EnginePlan::new(handle, problem, plan.op, config, 1.0, 1.0)
+                            .map_err(error)?;
+                        workspace_bytes = workspace_bytes.max(p.workspace_bytes());
+                        plans.borrow_mut().push(p);
+                    }
                 }
             }
-            descriptors.push(d);
         }
         Ok(PreparedPlan {
             plan,
-            descriptors,
+            kernels,
+            kernel_of,
             workspace_bytes,
         })
     }
@@ -87,29 +162,51 @@ impl PreparedPlan {
         };
         let roles = operand_roles(plan.op);
         let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
-        for ((step, d), mb) in steps(plan, beta)
-            .zip(&self.descriptors)
-            .zip(&plan.micro_batches)
-        {
+        for (step, &k) in steps(plan, beta).zip(&self.kernel_of) {
             let range = |i: usize| step.range(roles[i], per_sample[i]);
             let (ra, rb, ro) = (range(0), range(1), range(2));
             let a = a.view(ra.0, ra.1).map_err(error)?;
             let b = b.view(rb.0, rb.1).map_err(error)?;
             let mut out = out.view_mut(ro.0, ro.1).map_err(error)?;
             let mut workspace = workspace.view();
-            handle
-                .convolve(
-                    d,
-                    plan.op,
-                    mb.algo.legacy().unwrap_or_default(),
-                    alpha,
-                    &a,
-                    &b,
-                    step.beta,
-                    &mut out,
-                    &mut workspace,
-                )
-                .map_err(error)?;
+            match &self.kernels[k].2 {
+                Kernel::Legacy { descriptors, algo } => handle
+                    .convolve(
+                        descriptors,
+                        plan.op,
+                        *algo,
+                        alpha,
+                        &a,
+                        &b,
+                        step.beta,
+                        &mut out,
+                        &mut workspace,
+                    )
+                    .map_err(error)?,
+                Kernel::Engine {
+                    problem,
+                    config,
+                    plans,
+                } => {
+                    let found = plans
+                        .borrow()
+                        .iter()
+                        .position(|p| p.alpha() == alpha && p.beta() == step.beta);
+                    let index = match found {
+                        Some(index) => index,
+                        None => {
+                            let p =
+                                EnginePlan::new(handle, problem, plan.op, config, alpha, step.beta)
+                                    .map_err(error)?;
+                            plans.borrow_mut().push(p);
+                            plans.borrow().len() - 1
+                        }
+                    };
+                    plans.borrow()[index]
+                        .execute(handle, &a, &b, &mut out, &mut workspace)
+                        .map_err(error)?;
+                }
+            }
         }
         Ok(())
     }

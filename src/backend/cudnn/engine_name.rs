@@ -45,6 +45,18 @@ pub struct EngineNameError {
 }
 
 impl EngineConfig {
+    /// The configuration a candidate's name stands for.
+    pub fn from_name(name: crate::solver::EngineName) -> Result<Self, EngineNameError> {
+        name.as_str().parse()
+    }
+
+    /// The candidate's name (interned; what profiles, plans and the cache hold).
+    pub fn name(&self) -> crate::solver::EngineName {
+        // The printed form is canonical and always parses.
+        crate::solver::EngineName::new(&self.to_string())
+            .expect("an EngineConfig prints a valid engine name")
+    }
+
     /// Engine `engine` with `knobs` as (knob type, value) pairs in any order. Errors when the
     /// engine id or a knob type is negative, or a knob type appears twice.
     pub fn new(

@@ -61,7 +61,7 @@ pub use foreign::{
     FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
     RawDeviceViewMut, TensorDescriptorInfo,
 };
-pub use graph::{engine_configs, heuristic_plan_workspaces, EnginePlan};
+pub use graph::{engine_configs, graph_api_status, heuristic_plan_workspaces, EnginePlan};
 
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
 /// bindings use CUDA 13.0 entry points (`cuEventElapsedTime_v2`, ...). Driver 580 reports 13000.

@@ -149,7 +149,7 @@ pub use ffi::{
 };
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
 /// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
-pub use ffi::{engine_configs, EnginePlan};
+pub use ffi::{engine_configs, graph_api_status, EnginePlan};
 /// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
 /// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
 /// workspace mucudnn allocates for it.

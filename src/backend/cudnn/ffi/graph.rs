@@ -98,6 +98,11 @@ struct GraphApi {
     _private: (),
 }
 
+/// Whether the graph API can be used: cuDNN 9 is loaded and exports it (an error says why not).
+pub fn graph_api_status() -> Result<(), CudnnError> {
+    graph_api().map(|_| ())
+}
+
 /// Gate for the graph API: the legacy gate (`cudnn()`: libcudnn 9.x present with its legacy
 /// symbols) and then [`GRAPH_SYMBOLS`]. Cached.
 fn graph_api() -> Result<GraphApi, CudnnError> {
