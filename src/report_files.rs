@@ -390,6 +390,16 @@ fn render_markdown(input: &ReportInput<'_>, charts: &[(ProblemName, String)]) ->
         total_table(&mut out, &|s| f64::from(count_of(&s.plan.layer)), false);
     }
 
+    if let Some(summary) = crate::report::kind_summary(input.solution) {
+        let _ = writeln!(out, "### Which candidates won\n");
+        let _ = writeln!(
+            out,
+            "Engine configurations of cuDNN's graph API and legacy algorithms competed at every \
+             micro-batch size; {}.\n",
+            summary.trim_start_matches("winners: ")
+        );
+    }
+
     let _ = writeln!(out, "## Speedup\n");
     let _ = writeln!(
         out,

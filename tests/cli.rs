@@ -403,3 +403,142 @@ fn tune_on_cuda_without_a_gpu_is_a_clear_error() {
     );
     assert!(!text.contains("panicked"), "{text}");
 }
+
+const ENGINES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/h100-engines-3layers-pareto.json"
+);
+
+/// Two profiles of one device merge; `--candidates` picks one kind or both, and the table
+/// says which kind won.
+#[test]
+fn solve_merges_profiles_and_compares_candidate_kinds() {
+    let total = |candidates: &str| -> (f64, Value) {
+        let output = mucudnn(&[
+            "solve",
+            "--profile",
+            FIXTURE,
+            "--profile",
+            ENGINES,
+            "--candidates",
+            candidates,
+            "--json",
+        ]);
+        assert!(output.status.success(), "{}", stderr(&output));
+        let doc: Value = serde_json::from_str(&stdout(&output)).unwrap();
+        (doc["total_time_ms"].as_f64().unwrap(), doc)
+    };
+    let (legacy, _) = total("legacy");
+    let (engines, doc) = total("engines");
+    let (all, all_doc) = total("all");
+    // The engines fixture has 3 layers (18 plans), two of them AlexNet's; the legacy profile
+    // AlexNet's 5 layers (30 plans).
+    assert_eq!(doc["plans"].as_array().unwrap().len(), 18);
+    assert_eq!(all_doc["plans"].as_array().unwrap().len(), 36);
+    let alexnet_all: f64 = all_doc["plans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["layer"].as_str().unwrap().starts_with("alexnet"))
+        .map(|p| p["time_ms"].as_f64().unwrap())
+        .sum();
+    assert!(alexnet_all < legacy, "{alexnet_all} vs {legacy}");
+    assert!(all > alexnet_all);
+    assert!(engines > 0.0);
+    let kinds: Vec<&str> = all_doc["plans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["micro_batches"].as_array().unwrap())
+        .map(|m| {
+            // A micro-batch names its candidate by exactly one of `algo` and `engine`.
+            assert!(m.get("algo").is_some() != m.get("engine").is_some(), "{m}");
+            m["kind"].as_str().unwrap()
+        })
+        .collect();
+    assert!(kinds.contains(&"engine") && kinds.contains(&"legacy"));
+    let table = stdout(&mucudnn(&[
+        "solve",
+        "--profile",
+        FIXTURE,
+        "--profile",
+        ENGINES,
+    ]));
+    assert!(
+        table.contains("winners: engine configurations run"),
+        "{table}"
+    );
+    assert!(table.contains("@eng"), "{table}");
+    let legacy_only = stdout(&mucudnn(&["solve", "--profile", FIXTURE]));
+    assert!(!legacy_only.contains("winners:"), "{legacy_only}");
+    // Merging a profile with itself measures candidates twice: refused, naming the file.
+    let output = mucudnn(&["solve", "--profile", ENGINES, "--profile", ENGINES]);
+    assert!(!output.status.success());
+    assert!(
+        stderr(&output).contains("cannot merge"),
+        "{}",
+        stderr(&output)
+    );
+    let output = mucudnn(&["solve", "--profile", FIXTURE, "--candidates", "engines"]);
+    assert!(!output.status.success());
+    assert!(
+        stderr(&output).contains("no engines candidates"),
+        "{}",
+        stderr(&output)
+    );
+}
+
+#[test]
+fn engine_options_are_checked() {
+    let output = mucudnn(&[
+        "tune",
+        "--model",
+        "alexnet",
+        "--batch",
+        "2",
+        "--device",
+        "cpu",
+        "--no-cache",
+        "--candidates",
+        "engines",
+        "--quiet",
+    ]);
+    assert!(!output.status.success());
+    let err = stderr(&output);
+    assert!(err.contains("no graph-API engine configurations"), "{err}");
+    for bad in [
+        ["--prune-margin", "0.5"],
+        ["--prune-margin", "nan"],
+        ["--max-candidates", "0"],
+        ["--candidates", "engine"],
+    ] {
+        let mut args = vec![
+            "tune", "--model", "alexnet", "--batch", "2", "--device", "cpu",
+        ];
+        args.extend_from_slice(&bad);
+        let output = mucudnn(&args);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{bad:?}: {}",
+            stderr(&output)
+        );
+    }
+}
+
+#[test]
+fn reports_say_which_candidates_won() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-engines-report-{}", std::process::id()));
+    let output = mucudnn(&[
+        "report",
+        "--profile",
+        ENGINES,
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let report = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(report.contains("### Which candidates won"), "{report}");
+    assert!(report.contains("eng"), "{report}");
+    std::fs::remove_dir_all(dir).ok();
+}
