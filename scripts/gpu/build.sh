@@ -5,10 +5,13 @@
 #                                         tune/verify, profile check
 #   bash scripts/gpu/c_abi_check.sh run   the C ABI clients (C and PyTorch ctypes)
 #   bash .gpu/engines_vs_torch.sh         issue 8: executed plans (legacy + engines) vs PyTorch
+#   bash scripts/gpu/train_ops_check.sh   the training ops, NCCL and a tiny CNN (src/train/gpu)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .gpu
-grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
+# (git rev-parse: in a worktree .git is a file; the exclude file is the common one)
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
 cargo build --release --locked
 exe() { # the test executable of a cargo target, from cargo's JSON messages
   cargo test --release --locked --no-run --message-format=json "$@" 2>/dev/null |
@@ -22,6 +25,7 @@ cp target/release/mucudnn .gpu/mucudnn
 cp "$(exe --lib)" .gpu/lib-tests
 cp "$(exe --test gpu_cudnn)" .gpu/gpu-tests
 cp "$(exe --test gpu_engines)" .gpu/gpu-engines
+cp "$(exe --test gpu_train_ops)" .gpu/train-ops-tests
 cp scripts/gpu/check.sh scripts/gpu/torch_cases.py scripts/gpu/compare_profile.py .gpu/
 cp scripts/gpu/engines_vs_torch.sh scripts/gpu/torch_bench.py .gpu/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/

@@ -16,7 +16,9 @@ cd "$(dirname "$0")/../.."
 build() {
   set -e
   mkdir -p .gpu/c_abi
-  grep -qx '.gpu/' .git/info/exclude 2>/dev/null || echo '.gpu/' >> .git/info/exclude
+  local exclude
+  exclude=$(git rev-parse --git-path info/exclude)
+  grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
   cargo build --release --locked --lib
   cp target/release/libmucudnn.so .gpu/c_abi/libmucudnn.so
   strip --strip-debug .gpu/c_abi/libmucudnn.so 2>/dev/null || true

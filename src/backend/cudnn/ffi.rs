@@ -112,7 +112,7 @@ const CUDNN_SYMBOLS: &[&str] = &[
 // ---------------------------------------------------------------------------------------------
 // Errors
 
-fn status_error(call: &'static str, status: dnn_sys::cudnnStatus_t) -> CudnnError {
+pub(crate) fn status_error(call: &'static str, status: dnn_sys::cudnnStatus_t) -> CudnnError {
     CudnnError::Cudnn {
         call,
         status: format!("{status:?}"),
@@ -138,7 +138,7 @@ fn describe_driver_error(e: &DriverError) -> (String, String) {
     (name, message)
 }
 
-fn driver_error(call: &'static str, e: DriverError) -> CudnnError {
+pub(crate) fn driver_error(call: &'static str, e: DriverError) -> CudnnError {
     let (name, message) = describe_driver_error(&e);
     CudnnError::Driver {
         call,
@@ -157,7 +157,7 @@ fn invalid(call: &'static str, detail: String) -> CudnnError {
 }
 
 /// Reports a failed destroy from a `Drop` impl without panicking (not even on a closed stderr).
-fn warn_drop(call: &str, status: dnn_sys::cudnnStatus_t) {
+pub(crate) fn warn_drop(call: &str, status: dnn_sys::cudnnStatus_t) {
     let _ = writeln!(
         std::io::stderr(),
         "mucudnn: warning: {call} failed while dropping: {status:?} ({})",
@@ -198,7 +198,7 @@ fn libcudnn_present() -> bool {
 }
 
 /// The file names cudarc tries for `lib`, without repeats.
-fn candidates(lib: &str) -> String {
+pub(crate) fn candidates(lib: &str) -> String {
     let mut names: Vec<String> = Vec::new();
     for name in cudarc::get_lib_name_candidates(lib) {
         if !names.contains(&name) {
@@ -210,7 +210,7 @@ fn candidates(lib: &str) -> String {
 
 /// Gate for everything that touches the driver: libcuda present, driver API new enough,
 /// cuInit succeeded. Returns the driver version (e.g. 13000). Cached.
-fn driver() -> Result<i32, CudnnError> {
+pub(crate) fn driver() -> Result<i32, CudnnError> {
     static DRIVER: OnceLock<Result<i32, CudnnError>> = OnceLock::new();
     DRIVER.get_or_init(init_driver).clone()
 }
@@ -277,7 +277,7 @@ fn device_count() -> Result<usize, CudnnError> {
 
 /// Gate for everything that touches cuDNN: libcudnn present, major version 9, every symbol
 /// this module calls exported. Returns `cudnnGetVersion()` (e.g. 91400). Cached.
-fn cudnn() -> Result<u64, CudnnError> {
+pub(crate) fn cudnn() -> Result<u64, CudnnError> {
     static CUDNN: OnceLock<Result<u64, CudnnError>> = OnceLock::new();
     CUDNN.get_or_init(init_cudnn).clone()
 }
@@ -882,7 +882,15 @@ impl CudnnHandle {
             .map_err(drv_err("cuStreamSynchronize"))
     }
 
-    fn bind(&self) -> Result<(), CudnnError> {
+    /// The raw handle, for the training ops' FFI wall (`crate::train::gpu::ffi`), which calls
+    /// more of cuDNN on the same handle. Live as long as `self`; used by this thread only (the
+    /// type is not `Sync`).
+    pub(crate) fn raw(&self) -> dnn_sys::cudnnHandle_t {
+        self.raw
+    }
+
+    /// Makes the handle's context current on this thread (before any cuDNN call).
+    pub(crate) fn bind(&self) -> Result<(), CudnnError> {
         self.stream.context().bind_to_thread().map_err(drv_err(
             "cuCtxSetCurrent (or an earlier deferred CUDA error)",
         ))
@@ -1382,6 +1390,11 @@ impl TensorDescriptor {
     pub fn dims(&self) -> [i32; 4] {
         self.dims
     }
+
+    /// The raw descriptor, for the training ops' FFI wall; live as long as `self`.
+    pub(crate) fn raw(&self) -> dnn_sys::cudnnTensorDescriptor_t {
+        self.raw
+    }
 }
 
 impl Drop for TensorDescriptor {
@@ -1775,6 +1788,17 @@ impl DeviceBuffer {
         self.stream
             .memcpy_htod(&bytes, &mut self.data)
             .map_err(drv_err("cuMemcpyHtoDAsync"))
+    }
+
+    /// The allocation as cudarc holds it (`len * dtype size` bytes), for the training ops' FFI
+    /// wall, which reads and writes whole buffers on their stream.
+    pub(crate) fn cuda_bytes(&self) -> &CudaSlice<u8> {
+        &self.data
+    }
+
+    /// As [`Self::cuda_bytes`], for writing.
+    pub(crate) fn cuda_bytes_mut(&mut self) -> &mut CudaSlice<u8> {
+        &mut self.data
     }
 
     /// Overwrites the buffer with [`host::random_values`] (non-zero) from `seed`.

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU acceptance of the training building blocks (src/train/gpu/): every op against its host
+# reference, the SGD step, fp32 <-> fp16 transforms, NCCL with world size 1 and a few training
+# steps of a tiny CNN; plus the unit tests of src/train/ with the real libraries loaded.
+#
+# Builds nothing: scripts/gpu/build.sh (here, with Rust) puts the test binaries into .gpu/.
+# With the device tool: command `bash scripts/gpu/train_ops_check.sh`, carry [".gpu"].
+# Logs go under $OUT (default /tmp/mucudnn-train-ops); a summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+G=.gpu
+OUT=${OUT:-/tmp/mucudnn-train-ops}
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+status() { echo "$1: $([ "$2" -eq 0 ] && echo ok || echo "FAILED ($2)")" >> "$OUT/summary.txt"; }
+for binary in train-ops-tests lib-tests; do
+  if [ ! -x "$G/$binary" ]; then
+    echo "$G/$binary is missing: run 'bash scripts/gpu/build.sh' where Rust is installed, and" \
+         "carry .gpu" | tee -a "$OUT/summary.txt"
+    exit 1
+  fi
+done
+nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+
+# cudarc dlopens each library by the names it knows (libcublas.so or libcublas.so.13,
+# libnccl.so -- not libnccl.so.2 --, libcudnn.so or libcudnn.so.9). Use the system's where the
+# dynamic loader knows one of those names; otherwise take PyTorch's wheel: its folder on
+# LD_LIBRARY_PATH (only that folder, so that the system cuDNN stays the one used) and a link
+# under the plain name in $OUT/lib-links.
+site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' \
+       2>/dev/null || echo /opt/torch/.venv/lib/python3.12/site-packages)
+links="$OUT/lib-links"
+mkdir -p "$links"
+: > "$OUT/libraries.txt"
+for spec in "libcublas.so libcublas.so.13" "libnccl.so" "libcudnn.so libcudnn.so.9"; do
+  set -- $spec
+  plain=$1
+  pattern=$(printf '%s|' "$@" | sed 's/|$//; s/\./\\./g')
+  system=$(ldconfig -p 2>/dev/null | grep -E "^[[:space:]]+($pattern) " | head -n 1 | sed 's/.*=> //')
+  if [ -n "$system" ]; then
+    echo "$plain: $system (system)" >> "$OUT/libraries.txt"
+    continue
+  fi
+  found=$(find "$site/nvidia" -name "$plain*" 2>/dev/null | sort | head -n 1)
+  if [ -n "$found" ]; then
+    ln -sf "$found" "$links/$plain"
+    export LD_LIBRARY_PATH="$links:$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "$plain: $found (PyTorch's wheel, linked as $links/$plain)" >> "$OUT/libraries.txt"
+  else
+    echo "$plain: NOT FOUND" >> "$OUT/libraries.txt"
+  fi
+done
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" >> "$OUT/libraries.txt"
+
+MUCUDNN_GPU_TESTS=1 $G/train-ops-tests --nocapture --test-threads=1 > "$OUT/train-ops-tests.txt" 2>&1
+status "training ops vs host references, NCCL world 1, tiny CNN steps (tests/gpu_train_ops.rs)" $?
+MUCUDNN_GPU_TESTS=1 $G/lib-tests train:: --nocapture --test-threads=1 > "$OUT/train-unit-tests.txt" 2>&1
+status "src/train unit tests with the libraries present" $?
+
+cat "$OUT/gpu.txt" "$OUT/libraries.txt"
+grep -E "^(test |NCCL|cuBLAS|libraries|tiny CNN)|max error|skipped|panicked|FAILED" "$OUT/train-ops-tests.txt" | tail -n 80
+grep -E "test result" "$OUT/train-unit-tests.txt"
+echo
+cat "$OUT/summary.txt"
+! grep -q FAILED "$OUT/summary.txt"
