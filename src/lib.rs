@@ -3,7 +3,8 @@
 //! Data flows problem -> profile -> (cache) -> solve -> plan -> execute:
 //! - the problem model, profiles and solvers live in the pure crate `mucudnn-solver`,
 //!   re-exported here as [`solver`];
-//! - [`backend`] measures and runs convolutions (cuDNN on the GPU, real algorithms on the CPU).
+//! - [`backend`] measures and runs convolutions (cuDNN on the GPU, real algorithms on the CPU);
+//! - [`train`] trains a small CNN data-parallel with its convolutions in mucudnn's layer.
 
 pub use mucudnn_cache as cache;
 pub use mucudnn_solver as solver;
@@ -18,4 +19,5 @@ pub mod network;
 pub mod profiler;
 pub mod report;
 pub mod report_files;
+pub mod train;
 pub mod tune;
