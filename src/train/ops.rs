@@ -12,10 +12,9 @@ pub fn relu(x: &mut [f32]) {
 
 /// ReLU's backward in place: `dy` becomes zero where the ReLU's output `y` is not positive.
 pub fn relu_backward(y: &[f32], dy: &mut [f32]) {
+    // Written as a select (not a conditional store) so it vectorises.
     for (g, &out) in dy.iter_mut().zip(y) {
-        if out <= 0.0 {
-            *g = 0.0;
-        }
+        *g = if out > 0.0 { *g } else { 0.0 };
     }
 }
 
@@ -24,22 +23,32 @@ pub fn relu_backward(y: &[f32], dy: &mut [f32]) {
 pub fn max_pool2x2(x: &[f32], dims: [usize; 4]) -> (Vec<f32>, Vec<u32>) {
     let [n, c, h, w] = dims;
     let (ph, pw) = (h / 2, w / 2);
-    let mut out = Vec::with_capacity(n * c * ph * pw);
-    let mut argmax = Vec::with_capacity(n * c * ph * pw);
-    for plane in 0..n * c {
-        let base = plane * h * w;
-        for row in 0..ph {
-            for col in 0..pw {
-                let top = base + 2 * row * w + 2 * col;
-                let mut best = top;
-                for candidate in [top + 1, top + w, top + w + 1] {
-                    if x[candidate] > x[best] {
-                        best = candidate;
-                    }
+    let mut out = vec![0.0; n * c * ph * pw];
+    let mut argmax = vec![0u32; n * c * ph * pw];
+    if ph == 0 || pw == 0 {
+        return (out, argmax);
+    }
+    let rows = out.chunks_exact_mut(pw).zip(argmax.chunks_exact_mut(pw));
+    for (index, (out_row, arg_row)) in rows.enumerate() {
+        let (plane, row) = (index / ph, index % ph);
+        let top_start = plane * h * w + 2 * row * w;
+        let top = &x[top_start..top_start + 2 * pw];
+        let bottom = &x[top_start + w..top_start + w + 2 * pw];
+        for (col, (value, arg)) in out_row.iter_mut().zip(arg_row.iter_mut()).enumerate() {
+            let candidates = [
+                (top[2 * col], 0),
+                (top[2 * col + 1], 1),
+                (bottom[2 * col], w),
+                (bottom[2 * col + 1], w + 1),
+            ];
+            let mut best = candidates[0];
+            for candidate in &candidates[1..] {
+                if candidate.0 > best.0 {
+                    best = *candidate;
                 }
-                out.push(x[best]);
-                argmax.push(best as u32);
             }
+            *value = best.0;
+            *arg = (top_start + 2 * col + best.1) as u32;
         }
     }
     (out, argmax)
@@ -80,17 +89,27 @@ pub fn linear_backward(
     let mut dx = vec![0.0; n * features];
     let mut dw = vec![0.0; weight.len()];
     let mut db = vec![0.0; outputs];
-    for image in 0..n {
-        let x_row = &x[image * features..(image + 1) * features];
-        let dx_row = &mut dx[image * features..(image + 1) * features];
-        for k in 0..outputs {
-            let g = dy[image * outputs + k];
-            db[k] += g;
-            let w_row = &weight[k * features..(k + 1) * features];
-            let dw_row = &mut dw[k * features..(k + 1) * features];
-            for f in 0..features {
-                dw_row[f] += g * x_row[f];
-                dx_row[f] += g * w_row[f];
+    if features == 0 || outputs == 0 {
+        return (dx, dw, db);
+    }
+    let rows = x
+        .chunks_exact(features)
+        .zip(dx.chunks_exact_mut(features))
+        .zip(dy.chunks_exact(outputs));
+    for ((x_row, dx_row), dy_row) in rows {
+        let weights = weight
+            .chunks_exact(features)
+            .zip(dw.chunks_exact_mut(features));
+        for (((w_row, dw_row), &g), db_k) in weights.zip(dy_row).zip(db.iter_mut()) {
+            *db_k += g;
+            for (((dw_f, &x_f), dx_f), &w_f) in dw_row
+                .iter_mut()
+                .zip(x_row)
+                .zip(dx_row.iter_mut())
+                .zip(w_row)
+            {
+                *dw_f += g * x_f;
+                *dx_f += g * w_f;
             }
         }
     }
