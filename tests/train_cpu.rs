@@ -397,6 +397,10 @@ const SMALL: &[&str] = &[
     "1",
     "--block-channels",
     "8,16",
+    "--noise",
+    "0.3",
+    "--lr",
+    "0.05",
 ];
 
 fn train_json(extra: &[&str], cache: &Path) -> Value {
@@ -428,6 +432,7 @@ fn cli_json_reports_every_epoch_and_a_summary() {
     assert_eq!(
         keys(&doc),
         [
+            "conv_plans",
             "epochs",
             "initial",
             "settings",
@@ -435,6 +440,10 @@ fn cli_json_reports_every_epoch_and_a_summary() {
             "tuned_batch_sizes"
         ]
     );
+    // Two conv layers x three ops, for the per-rank batch of 16.
+    let plans = doc["conv_plans"].as_array().unwrap();
+    assert_eq!(plans.len(), 6);
+    assert!(plans.iter().all(|p| p["n"] == 16), "{plans:?}");
     assert_eq!(doc["settings"]["ranks"], 2);
     assert_eq!(doc["settings"]["batch_per_rank"], 16);
     assert_eq!(doc["settings"]["global_batch"], 32);
@@ -479,6 +488,14 @@ fn cli_no_microbatch_runs_with_the_best_single_algorithm() {
         &temp.path(),
     );
     assert_eq!(doc["settings"]["policy"], "undivided");
+    // The best single algorithm: one micro-batch of the whole per-rank batch in every plan.
+    for plan in doc["conv_plans"].as_array().unwrap() {
+        let split = plan["split"].as_str().unwrap();
+        assert!(
+            split.starts_with("1x16@") && !split.contains('+'),
+            "{split}"
+        );
+    }
     assert_eq!(doc["settings"]["workspace_limit_bytes"], 1u64 << 20);
     assert_eq!(doc["epochs"].as_array().unwrap().len(), 3);
 }
@@ -518,7 +535,7 @@ fn cli_errors_are_clear() {
         ),
         (&[], &[("WORLD_SIZE", "2")], "--rank"),
         (&["--classes", "11"], &[], "2 to 10 classes"),
-        (&["--lr", "0"], &[], "learning rate"),
+        (&["--momentum", "1"], &[], "momentum"),
         (&["--ranks", "0"], &[], "--ranks"),
     ];
     let output = mucudnn(&["train", "--image-size", "2", "--no-cache"], &[]);

@@ -411,6 +411,13 @@ impl<C: Collective> Replica for CpuReplica<C> {
     fn prepare(&mut self, batch_sizes: &[usize]) -> Result<(), TrainError> {
         self.net.prepare(batch_sizes)
     }
+
+    fn conv_plans(&self, batch: usize) -> Vec<Plan> {
+        (0..self.net.spec.block_channels.len())
+            .filter_map(|block| self.net.plans(block, batch))
+            .flat_map(|plans| plans.iter().cloned())
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -552,5 +559,9 @@ mod tests {
             assert!((a - e).abs() <= 1e-6 * (1.0 + e.abs()), "{a} vs {e}");
         }
         assert!(replica.net().plans(0, 4).is_some());
+        let plans = replica.conv_plans(4);
+        assert_eq!(plans.len(), 6); // 2 layers x 3 ops
+        assert!(plans.iter().all(|p| p.batch() == 4));
+        assert!(replica.conv_plans(5).is_empty());
     }
 }

@@ -12,6 +12,7 @@ use super::{
     Collective, Dataset, Hyper, LoaderConfig, Replica, ShardedLoader, StepStats, ThreadCollective,
     TrainError,
 };
+use crate::solver::Plan;
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -95,6 +96,9 @@ pub struct TrainReport {
     pub tuning_s: f64,
     /// The per-rank batch sizes tuned for.
     pub tuned_batch_sizes: Vec<usize>,
+    /// Rank 0's conv plans for the largest per-rank batch (see [`Replica::conv_plans`]).
+    #[serde(skip)]
+    pub conv_plans: Vec<Plan>,
     /// The held-out split before training.
     pub initial: EvalReport,
     pub epochs: Vec<EpochReport>,
@@ -251,6 +255,9 @@ pub fn run_rank<R: Replica + ?Sized>(
     }
     collective.barrier()?;
     let tuning_s = started.elapsed().as_secs_f64();
+    let conv_plans = sizes
+        .last()
+        .map_or_else(Vec::new, |&largest| replica.conv_plans(largest));
     events(TrainEvent::Tuned {
         seconds: tuning_s,
         batch_sizes: &sizes,
@@ -336,6 +343,7 @@ pub fn run_rank<R: Replica + ?Sized>(
         batch_per_rank: config.batch_per_rank,
         tuning_s,
         tuned_batch_sizes: sizes,
+        conv_plans,
         initial: initial_report,
         epochs,
         wall_s: started.elapsed().as_secs_f64(),

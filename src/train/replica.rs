@@ -2,6 +2,7 @@
 //! network, runs a step on its shard of the batch, and takes part in the gradient all-reduce.
 
 use super::{Hyper, TrainError};
+use crate::solver::Plan;
 
 /// Per-step numbers a replica reports (this rank only).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -57,5 +58,12 @@ pub trait Replica {
     fn prepare(&mut self, batch_sizes: &[usize]) -> Result<(), TrainError> {
         let _ = batch_sizes;
         Ok(())
+    }
+
+    /// The convolution plans this replica runs for a per-rank batch of `batch` (every layer,
+    /// forward, backward-data, backward-filter), for reports. The default reports none.
+    fn conv_plans(&self, batch: usize) -> Vec<Plan> {
+        let _ = batch;
+        Vec::new()
     }
 }

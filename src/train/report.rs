@@ -3,7 +3,7 @@
 
 use super::{DatasetSpec, EpochReport, EvalReport, Hyper, NetSpec, TrainReport};
 use crate::solver::units::format_bytes;
-use crate::solver::Policy;
+use crate::solver::{Plan, Policy};
 use serde::Serialize;
 use std::fmt::Write as _;
 
@@ -47,10 +47,39 @@ pub struct Summary {
     pub wall_s: f64,
 }
 
+/// One conv plan the replicas run.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanRow {
+    pub layer: String,
+    pub op: &'static str,
+    /// The per-rank batch the plan is for.
+    pub n: i64,
+    /// Runs of equal (micro-batch size, algorithm), e.g. `4x8@algo1`.
+    pub split: String,
+    /// The solver's prediction from the measurements.
+    pub predicted_ms: f64,
+    pub workspace_bytes: u64,
+}
+
+impl PlanRow {
+    pub fn new(plan: &Plan) -> Self {
+        PlanRow {
+            layer: plan.layer.clone(),
+            op: plan.op.name(),
+            n: plan.batch(),
+            split: plan.split_string(),
+            predicted_ms: plan.time_ms(),
+            workspace_bytes: plan.workspace_bytes(),
+        }
+    }
+}
+
 /// The `--json` document.
 #[derive(Clone, Debug, Serialize)]
 pub struct TrainJson<'a> {
     pub settings: &'a RunInfo,
+    /// Rank 0's conv plans for the largest per-rank batch.
+    pub conv_plans: Vec<PlanRow>,
     /// Held-out loss and accuracy before training.
     pub initial: EvalReport,
     pub tuned_batch_sizes: &'a [usize],
@@ -62,6 +91,7 @@ impl<'a> TrainJson<'a> {
     pub fn new(settings: &'a RunInfo, report: &'a TrainReport) -> Self {
         TrainJson {
             settings,
+            conv_plans: report.conv_plans.iter().map(PlanRow::new).collect(),
             initial: report.initial,
             tuned_batch_sizes: &report.tuned_batch_sizes,
             epochs: &report.epochs,
@@ -164,6 +194,28 @@ pub fn render_initial(initial: &EvalReport) -> String {
     )
 }
 
+/// The conv plans, one line per (layer, op).
+pub fn render_plans(plans: &[Plan]) -> String {
+    let Some(first) = plans.first() else {
+        return String::new();
+    };
+    let mut out = format!("\nconv plans for a per-rank batch of {}:\n", first.batch());
+    let width = plans.iter().map(|p| p.layer.len()).max().unwrap_or(0);
+    for plan in plans {
+        let row = PlanRow::new(plan);
+        let _ = writeln!(
+            out,
+            "  {:<width$}  {:<10}  {:<24}  predicted {:>8.3} ms  workspace {}",
+            row.layer,
+            row.op,
+            row.split,
+            row.predicted_ms,
+            format_bytes(row.workspace_bytes)
+        );
+    }
+    out
+}
+
 pub fn render_summary(report: &TrainReport) -> String {
     let s = summary(report);
     format!(
@@ -241,6 +293,7 @@ mod tests {
         assert_eq!(
             keys,
             [
+                "conv_plans",
                 "epochs",
                 "initial",
                 "settings",

@@ -11,8 +11,8 @@ use mucudnn::solver::units::parse_size;
 use mucudnn::solver::Policy;
 use mucudnn::train::dist::DistFlags;
 use mucudnn::train::report::{
-    render_epoch_header, render_epoch_row, render_header, render_initial, render_summary, RunInfo,
-    TrainJson,
+    render_epoch_header, render_epoch_row, render_header, render_initial, render_plans,
+    render_summary, RunInfo, TrainJson,
 };
 use mucudnn::train::{
     train_threads, CacheChoice, ConvSettings, CpuReplica, DatasetSpec, DistConfig, Hyper, NetSpec,
@@ -44,7 +44,7 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "R", default_value_t = 1)]
     ranks: usize,
     /// Learning rate.
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.01)]
     lr: f32,
     #[arg(long, default_value_t = 0.9)]
     momentum: f32,
@@ -54,13 +54,13 @@ pub(crate) struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Generated training images.
-    #[arg(long, value_name = "N", default_value_t = 2000)]
+    #[arg(long, value_name = "N", default_value_t = 5000)]
     train_size: usize,
     /// Generated held-out images.
-    #[arg(long, value_name = "N", default_value_t = 500)]
+    #[arg(long, value_name = "N", default_value_t = 1000)]
     test_size: usize,
     /// Images are SIZE x SIZE.
-    #[arg(long, value_name = "SIZE", default_value_t = 16)]
+    #[arg(long, value_name = "SIZE", default_value_t = 32)]
     image_size: usize,
     /// Image channels.
     #[arg(long, default_value_t = 3)]
@@ -76,8 +76,8 @@ pub(crate) struct TrainArgs {
         default_value = "16,32"
     )]
     block_channels: Vec<usize>,
-    /// Standard deviation of the pixel noise.
-    #[arg(long, default_value_t = 0.3)]
+    /// Standard deviation of the pixel noise (a patch's peak amplitude is at most 1).
+    #[arg(long, default_value_t = 1.0)]
     noise: f32,
     /// After every step, check that every rank's parameters equal rank 0's, bit for bit.
     #[arg(long)]
@@ -332,6 +332,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
             serde_json::to_string_pretty(&TrainJson::new(&info, &report))?
         );
     } else {
+        print!("{}", render_plans(&report.conv_plans));
         print!("{}", render_summary(&report));
     }
     Ok(())
