@@ -207,6 +207,9 @@ fn four_ranks_through_the_driver_learn_with_the_sync_check_on() {
     assert!(report.epochs[1].test_accuracy > 0.2, "{:?}", report.epochs);
 }
 
+/// `(rank, "start" | "end", whether the cache held every plan then)`.
+type PrepareLog = Arc<Mutex<Vec<(usize, &'static str, bool)>>>;
+
 /// A replica that logs when its `prepare` starts and ends, and whether the shared cache
 /// already held the plans of every layer for every batch size when it started.
 struct Recording {
@@ -214,7 +217,7 @@ struct Recording {
     rank: usize,
     cache: PathBuf,
     settings: ConvSettings,
-    log: Arc<Mutex<Vec<(usize, &'static str, bool)>>>,
+    log: PrepareLog,
 }
 
 impl Recording {
@@ -525,7 +528,13 @@ fn cli_table_has_a_row_per_epoch() {
 
 #[test]
 fn cli_errors_are_clear() {
-    let cases: [(&[&str], &[(&str, &str)], &str); 7] = [
+    /// Extra flags, environment, and what the error must say.
+    type Case = (
+        &'static [&'static str],
+        &'static [(&'static str, &'static str)],
+        &'static str,
+    );
+    let cases: [Case; 7] = [
         (&["--device", "cuda"], &[], "GPU trainer is not built yet"),
         (&["--world-size", "2", "--rank", "0"], &[], "--ranks 2"),
         (

@@ -197,7 +197,12 @@ mod tests {
 
     #[test]
     fn inconsistent_settings_name_the_problem() {
-        let cases: [(DistFlags, &[(&str, &str)], &str); 6] = [
+        type Case = (
+            DistFlags,
+            &'static [(&'static str, &'static str)],
+            &'static str,
+        );
+        let cases: [Case; 6] = [
             (DistFlags::default(), &[("WORLD_SIZE", "two")], "WORLD_SIZE"),
             (DistFlags::default(), &[("WORLD_SIZE", "2")], "--rank"),
             (

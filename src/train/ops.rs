@@ -84,8 +84,8 @@ pub fn linear_backward(
     dy: &[f32],
     n: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let outputs = if n == 0 { 0 } else { dy.len() / n };
-    let features = if n == 0 { 0 } else { x.len() / n };
+    let outputs = dy.len().checked_div(n).unwrap_or(0);
+    let features = x.len().checked_div(n).unwrap_or(0);
     let mut dx = vec![0.0; n * features];
     let mut dw = vec![0.0; weight.len()];
     let mut db = vec![0.0; outputs];
