@@ -4,7 +4,7 @@
 //! - the problem model, profiles and solvers live in the pure crate `mucudnn-solver`,
 //!   re-exported here as [`solver`];
 //! - [`backend`] measures and runs convolutions (cuDNN on the GPU, real algorithms on the CPU);
-//! - [`train`] trains a small CNN data-parallel around the micro-batched convolutions.
+//! - [`train`] trains a small CNN data-parallel with its convolutions in mucudnn's layer.
 
 pub use mucudnn_cache as cache;
 pub use mucudnn_solver as solver;

@@ -81,6 +81,19 @@ pub enum LayerError {
     Exec(#[from] ExecError),
 }
 
+/// The f64 sum of `values`, with four independent accumulators so the adds overlap.
+fn sum_f64(values: &[f32]) -> f64 {
+    let mut lanes = [0.0f64; 4];
+    let mut chunks = values.chunks_exact(4);
+    for chunk in &mut chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane += f64::from(v);
+        }
+    }
+    let tail: f64 = chunks.remainder().iter().map(|&v| f64::from(v)).sum();
+    (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) + tail
+}
+
 /// A 2-D convolution layer (fp32), cross-correlation as in cuDNN and PyTorch.
 pub struct Conv2d {
     name: String,
@@ -297,13 +310,20 @@ impl Conv2d {
             self.workspace.as_bytes_mut(),
         )?;
         if let Some(bias) = &self.bias {
-            let [n, k, p, q] = y.dims;
-            for image in 0..n {
-                for (channel, &b) in bias.iter().enumerate().take(k) {
-                    for row in 0..p {
-                        for col in 0..q {
-                            let i = y.index(image, channel, row, col);
-                            y.data[i] += b;
+            // One pass over contiguous data: a plane per channel (NCHW), channels innermost
+            // (NHWC).
+            let [_, k, p, q] = y.dims;
+            if k > 0 && p * q > 0 {
+                match y.layout {
+                    Layout::Nchw => {
+                        for (plane, values) in y.data.chunks_exact_mut(p * q).enumerate() {
+                            let b = bias[plane % k];
+                            values.iter_mut().for_each(|v| *v += b);
+                        }
+                    }
+                    Layout::Nhwc => {
+                        for pixel in y.data.chunks_exact_mut(k) {
+                            pixel.iter_mut().zip(bias).for_each(|(v, &b)| *v += b);
                         }
                     }
                 }
@@ -341,13 +361,21 @@ impl Conv2d {
         )?;
         execute_cpu(&plans[2], 1.0, &x.data, &dy.data, 0.0, &mut dw, workspace)?;
         let bias = self.bias.as_ref().map(|bias| {
-            let [n, k, p, q] = dy.dims;
+            // Summed in f64 over contiguous data (see the forward's bias add).
+            let [_, k, p, q] = dy.dims;
             let mut db = vec![0.0f64; bias.len()];
-            for image in 0..n {
-                for (channel, sum) in db.iter_mut().enumerate().take(k) {
-                    for row in 0..p {
-                        for col in 0..q {
-                            *sum += f64::from(dy.data[dy.index(image, channel, row, col)]);
+            if k > 0 && p * q > 0 {
+                match dy.layout {
+                    Layout::Nchw => {
+                        for (plane, values) in dy.data.chunks_exact(p * q).enumerate() {
+                            db[plane % k] += sum_f64(values);
+                        }
+                    }
+                    Layout::Nhwc => {
+                        for pixel in dy.data.chunks_exact(k) {
+                            for (sum, &v) in db.iter_mut().zip(pixel) {
+                                *sum += f64::from(v);
+                            }
                         }
                     }
                 }

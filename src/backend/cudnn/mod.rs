@@ -147,15 +147,15 @@ pub use ffi::{
     FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
     Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
 };
-/// Convolution through cuDNN's graph (backend) API: engine configurations as a second
-/// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
-pub use ffi::{engine_configs, graph_api_status, EnginePlan};
 /// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings
 /// and error conversions, so that both walls load and describe the libraries the same way.
 pub(crate) use ffi::{
     candidates, cudnn as require_cudnn, driver as require_driver, driver_error, status_error,
     warn_drop,
 };
+/// Convolution through cuDNN's graph (backend) API: engine configurations as a second
+/// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
+pub use ffi::{engine_configs, graph_api_status, EnginePlan};
 /// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
 /// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
 /// workspace mucudnn allocates for it.

@@ -5,9 +5,11 @@
 //! - `solve` (here): solve a saved profile.
 //! - `cache` (cache_cmd.rs): inspect, export, import and clear the tuning cache.
 //! - `report`, `explain` (report_cmd.rs): report files from a saved profile; why a split won.
+//! - `train` (train_cmd.rs): data-parallel training of a small CNN through the conv layer.
 
 mod cache_cmd;
 mod report_cmd;
+mod train_cmd;
 mod tune;
 
 use anyhow::{Context, Result};
@@ -47,6 +49,8 @@ enum Command {
     Report(report_cmd::ReportArgs),
     /// Show, per micro-batch size, the best algorithm within each workspace limit.
     Explain(report_cmd::ExplainArgs),
+    /// Train a small CNN data-parallel, its convolutions through mucudnn's tuned layer.
+    Train(train_cmd::TrainArgs),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -230,6 +234,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Cache(args) => cache_cmd::run(&args),
         Command::Report(args) => report_cmd::report(&args),
         Command::Explain(args) => report_cmd::explain_command(&args),
+        Command::Train(args) => train_cmd::run(&args),
     }
 }
 

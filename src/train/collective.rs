@@ -1,0 +1,415 @@
+//! Collectives between ranks: the [`Collective`] trait (all-reduce, broadcast, barrier) and
+//! [`ThreadCollective`], its in-process implementation for ranks that are threads.
+//!
+//! Every rank calls the same collectives in the same order. `ThreadCollective` sums the
+//! ranks' contributions in rank order 0, 1, ..., R-1 (in f64, rounded once), once, and hands
+//! every rank the same result, so all ranks get bitwise-identical sums whatever the thread
+//! timing. A rank that fails calls [`Collective::abort`] (or drops its handle, or panics) and
+//! the others get an error instead of waiting forever.
+
+use super::TrainError;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// Collective operations over the ranks of one training job.
+pub trait Collective {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Replaces `data` on every rank by the elementwise sum over ranks (identical bits on
+    /// every rank).
+    fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<(), TrainError>;
+    /// [`Collective::all_reduce_sum`] for f64 (statistics, sample counts).
+    fn all_reduce_sum_f64(&mut self, data: &mut [f64]) -> Result<(), TrainError>;
+    /// Replaces `data` on every rank by rank `root`'s.
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), TrainError>;
+    /// Returns once every rank has called it.
+    fn barrier(&mut self) -> Result<(), TrainError> {
+        self.all_reduce_sum_f64(&mut [])
+    }
+    /// Tells the other ranks that this one has failed, so they stop with an error instead of
+    /// waiting for it. The default does nothing (a collective whose transport notices a dead
+    /// peer by itself).
+    fn abort(&mut self, reason: &str) {
+        let _ = reason;
+    }
+}
+
+/// What an operation is, so ranks that disagree are told instead of mixing data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OpKind {
+    SumF32,
+    SumF64,
+    Broadcast { root: usize },
+}
+
+impl std::fmt::Display for OpKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OpKind::SumF32 => write!(f, "all-reduce (f32)"),
+            OpKind::SumF64 => write!(f, "all-reduce (f64)"),
+            OpKind::Broadcast { root } => write!(f, "broadcast from rank {root}"),
+        }
+    }
+}
+
+struct State {
+    /// The operation being gathered (kind, length), set by its first caller.
+    pending: Option<(OpKind, usize)>,
+    /// Each rank's contribution to the pending operation.
+    inputs: Vec<Option<Vec<f64>>>,
+    arrived: usize,
+    /// Completed operations; a waiting rank knows its result is ready when this moves.
+    generation: u64,
+    /// The last completed operation's result and how many ranks have yet to copy it.
+    result: Vec<f64>,
+    readers_left: usize,
+    /// Live handles per rank; a rank with none has left the group.
+    handles: Vec<usize>,
+    failure: Option<(usize, String)>,
+}
+
+struct Shared {
+    world: usize,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+/// One rank's handle on an in-process group of ranks (threads). Make the group with
+/// [`ThreadCollective::group`] and move one handle into each rank's thread; a rank may hold
+/// several handles ([`ThreadCollective::try_clone`]) as long as it uses them one at a time.
+pub struct ThreadCollective {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl ThreadCollective {
+    /// Handles for ranks `0..world`, in rank order.
+    pub fn group(world: usize) -> Result<Vec<ThreadCollective>, TrainError> {
+        if world == 0 {
+            return Err(TrainError::Config("a group needs at least one rank".into()));
+        }
+        let shared = Arc::new(Shared {
+            world,
+            state: Mutex::new(State {
+                pending: None,
+                inputs: vec![None; world],
+                arrived: 0,
+                generation: 0,
+                result: Vec::new(),
+                readers_left: 0,
+                handles: vec![1; world],
+                failure: None,
+            }),
+            changed: Condvar::new(),
+        });
+        Ok((0..world)
+            .map(|rank| ThreadCollective {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect())
+    }
+
+    /// A second handle for the same rank (e.g. one for the replica's gradients and one for the
+    /// loop's statistics). The rank must use its handles one at a time, in the same order on
+    /// every rank.
+    pub fn try_clone(&self) -> Result<ThreadCollective, TrainError> {
+        let mut state = self.lock()?;
+        state.handles[self.rank] += 1;
+        drop(state);
+        Ok(ThreadCollective {
+            rank: self.rank,
+            shared: self.shared.clone(),
+        })
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>, TrainError> {
+        self.shared
+            .state
+            .lock()
+            .map_err(|_| TrainError::Collective("a rank panicked inside the collective".into()))
+    }
+
+    fn wait<'a>(&self, guard: MutexGuard<'a, State>) -> Result<MutexGuard<'a, State>, TrainError> {
+        self.shared
+            .changed
+            .wait(guard)
+            .map_err(|_| TrainError::Collective("a rank panicked inside the collective".into()))
+    }
+
+    /// The error for a failed group, or `None` if every rank that has not contributed to the
+    /// pending operation can still do so.
+    fn failed(&self, state: &State) -> Option<TrainError> {
+        if let Some((rank, reason)) = &state.failure {
+            return Some(TrainError::PeerFailed {
+                rank: *rank,
+                reason: reason.clone(),
+            });
+        }
+        (0..self.shared.world)
+            .find(|&r| state.handles[r] == 0 && state.inputs[r].is_none())
+            .map(|r| {
+                TrainError::Collective(format!(
+                    "rank {r} left the group before this operation completed"
+                ))
+            })
+    }
+
+    /// Contributes `values` to an operation of `kind` and returns its result.
+    fn exchange(&self, kind: OpKind, values: Vec<f64>) -> Result<Vec<f64>, TrainError> {
+        let world = self.shared.world;
+        let mut state = self.lock()?;
+        // The previous result must be copied out by every rank before it is overwritten.
+        while state.readers_left > 0 {
+            if let Some(error) = self.failed(&state) {
+                return Err(error);
+            }
+            state = self.wait(state)?;
+        }
+        if let Some(error) = self.failed(&state) {
+            return Err(error);
+        }
+        match state.pending {
+            None => state.pending = Some((kind, values.len())),
+            Some((other, len)) if other != kind || len != values.len() => {
+                let message = format!(
+                    "rank {} called {kind} of {} values while another rank called {other} of {len}",
+                    self.rank,
+                    values.len()
+                );
+                state.failure = Some((self.rank, message.clone()));
+                self.shared.changed.notify_all();
+                return Err(TrainError::Collective(message));
+            }
+            Some(_) => {}
+        }
+        state.inputs[self.rank] = Some(values);
+        state.arrived += 1;
+        let generation = state.generation;
+        if state.arrived == world {
+            let inputs: Vec<Vec<f64>> = state
+                .inputs
+                .iter_mut()
+                .map(|slot| slot.take().unwrap_or_default())
+                .collect();
+            state.result = combine(kind, inputs);
+            state.pending = None;
+            state.arrived = 0;
+            state.readers_left = world;
+            state.generation += 1;
+            self.shared.changed.notify_all();
+        } else {
+            while state.generation == generation {
+                if let Some(error) = self.failed(&state) {
+                    return Err(error);
+                }
+                state = self.wait(state)?;
+            }
+        }
+        let result = state.result.clone();
+        state.readers_left -= 1;
+        if state.readers_left == 0 {
+            self.shared.changed.notify_all();
+        }
+        Ok(result)
+    }
+}
+
+/// The result of an operation from every rank's input, in rank order.
+fn combine(kind: OpKind, inputs: Vec<Vec<f64>>) -> Vec<f64> {
+    match kind {
+        OpKind::Broadcast { root } => inputs.into_iter().nth(root).unwrap_or_default(),
+        OpKind::SumF32 | OpKind::SumF64 => {
+            let mut ranks = inputs.into_iter();
+            let mut sum = ranks.next().unwrap_or_default();
+            for input in ranks {
+                for (total, value) in sum.iter_mut().zip(input) {
+                    *total += value;
+                }
+            }
+            if kind == OpKind::SumF32 {
+                // Round once, here, so every rank reads the same f32 bits.
+                for total in &mut sum {
+                    *total = f64::from(*total as f32);
+                }
+            }
+            sum
+        }
+    }
+}
+
+impl Collective for ThreadCollective {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<(), TrainError> {
+        let values = data.iter().map(|&v| f64::from(v)).collect();
+        let result = self.exchange(OpKind::SumF32, values)?;
+        for (out, value) in data.iter_mut().zip(result) {
+            *out = value as f32;
+        }
+        Ok(())
+    }
+
+    fn all_reduce_sum_f64(&mut self, data: &mut [f64]) -> Result<(), TrainError> {
+        let result = self.exchange(OpKind::SumF64, data.to_vec())?;
+        data.copy_from_slice(&result);
+        Ok(())
+    }
+
+    fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), TrainError> {
+        if root >= self.shared.world {
+            return Err(TrainError::Collective(format!(
+                "broadcast from rank {root} in a group of {}",
+                self.shared.world
+            )));
+        }
+        let values = data.iter().map(|&v| f64::from(v)).collect();
+        let result = self.exchange(OpKind::Broadcast { root }, values)?;
+        for (out, value) in data.iter_mut().zip(result) {
+            *out = value as f32;
+        }
+        Ok(())
+    }
+
+    fn abort(&mut self, reason: &str) {
+        // A poisoned lock still holds consistent data here: record the failure regardless.
+        let mut state = self
+            .shared
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if state.failure.is_none() {
+            state.failure = Some((self.rank, reason.to_string()));
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+impl Drop for ThreadCollective {
+    fn drop(&mut self) {
+        let mut state = self
+            .shared
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.handles[self.rank] = state.handles[self.rank].saturating_sub(1);
+        if std::thread::panicking() && state.failure.is_none() {
+            state.failure = Some((self.rank, "panicked".into()));
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `body` on every rank of a fresh group, one thread each; results in rank order.
+    fn on_ranks<T: Send>(world: usize, body: impl Fn(&mut ThreadCollective) -> T + Sync) -> Vec<T> {
+        let group = ThreadCollective::group(world).unwrap();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = group
+                .into_iter()
+                .map(|mut c| {
+                    let body = &body;
+                    scope.spawn(move || body(&mut c))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn all_reduce_sums_in_rank_order_and_every_rank_gets_the_same_bits() {
+        // Values whose f32 sum depends on the order: every rank must still see one answer.
+        let results = on_ranks(4, |c| {
+            let mut out = Vec::new();
+            for round in 0..50u32 {
+                let r = c.rank() as f32;
+                let mut data = vec![1e8 * (r - 1.5), 1.0 + r * 1e-7, round as f32 + r];
+                c.all_reduce_sum(&mut data).unwrap();
+                out.push(data.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            }
+            out
+        });
+        for rank in &results[1..] {
+            assert_eq!(rank, &results[0]);
+        }
+        let expected_third = (0..4).map(|r| r as f64).sum::<f64>() as f32;
+        assert_eq!(f32::from_bits(results[0][0][2]), expected_third);
+    }
+
+    #[test]
+    fn broadcast_and_f64_sum() {
+        let results = on_ranks(3, |c| {
+            let mut data = vec![c.rank() as f32 + 0.5; 4];
+            c.broadcast(&mut data, 2).unwrap();
+            let mut stats = [c.rank() as f64, 1.0];
+            c.all_reduce_sum_f64(&mut stats).unwrap();
+            c.barrier().unwrap();
+            (data, stats)
+        });
+        for (data, stats) in results {
+            assert_eq!(data, vec![2.5; 4]);
+            assert_eq!(stats, [3.0, 3.0]);
+        }
+    }
+
+    #[test]
+    fn a_failed_rank_releases_the_others() {
+        let results = on_ranks(3, |c| {
+            if c.rank() == 1 {
+                c.abort("out of memory");
+                return Err(TrainError::Config("rank 1 gave up".into()));
+            }
+            let mut data = [1.0f32];
+            c.all_reduce_sum(&mut data)
+        });
+        assert!(matches!(
+            &results[0],
+            Err(TrainError::PeerFailed { rank: 1, reason }) if reason == "out of memory"
+        ));
+        assert!(matches!(
+            &results[2],
+            Err(TrainError::PeerFailed { rank: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn a_rank_that_leaves_or_disagrees_is_an_error_not_a_hang() {
+        // Rank 1 drops its handle without calling anything.
+        let results = on_ranks(2, |c| {
+            if c.rank() == 1 {
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            c.barrier()
+        });
+        assert!(matches!(&results[0], Err(TrainError::Collective(m)) if m.contains("left")));
+
+        let results = on_ranks(2, |c| {
+            let mut data = vec![0.0f32; 2 + c.rank()];
+            c.all_reduce_sum(&mut data)
+        });
+        assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+    }
+
+    #[test]
+    fn a_single_rank_is_its_own_sum_and_clones_share_the_group() {
+        let mut group = ThreadCollective::group(1).unwrap();
+        let mut c = group.remove(0);
+        let mut data = [1.5f32, -2.0];
+        c.all_reduce_sum(&mut data).unwrap();
+        assert_eq!(data, [1.5, -2.0]);
+        let mut clone = c.try_clone().unwrap();
+        clone.barrier().unwrap();
+        drop(clone);
+        c.barrier().unwrap();
+        assert!(ThreadCollective::group(0).is_err());
+    }
+}
