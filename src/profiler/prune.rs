@@ -9,7 +9,7 @@
 //!
 //! A one-sided rule (dominated at `b/2` only) is not safe: on the recorded H100 probe a
 //! configuration 4.3x slower than the best at one size is the best at twice that size, and
-//! pruning on that loses up to 6x. Dominance on both sides is: no configuration that is
+//! pruning on that makes plans up to 7x slower. Dominance on both sides is: no configuration that is
 //! Pareto-optimal at a size was more than 1.36x off at both neighbours (tests/engines.rs
 //! replays the rule on the full probe).
 //!
