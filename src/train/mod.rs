@@ -40,7 +40,8 @@ pub use cpu::{ConvSettings, CpuNet, CpuReplica, Pass};
 pub use data::{Batch, Dataset, DatasetSpec, LoaderConfig, ShardedLoader, Split};
 pub use dist::DistConfig;
 pub use driver::{
-    run_rank, train_threads, EpochReport, EvalReport, TrainConfig, TrainEvent, TrainReport,
+    run_rank, train_group, train_threads, EpochReport, EvalReport, TrainConfig, TrainEvent,
+    TrainReport,
 };
 pub use net::{NetSpec, ParamShape};
 pub use replica::{Replica, StepStats};
@@ -89,6 +90,10 @@ pub enum TrainError {
         step: usize,
         loss: f64,
     },
+    /// A GPU call failed, or CUDA, cuDNN, cuBLAS, NCCL or a GPU is missing
+    /// ([`gpu::GpuTrainError::is_unavailable`]).
+    #[error(transparent)]
+    Gpu(#[from] gpu::GpuTrainError),
     /// The input pipeline's thread stopped early.
     #[error("data loader: {0}")]
     Loader(String),
