@@ -100,12 +100,16 @@
 //! weights and gradients; [`Transform`] converts fp16 gradients to fp32 before the all-reduce
 //! and the updated fp32 weights to fp16 after the step.
 
+mod collective;
 mod error;
 mod ffi;
 pub mod nccl;
 pub mod ops;
 pub mod rendezvous;
+pub mod replica;
+pub mod trainer;
 
+pub use collective::HostCollective;
 pub use error::GpuTrainError;
 pub use ffi::{DeviceData, DeviceDataMut};
 pub use nccl::{nccl_version, NcclComm, NcclUniqueId, NcclVersion};
@@ -119,6 +123,11 @@ pub use ops::{
 pub use rendezvous::{
     GpuLayout, Rendezvous, RendezvousArgs, RendezvousConfig, RendezvousError, RendezvousListener,
 };
+pub use replica::{
+    cross_entropy_from_log_probs, mean_gradient_scale, GpuReplica, GpuSettings, HostLoss,
+    Precision, DEFAULT_LOSS_SCALE,
+};
+pub use trainer::{select_gpus, visible_gpus, GpuJob, JOB_TIMEOUT};
 
 /// Environment variable that enables the tests needing a GPU (`MUCUDNN_GPU_TESTS=1`).
 pub use crate::backend::cudnn::GPU_TESTS_ENV;
