@@ -18,8 +18,9 @@
 //! first sight of a shape; ranks are threads joined by a [`ThreadCollective`]. Rank 0 tunes
 //! first and the others then read its plans from the same cache file
 //! ([`CacheChoice`]), as data-parallel processes would. The loop ([`driver`]) is generic over
-//! [`Replica`] and [`Collective`], so a GPU replica (cuDNN, NCCL) plugs into the same loop; its
-//! building blocks (device ops, NCCL, the TCP rendezvous) are in [`gpu`].
+//! [`Replica`] and [`Collective`], so the GPU replica ([`gpu::GpuReplica`]: cuDNN, cuBLAS,
+//! NCCL; ranks are threads per GPU and processes joined by a TCP rendezvous, see
+//! [`gpu::GpuJob`]) runs in the same loop and averages the same way.
 
 mod collective;
 mod cpu;
