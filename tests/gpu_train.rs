@@ -14,7 +14,7 @@ use mucudnn::train::{
     CacheChoice, ConvSettings, CpuReplica, Dataset, DatasetSpec, Hyper, NetSpec, Replica, Split,
     TempCache, ThreadCollective, TrainConfig, TrainError, TrainEvent, TrainReport,
 };
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 fn gpu_enabled(test: &str) -> bool {
     let on = std::env::var(GPU_TESTS_ENV).as_deref() == Ok("1");
@@ -56,13 +56,25 @@ fn hyper() -> Hyper {
     }
 }
 
-fn settings(precision: Precision, cache: CacheChoice) -> GpuSettings {
-    GpuSettings::new(Policy::PowerOfTwo, 64 << 20, cache, precision)
+/// One tuning cache for every test of this binary (they run one after another), so each
+/// (precision, math) is tuned once: a file in the temporary directory, left there.
+fn shared_cache() -> CacheChoice {
+    static CACHE: OnceLock<TempCache> = OnceLock::new();
+    CACHE
+        .get_or_init(|| TempCache::new().expect("a temporary cache"))
+        .choice()
+}
+
+/// Legacy algorithms and engine configurations, at most 8 configurations per (op, size) to
+/// keep tuning short.
+fn settings(precision: Precision) -> GpuSettings {
+    let mut settings = GpuSettings::new(Policy::PowerOfTwo, 64 << 20, shared_cache(), precision);
+    settings.tuning.engines.max_candidates = Some(8);
+    settings
 }
 
 /// Trains `epochs` epochs on GPU 0 with world size 1, through NCCL and the common loop.
 fn train_on_gpu(precision: Precision, epochs: usize) -> TrainReport {
-    let temp = TempCache::new().unwrap();
     let job = GpuJob::single_process(vec![0]).expect("join a one-GPU job");
     assert_eq!(job.layout().world_gpus, 1);
     let config = TrainConfig {
@@ -78,7 +90,7 @@ fn train_on_gpu(precision: Precision, epochs: usize) -> TrainReport {
         .train(
             &net(),
             0,
-            &settings(precision, temp.choice()),
+            &settings(precision),
             &data(Split::Train, 400),
             &data(Split::Test, 200),
             &config,
@@ -185,8 +197,7 @@ fn gpu_first_step_matches_the_cpu_replica() {
     let (images, labels) = (batch.images.clone(), batch.labels.clone());
     // fp32 with FMA math: no TF32 in the convolutions (cuBLAS Sgemm does not use TF32 by
     // default), so the GPU computes what the CPU does up to summation order.
-    let temp = TempCache::new().unwrap();
-    let mut gpu_settings = settings(Precision::Fp32, temp.choice());
+    let mut gpu_settings = settings(Precision::Fp32);
     gpu_settings.math = MathMode::Fma;
     gpu_settings.tuning.candidates = CandidateSet::Legacy;
     let mut gpu = gpu_replica(&gpu_settings, seed);
@@ -269,11 +280,10 @@ fn gpu_fp16_first_step_is_close_to_fp32() {
         return;
     }
     let b = data(Split::Train, 16);
-    let temp = TempCache::new().unwrap();
     let mut losses = Vec::new();
     let mut updates = Vec::new();
     for precision in Precision::ALL {
-        let mut replica = gpu_replica(&settings(precision, temp.choice()), 5);
+        let mut replica = gpu_replica(&settings(precision), 5);
         replica.prepare(&[16]).unwrap();
         let before = replica.parameters().unwrap();
         let step = replica.train_step(&b.images, &b.labels, &hyper()).unwrap();

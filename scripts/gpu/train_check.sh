@@ -11,7 +11,9 @@
 #   bash .gpu/train_check.sh tests fp32   the same in two calls, if one call is too short:
 #   bash .gpu/train_check.sh fp16
 # Settings by environment: EPOCHS (3), LIMITS ("8MiB 64MiB"), CANDIDATES (all: legacy
-# algorithms and engine configurations), BATCH (256), TRAIN_SIZE (10240), TEST_SIZE (2048).
+# algorithms and engine configurations), MAX_CANDIDATES (16 engine configurations per (op,
+# micro-batch size), to bound the tuning time; 0: every one), BATCH (256), TRAIN_SIZE
+# (10240), TEST_SIZE (2048).
 # Logs, JSON reports and the tuning cache (shared by the runs of one dtype: a new limit or
 # --no-microbatch is solved from the stored measurements) go under $OUT.
 set -uo pipefail
@@ -28,6 +30,9 @@ steps=("$@")
 EPOCHS=${EPOCHS:-3}
 LIMITS=${LIMITS:-"8MiB 64MiB"}
 CANDIDATES=${CANDIDATES:-all}
+MAX_CANDIDATES=${MAX_CANDIDATES:-16}
+bound=()
+[ "$MAX_CANDIDATES" != 0 ] && bound=(--max-candidates "$MAX_CANDIDATES")
 BATCH=${BATCH:-256}
 TRAIN_SIZE=${TRAIN_SIZE:-10240}
 TEST_SIZE=${TEST_SIZE:-2048}
@@ -67,7 +72,7 @@ for step in "${steps[@]}"; do
           [ "$mode" = undivided ] && extra=(--no-microbatch)
           start=$(date +%s)
           $G/mucudnn train --device cuda --dtype "$step" --workspace-limit "$limit" \
-            --candidates "$CANDIDATES" --cache "$OUT/cache-$step.sqlite" "${NET[@]}" \
+            --candidates "$CANDIDATES" "${bound[@]}" --cache "$OUT/cache-$step.sqlite" "${NET[@]}" \
             "${extra[@]}" --json > "$OUT/$name.json" 2> "$OUT/$name.log"
           rc=$?
           status "train $name, $(( $(date +%s) - start )) s" $rc
