@@ -543,8 +543,13 @@ fn cli_errors_are_clear() {
         &'static [(&'static str, &'static str)],
         &'static str,
     );
-    let cases: [Case; 7] = [
+    let cases: [Case; 8] = [
         (&["--device", "cpu", "--dtype", "fp16"], &[], "fp32 only"),
+        (
+            &["--device", "cpu", "--candidates", "engines"],
+            &[],
+            "no graph-API engine",
+        ),
         (&["--world-size", "2", "--rank", "0"], &[], "--ranks 2"),
         (
             &[],

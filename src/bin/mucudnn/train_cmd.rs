@@ -52,8 +52,8 @@ pub(crate) struct TrainArgs {
     /// scale). The CPU trainer is fp32.
     #[arg(long, default_value = "fp32", value_parser = parse_precision)]
     dtype: Precision,
-    /// GPU: which candidates the conv layers are tuned over: cuDNN's legacy algorithms, its
-    /// graph-API engine configurations, or both.
+    /// Which candidates the conv layers are tuned over: cuDNN's legacy algorithms, its
+    /// graph-API engine configurations, or both (the CPU has its own algorithms only).
     #[arg(long, default_value = "all", value_parser = parse_candidates)]
     candidates: CandidateSet,
     /// GPU: time at most N engine configurations per (op, micro-batch size) while tuning.
@@ -458,7 +458,9 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
     };
     let report = match target {
         Target::Cpu { ranks } => {
-            let settings = ConvSettings::new(policy, args.workspace_limit, cache);
+            let mut settings = ConvSettings::new(policy, args.workspace_limit, cache);
+            // The CPU has its own algorithms only: `all` means those, `engines` is an error.
+            settings.tuning.candidates = args.candidates;
             train_threads(
                 ranks,
                 |_rank, collective| CpuReplica::new(&net, args.seed, &settings, collective),
