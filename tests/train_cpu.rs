@@ -6,6 +6,10 @@
 
 use mucudnn::cache::{Cache, PlanKey};
 use mucudnn::solver::{ConvOp, ConvProblem, Policy};
+use mucudnn::train::gpu::{
+    HostCollective, Rendezvous, RendezvousConfig, RendezvousError, RendezvousListener,
+};
+use mucudnn::train::train_group;
 use mucudnn::train::{
     run_rank, train_threads, CacheChoice, Collective, ConvSettings, CpuReplica, Dataset,
     DatasetSpec, Hyper, LoaderConfig, NetSpec, Replica, ShardedLoader, Split, StepStats, TempCache,
@@ -15,6 +19,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 
 /// The CI network: 1x16x16 -> conv 8 -> conv 16 -> linear 10.
 fn net() -> NetSpec {
@@ -538,8 +543,13 @@ fn cli_errors_are_clear() {
         &'static [(&'static str, &'static str)],
         &'static str,
     );
-    let cases: [Case; 7] = [
-        (&["--device", "cuda"], &[], "GPU trainer is not built yet"),
+    let cases: [Case; 8] = [
+        (&["--device", "cpu", "--dtype", "fp16"], &[], "fp32 only"),
+        (
+            &["--device", "cpu", "--candidates", "engines"],
+            &[],
+            "no graph-API engine",
+        ),
         (&["--world-size", "2", "--rank", "0"], &[], "--ranks 2"),
         (
             &[],
@@ -568,6 +578,86 @@ fn cli_errors_are_clear() {
     }
     let output = mucudnn(&["train", "--workspace-limit", "64MB"], &[]);
     assert_eq!(output.status.code(), Some(2));
+    let output = mucudnn(&["train", "--dtype", "bf16"], &[]);
+    assert_eq!(output.status.code(), Some(2));
     let output = mucudnn(&["train", "--batch", "0", "--no-cache"], &[]);
     assert_eq!(output.status.code(), Some(1));
+}
+
+/// `--device cuda` where there is no GPU (CI) says so and stops; on the GPU machine the GPU
+/// trainer's own checks cover it (scripts/gpu/train_check.sh).
+#[test]
+fn cli_device_cuda_without_a_gpu_is_a_clear_error() {
+    if std::env::var("MUCUDNN_GPU_TESTS").as_deref() == Ok("1") {
+        println!("cli_device_cuda_without_a_gpu_is_a_clear_error: skipped on a GPU machine");
+        return;
+    }
+    let mut args = SMALL.to_vec();
+    args.extend_from_slice(&["--device", "cuda", "--no-cache", "--epochs", "1"]);
+    let output = mucudnn(&args, &[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--device cuda: no usable GPU") && stderr.contains("--device cpu"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(output.stdout.is_empty());
+}
+
+/// The GPU trainer's host collective ([`HostCollective`]: threads within a process, the TCP
+/// rendezvous between processes) under CPU replicas, so that CI runs it: two "processes"
+/// (thread groups joined over localhost) of two ranks each, with the sync check on (a
+/// cross-process broadcast after every step), train like four thread ranks.
+#[test]
+fn two_processes_of_two_ranks_over_the_rendezvous_train_like_four_threads() {
+    let temp = TempCache::new().unwrap();
+    let settings = ConvSettings::new(Policy::PowerOfTwo, 64 << 20, temp.choice());
+    let reference = train(4, 8, 1, &settings).unwrap();
+
+    let (train_data, test_data) = (data(Split::Train, 400), data(Split::Test, 200));
+    let timeout = Duration::from_secs(120);
+    let config_for = |rank: usize, port: u16| {
+        RendezvousConfig::new(rank, 2, "127.0.0.1", port)
+            .unwrap()
+            .with_timeout(timeout)
+    };
+    let listener = RendezvousListener::bind(&config_for(0, 0)).unwrap();
+    let port = listener.local_addr().port();
+    let process = |rendezvous: Result<Rendezvous, RendezvousError>| {
+        let mut rendezvous = rendezvous.map_err(|e| TrainError::Dist(e.to_string()))?;
+        let layout = rendezvous
+            .gpu_layout(2)
+            .map_err(|e| TrainError::Dist(e.to_string()))?;
+        let group = HostCollective::group(rendezvous, layout)?
+            .into_iter()
+            .map(|c| Ok((c.try_clone()?, c)))
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        train_group(
+            group,
+            |_, collective| CpuReplica::new(&net(), 0, &settings, collective),
+            &train_data,
+            &test_data,
+            &config(1, 8),
+            &mut |_| {},
+        )
+    };
+    let (first, second) = std::thread::scope(|scope| {
+        let member = scope.spawn(|| process(Rendezvous::connect(&config_for(1, port))));
+        let master = process(listener.accept());
+        (master, member.join().unwrap())
+    });
+    let (first, second) = (first.unwrap(), second.unwrap());
+    assert_eq!(first.ranks, 4);
+    assert_eq!(first.parameters, second.parameters);
+    assert_eq!(first.epochs[0].train_samples, 400);
+    assert_eq!(first.epochs[0].steps, reference.epochs[0].steps);
+    assert_eq!(first.initial.accuracy, reference.initial.accuracy);
+    assert!((first.initial.loss - reference.initial.loss).abs() < 1e-9);
+    // Sums over ranks are grouped by process here, so the last bit may differ.
+    for (a, b) in first.parameters.iter().zip(&reference.parameters) {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+    }
+    let loss = |r: &TrainReport| r.epochs[0].train_loss;
+    assert!((loss(&first) - loss(&reference)).abs() < 1e-6 * loss(&reference));
 }

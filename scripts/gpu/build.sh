@@ -6,6 +6,8 @@
 #   bash scripts/gpu/c_abi_check.sh run   the C ABI clients (C and PyTorch ctypes)
 #   bash .gpu/engines_vs_torch.sh         issue 8: executed plans (legacy + engines) vs PyTorch
 #   bash scripts/gpu/train_ops_check.sh   the training ops, NCCL and a tiny CNN (src/train/gpu)
+#   bash .gpu/train_check.sh              issue 7: the GPU replica's tests and mucudnn train
+#                                         --device cuda, fp32/fp16, 8/64 MiB, +-micro-batching
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .gpu
@@ -26,8 +28,10 @@ cp "$(exe --lib)" .gpu/lib-tests
 cp "$(exe --test gpu_cudnn)" .gpu/gpu-tests
 cp "$(exe --test gpu_engines)" .gpu/gpu-engines
 cp "$(exe --test gpu_train_ops)" .gpu/train-ops-tests
+cp "$(exe --test gpu_train)" .gpu/train-tests
 cp scripts/gpu/check.sh scripts/gpu/torch_cases.py scripts/gpu/compare_profile.py .gpu/
 cp scripts/gpu/engines_vs_torch.sh scripts/gpu/torch_bench.py .gpu/
+cp scripts/gpu/train_check.sh scripts/gpu/train_libs.sh .gpu/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/
 bash scripts/gpu/c_abi_check.sh build
 du -sh .gpu

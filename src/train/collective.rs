@@ -122,6 +122,24 @@ impl ThreadCollective {
         })
     }
 
+    /// [`Collective::broadcast`] for f64 (exact: values are copied, not summed).
+    pub fn broadcast_f64(&mut self, data: &mut [f64], root: usize) -> Result<(), TrainError> {
+        self.check_root(root)?;
+        let result = self.exchange(OpKind::Broadcast { root }, data.to_vec())?;
+        data.copy_from_slice(&result);
+        Ok(())
+    }
+
+    fn check_root(&self, root: usize) -> Result<(), TrainError> {
+        if root >= self.shared.world {
+            return Err(TrainError::Collective(format!(
+                "broadcast from rank {root} in a group of {}",
+                self.shared.world
+            )));
+        }
+        Ok(())
+    }
+
     fn lock(&self) -> Result<MutexGuard<'_, State>, TrainError> {
         self.shared
             .state
@@ -262,12 +280,7 @@ impl Collective for ThreadCollective {
     }
 
     fn broadcast(&mut self, data: &mut [f32], root: usize) -> Result<(), TrainError> {
-        if root >= self.shared.world {
-            return Err(TrainError::Collective(format!(
-                "broadcast from rank {root} in a group of {}",
-                self.shared.world
-            )));
-        }
+        self.check_root(root)?;
         let values = data.iter().map(|&v| f64::from(v)).collect();
         let result = self.exchange(OpKind::Broadcast { root }, values)?;
         for (out, value) in data.iter_mut().zip(result) {

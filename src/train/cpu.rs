@@ -193,31 +193,6 @@ impl CpuNet {
         Ok(())
     }
 
-    fn check_batch(&self, images: &[f32], labels: &[u32]) -> Result<(), TrainError> {
-        let image_len = self.spec.in_channels * self.spec.image_size * self.spec.image_size;
-        if images.len() != labels.len() * image_len {
-            return Err(TrainError::Batch(format!(
-                "{} image values for {} labels; the network takes {}x{}x{} images ({image_len} values each)",
-                images.len(),
-                labels.len(),
-                self.spec.in_channels,
-                self.spec.image_size,
-                self.spec.image_size
-            )));
-        }
-        if let Some((index, label)) = labels
-            .iter()
-            .enumerate()
-            .find(|(_, &l)| l as usize >= self.spec.classes)
-        {
-            return Err(TrainError::Batch(format!(
-                "label {label} of sample {index} is not below the {} classes",
-                self.spec.classes
-            )));
-        }
-        Ok(())
-    }
-
     /// Forward over a batch (NCHW images, one label each); with `gradients`, also the backward
     /// pass, writing the gradient of the *summed* loss into it (flattened in parameter order).
     pub fn forward_backward(
@@ -226,7 +201,7 @@ impl CpuNet {
         labels: &[u32],
         gradients: Option<&mut [f32]>,
     ) -> Result<Pass, TrainError> {
-        self.check_batch(images, labels)?;
+        self.spec.check_batch(images, labels)?;
         if let Some(gradients) = &gradients {
             if gradients.len() != self.spec.parameter_count() {
                 return Err(TrainError::Config(format!(

@@ -376,6 +376,36 @@ where
     F: Fn(usize, ThreadCollective) -> Result<R, TrainError> + Sync,
 {
     config.validate()?;
+    let group = ThreadCollective::group(ranks)?
+        .into_iter()
+        .map(|collective| Ok((collective.try_clone()?, collective)))
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    train_group(group, make, train, test, config, events)
+}
+
+/// Trains this process's ranks, one thread each: `group[i]` is local rank `i`'s pair of
+/// handles, the loop's [`Collective`] (whose rank and world size are global: they pick the
+/// rank's shard) and what `make(i, ..)` builds the replica around inside the thread (its own
+/// handle for the gradient all-reduce; for a GPU replica, also what joins NCCL). Ranks of
+/// other processes run the same call there. `events` sees local rank 0's progress. Returns
+/// local rank 0's report (the statistics are global); on failure, the error of the rank that
+/// failed first (not the others' "rank r failed"), named by its global rank when the world
+/// has more than one.
+pub fn train_group<C, D, R, F>(
+    group: Vec<(C, D)>,
+    make: F,
+    train: &Arc<Dataset>,
+    test: &Arc<Dataset>,
+    config: &TrainConfig,
+    events: &mut (dyn FnMut(TrainEvent<'_>) + Send),
+) -> Result<TrainReport, TrainError>
+where
+    C: Collective + Send,
+    D: Send,
+    R: Replica,
+    F: Fn(usize, D) -> Result<R, TrainError> + Sync,
+{
+    config.validate()?;
     if train.is_empty() || test.is_empty() {
         return Err(TrainError::Config(format!(
             "need training and held-out samples, got {} and {}",
@@ -383,8 +413,10 @@ where
             test.len()
         )));
     }
-    let group = ThreadCollective::group(ranks)?;
-    let loader = |data: &Arc<Dataset>, rank: usize, shuffle: bool| {
+    let Some(world) = group.first().map(|(collective, _)| collective.world_size()) else {
+        return Err(TrainError::Config("a group needs at least one rank".into()));
+    };
+    let loader = |data: &Arc<Dataset>, rank: usize, ranks: usize, shuffle: bool| {
         ShardedLoader::new(
             data.clone(),
             LoaderConfig {
@@ -399,15 +431,17 @@ where
     };
     let make = &make;
     let mut events = Some(events);
-    let results: Vec<Result<TrainReport, TrainError>> = std::thread::scope(|scope| {
+    let results: Vec<(usize, Result<TrainReport, TrainError>)> = std::thread::scope(|scope| {
         let threads: Vec<_> = group
             .into_iter()
             .enumerate()
-            .map(|(rank, mut collective)| {
-                let rank_events = if rank == 0 { events.take() } else { None };
-                let train_loader = loader(train, rank, true);
-                let test_loader = loader(test, rank, false);
-                std::thread::Builder::new()
+            .map(|(local, (mut collective, handle))| {
+                let rank = collective.rank();
+                let ranks = collective.world_size();
+                let rank_events = if local == 0 { events.take() } else { None };
+                let train_loader = loader(train, rank, ranks, true);
+                let test_loader = loader(test, rank, ranks, false);
+                let thread = std::thread::Builder::new()
                     .name(format!("train-rank{rank}"))
                     .spawn_scoped(scope, move || {
                         let mut ignore = |_: TrainEvent<'_>| {};
@@ -416,7 +450,7 @@ where
                             None => &mut ignore,
                         };
                         let result = (|| {
-                            let mut replica = make(rank, collective.try_clone()?)?;
+                            let mut replica = make(local, handle)?;
                             run_rank(
                                 &mut replica,
                                 &mut collective,
@@ -430,27 +464,30 @@ where
                             collective.abort(&error.to_string());
                         }
                         result
-                    })
+                    });
+                (rank, thread)
             })
             .collect();
         threads
             .into_iter()
-            .enumerate()
-            .map(|(rank, thread)| match thread {
-                Err(e) => Err(TrainError::Config(format!(
-                    "cannot start the thread of rank {rank}: {e}"
-                ))),
-                Ok(handle) => handle.join().unwrap_or_else(|_| {
-                    Err(TrainError::Collective(format!("rank {rank} panicked")))
-                }),
+            .map(|(rank, thread)| {
+                let result = match thread {
+                    Err(e) => Err(TrainError::Config(format!(
+                        "cannot start the thread of rank {rank}: {e}"
+                    ))),
+                    Ok(handle) => handle.join().unwrap_or_else(|_| {
+                        Err(TrainError::Collective(format!("rank {rank} panicked")))
+                    }),
+                };
+                (rank, result)
             })
             .collect()
     });
     let mut first_error = None;
     let mut report = None;
-    for (rank, result) in results.into_iter().enumerate() {
+    for (local, (rank, result)) in results.into_iter().enumerate() {
         match result {
-            Ok(r) if rank == 0 => report = Some(r),
+            Ok(r) if local == 0 => report = Some(r),
             Ok(_) => {}
             Err(error) => {
                 let replace = match &first_error {
@@ -464,13 +501,15 @@ where
         }
     }
     match (first_error, report) {
-        (Some((rank, error)), _) if ranks > 1 => Err(TrainError::Rank {
+        (Some((rank, error)), _) if world > 1 => Err(TrainError::Rank {
             rank,
             source: Box::new(error),
         }),
         (Some((_, error)), _) => Err(error),
         (None, Some(report)) => Ok(report),
-        (None, None) => Err(TrainError::Collective("rank 0 returned no report".into())),
+        (None, None) => Err(TrainError::Collective(
+            "local rank 0 returned no report".into(),
+        )),
     }
 }
 

@@ -18,8 +18,9 @@
 //! first sight of a shape; ranks are threads joined by a [`ThreadCollective`]. Rank 0 tunes
 //! first and the others then read its plans from the same cache file
 //! ([`CacheChoice`]), as data-parallel processes would. The loop ([`driver`]) is generic over
-//! [`Replica`] and [`Collective`], so a GPU replica (cuDNN, NCCL) plugs into the same loop; its
-//! building blocks (device ops, NCCL, the TCP rendezvous) are in [`gpu`].
+//! [`Replica`] and [`Collective`], so the GPU replica ([`gpu::GpuReplica`]: cuDNN, cuBLAS,
+//! NCCL; ranks are threads per GPU and processes joined by a TCP rendezvous, see
+//! [`gpu::GpuJob`]) runs in the same loop and averages the same way.
 
 mod collective;
 mod cpu;
@@ -40,7 +41,8 @@ pub use cpu::{ConvSettings, CpuNet, CpuReplica, Pass};
 pub use data::{Batch, Dataset, DatasetSpec, LoaderConfig, ShardedLoader, Split};
 pub use dist::DistConfig;
 pub use driver::{
-    run_rank, train_threads, EpochReport, EvalReport, TrainConfig, TrainEvent, TrainReport,
+    run_rank, train_group, train_threads, EpochReport, EvalReport, TrainConfig, TrainEvent,
+    TrainReport,
 };
 pub use net::{NetSpec, ParamShape};
 pub use replica::{Replica, StepStats};
@@ -89,6 +91,10 @@ pub enum TrainError {
         step: usize,
         loss: f64,
     },
+    /// A GPU call failed, or CUDA, cuDNN, cuBLAS, NCCL or a GPU is missing
+    /// ([`gpu::GpuTrainError::is_unavailable`]).
+    #[error(transparent)]
+    Gpu(#[from] gpu::GpuTrainError),
     /// The input pipeline's thread stopped early.
     #[error("data loader: {0}")]
     Loader(String),

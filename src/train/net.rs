@@ -86,6 +86,33 @@ impl NetSpec {
         self.image_size >> index
     }
 
+    /// Checks that a batch fits the network: `labels.len()` NCHW images of
+    /// `in_channels x image_size x image_size`, every label below `classes`.
+    pub fn check_batch(&self, images: &[f32], labels: &[u32]) -> Result<(), TrainError> {
+        let image_len = self.in_channels * self.image_size * self.image_size;
+        if images.len() != labels.len() * image_len {
+            return Err(TrainError::Batch(format!(
+                "{} image values for {} labels; the network takes {}x{}x{} images ({image_len} values each)",
+                images.len(),
+                labels.len(),
+                self.in_channels,
+                self.image_size,
+                self.image_size
+            )));
+        }
+        if let Some((index, label)) = labels
+            .iter()
+            .enumerate()
+            .find(|(_, &l)| l as usize >= self.classes)
+        {
+            return Err(TrainError::Batch(format!(
+                "label {label} of sample {index} is not below the {} classes",
+                self.classes
+            )));
+        }
+        Ok(())
+    }
+
     /// Features the linear layer sees: last channels x the last pooled size squared.
     pub fn feature_count(&self) -> usize {
         let side = self.image_size >> self.block_channels.len();

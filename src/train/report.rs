@@ -15,6 +15,8 @@ pub struct RunInfo {
     pub ranks: usize,
     pub batch_per_rank: usize,
     pub global_batch: usize,
+    /// The layers' numeric format, e.g. `fp32 NCHW`.
+    pub precision: String,
     /// The conv layers' micro-batch policy (`undivided` with `--no-microbatch`).
     pub policy: &'static str,
     pub workspace_limit_bytes: u64,
@@ -123,7 +125,7 @@ pub fn render_header(info: &RunInfo) -> String {
     let _ = write!(layers, " -> linear {}", net.classes);
     format!(
         "training on {}: {} rank(s) x batch {} (global batch {}), conv plans {} within {} per layer\n\
-         net: {layers} ({} parameters)\n\
+         net: {layers} ({} parameters), {}\n\
          data: {} training / {} held-out generated images, {} classes, noise {}; \
          SGD lr {} momentum {} weight decay {}; seed {}\n\
          tuning cache: {}\n",
@@ -138,6 +140,7 @@ pub fn render_header(info: &RunInfo) -> String {
         },
         format_bytes(info.workspace_limit_bytes),
         info.parameters,
+        info.precision,
         info.train_size,
         info.test_size,
         info.data.classes,
@@ -242,6 +245,7 @@ mod tests {
             ranks: 2,
             batch_per_rank: 8,
             global_batch: 16,
+            precision: "fp32 NCHW".into(),
             policy: "undivided",
             workspace_limit_bytes: 8 << 20,
             cache: "memory".into(),

@@ -8,8 +8,11 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use mucudnn::device::cpu_fingerprint;
 use mucudnn::solver::units::parse_size;
-use mucudnn::solver::Policy;
+use mucudnn::solver::{CandidateSet, Policy};
 use mucudnn::train::dist::DistFlags;
+use mucudnn::train::gpu::{
+    select_gpus, visible_gpus, GpuJob, GpuSettings, Precision, RendezvousConfig, JOB_TIMEOUT,
+};
 use mucudnn::train::report::{
     render_epoch_header, render_epoch_row, render_header, render_initial, render_plans,
     render_summary, RunInfo, TrainJson,
@@ -18,6 +21,7 @@ use mucudnn::train::{
     train_threads, CacheChoice, ConvSettings, CpuReplica, DatasetSpec, DistConfig, Hyper, NetSpec,
     Split, TempCache, TrainConfig, TrainEvent,
 };
+use mucudnn::tune::EngineOptions;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -37,12 +41,24 @@ pub(crate) struct TrainArgs {
     /// undivided) instead of micro-batched plans, for comparison.
     #[arg(long)]
     no_microbatch: bool,
-    /// Where to train. The GPU trainer is not built yet: auto trains on the CPU.
+    /// Where to train: auto takes the GPUs when CUDA, cuDNN and a GPU are present.
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     device: DeviceChoice,
-    /// CPU: the number of data-parallel ranks, run as threads of this process.
-    #[arg(long, value_name = "R", default_value_t = 1)]
-    ranks: usize,
+    /// Data-parallel ranks in this process, one thread each. CPU: default 1. GPU: one rank
+    /// per GPU, default every visible GPU (under a launcher that sets LOCAL_RANK, that GPU).
+    #[arg(long, value_name = "R")]
+    ranks: Option<usize>,
+    /// GPU: fp32 (NCHW) or fp16 (NHWC convolutions with fp32 master weights, a static loss
+    /// scale). The CPU trainer is fp32.
+    #[arg(long, default_value = "fp32", value_parser = parse_precision)]
+    dtype: Precision,
+    /// Which candidates the conv layers are tuned over: cuDNN's legacy algorithms, its
+    /// graph-API engine configurations, or both (the CPU has its own algorithms only).
+    #[arg(long, default_value = "all", value_parser = parse_candidates)]
+    candidates: CandidateSet,
+    /// GPU: time at most N engine configurations per (op, micro-batch size) while tuning.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    max_candidates: Option<u64>,
     /// Learning rate.
     #[arg(long, default_value_t = 0.01)]
     lr: f32,
@@ -151,6 +167,124 @@ impl Progress {
     }
 }
 
+fn parse_precision(text: &str) -> Result<Precision, String> {
+    text.parse()
+}
+
+fn parse_candidates(text: &str) -> Result<CandidateSet, String> {
+    text.parse()
+}
+
+/// Where the run trains, decided before anything is generated or tuned.
+#[allow(clippy::large_enum_variant)] // one per process
+enum Target {
+    Cpu {
+        ranks: usize,
+    },
+    /// This process's GPUs, joined to the job; `device` describes them.
+    Gpu {
+        job: GpuJob,
+        device: String,
+    },
+}
+
+/// `--device`: the CPU, the GPUs (an error saying why when there are none), or for `auto`
+/// the GPUs when there are some.
+fn choose_target(args: &TrainArgs, dist: &DistConfig, quiet: bool) -> Result<Target> {
+    let system = match args.device {
+        DeviceChoice::Cpu => None,
+        DeviceChoice::Cuda => Some(visible_gpus().context(
+            "--device cuda: no usable GPU (the GPU trainer needs the CUDA driver, cuDNN 9, cuBLAS \
+             and NCCL, and a visible GPU); use --device cpu",
+        )?),
+        DeviceChoice::Auto => match visible_gpus() {
+            Ok(system) => Some(system),
+            Err(error) => {
+                if !quiet {
+                    let text = error.to_string();
+                    let short = text.split(": ").next().unwrap_or(&text);
+                    eprintln!(
+                        "no usable GPU ({short}); training on the CPU (`--device cuda` says why)"
+                    );
+                }
+                None
+            }
+        },
+    };
+    let Some(system) = system else {
+        anyhow::ensure!(
+            args.dtype == Precision::Fp32,
+            "--dtype {}: the CPU trainer is fp32 only (fp16 needs --device cuda)",
+            args.dtype
+        );
+        anyhow::ensure!(
+            !dist.is_multi_process(),
+            "a world of {} processes (--world-size or WORLD_SIZE): the CPU trainer does not \
+             span processes; run its ranks as threads of one process with --ranks {}",
+            dist.world_size,
+            dist.world_size
+        );
+        let ranks = args.ranks.unwrap_or(1);
+        anyhow::ensure!(ranks >= 1, "--ranks must be at least 1");
+        return Ok(Target::Cpu { ranks });
+    };
+    // Under a launcher (torchrun sets LOCAL_RANK) one process drives one GPU.
+    let launcher_local_rank = match std::env::var("LOCAL_RANK") {
+        Ok(text) if !text.trim().is_empty() => Some(
+            text.trim()
+                .parse::<usize>()
+                .with_context(|| format!("LOCAL_RANK={text:?} is not a GPU index"))?,
+        ),
+        _ => None,
+    };
+    let gpus = select_gpus(system.devices.len(), args.ranks, launcher_local_rank)?;
+    let rendezvous = RendezvousConfig::new(
+        dist.rank,
+        dist.world_size,
+        dist.master_addr.clone(),
+        dist.master_port,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?
+    .with_local_rank(dist.local_rank)
+    .with_timeout(JOB_TIMEOUT);
+    if !quiet && dist.is_multi_process() {
+        eprintln!(
+            "process {} of {}: joining the job at {}",
+            dist.rank,
+            dist.world_size,
+            dist.master_endpoint()
+        );
+    }
+    let job = GpuJob::join(gpus, &rendezvous).context("joining the GPU job")?;
+    let names: Vec<&str> = job
+        .gpus()
+        .iter()
+        .filter_map(|&g| system.devices.get(g).map(|d| d.name.as_str()))
+        .collect();
+    let mut device = format!(
+        "cuda: {} x{} (cuDNN {}, driver {})",
+        names.first().copied().unwrap_or("GPU"),
+        names.len(),
+        system.cudnn_version_string(),
+        system.driver_version_string()
+    );
+    if names.iter().any(|name| Some(name) != names.first()) {
+        device = format!(
+            "cuda: {} (cuDNN {})",
+            names.join(", "),
+            system.cudnn_version_string()
+        );
+    }
+    if dist.is_multi_process() {
+        device.push_str(&format!(
+            " in process {} of {}",
+            job.process_rank(),
+            dist.world_size
+        ));
+    }
+    Ok(Target::Gpu { job, device })
+}
+
 pub(crate) fn run(args: &TrainArgs) -> Result<()> {
     let dist = DistConfig::from_flags_and_env(&DistFlags {
         rank: args.rank,
@@ -159,24 +293,11 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         master_addr: args.master_addr.clone(),
         master_port: args.master_port,
     })?;
-    match args.device {
-        DeviceChoice::Cuda => anyhow::bail!(
-            "--device cuda: the GPU trainer is not built yet; use --device cpu (or auto)"
-        ),
-        DeviceChoice::Cpu | DeviceChoice::Auto => {}
-    }
-    anyhow::ensure!(
-        !dist.is_multi_process(),
-        "a world of {} processes (--world-size or WORLD_SIZE): the CPU trainer does not span \
-         processes; run its ranks as threads of one process with --ranks {}",
-        dist.world_size,
-        dist.world_size
-    );
-    anyhow::ensure!(args.ranks >= 1, "--ranks must be at least 1");
     anyhow::ensure!(args.batch >= 1, "--batch must be at least 1");
     anyhow::ensure!(args.epochs >= 1, "--epochs must be at least 1");
     anyhow::ensure!(args.train_size >= 1, "--train-size must be at least 1");
     anyhow::ensure!(args.test_size >= 1, "--test-size must be at least 1");
+    anyhow::ensure!(args.ranks != Some(0), "--ranks must be at least 1");
 
     let net = NetSpec {
         in_channels: args.channels,
@@ -209,6 +330,13 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         Policy::PowerOfTwo
     };
 
+    let target = choose_target(args, &dist, args.quiet)?;
+    // In a multi-process job only the process with rank 0 reports.
+    let reporting = dist.rank == 0;
+    let quiet = args.quiet || !reporting;
+    let json = args.json && reporting;
+    let table = !args.json && reporting;
+
     // Every conv layer of every rank opens the same cache file; a private one for --no-cache.
     let mut temp = None;
     let cache = match (&args.cache, args.no_cache) {
@@ -216,7 +344,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         (None, false) => match CacheChoice::user_default() {
             Some(choice) => choice,
             None => {
-                if !args.quiet {
+                if !quiet {
                     eprintln!("no cache location (set MUCUDNN_CACHE or HOME); tuning into a private file for this run");
                 }
                 CacheChoice::File(temp.insert(TempCache::new()?).path())
@@ -229,13 +357,28 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         (CacheChoice::File(path), None) => path.display().to_string(),
         (CacheChoice::Memory, None) => "in memory".to_string(),
     };
-    let settings = ConvSettings::new(policy, args.workspace_limit, cache);
 
+    let (device, ranks) = match &target {
+        Target::Cpu { ranks } => (cpu_fingerprint().to_string(), *ranks),
+        Target::Gpu { job, device } => (device.clone(), job.layout().world_gpus),
+    };
+    let mut gpu_settings =
+        GpuSettings::new(policy, args.workspace_limit, cache.clone(), args.dtype);
+    gpu_settings.tuning.candidates = args.candidates;
+    gpu_settings.tuning.engines = EngineOptions {
+        max_candidates: args.max_candidates.map(|n| n as usize),
+        ..EngineOptions::default()
+    };
+    let precision = match &target {
+        Target::Cpu { .. } => Precision::Fp32.describe(gpu_settings.loss_scale),
+        Target::Gpu { .. } => args.dtype.describe(gpu_settings.loss_scale),
+    };
     let info = RunInfo {
-        device: cpu_fingerprint().to_string(),
-        ranks: args.ranks,
+        device,
+        ranks,
         batch_per_rank: args.batch,
-        global_batch: args.ranks * args.batch,
+        global_batch: ranks * args.batch,
+        precision,
         policy: policy.name(),
         workspace_limit_bytes: args.workspace_limit,
         cache: cache_text,
@@ -247,10 +390,10 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         hyper,
         seed: args.seed,
     };
-    if !args.json {
+    if table {
         print!("{}", render_header(&info));
     }
-    if !args.quiet {
+    if !quiet {
         eprintln!(
             "generating {} + {} images; then tuning the conv layers (rank 0 first)",
             args.train_size, args.test_size
@@ -273,9 +416,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         check_sync: args.check_sync,
     };
 
-    let mut progress = Progress::new(args.quiet, args.json);
-    let json = args.json;
-    let quiet = args.quiet;
+    let mut progress = Progress::new(quiet, json);
     let epochs = args.epochs;
     let mut on_event = |event: TrainEvent<'_>| match event {
         TrainEvent::Tuned {
@@ -287,7 +428,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
             }
         }
         TrainEvent::Initial(initial) => {
-            if !json {
+            if table {
                 print!("\n{}{}", render_epoch_header(), render_initial(initial));
                 let _ = std::io::stdout().flush();
             }
@@ -300,7 +441,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         } => progress.step(epoch, step, steps, loss),
         TrainEvent::Epoch(report) => {
             progress.end_epoch();
-            if !json {
+            if table {
                 print!("{}", render_epoch_row(report));
                 let _ = std::io::stdout().flush();
             }
@@ -315,23 +456,39 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
             }
         }
     };
-    let report = train_threads(
-        args.ranks,
-        |_rank, collective| CpuReplica::new(&net, args.seed, &settings, collective),
-        &train,
-        &test,
-        &config,
-        &mut on_event,
-    )
+    let report = match target {
+        Target::Cpu { ranks } => {
+            let mut settings = ConvSettings::new(policy, args.workspace_limit, cache);
+            // The CPU has its own algorithms only: `all` means those, `engines` is an error.
+            settings.tuning.candidates = args.candidates;
+            train_threads(
+                ranks,
+                |_rank, collective| CpuReplica::new(&net, args.seed, &settings, collective),
+                &train,
+                &test,
+                &config,
+                &mut on_event,
+            )
+        }
+        Target::Gpu { job, .. } => job.train(
+            &net,
+            args.seed,
+            &gpu_settings,
+            &train,
+            &test,
+            &config,
+            &mut on_event,
+        ),
+    }
     .context("training")?;
     drop(temp);
 
-    if args.json {
+    if json {
         println!(
             "{}",
             serde_json::to_string_pretty(&TrainJson::new(&info, &report))?
         );
-    } else {
+    } else if table {
         print!("{}", render_plans(&report.conv_plans));
         print!("{}", render_summary(&report));
     }

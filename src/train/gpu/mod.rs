@@ -1,6 +1,9 @@
-//! The GPU building blocks of data-parallel training: device ops for the layers around the
-//! micro-batched convolutions ([`ops`]), NCCL gradient averaging ([`nccl`]) and the TCP
-//! rendezvous that bootstraps NCCL across processes and hosts ([`rendezvous`]).
+//! Data-parallel training on GPUs: the building blocks (device ops for the layers around the
+//! micro-batched convolutions, [`ops`]; NCCL collectives, [`nccl`]; the TCP rendezvous that
+//! bootstraps NCCL across processes and hosts, [`rendezvous`]) and what is built from them:
+//! the GPU replica ([`GpuReplica`], [`replica`]), the loop's host-side collective
+//! ([`HostCollective`]) and the job runner ([`GpuJob`], [`trainer`]) behind
+//! `mucudnn train --device cuda`.
 //!
 //! # Layering
 //!
@@ -11,7 +14,9 @@
 //!         |                             `unsafe`: gates, descriptors, handles, checked calls;
 //!         |                             shares the convolution backend's gates and handle
 //! ops, nccl                            safe layers: shapes, validation, host references
-//! rendezvous                           pure Rust (std::net), no CUDA at all
+//! replica, trainer                     the replica and the job, from ops, nccl and the
+//!                                      convolution plans (no unsafe)
+//! rendezvous, collective               pure Rust (std::net, threads), no CUDA at all
 //! ```
 //!
 //! CUDA, cuDNN, cuBLAS and NCCL are loaded when first needed: on a machine without them
@@ -21,6 +26,8 @@
 //!
 //! # One training step on one replica
 //!
+//! [`GpuReplica`] does this for a whole [`crate::train::NetSpec`] network (see its module for
+//! the averaging and the fp16 details); by hand, with one conv layer, it looks like this.
 //! Every replica (one thread per GPU, or one process per GPU) owns a [`GpuOps`] and an
 //! [`NcclComm`] on the same stream, its layer objects, and its buffers (activations, fp32
 //! parameters, gradients, velocities), all allocated on that stream. With `world` processes:
@@ -100,12 +107,16 @@
 //! weights and gradients; [`Transform`] converts fp16 gradients to fp32 before the all-reduce
 //! and the updated fp32 weights to fp16 after the step.
 
+mod collective;
 mod error;
 mod ffi;
 pub mod nccl;
 pub mod ops;
 pub mod rendezvous;
+pub mod replica;
+pub mod trainer;
 
+pub use collective::HostCollective;
 pub use error::GpuTrainError;
 pub use ffi::{DeviceData, DeviceDataMut};
 pub use nccl::{nccl_version, NcclComm, NcclUniqueId, NcclVersion};
@@ -119,6 +130,11 @@ pub use ops::{
 pub use rendezvous::{
     GpuLayout, Rendezvous, RendezvousArgs, RendezvousConfig, RendezvousError, RendezvousListener,
 };
+pub use replica::{
+    cross_entropy_from_log_probs, mean_gradient_scale, GpuReplica, GpuSettings, HostLoss,
+    Precision, DEFAULT_LOSS_SCALE,
+};
+pub use trainer::{select_gpus, visible_gpus, GpuJob, JOB_TIMEOUT};
 
 /// Environment variable that enables the tests needing a GPU (`MUCUDNN_GPU_TESTS=1`).
 pub use crate::backend::cudnn::GPU_TESTS_ENV;

@@ -75,6 +75,33 @@ impl NcclUniqueId {
     pub fn as_bytes(&self) -> &[u8; UNIQUE_ID_BYTES] {
         &self.0
     }
+
+    /// The id of a multi-process job: rendezvous rank 0 creates it and sends it to every
+    /// process (an empty message if it could not, so that the others fail at once instead of
+    /// timing out); every process returns the same id.
+    pub fn share(rendezvous: &mut Rendezvous) -> Result<Self, GpuTrainError> {
+        if rendezvous.rank() == 0 {
+            match NcclUniqueId::new() {
+                Ok(id) => {
+                    rendezvous.broadcast_bytes(Some(id.as_bytes()))?;
+                    Ok(id)
+                }
+                Err(e) => {
+                    let _ = rendezvous.broadcast_bytes(Some(&[]));
+                    Err(e)
+                }
+            }
+        } else {
+            let bytes = rendezvous.broadcast_bytes(None)?;
+            if bytes.is_empty() {
+                return Err(invalid(
+                    "NcclUniqueId::share",
+                    "rank 0 could not create NCCL's unique id (see its error)",
+                ));
+            }
+            NcclUniqueId::from_bytes(&bytes)
+        }
+    }
 }
 
 /// An NCCL version, decoded from `ncclGetVersion`'s code.
@@ -191,27 +218,7 @@ impl NcclComm {
         rendezvous: &mut Rendezvous,
         stream: Arc<CudaStream>,
     ) -> Result<Self, GpuTrainError> {
-        let id = if rendezvous.rank() == 0 {
-            match NcclUniqueId::new() {
-                Ok(id) => {
-                    rendezvous.broadcast_bytes(Some(id.as_bytes()))?;
-                    id
-                }
-                Err(e) => {
-                    let _ = rendezvous.broadcast_bytes(Some(&[]));
-                    return Err(e);
-                }
-            }
-        } else {
-            let bytes = rendezvous.broadcast_bytes(None)?;
-            if bytes.is_empty() {
-                return Err(invalid(
-                    "NcclComm::init_with_rendezvous",
-                    "rank 0 could not create NCCL's unique id (see its error)",
-                ));
-            }
-            NcclUniqueId::from_bytes(&bytes)?
-        };
+        let id = NcclUniqueId::share(rendezvous)?;
         Self::init_rank_on_stream(rendezvous.world_size(), rendezvous.rank(), &id, stream)
     }
 
@@ -250,6 +257,15 @@ impl NcclComm {
                 blas.scal(CALL, 1.0 / self.world_size() as f32, &mut *buf)
             }
         }
+    }
+
+    /// Replaces `buf` (fp32, on [`Self::stream`]) by its element-wise sum over all ranks, in
+    /// place, queued on the stream (`ncclSum`; every rank receives the same bits). Every rank
+    /// must call it with the same length.
+    pub fn all_reduce_sum_f32(&self, buf: &mut impl DeviceDataMut) -> Result<(), GpuTrainError> {
+        const CALL: &str = "NcclComm::all_reduce_sum_f32";
+        check_f32(CALL, buf.dtype())?;
+        self.comm.all_reduce(CALL, &mut *buf, Reduce::Sum)
     }
 
     /// Replaces `buf` (fp32, on [`Self::stream`]) on every rank by rank `root`'s, in place,

@@ -1130,11 +1130,29 @@ impl Transform {
         x: &impl DeviceData,
         y: &mut impl DeviceDataMut,
     ) -> Result<(), GpuTrainError> {
+        self.run_scaled(ops, 1.0, x, y)
+    }
+
+    /// `y = alpha * x` converted and rearranged (the scale is applied in fp32 before the
+    /// rounding to `y`'s dtype): loss scaling into and out of fp16.
+    pub fn run_scaled(
+        &self,
+        ops: &GpuOps,
+        alpha: f32,
+        x: &impl DeviceData,
+        y: &mut impl DeviceDataMut,
+    ) -> Result<(), GpuTrainError> {
+        if !alpha.is_finite() {
+            return Err(invalid(
+                "Transform::run_scaled",
+                format!("the scale {alpha} is not finite"),
+            ));
+        }
         dnn::unary(
             &ops.cudnn,
             "Transform::run",
             Unary::Transform(self.tensor_ops),
-            1.0,
+            alpha,
             &self.x,
             x,
             0.0,
