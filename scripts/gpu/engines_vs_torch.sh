@@ -5,7 +5,16 @@
 # ResNet-50's distinct conv shapes (batch 128), forward + backward, fp16 NHWC and fp32 NCHW.
 # Also times tuning all AlexNet layers with engines from an empty cache. Logs under $OUT;
 # the table comes last.
+#
+#   bash .gpu/engines_vs_torch.sh [alexnet] [resnet50] [tuning]   (default: all three)
+#
+# A device call is limited to 10 minutes: if all three do not fit, run them one per call.
+# MAX_CANDIDATES=N caps the engine configurations per (op, size) (default: no cap).
 set -uo pipefail
+PARTS=${*:-alexnet resnet50 tuning}
+want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+CAP=()
+[ -n "${MAX_CANDIDATES:-}" ] && CAP=(--max-candidates "$MAX_CANDIDATES")
 G=${G:-.gpu}
 OUT=${OUT:-/tmp/mucudnn-gpu}
 mkdir -p "$OUT"
@@ -22,9 +31,10 @@ resnet50 128 fp16 nhwc 8MiB
 resnet50 128 fp32 nchw 64MiB
 resnet50 128 fp32 nchw 256MiB"
 while read -r model batch dtype layout limit; do
+  want "$model" || continue
   tag="$model-$dtype-$layout-$limit"
   $G/mucudnn tune --model "$model" --batch "$batch" --dtype "$dtype" --layout "$layout" \
-    --workspace-limit "$limit" --device cuda --candidates all --cache "$CACHE" \
+    --workspace-limit "$limit" --device cuda --candidates all --cache "$CACHE" "${CAP[@]}" \
     --save-profile "$OUT/$tag.profile.json" --verify --json > "$OUT/$tag.json" 2> "$OUT/$tag.log"
   rc=$?
   if [ ! -s "$OUT/$model-$dtype-$layout.torch.json" ]; then
@@ -36,10 +46,11 @@ done <<< "$CASES"
 
 # Tuning time: all AlexNet layers, engines and legacy, fp16 and fp32, from an empty cache.
 for dtype_layout in "fp32 nchw" "fp16 nhwc"; do
+  want tuning || continue
   set -- $dtype_layout
   rm -f "$OUT/tuning-time.sqlite"
   $G/mucudnn tune --model alexnet --batch 256 --dtype "$1" --layout "$2" --workspace-limit 64MiB \
-    --device cuda --candidates all --cache "$OUT/tuning-time.sqlite" --json \
+    --device cuda --candidates all --cache "$OUT/tuning-time.sqlite" "${CAP[@]}" --json \
     > "$OUT/tuning-time-$1.json" 2> "$OUT/tuning-time-$1.log"
 done
 
@@ -68,6 +79,8 @@ for tag, rc in rows:
           f'{doc["total_workspace_bytes"]/2**20:8.1f}M {max(l["extra_mib"] for l in torch["layers"]):12.1f}M '
           f'{100*eng:8.0f}% {doc["tuning"]["seconds"]:7.1f} {ok}')
 for dtype in ("fp32", "fp16"):
+    if not os.path.exists(os.path.join(out, f"tuning-time-{dtype}.json")):
+        continue
     try:
         t = json.load(open(os.path.join(out, f"tuning-time-{dtype}.json")))["tuning"]
         print(f'tuning all AlexNet layers ({dtype}, legacy + engines, empty cache): {t["seconds"]:.1f} s '
