@@ -73,14 +73,19 @@ pub struct ProfileRun<'a> {
 
 impl ProfileRun<'_> {
     /// The kinds to measure on a backend that offers `offered`.
-    fn kinds(&self, offered: &[AlgoKind], backend: &str) -> Result<Vec<AlgoKind>, BackendError> {
-        let kinds: Vec<AlgoKind> = self
-            .candidates
+    /// The candidate kinds of the run that a backend offering `offered` has, in set order.
+    fn offered_kinds(&self, offered: &[AlgoKind]) -> Vec<AlgoKind> {
+        self.candidates
             .kinds()
             .iter()
             .copied()
             .filter(|kind| offered.contains(kind))
-            .collect();
+            .collect()
+    }
+
+    /// The kinds to measure on a backend that offers `offered`.
+    fn kinds(&self, offered: &[AlgoKind], backend: &str) -> Result<Vec<AlgoKind>, BackendError> {
+        let kinds = self.offered_kinds(offered);
         if kinds.is_empty() {
             return Err(BackendError::NoEngines {
                 backend: backend.to_string(),
@@ -119,14 +124,7 @@ impl ProfileRun<'_> {
 
     /// The candidate set actually measured on a backend that offers `offered` (the plan key).
     pub fn effective_candidates(&self, offered: &[AlgoKind]) -> CandidateSet {
-        let kinds: Vec<AlgoKind> = self
-            .candidates
-            .kinds()
-            .iter()
-            .copied()
-            .filter(|kind| offered.contains(kind))
-            .collect();
-        CandidateSet::from_kinds(&kinds).unwrap_or(self.candidates)
+        CandidateSet::from_kinds(&self.offered_kinds(offered)).unwrap_or(self.candidates)
     }
 }
 

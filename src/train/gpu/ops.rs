@@ -1505,32 +1505,22 @@ mod tests {
                 .map(|(&y, &g)| y as f64 * g as f64)
                 .sum()
         };
+        // Central differences of the objective in one argument (0: x, 1: W, 2: bias).
         let h = 0.25f32;
-        let derivative = |f: &dyn Fn(f32) -> f64| (f(h) - f(-h)) / (2.0 * h as f64);
-        for k in 0..x.len() {
-            let d = derivative(&|e| {
-                let mut x2 = x.clone();
-                x2[k] += e;
-                objective(&x2, &w, &bias)
-            });
-            assert!((d - grads.dx[k] as f64).abs() < 1e-4, "dx[{k}]");
-        }
-        for k in 0..w.len() {
-            let d = derivative(&|e| {
-                let mut w2 = w.clone();
-                w2[k] += e;
-                objective(&x, &w2, &bias)
-            });
-            assert!((d - grads.dweight[k] as f64).abs() < 1e-4, "dW[{k}]");
-        }
-        for k in 0..bias.len() {
-            let d = derivative(&|e| {
-                let mut b2 = bias.clone();
-                b2[k] += e;
-                objective(&x, &w, &b2)
-            });
-            assert!((d - grads.dbias[k] as f64).abs() < 1e-4, "db[{k}]");
-        }
+        let check = |argument: usize, grad: &[f32], name: &str| {
+            for k in 0..grad.len() {
+                let at = |e: f32| {
+                    let mut args = [x.clone(), w.clone(), bias.clone()];
+                    args[argument][k] += e;
+                    objective(&args[0], &args[1], &args[2])
+                };
+                let d = (at(h) - at(-h)) / (2.0 * h as f64);
+                assert!((d - grad[k] as f64).abs() < 1e-4, "{name}[{k}]");
+            }
+        };
+        check(0, &grads.dx, "dx");
+        check(1, &grads.dweight, "dW");
+        check(2, &grads.dbias, "db");
     }
 
     /// cuBLAS's `sgemm` as the BLAS standard defines it (column-major, leading dimensions).
