@@ -8,11 +8,11 @@
 //! `(alpha, beta) = (1, 0)` and, for backward-filter's accumulating micro-batches, `(1, 1)` are
 //! built up front; a caller's other alpha or beta builds its plan on first use and keeps it.
 
-use super::{check_plan, operand_roles, steps, ExecError};
+use super::{check_plan, ExecError};
 use crate::backend::cudnn::{
     ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan, Workspace,
 };
-use crate::solver::{Algo, ConvOp, ConvProblem, Plan};
+use crate::solver::{operand_roles, steps, Algo, ConvOp, ConvProblem, Plan};
 use std::cell::RefCell;
 
 /// What one distinct (micro-batch size, candidate) runs.

@@ -7,7 +7,7 @@
 //! allows, on the same GPU, then solve under the workspace limit), prepares the plan once
 //! (descriptors per micro-batch size, workspace sizes), and executes it on the caller's handle
 //! and stream: one cuDNN call per micro-batch on pointer offsets of the caller's tensors,
-//! stepped by [`crate::exec::steps`].
+//! stepped by [`crate::solver::steps`].
 
 use super::descriptors::{descriptor_names, problem_from_descriptors};
 use super::error::{invalid, FfiError};
@@ -17,9 +17,10 @@ use crate::backend::cudnn::{
     RawDeviceViewMut,
 };
 use crate::backend::CudnnBackend;
-use crate::exec::{check_plan, operand_roles, steps, Operand};
+use crate::exec::check_plan;
 use crate::profiler::Job;
 use crate::report::SolutionJson;
+use crate::solver::{operand_roles, steps, Operand};
 use crate::solver::{
     solve_profile, ConvOp, ConvProblem, Mode, Profile, Solution, SolvedProblem, WdOptions,
 };

@@ -885,6 +885,7 @@ impl CudnnHandle {
     /// The raw handle, for the training ops' FFI wall (`crate::train::gpu::ffi`), which calls
     /// more of cuDNN on the same handle. Live as long as `self`; used by this thread only (the
     /// type is not `Sync`).
+    #[cfg(feature = "train")]
     pub(crate) fn raw(&self) -> dnn_sys::cudnnHandle_t {
         self.raw
     }
@@ -1392,6 +1393,7 @@ impl TensorDescriptor {
     }
 
     /// The raw descriptor, for the training ops' FFI wall; live as long as `self`.
+    #[cfg(feature = "train")]
     pub(crate) fn raw(&self) -> dnn_sys::cudnnTensorDescriptor_t {
         self.raw
     }
@@ -1792,11 +1794,13 @@ impl DeviceBuffer {
 
     /// The allocation as cudarc holds it (`len * dtype size` bytes), for the training ops' FFI
     /// wall, which reads and writes whole buffers on their stream.
+    #[cfg(feature = "train")]
     pub(crate) fn cuda_bytes(&self) -> &CudaSlice<u8> {
         &self.data
     }
 
     /// As [`Self::cuda_bytes`], for writing.
+    #[cfg(feature = "train")]
     pub(crate) fn cuda_bytes_mut(&mut self) -> &mut CudaSlice<u8> {
         &mut self.data
     }

@@ -149,6 +149,7 @@ pub use ffi::{
 };
 /// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings
 /// and error conversions, so that both walls load and describe the libraries the same way.
+#[cfg(feature = "train")]
 pub(crate) use ffi::{
     candidates, cudnn as require_cudnn, driver as require_driver, driver_error, status_error,
     warn_drop,

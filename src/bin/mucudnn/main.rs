@@ -76,7 +76,7 @@ pub(crate) struct SolveSettings {
     /// Time limit for the workspace-division MILP, in seconds.
     #[arg(long, value_name = "SECS", default_value_t = 10.0)]
     pub ilp_time_limit: f64,
-    /// Print the result as JSON (see README) instead of a table.
+    /// Print the result as JSON (see docs/cli.md) instead of a table.
     #[arg(long)]
     pub json: bool,
 }

@@ -104,7 +104,7 @@ pub(crate) struct TrainArgs {
     /// Tune everything again and keep nothing (the ranks share a private file for the run).
     #[arg(long)]
     no_cache: bool,
-    /// Print one JSON document (see README) instead of the table.
+    /// Print one JSON document (see docs/training.md) instead of the table.
     #[arg(long)]
     json: bool,
     /// No progress output.
