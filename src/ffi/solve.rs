@@ -35,7 +35,7 @@ impl Default for SolveOptions {
 }
 
 /// A size given as a number of bytes or a string such as `"64MiB"`.
-fn size_option(key: &str, value: &serde_json::Value) -> Result<u64, FfiError> {
+pub(super) fn size_option(key: &str, value: &serde_json::Value) -> Result<u64, FfiError> {
     match value {
         serde_json::Value::Number(number) => number.as_u64().ok_or_else(|| {
             invalid(format!(

@@ -54,6 +54,7 @@ use std::sync::{Arc, OnceLock};
 
 mod foreign;
 mod graph;
+mod stream;
 
 pub use foreign::{
     read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
@@ -62,6 +63,7 @@ pub use foreign::{
     RawDeviceViewMut, TensorDescriptorInfo,
 };
 pub use graph::{engine_configs, graph_api_status, heuristic_plan_workspaces, EnginePlan};
+pub use stream::{RawWorkspace, StreamSession};
 
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
 /// bindings use CUDA 13.0 entry points (`cuEventElapsedTime_v2`, ...). Driver 580 reports 13000.

@@ -166,6 +166,8 @@ pub use ffi::{
     FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
     RawDeviceViewMut, TensorDescriptorInfo,
 };
+/// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
+pub use ffi::{RawWorkspace, StreamSession};
 pub use shape::{operand_roles, ConvShapes, Operand};
 
 /// Environment variable that enables the tests needing a GPU (`MUCUDNN_GPU_TESTS=1`).
