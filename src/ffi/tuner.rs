@@ -195,8 +195,8 @@ struct CudaState {
 unsafe impl Send for CudaState {}
 
 enum DeviceState {
-    Cpu { backend: Box<CpuBackend> },
-    Cuda(CudaState),
+    Cpu { backend: CpuBackend },
+    Cuda(Box<CudaState>),
 }
 
 /// What a `mucudnnTuner_t` refers to.
@@ -255,16 +255,16 @@ impl Tuner {
     ) -> Result<Self, FfiError> {
         let state = match device {
             TunerDevice::Cpu => DeviceState::Cpu {
-                backend: Box::new(CpuBackend::new()),
+                backend: CpuBackend::new(),
             },
             TunerDevice::Cuda(ordinal) => {
                 let _context = save_current_context()?;
                 let exec = CudnnHandle::new(ordinal)?;
-                DeviceState::Cuda(CudaState {
+                DeviceState::Cuda(Box::new(CudaState {
                     ordinal,
                     tuning: None,
                     exec: Some(exec),
-                })
+                }))
             }
         };
         let cache = cache.unwrap_or_else(|| Cache::open_default(cache_path.as_deref()));
@@ -284,7 +284,7 @@ impl Tuner {
         f: impl FnOnce(&mut dyn Backend, &Cache) -> Result<T, FfiError>,
     ) -> Result<T, FfiError> {
         match &mut self.state {
-            DeviceState::Cpu { backend } => f(backend.as_mut(), &self.cache),
+            DeviceState::Cpu { backend } => f(backend, &self.cache),
             DeviceState::Cuda(cuda) => {
                 let _context = save_current_context()?;
                 if cuda.tuning.is_none() {
