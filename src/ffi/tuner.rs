@@ -194,6 +194,8 @@ struct CudaState {
 // is what cuDNN requires of a handle used by several threads one after another.
 unsafe impl Send for CudaState {}
 
+// One per tuner: the size of a variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum DeviceState {
     Cpu { backend: CpuBackend },
     Cuda(Box<CudaState>),
