@@ -70,6 +70,11 @@ pub(crate) fn run(args: &CacheArgs) -> Result<()> {
         }
         return Ok(());
     }
+    // Bad input is refused before the cache is opened (or created).
+    let imported = match &args.action {
+        CacheAction::Import { file, .. } => Some(read_profile(file)?),
+        _ => None,
+    };
     let access = match args.action {
         CacheAction::Import { .. } | CacheAction::Clear => Access::ReadWrite,
         _ => Access::ReadOnly,
@@ -112,7 +117,10 @@ pub(crate) fn run(args: &CacheArgs) -> Result<()> {
             force,
             device,
         } => {
-            let profile = read_profile(file)?;
+            let profile = match imported {
+                Some(profile) => profile,
+                None => read_profile(file)?,
+            };
             let local = local_fingerprint(*device)?;
             let stored = cache.import(&profile, &local, *force)?;
             eprintln!(

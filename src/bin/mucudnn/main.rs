@@ -112,13 +112,13 @@ pub(crate) struct SolveSettings {
     #[arg(long, default_value = "power-of-two", value_parser = parse_policy)]
     pub policy: Policy,
     /// Per-layer workspace limit (workspace reuse). Bytes, or with KiB/MiB/GiB.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "total_workspace")]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "total_workspace", allow_hyphen_values = true)]
     pub workspace_limit: Option<u64>,
     /// One workspace budget shared by all layers (workspace division, solved as a MILP).
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
     pub total_workspace: Option<u64>,
     /// Time limit for the workspace-division MILP, in seconds (above 0, at most 1e6).
-    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = parse_time_limit)]
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = parse_time_limit, allow_hyphen_values = true)]
     pub ilp_time_limit: f64,
     /// Print the result as JSON (see README) instead of a table.
     #[arg(long)]

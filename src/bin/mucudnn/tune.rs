@@ -143,7 +143,17 @@ pub(crate) struct DeviceArgs {
 
 impl DeviceArgs {
     pub fn open(&self, quiet: bool) -> Result<(Device, Cache, TimingSettings)> {
+        self.open_checked(quiet, |_| Ok(()))
+    }
+
+    /// Opens the device, runs `check` on it, and only then opens (perhaps creates) the cache.
+    pub fn open_checked(
+        &self,
+        quiet: bool,
+        check: impl FnOnce(&mut Device) -> Result<()>,
+    ) -> Result<(Device, Cache, TimingSettings)> {
         let mut device = open_device(self.device, quiet)?;
+        check(&mut device)?;
         let timing = match device.backend().fingerprint().backend {
             BackendKind::Cuda => TimingSettings::GPU,
             BackendKind::Cpu => TimingSettings::CPU,
@@ -287,8 +297,9 @@ fn check_before_measuring(args: &TuneArgs, device: &mut Device) -> Result<()> {
 pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     let (network, layers) = args.source.layers()?;
     args.settings.wd_options()?;
-    let (mut device, cache, timing) = args.device.open(args.quiet)?;
-    check_before_measuring(args, &mut device)?;
+    let (mut device, cache, timing) = args
+        .device
+        .open_checked(args.quiet, |device| check_before_measuring(args, device))?;
     let fingerprint = device.backend().fingerprint().clone();
     let jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
     let policy = args.settings.policy;
