@@ -276,7 +276,7 @@ fn check_before_measuring(args: &TuneArgs, device: &mut Device) -> Result<()> {
             .kinds()
             .iter()
             .any(|kind| offered.contains(kind)),
-        "--candidates {}: the {backend} backend has none (it offers {}); nothing was measured",
+        "--candidates {}: the {backend} backend has no graph-API engine configurations (it offers {} candidates); nothing was measured",
         args.device.candidates,
         offered
             .iter()
