@@ -27,6 +27,9 @@ pub enum TuneError {
     Solve(#[from] SolveError),
     #[error("interrupted: {measured} micro-batch size(s) measured this run are kept in the cache")]
     Interrupted { measured: usize },
+    /// The cache path names a file that is not a mucudnn cache (left untouched).
+    #[error(transparent)]
+    Cache(#[from] mucudnn_cache::NotACache),
 }
 
 /// Where a profile's measurements came from.

@@ -556,7 +556,7 @@ pub unsafe extern "C" fn mucudnnCreate(
         let settings = unsafe { settings_arg(options) }?;
         let foreign = unsafe { ForeignHandle::new(cudnn.cast(), stream.cast()) }?;
         *out = HANDLES.insert(mucudnnContext {
-            handle: Handle::new(foreign, settings),
+            handle: Handle::new(foreign, settings)?,
         });
         Ok(())
     })
