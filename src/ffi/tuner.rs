@@ -246,8 +246,9 @@ fn exec_error(e: ExecError) -> FfiError {
 }
 
 impl Tuner {
-    /// A tuner on `device` with the cache at `cache_path` (`None`: the default location; a
-    /// cache that cannot be opened falls back to memory with a warning). A GPU is checked at
+    /// A tuner on `device` with `cache`, else the cache at `cache_path` (`None`: the default
+    /// location; a cache of ours that cannot be opened falls back to memory with a warning, a
+    /// file that is not a mucudnn cache is an error and left untouched). A GPU is checked at
     /// once: no CUDA, no cuDNN or no such GPU is an error.
     pub fn new(
         device: TunerDevice,
@@ -269,7 +270,11 @@ impl Tuner {
                 }))
             }
         };
-        let cache = cache.unwrap_or_else(|| Cache::open_default(cache_path.as_deref()));
+        let cache = match cache {
+            Some(cache) => cache,
+            None => Cache::open_default(cache_path.as_deref())
+                .map_err(|e| invalid(format!("options_json cache: {e}")))?,
+        };
         Ok(Tuner {
             device,
             state,
