@@ -51,7 +51,8 @@ if setup_venv || skip_or_fail "could not make the Python virtualenv at $venv"; t
   "$venv/bin/python" -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
   section "Python: pytest python/tests"
   status=0
-  (cd python && "$venv/bin/python" -m pytest -q -p no:cacheprovider tests) || status=$?
+  # From the repository root, so that the installed package is imported, not python/mucudnn.
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs python/tests || status=$?
   if [ "$status" -eq 5 ]; then
     echo "error: pytest collected no test" >&2
     exit 1
