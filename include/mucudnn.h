@@ -363,6 +363,19 @@ void mucudnnFreeString(char *text);
 enum mucudnnStatus_t mucudnnProbe(char **info_json_out);
 
 /**
+ * The version of the libcudnn mucudnn uses (cudnnGetVersion(), e.g. 92600 for 9.26.0),
+ * loading it if it is not loaded yet; needs no GPU and no libcuda. mucudnn looks for
+ * `libcudnn.so`, then `libcudnn.so.9`, through the dynamic loader's search (LD_LIBRARY_PATH,
+ * the library's RUNPATH, the system's folders); a libcudnn already loaded under the same file
+ * is shared. MUCUDNN_STATUS_NOT_AVAILABLE when none is found or it is not cuDNN 9.
+ *
+ * # Safety
+ *
+ * `version_out` is NULL (an error) or valid for writing one uint64_t.
+ */
+enum mucudnnStatus_t mucudnnGetCudnnVersion(uint64_t *version_out);
+
+/**
  * Solves a profile, without a GPU: the same plans, and the same JSON document, as
  * `mucudnn solve --profile FILE --json`.
  *

@@ -117,6 +117,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "mucudnnGetLastError": (s, []),
         "mucudnnFreeString": (None, [p]),
         "mucudnnProbe": (c.c_int, [out_s]),
+        "mucudnnGetCudnnVersion": (c.c_int, [c.POINTER(c.c_uint64)]),
         "mucudnnSolveProfile": (c.c_int, [s, s, out_s]),
         "mucudnnTunerCreate": (c.c_int, [c.POINTER(p), c.c_int32, s]),
         "mucudnnTunerDestroy": (c.c_int, [p]),
@@ -161,6 +162,14 @@ def library_path() -> Path:
     library()
     assert _library_path is not None
     return _library_path
+
+
+def cudnn_version() -> int:
+    """The version of the libcudnn mucudnn uses (e.g. 92600), loading it if needed; raises
+    :class:`MucudnnError` (``NOT_AVAILABLE``) when there is none."""
+    version = ctypes.c_uint64()
+    check(library().mucudnnGetCudnnVersion(ctypes.byref(version)))
+    return version.value
 
 
 def check(status: int) -> None:

@@ -450,6 +450,25 @@ pub unsafe extern "C" fn mucudnnProbe(info_json_out: *mut *mut c_char) -> mucudn
     })
 }
 
+/// The version of the libcudnn mucudnn uses (cudnnGetVersion(), e.g. 92600 for 9.26.0),
+/// loading it if it is not loaded yet; needs no GPU and no libcuda. mucudnn looks for
+/// `libcudnn.so`, then `libcudnn.so.9`, through the dynamic loader's search (LD_LIBRARY_PATH,
+/// the library's RUNPATH, the system's folders); a libcudnn already loaded under the same file
+/// is shared. MUCUDNN_STATUS_NOT_AVAILABLE when none is found or it is not cuDNN 9.
+///
+/// # Safety
+///
+/// `version_out` is NULL (an error) or valid for writing one uint64_t.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnGetCudnnVersion(version_out: *mut u64) -> mucudnnStatus_t {
+    guard("mucudnnGetCudnnVersion", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(version_out, "version_out", 0) }?;
+        *out = crate::backend::cudnn::cudnn_version()?;
+        Ok(())
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // The pure solver
 
