@@ -134,6 +134,11 @@ class Conv2d(nn.Conv2d):
             name or f"conv2d.{id(self):x}", settings, cache, verbose
         )
         self._mucudnn_id = _runtime.register(self._mucudnn, self)
+        self._mucudnn_geometry = (
+            [int(v) for v in self.stride],
+            None if isinstance(self.padding, str) else [int(v) for v in self.padding],
+            [int(v) for v in self.dilation],
+        )
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, **options: Any) -> "Conv2d":
@@ -203,6 +208,9 @@ class Conv2d(nn.Conv2d):
     def _symmetric_input(self, input: torch.Tensor):
         """The input and the symmetric padding mucudnn runs (``'same'`` with an even total
         pads the extra row and column at the end first, as PyTorch does)."""
+        fixed = self._mucudnn_geometry[1]
+        if fixed is not None:
+            return input, fixed
         if isinstance(self.padding, str):
             if self.padding == "valid":
                 return input, [0, 0]
@@ -223,7 +231,7 @@ class Conv2d(nn.Conv2d):
             input = input.unsqueeze(0)
         self._check(input)
         x, padding = self._symmetric_input(input)
-        stride, dilation = [int(v) for v in self.stride], [int(v) for v in self.dilation]
+        stride, _, dilation = self._mucudnn_geometry
         p, q = _runtime.output_hw(
             x.shape[2], x.shape[3], *self.kernel_size, stride, padding, dilation
         )

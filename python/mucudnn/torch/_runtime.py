@@ -195,8 +195,11 @@ def device_of(t: torch.Tensor) -> Tuple[str, int]:
 
 
 def shape_key(x: torch.Tensor) -> ShapeKey:
+    device = x.device
+    if device.type == "cpu":
+        return ("cpu", -1, x.dtype, layout_of(x), tuple(x.shape))
     device_type, index = device_of(x)
-    return (device_type, index, x.dtype, layout_of(x), tuple(int(d) for d in x.shape))
+    return (device_type, index, x.dtype, layout_of(x), tuple(x.shape))
 
 
 def problem_for(
