@@ -4,7 +4,6 @@ current stream, with no host synchronisation after tuning, inside CUDA graphs.""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import mucudnn.torch as mt
 
