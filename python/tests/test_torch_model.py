@@ -180,3 +180,36 @@ def test_a_second_process_with_everything_cached_measures_nothing(tmp_path):
     assert first["measured"] > 0
     assert second["measured"] == 0, second
     assert second["tuning"] < 1.0, second
+
+
+def test_a_shape_without_a_plan_falls_back_to_pytorch_or_raises(monkeypatch, capsys):
+    from mucudnn import MucudnnError, Tuner
+
+    def no_plan(self, layer, problem, settings):
+        raise MucudnnError(f"{layer}: no plan fits 0 B (the smallest limit that works: 4 KiB)",
+                           "SOLVER_ERROR")
+
+    monkeypatch.setattr(Tuner, "tune", no_plan)
+    torch.manual_seed(0)
+    conv = mt.Conv2d(3, 4, 3, padding=1, cache=False, name="net.tight")
+    reference = nn.Conv2d(3, 4, 3, padding=1)
+    reference.load_state_dict(conv.state_dict())
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    y = conv(x)
+    y.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    expected = reference(xr)
+    expected.sum().backward()
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(conv.weight.grad, reference.weight.grad)
+    report = conv.plans[(2, 3, 6, 6)]
+    assert "smallest limit" in report.fallback
+    assert "net.tight" in capsys.readouterr().err
+    strict = mt.Conv2d(3, 4, 3, cache=False, name="net.strict", fallback=False)
+    with pytest.raises(RuntimeError, match="net.strict: tuning input shape"):
+        strict(torch.randn(2, 3, 6, 6))
+    # tune() follows the same rule.
+    model = mt.convert_(nn.Sequential(nn.Conv2d(3, 4, 3)), cache=False)
+    summary = mt.tune(model, torch.randn(2, 3, 6, 6), verbose=False)
+    assert summary["layers"] == 1 and model[0].plans[(2, 3, 6, 6)].fallback

@@ -86,7 +86,10 @@ class Conv2d(nn.Conv2d):
     per layer and op), ``policy`` (``"power-of-two"``, ``"all"``, ``"undivided"``),
     ``candidates`` (``"all"``, ``"legacy"``, ``"engines"``), ``cache`` (a file path; ``None``:
     the default location; ``False``: in memory only), ``name`` (shown in plans and errors),
-    ``max_candidates``, ``prune_margin`` and ``verbose``.
+    ``max_candidates``, ``prune_margin``, ``verbose``, and ``fallback`` (default ``True``: an
+    input shape that no candidate supports, or whose plans cannot fit the limit, runs PyTorch's
+    own convolution, with a warning on stderr and the reason in :attr:`plans`; ``False``:
+    raise instead).
 
     CPU tensors run mucudnn's CPU backend (fp32, fp16, bf16); CUDA tensors run cuDNN plans on
     the current stream with workspace from PyTorch's caching allocator. ``channels_last``
@@ -115,6 +118,7 @@ class Conv2d(nn.Conv2d):
         max_candidates: Optional[int] = None,
         prune_margin: Optional[float] = 1.5,
         verbose: bool = False,
+        fallback: bool = True,
     ):
         label = name or "mucudnn.torch.Conv2d"
         if padding_mode != "zeros":
@@ -131,7 +135,7 @@ class Conv2d(nn.Conv2d):
         except (TypeError, ValueError) as e:
             raise type(e)(f"{label}: {e}") from None
         self._mucudnn = _runtime.LayerConfig(
-            name or f"conv2d.{id(self):x}", settings, cache, verbose
+            name or f"conv2d.{id(self):x}", settings, cache, verbose, fallback
         )
         self._mucudnn_id = _runtime.register(self._mucudnn, self)
         self._mucudnn_geometry = (

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from .. import _tuner
 from .._lib import MucudnnError
@@ -63,10 +64,14 @@ class PlanReport:
     tuning_seconds: float
     cached: int
     measured: int
+    #: Why this shape runs PyTorch's convolution instead (no plan), else None.
+    fallback: Optional[str] = None
 
     def __str__(self) -> str:
         n, c, h, w = self.shape
         lines = [f"{n}x{c}x{h}x{w} {self.dtype} {self.layout} on {self.device}:"]
+        if self.fallback is not None:
+            lines.append(f"  PyTorch's convolution (no mucudnn plan: {self.fallback})")
         for op, info in self.ops.items():
             lines.append(
                 f"  {op:<10} {info['split']:<40} predicted {info['time_ms']:9.3f} ms  "
@@ -101,12 +106,15 @@ def report_of(key: ShapeKey, result: Dict[str, Any], seconds: float) -> PlanRepo
 class LayerConfig:
     """A layer's name, tuning settings and cache, and its prepared plan sets by input shape."""
 
-    def __init__(self, name: str, settings: Settings, cache: Any, verbose: bool):
+    def __init__(
+        self, name: str, settings: Settings, cache: Any, verbose: bool, fallback: bool = True
+    ):
         self.name = name
         self.settings = settings
         self.cache = cache
         self.verbose = verbose
-        self.prepared: Dict[ShapeKey, PreparedSet] = {}
+        self.fallback = fallback
+        self.prepared: Dict[ShapeKey, Optional[PreparedSet]] = {}
         self.reports: Dict[ShapeKey, PlanReport] = {}
         self.workspaces: Dict[ShapeKey, torch.Tensor] = {}
         self.lock = threading.Lock()
@@ -114,7 +122,8 @@ class LayerConfig:
     def release(self) -> None:
         for prepared in self.prepared.values():
             try:
-                prepared.release()
+                if prepared is not None:
+                    prepared.release()
             except MucudnnError:
                 pass
         self.prepared.clear()
@@ -220,6 +229,10 @@ def problem_for(
 
 _warned_distributed = False
 
+#: Tuning failures that leave a shape to PyTorch's convolution (with ``fallback=True``): no
+#: candidate supports the problem, or no plan fits the workspace limit.
+FALLBACK_STATUSES = ("SOLVER_ERROR", "NOT_SUPPORTED")
+
 
 def plans_for(
     config: LayerConfig,
@@ -232,9 +245,8 @@ def plans_for(
 ) -> Tuple[ShapeKey, PreparedSet]:
     """The prepared plans for input ``x``: tuned through the cache on first sight."""
     key = shape_key(x)
-    prepared = config.prepared.get(key)
-    if prepared is not None:
-        return key, prepared
+    if key in config.prepared:
+        return key, config.prepared[key]
     device_type, index, _, _, _ = key
     if device_type == "cuda":
         if torch.cuda.is_current_stream_capturing():
@@ -264,9 +276,29 @@ def plans_for(
     try:
         result = tuner.tune(config.name, problem, config.settings)
     except MucudnnError as e:
+        if config.fallback and e.status in FALLBACK_STATUSES:
+            fall_back(config, key, str(e), time.perf_counter() - started)
+            return key, None
         raise RuntimeError(f"{config.name}: tuning input shape {tuple(x.shape)} failed: {e}") from e
     prepared = config.adopt(key, result, time.perf_counter() - started)
     return key, prepared
+
+
+def fall_back(config: LayerConfig, key: ShapeKey, reason: str, seconds: float) -> None:
+    """Leaves ``key`` to PyTorch's convolution, saying so once on stderr."""
+    device_type, index, dtype, layout, shape = key
+    with config.lock:
+        config.prepared[key] = None
+        config.reports[key] = PlanReport(
+            shape=shape, dtype=DTYPES[dtype], layout=layout,
+            device=device_type if index < 0 else f"{device_type}:{index}", ops={},
+            tuning_seconds=seconds, cached=0, measured=0, fallback=reason,
+        )
+    print(
+        f"mucudnn: warning: {config.name}: input shape {shape} ({DTYPES[dtype]} {layout}) runs "
+        f"PyTorch's convolution: {reason}",
+        file=sys.stderr,
+    )
 
 
 def run(
@@ -303,6 +335,20 @@ def run(
         raise RuntimeError(f"{config.name}: {e}") from e
 
 
+#: Base alignment the GPU path asks of every operand: engine plans declare the alignment of the
+#: micro-batch offsets they run at, relative to an aligned base (PyTorch's caching allocator
+#: hands out 512-byte aligned blocks; a view into one may start anywhere).
+GPU_BASE_ALIGNMENT = 256
+
+
+def aligned(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """``t``, or an aligned copy of it when it is a CUDA tensor starting at an unaligned
+    address (a view with a storage offset)."""
+    if t.is_cuda and t.data_ptr() % GPU_BASE_ALIGNMENT:
+        return t.clone(memory_format=fmt)
+    return t
+
+
 def forward(
     config_id: int,
     x: torch.Tensor,
@@ -322,8 +368,13 @@ def forward(
     p, q = output_hw(h, w, r, s, stride, padding, dilation)
     y = torch.empty((n, k, p, q), dtype=x.dtype, device=x.device, memory_format=fmt)
     if y.numel() > 0:
+        x, weight = aligned(x, fmt), aligned(weight, fmt)
         key, prepared = plans_for(config, x, weight.shape, stride, padding, dilation, groups)
-        run(config, key, prepared, FORWARD, x, weight, y)
+        if prepared is None:
+            y = F.conv2d(x, weight, None, stride, padding, dilation, groups)
+            y = y.contiguous(memory_format=fmt)
+        else:
+            run(config, key, prepared, FORWARD, x, weight, y)
     if bias is not None:
         y.add_(bias.view(1, -1, 1, 1))
     return y
@@ -346,8 +397,14 @@ def backward_data(
     grad_output = grad_output.contiguous(memory_format=fmt)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     if x.numel() > 0 and weight.numel() > 0:
+        weight, grad_output = aligned(weight, fmt), aligned(grad_output, fmt)
         key, prepared = plans_for(config, x, weight.shape, stride, padding, dilation, groups)
-        run(config, key, prepared, BACKWARD_DATA, weight, grad_output, dx)
+        if prepared is None:
+            dx = torch.nn.grad.conv2d_input(
+                x.shape, weight, grad_output, stride, padding, dilation, groups
+            ).contiguous(memory_format=fmt)
+        else:
+            run(config, key, prepared, BACKWARD_DATA, weight, grad_output, dx)
     else:
         dx.zero_()
     return dx
@@ -369,8 +426,14 @@ def backward_filter(
     grad_output = grad_output.contiguous(memory_format=fmt)
     dw = torch.empty(weight.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     if x.numel() > 0 and weight.numel() > 0:
+        x, grad_output = aligned(x, fmt), aligned(grad_output, fmt)
         key, prepared = plans_for(config, x, weight.shape, stride, padding, dilation, groups)
-        run(config, key, prepared, BACKWARD_FILTER, x, grad_output, dw)
+        if prepared is None:
+            dw = torch.nn.grad.conv2d_weight(
+                x, weight.shape, grad_output, stride, padding, dilation, groups
+            ).contiguous(memory_format=fmt)
+        else:
+            run(config, key, prepared, BACKWARD_FILTER, x, grad_output, dw)
     else:
         dw.zero_()
     return dw

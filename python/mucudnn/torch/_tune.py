@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from .._lib import MucudnnError
 from .._tuner import Settings
 from . import _runtime
 from ._layer import Conv2d
@@ -142,7 +143,12 @@ def tune(
         results = []
         for layer, key, problem in members:
             layer_started = time.perf_counter()
-            result = tuner.tune(layer._mucudnn.name, problem, settings)
+            try:
+                result = tuner.tune(layer._mucudnn.name, problem, settings)
+            except MucudnnError as e:
+                if not (layer._mucudnn.fallback and e.status in _runtime.FALLBACK_STATUSES):
+                    raise RuntimeError(f"{layer._mucudnn.name}: tuning failed: {e}") from e
+                result = {"plans": None, "cached": 0, "measured": 0, "fallback": str(e)}
             seconds = time.perf_counter() - layer_started
             summary["cached"] += result["cached"]
             summary["measured"] += result["measured"]
@@ -161,6 +167,9 @@ def tune(
 
 
 def _adopt(layer: Conv2d, key, result, seconds: float, verbose: bool) -> None:
+    if result["plans"] is None:
+        _runtime.fall_back(layer._mucudnn, key, result.get("fallback", "no plan"), seconds)
+        return
     layer._mucudnn.adopt(key, result, seconds)
     report = layer._mucudnn.reports[key]
     n, c, h, w = report.shape
@@ -220,4 +229,6 @@ def _agree(tuner, results, rank: int, verbose: bool) -> None:
     leader = next(r for r, info in enumerate(everyone) if info["fingerprint"] == fingerprint)
     for (layer, key, result, seconds), plans in zip(results, everyone[leader]["plans"]):
         agreed = dict(result, plans=plans)
+        if plans is None:
+            agreed.setdefault("fallback", "no plan on the group's lowest rank")
         _adopt(layer, key, agreed, seconds, verbose and rank == 0)
