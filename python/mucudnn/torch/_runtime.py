@@ -380,7 +380,8 @@ def forward(
     return y
 
 
-def backward_data(
+def _backward(
+    op: int,
     config_id: int,
     grad_output: torch.Tensor,
     x: torch.Tensor,
@@ -390,53 +391,41 @@ def backward_data(
     dilation: List[int],
     groups: int,
 ) -> torch.Tensor:
+    """The data gradient (``op`` = BACKWARD_DATA: of ``x``'s shape, from ``weight`` and
+    ``grad_output``) or the filter gradient (BACKWARD_FILTER: of ``weight``'s shape, from ``x``
+    and ``grad_output``), in ``x``'s memory format."""
     config = lookup(config_id)
     fmt = memory_format(x)
-    x = x.contiguous(memory_format=fmt)
-    weight = weight.contiguous(memory_format=fmt)
-    grad_output = grad_output.contiguous(memory_format=fmt)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-    if x.numel() > 0 and weight.numel() > 0:
-        weight, grad_output = aligned(weight, fmt), aligned(grad_output, fmt)
-        key, prepared = plans_for(config, x, weight.shape, stride, padding, dilation, groups)
-        if prepared is None:
-            dx = torch.nn.grad.conv2d_input(
-                x.shape, weight, grad_output, stride, padding, dilation, groups
-            ).contiguous(memory_format=fmt)
+    data = op == BACKWARD_DATA
+    shape = x.shape if data else weight.shape
+    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    if x.numel() == 0 or weight.numel() == 0:
+        return out.zero_()
+    grad_output = aligned(grad_output.contiguous(memory_format=fmt), fmt)
+    # The operand the op reads besides dy: w for the data gradient, x for the filter's.
+    other = aligned((weight if data else x).contiguous(memory_format=fmt), fmt)
+    key, prepared = plans_for(config, x, weight.shape, stride, padding, dilation, groups)
+    if prepared is None:
+        geometry = (stride, padding, dilation, groups)
+        if data:
+            out = torch.nn.grad.conv2d_input(x.shape, other, grad_output, *geometry)
         else:
-            run(config, key, prepared, BACKWARD_DATA, weight, grad_output, dx)
-    else:
-        dx.zero_()
-    return dx
+            out = torch.nn.grad.conv2d_weight(other, weight.shape, grad_output, *geometry)
+        return out.contiguous(memory_format=fmt)
+    run(config, key, prepared, op, other, grad_output, out)
+    return out
 
 
-def backward_filter(
-    config_id: int,
-    grad_output: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    stride: List[int],
-    padding: List[int],
-    dilation: List[int],
-    groups: int,
-) -> torch.Tensor:
-    config = lookup(config_id)
-    fmt = memory_format(x)
-    x = x.contiguous(memory_format=fmt)
-    grad_output = grad_output.contiguous(memory_format=fmt)
-    dw = torch.empty(weight.shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-    if x.numel() > 0 and weight.numel() > 0:
-        x, grad_output = aligned(x, fmt), aligned(grad_output, fmt)
-        key, prepared = plans_for(config, x, weight.shape, stride, padding, dilation, groups)
-        if prepared is None:
-            dw = torch.nn.grad.conv2d_weight(
-                x, weight.shape, grad_output, stride, padding, dilation, groups
-            ).contiguous(memory_format=fmt)
-        else:
-            run(config, key, prepared, BACKWARD_FILTER, x, grad_output, dw)
-    else:
-        dw.zero_()
-    return dw
+def backward_data(config_id: int, grad_output, x, weight, stride, padding, dilation, groups):
+    return _backward(
+        BACKWARD_DATA, config_id, grad_output, x, weight, stride, padding, dilation, groups
+    )
+
+
+def backward_filter(config_id: int, grad_output, x, weight, stride, padding, dilation, groups):
+    return _backward(
+        BACKWARD_FILTER, config_id, grad_output, x, weight, stride, padding, dilation, groups
+    )
 
 
 @dataclass
