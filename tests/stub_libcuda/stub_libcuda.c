@@ -103,6 +103,11 @@ CUresult cuTensorMapEncodeIm2col(void *map, int dtype, unsigned int rank, void *
     return CUDA_ERROR_NO_DEVICE;
 }
 
+/* cuDNN's engines also look up cuLaunchKernel, cuLinkCreate, cuLibraryGetKernel, ... with
+ * dlsym when a plan is finalized, and print "Could not load symbol" for each one missing.
+ * They are left out on purpose: with them present, plan finalization goes on to prepare
+ * kernels and the host tier becomes many times slower. */
+
 /* The runtime that cuDNN links statically asks for driver entry points by name: none is
  * offered, so it reports that no usable driver exists (rather than calling into the stub). */
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags) {
