@@ -16,7 +16,8 @@ use mucudnn::backend::cudnn::{
 use mucudnn::models::Model;
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 const GATE: &str = "MUCUDNN_CUDNN_HOST_TESTS";
 const JSON_OUT: &str = "MUCUDNN_CUDNN_HOST_JSON";
@@ -310,4 +311,335 @@ fn odd_stem_layers() {
             .collect();
         check_layers(layers, 1);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 17's fixes, against the real library
+
+/// Configurations per heuristics mode for `problem`, with tensors declaring `alignments`.
+fn mode_counts(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+    alignments: Alignments,
+) -> [usize; 3] {
+    HeurMode::ALL.map(|mode| {
+        match heuristic_plan_workspaces_on_device(device, problem, op, mode, alignments) {
+            Ok(results) => results.len(),
+            Err(e) if e.is_not_supported() => 0,
+            Err(e) => panic!("{} {op} {mode:?}: {e}", problem.describe()),
+        }
+    })
+}
+
+/// Fix 1: the odd stems before (alignment that holds at any sample offset, what every plan
+/// declared) and after (the alignment of offset 0, where an undivided plan and every first
+/// micro-batch run). Prints the table for docs/cudnn_host.md.
+#[test]
+fn odd_stems_gain_configurations_from_the_offset_alignment() {
+    if !enabled("odd_stems_gain_configurations_from_the_offset_alignment") {
+        return;
+    }
+    let device = device();
+    println!("| stem | dtype | layout | op | align x/y before | A B fallback before | A B fallback after |");
+    println!("|---|---|---|---|---|---|---|");
+    for (dtype, layout) in CONFIGS {
+        for (layer, problem) in odd_stems(dtype, layout) {
+            let shapes = ConvShapes::new(&problem).unwrap();
+            let before_align = Alignments::any_sample(&shapes);
+            for op in ConvOp::ALL {
+                let before = mode_counts(&device, &problem, op, before_align);
+                let after = mode_counts(&device, &problem, op, Alignments::MAX);
+                println!(
+                    "| {layer} | {dtype} | {} | {op} | {}/{} | {} {} {} | {} {} {} |",
+                    layout_name(layout),
+                    before_align.x,
+                    before_align.y,
+                    before[0],
+                    before[1],
+                    before[2],
+                    after[0],
+                    after[1],
+                    after[2]
+                );
+                // Acceptance: modes A and B offer configurations in every op and dtype.
+                assert!(
+                    after[0] > 0 && after[1] > 0,
+                    "{layer} {dtype} {op}: {after:?}"
+                );
+                for i in 0..3 {
+                    assert!(
+                        after[i] >= before[i],
+                        "{layer} {dtype} {op}: {before:?} -> {after:?}"
+                    );
+                }
+            }
+        }
+    }
+    // The issue's numbers: 3x299x299 fp16 NHWC backward-filter had nothing from modes A and
+    // B at the old alignment; the same check at the old alignment is the negative control.
+    let (_, stem) = odd_stems(DType::Fp16, Layout::Nhwc).remove(0);
+    let old = Alignments::any_sample(&ConvShapes::new(&stem).unwrap());
+    let before = mode_counts(&device, &stem, ConvOp::BackwardFilter, old);
+    assert_eq!([before[0], before[1]], [0, 0], "{before:?}");
+}
+
+/// Negative controls: the checks can fail. A wrong output size and swapped tensors are
+/// refused with CUDNN_STATUS_BAD_PARAM (2000); a configuration that does not exist does not
+/// build.
+#[test]
+fn negative_controls_fail() {
+    if !enabled("negative_controls_fail") {
+        return;
+    }
+    use mucudnn::backend::cudnn::{broken_graph_on_device, BrokenGraph};
+    let device = device();
+    let problem = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new(BATCH, 64, 56, 56, 64, 3, 3)
+    };
+    for op in ConvOp::ALL {
+        match broken_graph_on_device(&device, &problem, op, BrokenGraph::WrongOutputSize) {
+            Err(CudnnError::Backend { code, .. }) => assert_eq!(code, 2000, "{op}"),
+            other => panic!("{op}: a wrong output size gave {other:?}"),
+        }
+    }
+    let swapped = ConvProblem { k: 32, ..problem };
+    match broken_graph_on_device(
+        &device,
+        &swapped,
+        ConvOp::BackwardData,
+        BrokenGraph::SwappedTensors,
+    ) {
+        Err(CudnnError::Backend { code, .. }) => assert_eq!(code, 2000),
+        other => panic!("swapped dx/dy gave {other:?}"),
+    }
+    // The correct graph builds (the controls differ from it in one thing only).
+    let fine = heuristic_plan_workspaces_on_device(
+        &device,
+        &problem,
+        ConvOp::Forward,
+        HeurMode::A,
+        Alignments::MAX,
+    )
+    .unwrap();
+    assert!(!fine.is_empty());
+    let bogus: EngineConfig = "eng9999".parse().unwrap();
+    assert!(plan_on_device(
+        &device,
+        &problem,
+        ConvOp::Forward,
+        &bogus,
+        0.0,
+        Alignments::MAX
+    )
+    .is_err());
+}
+
+/// Fix 4: mode-B heuristics from several threads at once (serialized inside the wall) give
+/// every thread the same list.
+#[test]
+fn mode_b_heuristics_from_several_threads() {
+    if !enabled("mode_b_heuristics_from_several_threads") {
+        return;
+    }
+    let problem = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        dtype: DType::Fp16,
+        layout: Layout::Nhwc,
+        ..ConvProblem::new(BATCH, 64, 56, 56, 64, 3, 3)
+    };
+    let lists: Vec<Vec<String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                scope.spawn(move || {
+                    let device = device();
+                    (0..3)
+                        .flat_map(|_| {
+                            engine_configs_on_device(
+                                &device,
+                                &problem,
+                                ConvOp::Forward,
+                                &search(HeurMode::B),
+                                Alignments::MAX,
+                            )
+                            .unwrap()
+                        })
+                        .map(|c| c.to_string())
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(!lists[0].is_empty());
+    assert!(lists.iter().all(|l| *l == lists[0]), "{lists:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hidden libraries (fixes 2, 3 and 5): this test binary runs itself with one library left out
+// of the library path and must get an error value naming it, never an abort or a panic.
+
+/// A folder beside the cached libraries holding hard links to every library of `dirs`
+/// except `hidden` (hard links: `libcudnn.so.9` finds its sub-libraries through `$ORIGIN`).
+fn library_dir_without(dirs: &[PathBuf], hidden: &str, tag: &str) -> PathBuf {
+    let base = dirs[0]
+        .parent()
+        .unwrap()
+        .join(format!(".hidden-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).unwrap();
+    for dir in dirs {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let entry = entry.unwrap();
+            let name = entry.file_name();
+            if name.to_string_lossy() == hidden || !entry.file_type().unwrap().is_file() {
+                continue;
+            }
+            let target = base.join(&name);
+            if std::fs::hard_link(entry.path(), &target).is_err() {
+                std::fs::copy(entry.path(), &target).unwrap();
+            }
+        }
+    }
+    base
+}
+
+fn host_dir(var: &str) -> PathBuf {
+    PathBuf::from(std::env::var(var).unwrap_or_else(|_| {
+        panic!("{var} is not set: run under eval \"$(bash scripts/cudnn_host_env.sh)\"")
+    }))
+}
+
+/// Runs `child_probe` in a child process with `LD_LIBRARY_PATH=library_path` and returns
+/// its exit status and output.
+fn run_child(action: &str, library_path: &Path) -> (std::process::ExitStatus, String) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["child_probe", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, action)
+        .env("LD_LIBRARY_PATH", library_path)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status, text)
+}
+
+/// The child's side: does what the parent asks and prints `CHILD-RESULT: ...`.
+#[test]
+fn child_probe() {
+    let Ok(action) = std::env::var(CHILD) else {
+        println!("skipped: child_probe only runs as the child of the hidden-library tests");
+        return;
+    };
+    let result = match action.as_str() {
+        // The backend on the graph path: the gate must refuse before cuDNN can abort.
+        "graph" => {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/h100-device-description.json");
+            let json = std::fs::read_to_string(path).unwrap();
+            DeviceDescription::from_json(&json).and_then(|device| {
+                let problem = ConvProblem {
+                    pad_h: 1,
+                    pad_w: 1,
+                    dtype: DType::Fp16,
+                    layout: Layout::Nhwc,
+                    ..ConvProblem::new(BATCH, 64, 56, 56, 64, 3, 3)
+                };
+                for op in ConvOp::ALL {
+                    for (config, _) in heuristic_plan_workspaces_on_device(
+                        &device,
+                        &problem,
+                        op,
+                        HeurMode::A,
+                        Alignments::MAX,
+                    )? {
+                        let _ =
+                            plan_on_device(&device, &problem, op, &config, 0.0, Alignments::MAX);
+                    }
+                }
+                Ok(())
+            })
+        }
+        "probe" => mucudnn::backend::cudnn::probe().map(|_| ()),
+        other => panic!("unknown child action {other}"),
+    };
+    match result {
+        Ok(()) => println!("CHILD-RESULT: ok"),
+        Err(e) => println!("CHILD-RESULT: error: {e}"),
+    }
+}
+
+fn child_result(text: &str) -> &str {
+    text.lines()
+        .find_map(|l| l.split_once("CHILD-RESULT: ").map(|(_, rest)| rest.trim()))
+        .unwrap_or_else(|| panic!("the child printed no result:\n{text}"))
+}
+
+#[test]
+fn missing_cublas_lt_is_an_error_naming_it() {
+    if !enabled("missing_cublas_lt_is_an_error_naming_it") {
+        return;
+    }
+    let dirs = [
+        host_dir("MUCUDNN_HOST_STUB_DIR"),
+        host_dir("MUCUDNN_HOST_CUDNN_DIR"),
+        host_dir("MUCUDNN_HOST_CUBLAS_DIR"),
+    ];
+    let dir = library_dir_without(&dirs, "libcublasLt.so.13", "cublaslt");
+    let (status, text) = run_child("graph", &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "the child died ({status}):\n{text}");
+    let result = child_result(&text);
+    assert!(result.contains("libcublasLt.so.13"), "{result}");
+    // With cuBLAS present the same child succeeds (the control).
+    let all = library_dir_without(&dirs, "", "all");
+    let (status, text) = run_child("graph", &all);
+    let _ = std::fs::remove_dir_all(&all);
+    assert!(status.success(), "{text}");
+    assert_eq!(child_result(&text), "ok");
+}
+
+#[test]
+fn missing_sub_library_is_an_error_naming_it() {
+    if !enabled("missing_sub_library_is_an_error_naming_it") {
+        return;
+    }
+    let dirs = [
+        host_dir("MUCUDNN_HOST_STUB_DIR"),
+        host_dir("MUCUDNN_HOST_CUDNN_DIR"),
+        host_dir("MUCUDNN_HOST_CUBLAS_DIR"),
+    ];
+    for hidden in [
+        "libcudnn_cnn.so.9",
+        "libcudnn_ops.so.9",
+        "libcudnn_graph.so.9",
+    ] {
+        let dir = library_dir_without(&dirs, hidden, "sub");
+        let (status, text) = run_child("graph", &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            status.success(),
+            "{hidden}: the child died ({status}):\n{text}"
+        );
+        let result = child_result(&text);
+        assert!(result.contains(hidden), "{hidden}: {result}");
+    }
+}
+
+#[test]
+fn libcuda_without_error_names_is_an_error_not_a_panic() {
+    if !enabled("libcuda_without_error_names_is_an_error_not_a_panic") {
+        return;
+    }
+    let bare = host_dir("MUCUDNN_HOST_STUB_DIR").join("bare");
+    let (status, text) = run_child("probe", &bare);
+    assert!(status.success(), "the child died ({status}):\n{text}");
+    let result = child_result(&text);
+    assert!(result.contains("CUDA_ERROR_NO_DEVICE"), "{result}");
 }

@@ -62,9 +62,10 @@ pub use foreign::{
     RawDeviceViewMut, TensorDescriptorInfo,
 };
 pub use graph::{
-    engine_configs, engine_configs_on_device, engine_configs_with_alignments, graph_api_status,
-    heuristic_plan_workspaces, heuristic_plan_workspaces_on_device, plan_on_device,
-    DeviceDescription, DevicePlan, EnginePlan, DEVICE_DESCRIPTION_MIN_VERSION,
+    broken_graph_on_device, engine_configs, engine_configs_on_device,
+    engine_configs_with_alignments, graph_api_status, heuristic_plan_workspaces,
+    heuristic_plan_workspaces_on_device, plan_on_device, BrokenGraph, DeviceDescription,
+    DevicePlan, EnginePlan, DEVICE_DESCRIPTION_MIN_VERSION,
 };
 
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
@@ -328,6 +329,9 @@ fn init_cudnn() -> Result<u64, CudnnError> {
             ),
         });
     }
+    // libcudnn.so.9 is a shim that forwards even cudnnGetVersion to libcudnn_graph.so.9 and
+    // aborts the process when it cannot load it: look for the sub-libraries first.
+    check_sub_library_files()?;
     // cudnnGetVersion exists in every cuDNN; check the major version before anything else.
     let version = dnn::get_version() as u64;
     let major = if version >= 10_000 {
@@ -402,14 +406,76 @@ fn check_sub_libraries(version: u64) -> Result<(), CudnnError> {
     Ok(())
 }
 
+/// The sub-libraries `libcudnn.so.9` loads from its own folder (its RPATH is `$ORIGIN`).
+const CUDNN_SUB_LIBRARIES: [&str; 3] = [
+    "libcudnn_graph.so.9",
+    "libcudnn_ops.so.9",
+    "libcudnn_cnn.so.9",
+];
+
+/// The folder of the libcudnn that cudarc loaded, from the address of one of its symbols.
+fn libcudnn_folder() -> Option<std::path::PathBuf> {
+    // SAFETY: called after `libcudnn_present()`, so `culib` loads the library rather than
+    // panicking; the symbol is looked up, not called.
+    let lib = unsafe { dnn_sys::culib() };
+    let symbol = unsafe { lib.get::<unsafe extern "C" fn()>(b"cudnnGetVersion") }.ok()?;
+    let address = *symbol as *const c_void;
+    let mut info = dl::DlInfo {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: `info` is a live, writable Dl_info; dladdr only reads the loader's tables.
+    if unsafe { dl::dladdr(address, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr set `dli_fname` to the loader's NUL-terminated path of the object,
+    // which stays valid while the library is loaded (cudarc keeps it loaded).
+    let path = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    let path = std::path::PathBuf::from(path.to_string_lossy().into_owned());
+    path.parent().map(|dir| dir.to_path_buf())
+}
+
+/// Each sub-library file exists beside libcudnn (issue 17, fix 3: a missing one otherwise
+/// aborts the process or yields silently empty results).
+fn check_sub_library_files() -> Result<(), CudnnError> {
+    let Some(folder) = libcudnn_folder() else {
+        return Ok(()); // Cannot tell where it is: the version checks below still run.
+    };
+    for library in CUDNN_SUB_LIBRARIES {
+        if !folder.join(library).exists() {
+            return Err(CudnnError::Unavailable {
+                what: "libcudnn",
+                detail: format!(
+                    "the cuDNN sub-library {library} is missing from {} (a partial install?): \
+                     install the whole cuDNN package, or put a folder with all its \
+                     libcudnn_*.so.9 first on LD_LIBRARY_PATH",
+                    folder.display()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 mod dl {
-    //! The two libc functions the cuBLASLt gate needs (glibc exports them from libc.so.6,
-    //! which every Rust program on Linux links).
+    //! The libc functions the library gates need (glibc exports them from libc.so.6, which
+    //! every Rust program on Linux links).
     use std::ffi::{c_char, c_int, c_void};
     pub const RTLD_LAZY: c_int = 0x0001;
+    /// `Dl_info` of `<dlfcn.h>`.
+    #[repr(C)]
+    pub struct DlInfo {
+        pub dli_fname: *const c_char,
+        pub dli_fbase: *mut c_void,
+        pub dli_sname: *const c_char,
+        pub dli_saddr: *mut c_void,
+    }
     extern "C" {
         pub fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
         pub fn dlclose(handle: *mut c_void) -> c_int;
+        pub fn dladdr(address: *const c_void, info: *mut DlInfo) -> c_int;
     }
 }
 

@@ -145,6 +145,11 @@ pub use ffi::{
     FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
     Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
 };
+#[doc(hidden)]
+pub use ffi::{
+    broken_graph_on_device, heuristic_plan_workspaces, heuristic_plan_workspaces_on_device,
+    BrokenGraph,
+};
 /// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings
 /// and error conversions, so that both walls load and describe the libraries the same way.
 pub(crate) use ffi::{
@@ -161,8 +166,6 @@ pub use ffi::{
     engine_configs_on_device, plan_on_device, DeviceDescription, DevicePlan,
     DEVICE_DESCRIPTION_MIN_VERSION,
 };
-#[doc(hidden)]
-pub use ffi::{heuristic_plan_workspaces, heuristic_plan_workspaces_on_device};
 /// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
 /// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
 /// workspace mucudnn allocates for it.

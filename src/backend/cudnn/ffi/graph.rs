@@ -1355,6 +1355,36 @@ fn finalize_plan(
     Ok((plan, bytes))
 }
 
+/// A deliberately wrong operation graph, for the host tier's negative controls (a test that
+/// cannot fail proves nothing).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokenGraph {
+    /// The output tensor one row taller than the convolution produces.
+    WrongOutputSize,
+    /// The input and output tensors swapped (dx and dy exchanged in backward-data).
+    SwappedTensors,
+}
+
+/// Builds the operation graph of `problem` and `op` on `device`, broken as `broken` says, and
+/// returns what cuDNN answered (an error is the expected outcome).
+#[doc(hidden)]
+pub fn broken_graph_on_device(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+    broken: BrokenGraph,
+) -> Result<(), CudnnError> {
+    let shapes = ConvShapes::new(problem)?;
+    let api = graph_api()?;
+    let mut params = GraphParams::with_alignments(&shapes, op, 1.0, 0.0, Alignments::MAX);
+    match broken {
+        BrokenGraph::WrongOutputSize => params.y.dims[2] += 1,
+        BrokenGraph::SwappedTensors => std::mem::swap(&mut params.x, &mut params.y),
+    }
+    OperationGraph::new(api, Target::Device(device), &params).map(|_| ())
+}
+
 /// What an execution plan built on a device description reports (it cannot run).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DevicePlan {
