@@ -55,11 +55,17 @@ fn every_file_the_gpu_scripts_copy_or_run_exists() {
     let mut checked = 0;
     for (name, text) in scripts() {
         for path in paths_with_prefix(&text, &["scripts/", "tests/", "examples/", "src/"]) {
-            assert!(root().join(&path).exists(), "{name} names {path}, which is gone");
+            assert!(
+                root().join(&path).exists(),
+                "{name} names {path}, which is gone"
+            );
             checked += 1;
         }
     }
-    assert!(checked >= 10, "only {checked} paths found: is the scan broken?");
+    assert!(
+        checked >= 10,
+        "only {checked} paths found: is the scan broken?"
+    );
 }
 
 #[test]
@@ -79,7 +85,10 @@ fn every_test_target_the_gpu_scripts_build_exists() {
             targets += 1;
         }
     }
-    assert!(targets >= 4, "{targets} test targets found in build.sh:\n{build}");
+    assert!(
+        targets >= 4,
+        "{targets} test targets found in build.sh:\n{build}"
+    );
 }
 
 #[test]
@@ -120,6 +129,8 @@ fn build_script_makes_the_git_info_folder() {
     let mkdir = build[exclude..]
         .find("mkdir -p \"$(dirname \"$exclude\")\"")
         .expect("mkdir -p of the exclude file's folder");
-    let append = build[exclude..].find(">> \"$exclude\"").expect("the append");
+    let append = build[exclude..]
+        .find(">> \"$exclude\"")
+        .expect("the append");
     assert!(mkdir < append);
 }
