@@ -2,15 +2,19 @@
 # All of mucudnn's tests, as the README's test command (and .ci/run) runs them:
 #
 #   1. the Rust workspace: cargo test --workspace --locked;
-#   2. the Python package (python/): a virtualenv with torch, pytest and numpy from PyPI, made
+#   2. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
+#      description of an H100, with no GPU (the cuDNN and cuBLAS wheels and a stub libcuda,
+#      fetched and built once under the test cache folder);
+#   3. the Python package (python/): a virtualenv with torch, pytest and numpy from PyPI, made
 #      once under the test cache folder and reused, the package installed into it (which
 #      builds the library with cargo), then pytest.
 #
 # The test cache folder is $MUCUDNN_TEST_CACHE, else $XDG_CACHE_HOME/mucudnn-test, else
 # ~/.cache/mucudnn-test (about 7 GB: torch from PyPI brings the CUDA runtime wheels).
 #
-# Outside CI, a virtualenv that cannot be made (no network) skips the Python tier with a
-# message; under CI=true that is a failure, and so is a pytest run that collects no test.
+# Without network on first use, the cuDNN host tier says it was skipped. The Python tier is
+# skipped with a message outside CI; under CI=true that is a failure, and so is a pytest run
+# that collects no test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +23,18 @@ in_ci() { [ "${CI:-}" = "true" ] || [ "${CI:-}" = "1" ]; }
 
 section "Rust: cargo test --workspace --locked"
 cargo test --workspace --locked
+
+section "cuDNN host tier: tests/cudnn_host.rs against the real libcudnn (no GPU)"
+status=0
+host_env=$(bash scripts/cudnn_host_env.sh) || status=$?
+if [ "$status" -eq 0 ]; then
+  (eval "$host_env" && MUCUDNN_CUDNN_HOST_TESTS=1 cargo test --locked --test cudnn_host) || exit 1
+elif [ "$status" -eq 77 ]; then
+  echo "skipped: the cuDNN host tier (its wheels could not be fetched)" >&2
+else
+  echo "error: the cuDNN host tier could not be set up (exit $status)" >&2
+  exit 1
+fi
 
 cache_dir="${MUCUDNN_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mucudnn-test}"
 venv="$cache_dir/venv"

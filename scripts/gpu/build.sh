@@ -15,6 +15,8 @@ cd "$(dirname "$0")/../.."
 mkdir -p .gpu
 # (git rev-parse: in a worktree .git is a file; the exclude file is the common one)
 exclude=$(git rev-parse --git-path info/exclude)
+# A clone made without git's templates has no .git/info (issue 17, fix 8).
+mkdir -p "$(dirname "$exclude")"
 grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
 cargo build --release --locked
 exe() { # the test executable of a cargo target, from cargo's JSON messages

@@ -3,8 +3,9 @@
 //! runs it, so pointer alignment matches).
 
 use super::cudnn::{
-    algo_count, engine_configs, graph_api_status, probe, ConvDescriptors, CudnnError, CudnnHandle,
-    DeviceBuffer, EngineConfig, EnginePlan, Workspace,
+    algo_count, engine_configs_with_alignments, graph_api_status, probe, Alignments,
+    ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan,
+    Workspace,
 };
 use super::{check_measure_args, median_time, Backend, BackendError, EngineSearch, TimingSettings};
 use crate::device::{BackendKind, DeviceFingerprint};
@@ -159,13 +160,32 @@ impl CudnnBackend {
         timing: &TimingSettings,
     ) -> Result<Option<(f64, u64)>, CudnnError> {
         let skip = |e: &CudnnError| e.is_not_supported() || e.is_out_of_memory();
-        let plan = match EnginePlan::new(&self.handle, micro_problem, op, config, 1.0, 0.0) {
+        // The alignment of the offset timed at (issue 17, fix 1): what a plan's micro-batch
+        // at that offset declares too.
+        let alignments = Alignments::at_sample(&ConvShapes::new(micro_problem)?, first);
+        let plan = match EnginePlan::with_alignments(
+            &self.handle,
+            micro_problem,
+            op,
+            config,
+            1.0,
+            0.0,
+            alignments,
+        ) {
             Ok(plan) => plan,
             Err(e) if skip(&e) => return Ok(None),
             Err(e) => return Err(e),
         };
         if op == ConvOp::BackwardFilter {
-            match EnginePlan::new(&self.handle, micro_problem, op, config, 1.0, 1.0) {
+            match EnginePlan::with_alignments(
+                &self.handle,
+                micro_problem,
+                op,
+                config,
+                1.0,
+                1.0,
+                alignments,
+            ) {
                 Ok(_) => {}
                 Err(e) if skip(&e) => return Ok(None),
                 Err(e) => return Err(e),
@@ -255,8 +275,15 @@ impl Backend for CudnnBackend {
             max_candidates: search.max_candidates.unwrap_or(usize::MAX),
             ..Default::default()
         };
-        let configs = engine_configs(&self.handle, &micro_problem, op, &heuristics)?;
         let first = (problem.n - micro) as usize;
+        let alignments = Alignments::at_sample(&ConvShapes::new(&micro_problem)?, first);
+        let configs = engine_configs_with_alignments(
+            &self.handle,
+            &micro_problem,
+            op,
+            &heuristics,
+            alignments,
+        )?;
         let mut measurements = Vec::new();
         for config in configs {
             let name = config.name();

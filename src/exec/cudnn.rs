@@ -4,14 +4,20 @@
 //! then one cuDNN call per micro-batch on offset views of the caller's device buffers, all on
 //! one stream, with no host synchronisation.
 //!
+//! An engine configuration's execution plan also has its tensors' byte alignment built in,
+//! derived from the sample offset its micro-batch starts at (issue 17: 16 bytes at offset 0,
+//! where an undivided plan and every first micro-batch run): kernels are keyed on (size,
+//! candidate, alignment), so micro-batches at offsets of different alignment get plans of
+//! their own.
+//!
 //! An engine configuration's execution plan has alpha and beta built in, so the plans for
 //! `(alpha, beta) = (1, 0)` and, for backward-filter's accumulating micro-batches, `(1, 1)` are
 //! built up front; a caller's other alpha or beta builds its plan on first use and keeps it.
 
 use super::{check_plan, ExecError};
 use crate::backend::cudnn::{
-    ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan,
-    RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamSession, Workspace,
+    Alignments, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig,
+    EnginePlan, RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamSession, Workspace,
 };
 use crate::solver::{operand_roles, steps, Algo, ConvOp, ConvProblem, Plan};
 use std::cell::RefCell;
@@ -26,6 +32,8 @@ enum Kernel {
         /// The problem at the micro-batch size.
         problem: ConvProblem,
         config: EngineConfig,
+        /// What its tensors declare: the alignment of its micro-batches' offset.
+        alignments: Alignments,
         /// Built plans, one per (alpha, beta) used so far.
         plans: RefCell<Vec<EnginePlan>>,
     },
@@ -34,8 +42,9 @@ enum Kernel {
 /// A plan ready to run on one cuDNN handle.
 pub struct PreparedPlan {
     plan: Plan,
-    /// Distinct (size, candidate) kernels, and the kernel of each micro-batch in plan order.
-    kernels: Vec<(i64, Algo, Kernel)>,
+    /// Distinct (size, candidate, alignment) kernels (no alignment for a legacy algorithm),
+    /// and the kernel of each micro-batch in plan order.
+    kernels: Vec<(i64, Algo, Option<Alignments>, Kernel)>,
     kernel_of: Vec<usize>,
     workspace_bytes: u64,
 }
@@ -55,17 +64,26 @@ impl PreparedPlan {
             op: plan.op,
             reason: what,
         };
-        let mut kernels: Vec<(i64, Algo, Kernel)> = Vec::new();
+        let mut kernels: Vec<(i64, Algo, Option<Alignments>, Kernel)> = Vec::new();
         let mut kernel_of = Vec::with_capacity(plan.micro_batches.len());
         let mut workspace_bytes = 0;
+        let mut first = 0usize;
         for mb in &plan.micro_batches {
-            let known = kernels
-                .iter()
-                .position(|(size, algo, _)| *size == mb.size && *algo == mb.algo);
+            let problem = plan.problem.with_batch(mb.size);
+            let alignments = match mb.algo {
+                Algo::Legacy(_) => None,
+                Algo::Engine(_) => Some(Alignments::at_sample(
+                    &ConvShapes::new(&problem).map_err(error)?,
+                    first,
+                )),
+            };
+            first += usize::try_from(mb.size).unwrap_or(0);
+            let known = kernels.iter().position(|(size, algo, aligned, _)| {
+                *size == mb.size && *algo == mb.algo && *aligned == alignments
+            });
             let k = match known {
                 Some(k) => k,
                 None => {
-                    let problem = plan.problem.with_batch(mb.size);
                     let kernel = match mb.algo {
                         Algo::Legacy(algo) => {
                             let d = ConvDescriptors::new(&problem).map_err(error)?;
@@ -87,20 +105,24 @@ impl PreparedPlan {
                         Algo::Engine(name) => {
                             let config = EngineConfig::from_name(name)
                                 .map_err(|e| unsupported(e.to_string()))?;
+                            let alignments = alignments.unwrap_or(Alignments::MAX);
                             let build = |beta: f32| {
-                                EnginePlan::new(handle, &problem, plan.op, &config, 1.0, beta)
-                                    .map_err(error)
+                                EnginePlan::with_alignments(
+                                    handle, &problem, plan.op, &config, 1.0, beta, alignments,
+                                )
+                                .map_err(error)
                             };
-                            let first = build(0.0)?;
-                            workspace_bytes = workspace_bytes.max(first.workspace_bytes());
+                            let built = build(0.0)?;
+                            workspace_bytes = workspace_bytes.max(built.workspace_bytes());
                             Kernel::Engine {
                                 problem,
                                 config,
-                                plans: RefCell::new(vec![first]),
+                                alignments,
+                                plans: RefCell::new(vec![built]),
                             }
                         }
                     };
-                    kernels.push((mb.size, mb.algo, kernel));
+                    kernels.push((mb.size, mb.algo, alignments, kernel));
                     kernels.len() - 1
                 }
             };
@@ -113,12 +135,21 @@ impl PreparedPlan {
                 if let Kernel::Engine {
                     problem,
                     config,
+                    alignments,
                     plans,
-                } = &kernels[k].2
+                } = &kernels[k].3
                 {
                     if !plans.borrow().iter().any(|p| p.beta() == 1.0) {
-                        let p = EnginePlan::new(handle, problem, plan.op, config, 1.0, 1.0)
-                            .map_err(error)?;
+                        let p = EnginePlan::with_alignments(
+                            handle,
+                            problem,
+                            plan.op,
+                            config,
+                            1.0,
+                            1.0,
+                            *alignments,
+                        )
+                        .map_err(error)?;
                         workspace_bytes = workspace_bytes.max(p.workspace_bytes());
                         plans.borrow_mut().push(p);
                     }
@@ -170,7 +201,7 @@ impl PreparedPlan {
             let b = b.view(rb.0, rb.1).map_err(error)?;
             let mut out = out.view_mut(ro.0, ro.1).map_err(error)?;
             let mut workspace = workspace.view();
-            match &self.kernels[k].2 {
+            match &self.kernels[k].3 {
                 Kernel::Legacy { descriptors, algo } => handle
                     .convolve(
                         descriptors,
@@ -209,8 +240,9 @@ impl PreparedPlan {
         let Kernel::Engine {
             problem,
             config,
+            alignments,
             plans,
-        } = &self.kernels[k].2
+        } = &self.kernels[k].3
         else {
             unreachable!("engine_plan is called for engine kernels only");
         };
@@ -221,7 +253,15 @@ impl PreparedPlan {
         if let Some(index) = found {
             return Ok(index);
         }
-        let p = EnginePlan::new(handle, problem, self.plan.op, config, alpha, beta)?;
+        let p = EnginePlan::with_alignments(
+            handle,
+            problem,
+            self.plan.op,
+            config,
+            alpha,
+            beta,
+            *alignments,
+        )?;
         plans.borrow_mut().push(p);
         Ok(plans.borrow().len() - 1)
     }
@@ -255,7 +295,7 @@ impl PreparedPlan {
             let a = a.slice(ra.0, ra.1).map_err(error)?;
             let b = b.slice(rb.0, rb.1).map_err(error)?;
             let mut out = out.slice_mut(ro.0, ro.1).map_err(error)?;
-            match &self.kernels[k].2 {
+            match &self.kernels[k].3 {
                 Kernel::Legacy { descriptors, algo } => session
                     .convolve(
                         descriptors,

@@ -113,6 +113,10 @@ pub enum CudnnError {
 /// `cudnnStatus_t` numbers of cuDNN 9 (`CUDNN_STATUS_NOT_SUPPORTED` and its sub-codes
 /// `CUDNN_STATUS_NOT_SUPPORTED_*` occupy 3000..=3999).
 const NOT_SUPPORTED_CODES: std::ops::RangeInclusive<u32> = 3000..=3999;
+/// `CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE`: in the NOT_SUPPORTED range, but it
+/// means a broken install (a sub-library could not be loaded), not a configuration to skip
+/// (issue 17, fix 3): an error, so that a profile is never silently empty.
+pub const SUBLIBRARY_UNAVAILABLE: u32 = 3009;
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
 /// cuDNN 9's `CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED` and
@@ -144,7 +148,7 @@ impl CudnnError {
     pub fn is_not_supported(&self) -> bool {
         match self {
             CudnnError::Cudnn { code, .. } | CudnnError::Backend { code, .. } => {
-                NOT_SUPPORTED_CODES.contains(code)
+                NOT_SUPPORTED_CODES.contains(code) && *code != SUBLIBRARY_UNAVAILABLE
             }
             CudnnError::EngineNotSupported { .. } => true,
             _ => false,
@@ -185,13 +189,16 @@ impl CudnnError {
         }
     }
 
-    /// The backend cannot run on this machine at all (missing library, old driver, no GPU):
-    /// callers fall back to another backend or report and stop.
+    /// The backend cannot run on this machine at all (missing library or sub-library, old
+    /// driver, no GPU): callers fall back to another backend or report and stop.
     pub fn is_unavailable(&self) -> bool {
-        matches!(
-            self,
-            CudnnError::Unavailable { .. } | CudnnError::NoDevice { .. }
-        )
+        match self {
+            CudnnError::Unavailable { .. } | CudnnError::NoDevice { .. } => true,
+            CudnnError::Cudnn { code, .. } | CudnnError::Backend { code, .. } => {
+                *code == SUBLIBRARY_UNAVAILABLE
+            }
+            _ => false,
+        }
     }
 
     /// Attaches the op and algorithm a cuDNN failure belongs to (other variants are unchanged).
@@ -335,5 +342,38 @@ mod tests {
         assert!(!misaligned.is_not_supported());
         assert!(misaligned.to_string().contains("a at address 0x7f000002"));
         assert!(misaligned.to_string().contains("16-byte alignment"));
+    }
+
+    #[test]
+    fn a_missing_sub_library_is_an_error_not_a_skip() {
+        let e = CudnnError::Backend {
+            call: "cudnnBackendFinalize",
+            descriptor: "CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR",
+            status: "CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE".into(),
+            code: SUBLIBRARY_UNAVAILABLE,
+            op: None,
+            engine: None,
+        };
+        assert!(!e.is_not_supported());
+        assert!(e.is_unavailable());
+        let legacy = CudnnError::Cudnn {
+            call: "cudnnGetConvolutionForwardWorkspaceSize",
+            status: "CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE".into(),
+            code: 3009,
+            op: None,
+            algo: None,
+        };
+        assert!(!legacy.is_not_supported());
+        // Its neighbours are still skips.
+        for code in [3000, 3008, 3010] {
+            let e = CudnnError::Cudnn {
+                call: "x",
+                status: "CUDNN_STATUS_NOT_SUPPORTED".into(),
+                code,
+                op: None,
+                algo: None,
+            };
+            assert!(e.is_not_supported() && !e.is_unavailable(), "{code}");
+        }
     }
 }

@@ -62,7 +62,12 @@ pub use foreign::{
     FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
     RawDeviceViewMut, TensorDescriptorInfo,
 };
-pub use graph::{engine_configs, graph_api_status, heuristic_plan_workspaces, EnginePlan};
+pub use graph::{
+    broken_graph_on_device, engine_configs, engine_configs_on_device,
+    engine_configs_with_alignments, graph_api_status, heuristic_plan_workspaces,
+    heuristic_plan_workspaces_on_device, plan_on_device, BrokenGraph, DeviceDescription,
+    DevicePlan, EnginePlan, DEVICE_DESCRIPTION_MIN_VERSION,
+};
 pub use stream::{RawWorkspace, StreamSession};
 
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
@@ -109,6 +114,10 @@ const CUDNN_SYMBOLS: &[&str] = &[
     "cudnnGetConvolution2dDescriptor",
     "cudnnGetConvolutionGroupCount",
     "cudnnGetConvolutionMathType",
+    // The sub-library checks of the gate.
+    "cudnnOpsVersionCheck",
+    "cudnnCnnVersionCheck",
+    "cudnnGraphVersionCheck",
 ];
 
 // ---------------------------------------------------------------------------------------------
@@ -128,16 +137,42 @@ fn dnn_err(call: &'static str) -> impl FnOnce(dnn::CudnnError) -> CudnnError {
     move |e| status_error(call, e.0)
 }
 
+/// The `CUresult` name and description of `e`. cudarc's `error_name`/`error_string` panic
+/// when the loaded libcuda lacks `cuGetErrorName`/`cuGetErrorString` (a partial or stub
+/// driver), so the symbols are looked up first (issue 17, fix 5); without them the name is
+/// the enum's and the description says so.
 fn describe_driver_error(e: &DriverError) -> (String, String) {
-    let name = e
-        .error_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| format!("{:?}", e.0));
-    let message = e
-        .error_string()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "no description".to_string());
+    let (has_name, has_string) = driver_error_symbols();
+    let name = if has_name {
+        e.error_name()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{:?}", e.0))
+    } else {
+        format!("{:?}", e.0)
+    };
+    let message = if has_string {
+        e.error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| "no description".to_string())
+    } else {
+        "no description (the loaded libcuda does not export cuGetErrorString)".to_string()
+    };
     (name, message)
+}
+
+/// Whether the loaded libcuda exports `cuGetErrorName` and `cuGetErrorString` (cached).
+fn driver_error_symbols() -> (bool, bool) {
+    static FOUND: OnceLock<(bool, bool)> = OnceLock::new();
+    *FOUND.get_or_init(|| {
+        if !libcuda_present() {
+            return (false, false);
+        }
+        // SAFETY: libcuda is present, so `culib` loads it rather than panicking; looking a
+        // symbol up does not call it (the type parameter is only what it would be read as).
+        let lib = unsafe { drv_sys::culib() };
+        let has = |name: &[u8]| unsafe { lib.get::<unsafe extern "C" fn()>(name) }.is_ok();
+        (has(b"cuGetErrorName"), has(b"cuGetErrorString"))
+    })
 }
 
 pub(crate) fn driver_error(call: &'static str, e: DriverError) -> CudnnError {
@@ -296,6 +331,9 @@ fn init_cudnn() -> Result<u64, CudnnError> {
             ),
         });
     }
+    // libcudnn.so.9 is a shim that forwards even cudnnGetVersion to libcudnn_graph.so.9 and
+    // aborts the process when it cannot load it: look for the sub-libraries first.
+    check_sub_library_files()?;
     // cudnnGetVersion exists in every cuDNN; check the major version before anything else.
     let version = dnn::get_version() as u64;
     let major = if version >= 10_000 {
@@ -323,7 +361,168 @@ fn init_cudnn() -> Result<u64, CudnnError> {
             ),
         });
     }
+    check_sub_libraries(version)?;
+    check_cublas_lt()?;
     Ok(version)
+}
+
+/// cuDNN 9 is split into sub-libraries that `libcudnn.so.9` loads on demand; a missing one
+/// otherwise shows up much later as CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED or as a silent
+/// CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE (issue 17, fix 3). Each version check
+/// loads its sub-library and compares versions.
+fn check_sub_libraries(version: u64) -> Result<(), CudnnError> {
+    type Check = unsafe fn() -> dnn_sys::cudnnStatus_t;
+    let checks: [(&str, &str, Check); 3] = [
+        (
+            "cudnnGraphVersionCheck",
+            "libcudnn_graph.so.9",
+            dnn_sys::cudnnGraphVersionCheck,
+        ),
+        (
+            "cudnnOpsVersionCheck",
+            "libcudnn_ops.so.9",
+            dnn_sys::cudnnOpsVersionCheck,
+        ),
+        (
+            "cudnnCnnVersionCheck",
+            "libcudnn_cnn.so.9",
+            dnn_sys::cudnnCnnVersionCheck,
+        ),
+    ];
+    for (call, library, check) in checks {
+        // SAFETY: the symbol exists (checked with CUDNN_SYMBOLS before this is called); the
+        // check takes no arguments and only loads and queries its sub-library.
+        let status = unsafe { check() };
+        if status != dnn_sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+            return Err(CudnnError::Unavailable {
+                what: "libcudnn",
+                detail: format!(
+                    "cuDNN {version}'s sub-library {library} is missing or of another version: \
+                     {call} returned {status:?} ({}); install the whole cuDNN package, or put \
+                     the folder with all its libcudnn_*.so.9 first on LD_LIBRARY_PATH",
+                    status as u32
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The sub-libraries `libcudnn.so.9` loads from its own folder (its RPATH is `$ORIGIN`).
+const CUDNN_SUB_LIBRARIES: [&str; 3] = [
+    "libcudnn_graph.so.9",
+    "libcudnn_ops.so.9",
+    "libcudnn_cnn.so.9",
+];
+
+/// The folder of the libcudnn that cudarc loaded, from the address of one of its symbols.
+fn libcudnn_folder() -> Option<std::path::PathBuf> {
+    // SAFETY: called after `libcudnn_present()`, so `culib` loads the library rather than
+    // panicking; the symbol is looked up, not called.
+    let lib = unsafe { dnn_sys::culib() };
+    let symbol = unsafe { lib.get::<unsafe extern "C" fn()>(b"cudnnGetVersion") }.ok()?;
+    let address = *symbol as *const c_void;
+    let mut info = dl::DlInfo {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: `info` is a live, writable Dl_info; dladdr only reads the loader's tables.
+    if unsafe { dl::dladdr(address, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr set `dli_fname` to the loader's NUL-terminated path of the object,
+    // which stays valid while the library is loaded (cudarc keeps it loaded).
+    let path = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    let path = std::path::PathBuf::from(path.to_string_lossy().into_owned());
+    path.parent().map(|dir| dir.to_path_buf())
+}
+
+/// Each sub-library file exists beside libcudnn (issue 17, fix 3: a missing one otherwise
+/// aborts the process or yields silently empty results).
+fn check_sub_library_files() -> Result<(), CudnnError> {
+    let Some(folder) = libcudnn_folder() else {
+        return Ok(()); // Cannot tell where it is: the version checks below still run.
+    };
+    for library in CUDNN_SUB_LIBRARIES {
+        if !folder.join(library).exists() {
+            return Err(CudnnError::Unavailable {
+                what: "libcudnn",
+                detail: format!(
+                    "the cuDNN sub-library {library} is missing from {} (a partial install?): \
+                     install the whole cuDNN package, or put a folder with all its \
+                     libcudnn_*.so.9 first on LD_LIBRARY_PATH",
+                    folder.display()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+mod dl {
+    //! The libc functions the library gates need (glibc exports them from libc.so.6, which
+    //! every Rust program on Linux links).
+    use std::ffi::{c_char, c_int, c_void};
+    pub const RTLD_LAZY: c_int = 0x0001;
+    /// `Dl_info` of `<dlfcn.h>`.
+    #[repr(C)]
+    pub struct DlInfo {
+        pub dli_fname: *const c_char,
+        pub dli_fbase: *mut c_void,
+        pub dli_sname: *const c_char,
+        pub dli_saddr: *mut c_void,
+    }
+    extern "C" {
+        pub fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
+        pub fn dlclose(handle: *mut c_void) -> c_int;
+        pub fn dladdr(address: *const c_void, info: *mut DlInfo) -> c_int;
+    }
+}
+
+/// Whether the dynamic loader finds `name` (a file name, searched as `dlopen` does).
+fn loadable(name: &str) -> bool {
+    let Ok(c_name) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    // SAFETY: `c_name` is a NUL-terminated string alive for the call. Loading runs the
+    // library's initialisers, as cuDNN's own dlopen of it would; the handle is closed again
+    // at once and nothing from it is used.
+    let handle = unsafe { dl::dlopen(c_name.as_ptr(), dl::RTLD_LAZY) };
+    if handle.is_null() {
+        return false;
+    }
+    // SAFETY: `handle` came from dlopen above and is closed exactly once.
+    unsafe { dl::dlclose(handle) };
+    true
+}
+
+/// The cuBLASLt library cuDNN loads for its matmul-based engines: `libcublasLt.so.<major>`,
+/// the major version of the CUDA runtime cuDNN was built against.
+pub(crate) fn cublas_lt_name() -> String {
+    let cudart = dnn::get_cudart_version() as u64;
+    format!("libcublasLt.so.{}", cudart / 1000)
+}
+
+/// cuDNN aborts the process (SIGABRT, "Cannot load symbol cublasLtCreate") when it finalizes
+/// an engine that needs cuBLASLt and cannot load it (issue 17, fix 2): refuse the backend up
+/// front instead, naming the library.
+fn check_cublas_lt() -> Result<(), CudnnError> {
+    let name = cublas_lt_name();
+    if loadable(&name) {
+        Ok(())
+    } else {
+        Err(CudnnError::Unavailable {
+            what: "libcublasLt",
+            detail: format!(
+                "{name} was not found: cuDNN needs the cuBLASLt of its CUDA runtime (CUDA {}) \
+                 and aborts the process without it. Install cuBLAS (e.g. the nvidia-cublas \
+                 wheel, or PyTorch's nvidia/cu13/lib) and put its lib folder on LD_LIBRARY_PATH",
+                dnn::get_cudart_version() / 1000
+            ),
+        })
+    }
 }
 
 /// The names in `symbols` that the loaded libcudnn does not export. Call only after
@@ -1392,6 +1591,14 @@ impl TensorDescriptor {
 
     pub fn dims(&self) -> [i32; 4] {
         self.dims
+    }
+
+    /// What cuDNN stored (`cudnnGetTensor4dDescriptor`): data type, dims and the strides it
+    /// derived from the layout, to compare with the wall's own (`graph_params`).
+    pub fn info(&self) -> Result<TensorDescriptorInfo, CudnnError> {
+        // SAFETY: `self.raw` is a live tensor descriptor owned by `self`, created after the
+        // cuDNN gate passed; `read_tensor_descriptor` only reads it.
+        unsafe { foreign::read_tensor_descriptor(self.raw.cast()) }
     }
 
     /// The raw descriptor, for the training ops' FFI wall; live as long as `self`.

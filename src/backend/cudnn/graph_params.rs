@@ -19,12 +19,17 @@
 //! # Byte alignment
 //!
 //! Each tensor declares `CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT`, a promise about every pointer it
-//! will be executed with; engines may use vector loads that rely on it. A micro-batch runs on
-//! a view that starts `first` samples into a full-batch buffer, `first * sample_bytes` bytes
-//! past an allocation that is 256-byte aligned, and `first` can be any integer: so `x` and `y`
-//! declare the largest power of two dividing their per-sample bytes, capped at 16 (what the
-//! cuDNN frontend declares by default), and `w` (never offset) declares 16. One declaration
-//! then holds for every micro-batch of every plan; the plan checks it again at execution.
+//! will be executed with; engines may use vector loads that rely on it, and cuDNN offers no
+//! engine needing more than a tensor declares (below 16 bytes, most tensor-core engines are
+//! lost: issue 17). A micro-batch runs on a view that starts `first` samples into a
+//! full-batch buffer, `first * sample_bytes` bytes past an allocation that is 256-byte
+//! aligned. So the alignment is derived from the offset the plan actually runs at, as
+//! PyTorch's `Conv_v8.cpp` derives it from the data pointer ([`Alignments::at_sample`]): 16
+//! (the frontend's default and most) at offset 0, else the largest power of two dividing
+//! `first * sample_bytes`, capped at 16; `w` (never offset) declares 16. Plans are keyed on
+//! it (`exec/cudnn.rs` keeps one per distinct alignment). Where the offset is not known,
+//! [`Alignments::any_sample`] holds at every offset (the per-sample bytes' power of two).
+//! The plan checks the pointers against its declaration again at execution.
 
 #![forbid(unsafe_code)]
 
@@ -110,13 +115,74 @@ pub fn alignment_of_bytes(bytes: u64) -> u64 {
 }
 
 /// The alignment every pointer to `role` is guaranteed when views start at a whole sample of
-/// a buffer allocated by CUDA (see the module docs).
+/// a buffer allocated by CUDA, whatever the sample (see the module docs).
 pub fn declared_alignment(shapes: &ConvShapes, role: Operand) -> u64 {
     if role.is_batched() {
         let sample_bytes = shapes.elements_per_sample(role) * shapes.dtype.size_bytes();
         alignment_of_bytes(sample_bytes as u64)
     } else {
         MAX_DECLARED_ALIGNMENT
+    }
+}
+
+/// The alignment of a pointer to `role` in a view that starts `first` samples into a buffer
+/// allocated by CUDA (16 at offset 0; the filter is never offset).
+pub fn alignment_at_sample(shapes: &ConvShapes, role: Operand, first: usize) -> u64 {
+    if role.is_batched() {
+        let sample_bytes = (shapes.elements_per_sample(role) * shapes.dtype.size_bytes()) as u64;
+        alignment_of_bytes((first as u64).saturating_mul(sample_bytes))
+    } else {
+        MAX_DECLARED_ALIGNMENT
+    }
+}
+
+/// The byte alignments the three tensors of a graph declare (`CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT`):
+/// part of what an execution plan is built for, so plans are keyed on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Alignments {
+    /// `x` (dx in backward-data).
+    pub x: u64,
+    /// `w` (dw in backward-filter).
+    pub w: u64,
+    /// `y` (dy in both backward ops).
+    pub y: u64,
+}
+
+impl Alignments {
+    /// 16 bytes for every tensor: a view at sample 0 of a CUDA allocation.
+    pub const MAX: Alignments = Alignments {
+        x: MAX_DECLARED_ALIGNMENT,
+        w: MAX_DECLARED_ALIGNMENT,
+        y: MAX_DECLARED_ALIGNMENT,
+    };
+
+    /// The alignments of views that start `first` samples into buffers allocated by CUDA:
+    /// what a micro-batch at that offset can declare.
+    pub fn at_sample(shapes: &ConvShapes, first: usize) -> Self {
+        Alignments {
+            x: alignment_at_sample(shapes, Operand::Input, first),
+            w: MAX_DECLARED_ALIGNMENT,
+            y: alignment_at_sample(shapes, Operand::Output, first),
+        }
+    }
+
+    /// Alignments that hold at every sample offset (the least of [`Self::at_sample`] over all
+    /// `first`): for a plan whose offsets are not known when it is built.
+    pub fn any_sample(shapes: &ConvShapes) -> Self {
+        Alignments {
+            x: declared_alignment(shapes, Operand::Input),
+            w: MAX_DECLARED_ALIGNMENT,
+            y: declared_alignment(shapes, Operand::Output),
+        }
+    }
+
+    /// The alignment of `role`'s tensor.
+    pub fn of(&self, role: Operand) -> u64 {
+        match role {
+            Operand::Input => self.x,
+            Operand::Filter => self.w,
+            Operand::Output => self.y,
+        }
     }
 }
 
@@ -142,15 +208,27 @@ pub fn operand_uids(op: ConvOp) -> [i64; 3] {
 
 impl GraphParams {
     /// The descriptor values for `shapes` (the problem at the micro-batch size the plan runs),
-    /// `op`, and the scaling `out = alpha * op(a, b) + beta * out`.
+    /// `op`, and the scaling `out = alpha * op(a, b) + beta * out`, for views at any sample
+    /// offset ([`Alignments::any_sample`]).
     pub fn new(shapes: &ConvShapes, op: ConvOp, alpha: f32, beta: f32) -> Self {
+        Self::with_alignments(shapes, op, alpha, beta, Alignments::any_sample(shapes))
+    }
+
+    /// As [`Self::new`], with the tensors declaring `alignments`.
+    pub fn with_alignments(
+        shapes: &ConvShapes,
+        op: ConvOp,
+        alpha: f32,
+        beta: f32,
+        alignments: Alignments,
+    ) -> Self {
         let tensor = |role: Operand| {
             let dims = shapes.dims(role).map(i64::from);
             TensorParams {
                 uid: uid(role),
                 dims,
                 strides: packed_strides(shapes.layout, dims),
-                alignment: declared_alignment(shapes, role),
+                alignment: alignments.of(role),
             }
         };
         let pad = shapes.pad.map(i64::from);
@@ -183,6 +261,15 @@ impl GraphParams {
     /// The data type of all three tensors.
     pub fn dtype(&self) -> DType {
         self.shapes.dtype
+    }
+
+    /// The alignments the three tensors declare.
+    pub fn alignments(&self) -> Alignments {
+        Alignments {
+            x: self.x.alignment,
+            w: self.w.alignment,
+            y: self.y.alignment,
+        }
     }
 
     /// The declared alignments of `op`'s operands in `[a, b, out]` order.
@@ -323,5 +410,47 @@ mod tests {
         );
         // [w, dy, dx]: filter 16; y = 2 x 3 x 3 = 18 elements = 36 bytes: 4; x: 2.
         assert_eq!(g.operand_alignments(), [16, 4, 2]);
+    }
+
+    #[test]
+    fn alignment_from_the_offset_the_plan_runs_at() {
+        // Issue 17's odd stem: 3 x 299 x 299 fp16 = 536406 bytes per sample (2-aligned).
+        let stem = ConvProblem {
+            dtype: DType::Fp16,
+            layout: Layout::Nhwc,
+            stride_h: 2,
+            stride_w: 2,
+            ..ConvProblem::new(8, 3, 299, 299, 32, 3, 3)
+        };
+        let s = ConvShapes::new(&stem).unwrap();
+        assert_eq!(Alignments::any_sample(&s).x, 2);
+        // At sample 0 (an undivided plan, or the first micro-batch) everything is 16.
+        assert_eq!(Alignments::at_sample(&s, 0), Alignments::MAX);
+        // Odd samples are 2-aligned, sample 2 is 4-, sample 4 8-, sample 8 16-aligned.
+        assert_eq!(Alignments::at_sample(&s, 1).x, 2);
+        assert_eq!(Alignments::at_sample(&s, 2).x, 4);
+        assert_eq!(Alignments::at_sample(&s, 4).x, 8);
+        assert_eq!(Alignments::at_sample(&s, 8).x, 16);
+        assert_eq!(Alignments::at_sample(&s, 3).w, 16);
+        // Property: the declaration holds for the pointer at that offset, and never falls
+        // below the any-offset one.
+        for first in 0..64usize {
+            let a = Alignments::at_sample(&s, first);
+            for role in [Operand::Input, Operand::Output] {
+                let sample_bytes = (s.elements_per_sample(role) * 2) as u64;
+                assert!(is_aligned(
+                    0x7f00_0000_0000 + first as u64 * sample_bytes,
+                    a.of(role)
+                ));
+                assert!(a.of(role) >= declared_alignment(&s, role));
+            }
+        }
+        let g = GraphParams::with_alignments(&s, ConvOp::BackwardFilter, 1.0, 0.0, Alignments::MAX);
+        assert_eq!(g.alignments(), Alignments::MAX);
+        assert_eq!(g.operand_alignments(), [16, 16, 16]);
+        assert_eq!(
+            GraphParams::new(&s, ConvOp::Forward, 1.0, 0.0).alignments(),
+            Alignments::any_sample(&s)
+        );
     }
 }

@@ -139,13 +139,16 @@ pub use engine_search::{
     MAX_VALUES_PER_KNOB,
 };
 pub use error::CudnnError;
-#[doc(hidden)]
-pub use ffi::heuristic_plan_workspaces;
 pub use ffi::{
     algo_count, algo_name, cudnn_version, library_status, probe, AlgoWorkspace, ConvDescriptors,
     ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut,
     FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
     Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
+};
+#[doc(hidden)]
+pub use ffi::{
+    broken_graph_on_device, heuristic_plan_workspaces, heuristic_plan_workspaces_on_device,
+    BrokenGraph,
 };
 /// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings
 /// and error conversions, so that both walls load and describe the libraries the same way.
@@ -156,7 +159,14 @@ pub(crate) use ffi::{
 };
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
 /// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
-pub use ffi::{engine_configs, graph_api_status, EnginePlan};
+pub use ffi::{engine_configs, engine_configs_with_alignments, graph_api_status, EnginePlan};
+/// The graph API on a device description instead of a GPU (cuDNN >= 9.8): operation graphs,
+/// heuristics and execution plans (which report their workspace but cannot run). The host
+/// test tier (`tests/cudnn_host.rs`) uses it with the H100 description.
+pub use ffi::{
+    engine_configs_on_device, plan_on_device, DeviceDescription, DevicePlan,
+    DEVICE_DESCRIPTION_MIN_VERSION,
+};
 /// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
 /// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
 /// workspace mucudnn allocates for it.
@@ -168,6 +178,7 @@ pub use ffi::{
 };
 /// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
 pub use ffi::{RawWorkspace, StreamSession};
+pub use graph_params::Alignments;
 pub use shape::{operand_roles, ConvShapes, Operand};
 
 /// Environment variable that enables the tests needing a GPU (`MUCUDNN_GPU_TESTS=1`).

@@ -51,7 +51,7 @@ use crate::backend::cudnn::engine_search::{
     knob_combinations, EngineNotes, EngineSearch, HeurMode, KnobRange,
 };
 use crate::backend::cudnn::graph_params::{
-    is_aligned, operand_uids, GraphParams, TensorParams, WORKSPACE_ALIGNMENT,
+    is_aligned, operand_uids, Alignments, GraphParams, TensorParams, WORKSPACE_ALIGNMENT,
 };
 use crate::backend::cudnn::shape::ConvShapes;
 use crate::solver::{ConvOp, ConvProblem, MathMode};
@@ -60,7 +60,7 @@ use std::collections::HashSet;
 use std::ffi::c_void;
 use std::io::Write;
 use std::rc::Rc;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use dnn_sys::cudnnBackendAttributeName_t as Attr;
 use dnn_sys::cudnnBackendAttributeType_t as AttrType;
@@ -75,6 +75,23 @@ const GRAPH_SYMBOLS: &[&str] = &[
     "cudnnBackendFinalize",
     "cudnnBackendExecute",
 ];
+
+/// The first cuDNN whose operation graphs and execution plans finalize without a handle, with
+/// a device description (`CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR`) for heuristics and plans
+/// (cuDNN's "deviceless ahead-of-time compilation"). Older versions need the deprecated
+/// `CUDNN_ATTR_OPERATIONGRAPH_HANDLE` and `CUDNN_ATTR_EXECUTION_PLAN_HANDLE`.
+pub const DEVICE_DESCRIPTION_MIN_VERSION: u64 = 90800;
+
+/// Whether the loaded cuDNN (`cudnnGetVersion()`) needs the deprecated handle attributes on
+/// operation graphs and execution plans (issue 17, fix 7: set them only there).
+pub(crate) fn needs_handle_attributes(version: u64) -> bool {
+    version < DEVICE_DESCRIPTION_MIN_VERSION
+}
+
+/// Mode-B heuristics are not thread-safe inside cuDNN: cudnn-frontend finalizes them under a
+/// process-wide mutex, and so does this module (issue 17, fix 4). Profiling runs one thread
+/// per GPU, so several threads can ask at once.
+static MODE_B_HEURISTICS: Mutex<()> = Mutex::new(());
 
 /// Room for knob descriptors read back from cuDNN (cuDNN 9.21 has 44 knob types).
 const KNOB_CAPACITY: usize = 64;
@@ -151,6 +168,7 @@ fn kind_name(kind: Kind) -> &'static str {
         Kind::CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR => "CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR",
         Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR => "CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR",
         Kind::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR => "CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR",
+        Kind::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR => "CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR",
         _ => "CUDNN_BACKEND_DESCRIPTOR",
     }
 }
@@ -337,6 +355,20 @@ impl Descriptor {
         }
     }
 
+    /// A string (`CUDNN_TYPE_CHAR`): its bytes, without a terminating NUL.
+    fn set_chars(&self, attr: Attr, text: &str) -> Result<(), CudnnError> {
+        // SAFETY: `text` holds `len` bytes, the C type (`char`) of CUDNN_TYPE_CHAR, readable
+        // for the call; cuDNN copies them.
+        unsafe {
+            self.set_raw(
+                attr,
+                AttrType::CUDNN_TYPE_CHAR,
+                text.len(),
+                text.as_ptr().cast(),
+            )
+        }
+    }
+
     /// Device addresses (`CUDNN_TYPE_VOID_PTR`). Storing them is harmless; what they point to
     /// matters only at `cudnnBackendExecute`, whose caller checks it.
     fn set_pointers(&self, attr: Attr, pointers: &[*mut c_void]) -> Result<(), CudnnError> {
@@ -506,6 +538,140 @@ impl Drop for Descriptor {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Device descriptions and what a graph is built for
+
+/// A GPU described without the GPU: a finalized `CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR` read
+/// from the JSON that cuDNN serializes a device into (e.g.
+/// `../shared/data/h100-device-description.json`). Operation graphs, heuristics (modes A, B
+/// and fallback) and execution plans can be built on it with the `*_on_device` functions on
+/// a machine without a GPU (cuDNN >= 9.8 and a libcuda that loads; CI uses a stub). Plans
+/// built this way report their workspace but cannot run.
+///
+/// Not `Send`/`Sync`, like every descriptor here.
+pub struct DeviceDescription {
+    prop: Rc<Descriptor>,
+    json: String,
+}
+
+impl std::fmt::Debug for DeviceDescription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceDescription")
+            .field("json", &self.json)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeviceDescription {
+    /// Parses `json` (`CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION`) and finalizes the
+    /// descriptor. Errors: the graph API missing or a cuDNN older than 9.8
+    /// ([`CudnnError::Unavailable`]); a description cuDNN rejects ([`CudnnError::Backend`]).
+    pub fn from_json(json: &str) -> Result<Self, CudnnError> {
+        let api = graph_api()?;
+        let version = cudnn()?;
+        if needs_handle_attributes(version) {
+            return Err(CudnnError::Unavailable {
+                what: "libcudnn",
+                detail: format!(
+                    "cuDNN {version} cannot build graphs on a device description (needs \
+                     {DEVICE_DESCRIPTION_MIN_VERSION} or newer)"
+                ),
+            });
+        }
+        let json = json.trim();
+        let prop = Descriptor::new(api, Kind::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
+        prop.set_chars(Attr::CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, json)?;
+        prop.finalize()?;
+        Ok(DeviceDescription {
+            prop: Rc::new(prop),
+            json: json.to_string(),
+        })
+    }
+
+    /// The JSON it was made from (trimmed).
+    pub fn json(&self) -> &str {
+        &self.json
+    }
+}
+
+/// What a graph, its heuristics and its plans are built for.
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    /// A live handle (a GPU): plans can run.
+    Handle(&'a CudnnHandle),
+    /// A device description: plans report their workspace, nothing runs.
+    Device(&'a DeviceDescription),
+}
+
+/// How the loaded cuDNN learns the device: the deprecated handle attributes (cuDNN < 9.8), or
+/// a device description on heuristics and plans. Kept by the graph, so it outlives every
+/// heuristics descriptor and plan built from it.
+enum DeviceBinding {
+    Handle(dnn_sys::cudnnHandle_t),
+    Prop(Rc<Descriptor>),
+}
+
+impl DeviceBinding {
+    fn new(api: GraphApi, target: Target<'_>) -> Result<Self, CudnnError> {
+        let version = cudnn()?;
+        match target {
+            Target::Handle(handle) if needs_handle_attributes(version) => {
+                Ok(DeviceBinding::Handle(handle.raw))
+            }
+            Target::Handle(handle) => {
+                let prop = Descriptor::new(api, Kind::CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR)?;
+                prop.set_handle(Attr::CUDNN_ATTR_DEVICEPROP_HANDLE, handle.raw)?;
+                prop.finalize()?;
+                Ok(DeviceBinding::Prop(Rc::new(prop)))
+            }
+            Target::Device(device) => Ok(DeviceBinding::Prop(device.prop.clone())),
+        }
+    }
+
+    /// On the operation graph: the handle where cuDNN needs it.
+    fn bind_graph(&self, graph: &Descriptor) -> Result<(), CudnnError> {
+        match self {
+            DeviceBinding::Handle(raw) => {
+                graph.set_handle(Attr::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, *raw)
+            }
+            DeviceBinding::Prop(_) => Ok(()),
+        }
+    }
+
+    /// On a heuristics descriptor: the device description, where there is one.
+    fn bind_heuristics(&self, heur: &Descriptor) -> Result<(), CudnnError> {
+        match self {
+            DeviceBinding::Handle(_) => Ok(()),
+            DeviceBinding::Prop(prop) => {
+                heur.set_descriptors(Attr::CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, &[prop])
+            }
+        }
+    }
+
+    /// On an engine made from its index: the device description, where there is one
+    /// (without it cuDNN answers CUDNN_STATUS_NOT_SUPPORTED_ARCH_MISMATCH).
+    fn bind_engine(&self, engine: &Descriptor) -> Result<(), CudnnError> {
+        match self {
+            DeviceBinding::Handle(_) => Ok(()),
+            DeviceBinding::Prop(prop) => {
+                engine.set_descriptors(Attr::CUDNN_ATTR_ENGINE_DEVICEPROP, &[prop])
+            }
+        }
+    }
+
+    /// On an execution plan: the handle (old cuDNN) or the device description.
+    fn bind_plan(&self, plan: &Descriptor) -> Result<(), CudnnError> {
+        match self {
+            DeviceBinding::Handle(raw) => {
+                plan.set_handle(Attr::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, *raw)
+            }
+            DeviceBinding::Prop(prop) => {
+                plan.set_descriptors(Attr::CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, &[prop])
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The operation graph
 
 /// The attribute names of one op's operation descriptor.
@@ -568,17 +734,19 @@ struct OperationGraph {
     w: Descriptor,
     #[expect(dead_code, reason = "kept alive for the descriptors that refer to it")]
     y: Descriptor,
+    /// The device, as heuristics and plans built from this graph are told it.
+    device: DeviceBinding,
     params: GraphParams,
 }
 
 impl OperationGraph {
-    /// Builds and finalises the graph of `params` on `handle` (a live handle that outlives the
-    /// graph; its CUDA context is current).
-    fn new(
-        api: GraphApi,
-        handle: dnn_sys::cudnnHandle_t,
-        params: &GraphParams,
-    ) -> Result<Self, CudnnError> {
+    /// Builds and finalises the graph of `params` for `target` (a handle must outlive the
+    /// graph and have its CUDA context current).
+    fn new(api: GraphApi, target: Target<'_>, params: &GraphParams) -> Result<Self, CudnnError> {
+        if let Target::Handle(handle) = target {
+            handle.bind()?;
+        }
+        let device = DeviceBinding::new(api, target)?;
         let tensor = |t: &TensorParams| -> Result<Descriptor, CudnnError> {
             let d = Descriptor::new(api, Kind::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
             d.set_data_type(Attr::CUDNN_ATTR_TENSOR_DATA_TYPE, data_type(params.dtype()))?;
@@ -639,7 +807,7 @@ impl OperationGraph {
 
         let graph = Descriptor::new(api, Kind::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
         graph.set_descriptors(Attr::CUDNN_ATTR_OPERATIONGRAPH_OPS, &[&operation])?;
-        graph.set_handle(Attr::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, handle)?;
+        device.bind_graph(&graph)?;
         graph.finalize()?;
         Ok(OperationGraph {
             graph,
@@ -648,6 +816,7 @@ impl OperationGraph {
             x,
             w,
             y,
+            device,
             params: *params,
         })
     }
@@ -688,6 +857,7 @@ fn engine_descriptor(
     let engine = Descriptor::new(api, Kind::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
     engine.set_descriptors(Attr::CUDNN_ATTR_ENGINE_OPERATION_GRAPH, &[&graph.graph])?;
     engine.set_i64s(Attr::CUDNN_ATTR_ENGINE_GLOBAL_INDEX, &[index])?;
+    graph.device.bind_engine(&engine)?;
     engine.finalize()?;
     Ok(engine)
 }
@@ -834,17 +1004,27 @@ fn heur_mode(mode: HeurMode) -> dnn_sys::cudnnBackendHeurMode_t {
     }
 }
 
-/// cuDNN's heuristics results for `graph` in `mode`, in its ranking, each described while the
-/// heuristics descriptor is alive (a result that cannot be read is an `Err` in the list).
-#[allow(clippy::type_complexity)]
-fn heuristic_configs(
+/// The heuristics descriptor of `graph` in `mode` and its result configurations (in cuDNN's
+/// ranking). Mode B is finalized and read under [`MODE_B_HEURISTICS`].
+fn heuristic_results(
     api: GraphApi,
     graph: &OperationGraph,
     mode: HeurMode,
-) -> Result<Vec<Result<(EngineConfig, EngineNotes), CudnnError>>, CudnnError> {
+) -> Result<(Descriptor, Vec<Descriptor>), CudnnError> {
+    let _serial = match mode {
+        // A poisoned lock only means another thread panicked while holding it; the guard
+        // protects cuDNN's state, not data of ours.
+        HeurMode::B => Some(
+            MODE_B_HEURISTICS
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        ),
+        HeurMode::A | HeurMode::Fallback => None,
+    };
     let heur = Descriptor::new(api, Kind::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
     heur.set_descriptors(Attr::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[&graph.graph])?;
     heur.set_heur_mode(Attr::CUDNN_ATTR_ENGINEHEUR_MODE, heur_mode(mode))?;
+    graph.device.bind_heuristics(&heur)?;
     heur.finalize()?;
     let results = heur.get_descriptors(
         api,
@@ -853,10 +1033,27 @@ fn heuristic_configs(
         None,
         HEURISTIC_CAPACITY,
     )?;
-    Ok(results
+    Ok((heur, results))
+}
+
+/// cuDNN's heuristics results for `graph` in `mode`, in its ranking, each described while the
+/// heuristics descriptor is alive (a result that cannot be read is an `Err` in the list).
+#[allow(clippy::type_complexity)]
+fn heuristic_configs(
+    api: GraphApi,
+    graph: &OperationGraph,
+    mode: HeurMode,
+) -> Result<Vec<Result<(EngineConfig, EngineNotes), CudnnError>>, CudnnError> {
+    // Results before the heuristics descriptor (drop order).
+    let (heur, results) = heuristic_results(api, graph, mode)?;
+    let described = results
         .iter()
         .map(|cfg| describe_config(api, cfg))
-        .collect())
+        .collect();
+    // Referrers first: the results, then the heuristics descriptor.
+    drop(results);
+    drop(heur);
+    Ok(described)
 }
 
 /// The configurations found so far: deduplicated, capped, and the first error seen (reported
@@ -982,12 +1179,15 @@ fn sweep(api: GraphApi, graph: &OperationGraph, search: &EngineSearch, found: &m
 /// engines whose notes the problem's math mode excludes left out (see
 /// [`EngineNotes::math_conflict`]), at most `search.max_candidates`.
 ///
-/// The graph is built with alpha 1 and beta 0. A configuration listed here may still fail to
-/// become a plan ([`EnginePlan::new`] answers `CUDNN_STATUS_NOT_SUPPORTED*`, e.g. for beta 1
-/// or a knob combination the engine rejects late): a profiler skips those
-/// ([`CudnnError::is_not_supported`]). A heuristics mode that fails is skipped; an error is
-/// returned only if nothing was found and something failed (or the graph itself cannot be
-/// built: then [`CudnnError::is_not_supported`] means the graph API cannot do this problem).
+/// The graph is built with alpha 1 and beta 0, its tensors declaring alignments that hold at
+/// any sample offset ([`Alignments::any_sample`]; [`engine_configs_with_alignments`] takes
+/// the alignment of the offset the plan will run at, which can offer more engines). A
+/// configuration listed here may still fail to become a plan ([`EnginePlan::new`] answers
+/// `CUDNN_STATUS_NOT_SUPPORTED*`, e.g. for beta 1 or a knob combination the engine rejects
+/// late): a profiler skips those ([`CudnnError::is_not_supported`]). A heuristics mode that
+/// fails is skipped; an error is returned only if nothing was found and something failed (or
+/// the graph itself cannot be built: then [`CudnnError::is_not_supported`] means the graph
+/// API cannot do this problem).
 pub fn engine_configs(
     handle: &CudnnHandle,
     problem: &ConvProblem,
@@ -995,14 +1195,53 @@ pub fn engine_configs(
     search: &EngineSearch,
 ) -> Result<Vec<EngineConfig>, CudnnError> {
     let shapes = ConvShapes::new(problem)?;
+    configs_for(
+        Target::Handle(handle),
+        &shapes,
+        op,
+        search,
+        Alignments::any_sample(&shapes),
+    )
+}
+
+/// As [`engine_configs`], for tensors that declare `alignments` (e.g.
+/// [`Alignments::at_sample`] of the offset the plan will run at).
+pub fn engine_configs_with_alignments(
+    handle: &CudnnHandle,
+    problem: &ConvProblem,
+    op: ConvOp,
+    search: &EngineSearch,
+    alignments: Alignments,
+) -> Result<Vec<EngineConfig>, CudnnError> {
+    let shapes = ConvShapes::new(problem)?;
+    configs_for(Target::Handle(handle), &shapes, op, search, alignments)
+}
+
+/// As [`engine_configs_with_alignments`], on a device description instead of a GPU.
+pub fn engine_configs_on_device(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+    search: &EngineSearch,
+    alignments: Alignments,
+) -> Result<Vec<EngineConfig>, CudnnError> {
+    let shapes = ConvShapes::new(problem)?;
+    configs_for(Target::Device(device), &shapes, op, search, alignments)
+}
+
+fn configs_for(
+    target: Target<'_>,
+    shapes: &ConvShapes,
+    op: ConvOp,
+    search: &EngineSearch,
+    alignments: Alignments,
+) -> Result<Vec<EngineConfig>, CudnnError> {
     let api = graph_api()?;
     if search.max_candidates == 0 {
         return Ok(Vec::new());
     }
-    handle.bind()?;
-    let params = GraphParams::new(&shapes, op, 1.0, 0.0);
-    let graph =
-        OperationGraph::new(api, handle.raw, &params).map_err(|e| e.for_engine(op, None))?;
+    let params = GraphParams::with_alignments(shapes, op, 1.0, 0.0, alignments);
+    let graph = OperationGraph::new(api, target, &params).map_err(|e| e.for_engine(op, None))?;
     let mut found = Found {
         list: Vec::new(),
         seen: HashSet::new(),
@@ -1051,37 +1290,177 @@ pub fn heuristic_plan_workspaces(
     mode: HeurMode,
 ) -> Result<Vec<(EngineConfig, Option<u64>)>, CudnnError> {
     let shapes = ConvShapes::new(problem)?;
+    plan_workspaces_for(
+        Target::Handle(handle),
+        &shapes,
+        op,
+        mode,
+        Alignments::any_sample(&shapes),
+    )
+}
+
+/// As [`heuristic_plan_workspaces`], on a device description, for tensors declaring
+/// `alignments` (the host test tier's check of rebuild-from-name).
+#[doc(hidden)]
+pub fn heuristic_plan_workspaces_on_device(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+    mode: HeurMode,
+    alignments: Alignments,
+) -> Result<Vec<(EngineConfig, Option<u64>)>, CudnnError> {
+    let shapes = ConvShapes::new(problem)?;
+    plan_workspaces_for(Target::Device(device), &shapes, op, mode, alignments)
+}
+
+fn plan_workspaces_for(
+    target: Target<'_>,
+    shapes: &ConvShapes,
+    op: ConvOp,
+    mode: HeurMode,
+    alignments: Alignments,
+) -> Result<Vec<(EngineConfig, Option<u64>)>, CudnnError> {
     let api = graph_api()?;
-    handle.bind()?;
-    let params = GraphParams::new(&shapes, op, 1.0, 0.0);
-    let graph =
-        OperationGraph::new(api, handle.raw, &params).map_err(|e| e.for_engine(op, None))?;
-    let heur = Descriptor::new(api, Kind::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
-    heur.set_descriptors(Attr::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[&graph.graph])?;
-    heur.set_heur_mode(Attr::CUDNN_ATTR_ENGINEHEUR_MODE, heur_mode(mode))?;
-    heur.finalize()?;
-    let results = heur.get_descriptors(
-        api,
-        Attr::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-        Kind::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR,
-        None,
-        HEURISTIC_CAPACITY,
-    )?;
+    let params = GraphParams::with_alignments(shapes, op, 1.0, 0.0, alignments);
+    let graph = OperationGraph::new(api, target, &params).map_err(|e| e.for_engine(op, None))?;
+    let (heur, results) = heuristic_results(api, &graph, mode)?;
     let mut out = Vec::new();
     for cfg in &results {
         let (config, _) = describe_config(api, cfg)?;
-        let workspace = (|| -> Result<u64, CudnnError> {
-            let plan = Descriptor::new(api, Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
-            plan.set_handle(Attr::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, handle.raw)?;
-            plan.set_descriptors(Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[cfg])?;
-            plan.finalize()?;
-            let bytes = plan.get_i64(Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?;
-            Ok(bytes.max(0) as u64)
-        })()
-        .ok();
+        let workspace = finalize_plan(api, &graph, cfg).ok().map(|(_, bytes)| bytes);
         out.push((config, workspace));
     }
+    drop(results);
+    drop(heur);
     Ok(out)
+}
+
+/// An execution plan of `cfg` on `graph`'s device, finalised, and its workspace bytes.
+fn finalize_plan(
+    api: GraphApi,
+    graph: &OperationGraph,
+    cfg: &Descriptor,
+) -> Result<(Descriptor, u64), CudnnError> {
+    let plan = Descriptor::new(api, Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
+    graph.device.bind_plan(&plan)?;
+    plan.set_descriptors(Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[cfg])?;
+    plan.finalize()?;
+    let bytes = plan.get_i64(Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?;
+    let bytes = u64::try_from(bytes).map_err(|_| {
+        invalid(
+            "cudnnBackendGetAttribute",
+            format!("cuDNN reports a workspace of {bytes} bytes"),
+        )
+    })?;
+    Ok((plan, bytes))
+}
+
+/// A deliberately wrong operation graph, for the host tier's negative controls (a test that
+/// cannot fail proves nothing).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BrokenGraph {
+    /// The output tensor one row taller than the convolution produces.
+    WrongOutputSize,
+    /// The input and output tensors swapped (dx and dy exchanged in backward-data).
+    SwappedTensors,
+}
+
+/// Builds the operation graph of `problem` and `op` on `device`, broken as `broken` says, and
+/// returns what cuDNN answered (an error is the expected outcome).
+#[doc(hidden)]
+pub fn broken_graph_on_device(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+    broken: BrokenGraph,
+) -> Result<(), CudnnError> {
+    let shapes = ConvShapes::new(problem)?;
+    let api = graph_api()?;
+    let mut params = GraphParams::with_alignments(&shapes, op, 1.0, 0.0, Alignments::MAX);
+    match broken {
+        BrokenGraph::WrongOutputSize => params.y.dims[2] += 1,
+        BrokenGraph::SwappedTensors => std::mem::swap(&mut params.x, &mut params.y),
+    }
+    OperationGraph::new(api, Target::Device(device), &params).map(|_| ())
+}
+
+/// What an execution plan built on a device description reports (it cannot run).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DevicePlan {
+    pub config: EngineConfig,
+    /// `CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE`.
+    pub workspace_bytes: u64,
+    pub notes: EngineNotes,
+    /// The alignments its tensors declared.
+    pub alignments: Alignments,
+}
+
+/// Builds the execution plan of `config` (rebuilt from its name, as [`EnginePlan::new`]
+/// does) for `problem` and `op` on a device description, and reports its workspace. Errors
+/// as [`EnginePlan::new`].
+pub fn plan_on_device(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+    config: &EngineConfig,
+    beta: f32,
+    alignments: Alignments,
+) -> Result<DevicePlan, CudnnError> {
+    let shapes = ConvShapes::new(problem)?;
+    let built = build_plan(
+        Target::Device(device),
+        &shapes,
+        op,
+        config,
+        1.0,
+        beta,
+        alignments,
+    )?;
+    Ok(DevicePlan {
+        config: config.clone(),
+        workspace_bytes: built.workspace_bytes,
+        notes: built.engine.notes,
+        alignments,
+    })
+}
+
+/// An execution plan and everything it refers to (fields in drop order).
+struct BuiltPlan {
+    plan: Descriptor,
+    engine: ConfiguredEngine,
+    graph: OperationGraph,
+    workspace_bytes: u64,
+}
+
+fn build_plan(
+    target: Target<'_>,
+    shapes: &ConvShapes,
+    op: ConvOp,
+    config: &EngineConfig,
+    alpha: f32,
+    beta: f32,
+    alignments: Alignments,
+) -> Result<BuiltPlan, CudnnError> {
+    if !alpha.is_finite() || !beta.is_finite() {
+        return Err(invalid(
+            "EnginePlan::new",
+            format!("alpha ({alpha}) and beta ({beta}) must be finite"),
+        ));
+    }
+    let api = graph_api()?;
+    let name = config.to_string();
+    let tag = |e: CudnnError| e.for_engine(op, Some(&name));
+    let params = GraphParams::with_alignments(shapes, op, alpha, beta, alignments);
+    let graph = OperationGraph::new(api, target, &params).map_err(tag)?;
+    let engine = configure(api, &graph, config).map_err(tag)?;
+    let (plan, workspace_bytes) = finalize_plan(api, &graph, &engine.cfg).map_err(tag)?;
+    Ok(BuiltPlan {
+        plan,
+        engine,
+        graph,
+        workspace_bytes,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1132,43 +1511,41 @@ impl EnginePlan {
         alpha: f32,
         beta: f32,
     ) -> Result<Self, CudnnError> {
-        const CALL: &str = "EnginePlan::new";
         let shapes = ConvShapes::new(problem)?;
-        if !alpha.is_finite() || !beta.is_finite() {
-            return Err(invalid(
-                CALL,
-                format!("alpha ({alpha}) and beta ({beta}) must be finite"),
-            ));
-        }
-        let api = graph_api()?;
-        let name = config.to_string();
-        let tag = |e: CudnnError| e.for_engine(op, Some(&name));
-        handle.bind()?;
-        let params = GraphParams::new(&shapes, op, alpha, beta);
-        let graph = OperationGraph::new(api, handle.raw, &params).map_err(tag)?;
-        let engine = configure(api, &graph, config).map_err(tag)?;
-        let build = || -> Result<(Descriptor, u64), CudnnError> {
-            let plan = Descriptor::new(api, Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
-            plan.set_handle(Attr::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, handle.raw)?;
-            plan.set_descriptors(
-                Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
-                &[&engine.cfg],
-            )?;
-            plan.finalize()?;
-            let bytes = plan.get_i64(Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?;
-            let bytes = u64::try_from(bytes).map_err(|_| {
-                invalid(CALL, format!("cuDNN reports a workspace of {bytes} bytes"))
-            })?;
-            Ok((plan, bytes))
-        };
-        let (plan, workspace_bytes) = build().map_err(tag)?;
+        let alignments = Alignments::any_sample(&shapes);
+        Self::with_alignments(handle, problem, op, config, alpha, beta, alignments)
+    }
+
+    /// As [`Self::new`], with the tensors declaring `alignments`: e.g.
+    /// [`Alignments::at_sample`] of the one offset the plan runs at, which can admit engines
+    /// (tensor cores above all) that the any-offset alignment excludes. Execution checks
+    /// every pointer against it.
+    pub fn with_alignments(
+        handle: &CudnnHandle,
+        problem: &ConvProblem,
+        op: ConvOp,
+        config: &EngineConfig,
+        alpha: f32,
+        beta: f32,
+        alignments: Alignments,
+    ) -> Result<Self, CudnnError> {
+        let shapes = ConvShapes::new(problem)?;
+        let built = build_plan(
+            Target::Handle(handle),
+            &shapes,
+            op,
+            config,
+            alpha,
+            beta,
+            alignments,
+        )?;
         Ok(EnginePlan {
-            plan,
-            engine,
-            graph,
+            plan: built.plan,
+            engine: built.engine,
+            graph: built.graph,
             owner: handle.owner.clone(),
             config: config.clone(),
-            workspace_bytes,
+            workspace_bytes: built.workspace_bytes,
         })
     }
 
@@ -1213,6 +1590,11 @@ impl EnginePlan {
     /// `graph_params`); a non-empty workspace must be aligned to [`WORKSPACE_ALIGNMENT`].
     pub fn operand_alignments(&self) -> [u64; 3] {
         self.graph.params.operand_alignments()
+    }
+
+    /// The alignments the plan's tensors declare (part of what it is keyed on).
+    pub fn alignments(&self) -> Alignments {
+        self.graph.params.alignments()
     }
 
     /// Queues the plan on `handle`'s stream (asynchronously): `out = alpha * op(a, b) + beta *

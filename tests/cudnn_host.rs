@@ -1,0 +1,645 @@
+//! The cuDNN host tier: the FFI wall against the real libcudnn on a machine without a GPU
+//! (issue 17). `scripts/cudnn_host_env.sh` provides cuDNN and cuBLAS from PyPI's wheels and a
+//! stub libcuda; graphs, heuristics and plans are built on a device description of an H100
+//! (`tests/fixtures/h100-device-description.json`) instead of a handle. See
+//! docs/cudnn_host.md.
+//!
+//! Gated by `MUCUDNN_CUDNN_HOST_TESTS=1`; without it every test prints that it was skipped.
+//! `MUCUDNN_CUDNN_HOST_JSON=<file>` makes the zoo tests append one JSON object per (layer,
+//! dtype, layout, op) to `<file>` (what `scripts/cudnn_host_check.sh --json` prints).
+
+use mucudnn::backend::cudnn::{
+    engine_configs_on_device, heuristic_plan_workspaces_on_device, plan_on_device, Alignments,
+    ConvDescriptors, ConvShapes, CudnnError, DeviceDescription, EngineConfig, EngineSearch,
+    HeurMode, Operand,
+};
+use mucudnn::models::Model;
+use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const GATE: &str = "MUCUDNN_CUDNN_HOST_TESTS";
+const JSON_OUT: &str = "MUCUDNN_CUDNN_HOST_JSON";
+/// Set in a child process this test binary starts with a library hidden.
+const CHILD: &str = "MUCUDNN_CUDNN_HOST_CHILD";
+/// The mini-batch of every checked problem; micro-batch graphs use 1, 2, 4, 8.
+const BATCH: i64 = 8;
+
+fn enabled(test: &str) -> bool {
+    if std::env::var(GATE).as_deref() == Ok("1") {
+        true
+    } else {
+        println!(
+            "skipped: {test} needs {GATE}=1 and the libraries of \
+             `eval \"$(bash scripts/cudnn_host_env.sh)\"` (docs/cudnn_host.md)"
+        );
+        false
+    }
+}
+
+fn device() -> DeviceDescription {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/h100-device-description.json");
+    let json = std::fs::read_to_string(&path).expect("the H100 device description");
+    DeviceDescription::from_json(&json).unwrap_or_else(|e| panic!("device description: {e}"))
+}
+
+/// The three data configurations of the tier.
+const CONFIGS: [(DType, Layout); 3] = [
+    (DType::Fp32, Layout::Nchw),
+    (DType::Fp16, Layout::Nhwc),
+    (DType::Bf16, Layout::Nhwc),
+];
+
+fn layout_name(layout: Layout) -> &'static str {
+    match layout {
+        Layout::Nchw => "nchw",
+        Layout::Nhwc => "nhwc",
+    }
+}
+
+/// The odd stems of issue 17: 7x7 stride-2 convolutions of 3 x 299 x 299 and 3 x 225 x 225.
+fn odd_stems(dtype: DType, layout: Layout) -> Vec<(String, ConvProblem)> {
+    [299, 225]
+        .into_iter()
+        .map(|side| {
+            let p = ConvProblem {
+                pad_h: 3,
+                pad_w: 3,
+                stride_h: 2,
+                stride_w: 2,
+                dtype,
+                layout,
+                ..ConvProblem::new(BATCH, 3, side, side, 64, 7, 7)
+            };
+            (format!("stem.3x{side}x{side}"), p)
+        })
+        .collect()
+}
+
+/// What one (layer, dtype, layout, op) check found.
+#[derive(Default)]
+struct Outcome {
+    mode_a: usize,
+    mode_b: usize,
+    fallback: usize,
+    plans: usize,
+    /// Configurations the problem's math mode excludes (not rebuilt).
+    declined: usize,
+    failures: Vec<String>,
+}
+
+fn search(mode: HeurMode) -> EngineSearch {
+    EngineSearch {
+        heuristics: vec![mode],
+        max_candidates: usize::MAX,
+        ..EngineSearch::default()
+    }
+}
+
+/// Legacy descriptors against the wall's shapes: cuDNN's output dims (checked inside
+/// `ConvDescriptors::new`) and the strides cuDNN derived for every tensor.
+fn check_legacy(problem: &ConvProblem, failures: &mut Vec<String>) {
+    let d = match ConvDescriptors::new(problem) {
+        Ok(d) => d,
+        Err(e) => return failures.push(format!("legacy descriptors: {e}")),
+    };
+    let shapes = ConvShapes::new(problem).unwrap();
+    for (role, desc) in [(Operand::Input, d.input()), (Operand::Output, d.output())] {
+        let info = match desc.info() {
+            Ok(info) => info,
+            Err(e) => return failures.push(format!("cudnnGetTensor4dDescriptor: {e}")),
+        };
+        let dims = shapes.dims(role);
+        let expected = mucudnn::backend::cudnn::graph_params::packed_strides(
+            problem.layout,
+            dims.map(i64::from),
+        );
+        if info.dims != dims || info.strides.map(i64::from) != expected {
+            failures.push(format!(
+                "{role:?}: cuDNN dims {:?} strides {:?}, the wall {dims:?} {expected:?}",
+                info.dims, info.strides
+            ));
+        }
+    }
+}
+
+/// Everything the tier checks for one (problem, op) on the device description.
+fn check_op(device: &DeviceDescription, problem: &ConvProblem, op: ConvOp) -> Outcome {
+    let mut out = Outcome::default();
+    let at_zero = Alignments::MAX;
+    for mode in HeurMode::ALL {
+        let results = match heuristic_plan_workspaces_on_device(device, problem, op, mode, at_zero)
+        {
+            Ok(results) => results,
+            Err(e) if e.is_not_supported() => Vec::new(),
+            Err(e) => {
+                out.failures.push(format!("{mode:?}: {e}"));
+                continue;
+            }
+        };
+        let count = results.len();
+        match mode {
+            HeurMode::A => out.mode_a = count,
+            HeurMode::B => out.mode_b = count,
+            HeurMode::Fallback => out.fallback = count,
+        }
+        // Rebuild every configuration cuDNN could make a plan of from its name: the same
+        // workspace, or the name does not capture the configuration.
+        for (config, workspace) in results {
+            let Some(theirs) = workspace else { continue };
+            let name = config.to_string();
+            let parsed = match name.parse::<EngineConfig>() {
+                Ok(parsed) => parsed,
+                Err(e) => {
+                    out.failures.push(format!("{name}: {e}"));
+                    continue;
+                }
+            };
+            match plan_on_device(device, problem, op, &parsed, 0.0, at_zero) {
+                Ok(plan) if plan.workspace_bytes == theirs => out.plans += 1,
+                Ok(plan) => out.failures.push(format!(
+                    "{name}: rebuilt plan needs {} workspace bytes, cuDNN's own {theirs}",
+                    plan.workspace_bytes
+                )),
+                // mucudnn declines engines whose numerics the math mode excludes (here the
+                // default mode and reduced-precision accumulation) before asking cuDNN.
+                Err(CudnnError::EngineNotSupported { .. }) => out.declined += 1,
+                Err(e) => out.failures.push(format!("{name}: rebuilt plan: {e}")),
+            }
+        }
+    }
+    out
+}
+
+/// The micro-batch graphs of `problem` (1, 2, 4, ... up to its batch) finalize and offer a
+/// configuration (modes A, B or fallback), at the alignment of the offset the profiler times
+/// them at.
+fn check_micro_batches(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+) -> Vec<String> {
+    let mut failures = Vec::new();
+    let mut micro = 1;
+    while micro <= problem.n {
+        let micro_problem = problem.with_batch(micro);
+        let shapes = ConvShapes::new(&micro_problem).unwrap();
+        let alignments = Alignments::at_sample(&shapes, (problem.n - micro) as usize);
+        let all_modes = EngineSearch {
+            max_candidates: usize::MAX,
+            ..EngineSearch::default()
+        };
+        match engine_configs_on_device(device, &micro_problem, op, &all_modes, alignments) {
+            Ok(configs) if !configs.is_empty() => {}
+            Ok(_) => failures.push(format!(
+                "micro-batch {micro} at {alignments:?}: no configuration"
+            )),
+            Err(e) if e.is_not_supported() => {}
+            Err(e) => failures.push(format!("micro-batch {micro}: {e}")),
+        }
+        micro *= 2;
+    }
+    failures
+}
+
+fn json_line(layer: &str, problem: &ConvProblem, op: ConvOp, o: &Outcome) -> String {
+    format!(
+        "{{\"layer\":\"{layer}\",\"dtype\":\"{}\",\"layout\":\"{}\",\"op\":\"{op}\",\
+         \"mode_a\":{},\"mode_b\":{},\"fallback\":{},\"plans\":{},\"passed\":{}}}",
+        problem.dtype,
+        layout_name(problem.layout),
+        o.mode_a,
+        o.mode_b,
+        o.fallback,
+        o.plans,
+        o.failures.is_empty()
+    )
+}
+
+/// Checks every layer in `layers` in the three data configurations and all three ops;
+/// micro-batch graphs for every `micro_every`-th layer (sampled to keep the tier short).
+fn check_layers(layers: Vec<(String, ConvProblem)>, micro_every: usize) {
+    let device = device();
+    let mut lines = Vec::new();
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for (index, (layer, problem)) in layers.iter().enumerate() {
+        for op in ConvOp::ALL {
+            let mut o = check_op(&device, problem, op);
+            if op == ConvOp::Forward {
+                check_legacy(problem, &mut o.failures);
+            }
+            if index % micro_every == 0 {
+                o.failures.extend(check_micro_batches(&device, problem, op));
+            }
+            if o.mode_a + o.mode_b + o.fallback == 0 {
+                o.failures
+                    .push("no configuration from any heuristics mode".into());
+            }
+            lines.push(json_line(layer, problem, op, &o));
+            for f in &o.failures {
+                failures.push(format!(
+                    "{layer} {} {} {op}: {f}",
+                    problem.dtype,
+                    layout_name(problem.layout)
+                ));
+            }
+            checked += 1;
+        }
+    }
+    if let Ok(path) = std::env::var(JSON_OUT) {
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .expect("the JSON output file");
+        writeln!(file, "{}", lines.join("\n")).expect("write the JSON lines");
+    }
+    println!(
+        "{checked} (layer, dtype, layout, op) checked, {} failures",
+        failures.len()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+fn zoo(model: Model) -> Vec<(String, ConvProblem)> {
+    let mut layers = Vec::new();
+    for (dtype, layout) in CONFIGS {
+        for layer in model.layers(BATCH, dtype, layout) {
+            layers.push((layer.name, layer.problem));
+        }
+    }
+    layers
+}
+
+#[test]
+fn alexnet_layers() {
+    if enabled("alexnet_layers") {
+        check_layers(zoo(Model::AlexNet), 1);
+    }
+}
+
+#[test]
+fn resnet50_layers() {
+    if enabled("resnet50_layers") {
+        check_layers(zoo(Model::ResNet50), 4);
+    }
+}
+
+#[test]
+fn mobilenet_v2_layers() {
+    if enabled("mobilenet_v2_layers") {
+        check_layers(zoo(Model::MobileNetV2), 4);
+    }
+}
+
+#[test]
+fn densenet121_layers() {
+    if enabled("densenet121_layers") {
+        check_layers(zoo(Model::DenseNet121), 8);
+    }
+}
+
+#[test]
+fn odd_stem_layers() {
+    if enabled("odd_stem_layers") {
+        let layers = CONFIGS
+            .into_iter()
+            .flat_map(|(dtype, layout)| odd_stems(dtype, layout))
+            .collect();
+        check_layers(layers, 1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 17's fixes, against the real library
+
+/// Configurations per heuristics mode for `problem`, with tensors declaring `alignments`.
+fn mode_counts(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+    alignments: Alignments,
+) -> [usize; 3] {
+    HeurMode::ALL.map(|mode| {
+        match heuristic_plan_workspaces_on_device(device, problem, op, mode, alignments) {
+            Ok(results) => results.len(),
+            Err(e) if e.is_not_supported() => 0,
+            Err(e) => panic!("{} {op} {mode:?}: {e}", problem.describe()),
+        }
+    })
+}
+
+/// Fix 1: the odd stems before (alignment that holds at any sample offset, what every plan
+/// declared) and after (the alignment of offset 0, where an undivided plan and every first
+/// micro-batch run). Prints the table for docs/cudnn_host.md.
+#[test]
+fn odd_stems_gain_configurations_from_the_offset_alignment() {
+    if !enabled("odd_stems_gain_configurations_from_the_offset_alignment") {
+        return;
+    }
+    let device = device();
+    println!("| stem | dtype | layout | op | align x/y before | A B fallback before | A B fallback after |");
+    println!("|---|---|---|---|---|---|---|");
+    for (dtype, layout) in CONFIGS {
+        for (layer, problem) in odd_stems(dtype, layout) {
+            let shapes = ConvShapes::new(&problem).unwrap();
+            let before_align = Alignments::any_sample(&shapes);
+            for op in ConvOp::ALL {
+                let before = mode_counts(&device, &problem, op, before_align);
+                let after = mode_counts(&device, &problem, op, Alignments::MAX);
+                println!(
+                    "| {layer} | {dtype} | {} | {op} | {}/{} | {} {} {} | {} {} {} |",
+                    layout_name(layout),
+                    before_align.x,
+                    before_align.y,
+                    before[0],
+                    before[1],
+                    before[2],
+                    after[0],
+                    after[1],
+                    after[2]
+                );
+                // Acceptance: modes A and B offer configurations in every op and dtype.
+                assert!(
+                    after[0] > 0 && after[1] > 0,
+                    "{layer} {dtype} {op}: {after:?}"
+                );
+                for i in 0..3 {
+                    assert!(
+                        after[i] >= before[i],
+                        "{layer} {dtype} {op}: {before:?} -> {after:?}"
+                    );
+                }
+            }
+        }
+    }
+    // The issue's numbers: 3x299x299 fp16 NHWC backward-filter had nothing from modes A and
+    // B at the old alignment; the same check at the old alignment is the negative control.
+    let (_, stem) = odd_stems(DType::Fp16, Layout::Nhwc).remove(0);
+    let old = Alignments::any_sample(&ConvShapes::new(&stem).unwrap());
+    let before = mode_counts(&device, &stem, ConvOp::BackwardFilter, old);
+    assert_eq!([before[0], before[1]], [0, 0], "{before:?}");
+}
+
+/// Negative controls: the checks can fail. A wrong output size and swapped tensors are
+/// refused with CUDNN_STATUS_BAD_PARAM (2000); a configuration that does not exist does not
+/// build.
+#[test]
+fn negative_controls_fail() {
+    if !enabled("negative_controls_fail") {
+        return;
+    }
+    use mucudnn::backend::cudnn::{broken_graph_on_device, BrokenGraph};
+    let device = device();
+    let problem = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new(BATCH, 64, 56, 56, 64, 3, 3)
+    };
+    for op in ConvOp::ALL {
+        match broken_graph_on_device(&device, &problem, op, BrokenGraph::WrongOutputSize) {
+            Err(CudnnError::Backend { code, .. }) => assert_eq!(code, 2000, "{op}"),
+            other => panic!("{op}: a wrong output size gave {other:?}"),
+        }
+    }
+    let swapped = ConvProblem { k: 32, ..problem };
+    match broken_graph_on_device(
+        &device,
+        &swapped,
+        ConvOp::BackwardData,
+        BrokenGraph::SwappedTensors,
+    ) {
+        Err(CudnnError::Backend { code, .. }) => assert_eq!(code, 2000),
+        other => panic!("swapped dx/dy gave {other:?}"),
+    }
+    // The correct graph builds (the controls differ from it in one thing only).
+    let fine = heuristic_plan_workspaces_on_device(
+        &device,
+        &problem,
+        ConvOp::Forward,
+        HeurMode::A,
+        Alignments::MAX,
+    )
+    .unwrap();
+    assert!(!fine.is_empty());
+    let bogus: EngineConfig = "eng9999".parse().unwrap();
+    assert!(plan_on_device(
+        &device,
+        &problem,
+        ConvOp::Forward,
+        &bogus,
+        0.0,
+        Alignments::MAX
+    )
+    .is_err());
+}
+
+/// Fix 4: mode-B heuristics from several threads at once (serialized inside the wall) give
+/// every thread the same list.
+#[test]
+fn mode_b_heuristics_from_several_threads() {
+    if !enabled("mode_b_heuristics_from_several_threads") {
+        return;
+    }
+    let problem = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        dtype: DType::Fp16,
+        layout: Layout::Nhwc,
+        ..ConvProblem::new(BATCH, 64, 56, 56, 64, 3, 3)
+    };
+    let lists: Vec<Vec<String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                scope.spawn(move || {
+                    let device = device();
+                    (0..3)
+                        .flat_map(|_| {
+                            engine_configs_on_device(
+                                &device,
+                                &problem,
+                                ConvOp::Forward,
+                                &search(HeurMode::B),
+                                Alignments::MAX,
+                            )
+                            .unwrap()
+                        })
+                        .map(|c| c.to_string())
+                        .collect()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(!lists[0].is_empty());
+    assert!(lists.iter().all(|l| *l == lists[0]), "{lists:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hidden libraries (fixes 2, 3 and 5): this test binary runs itself with one library left out
+// of the library path and must get an error value naming it, never an abort or a panic.
+
+/// A folder beside the cached libraries holding hard links to every library of `dirs`
+/// except `hidden` (hard links: `libcudnn.so.9` finds its sub-libraries through `$ORIGIN`).
+fn library_dir_without(dirs: &[PathBuf], hidden: &str, tag: &str) -> PathBuf {
+    let base = dirs[0]
+        .parent()
+        .unwrap()
+        .join(format!(".hidden-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).unwrap();
+    for dir in dirs {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let entry = entry.unwrap();
+            let name = entry.file_name();
+            if name.to_string_lossy() == hidden || !entry.file_type().unwrap().is_file() {
+                continue;
+            }
+            let target = base.join(&name);
+            if std::fs::hard_link(entry.path(), &target).is_err() {
+                std::fs::copy(entry.path(), &target).unwrap();
+            }
+        }
+    }
+    base
+}
+
+fn host_dir(var: &str) -> PathBuf {
+    PathBuf::from(std::env::var(var).unwrap_or_else(|_| {
+        panic!("{var} is not set: run under eval \"$(bash scripts/cudnn_host_env.sh)\"")
+    }))
+}
+
+/// Runs `child_probe` in a child process with `LD_LIBRARY_PATH=library_path` and returns
+/// its exit status and output.
+fn run_child(action: &str, library_path: &Path) -> (std::process::ExitStatus, String) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["child_probe", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, action)
+        .env("LD_LIBRARY_PATH", library_path)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status, text)
+}
+
+/// The child's side: does what the parent asks and prints `CHILD-RESULT: ...`.
+#[test]
+fn child_probe() {
+    let Ok(action) = std::env::var(CHILD) else {
+        println!("skipped: child_probe only runs as the child of the hidden-library tests");
+        return;
+    };
+    let result = match action.as_str() {
+        // The backend on the graph path: the gate must refuse before cuDNN can abort.
+        "graph" => {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures/h100-device-description.json");
+            let json = std::fs::read_to_string(path).unwrap();
+            DeviceDescription::from_json(&json).and_then(|device| {
+                let problem = ConvProblem {
+                    pad_h: 1,
+                    pad_w: 1,
+                    dtype: DType::Fp16,
+                    layout: Layout::Nhwc,
+                    ..ConvProblem::new(BATCH, 64, 56, 56, 64, 3, 3)
+                };
+                for op in ConvOp::ALL {
+                    for (config, _) in heuristic_plan_workspaces_on_device(
+                        &device,
+                        &problem,
+                        op,
+                        HeurMode::A,
+                        Alignments::MAX,
+                    )? {
+                        let _ =
+                            plan_on_device(&device, &problem, op, &config, 0.0, Alignments::MAX);
+                    }
+                }
+                Ok(())
+            })
+        }
+        "probe" => mucudnn::backend::cudnn::probe().map(|_| ()),
+        other => panic!("unknown child action {other}"),
+    };
+    match result {
+        Ok(()) => println!("CHILD-RESULT: ok"),
+        Err(e) => println!("CHILD-RESULT: error: {e}"),
+    }
+}
+
+fn child_result(text: &str) -> &str {
+    text.lines()
+        .find_map(|l| l.split_once("CHILD-RESULT: ").map(|(_, rest)| rest.trim()))
+        .unwrap_or_else(|| panic!("the child printed no result:\n{text}"))
+}
+
+#[test]
+fn missing_cublas_lt_is_an_error_naming_it() {
+    if !enabled("missing_cublas_lt_is_an_error_naming_it") {
+        return;
+    }
+    let dirs = [
+        host_dir("MUCUDNN_HOST_STUB_DIR"),
+        host_dir("MUCUDNN_HOST_CUDNN_DIR"),
+        host_dir("MUCUDNN_HOST_CUBLAS_DIR"),
+    ];
+    let dir = library_dir_without(&dirs, "libcublasLt.so.13", "cublaslt");
+    let (status, text) = run_child("graph", &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "the child died ({status}):\n{text}");
+    let result = child_result(&text);
+    assert!(result.contains("libcublasLt.so.13"), "{result}");
+    // With cuBLAS present the same child succeeds (the control).
+    let all = library_dir_without(&dirs, "", "all");
+    let (status, text) = run_child("graph", &all);
+    let _ = std::fs::remove_dir_all(&all);
+    assert!(status.success(), "{text}");
+    assert_eq!(child_result(&text), "ok");
+}
+
+#[test]
+fn missing_sub_library_is_an_error_naming_it() {
+    if !enabled("missing_sub_library_is_an_error_naming_it") {
+        return;
+    }
+    let dirs = [
+        host_dir("MUCUDNN_HOST_STUB_DIR"),
+        host_dir("MUCUDNN_HOST_CUDNN_DIR"),
+        host_dir("MUCUDNN_HOST_CUBLAS_DIR"),
+    ];
+    for hidden in [
+        "libcudnn_cnn.so.9",
+        "libcudnn_ops.so.9",
+        "libcudnn_graph.so.9",
+    ] {
+        let dir = library_dir_without(&dirs, hidden, "sub");
+        let (status, text) = run_child("graph", &dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            status.success(),
+            "{hidden}: the child died ({status}):\n{text}"
+        );
+        let result = child_result(&text);
+        assert!(result.contains(hidden), "{hidden}: {result}");
+    }
+}
+
+#[test]
+fn libcuda_without_error_names_is_an_error_not_a_panic() {
+    if !enabled("libcuda_without_error_names_is_an_error_not_a_panic") {
+        return;
+    }
+    let bare = host_dir("MUCUDNN_HOST_STUB_DIR").join("bare");
+    let (status, text) = run_child("probe", &bare);
+    assert!(status.success(), "the child died ({status}):\n{text}");
+    let result = child_result(&text);
+    assert!(result.contains("CUDA_ERROR_NO_DEVICE"), "{result}");
+}
