@@ -123,9 +123,10 @@ def tune(
         "measured": 0,
         "world_size": world,
     }
-    # Every rank must enter the same collectives in the same order: sort the groups by a key
-    # that is the same on every rank (device kinds and settings, not object ids).
-    ordered = sorted(groups.items(), key=lambda item: repr(item[0]))
+    # Every rank must enter the same collectives in the same order: groups go in the model
+    # order of their first layer, which is the same on every rank (cache paths and device
+    # indices may differ between ranks; dicts keep insertion order).
+    ordered = list(groups.items())
     if world > 1:
         counts = _all_gather(len(ordered))
         if len(set(counts)) != 1:
