@@ -76,7 +76,7 @@ fn settings(precision: Precision) -> GpuSettings {
 /// Trains `epochs` epochs on GPU 0 with world size 1, through NCCL and the common loop.
 fn train_on_gpu(precision: Precision, epochs: usize) -> TrainReport {
     let job = GpuJob::single_process(vec![0]).expect("join a one-GPU job");
-    assert_eq!(job.layout().world_gpus, 1);
+    assert_eq!(job.layout().world_ranks, 1);
     let config = TrainConfig {
         epochs,
         batch_per_rank: 16,

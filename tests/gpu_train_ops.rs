@@ -6,7 +6,7 @@
 //! pre-filled with garbage so that `beta = 0` is checked too): ReLU, max-pool forward and
 //! backward, softmax (probabilities and log), conv bias and its gradient, the linear layer
 //! forward and backward, the SGD step, fp32 -> fp16 -> fp32 transforms; NCCL with world size
-//! 1 (all-reduce mean and broadcast, also bootstrapped through a one-process rendezvous);
+//! 1 (all-reduce mean and broadcast; a grouped sum on a communicator from ncclCommInitAll);
 //! argument errors as values; and whole training steps of a tiny CNN whose convolution runs
 //! through a micro-batched plan: the first forward pass matches the host, the loss falls.
 
@@ -487,16 +487,26 @@ fn gpu_nccl_world_size_one() {
     assert!(e.to_string().contains("another stream"), "{e}");
     drop(comm);
 
-    // Bootstrapped through a one-process rendezvous, on the comm's own stream.
-    let mut rendezvous = Rendezvous::establish(&RendezvousConfig::single_process()).unwrap();
-    let comm = NcclComm::init_with_rendezvous(&mut rendezvous, ops.stream().clone()).unwrap();
-    comm.all_reduce_mean_f32(&mut grads).unwrap();
-    check(
-        "all-reduce via rendezvous",
-        &ops.download_f32(&grads).unwrap(),
-        &host,
-        0.0,
-    );
+    // Made by ncclCommInitAll (no unique id), on its own stream: grouped sums of one rank.
+    let comm = NcclComm::init_all(&[0])
+        .unwrap()
+        .remove(0)
+        .into_comm()
+        .unwrap();
+    let own = GpuOps::with_stream(comm.stream().clone()).unwrap();
+    let mut bufs = vec![
+        own.upload_f32(&host).unwrap(),
+        own.upload_f32(&host).unwrap(),
+    ];
+    comm.all_reduce_sum_f32_grouped(&mut bufs).unwrap();
+    for buf in &bufs {
+        check(
+            "grouped all-reduce via ncclCommInitAll",
+            &own.download_f32(buf).unwrap(),
+            &host,
+            0.0,
+        );
+    }
     drop(comm);
 
     // A communicator that makes its own stream, with the ops built on it.

@@ -6,10 +6,7 @@
 
 use mucudnn::cache::{Cache, PlanKey};
 use mucudnn::solver::{ConvOp, ConvProblem, Policy};
-use mucudnn::train::gpu::{
-    HostCollective, Rendezvous, RendezvousConfig, RendezvousError, RendezvousListener,
-};
-use mucudnn::train::train_group;
+use mucudnn::train::{rank_layout, train_group, HostCollective, ThreadProcesses, FAIL_AT_ENV};
 use mucudnn::train::{
     run_rank, train_threads, CacheChoice, Collective, ConvSettings, CpuReplica, Dataset,
     DatasetSpec, Hyper, LoaderConfig, NetSpec, Replica, ShardedLoader, Split, StepStats, TempCache,
@@ -19,7 +16,6 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Duration;
 
 /// The CI network: 1x16x16 -> conv 8 -> conv 16 -> linear 10.
 fn net() -> NetSpec {
@@ -383,11 +379,11 @@ fn mucudnn(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_mucudnn"));
     command.args(args);
     for name in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "MV2_COMM_WORLD_SIZE",
+        "SLURM_PROCID",
+        FAIL_AT_ENV,
     ] {
         command.env_remove(name);
     }
@@ -471,6 +467,7 @@ fn cli_json_reports_every_epoch_and_a_summary() {
             "eval_s",
             "images_per_s",
             "ms_per_step",
+            "skipped_steps",
             "steps",
             "test_accuracy",
             "test_loss",
@@ -488,6 +485,8 @@ fn cli_json_reports_every_epoch_and_a_summary() {
     }
     let share = summary["conv_share"].as_f64().unwrap();
     assert!(share > 0.0 && share < 1.0, "{share}");
+    assert_eq!(summary["skipped_steps"], 0);
+    assert_eq!(summary["parameters_fnv1a"].as_str().map(str::len), Some(16));
     // The run tuned into the given cache file.
     assert!(temp.path().exists());
 }
@@ -543,20 +542,15 @@ fn cli_errors_are_clear() {
         &'static [(&'static str, &'static str)],
         &'static str,
     );
-    let cases: [Case; 8] = [
+    let cases: [Case; 6] = [
         (&["--device", "cpu", "--dtype", "fp16"], &[], "fp32 only"),
         (
             &["--device", "cpu", "--candidates", "engines"],
             &[],
             "no graph-API engine",
         ),
-        (&["--world-size", "2", "--rank", "0"], &[], "--ranks 2"),
-        (
-            &[],
-            &[("WORLD_SIZE", "2"), ("RANK", "1")],
-            "does not span processes",
-        ),
-        (&[], &[("WORLD_SIZE", "2")], "--rank"),
+        // The torchrun mode is gone: its flags are not flags any more (status 2, below).
+        (&[], &[(FAIL_AT_ENV, "one")], "RANK:STEP"),
         (&["--classes", "11"], &[], "2 to 10 classes"),
         (&["--momentum", "1"], &[], "momentum"),
         (&["--ranks", "0"], &[], "--ranks"),
@@ -580,6 +574,19 @@ fn cli_errors_are_clear() {
     assert_eq!(output.status.code(), Some(2));
     let output = mucudnn(&["train", "--dtype", "bf16"], &[]);
     assert_eq!(output.status.code(), Some(2));
+    for removed in ["--rank", "--world-size", "--master-addr", "--master-port"] {
+        let output = mucudnn(&["train", removed, "1"], &[]);
+        assert_eq!(output.status.code(), Some(2), "{removed}");
+    }
+    if !cfg!(feature = "mpi") {
+        // Started by mpirun, a build without MPI says so instead of training alone.
+        let mut args = SMALL.to_vec();
+        args.extend_from_slice(&["--no-cache", "--epochs", "1"]);
+        let output = mucudnn(&args, &[("OMPI_COMM_WORLD_SIZE", "2")]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("--features mpi"), "{stderr}");
+    }
     let output = mucudnn(&["train", "--batch", "0", "--no-cache"], &[]);
     assert_eq!(output.status.code(), Some(1));
 }
@@ -605,49 +612,69 @@ fn cli_device_cuda_without_a_gpu_is_a_clear_error() {
     assert!(output.stdout.is_empty());
 }
 
-/// The GPU trainer's host collective ([`HostCollective`]: threads within a process, the TCP
-/// rendezvous between processes) under CPU replicas, so that CI runs it: two "processes"
-/// (thread groups joined over localhost) of two ranks each, with the sync check on (a
-/// cross-process broadcast after every step), train like four thread ranks.
+/// A rank that fails at step k (the hidden hook, as a failing device would) ends the run at
+/// once: the process exits with status 1 within seconds, and the message names the failing
+/// rank and its error, not the other ranks' echo.
 #[test]
-fn two_processes_of_two_ranks_over_the_rendezvous_train_like_four_threads() {
+fn a_rank_failing_at_step_k_ends_the_run_with_its_message() {
+    for ranks in ["2", "3"] {
+        let mut args = SMALL.to_vec();
+        args.extend_from_slice(&["--no-cache", "--epochs", "2", "--ranks", ranks, "--quiet"]);
+        let started = std::time::Instant::now();
+        let output = mucudnn(&args, &[(FAIL_AT_ENV, "1:3")]);
+        let seconds = started.elapsed().as_secs_f64();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("rank 1") && stderr.contains("injected failure before step 3"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(seconds < 60.0, "{seconds} s");
+        println!(
+            "--ranks {ranks}: failed after {seconds:.2} s: {}",
+            stderr.trim()
+        );
+    }
+}
+
+/// The host collective ([`HostCollective`]: threads within a process, a `ProcessGroup`
+/// between processes; MPI's in production) under CPU replicas, so that CI runs it without
+/// MPI: two "processes" ([`ThreadProcesses`]) of two ranks each, with the sync check on (a
+/// cross-process broadcast after every step), train like four thread ranks; with one rank
+/// per process (what `mpirun -np 2` runs) the bits equal two thread ranks'.
+#[test]
+fn two_processes_train_like_threads() {
     let temp = TempCache::new().unwrap();
     let settings = ConvSettings::new(Policy::PowerOfTwo, 64 << 20, temp.choice());
-    let reference = train(4, 8, 1, &settings).unwrap();
-
     let (train_data, test_data) = (data(Split::Train, 400), data(Split::Test, 200));
-    let timeout = Duration::from_secs(120);
-    let config_for = |rank: usize, port: u16| {
-        RendezvousConfig::new(rank, 2, "127.0.0.1", port)
-            .unwrap()
-            .with_timeout(timeout)
+    let run = |local: usize| {
+        let process = |mut group: ThreadProcesses| {
+            let layout = rank_layout(&mut group, local)?;
+            let handles = HostCollective::group(Box::new(group), layout)?
+                .into_iter()
+                .map(|c| Ok((c.try_clone()?, c)))
+                .collect::<Result<Vec<_>, TrainError>>()?;
+            train_group(
+                handles,
+                |_, collective| CpuReplica::new(&net(), 0, &settings, collective),
+                &train_data,
+                &test_data,
+                &config(1, 8),
+                &mut |_| {},
+            )
+        };
+        let mut processes = ThreadProcesses::group(2).unwrap().into_iter();
+        let (zero, one) = (processes.next().unwrap(), processes.next().unwrap());
+        std::thread::scope(|scope| {
+            let member = scope.spawn(|| process(one));
+            let first = process(zero);
+            (first.unwrap(), member.join().unwrap().unwrap())
+        })
     };
-    let listener = RendezvousListener::bind(&config_for(0, 0)).unwrap();
-    let port = listener.local_addr().port();
-    let process = |rendezvous: Result<Rendezvous, RendezvousError>| {
-        let mut rendezvous = rendezvous.map_err(|e| TrainError::Dist(e.to_string()))?;
-        let layout = rendezvous
-            .gpu_layout(2)
-            .map_err(|e| TrainError::Dist(e.to_string()))?;
-        let group = HostCollective::group(rendezvous, layout)?
-            .into_iter()
-            .map(|c| Ok((c.try_clone()?, c)))
-            .collect::<Result<Vec<_>, TrainError>>()?;
-        train_group(
-            group,
-            |_, collective| CpuReplica::new(&net(), 0, &settings, collective),
-            &train_data,
-            &test_data,
-            &config(1, 8),
-            &mut |_| {},
-        )
-    };
-    let (first, second) = std::thread::scope(|scope| {
-        let member = scope.spawn(|| process(Rendezvous::connect(&config_for(1, port))));
-        let master = process(listener.accept());
-        (master, member.join().unwrap())
-    });
-    let (first, second) = (first.unwrap(), second.unwrap());
+
+    let reference = train(4, 8, 1, &settings).unwrap();
+    let (first, second) = run(2);
     assert_eq!(first.ranks, 4);
     assert_eq!(first.parameters, second.parameters);
     assert_eq!(first.epochs[0].train_samples, 400);
@@ -660,4 +687,16 @@ fn two_processes_of_two_ranks_over_the_rendezvous_train_like_four_threads() {
     }
     let loss = |r: &TrainReport| r.epochs[0].train_loss;
     assert!((loss(&first) - loss(&reference)).abs() < 1e-6 * loss(&reference));
+
+    // One rank per process: the same order of sums as two threads, so the same bits.
+    let threads = train(2, 8, 1, &settings).unwrap();
+    let (first, second) = run(1);
+    assert_eq!(first.parameters, second.parameters);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&first.parameters), bits(&threads.parameters));
+    assert_eq!(loss(&first).to_bits(), loss(&threads).to_bits());
+    assert_eq!(
+        first.epochs[0].test_loss.to_bits(),
+        threads.epochs[0].test_loss.to_bits()
+    );
 }

@@ -33,6 +33,31 @@ pub trait Collective {
     }
 }
 
+/// Every rank says whether it is fine before a section that no rank may enter alone (an NCCL
+/// collective: a rank inside one waits on the device for every other rank, where no host
+/// abort reaches it). Returns `mine` when every rank is fine; this rank's own error when it
+/// failed; else [`TrainError::PeerFailed`] naming the lowest failed rank. One host all-reduce
+/// of one flag per rank; every rank must call it at the same point.
+pub fn agree_ok<T>(
+    collective: &mut dyn Collective,
+    mine: Result<T, TrainError>,
+) -> Result<T, TrainError> {
+    let mut failed = vec![0.0f64; collective.world_size()];
+    if mine.is_err() {
+        failed[collective.rank()] = 1.0;
+    }
+    let agreed = collective.all_reduce_sum_f64(&mut failed);
+    let value = mine?;
+    agreed?;
+    match failed.iter().position(|&flag| flag != 0.0) {
+        None => Ok(value),
+        Some(rank) => Err(TrainError::PeerFailed {
+            rank,
+            reason: "failed before a section every rank must enter (see its error)".into(),
+        }),
+    }
+}
+
 /// What an operation is, so ranks that disagree are told instead of mixing data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum OpKind {
@@ -120,6 +145,14 @@ impl ThreadCollective {
             rank: self.rank,
             shared: self.shared.clone(),
         })
+    }
+
+    /// Whether a rank of this group has failed (aborted, panicked or disagreed).
+    pub fn has_failed(&self) -> bool {
+        self.shared
+            .state
+            .lock()
+            .map_or(true, |state| state.failure.is_some())
     }
 
     /// [`Collective::broadcast`] for f64 (exact: values are copied, not summed).
@@ -410,6 +443,30 @@ mod tests {
             c.all_reduce_sum(&mut data)
         });
         assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+    }
+
+    #[test]
+    fn ranks_agree_before_a_section_and_a_failed_rank_keeps_everyone_out() {
+        let results = on_ranks(3, |c| {
+            let rank = c.rank();
+            let fine = agree_ok(c, Ok(rank));
+            let mine = if c.rank() == 2 {
+                Err(TrainError::Batch("rank 2 ran out of memory".into()))
+            } else {
+                Ok(())
+            };
+            (fine, agree_ok(c, mine), c.has_failed())
+        });
+        for (rank, (fine, second, failed)) in results.into_iter().enumerate() {
+            assert_eq!(fine.unwrap(), rank);
+            match second {
+                Err(TrainError::Batch(m)) => assert!(rank == 2 && m.contains("memory")),
+                Err(TrainError::PeerFailed { rank: 2, .. }) => assert!(rank != 2),
+                other => panic!("rank {rank}: {other:?}"),
+            }
+            // Agreeing is not failing: the group is still usable.
+            assert!(!failed);
+        }
     }
 
     #[test]

@@ -366,6 +366,7 @@ impl<C: Collective> Replica for CpuReplica<C> {
             samples: pass.samples,
             conv_ms: pass.conv_ms,
             step_ms: elapsed_ms(started),
+            ..StepStats::default()
         })
     }
 
@@ -378,6 +379,7 @@ impl<C: Collective> Replica for CpuReplica<C> {
             samples: pass.samples,
             conv_ms: pass.conv_ms,
             step_ms: elapsed_ms(started),
+            ..StepStats::default()
         })
     }
 

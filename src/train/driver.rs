@@ -75,6 +75,8 @@ pub struct EpochReport {
     pub ms_per_step: f64,
     /// Time in convolutions over the time in `train_step`, summed over ranks.
     pub conv_share: f64,
+    /// Steps whose update was skipped (fp16 loss scaling found a non-finite gradient).
+    pub skipped_steps: usize,
     /// Wall time of the epoch's training part, then of its evaluation.
     pub train_s: f64,
     pub eval_s: f64,
@@ -131,6 +133,11 @@ impl TrainReport {
         ratio(conv, step)
     }
 
+    /// Steps skipped over all epochs (fp16 loss scaling).
+    pub fn skipped_steps(&self) -> usize {
+        self.epochs.iter().map(|e| e.skipped_steps).sum()
+    }
+
     /// The last epoch's held-out numbers (the initial ones if no epoch ran).
     pub fn final_test(&self) -> EvalReport {
         self.epochs.last().map_or(self.initial, |e| EvalReport {
@@ -169,8 +176,61 @@ pub enum TrainEvent<'a> {
     Epoch(&'a EpochReport),
 }
 
-/// Evaluates this rank's shard of the held-out split; returns this rank's sums.
+/// The fault-injection hook (hidden, for tests): `MUCUDNN_TRAIN_FAIL_AT=RANK:STEP` makes global
+/// rank `RANK` fail with [`TrainError::Injected`] just before its `STEP`-th training step
+/// (1-based, counted over the whole run), as a rank whose device failed would.
+pub const FAIL_AT_ENV: &str = "MUCUDNN_TRAIN_FAIL_AT";
+
+/// Where [`FAIL_AT_ENV`] injects a failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FailAt {
+    pub rank: usize,
+    pub step: usize,
+}
+
+/// Parses `RANK:STEP` (STEP from 1).
+pub fn parse_fail_at(text: &str) -> Result<FailAt, TrainError> {
+    let bad = || {
+        TrainError::Config(format!(
+            "{FAIL_AT_ENV}={text:?} is not RANK:STEP (STEP from 1)"
+        ))
+    };
+    let (rank, step) = text.trim().split_once(':').ok_or_else(bad)?;
+    let rank = rank.trim().parse().map_err(|_| bad())?;
+    let step = step.trim().parse().map_err(|_| bad())?;
+    if step == 0 {
+        return Err(bad());
+    }
+    Ok(FailAt { rank, step })
+}
+
+fn fail_at_from_env() -> Result<Option<FailAt>, TrainError> {
+    match std::env::var(FAIL_AT_ENV) {
+        Ok(text) if !text.trim().is_empty() => parse_fail_at(&text).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Evaluates this rank's shard of the held-out split; returns this rank's sums. A loss that is
+/// not finite is an error ([`TrainError::Diverged`], step 0: held-out).
 fn evaluate_shard<R: Replica + ?Sized>(
+    replica: &mut R,
+    test: &ShardedLoader,
+    epoch: usize,
+) -> Result<StepStats, TrainError> {
+    let total = evaluate_shard_sums(replica, test)?;
+    if !total.loss_sum.is_finite() {
+        return Err(TrainError::Diverged {
+            epoch,
+            step: 0,
+            loss: total.loss_sum,
+        });
+    }
+    Ok(total)
+}
+
+/// Evaluates this rank's shard of the held-out split; returns this rank's sums.
+fn evaluate_shard_sums<R: Replica + ?Sized>(
     replica: &mut R,
     test: &ShardedLoader,
 ) -> Result<StepStats, TrainError> {
@@ -229,6 +289,7 @@ pub fn run_rank<R: Replica + ?Sized>(
     events: &mut dyn FnMut(TrainEvent<'_>),
 ) -> Result<TrainReport, TrainError> {
     config.validate()?;
+    let fail_at = fail_at_from_env()?;
     let started = Instant::now();
     let rank = collective.rank();
     let ranks = collective.world_size();
@@ -263,7 +324,7 @@ pub fn run_rank<R: Replica + ?Sized>(
         batch_sizes: &sizes,
     });
 
-    let initial = evaluate_shard(replica, test)?;
+    let initial = evaluate_shard(replica, test, 0)?;
     let mut sums = [
         initial.loss_sum,
         initial.correct as f64,
@@ -274,6 +335,7 @@ pub fn run_rank<R: Replica + ?Sized>(
     events(TrainEvent::Initial(&initial_report));
 
     let mut epochs = Vec::with_capacity(config.epochs);
+    let mut run_step = 0;
     for epoch in 1..=config.epochs {
         let epoch_started = Instant::now();
         let mut local = StepStats::default();
@@ -281,6 +343,10 @@ pub fn run_rank<R: Replica + ?Sized>(
         let steps = batches.remaining();
         for (index, batch) in batches.enumerate() {
             let batch = batch?;
+            run_step += 1;
+            if fail_at.is_some_and(|f| f.rank == rank && f.step == run_step) {
+                return Err(TrainError::Injected { step: run_step });
+            }
             let stats = replica.train_step(&batch.images, &batch.labels, &config.hyper)?;
             if !stats.loss_sum.is_finite() {
                 return Err(TrainError::Diverged {
@@ -302,7 +368,7 @@ pub fn run_rank<R: Replica + ?Sized>(
         }
         let train_s = epoch_started.elapsed().as_secs_f64();
         let eval_started = Instant::now();
-        let held_out = evaluate_shard(replica, test)?;
+        let held_out = evaluate_shard(replica, test, epoch)?;
         let eval_s = eval_started.elapsed().as_secs_f64();
 
         let mut sums = [
@@ -329,6 +395,7 @@ pub fn run_rank<R: Replica + ?Sized>(
             images_per_s: ratio(samples, train_s),
             ms_per_step: ratio(step_ms, (steps * ranks) as f64),
             conv_share: ratio(conv_ms, step_ms),
+            skipped_steps: local.skipped,
             train_s,
             eval_s,
             train_samples: samples as usize,
@@ -548,6 +615,7 @@ mod tests {
                 samples: labels.len(),
                 conv_ms: 1.0,
                 step_ms: 4.0,
+                ..StepStats::default()
             })
         }
 

@@ -19,32 +19,38 @@
 //! first and the others then read its plans from the same cache file
 //! ([`CacheChoice`]), as data-parallel processes would. The loop ([`driver`]) is generic over
 //! [`Replica`] and [`Collective`], so the GPU replica ([`gpu::GpuReplica`]: cuDNN, cuBLAS,
-//! NCCL; ranks are threads per GPU and processes joined by a TCP rendezvous, see
-//! [`gpu::GpuJob`]) runs in the same loop and averages the same way.
+//! NCCL; ranks are threads per GPU, see [`gpu::GpuJob`]) runs in the same loop and averages
+//! the same way. Several processes (started by `mpirun`/`srun`) join through MPI (feature
+//! `mpi`): their ranks meet in a [`HostCollective`] over a [`ProcessGroup`].
 
 mod collective;
 mod cpu;
 pub mod data;
-pub mod dist;
 pub mod driver;
 pub mod gpu;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod net;
 pub mod ops;
+pub mod process;
 mod replica;
 pub mod report;
 mod rng;
 mod sgd;
 mod tuning_cache;
 
-pub use collective::{Collective, ThreadCollective};
+pub use collective::{agree_ok, Collective, ThreadCollective};
 pub use cpu::{ConvSettings, CpuNet, CpuReplica, Pass};
 pub use data::{Batch, Dataset, DatasetSpec, LoaderConfig, ShardedLoader, Split};
-pub use dist::DistConfig;
 pub use driver::{
-    run_rank, train_group, train_threads, EpochReport, EvalReport, TrainConfig, TrainEvent,
-    TrainReport,
+    parse_fail_at, run_rank, train_group, train_threads, EpochReport, EvalReport, FailAt,
+    TrainConfig, TrainEvent, TrainReport, FAIL_AT_ENV,
 };
 pub use net::{NetSpec, ParamShape};
+pub use process::{
+    no_abort, rank_layout, HostCollective, JobAbort, ProcessGroup, RankLayout, SingleProcess,
+    ThreadProcesses,
+};
 pub use replica::{Replica, StepStats};
 pub use sgd::{Hyper, Sgd};
 pub use tuning_cache::{CacheChoice, TempCache};
@@ -101,9 +107,13 @@ pub enum TrainError {
     /// The input pipeline's thread stopped early.
     #[error("data loader: {0}")]
     Loader(String),
-    /// Rank/world/rendezvous settings (flags or RANK, WORLD_SIZE, ...) are unusable.
+    /// The multi-process setting is unusable (MPI missing or failing, a launcher this build
+    /// cannot join).
     #[error("distributed settings: {0}")]
     Dist(String),
+    /// The fault-injection hook ([`FAIL_AT_ENV`]) stopped this rank.
+    #[error("injected failure before step {step} ({FAIL_AT_ENV})")]
+    Injected { step: usize },
     /// An error on one rank of several.
     #[error("rank {rank}: {source}")]
     Rank {

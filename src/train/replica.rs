@@ -16,6 +16,9 @@ pub struct StepStats {
     pub conv_ms: f64,
     /// Wall time of the whole call, gradient all-reduce and update included.
     pub step_ms: f64,
+    /// Steps whose update was skipped because a gradient was not finite (fp16 dynamic loss
+    /// scaling; the same on every rank, so not summed over ranks).
+    pub skipped: usize,
 }
 
 impl StepStats {
@@ -26,6 +29,7 @@ impl StepStats {
         self.samples += other.samples;
         self.conv_ms += other.conv_ms;
         self.step_ms += other.step_ms;
+        self.skipped += other.skipped;
     }
 }
 

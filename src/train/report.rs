@@ -47,6 +47,22 @@ pub struct Summary {
     pub conv_share: f64,
     pub tuning_s: f64,
     pub wall_s: f64,
+    /// Steps skipped by fp16 loss scaling (a gradient was not finite).
+    pub skipped_steps: usize,
+    /// FNV-1a (64-bit, hex) of the final parameters' f32 bits in parameter order: equal
+    /// checksums mean bit-identical parameters (runs on different launchers compare with it).
+    pub parameters_fnv1a: String,
+}
+
+/// FNV-1a over the bits of `values` (little-endian bytes), as 16 hex digits.
+pub fn parameters_checksum(values: &[f32]) -> String {
+    let hash = values
+        .iter()
+        .flat_map(|v| v.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    format!("{hash:016x}")
 }
 
 /// One conv plan the replicas run.
@@ -112,6 +128,8 @@ pub fn summary(report: &TrainReport) -> Summary {
         conv_share: report.conv_share(),
         tuning_s: report.tuning_s,
         wall_s: report.wall_s,
+        skipped_steps: report.skipped_steps(),
+        parameters_fnv1a: parameters_checksum(&report.parameters),
     }
 }
 

@@ -1,6 +1,7 @@
 //! `mucudnn train`: settings -> generated data -> one replica per rank (threads on the CPU)
 //! -> the training loop, with per-epoch rows on stdout (or one JSON document) and progress on
-//! stderr.
+//! stderr. Started by `mpirun`/`srun` (a binary built with the `mpi` feature), every process
+//! joins the job through MPI and a failing one ends it (`MPI_Abort`).
 
 use crate::DeviceChoice;
 use anyhow::{Context, Result};
@@ -9,17 +10,16 @@ use indicatif::{ProgressBar, ProgressStyle};
 use mucudnn::device::cpu_fingerprint;
 use mucudnn::solver::units::parse_size;
 use mucudnn::solver::{CandidateSet, Policy};
-use mucudnn::train::dist::DistFlags;
-use mucudnn::train::gpu::{
-    select_gpus, visible_gpus, GpuJob, GpuSettings, Precision, RendezvousConfig, JOB_TIMEOUT,
-};
+use mucudnn::train::gpu::{select_gpus, visible_gpus, GpuJob, GpuSettings, Precision};
+use mucudnn::train::process::mpi_launch_size;
 use mucudnn::train::report::{
     render_epoch_header, render_epoch_row, render_header, render_initial, render_plans,
     render_summary, RunInfo, TrainJson,
 };
 use mucudnn::train::{
-    train_threads, CacheChoice, ConvSettings, CpuReplica, DatasetSpec, DistConfig, Hyper, NetSpec,
-    Split, TempCache, TrainConfig, TrainEvent,
+    rank_layout, train_group, train_threads, CacheChoice, ConvSettings, CpuReplica, DatasetSpec,
+    HostCollective, Hyper, JobAbort, NetSpec, ProcessGroup, SingleProcess, Split, TempCache,
+    TrainConfig, TrainError, TrainEvent,
 };
 use mucudnn::tune::EngineOptions;
 use std::io::{IsTerminal, Write};
@@ -44,12 +44,13 @@ pub(crate) struct TrainArgs {
     /// Where to train: auto takes the GPUs when CUDA, cuDNN and a GPU are present.
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     device: DeviceChoice,
-    /// Data-parallel ranks in this process, one thread each. CPU: default 1. GPU: one rank
-    /// per GPU, default every visible GPU (under a launcher that sets LOCAL_RANK, that GPU).
+    /// Data-parallel ranks in this process, one thread each. CPU: default 1 (under MPI, one
+    /// per process). GPU: one rank per GPU, default every visible GPU (under MPI with several
+    /// processes on a host, the GPU of this process's rank on the host).
     #[arg(long, value_name = "R")]
     ranks: Option<usize>,
-    /// GPU: fp32 (NCHW) or fp16 (NHWC convolutions with fp32 master weights, a static loss
-    /// scale). The CPU trainer is fp32.
+    /// GPU: fp32 (NCHW) or fp16 (NHWC convolutions with fp32 master weights, dynamic loss
+    /// scaling). The CPU trainer is fp32.
     #[arg(long, default_value = "fp32", value_parser = parse_precision)]
     dtype: Precision,
     /// Which candidates the conv layers are tuned over: cuDNN's legacy algorithms, its
@@ -110,18 +111,6 @@ pub(crate) struct TrainArgs {
     /// No progress output.
     #[arg(long)]
     quiet: bool,
-    /// Multi-process: this process's rank (else $RANK).
-    #[arg(long)]
-    rank: Option<usize>,
-    /// Multi-process: the number of processes (else $WORLD_SIZE, else 1).
-    #[arg(long)]
-    world_size: Option<usize>,
-    /// Multi-process: rank 0's address for the rendezvous (else $MASTER_ADDR).
-    #[arg(long, value_name = "ADDR")]
-    master_addr: Option<String>,
-    /// Multi-process: rank 0's port for the rendezvous (else $MASTER_PORT, else 29500).
-    #[arg(long, value_name = "PORT")]
-    master_port: Option<u16>,
 }
 
 /// Progress on stderr: a bar per epoch when stderr is a terminal; with `--json` (no rows on
@@ -175,22 +164,120 @@ fn parse_candidates(text: &str) -> Result<CandidateSet, String> {
     text.parse()
 }
 
+/// The other processes of an MPI job (`mpirun`/`srun`), or none.
+struct Launch {
+    #[cfg(feature = "mpi")]
+    mpi: Option<mucudnn::train::mpi::Mpi>,
+}
+
+impl Launch {
+    /// MPI when a launcher started several processes (its environment says so); an error when
+    /// this binary cannot join them.
+    fn detect() -> Result<Launch> {
+        let size = mpi_launch_size(|name| std::env::var(name).ok());
+        #[cfg(feature = "mpi")]
+        {
+            let mpi = match size {
+                Some(size) if size > 1 => Some(mucudnn::train::mpi::Mpi::init()?),
+                _ => None,
+            };
+            Ok(Launch { mpi })
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            if let Some(size) = size.filter(|&size| size > 1) {
+                anyhow::bail!(
+                    "started by an MPI launcher as one of {size} processes, but this mucudnn \
+                     was built without MPI: build with `cargo build --release --features mpi` \
+                     (see docs/training.md)"
+                );
+            }
+            Ok(Launch {})
+        }
+    }
+
+    fn process_rank(&self) -> usize {
+        #[cfg(feature = "mpi")]
+        if let Some(mpi) = &self.mpi {
+            return mpi.rank();
+        }
+        0
+    }
+
+    fn processes(&self) -> usize {
+        #[cfg(feature = "mpi")]
+        if let Some(mpi) = &self.mpi {
+            return mpi.size();
+        }
+        1
+    }
+
+    /// The processes as the host collective sees them.
+    fn group(&self) -> Box<dyn ProcessGroup> {
+        #[cfg(feature = "mpi")]
+        if let Some(mpi) = &self.mpi {
+            return Box::new(mpi.processes());
+        }
+        Box::new(SingleProcess::with_aborter(stop_if_stuck()))
+    }
+
+    /// Under MPI with several processes on this host: this process's rank among them.
+    fn node_local_rank(&self) -> Option<usize> {
+        #[cfg(feature = "mpi")]
+        if let Some(mpi) = &self.mpi {
+            let (rank, size) = mpi.node_local();
+            return (size > 1).then_some(rank);
+        }
+        None
+    }
+
+    /// Ends the job after this process failed (every process of an MPI job); returns in a
+    /// single process, whose `main` reports the error.
+    fn fail(&self, error: &anyhow::Error) {
+        #[cfg(feature = "mpi")]
+        if let Some(mpi) = &self.mpi {
+            mpi.abort(&format!("{error:#}"));
+        }
+        let _ = error;
+    }
+}
+
+/// How long a failed single process waits for its other ranks before it stops itself.
+const STUCK_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What a single process does when a rank fails: its thread group is aborted (the other
+/// ranks stop at their next host collective), and if some rank is still inside a device
+/// collective no host abort reaches (NCCL) after [`STUCK_AFTER`], the process prints the
+/// first rank's error and exits with status 1.
+fn stop_if_stuck() -> JobAbort {
+    std::sync::Arc::new(|rank, reason| {
+        let reason = reason.to_string();
+        let _ = std::thread::Builder::new()
+            .name("train-watchdog".into())
+            .spawn(move || {
+                std::thread::sleep(STUCK_AFTER);
+                eprintln!(
+                    "error: training: rank {rank}: {reason} (the other ranks did not stop \
+                     within {} s; exiting)",
+                    STUCK_AFTER.as_secs()
+                );
+                std::process::exit(1);
+            });
+    })
+}
+
 /// Where the run trains, decided before anything is generated or tuned.
 #[allow(clippy::large_enum_variant)] // one per process
 enum Target {
-    Cpu {
-        ranks: usize,
-    },
+    /// `ranks` threads in this process (one under MPI).
+    Cpu { ranks: usize },
     /// This process's GPUs, joined to the job; `device` describes them.
-    Gpu {
-        job: GpuJob,
-        device: String,
-    },
+    Gpu { job: GpuJob, device: String },
 }
 
 /// `--device`: the CPU, the GPUs (an error saying why when there are none), or for `auto`
 /// the GPUs when there are some.
-fn choose_target(args: &TrainArgs, dist: &DistConfig, quiet: bool) -> Result<Target> {
+fn choose_target(args: &TrainArgs, launch: &Launch, quiet: bool) -> Result<Target> {
     let system = match args.device {
         DeviceChoice::Cpu => None,
         DeviceChoice::Cuda => Some(visible_gpus().context(
@@ -217,45 +304,24 @@ fn choose_target(args: &TrainArgs, dist: &DistConfig, quiet: bool) -> Result<Tar
             "--dtype {}: the CPU trainer is fp32 only (fp16 needs --device cuda)",
             args.dtype
         );
+        let processes = launch.processes();
         anyhow::ensure!(
-            !dist.is_multi_process(),
-            "a world of {} processes (--world-size or WORLD_SIZE): the CPU trainer does not \
-             span processes; run its ranks as threads of one process with --ranks {}",
-            dist.world_size,
-            dist.world_size
+            processes == 1 || args.ranks.unwrap_or(1) == 1,
+            "--ranks {}: under MPI the CPU trainer runs one rank per process (start more \
+             processes instead)",
+            args.ranks.unwrap_or(1)
         );
         let ranks = args.ranks.unwrap_or(1);
         anyhow::ensure!(ranks >= 1, "--ranks must be at least 1");
         return Ok(Target::Cpu { ranks });
     };
-    // Under a launcher (torchrun sets LOCAL_RANK) one process drives one GPU.
-    let launcher_local_rank = match std::env::var("LOCAL_RANK") {
-        Ok(text) if !text.trim().is_empty() => Some(
-            text.trim()
-                .parse::<usize>()
-                .with_context(|| format!("LOCAL_RANK={text:?} is not a GPU index"))?,
-        ),
-        _ => None,
+    let gpus = select_gpus(system.devices.len(), args.ranks, launch.node_local_rank())?;
+    let job = if launch.processes() > 1 {
+        GpuJob::join(gpus, launch.group()).context("joining the GPU job")?
+    } else {
+        GpuJob::single_process_with(gpus, SingleProcess::with_aborter(stop_if_stuck()))
+            .context("setting up the GPUs")?
     };
-    let gpus = select_gpus(system.devices.len(), args.ranks, launcher_local_rank)?;
-    let rendezvous = RendezvousConfig::new(
-        dist.rank,
-        dist.world_size,
-        dist.master_addr.clone(),
-        dist.master_port,
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?
-    .with_local_rank(dist.local_rank)
-    .with_timeout(JOB_TIMEOUT);
-    if !quiet && dist.is_multi_process() {
-        eprintln!(
-            "process {} of {}: joining the job at {}",
-            dist.rank,
-            dist.world_size,
-            dist.master_endpoint()
-        );
-    }
-    let job = GpuJob::join(gpus, &rendezvous).context("joining the GPU job")?;
     let names: Vec<&str> = job
         .gpus()
         .iter()
@@ -275,24 +341,26 @@ fn choose_target(args: &TrainArgs, dist: &DistConfig, quiet: bool) -> Result<Tar
             system.cudnn_version_string()
         );
     }
-    if dist.is_multi_process() {
+    if launch.processes() > 1 {
         device.push_str(&format!(
             " in process {} of {}",
             job.process_rank(),
-            dist.world_size
+            launch.processes()
         ));
     }
     Ok(Target::Gpu { job, device })
 }
 
 pub(crate) fn run(args: &TrainArgs) -> Result<()> {
-    let dist = DistConfig::from_flags_and_env(&DistFlags {
-        rank: args.rank,
-        world_size: args.world_size,
-        local_rank: None,
-        master_addr: args.master_addr.clone(),
-        master_port: args.master_port,
-    })?;
+    let launch = Launch::detect()?;
+    let result = run_in(args, &launch);
+    if let Err(error) = &result {
+        launch.fail(error);
+    }
+    result
+}
+
+fn run_in(args: &TrainArgs, launch: &Launch) -> Result<()> {
     anyhow::ensure!(args.batch >= 1, "--batch must be at least 1");
     anyhow::ensure!(args.epochs >= 1, "--epochs must be at least 1");
     anyhow::ensure!(args.train_size >= 1, "--train-size must be at least 1");
@@ -330,9 +398,9 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         Policy::PowerOfTwo
     };
 
-    let target = choose_target(args, &dist, args.quiet)?;
+    let target = choose_target(args, launch, args.quiet)?;
     // In a multi-process job only the process with rank 0 reports.
-    let reporting = dist.rank == 0;
+    let reporting = launch.process_rank() == 0;
     let quiet = args.quiet || !reporting;
     let json = args.json && reporting;
     let table = !args.json && reporting;
@@ -359,8 +427,8 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
     };
 
     let (device, ranks) = match &target {
-        Target::Cpu { ranks } => (cpu_fingerprint().to_string(), *ranks),
-        Target::Gpu { job, device } => (device.clone(), job.layout().world_gpus),
+        Target::Cpu { ranks } => (cpu_fingerprint().to_string(), *ranks * launch.processes()),
+        Target::Gpu { job, device } => (device.clone(), job.layout().world_ranks),
     };
     let mut gpu_settings =
         GpuSettings::new(policy, args.workspace_limit, cache.clone(), args.dtype);
@@ -461,14 +529,32 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
             let mut settings = ConvSettings::new(policy, args.workspace_limit, cache);
             // The CPU has its own algorithms only: `all` means those, `engines` is an error.
             settings.tuning.candidates = args.candidates;
-            train_threads(
-                ranks,
-                |_rank, collective| CpuReplica::new(&net, args.seed, &settings, collective),
-                &train,
-                &test,
-                &config,
-                &mut on_event,
-            )
+            if launch.processes() > 1 {
+                // One rank per process; the ranks meet in the host collective over MPI.
+                let mut processes = launch.group();
+                let layout = rank_layout(processes.as_mut(), ranks)?;
+                let group = HostCollective::group(processes, layout)?
+                    .into_iter()
+                    .map(|c| Ok((c.try_clone()?, c)))
+                    .collect::<Result<Vec<_>, TrainError>>()?;
+                train_group(
+                    group,
+                    |_local, collective| CpuReplica::new(&net, args.seed, &settings, collective),
+                    &train,
+                    &test,
+                    &config,
+                    &mut on_event,
+                )
+            } else {
+                train_threads(
+                    ranks,
+                    |_rank, collective| CpuReplica::new(&net, args.seed, &settings, collective),
+                    &train,
+                    &test,
+                    &config,
+                    &mut on_event,
+                )
+            }
         }
         Target::Gpu { job, .. } => job.train(
             &net,

@@ -7,7 +7,6 @@
 
 #![forbid(unsafe_code)]
 
-use super::rendezvous::RendezvousError;
 use crate::backend::cudnn::CudnnError;
 
 /// Why a GPU training operation failed.
@@ -55,10 +54,6 @@ pub enum GpuTrainError {
     /// shape with a zero or too large dimension, an out-of-range rank, a bad hyper-parameter.
     #[error("invalid argument to {call}: {detail}")]
     InvalidArgument { call: &'static str, detail: String },
-
-    /// The TCP rendezvous that exchanges NCCL's unique id failed.
-    #[error("rendezvous failed: {0}")]
-    Rendezvous(#[from] RendezvousError),
 }
 
 impl GpuTrainError {

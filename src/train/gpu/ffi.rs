@@ -37,6 +37,26 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 
+/// A new stream on `device` for a replica that queues all its work on that one stream, in a
+/// context with cudarc's event tracking off: cudarc would otherwise (once a context has a
+/// second stream) record an event after, and wait on one before, every use of every buffer,
+/// which on a single stream orders nothing that the stream does not already order.
+pub(crate) fn single_stream(device: usize) -> Result<Arc<CudaStream>, GpuTrainError> {
+    crate::backend::cudnn::require_driver()?;
+    let context = cudarc::driver::CudaContext::new(device)
+        .map_err(|e| crate::backend::cudnn::driver_error("cuDevicePrimaryCtxRetain", e))?;
+    // SAFETY: cudarc's contract is that slices made after this call are synchronised by the
+    // user between streams. Every buffer of a replica is allocated on, and only used on, the
+    // stream made below (the training wall checks each buffer's stream before every call,
+    // `check_stream`), frees are ordered on that stream, and the host reads them only after a
+    // synchronisation of it; the tuning backend makes its own context object, whose tracking
+    // this does not change.
+    unsafe { context.disable_event_tracking() };
+    context
+        .new_stream()
+        .map_err(|e| crate::backend::cudnn::driver_error("cuStreamCreate", e).into())
+}
+
 pub(crate) mod blas;
 pub(crate) mod dnn;
 pub(crate) mod nccl;

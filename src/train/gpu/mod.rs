@@ -1,9 +1,9 @@
 //! Data-parallel training on GPUs: the building blocks (device ops for the layers around the
-//! micro-batched convolutions, [`ops`]; NCCL collectives, [`nccl`]; the TCP rendezvous that
-//! bootstraps NCCL across processes and hosts, [`rendezvous`]) and what is built from them:
-//! the GPU replica ([`GpuReplica`], [`replica`]), the loop's host-side collective
-//! ([`HostCollective`]) and the job runner ([`GpuJob`], [`trainer`]) behind
-//! `mucudnn train --device cuda`.
+//! micro-batched convolutions, [`ops`]; NCCL collectives, [`nccl`]) and what is built from
+//! them: the GPU replica ([`GpuReplica`], [`replica`]; its fp16 loss scaling, [`scaler`]) and
+//! the job runner ([`GpuJob`], [`trainer`]) behind `mucudnn train --device cuda`. The loop's
+//! host-side collective is [`crate::train::HostCollective`]; processes join through MPI
+//! (`mpirun`/`srun`, feature `mpi`).
 //!
 //! # Layering
 //!
@@ -16,13 +16,13 @@
 //! ops, nccl                            safe layers: shapes, validation, host references
 //! replica, trainer                     the replica and the job, from ops, nccl and the
 //!                                      convolution plans (no unsafe)
-//! rendezvous, collective               pure Rust (std::net, threads), no CUDA at all
+//! scaler                               pure: the fp16 loss scale's decisions
 //! ```
 //!
 //! CUDA, cuDNN, cuBLAS and NCCL are loaded when first needed: on a machine without them
 //! every constructor returns an error ([`GpuTrainError::is_unavailable`]), never panics, and
-//! everything that does not need a GPU (shape validation, host references, the rendezvous)
-//! runs and is tested anywhere.
+//! everything that does not need a GPU (shape validation, host references, the loss scaler,
+//! the host protocol of a step) runs and is tested anywhere.
 //!
 //! # One training step on one replica
 //!
@@ -30,19 +30,16 @@
 //! the averaging and the fp16 details); by hand, with one conv layer, it looks like this.
 //! Every replica (one thread per GPU, or one process per GPU) owns a [`GpuOps`] and an
 //! [`NcclComm`] on the same stream, its layer objects, and its buffers (activations, fp32
-//! parameters, gradients, velocities), all allocated on that stream. With `world` processes:
+//! parameters, gradients, velocities), all allocated on that stream. With one GPU:
 //!
 //! ```no_run
 //! use mucudnn::train::gpu::*;
 //! use mucudnn::solver::{DType, Layout};
 //!
 //! # fn main() -> Result<(), GpuTrainError> {
-//! // Join the job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK or flags) and
-//! // bootstrap NCCL with rank 0's unique id; one GPU per process.
-//! let config = RendezvousArgs::default().resolve_env()?;
-//! let mut rendezvous = Rendezvous::establish(&config)?;
-//! let ops = GpuOps::new(config.local_rank)?;
-//! let comm = NcclComm::init_with_rendezvous(&mut rendezvous, ops.stream().clone())?;
+//! // One communicator per GPU of this process (ncclCommInitAll), each on its own stream.
+//! let comm = NcclComm::init_all(&[0])?.remove(0).into_comm()?;
+//! let ops = GpuOps::with_stream(comm.stream().clone())?;
 //!
 //! // Layers, built once: conv (a PreparedPlan per op, on ops.cudnn()) -> bias -> ReLU ->
 //! // 2x2 max-pool -> linear -> softmax.
@@ -97,29 +94,27 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Several GPUs per process: one thread per GPU, NCCL ranks from
-//! [`Rendezvous::gpu_layout`], one [`NcclUniqueId`] made by global rank 0 and shared (in
-//! memory, and across processes with [`Rendezvous::broadcast_bytes`]), then
-//! [`NcclComm::init_rank`] on each thread, whose stream the thread's [`GpuOps`] then uses
-//! ([`GpuOps::with_stream`]).
+//! Several GPUs per process: one thread per GPU, each taking its communicator from
+//! [`NcclComm::init_all`]. Several processes (MPI): NCCL ranks in process order
+//! ([`crate::train::rank_layout`]), one [`NcclUniqueId`] made by process 0 and broadcast
+//! ([`NcclUniqueId::share`]), then [`NcclComm::init_rank`] on each thread, whose stream the
+//! thread's [`GpuOps`] then uses ([`GpuOps::with_stream`]).
 //!
 //! fp16 training: activations and conv weights in fp16 (`TensorShape::dtype`), fp32 master
 //! weights and gradients; [`Transform`] converts fp16 gradients to fp32 before the all-reduce
 //! and the updated fp32 weights to fp16 after the step.
 
-mod collective;
 mod error;
 mod ffi;
 pub mod nccl;
 pub mod ops;
-pub mod rendezvous;
 pub mod replica;
+pub mod scaler;
 pub mod trainer;
 
-pub use collective::HostCollective;
 pub use error::GpuTrainError;
 pub use ffi::{DeviceData, DeviceDataMut};
-pub use nccl::{nccl_version, NcclComm, NcclUniqueId, NcclVersion};
+pub use nccl::{nccl_version, NcclComm, NcclUniqueId, NcclVersion, PendingComm};
 pub use ops::{
     bias_add_host, bias_grad_host, cross_entropy_host, cublas_version, linear_backward_host,
     linear_forward_host, max_pool_backward_host, max_pool_forward_host, pool_output_dims,
@@ -127,14 +122,12 @@ pub use ops::{
     CrossEntropy, GpuOps, Linear, LinearGrads, MaxPool2d, Relu, Sgd, SgdConfig, Softmax,
     SoftmaxKind, TensorShape, Transform,
 };
-pub use rendezvous::{
-    GpuLayout, Rendezvous, RendezvousArgs, RendezvousConfig, RendezvousError, RendezvousListener,
-};
 pub use replica::{
     cross_entropy_from_log_probs, mean_gradient_scale, GpuReplica, GpuSettings, HostLoss,
     Precision, DEFAULT_LOSS_SCALE,
 };
-pub use trainer::{select_gpus, visible_gpus, GpuJob, JOB_TIMEOUT};
+pub use scaler::{LossScaler, ScaleDecision};
+pub use trainer::{select_gpus, visible_gpus, GpuJob};
 
 /// Environment variable that enables the tests needing a GPU (`MUCUDNN_GPU_TESTS=1`).
 pub use crate::backend::cudnn::GPU_TESTS_ENV;

@@ -3,15 +3,13 @@
 //!
 //! # Bootstrapping
 //!
-//! NCCL's ranks find each other through a 128-byte unique id that one rank creates
-//! ([`NcclUniqueId::new`]) and every rank passes to [`NcclComm::init_rank`]. Inside one
-//! process (one thread per GPU) the id is simply shared in memory; across processes and
-//! hosts it travels over the TCP rendezvous ([`super::rendezvous`]):
-//! [`NcclComm::init_with_rendezvous`] does that for one GPU per process, and
-//! [`Rendezvous::gpu_layout`] gives the ranks when a process drives several GPUs.
-//!
-//! `init_rank` blocks until all ranks have called it, so each rank calls it from its own
-//! thread (or process). Every collective is queued on the communicator's stream, which must be
+//! One process with several GPUs makes every communicator at once with
+//! [`NcclComm::init_all`] (`ncclCommInitAll`: no unique id, no network) and hands one to each
+//! GPU's thread. Across processes (MPI), NCCL's ranks find each other through a 128-byte
+//! unique id that process 0 creates ([`NcclUniqueId::new`]) and MPI broadcasts
+//! ([`NcclUniqueId::share`]); every rank passes it to [`NcclComm::init_rank`], which blocks
+//! until all ranks have called it, so each rank calls it from its own thread (or process),
+//! and only after every rank said it is ready ([`crate::train::agree_ok`]). Every collective is queued on the communicator's stream, which must be
 //! the stream the gradients were computed on (the replica's [`super::GpuOps`] stream): no
 //! event or host synchronisation is needed between backward, all-reduce and the SGD step.
 //!
@@ -26,11 +24,11 @@
 use super::error::{invalid, GpuTrainError};
 use super::ffi::blas::BlasHandle;
 use super::ffi::nccl::{self as raw, Communicator, Reduce, UNIQUE_ID_BYTES};
-use super::ffi::DeviceDataMut;
-use super::rendezvous::Rendezvous;
-use crate::backend::cudnn::{driver_error, require_driver};
+use super::ffi::{single_stream, DeviceDataMut};
+use crate::backend::cudnn::require_driver;
 use crate::solver::DType;
-use cudarc::driver::{CudaContext, CudaStream};
+use crate::train::{ProcessGroup, TrainError};
+use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 /// NCCL's unique id: the 128 bytes every rank of one communicator must share.
@@ -76,31 +74,31 @@ impl NcclUniqueId {
         &self.0
     }
 
-    /// The id of a multi-process job: rendezvous rank 0 creates it and sends it to every
-    /// process (an empty message if it could not, so that the others fail at once instead of
-    /// timing out); every process returns the same id.
-    pub fn share(rendezvous: &mut Rendezvous) -> Result<Self, GpuTrainError> {
-        if rendezvous.rank() == 0 {
-            match NcclUniqueId::new() {
-                Ok(id) => {
-                    rendezvous.broadcast_bytes(Some(id.as_bytes()))?;
-                    Ok(id)
-                }
-                Err(e) => {
-                    let _ = rendezvous.broadcast_bytes(Some(&[]));
-                    Err(e)
-                }
-            }
+    /// The id of a multi-process job: process 0 creates it and broadcasts it (an empty
+    /// message if it could not, so that the others fail at once instead of waiting in
+    /// `ncclCommInitRank`); every process returns the same id.
+    pub fn share(processes: &mut dyn ProcessGroup) -> Result<Self, TrainError> {
+        let made = if processes.rank() == 0 {
+            Some(NcclUniqueId::new())
         } else {
-            let bytes = rendezvous.broadcast_bytes(None)?;
-            if bytes.is_empty() {
-                return Err(invalid(
-                    "NcclUniqueId::share",
-                    "rank 0 could not create NCCL's unique id (see its error)",
-                ));
-            }
-            NcclUniqueId::from_bytes(&bytes)
+            None
+        };
+        let mine: &[u8] = match &made {
+            Some(Ok(id)) => id.as_bytes(),
+            _ => &[],
+        };
+        let bytes = processes.broadcast_bytes(mine, 0)?;
+        if let Some(made) = made {
+            return Ok(made?);
         }
+        if bytes.is_empty() {
+            return Err(invalid(
+                "NcclUniqueId::share",
+                "process 0 could not create NCCL's unique id (see its error)",
+            )
+            .into());
+        }
+        Ok(NcclUniqueId::from_bytes(&bytes)?)
     }
 }
 
@@ -183,9 +181,7 @@ impl NcclComm {
         const CALL: &str = "NcclComm::init_rank";
         raw::check_rank(CALL, world_size, rank)?;
         require_driver()?;
-        let stream = CudaContext::new(device)
-            .and_then(|ctx| ctx.new_stream())
-            .map_err(|e| driver_error("cuDevicePrimaryCtxRetain/cuStreamCreate", e))?;
+        let stream = single_stream(device)?;
         Self::init_rank_on_stream(world_size, rank, unique_id, stream)
     }
 
@@ -197,13 +193,35 @@ impl NcclComm {
         unique_id: &NcclUniqueId,
         stream: Arc<CudaStream>,
     ) -> Result<Self, GpuTrainError> {
+        nccl_version()?;
+        let comm = Communicator::init_rank(world_size, rank, unique_id.as_bytes(), stream)?;
+        Self::from_communicator(comm)
+    }
+
+    /// Every GPU of this process in one world (`ncclCommInitAll`: no unique id, no network):
+    /// rank `i` on `devices[i]`, each on a new stream of its own (see
+    /// [`super::ffi::single_stream`]). Hand each [`PendingComm`] to its GPU's thread and finish
+    /// it there ([`PendingComm::into_comm`]).
+    pub fn init_all(devices: &[usize]) -> Result<Vec<PendingComm>, GpuTrainError> {
+        require_driver()?;
+        nccl_version()?;
+        let streams = devices
+            .iter()
+            .map(|&device| single_stream(device))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Communicator::init_all(streams)?
+            .into_iter()
+            .map(PendingComm)
+            .collect())
+    }
+
+    fn from_communicator(comm: Communicator) -> Result<Self, GpuTrainError> {
         let version = nccl_version()?;
         let scaler = if version.has_average() {
             None
         } else {
-            Some(BlasHandle::new(stream.clone())?)
+            Some(BlasHandle::new(comm.stream().clone())?)
         };
-        let comm = Communicator::init_rank(world_size, rank, unique_id.as_bytes(), stream)?;
         Ok(NcclComm {
             comm,
             scaler,
@@ -211,15 +229,22 @@ impl NcclComm {
         })
     }
 
-    /// One GPU per process: the process's rendezvous rank is its NCCL rank. Rank 0 creates the
-    /// unique id and sends it over the rendezvous (an empty message if it could not, so that
-    /// the other ranks fail at once instead of timing out); everyone then joins.
-    pub fn init_with_rendezvous(
-        rendezvous: &mut Rendezvous,
-        stream: Arc<CudaStream>,
-    ) -> Result<Self, GpuTrainError> {
-        let id = NcclUniqueId::share(rendezvous)?;
-        Self::init_rank_on_stream(rendezvous.world_size(), rendezvous.rank(), &id, stream)
+    /// Queues the all-reduces (sums) of every buffer as one NCCL group: one fused launch per
+    /// step instead of one per tensor. Every rank must pass the same lengths in the same order.
+    pub fn all_reduce_sum_f32_grouped<B: DeviceDataMut>(
+        &self,
+        bufs: &mut [B],
+    ) -> Result<(), GpuTrainError> {
+        const CALL: &str = "NcclComm::all_reduce_sum_f32_grouped";
+        for buf in bufs.iter() {
+            check_f32(CALL, buf.dtype())?;
+        }
+        raw::grouped(|| {
+            for buf in bufs.iter_mut() {
+                self.comm.all_reduce(CALL, buf, Reduce::Sum)?;
+            }
+            Ok(())
+        })
     }
 
     pub fn rank(&self) -> usize {
@@ -284,6 +309,31 @@ impl NcclComm {
     /// or the other ranks: for error paths where a peer may be gone.
     pub fn abort(self) {
         self.comm.abort();
+    }
+}
+
+/// A communicator made by [`NcclComm::init_all`] on another thread, on its way to its GPU's
+/// thread (where [`PendingComm::into_comm`] finishes it). Dropping it destroys the
+/// communicator.
+pub struct PendingComm(Communicator);
+
+impl std::fmt::Debug for PendingComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingComm")
+            .field("rank", &self.0.rank())
+            .field("world_size", &self.0.world_size())
+            .finish()
+    }
+}
+
+impl PendingComm {
+    pub fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    /// The communicator, on this thread.
+    pub fn into_comm(self) -> Result<NcclComm, GpuTrainError> {
+        NcclComm::from_communicator(self.0)
     }
 }
 

@@ -42,7 +42,7 @@ use super::ffi::dnn::{
     Tensor, TensorOps, Unary,
 };
 use super::ffi::{DeviceData, DeviceDataMut};
-use crate::backend::cudnn::{driver_error, CudnnHandle};
+use crate::backend::cudnn::{driver_error, CudnnHandle, DeviceBuffer};
 use crate::solver::{DType, Layout};
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
@@ -100,6 +100,19 @@ impl GpuOps {
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<(), GpuTrainError> {
         Ok(self.cudnn.synchronize()?)
+    }
+
+    /// The sum of `|x|` over fp32 buffers on the stream, in f64 on the host (waits for the
+    /// stream): inf or NaN when any value is (the fp16 loss scaler's check).
+    pub fn sum_abs_f32<'a>(
+        &self,
+        buffers: impl IntoIterator<Item = &'a DeviceBuffer>,
+    ) -> Result<f64, GpuTrainError> {
+        let mut total = 0.0f64;
+        for buffer in buffers {
+            total += f64::from(self.blas.asum("GpuOps::sum_abs_f32", buffer)?);
+        }
+        Ok(total)
     }
 
     /// An fp32 buffer holding `values`, on the stream.

@@ -10,14 +10,27 @@
 //! images (host, NCHW f32) --upload--> [fp16: Transform to NHWC fp16]
 //!   per block: conv (PreparedPlan, micro-batched) -> Bias -> Relu -> MaxPool2d
 //!   [fp16: Transform the last pool output to NCHW fp32] -> Linear (fp32) -> Softmax (log)
-//! host: sample count all-reduced over the ranks (HostCollective; overlaps the GPU work),
-//!       log-probabilities downloaded (the step's one mid-step sync), loss and
+//! host: sample count (and an ok flag) all-reduced over the ranks (HostCollective; overlaps
+//!       the GPU work), log-probabilities downloaded (the step's one mid-step sync), loss and
 //!       d logits = (softmax - onehot) / global count, uploaded
 //! backward: Linear -> [fp16: Transform x loss scale] -> per block, last first:
 //!   MaxPool2d, Relu, Bias gradient, conv backward-filter, conv backward-data (not for
 //!   block 0: the images need no gradient) [fp16: gradients Transformed to fp32 / loss scale]
-//! every fp32 gradient all-reduced (NCCL sum) -> Sgd per tensor -> sync at the step's end
+//! host: every rank says it is fine (agree_ok) before anyone enters NCCL
+//! every fp32 gradient all-reduced (NCCL sum, one group: one fused launch) ->
+//!   [fp16: sum of |g| read on the host; LossScaler skips the step on inf/NaN] ->
+//!   Sgd per tensor -> sync at the step's end
 //! ```
+//!
+//! # A failing rank
+//!
+//! A rank inside an NCCL collective waits on the device for every other rank, where no host
+//! abort reaches it. So no rank enters one unless every rank said it is fine: the sample-count
+//! all-reduce carries an ok flag for the forward pass, and [`agree_ok`] runs after the
+//! backward pass ([`step_protocol`], the host logic, tested without a GPU); the initial
+//! broadcast in [`GpuReplica::new`] and `ncclCommInitRank` are guarded the same way. A rank
+//! that fails elsewhere aborts the host collective (the others stop at their next host
+//! collective) and, under MPI, the job.
 //!
 //! # Averaging, as the CPU replica does it
 //!
@@ -40,12 +53,14 @@
 //! comparisons with the CPU). [`Precision::Fp16`]: the convolutions, bias, ReLU and pooling run
 //! in fp16 NHWC (tensor cores), from fp16 copies of the fp32 master weights made after every
 //! update; the linear layer, the loss, the gradients, the all-reduce and the update stay
-//! fp32. The backward pass through the fp16 layers is scaled by a static loss scale
-//! ([`GpuSettings::loss_scale`], a power of two, so scaling is exact) to keep small
-//! activation gradients out of fp16's subnormal range; the scale is removed when the fp16
-//! weight and bias gradients are converted to fp32. A gradient beyond fp16's range (65504
-//! times the scale's inverse) overflows to infinity, the weights follow, and the next loss is
-//! not finite: the loop then stops with [`TrainError::Diverged`]. There is no dynamic scaling.
+//! fp32. The backward pass through the fp16 layers is scaled by a dynamic loss scale
+//! ([`LossScaler`]: `torch.amp.GradScaler`'s semantics, starting from
+//! [`GpuSettings::loss_scale`], a power of two, so scaling is exact) to keep small activation
+//! gradients out of fp16's subnormal range; the scale is removed when the fp16 weight and
+//! bias gradients are converted to fp32. After the all-reduce the replica checks that every
+//! gradient is finite (one cuBLAS `asum` per tensor, read on the host: the same sum on every
+//! rank); if not, the step is skipped (weights and momentum untouched), the scale halves and
+//! [`StepStats::skipped`] counts it; after 2000 clean steps the scale doubles.
 //!
 //! # Tuning
 //!
@@ -59,6 +74,7 @@
 
 #![forbid(unsafe_code)]
 
+use super::scaler::{all_finite, LossScaler, ScaleDecision};
 use super::{
     Bias, GpuOps, GpuTrainError, Linear, MaxPool2d, NcclComm, Relu, Sgd, SgdConfig, Softmax,
     SoftmaxKind, TensorShape, Transform,
@@ -69,7 +85,9 @@ use crate::exec::conv2d::LayerError;
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::ExecError;
 use crate::solver::{CandidateSet, ConvProblem, DType, Layout, MathMode, Plan, Policy};
-use crate::train::{CacheChoice, Collective, Hyper, NetSpec, Replica, StepStats, TrainError};
+use crate::train::{
+    agree_ok, CacheChoice, Collective, Hyper, NetSpec, Replica, StepStats, TrainError,
+};
 use crate::tune::{EngineOptions, LayerTuning, TuneError};
 use mucudnn_cache::Cache;
 use std::collections::BTreeMap;
@@ -83,7 +101,7 @@ pub enum Precision {
     #[default]
     Fp32,
     /// fp16 activations and conv weights, NHWC; fp32 master weights, gradients, linear layer
-    /// and update; a static loss scale.
+    /// and update; a dynamic loss scale.
     Fp16,
 }
 
@@ -114,13 +132,14 @@ impl Precision {
         }
     }
 
-    /// E.g. `fp16 NHWC (fp32 master weights, loss scale 1024)`.
+    /// E.g. `fp16 NHWC (fp32 master weights, dynamic loss scale from 65536)`.
     pub fn describe(self, loss_scale: f32) -> String {
         match self {
             Precision::Fp32 => "fp32 NCHW".into(),
-            Precision::Fp16 => {
-                format!("fp16 NHWC (fp32 master weights and linear layer, loss scale {loss_scale})")
-            }
+            Precision::Fp16 => format!(
+                "fp16 NHWC (fp32 master weights and linear layer, dynamic loss scale from \
+                 {loss_scale})"
+            ),
         }
     }
 }
@@ -141,8 +160,8 @@ impl std::str::FromStr for Precision {
     }
 }
 
-/// The static loss scale of fp16 training (see the module docs).
-pub const DEFAULT_LOSS_SCALE: f32 = 1024.0;
+/// The initial loss scale of fp16 training, `torch.amp.GradScaler`'s (see the module docs).
+pub const DEFAULT_LOSS_SCALE: f32 = LossScaler::INITIAL_SCALE;
 
 /// How a GPU replica tunes and runs its layers.
 #[derive(Clone, Debug, PartialEq)]
@@ -155,7 +174,7 @@ pub struct GpuSettings {
     pub precision: Precision,
     /// The convolutions' math mode (part of the tuned problem).
     pub math: MathMode,
-    /// fp16 only: the static loss scale, a power of two.
+    /// fp16 only: the initial dynamic loss scale, a power of two.
     pub loss_scale: f32,
 }
 
@@ -279,6 +298,60 @@ pub fn cross_entropy_from_log_probs(
     }
 }
 
+/// A replica whose step follows [`step_protocol`]: it hands the protocol its collective.
+pub trait StepHost {
+    fn step_collective(&mut self) -> &mut dyn Collective;
+}
+
+impl<C: Collective> StepHost for GpuReplica<C> {
+    fn step_collective(&mut self) -> &mut dyn Collective {
+        &mut self.collective
+    }
+}
+
+/// The host logic of one data-parallel step on a device whose gradient all-reduce no host
+/// abort can interrupt (NCCL), so that a rank that fails never leaves the others inside it:
+///
+/// 1. `forward` (queues device work; returns what `backward` needs);
+/// 2. the global sample count is all-reduced on the host with one ok flag per rank: every
+///    rank joins, even one whose forward pass failed, and if any failed all stop here;
+/// 3. `backward` with the global count;
+/// 4. [`agree_ok`]: every rank says whether its backward pass worked;
+/// 5. `reduce` (the NCCL all-reduce and the update), entered by every rank or by none.
+///
+/// A failing rank returns its own error; the others [`TrainError::PeerFailed`] naming the
+/// lowest failed rank, without waiting for anything but the host collective.
+pub fn step_protocol<S: StepHost + ?Sized, F, B, U>(
+    host: &mut S,
+    samples: usize,
+    forward: impl FnOnce(&mut S) -> Result<F, TrainError>,
+    backward: impl FnOnce(&mut S, F, f64) -> Result<B, TrainError>,
+    reduce: impl FnOnce(&mut S, f64, B) -> Result<U, TrainError>,
+) -> Result<U, TrainError> {
+    let forwarded = forward(host);
+    let collective = host.step_collective();
+    let (rank, world) = (collective.rank(), collective.world_size());
+    // [global samples, failed flag of rank 0, 1, ...]
+    let mut counts = vec![0.0f64; world + 1];
+    counts[0] = samples as f64;
+    if forwarded.is_err() {
+        counts[rank + 1] = 1.0;
+    }
+    let summed = collective.all_reduce_sum_f64(&mut counts);
+    let forwarded = forwarded?;
+    summed?;
+    if let Some(failed) = counts[1..].iter().position(|&flag| flag != 0.0) {
+        return Err(TrainError::PeerFailed {
+            rank: failed,
+            reason: "its forward pass failed (see its error)".into(),
+        });
+    }
+    let global = counts[0];
+    let backwarded = backward(host, forwarded, global);
+    let backwarded = agree_ok(host.step_collective(), backwarded)?;
+    reduce(host, global, backwarded)
+}
+
 fn gpu_error(error: impl Into<GpuTrainError>) -> TrainError {
     TrainError::Gpu(error.into())
 }
@@ -383,6 +456,8 @@ pub struct GpuReplica<C: Collective> {
     workspace: Workspace,
     /// Event pairs around the convolutions of one call (`3 x blocks`).
     timers: Vec<GpuTimer>,
+    /// fp16: the dynamic loss scale.
+    scaler: LossScaler,
     /// A call failed: on drop, abort the communicator instead of waiting for peers.
     failed: bool,
 }
@@ -420,18 +495,24 @@ impl<C: Collective> GpuReplica<C> {
         }
         let cudnn = ops.cudnn();
         let zeros = |len: usize| cudnn.alloc_zeroed(DType::Fp32, len).map_err(gpu_error);
-        let mut params = Parameters {
-            weights: Vec::new(),
-            grads: Vec::new(),
-            velocity: Vec::new(),
+        let upload = || -> Result<Parameters, TrainError> {
+            let mut params = Parameters {
+                weights: Vec::new(),
+                grads: Vec::new(),
+                velocity: Vec::new(),
+            };
+            for values in spec.init_parameters(seed) {
+                params
+                    .weights
+                    .push(cudnn.upload(DType::Fp32, &values).map_err(gpu_error)?);
+                params.grads.push(zeros(values.len())?);
+                params.velocity.push(zeros(values.len())?);
+            }
+            Ok(params)
         };
-        for values in spec.init_parameters(seed) {
-            params
-                .weights
-                .push(cudnn.upload(DType::Fp32, &values).map_err(gpu_error)?);
-            params.grads.push(zeros(values.len())?);
-            params.velocity.push(zeros(values.len())?);
-        }
+        // No rank enters the broadcast unless every rank has its buffers.
+        let mut collective = collective;
+        let mut params = agree_ok(&mut collective, upload())?;
         for weights in &mut params.weights {
             comm.broadcast_f32(weights, 0)?;
         }
@@ -459,6 +540,7 @@ impl<C: Collective> GpuReplica<C> {
             passes: BTreeMap::new(),
             workspace,
             timers,
+            scaler: LossScaler::new(settings.loss_scale).map_err(TrainError::Config)?,
             failed: false,
         })
     }
@@ -709,7 +791,7 @@ impl<C: Collective> GpuReplica<C> {
     /// Queues the backward pass of batch `n` from `d logits` (already on the device) into
     /// the fp32 gradient buffers; returns how many conv timers it used, counting from `used`.
     fn backward(&mut self, n: usize, mut used: usize) -> Result<usize, TrainError> {
-        let loss_scale = self.settings.loss_scale;
+        let loss_scale = self.scaler.scale();
         let GpuReplica {
             ops,
             params,
@@ -860,73 +942,25 @@ impl<C: Collective> GpuReplica<C> {
         self.spec.check_batch(images, labels)?;
         let started = Instant::now();
         let n = labels.len();
-        let mut used = 0;
-        let mut loss = HostLoss {
-            loss_sum: 0.0,
-            correct: 0,
-            grad_logits: Vec::new(),
-        };
-        if n > 0 {
-            if !self.passes.contains_key(&n) {
-                self.prepare(&[n])?;
-            }
-            self.ensure_grads(n)?;
-            used = self.forward(n, images)?;
-        }
-        // The global sample count, on the host while the GPU runs the forward pass.
-        let mut count = [n as f64];
-        self.collective.all_reduce_sum_f64(&mut count)?;
-        let global = count[0];
-        if n > 0 {
-            let classes = self.spec.classes;
-            let pass = self.passes.get_mut(&n).expect("prepared above");
-            let log_probs = pass.log_probs.download().map_err(gpu_error)?;
-            loss = cross_entropy_from_log_probs(
-                &log_probs,
-                labels,
-                classes,
-                Some(mean_gradient_scale(global)),
-            );
-            pass.grads
-                .as_mut()
-                .expect("ensured above")
-                .d_logits
-                .copy_from_host(&loss.grad_logits)
-                .map_err(gpu_error)?;
-            used = self.backward(n, used)?;
-        } else {
-            for grad in &mut self.params.grads {
-                grad.copy_from_host(&vec![0.0; grad.len()])
-                    .map_err(gpu_error)?;
-            }
-        }
-        let comm = self
-            .comm
-            .as_ref()
-            .ok_or_else(|| TrainError::Collective("the NCCL communicator was aborted".into()))?;
-        for grad in &mut self.params.grads {
-            comm.all_reduce_sum_f32(grad)?;
-        }
-        if global > 0.0 {
-            let sgd = Sgd::new(SgdConfig {
-                learning_rate: hyper.lr,
-                momentum: hyper.momentum,
-                weight_decay: hyper.weight_decay,
-            })?;
-            let Parameters {
-                weights,
-                grads,
-                velocity,
-            } = &mut self.params;
-            for ((w, g), v) in weights
-                .iter_mut()
-                .zip(grads.iter())
-                .zip(velocity.iter_mut())
-            {
-                sgd.step(&self.ops, w, g, v)?;
-            }
-            self.half_stale = true;
-        }
+        let (loss, used, skipped) = step_protocol(
+            self,
+            n,
+            |replica| {
+                if n == 0 {
+                    return Ok(0);
+                }
+                if !replica.passes.contains_key(&n) {
+                    replica.prepare(&[n])?;
+                }
+                replica.ensure_grads(n)?;
+                replica.forward(n, images)
+            },
+            |replica, used, global| replica.backward_step(n, labels, used, global),
+            |replica, global, (loss, used)| {
+                let skipped = replica.reduce_and_update(global, hyper)?;
+                Ok((loss, used, skipped))
+            },
+        )?;
         self.ops.synchronize()?;
         Ok(StepStats {
             loss_sum: loss.loss_sum,
@@ -934,7 +968,90 @@ impl<C: Collective> GpuReplica<C> {
             samples: n,
             conv_ms: self.conv_ms(used)?,
             step_ms: started.elapsed().as_secs_f64() * 1e3,
+            skipped: usize::from(skipped),
         })
+    }
+
+    /// The loss on the host and the backward pass (or zero gradients for an empty shard).
+    fn backward_step(
+        &mut self,
+        n: usize,
+        labels: &[u32],
+        used: usize,
+        global: f64,
+    ) -> Result<(HostLoss, usize), TrainError> {
+        if n == 0 {
+            for grad in &mut self.params.grads {
+                grad.copy_from_host(&vec![0.0; grad.len()])
+                    .map_err(gpu_error)?;
+            }
+            let none = HostLoss {
+                loss_sum: 0.0,
+                correct: 0,
+                grad_logits: Vec::new(),
+            };
+            return Ok((none, used));
+        }
+        let classes = self.spec.classes;
+        let pass = self
+            .passes
+            .get_mut(&n)
+            .ok_or_else(|| TrainError::Config(format!("batch size {n} was not prepared")))?;
+        let log_probs = pass.log_probs.download().map_err(gpu_error)?;
+        let loss = cross_entropy_from_log_probs(
+            &log_probs,
+            labels,
+            classes,
+            Some(mean_gradient_scale(global)),
+        );
+        pass.grads
+            .as_mut()
+            .ok_or_else(|| TrainError::Config(format!("batch size {n} has no gradients")))?
+            .d_logits
+            .copy_from_host(&loss.grad_logits)
+            .map_err(gpu_error)?;
+        let used = self.backward(n, used)?;
+        Ok((loss, used))
+    }
+
+    /// The NCCL section: every gradient summed over the ranks (one group), then, unless the
+    /// global batch is empty or (fp16) a gradient is not finite, the SGD update. Returns
+    /// whether the step was skipped.
+    fn reduce_and_update(&mut self, global: f64, hyper: &Hyper) -> Result<bool, TrainError> {
+        let comm = self
+            .comm
+            .as_ref()
+            .ok_or_else(|| TrainError::Collective("the NCCL communicator was aborted".into()))?;
+        comm.all_reduce_sum_f32_grouped(&mut self.params.grads)?;
+        if global <= 0.0 {
+            return Ok(false);
+        }
+        if self.settings.precision == Precision::Fp16 {
+            // The same all-reduced bits on every rank: every rank decides alike.
+            let finite = all_finite(self.ops.sum_abs_f32(&self.params.grads)?);
+            if self.scaler.update(finite) == ScaleDecision::Skip {
+                return Ok(true);
+            }
+        }
+        let sgd = Sgd::new(SgdConfig {
+            learning_rate: hyper.lr,
+            momentum: hyper.momentum,
+            weight_decay: hyper.weight_decay,
+        })?;
+        let Parameters {
+            weights,
+            grads,
+            velocity,
+        } = &mut self.params;
+        for ((w, g), v) in weights
+            .iter_mut()
+            .zip(grads.iter())
+            .zip(velocity.iter_mut())
+        {
+            sgd.step(&self.ops, w, g, v)?;
+        }
+        self.half_stale = true;
+        Ok(false)
     }
 
     fn evaluate_inner(&mut self, images: &[f32], labels: &[u32]) -> Result<StepStats, TrainError> {
@@ -956,6 +1073,7 @@ impl<C: Collective> GpuReplica<C> {
             samples: n,
             conv_ms: self.conv_ms(used)?,
             step_ms: started.elapsed().as_secs_f64() * 1e3,
+            ..StepStats::default()
         })
     }
 
@@ -1153,6 +1271,89 @@ mod tests {
         assert_eq!(mean_gradient_scale(0.0), 0.0);
     }
 
+    /// A device whose forward or backward pass fails on one rank at one step.
+    struct FakeDevice {
+        collective: crate::train::ThreadCollective,
+        fail: Option<(usize, usize, &'static str)>,
+        reduced: Vec<usize>,
+    }
+
+    impl StepHost for FakeDevice {
+        fn step_collective(&mut self) -> &mut dyn Collective {
+            &mut self.collective
+        }
+    }
+
+    impl FakeDevice {
+        fn fails(&self, step: usize, pass: &str) -> Result<(), TrainError> {
+            match self.fail {
+                Some((rank, at, which))
+                    if rank == self.collective.rank() && at == step && which == pass =>
+                {
+                    Err(TrainError::Batch(format!(
+                        "rank {rank} failed in its {pass} pass"
+                    )))
+                }
+                _ => Ok(()),
+            }
+        }
+    }
+
+    /// The GPU path's host logic: a rank whose forward or backward pass fails at step 3 keeps
+    /// every rank out of that step's NCCL section, and every rank returns at once (the
+    /// failing one with its error, the others naming it).
+    #[test]
+    fn a_failing_rank_keeps_everyone_out_of_the_nccl_section() {
+        for pass in ["forward", "backward"] {
+            let group = crate::train::ThreadCollective::group(3).unwrap();
+            let started = Instant::now();
+            let results: Vec<_> = std::thread::scope(|scope| {
+                let threads: Vec<_> = group
+                    .into_iter()
+                    .map(|collective| {
+                        scope.spawn(move || {
+                            let mut device = FakeDevice {
+                                collective,
+                                fail: Some((1, 3, pass)),
+                                reduced: Vec::new(),
+                            };
+                            let mut outcome = Ok(());
+                            for step in 1..=5 {
+                                outcome = step_protocol(
+                                    &mut device,
+                                    4,
+                                    |d| d.fails(step, "forward"),
+                                    |d, (), global| {
+                                        assert_eq!(global, 12.0);
+                                        d.fails(step, "backward")
+                                    },
+                                    |d, _, ()| {
+                                        d.reduced.push(step);
+                                        Ok(())
+                                    },
+                                );
+                                if outcome.is_err() {
+                                    break;
+                                }
+                            }
+                            (device.reduced, outcome)
+                        })
+                    })
+                    .collect();
+                threads.into_iter().map(|t| t.join().unwrap()).collect()
+            });
+            assert!(started.elapsed().as_secs() < 5);
+            for (rank, (reduced, outcome)) in results.into_iter().enumerate() {
+                assert_eq!(reduced, [1, 2], "{pass}: rank {rank}");
+                match outcome {
+                    Err(TrainError::Batch(m)) => assert!(rank == 1 && m.contains(pass), "{m}"),
+                    Err(TrainError::PeerFailed { rank: 1, .. }) => assert_ne!(rank, 1),
+                    other => panic!("{pass}: rank {rank}: {other:?}"),
+                }
+            }
+        }
+    }
+
     #[test]
     fn precision_names_problems_and_settings() {
         assert_eq!("FP16".parse::<Precision>(), Ok(Precision::Fp16));
@@ -1162,7 +1363,9 @@ mod tests {
             .unwrap_err()
             .contains("fp32 or fp16"));
         assert_eq!(Precision::Fp16.layout(), Layout::Nhwc);
-        assert!(Precision::Fp16.describe(1024.0).contains("loss scale 1024"));
+        assert!(Precision::Fp16
+            .describe(65536.0)
+            .contains("dynamic loss scale from 65536"));
         let spec = NetSpec {
             in_channels: 3,
             image_size: 16,

@@ -1,32 +1,25 @@
-//! Data-parallel training on GPUs: which GPUs this process drives ([`select_gpus`]), joining
-//! the job ([`GpuJob::join`]: TCP rendezvous between processes, NCCL ranks from
-//! [`Rendezvous::gpu_layout`], NCCL's unique id from global rank 0) and training one thread
-//! per GPU through the common loop ([`GpuJob::train`] over [`train_group`]).
+//! Data-parallel training on GPUs: which GPUs this process drives ([`select_gpus`]), making
+//! the job ([`GpuJob::single_process`]: every GPU of this process in one `ncclCommInitAll`,
+//! no network; [`GpuJob::join`]: processes joined by a [`ProcessGroup`], MPI under `mpirun` or
+//! `srun`, NCCL ranks in process order, NCCL's unique id broadcast from process 0) and
+//! training one thread per GPU through the common loop ([`GpuJob::train`] over
+//! [`train_group`]).
 //!
-//! Every thread makes its own [`NcclComm`] (all ranks join at once: `ncclCommInitRank` blocks
-//! until the whole world has called it), its [`GpuOps`] on the communicator's stream, and a
-//! [`GpuReplica`] around its [`HostCollective`] handle; the loop gets a second handle. The
-//! same binary scales out: one process per host driving all its GPUs (`--rank`,
-//! `--world-size`, `--master-addr`, `--master-port`), or one process per GPU under a launcher
-//! that sets `LOCAL_RANK` (torchrun).
+//! Every thread gets its [`NcclComm`] (from `ncclCommInitAll`, or its own `ncclCommInitRank`
+//! after every rank of the job said it is ready: `init_rank` blocks until the whole world has
+//! called it, so a rank that failed before must keep the others out), its [`GpuOps`] on the
+//! communicator's stream, and a [`GpuReplica`] around its [`HostCollective`] handle; the loop
+//! gets a second handle.
 
 #![forbid(unsafe_code)]
 
-use super::{
-    GpuLayout, GpuOps, GpuReplica, GpuSettings, HostCollective, NcclComm, NcclUniqueId, Rendezvous,
-    RendezvousConfig,
-};
+use super::{GpuOps, GpuReplica, GpuSettings, NcclComm, NcclUniqueId, PendingComm};
 use crate::backend::cudnn::{probe, SystemInfo};
 use crate::train::{
-    train_group, Collective, Dataset, NetSpec, TrainConfig, TrainError, TrainEvent, TrainReport,
+    agree_ok, rank_layout, train_group, Collective, Dataset, HostCollective, NetSpec, ProcessGroup,
+    RankLayout, SingleProcess, TrainConfig, TrainError, TrainEvent, TrainReport,
 };
-use std::sync::Arc;
-use std::time::Duration;
-
-/// How long a process waits for the others to join, and in any one collective between
-/// processes: long enough for rank 0 to tune every layer while the others wait at the
-/// barrier behind it.
-pub const JOB_TIMEOUT: Duration = Duration::from_secs(1800);
+use std::sync::{Arc, Mutex};
 
 /// The driver, cuDNN and the visible GPUs, or why there are none (CUDA or cuDNN missing, no
 /// GPU): an error value, never a panic.
@@ -39,13 +32,13 @@ pub fn visible_gpus() -> Result<SystemInfo, TrainError> {
 }
 
 /// The GPUs (device ordinals) this process drives, one rank each, out of `visible`:
-/// - under a launcher that starts one process per GPU (`launcher_local_rank`, from
-///   `LOCAL_RANK`), GPU `LOCAL_RANK` alone (`requested` may only be 1);
+/// - when several processes share this host (MPI: `node_local_rank` is this process's rank
+///   among them), GPU `node_local_rank` alone (`requested` may only be 1);
 /// - else the first `requested` GPUs, or every visible GPU.
 pub fn select_gpus(
     visible: usize,
     requested: Option<usize>,
-    launcher_local_rank: Option<usize>,
+    node_local_rank: Option<usize>,
 ) -> Result<Vec<usize>, TrainError> {
     if visible == 0 {
         return Err(TrainError::Config("no GPU is visible".into()));
@@ -55,17 +48,17 @@ pub fn select_gpus(
             "--ranks must be at least 1 (GPUs in this process)".into(),
         ));
     }
-    match (launcher_local_rank, requested) {
+    match (node_local_rank, requested) {
         (Some(local), requested) => {
             if requested.is_some_and(|r| r != 1) {
                 return Err(TrainError::Config(format!(
-                    "LOCAL_RANK={local} is set, so this process drives one GPU (a launcher \
-                     starts one process per GPU): drop --ranks or pass --ranks 1"
+                    "this is process {local} of several on this host, so it drives one GPU: \
+                     drop --ranks or pass --ranks 1"
                 )));
             }
             if local >= visible {
                 return Err(TrainError::Config(format!(
-                    "LOCAL_RANK={local}, but only {visible} GPU(s) are visible"
+                    "process {local} on this host, but only {visible} GPU(s) are visible"
                 )));
             }
             Ok(vec![local])
@@ -77,46 +70,100 @@ pub fn select_gpus(
     }
 }
 
-/// This process's part of a joined GPU job: its GPUs, their NCCL ranks, NCCL's unique id,
-/// and the rendezvous with the other processes.
-#[derive(Debug)]
+/// How this process's ranks get their communicators.
+enum Nccl {
+    /// One process: made at once by `ncclCommInitAll`, one per GPU, taken by their threads.
+    All(Vec<Mutex<Option<PendingComm>>>),
+    /// Several processes: each thread joins with `ncclCommInitRank` and the shared id.
+    Rank(NcclUniqueId),
+}
+
+/// This process's part of a GPU job: its GPUs, their ranks, how NCCL is made, and the other
+/// processes.
 pub struct GpuJob {
     gpus: Vec<usize>,
-    layout: GpuLayout,
-    unique_id: NcclUniqueId,
-    rendezvous: Rendezvous,
+    layout: RankLayout,
+    nccl: Nccl,
+    processes: Box<dyn ProcessGroup>,
+}
+
+impl std::fmt::Debug for GpuJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuJob")
+            .field("gpus", &self.gpus)
+            .field("layout", &self.layout)
+            .field("process", &self.processes.rank())
+            .field("processes", &self.processes.size())
+            .finish()
+    }
 }
 
 impl GpuJob {
-    /// Joins the job: checks that cuBLAS and NCCL load, then the rendezvous (rank 0 listens,
-    /// the others connect; a world of one process opens no socket), the NCCL ranks of this
-    /// process's `gpus`, and NCCL's unique id (made by the process with rank 0). A missing
-    /// library is an error here, before any thread starts.
-    pub fn join(gpus: Vec<usize>, rendezvous: &RendezvousConfig) -> Result<Self, TrainError> {
+    /// One process with these GPUs: checks that cuBLAS and NCCL load, then makes every
+    /// communicator with `ncclCommInitAll` (no network). `processes` is a
+    /// [`SingleProcess`] (its aborter is called when a rank fails).
+    pub fn single_process_with(
+        gpus: Vec<usize>,
+        processes: SingleProcess,
+    ) -> Result<Self, TrainError> {
         if gpus.is_empty() {
             return Err(TrainError::Config(
                 "a GPU job needs at least one GPU".into(),
             ));
         }
-        // Every process checks its libraries before it joins: one that lacks cuBLAS or NCCL
-        // must not leave the others waiting for it inside NCCL's initialisation.
         super::cublas_version()?;
-        super::nccl_version()?;
-        let dist = |e: super::RendezvousError| TrainError::Dist(e.to_string());
-        let mut rendezvous = Rendezvous::establish(rendezvous).map_err(dist)?;
-        let layout = rendezvous.gpu_layout(gpus.len()).map_err(dist)?;
-        let unique_id = NcclUniqueId::share(&mut rendezvous)?;
+        let comms = NcclComm::init_all(&gpus)?;
         Ok(GpuJob {
+            layout: RankLayout::single(gpus.len()),
             gpus,
-            layout,
-            unique_id,
-            rendezvous,
+            nccl: Nccl::All(comms.into_iter().map(|c| Mutex::new(Some(c))).collect()),
+            processes: Box::new(processes),
         })
     }
 
-    /// One process with these GPUs.
+    /// [`GpuJob::single_process_with`] a plain [`SingleProcess`].
     pub fn single_process(gpus: Vec<usize>) -> Result<Self, TrainError> {
-        Self::join(gpus, &RendezvousConfig::single_process())
+        Self::single_process_with(gpus, SingleProcess::new())
+    }
+
+    /// Joins a job of several processes (every process calls this at once): every process
+    /// checks its libraries and says whether it is ready (one that lacks cuBLAS or NCCL must
+    /// not leave the others waiting inside NCCL's initialisation), the NCCL ranks of this
+    /// process's `gpus` follow in process order, and process 0's NCCL unique id reaches
+    /// everyone.
+    pub fn join(
+        gpus: Vec<usize>,
+        mut processes: Box<dyn ProcessGroup>,
+    ) -> Result<Self, TrainError> {
+        let ready = if gpus.is_empty() {
+            Err(TrainError::Config(
+                "a GPU job needs at least one GPU".into(),
+            ))
+        } else {
+            super::cublas_version()
+                .and_then(|_| super::nccl_version())
+                .map(|_| ())
+                .map_err(TrainError::from)
+        };
+        // One flag per process, summed over the processes.
+        let mut flags = vec![0u8; 1];
+        flags[0] = u8::from(ready.is_err());
+        let all = processes.all_gather_bytes(&flags)?;
+        ready?;
+        if let Some(process) = all.iter().position(|f| f.first() != Some(&0)) {
+            return Err(TrainError::PeerFailed {
+                rank: process,
+                reason: "process could not load its GPU libraries (see its error)".into(),
+            });
+        }
+        let layout = rank_layout(processes.as_mut(), gpus.len())?;
+        let unique_id = NcclUniqueId::share(processes.as_mut())?;
+        Ok(GpuJob {
+            gpus,
+            layout,
+            nccl: Nccl::Rank(unique_id),
+            processes,
+        })
     }
 
     /// This process's GPUs (device ordinals), in local rank order.
@@ -124,14 +171,14 @@ impl GpuJob {
         &self.gpus
     }
 
-    /// Where this process's ranks sit in the world (`world_gpus` ranks in all).
-    pub fn layout(&self) -> GpuLayout {
+    /// Where this process's ranks sit in the world (`world_ranks` GPUs in all).
+    pub fn layout(&self) -> RankLayout {
         self.layout
     }
 
     /// This process's rank among the processes (0 prints the reports).
     pub fn process_rank(&self) -> usize {
-        self.rendezvous.rank()
+        self.processes.rank()
     }
 
     /// Trains one replica per GPU of this process, each on its own thread, with the other
@@ -152,20 +199,36 @@ impl GpuJob {
         let GpuJob {
             gpus,
             layout,
-            unique_id,
-            rendezvous,
+            nccl,
+            processes,
         } = self;
-        let group = HostCollective::group(rendezvous, layout)?
+        let group = HostCollective::group(processes, layout)?
             .into_iter()
             .map(|collective| Ok((collective.try_clone()?, collective)))
             .collect::<Result<Vec<_>, TrainError>>()?;
-        let make = |local: usize, collective: HostCollective| {
-            let comm = NcclComm::init_rank(
-                layout.world_gpus,
-                collective.rank(),
-                &unique_id,
-                gpus[local],
-            )?;
+        let make = |local: usize, mut collective: HostCollective| {
+            let comm = match &nccl {
+                Nccl::All(pending) => {
+                    let taken = pending
+                        .get(local)
+                        .and_then(|slot| slot.lock().ok().and_then(|mut slot| slot.take()))
+                        .ok_or_else(|| {
+                            TrainError::Config(format!("no communicator for local rank {local}"))
+                        })?;
+                    taken.into_comm()?
+                }
+                Nccl::Rank(unique_id) => {
+                    // Every rank must be ready before any enters ncclCommInitRank.
+                    let stream = super::ffi::single_stream(gpus[local]).map_err(TrainError::from);
+                    let stream = agree_ok(&mut collective, stream)?;
+                    NcclComm::init_rank_on_stream(
+                        layout.world_ranks,
+                        collective.rank(),
+                        unique_id,
+                        stream,
+                    )?
+                }
+            };
             let ops = GpuOps::with_stream(comm.stream().clone())?;
             GpuReplica::new(spec, seed, settings, ops, comm, collective)
         };
@@ -191,33 +254,18 @@ mod tests {
         assert!(error(0, None, None).contains("no GPU"));
         assert!(error(2, Some(3), None).contains("only 2 GPU(s)"));
         assert!(error(2, Some(0), None).contains("at least 1"));
-        assert!(error(2, None, Some(2)).contains("LOCAL_RANK=2"));
+        assert!(error(2, None, Some(2)).contains("process 2"));
         assert!(error(4, Some(2), Some(1)).contains("--ranks 1"));
     }
 
-    /// Without CUDA (CI), asking for GPUs is an error value; with a GPU (the GPU machine) the
-    /// same calls succeed.
     #[test]
-    fn no_gpu_is_an_error_not_a_panic() {
-        match visible_gpus() {
-            Ok(system) => assert!(!system.devices.is_empty()),
-            Err(error) => {
-                let text = error.to_string();
-                assert!(!text.is_empty());
-                if let TrainError::Gpu(gpu) = &error {
-                    assert!(gpu.is_unavailable(), "{gpu}");
-                }
-            }
+    fn without_a_gpu_jobs_are_errors_not_panics() {
+        if let Err(e) = visible_gpus() {
+            println!("no GPU (expected in CI): {e}");
+            assert!(GpuJob::single_process(vec![0]).is_err());
+            assert!(GpuJob::single_process(Vec::new()).is_err());
+            let error = GpuJob::join(vec![0], Box::new(SingleProcess::new())).unwrap_err();
+            assert!(!error.to_string().is_empty());
         }
-        // Joining needs NCCL for the unique id.
-        match GpuJob::single_process(vec![0]) {
-            Ok(job) => {
-                assert_eq!(job.layout().world_gpus, 1);
-                assert_eq!(job.process_rank(), 0);
-            }
-            Err(TrainError::Gpu(error)) => assert!(error.is_unavailable(), "{error}"),
-            Err(other) => panic!("unexpected error: {other}"),
-        }
-        assert!(GpuJob::single_process(Vec::new()).is_err());
     }
 }

@@ -27,6 +27,7 @@ const CUBLAS_SYMBOLS: &[&str] = &[
     "cublasSgemm_v2",
     "cublasSaxpy_v2",
     "cublasSscal_v2",
+    "cublasSasum_v2",
 ];
 
 /// Gate for everything that touches cuBLAS: the driver gate, libcublas present, every symbol
@@ -354,6 +355,26 @@ impl BlasHandle {
         // elements on the handle's stream (checked), borrowed exclusively; unit stride.
         let status = unsafe { blas_sys::cublasSscal_v2(self.raw, n, &alpha, x_ptr as *mut f32, 1) };
         blas_status("cublasSscal_v2", op, status)
+    }
+}
+
+impl BlasHandle {
+    /// The sum of `|x|` over a whole buffer (`cublasSasum_v2`), returned to the host: the call
+    /// waits for the stream's queued work (host pointer mode). inf or NaN anywhere in `x`
+    /// makes it inf or NaN (the fp16 loss scaler's finiteness check).
+    pub(crate) fn asum(&self, op: &'static str, x: &dyn DeviceData) -> Result<f32, GpuTrainError> {
+        let n = vector_len(op, x.elements())?;
+        check_f32(op, "x", x, x.elements(), &self.stream)?;
+        self.bind()?;
+        let (x_ptr, _x_sync) = x.raw_read(&self.stream);
+        let mut result = 0.0f32;
+        // SAFETY: live bound handle in host pointer mode, so the result is written to the
+        // live local `result` before the call returns; x is an fp32 buffer of exactly `n`
+        // elements on the handle's stream (checked); unit stride.
+        let status =
+            unsafe { blas_sys::cublasSasum_v2(self.raw, n, x_ptr as *const f32, 1, &mut result) };
+        blas_status("cublasSasum_v2", op, status)?;
+        Ok(result)
     }
 }
 

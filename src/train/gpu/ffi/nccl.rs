@@ -21,6 +21,9 @@ const NCCL_SYMBOLS: &[&str] = &[
     "ncclGetErrorString",
     "ncclGetUniqueId",
     "ncclCommInitRank",
+    "ncclCommInitAll",
+    "ncclGroupStart",
+    "ncclGroupEnd",
     "ncclCommDestroy",
     "ncclCommAbort",
     "ncclAllReduce",
@@ -194,7 +197,92 @@ pub(crate) struct Communicator {
     abort_on_drop: bool,
 }
 
+// SAFETY: an NCCL communicator is a handle that any thread may use as long as no two threads
+// call into it at once (NCCL's thread-safety rule). `Communicator` is not `Sync` and every use
+// goes through `&self`/`&mut self` of its one owner, so moving it to another thread (the
+// single-process path creates every GPU's communicator on one thread, `ncclCommInitAll`, and
+// hands each to its GPU's thread) never makes two threads use it at once. Its stream is an
+// `Arc<CudaStream>`, which is `Send`.
+unsafe impl Send for Communicator {}
+
+/// Queues the collectives issued by `body` as one NCCL group (`ncclGroupStart` ...
+/// `ncclGroupEnd`): NCCL fuses them into one launch, the cost of one all-reduce for many
+/// tensors. `ncclGroupEnd` is called even when `body` fails, so the group is always closed.
+pub(crate) fn grouped<T>(
+    body: impl FnOnce() -> Result<T, GpuTrainError>,
+) -> Result<T, GpuTrainError> {
+    library()?;
+    // SAFETY: the gate passed; group calls take no arguments and only nest NCCL's state.
+    let status = unsafe { nccl_sys::ncclGroupStart() };
+    if status != nccl_sys::ncclResult_t::ncclSuccess {
+        return Err(nccl_error(
+            "ncclGroupStart",
+            status,
+            std::ptr::null_mut(),
+            "grouping",
+        ));
+    }
+    let result = body();
+    // SAFETY: as above; closes the group opened here.
+    let status = unsafe { nccl_sys::ncclGroupEnd() };
+    let value = result?;
+    if status != nccl_sys::ncclResult_t::ncclSuccess {
+        return Err(nccl_error(
+            "ncclGroupEnd",
+            status,
+            std::ptr::null_mut(),
+            "grouped collectives",
+        ));
+    }
+    Ok(value)
+}
+
 impl Communicator {
+    /// One communicator per stream, all in this process (`ncclCommInitAll`, no network and no
+    /// unique id): rank `i` runs on `streams[i]`'s device. Each device must appear once.
+    pub(crate) fn init_all(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Self>, GpuTrainError> {
+        const CALL: &str = "NcclComm::init_all";
+        let world_size = streams.len();
+        let (nranks, _) = check_rank(CALL, world_size, 0)?;
+        library()?;
+        let devices: Vec<c_int> = streams
+            .iter()
+            .map(|stream| stream.context().ordinal() as c_int)
+            .collect();
+        let mut unique = devices.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        if unique.len() != devices.len() {
+            return Err(invalid(CALL, format!("devices {devices:?} repeat a GPU")));
+        }
+        let mut raws: Vec<nccl_sys::ncclComm_t> = vec![std::ptr::null_mut(); world_size];
+        // SAFETY: the gate passed; `raws` has room for `nranks` communicators and `devices`
+        // holds `nranks` distinct, valid device ordinals (each stream's context exists); NCCL
+        // sets each device itself.
+        let status =
+            unsafe { nccl_sys::ncclCommInitAll(raws.as_mut_ptr(), nranks, devices.as_ptr()) };
+        if status != nccl_sys::ncclResult_t::ncclSuccess {
+            return Err(nccl_error(
+                "ncclCommInitAll",
+                status,
+                std::ptr::null_mut(),
+                &format!("{world_size} GPU(s): devices {devices:?}"),
+            ));
+        }
+        Ok(raws
+            .into_iter()
+            .zip(streams)
+            .enumerate()
+            .map(|(rank, (raw, stream))| Communicator {
+                raw,
+                stream,
+                rank,
+                world_size,
+                abort_on_drop: false,
+            })
+            .collect())
+    }
+
     /// `ncclCommInitRank` on the stream's device. Blocks until every rank of the world has
     /// called it with the same id (NCCL's rule: call it from one thread or process per rank).
     pub(crate) fn init_rank(

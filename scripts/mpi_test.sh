@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The MPI tests (issue 18), on the CPU: `mpirun -np 2` training must match the same run with 2
+# threads in one process bit for bit (losses and final parameters), given the same cache file
+# (so both run the same plans); a rank that fails at step k must end the job, non-zero, with its
+# message, within seconds.
+#
+# Installs Debian's Open MPI (openmpi-bin, libopenmpi-dev) and libclang-dev (rsmpi's bindgen)
+# with apt-get when mpirun is missing and apt is usable (idempotent: nothing is installed twice),
+# builds `mucudnn` with `--features mpi`, and runs the checks. Exits 77 with "skipped: ..." when
+# MPI cannot be had. Run from anywhere: bash scripts/mpi_test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+skip() { echo "skipped: $*"; exit 77; }
+
+need_packages=()
+command -v mpirun >/dev/null 2>&1 || need_packages+=(openmpi-bin)
+command -v mpicc >/dev/null 2>&1 || need_packages+=(libopenmpi-dev)
+ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_packages+=(libclang-dev)
+if [ ${#need_packages[@]} -gt 0 ]; then
+  command -v apt-get >/dev/null 2>&1 || skip "MPI is missing (${need_packages[*]}) and there is no apt-get"
+  sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; else
+      skip "MPI is missing (${need_packages[*]}) and apt-get needs root"; fi
+  fi
+  echo "installing ${need_packages[*]} (apt-get)"
+  if ! { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+        "${need_packages[@]}" >/dev/null; }; then
+    skip "apt-get could not install ${need_packages[*]}"
+  fi
+fi
+command -v mpirun >/dev/null 2>&1 || skip "mpirun is still missing"
+
+cargo build --locked --features mpi --bin mucudnn
+bin=target/debug/mucudnn
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mpirun_np2=(mpirun --allow-run-as-root --oversubscribe -np 2)
+args=(train --device cpu --batch 16 --train-size 320 --test-size 100 --image-size 16 --channels 1
+      --block-channels 8,16 --noise 0.3 --lr 0.05 --epochs 2 --json --quiet --check-sync
+      --cache "$work/cache.sqlite")
+
+# 1. Same plans, same bits: threads first (they fill the cache), then two MPI processes.
+"$bin" "${args[@]}" --ranks 2 > "$work/threads.json"
+"${mpirun_np2[@]}" "$bin" "${args[@]}" > "$work/mpi.json"
+python3 - "$work/threads.json" "$work/mpi.json" <<'PY'
+import json, sys
+threads, mpi = (json.load(open(p)) for p in sys.argv[1:])
+def bits(run):
+    return ([(e["train_loss"].hex(), e["test_loss"].hex(), e["train_accuracy"]) for e in run["epochs"]],
+            run["initial"]["loss"].hex(), run["summary"]["parameters_fnv1a"])
+assert threads["settings"]["ranks"] == mpi["settings"]["ranks"] == 2, "two ranks each"
+assert bits(threads) == bits(mpi), f"threads {bits(threads)} != mpirun {bits(mpi)}"
+print("mpirun -np 2 == 2 threads, bit for bit:", bits(mpi))
+PY
+
+# 2. A rank failing at step 3 ends the job with its message, non-zero, within seconds.
+start=$(date +%s.%N)
+set +e
+MUCUDNN_TRAIN_FAIL_AT=1:3 timeout 120 "${mpirun_np2[@]}" -x MUCUDNN_TRAIN_FAIL_AT "$bin" "${args[@]}" \
+  > /dev/null 2> "$work/fail.txt"
+status=$?
+set -e
+elapsed=$(python3 -c "import time; print(f'{time.time() - $start:.2f}')")
+if [ "$status" -eq 0 ] || [ "$status" -eq 124 ]; then
+  cat "$work/fail.txt"; echo "FAIL: exit status $status after $elapsed s"; exit 1
+fi
+grep -q "rank 1 failed: injected failure before step 3" "$work/fail.txt" || {
+  cat "$work/fail.txt"; echo "FAIL: the failing rank's message is missing"; exit 1; }
+python3 -c "import sys; sys.exit(0 if $elapsed < 30 else 1)" || {
+  echo "FAIL: the job took $elapsed s to end"; exit 1; }
+echo "a rank failing at step 3 ended the job: status $status after $elapsed s"
+echo "MPI tests passed"
