@@ -2,10 +2,12 @@
 # All of mucudnn's tests, as the README's test command (and .ci/run) runs them:
 #
 #   1. the Rust workspace: cargo test --workspace --locked;
-#   2. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
+#   2. the MPI tests (scripts/mpi_test.sh: Open MPI from Debian's packages, installed when
+#      missing, and a build with --features mpi);
+#   3. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
 #      description of an H100, with no GPU (the cuDNN and cuBLAS wheels and a stub libcuda,
 #      fetched and built once under the test cache folder);
-#   3. the Python package (python/): a virtualenv with torch, pytest and numpy from PyPI, made
+#   4. the Python package (python/): a virtualenv with torch, pytest and numpy from PyPI, made
 #      once under the test cache folder and reused, the package installed into it (which
 #      builds the library with cargo), then pytest.
 #
@@ -23,6 +25,15 @@ in_ci() { [ "${CI:-}" = "true" ] || [ "${CI:-}" = "1" ]; }
 
 section "Rust: cargo test --workspace --locked"
 cargo test --workspace --locked
+
+section "MPI: scripts/mpi_test.sh (mpirun -np 2 training against 2 threads, a failing rank)"
+status=0
+bash scripts/mpi_test.sh || status=$?
+if [ "$status" -eq 77 ]; then
+  if in_ci; then echo "error: the MPI tests were skipped" >&2; exit 1; fi
+elif [ "$status" -ne 0 ]; then
+  exit "$status"
+fi
 
 section "cuDNN host tier: tests/cudnn_host.rs against the real libcudnn (no GPU)"
 status=0
