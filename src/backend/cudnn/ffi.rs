@@ -479,6 +479,45 @@ struct CallPointers {
     workspace_bytes: usize,
 }
 
+/// The checks every legacy convolution call makes, whoever owns the handle: the algorithm
+/// number, each operand's dtype and exact element count against `d` (operands `[a, b, out]`
+/// as `(name, dtype, len, address)`), and the workspace (`(address, bytes)`, address 0 for
+/// none) against `required`. Returns the algorithm and the call's pointers.
+fn legacy_call(
+    call: &'static str,
+    d: &ConvDescriptors,
+    op: ConvOp,
+    algo: u32,
+    operands: [(&'static str, DType, usize, u64); 3],
+    required: u64,
+    workspace: (u64, u64),
+) -> Result<(Algo, CallPointers), CudnnError> {
+    let which = Algo::checked(call, op, algo)?;
+    check_operand_shapes(
+        call,
+        &d.shapes,
+        op,
+        operands.map(|(name, dtype, len, _)| (name, dtype, len)),
+    )?;
+    let (address, bytes) = workspace;
+    let workspace_bytes = checked_workspace_bytes(call, op, algo, required, bytes, "workspace")?;
+    let none = address == 0;
+    Ok((
+        which,
+        CallPointers {
+            a: operands[0].3,
+            b: operands[1].3,
+            out: operands[2].3,
+            workspace: if none {
+                std::ptr::null_mut()
+            } else {
+                address as *mut c_void
+            },
+            workspace_bytes: if none { 0 } else { workspace_bytes },
+        },
+    ))
+}
+
 /// `out = alpha * op(a, b) + beta * out` with `which` (algorithm `algo` of `op`): one
 /// `cudnnConvolution*` call, queued on the handle's stream.
 ///
@@ -806,7 +845,6 @@ impl CudnnHandle {
         workspace: &mut WorkspaceView<'_>,
     ) -> Result<(), CudnnError> {
         const CALL: &str = "CudnnHandle::convolve";
-        let which = Algo::checked(CALL, op, algo)?;
         let out_parts = out.parts();
         self.check_operands(
             CALL,
@@ -816,16 +854,21 @@ impl CudnnHandle {
             workspace,
         )?;
         let required = self.query_workspace(d, op, algo)?;
-        let workspace_bytes =
-            checked_workspace_bytes(CALL, op, algo, required, workspace.bytes, "workspace view")?;
+        let part = |name, parts: &ViewParts<'_>| (name, parts.dtype, parts.len, parts.ptr);
+        let (which, pointers) = legacy_call(
+            CALL,
+            d,
+            op,
+            algo,
+            [
+                part("a", &a.parts),
+                part("b", &b.parts),
+                part("out", &out_parts),
+            ],
+            required,
+            (workspace.raw_ptr() as u64, workspace.bytes),
+        )?;
         self.bind()?;
-        let pointers = CallPointers {
-            a: a.parts.ptr,
-            b: b.parts.ptr,
-            out: out_parts.ptr,
-            workspace: workspace.raw_ptr(),
-            workspace_bytes,
-        };
         // SAFETY (the contract of `raw_convolve`):
         // - `self.raw` is a live handle (not `Sync`, so used by this thread alone) whose stream
         //   is `self.stream`;

@@ -21,9 +21,8 @@
 //! ([`ForeignWorkspace`]), lives in the stream's context.
 
 use super::{
-    check_operand_shapes, checked_workspace_bytes, cudnn, driver, drv_err, invalid,
-    math_mode_from_raw, raw_convolve, raw_workspace_size, Algo, CallPointers, ConvDescriptors,
-    CudnnError,
+    cudnn, driver, drv_err, invalid, legacy_call, math_mode_from_raw, raw_convolve,
+    raw_workspace_size, Algo, ConvDescriptors, CudnnError,
 };
 use crate::solver::{ConvOp, DType, Layout, MathMode};
 use cudarc::cudnn::sys as dnn_sys;
@@ -1020,17 +1019,6 @@ impl ForeignSession<'_> {
         workspace: &mut ForeignWorkspace,
     ) -> Result<(), CudnnError> {
         const CALL: &str = "ForeignSession::convolve";
-        let which = Algo::checked(CALL, op, algo)?;
-        check_operand_shapes(
-            CALL,
-            &d.shapes,
-            op,
-            [
-                ("a", a.dtype, a.len),
-                ("b", b.dtype, b.len),
-                ("out", out.dtype, out.len),
-            ],
-        )?;
         if workspace.ptr != 0 && workspace.context != self.handle.context {
             return Err(invalid(
                 CALL,
@@ -1038,23 +1026,19 @@ impl ForeignSession<'_> {
             ));
         }
         let required = self.query_workspace(d, op, algo)?;
-        let workspace_bytes =
-            checked_workspace_bytes(CALL, op, algo, required, workspace.bytes, "workspace")?;
-        let pointers = CallPointers {
-            a: a.ptr,
-            b: b.ptr,
-            out: out.ptr,
-            workspace: if workspace.ptr == 0 {
-                ptr::null_mut()
-            } else {
-                workspace.ptr as *mut c_void
-            },
-            workspace_bytes: if workspace.ptr == 0 {
-                0
-            } else {
-                workspace_bytes
-            },
-        };
+        let (which, pointers) = legacy_call(
+            CALL,
+            d,
+            op,
+            algo,
+            [
+                ("a", a.dtype, a.len, a.ptr),
+                ("b", b.dtype, b.len, b.ptr),
+                ("out", out.dtype, out.len, out.ptr),
+            ],
+            required,
+            (workspace.ptr, workspace.bytes),
+        )?;
         // SAFETY (the contract of `raw_convolve`):
         // - the caller's handle is live and used by this thread alone, and the session has set
         //   the handle's stream, whose context is current (the contract of `ForeignHandle::new`);

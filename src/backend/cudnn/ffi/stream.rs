@@ -17,9 +17,8 @@
 //! more than the call.
 
 use super::{
-    check_operand_shapes, checked_workspace_bytes, dnn_err, invalid, raw_convolve, Algo,
-    CallPointers, ConvDescriptors, CudnnError, CudnnHandle, EnginePlan, RawDeviceView,
-    RawDeviceViewMut,
+    check_operand_shapes, dnn_err, invalid, legacy_call, raw_convolve, ConvDescriptors, CudnnError,
+    CudnnHandle, EnginePlan, RawDeviceView, RawDeviceViewMut,
 };
 use crate::solver::ConvOp;
 use cudarc::cudnn::result as dnn;
@@ -148,36 +147,25 @@ impl StreamSession<'_> {
         workspace: &mut RawWorkspace<'_>,
     ) -> Result<(), CudnnError> {
         const CALL: &str = "StreamSession::convolve";
-        let which = Algo::checked(CALL, op, algo)?;
-        check_operand_shapes(
-            CALL,
-            &d.shapes,
-            op,
-            [
-                ("a", a.dtype(), a.len()),
-                ("b", b.dtype(), b.len()),
-                ("out", out.dtype(), out.len()),
-            ],
-        )?;
         let required = self.handle.workspace_size(d, op, algo)?.ok_or_else(|| {
             invalid(
                 CALL,
                 format!("cuDNN does not support {op} algorithm {algo} for this problem"),
             )
         })?;
-        let workspace_bytes =
-            checked_workspace_bytes(CALL, op, algo, required, workspace.bytes, "workspace")?;
-        let pointers = CallPointers {
-            a: a.address(),
-            b: b.address(),
-            out: out.address(),
-            workspace: workspace.raw_ptr(),
-            workspace_bytes: if workspace.ptr == 0 {
-                0
-            } else {
-                workspace_bytes
-            },
-        };
+        let (which, pointers) = legacy_call(
+            CALL,
+            d,
+            op,
+            algo,
+            [
+                ("a", a.dtype(), a.len(), a.address()),
+                ("b", b.dtype(), b.len(), b.address()),
+                ("out", out.dtype(), out.len(), out.address()),
+            ],
+            required,
+            (workspace.ptr, workspace.bytes),
+        )?;
         // SAFETY (the contract of `raw_convolve`): the handle is live, used by this thread
         // alone (the session borrows it), its context bound and its stream the caller's
         // (`on_stream`); `a`, `b` and `out` are device memory valid while the queued work runs,
