@@ -186,44 +186,51 @@ impl PreparedPlan {
         out: &mut DeviceBuffer,
         workspace: &mut Workspace,
     ) -> Result<(), ExecError> {
+        let op = self.plan.op;
+        self.each_step(beta, |[ra, rb, ro], k, step_beta| {
+            let a = a.view(ra.0, ra.1)?;
+            let b = b.view(rb.0, rb.1)?;
+            let mut out = out.view_mut(ro.0, ro.1)?;
+            let mut workspace = workspace.view();
+            match &self.kernels[k].3 {
+                Kernel::Legacy { descriptors, algo } => handle.convolve(
+                    descriptors,
+                    op,
+                    *algo,
+                    alpha,
+                    &a,
+                    &b,
+                    step_beta,
+                    &mut out,
+                    &mut workspace,
+                ),
+                Kernel::Engine { plans, .. } => {
+                    let index = self.engine_plan(handle, k, alpha, step_beta)?;
+                    let plans = plans.borrow();
+                    plans[index].execute(handle, &a, &b, &mut out, &mut workspace)
+                }
+            }
+        })
+    }
+
+    /// Runs `run(ranges, kernel, beta)` for every micro-batch in plan order, with the element
+    /// ranges `(offset, len)` of its `[a, b, out]` operands (see [`crate::solver::steps`]); the
+    /// first error stops it, tagged with the layer and op.
+    fn each_step(
+        &self,
+        beta: f32,
+        mut run: impl FnMut([(usize, usize); 3], usize, f32) -> Result<(), CudnnError>,
+    ) -> Result<(), ExecError> {
         let plan = &self.plan;
-        let error = |source: CudnnError| ExecError::Cudnn {
-            layer: plan.layer.clone(),
-            op: plan.op,
-            source,
-        };
         let roles = operand_roles(plan.op);
         let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
         for (step, &k) in steps(plan, beta).zip(&self.kernel_of) {
-            let range = |i: usize| step.range(roles[i], per_sample[i]);
-            let (ra, rb, ro) = (range(0), range(1), range(2));
-            let a = a.view(ra.0, ra.1).map_err(error)?;
-            let b = b.view(rb.0, rb.1).map_err(error)?;
-            let mut out = out.view_mut(ro.0, ro.1).map_err(error)?;
-            let mut workspace = workspace.view();
-            match &self.kernels[k].3 {
-                Kernel::Legacy { descriptors, algo } => handle
-                    .convolve(
-                        descriptors,
-                        plan.op,
-                        *algo,
-                        alpha,
-                        &a,
-                        &b,
-                        step.beta,
-                        &mut out,
-                        &mut workspace,
-                    )
-                    .map_err(error)?,
-                Kernel::Engine { plans, .. } => {
-                    let index = self
-                        .engine_plan(handle, k, alpha, step.beta)
-                        .map_err(error)?;
-                    plans.borrow()[index]
-                        .execute(handle, &a, &b, &mut out, &mut workspace)
-                        .map_err(error)?;
-                }
-            }
+            let ranges = [0, 1, 2].map(|i| step.range(roles[i], per_sample[i]));
+            run(ranges, k, step.beta).map_err(|source| ExecError::Cudnn {
+                layer: plan.layer.clone(),
+                op: plan.op,
+                source,
+            })?;
         }
         Ok(())
     }
@@ -281,44 +288,29 @@ impl PreparedPlan {
         out: &mut RawDeviceViewMut<'_>,
         workspace: &mut RawWorkspace<'_>,
     ) -> Result<(), ExecError> {
-        let plan = &self.plan;
-        let error = |source: CudnnError| ExecError::Cudnn {
-            layer: plan.layer.clone(),
-            op: plan.op,
-            source,
-        };
-        let roles = operand_roles(plan.op);
-        let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
-        for (step, &k) in steps(plan, beta).zip(&self.kernel_of) {
-            let range = |i: usize| step.range(roles[i], per_sample[i]);
-            let (ra, rb, ro) = (range(0), range(1), range(2));
-            let a = a.slice(ra.0, ra.1).map_err(error)?;
-            let b = b.slice(rb.0, rb.1).map_err(error)?;
-            let mut out = out.slice_mut(ro.0, ro.1).map_err(error)?;
+        let op = self.plan.op;
+        self.each_step(beta, |[ra, rb, ro], k, step_beta| {
+            let a = a.slice(ra.0, ra.1)?;
+            let b = b.slice(rb.0, rb.1)?;
+            let mut out = out.slice_mut(ro.0, ro.1)?;
             match &self.kernels[k].3 {
-                Kernel::Legacy { descriptors, algo } => session
-                    .convolve(
-                        descriptors,
-                        plan.op,
-                        *algo,
-                        alpha,
-                        &a,
-                        &b,
-                        step.beta,
-                        &mut out,
-                        workspace,
-                    )
-                    .map_err(error)?,
+                Kernel::Legacy { descriptors, algo } => session.convolve(
+                    descriptors,
+                    op,
+                    *algo,
+                    alpha,
+                    &a,
+                    &b,
+                    step_beta,
+                    &mut out,
+                    workspace,
+                ),
                 Kernel::Engine { plans, .. } => {
-                    let index = self
-                        .engine_plan(session.handle(), k, alpha, step.beta)
-                        .map_err(error)?;
-                    session
-                        .execute_engine(&plans.borrow()[index], &a, &b, &mut out, workspace)
-                        .map_err(error)?;
+                    let index = self.engine_plan(session.handle(), k, alpha, step_beta)?;
+                    let plans = plans.borrow();
+                    session.execute_engine(&plans[index], &a, &b, &mut out, workspace)
                 }
             }
-        }
-        Ok(())
+        })
     }
 }
