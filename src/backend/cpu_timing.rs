@@ -120,6 +120,11 @@ impl Backend for CpuBackend {
         &self.fingerprint
     }
 
+    fn has_candidate(&self, _op: ConvOp, algo: &Algo) -> bool {
+        algo.legacy()
+            .is_some_and(|id| CpuAlgo::from_id(id).is_some())
+    }
+
     fn measure(
         &mut self,
         problem: &ConvProblem,

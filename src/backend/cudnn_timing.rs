@@ -235,6 +235,13 @@ impl Backend for CudnnBackend {
         self.kinds
     }
 
+    fn has_candidate(&self, op: ConvOp, algo: &Algo) -> bool {
+        match algo {
+            Algo::Legacy(number) => *number < algo_count(op),
+            Algo::Engine(_) => self.kinds.contains(&AlgoKind::Engine),
+        }
+    }
+
     /// Enumerates configurations with cuDNN's heuristics (modes A, B and the fallback list, in
     /// that ranking, at most `search.max_candidates`), builds each one's execution plan for
     /// the micro-batch, and times it like a legacy algorithm (same offsets, same clock).

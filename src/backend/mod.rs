@@ -11,7 +11,7 @@ pub mod cudnn;
 pub mod cudnn_timing;
 
 use crate::device::DeviceFingerprint;
-use crate::solver::{AlgoKind, ConvOp, ConvProblem, EngineName, Measurement};
+use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement};
 use std::collections::BTreeSet;
 
 pub use cpu_timing::CpuBackend;
@@ -91,6 +91,13 @@ pub trait Backend {
     /// The kinds of candidate this backend can measure.
     fn kinds(&self) -> &'static [AlgoKind] {
         &[AlgoKind::Legacy]
+    }
+
+    /// Whether `algo` is a candidate of `op` that this backend has (an imported profile's
+    /// algorithm numbers are checked against it). The default knows the kinds, not numbers.
+    fn has_candidate(&self, op: ConvOp, algo: &Algo) -> bool {
+        let _ = op;
+        self.kinds().contains(&algo.kind())
     }
 
     /// Times the graph-API engine configurations of `op` at micro-batch size `micro`, as
