@@ -184,6 +184,53 @@ fn report_and_explain_from_a_saved_profile() {
     assert!(output.status.success(), "{}", text(&output.stderr));
     assert!(stdout.contains("8x32@algo1"), "the 64 MiB plan: {stdout}");
     assert!(stdout.contains("algo5"), "the unlimited choice: {stdout}");
+    assert!(
+        stdout.starts_with("alexnet.conv2 fp32 nchw fwd"),
+        "fp32 NCHW by default: {stdout}"
+    );
+    // Issue 14, item 7: --dtype and --layout pick the entry, not the first of the layer's.
+    let output = mucudnn(
+        &[
+            "explain",
+            "--profile",
+            FIXTURE,
+            "--layer",
+            "alexnet.conv2",
+            "--op",
+            "fwd",
+            "--dtype",
+            "fp16",
+            "--layout",
+            "nhwc",
+        ],
+        "/x",
+    );
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert!(
+        stdout.starts_with("alexnet.conv2 fp16 nhwc fwd"),
+        "the fp16 NHWC entry: {stdout}"
+    );
+    let output = mucudnn(
+        &[
+            "explain",
+            "--profile",
+            FIXTURE,
+            "--layer",
+            "alexnet.conv2",
+            "--op",
+            "fwd",
+            "--dtype",
+            "bf16",
+        ],
+        "/x",
+    );
+    assert!(!output.status.success());
+    assert!(
+        text(&output.stderr).contains("fp16 nhwc fwd"),
+        "lists what the layer has: {}",
+        text(&output.stderr)
+    );
     let output = mucudnn(
         &[
             "explain",

@@ -67,6 +67,12 @@ impl Corpus {
             b"[[layer]]\nname = \"c\"\nin_channels = 0\nout_channels = 8\ninput = 8\nkernel = 3\n",
         );
         write("not-toml.toml", b"[[layer\nname = ");
+        // mucudnn's own `fingerprint` key, malformed: not "no fingerprint" (item 7).
+        let record = r#"{"layer": "a", "dtype": "fp32", "layout": "nchw", "n": 1, "c": 2, "h": 5, "w": 5, "k": 2, "r": 3, "s": 3, "pad_h": 0, "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1, "groups": 1, "op": "fwd", "algo": 1, "micro": 1, "workspace_bytes": 0, "time_ms": 0.5}"#;
+        write(
+            "bad-fingerprint.json",
+            format!(r#"{{"format": "mucudnn-profile-v1", "device": "cpu", "fingerprint": {{"backend": "cpu"}}, "records": [{record}]}}"#).as_bytes(),
+        );
         write(
             "huge-kernel.toml",
             b"[[layer]]\nname = \"c\"\nin_channels = 3\nout_channels = 8\ninput = 4\nkernel = 9\n",
@@ -104,6 +110,18 @@ fn refuses(corpus: &Corpus, cache: &str, args: &[&str], expect: &str) -> String 
         .filter(|line| line.starts_with("error"))
         .count();
     assert_eq!(errors, 1, "one error message: {what}");
+    // Each part of the message once (item 10): not "EOF while ...: EOF while ...".
+    let line = stderr
+        .lines()
+        .find(|line| line.starts_with("error"))
+        .unwrap_or_default();
+    let parts: Vec<&str> = line.split(": ").filter(|part| part.len() > 8).collect();
+    for (i, part) in parts.iter().enumerate() {
+        assert!(
+            !parts[i + 1..].contains(part),
+            "{part:?} is printed twice: {what}"
+        );
+    }
     assert!(stderr.contains(expect), "expected {expect:?}: {what}");
     assert!(
         elapsed < Duration::from_secs(20),
@@ -153,6 +171,10 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         ("not-json.json", "not a usable profile"),
         ("wrong-format.json", "not a usable profile"),
         ("garbage.bin", "cannot read profile"),
+        (
+            "bad-fingerprint.json",
+            "is not a mucudnn device fingerprint",
+        ),
         ("missing.json", "cannot read profile"),
     ] {
         let profile = p(name);

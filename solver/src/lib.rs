@@ -65,11 +65,13 @@ pub enum SolveError {
     },
     #[error(
         "a total workspace of {} cannot hold every layer's smallest plan; the smallest total that works is {} ({min_total_workspace_bytes} bytes)",
-        format_bytes(*.total_workspace_bytes), format_bytes(*.min_total_workspace_bytes)
+        format_bytes(*.total_workspace_bytes), format_bytes(u64::try_from(*.min_total_workspace_bytes).unwrap_or(u64::MAX))
     )]
     BudgetTooSmall {
         total_workspace_bytes: u64,
-        min_total_workspace_bytes: u64,
+        /// The sum of every layer's smallest workspace; wider than a budget, since sums of
+        /// measured sizes can pass 2^64.
+        min_total_workspace_bytes: u128,
     },
     #[error("workspace division needs at least one (layer, op) to divide among")]
     NothingToDivide,

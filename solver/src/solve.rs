@@ -70,7 +70,8 @@ impl Solution {
         let sizes = self.problems.iter().map(|p| p.plan.workspace_bytes());
         match self.mode {
             Mode::WorkspaceReuse { .. } => sizes.max().unwrap_or(0),
-            Mode::WorkspaceDivision { .. } => sizes.sum(),
+            // Within the budget, a u64, once solved; saturating for hand-built solutions.
+            Mode::WorkspaceDivision { .. } => sizes.fold(0u64, u64::saturating_add),
         }
     }
 }

@@ -158,15 +158,16 @@ pub fn choose(
         .iter()
         .map(|set| set.iter().map(|p| p.workspace_bytes).min().unwrap_or(0))
         .collect();
-    let min_total = min_ws.iter().fold(0u64, |a, &b| a.saturating_add(b));
-    if min_total > budget {
+    // Sums of workspaces are taken in u128: measured sizes near 2^64 must not wrap.
+    let min_total: u128 = min_ws.iter().map(|&w| u128::from(w)).sum();
+    if min_total > u128::from(budget) {
         return Err(SolveError::BudgetTooSmall {
             total_workspace_bytes: budget,
             min_total_workspace_bytes: min_total,
         });
     }
     // A point can be chosen only if the others can still take their smallest points.
-    let slack = budget - min_total;
+    let slack = budget - min_total as u64;
     let usable: Vec<Vec<usize>> = points
         .iter()
         .zip(&min_ws)
@@ -183,7 +184,7 @@ pub fn choose(
         .map(|(idx, set)| argmin_time(set, idx))
         .collect();
     let fastest_total = total(points, &fastest);
-    if fastest_total.1 <= budget {
+    if fastest_total.1 <= u128::from(budget) {
         return Ok(finish(points, fastest, true, "trivial"));
     }
 
@@ -202,7 +203,7 @@ pub fn choose(
     };
     let (incumbent_time, _) = total(points, &incumbent);
     Ok(match milp {
-        Some((choices, proven)) if total(points, &choices).1 <= budget => {
+        Some((choices, proven)) if total(points, &choices).1 <= u128::from(budget) => {
             if total(points, &choices).0 <= incumbent_time || proven {
                 finish(points, choices, proven, options.backend.name())
             } else {
@@ -225,12 +226,13 @@ fn argmin_time(set: &[Point], idx: &[usize]) -> usize {
         .expect("the smallest point of every set is usable")
 }
 
-fn total(points: &[Vec<Point>], choices: &[usize]) -> (f64, u64) {
+/// Total time and total workspace (exact: u128 cannot overflow on sums of u64s here).
+fn total(points: &[Vec<Point>], choices: &[usize]) -> (f64, u128) {
     choices
         .iter()
         .zip(points)
-        .fold((0.0, 0u64), |(t, w), (&j, set)| {
-            (t + set[j].time_ms, w.saturating_add(set[j].workspace_bytes))
+        .fold((0.0, 0u128), |(t, w), (&j, set)| {
+            (t + set[j].time_ms, w + u128::from(set[j].workspace_bytes))
         })
 }
 
@@ -244,7 +246,8 @@ fn finish(
     WdChoice {
         choices,
         total_time_ms,
-        total_workspace_bytes,
+        // Every caller has checked the total against a u64 budget.
+        total_workspace_bytes: u64::try_from(total_workspace_bytes).unwrap_or(u64::MAX),
         proven_optimal,
         method,
     }
@@ -281,7 +284,9 @@ fn greedy(points: &[Vec<Point>], usable: &[Vec<usize>], budget: u64) -> Vec<usiz
                 let extra = candidate
                     .workspace_bytes
                     .saturating_sub(current.workspace_bytes);
-                let fits = used - current.workspace_bytes + candidate.workspace_bytes <= budget;
+                let fits = used - u128::from(current.workspace_bytes)
+                    + u128::from(candidate.workspace_bytes)
+                    <= u128::from(budget);
                 if !fits {
                     continue;
                 }
@@ -297,7 +302,8 @@ fn greedy(points: &[Vec<Point>], usable: &[Vec<usize>], budget: u64) -> Vec<usiz
         }
         match best {
             Some((_, p, j)) => {
-                used = used - points[p][choice[p]].workspace_bytes + points[p][j].workspace_bytes;
+                used = used - u128::from(points[p][choice[p]].workspace_bytes)
+                    + u128::from(points[p][j].workspace_bytes);
                 choice[p] = j;
             }
             None => return choice,

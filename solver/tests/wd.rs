@@ -118,7 +118,7 @@ fn check(points: &[Vec<Point>], budget: u64, expected: Option<f64>, what: &str) 
             }),
             None,
         ) => {
-            assert!(min_total_workspace_bytes > budget, "{what}");
+            assert!(min_total_workspace_bytes > u128::from(budget), "{what}");
         }
         (got, want) => panic!("{what}: {got:?} vs {want:?}"),
     }

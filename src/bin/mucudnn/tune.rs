@@ -39,9 +39,9 @@ pub(crate) struct LayerSource {
     #[arg(long, value_name = "N")]
     batch: Option<i64>,
     #[arg(long, default_value = "fp32", value_parser = parse_dtype)]
-    dtype: DType,
+    pub(crate) dtype: DType,
     #[arg(long, default_value = "nchw", value_parser = parse_layout)]
-    layout: Layout,
+    pub(crate) layout: Layout,
 }
 
 impl LayerSource {
