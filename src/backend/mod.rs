@@ -147,9 +147,18 @@ pub(crate) fn check_measure_args(problem: &ConvProblem, micro: i64) -> Result<()
     Ok(())
 }
 
-/// The time of one call per [`TimingSettings`]: `time_loop(k)` runs `k` back-to-back calls
-/// and returns their total milliseconds on the backend's clock. The first single call is the
-/// warm-up, or the answer when it is a long call. Shared by the CPU and GPU backends.
+/// Milliseconds rounded to whole nanoseconds, the resolution of the clocks that take them (the
+/// host clock counts nanoseconds; CUDA events resolve about half a microsecond). Digits below
+/// it are float noise from dividing a loop's total by its calls (`4.250659000000001`); rounded,
+/// a profile writes `4.250659`.
+pub(crate) fn round_to_ns(ms: f64) -> f64 {
+    (ms * 1e6).round() / 1e6
+}
+
+/// The time of one call per [`TimingSettings`], rounded to the nanosecond ([`round_to_ns`]):
+/// `time_loop(k)` runs `k` back-to-back calls and returns their total milliseconds on the
+/// backend's clock. The first single call is the warm-up, or the answer when it is a long call.
+/// Shared by the CPU and GPU backends.
 pub(crate) fn median_time<E>(
     timing: &TimingSettings,
     mut time_loop: impl FnMut(u32) -> Result<f64, E>,
@@ -157,7 +166,7 @@ pub(crate) fn median_time<E>(
     // The first call tells whether this is a long call; it doubles as the warm-up.
     let first = time_loop(1)?;
     if first >= timing.long_call_ms {
-        return Ok(first);
+        return Ok(round_to_ns(first));
     }
     for _ in 1..timing.warmup {
         time_loop(1)?;
@@ -168,5 +177,39 @@ pub(crate) fn median_time<E>(
         samples.push(time_loop(iterations)? / f64::from(iterations));
     }
     samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
+    Ok(round_to_ns(samples[samples.len() / 2]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 14, item 11: times come out at the clock's nanosecond resolution, without the
+    /// float noise of a loop's total divided by its calls, and a profile prints them short.
+    #[test]
+    fn median_times_are_whole_nanoseconds() {
+        let timing = TimingSettings {
+            iterations: 5,
+            ..TimingSettings::CPU
+        };
+        // A loop's total as a clock gives it (whole nanoseconds); divided by its 5 calls it
+        // is 4.250659000000001 in f64.
+        let time = median_time(&timing, |calls| -> Result<f64, ()> {
+            Ok(if calls == 5 { 21.253295 } else { 4.25 })
+        })
+        .unwrap();
+        assert_eq!(time.to_string(), "4.250659");
+        for noisy in [
+            4.250659000000001,
+            0.1 + 0.2,
+            13.618241999999999,
+            2.1058980000000003,
+        ] {
+            let rounded = round_to_ns(noisy);
+            let text = serde_json::to_string(&rounded).unwrap();
+            let decimals = text.split('.').nth(1).map_or(0, str::len);
+            assert!(decimals <= 6, "{noisy} -> {text}");
+            assert!((rounded - noisy).abs() <= 5e-7, "{noisy} -> {rounded}");
+        }
+    }
 }

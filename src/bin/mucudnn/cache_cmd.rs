@@ -197,7 +197,7 @@ fn list(cache: &Cache, json: bool) -> Result<()> {
         }
         outln!(
             "  {:<32} {:<10} {:<44} {:>3} sizes {:>5} measurements {:>3} plans",
-            e.layer,
+            mucudnn::report::escape_control(&e.layer),
             e.op.name(),
             e.problem.describe(),
             e.sizes,
