@@ -74,6 +74,10 @@ impl Corpus {
             format!(r#"{{"format": "mucudnn-profile-v1", "device": "cpu", "fingerprint": {{"backend": "cpu"}}, "records": [{record}]}}"#).as_bytes(),
         );
         write(
+            "huge-count.toml",
+            b"[[layer]]\nname = \"c\"\nin_channels = 3\nout_channels = 8\ninput = 4\nkernel = 1\ncount = 4294967296\n",
+        );
+        write(
             "huge-kernel.toml",
             b"[[layer]]\nname = \"c\"\nin_channels = 3\nout_channels = 8\ninput = 4\nkernel = 9\n",
         );
@@ -202,11 +206,12 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
     }
 
     // Bad network files.
-    for name in [
-        "bad-network.toml",
-        "not-toml.toml",
-        "huge-kernel.toml",
-        "missing.toml",
+    for (name, expect) in [
+        ("bad-network.toml", "in_channels"),
+        ("not-toml.toml", "TOML syntax error"),
+        ("huge-kernel.toml", "kernel"),
+        ("huge-count.toml", "4294967296 is too large"),
+        ("missing.toml", "cannot read network file"),
     ] {
         let network = p(name);
         refuses(
@@ -221,7 +226,7 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
                 "--device",
                 "cpu",
             ],
-            "error",
+            expect,
         );
     }
 

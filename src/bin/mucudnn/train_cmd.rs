@@ -238,6 +238,8 @@ fn choose_target(args: &TrainArgs, dist: &DistConfig, quiet: bool) -> Result<Tar
         _ => None,
     };
     let gpus = select_gpus(system.devices.len(), args.ranks, launcher_local_rank)?;
+    // On the GPU the environment's LOCAL_RANK counts, checked against the world.
+    let dist = DistConfig::from_flags_and_env(&dist_flags(args))?;
     let rendezvous = RendezvousConfig::new(
         dist.rank,
         dist.world_size,
@@ -285,13 +287,24 @@ fn choose_target(args: &TrainArgs, dist: &DistConfig, quiet: bool) -> Result<Tar
     Ok(Target::Gpu { job, device })
 }
 
-pub(crate) fn run(args: &TrainArgs) -> Result<()> {
-    let dist = DistConfig::from_flags_and_env(&DistFlags {
+/// The flags of the job, before the environment.
+fn dist_flags(args: &TrainArgs) -> DistFlags {
+    DistFlags {
         rank: args.rank,
         world_size: args.world_size,
         local_rank: None,
         master_addr: args.master_addr.clone(),
         master_port: args.master_port,
+    }
+}
+
+pub(crate) fn run(args: &TrainArgs) -> Result<()> {
+    // `LOCAL_RANK` picks a process's GPU and matters only there (choose_target reads it): a
+    // stray one in the environment of a CPU run is no error.
+    let dist = DistConfig::resolve(&dist_flags(args), |name| {
+        (name != "LOCAL_RANK")
+            .then(|| std::env::var(name).ok())
+            .flatten()
     })?;
     anyhow::ensure!(args.batch >= 1, "--batch must be at least 1");
     anyhow::ensure!(args.epochs >= 1, "--epochs must be at least 1");
