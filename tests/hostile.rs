@@ -331,3 +331,40 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
     );
     std::fs::remove_dir_all(&corpus.dir).ok();
 }
+
+/// Issue 14, item 5: a batch whose buffers cannot fit is refused before anything is allocated
+/// (it used to abort with "memory allocation of 4000000000 bytes failed"), here under a 4 GiB
+/// address-space limit as a memory-limited user would run it.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_batch_that_cannot_fit_is_refused_before_allocating() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-huge-batch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let network = dir.join("one-1x1-layer.toml");
+    std::fs::write(
+        &network,
+        "[[layer]]\nname = \"c\"\nin_channels = 1\nout_channels = 1\ninput = 1\nkernel = 1\n",
+    )
+    .unwrap();
+    let started = Instant::now();
+    let output = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4194304 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_mucudnn"))
+        .args(["tune", "--network", network.to_str().unwrap()])
+        .args(["--batch", "1000000000", "--device", "cpu", "--no-cache"])
+        .output()
+        .expect("sh runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("memory allocation"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("the CPU backend's full-batch buffers need 11.2 GiB")
+            && stderr.contains("of host memory is available (tune a smaller --batch)"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("error")).count(), 1);
+    assert!(started.elapsed() < Duration::from_secs(20));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -11,7 +11,8 @@ pub mod cudnn;
 pub mod cudnn_timing;
 
 use crate::device::DeviceFingerprint;
-use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement};
+use crate::solver::units::format_bytes;
+use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Operand};
 use std::collections::BTreeSet;
 
 pub use cpu_timing::CpuBackend;
@@ -61,6 +62,77 @@ pub enum BackendError {
     NoEngines { backend: String },
     #[error("{0}")]
     Invalid(String),
+    /// The buffers a problem needs cannot fit: refused before anything is allocated, or an
+    /// allocation that failed.
+    #[error("{what} need {}, but {} {where_} (tune a smaller --batch)", format_bytes(*.needed_bytes), format_bytes(*.available_bytes))]
+    OutOfMemory {
+        what: String,
+        needed_bytes: u64,
+        available_bytes: u64,
+        where_: &'static str,
+    },
+}
+
+/// Bytes of a problem's full-batch input, filter and output tensors in its dtype (exact: u128).
+pub(crate) fn operand_bytes(problem: &ConvProblem) -> u128 {
+    [Operand::Input, Operand::Filter, Operand::Output]
+        .into_iter()
+        .map(|role| operand_elements(problem, role) * problem.dtype.size_bytes() as u128)
+        .sum()
+}
+
+/// Elements of one full-batch operand (exact: u128).
+pub(crate) fn operand_elements(problem: &ConvProblem, role: Operand) -> u128 {
+    let samples = if role.is_batched() {
+        problem.n.max(0) as u128
+    } else {
+        1
+    };
+    role.elements_per_sample(problem) as u128 * samples
+}
+
+/// Host memory this process may still allocate, when the system says: the kernel's estimate of
+/// available memory (`MemAvailable`), a cgroup v2 memory limit less its usage, and the address
+/// space limit (`ulimit -v`) less the process's size, whichever is least. `None` off Linux.
+pub(crate) fn available_host_memory() -> Option<u64> {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    // "Key:   123 kB" lines.
+    let kib = |text: &str, key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..]
+            .split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+    };
+    let mut limits: Vec<u64> = Vec::new();
+    if let Some(kb) = read("/proc/meminfo").and_then(|t| kib(&t, "MemAvailable:")) {
+        limits.push(kb.saturating_mul(1024));
+    }
+    let number = |path: &str| read(path).and_then(|t| t.trim().parse::<u64>().ok());
+    if let (Some(max), Some(current)) = (
+        number("/sys/fs/cgroup/memory.max"),
+        number("/sys/fs/cgroup/memory.current"),
+    ) {
+        limits.push(max.saturating_sub(current));
+    }
+    // "Max address space   <soft>   <hard>   bytes"; "unlimited" parses as no limit.
+    let address_space = read("/proc/self/limits").and_then(|t| {
+        let line = t.lines().find(|l| l.starts_with("Max address space"))?;
+        line["Max address space".len()..]
+            .split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+    });
+    if let Some(limit) = address_space {
+        let used = read("/proc/self/status")
+            .and_then(|t| kib(&t, "VmSize:"))
+            .unwrap_or(0)
+            .saturating_mul(1024);
+        limits.push(limit.saturating_sub(used));
+    }
+    limits.into_iter().min()
 }
 
 /// How to search engine configurations at one micro-batch size.
@@ -91,6 +163,13 @@ pub trait Backend {
     /// The kinds of candidate this backend can measure.
     fn kinds(&self) -> &'static [AlgoKind] {
         &[AlgoKind::Legacy]
+    }
+
+    /// Refuses a problem whose buffers cannot fit this device's memory, before anything is
+    /// allocated or measured. The profiler calls it for every job first.
+    fn check_fits(&self, problem: &ConvProblem) -> Result<(), BackendError> {
+        let _ = problem;
+        Ok(())
     }
 
     /// Whether `algo` is a candidate of `op` that this backend has (an imported profile's
