@@ -46,8 +46,10 @@ pub enum InterchangeError {
     Profile(#[from] ProfileError),
 }
 
+/// The document, with records as `R`: [`Record`]s read in one pass, or JSON values read one by
+/// one when a record is bad (to say which).
 #[derive(Deserialize)]
-struct RawProfile {
+struct RawProfile<R> {
     format: String,
     #[serde(default)]
     device: Option<String>,
@@ -61,7 +63,7 @@ struct RawProfile {
     /// one is an error (an import must not fall back to matching the device by name).
     #[serde(default)]
     fingerprint: Option<serde_json::Value>,
-    records: Vec<serde_json::Value>,
+    records: Vec<R>,
 }
 
 /// One line of the format. Field order is the order records are written in.
@@ -153,7 +155,36 @@ fn first_difference(a: &ConvProblem, b: &ConvProblem) -> Option<(&'static str, S
 
 /// Parses a v1 profile and validates it (shapes, sizes, times, duplicates).
 pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
-    let raw: RawProfile = serde_json::from_str(text)?;
+    let raw: RawProfile<Record> = match serde_json::from_str(text) {
+        Ok(raw) => raw,
+        // Read again record by record, for the error that names the format or the record.
+        Err(_) => {
+            let raw: RawProfile<serde_json::Value> = serde_json::from_str(text)?;
+            if raw.format != FORMAT_V1 {
+                return Err(InterchangeError::Format { found: raw.format });
+            }
+            let records = raw
+                .records
+                .into_iter()
+                .enumerate()
+                .map(|(index, value)| {
+                    serde_json::from_value(value).map_err(|e| InterchangeError::Record {
+                        index: index + 1,
+                        message: e.to_string(),
+                    })
+                })
+                .collect::<Result<Vec<Record>, _>>()?;
+            RawProfile {
+                format: raw.format,
+                device: raw.device,
+                cudnn_version: raw.cudnn_version,
+                math: raw.math,
+                timing: raw.timing,
+                fingerprint: raw.fingerprint,
+                records,
+            }
+        }
+    };
     if raw.format != FORMAT_V1 {
         return Err(InterchangeError::Format { found: raw.format });
     }
@@ -174,13 +205,8 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
     let mut index_of: HashMap<(String, DType, Layout, ConvOp), usize> = HashMap::new();
     // Per entry, the number (from 1) of the record behind each measurement.
     let mut records_of: Vec<Vec<usize>> = Vec::new();
-    for (index, value) in raw.records.into_iter().enumerate() {
+    for (index, record) in raw.records.into_iter().enumerate() {
         let index = index + 1;
-        let record: Record =
-            serde_json::from_value(value).map_err(|e| InterchangeError::Record {
-                index,
-                message: e.to_string(),
-            })?;
         let problem = record.problem();
         let key = (record.layer.clone(), record.dtype, record.layout, record.op);
         let slot = *index_of.entry(key).or_insert_with(|| {

@@ -20,6 +20,7 @@ use good_lp::{
     variable, Expression, ProblemVariables, ResolutionError, Solution, SolutionStatus, SolverModel,
 };
 use good_lp::{Variable, WithInitialSolution, WithTimeLimit};
+use std::time::{Duration, Instant};
 
 /// The longest MILP time limit accepted, in seconds (about 11.6 days): far beyond any useful
 /// solve, and far from where the MILP solvers' clock arithmetic overflows (`1e19` panics).
@@ -117,25 +118,64 @@ impl From<&ParetoPoint> for Point {
     }
 }
 
-/// Workspace division over Pareto fronts; `names` of errors come from the fronts' plans.
+/// When the WD work must end: `options.time_limit_s` after `start`. Out-of-range limits, which
+/// the front ends refuse, are never handed on: one too large counts as [`MAX_TIME_LIMIT_S`],
+/// zero, a negative one or NaN as a millisecond.
+pub fn deadline(start: Instant, options: &WdOptions) -> Instant {
+    let limit = options.time_limit_s;
+    let seconds = WdOptions::check_time_limit(limit).unwrap_or(if limit > 0.0 {
+        MAX_TIME_LIMIT_S
+    } else {
+        0.001
+    });
+    start + Duration::from_secs_f64(seconds)
+}
+
+/// Workspace division over Pareto fronts; `names` of errors come from the fronts' plans. The
+/// whole call, greedy start included, is bounded by `options.time_limit_s`.
 pub fn solve_wd(
     fronts: &[Vec<ParetoPoint>],
     total_workspace_bytes: u64,
     options: &WdOptions,
 ) -> Result<WdChoice, SolveError> {
+    solve_wd_by(
+        fronts,
+        total_workspace_bytes,
+        options,
+        deadline(Instant::now(), options),
+    )
+}
+
+/// [`solve_wd`] whose MILP stops at `deadline` (shared with other work by the caller). With no
+/// time left, the greedy assignment is the answer, marked not proven.
+pub fn solve_wd_by(
+    fronts: &[Vec<ParetoPoint>],
+    total_workspace_bytes: u64,
+    options: &WdOptions,
+    deadline: Instant,
+) -> Result<WdChoice, SolveError> {
     let points: Vec<Vec<Point>> = fronts
         .iter()
         .map(|f| f.iter().map(Point::from).collect())
         .collect();
-    choose(&points, total_workspace_bytes, options)
+    choose_by(&points, total_workspace_bytes, options, deadline)
 }
 
 /// Workspace division over any sets of (time, workspace) points (they need not be Pareto
-/// fronts). Each set must be non-empty.
+/// fronts). Each set must be non-empty. Bounded by `options.time_limit_s` as a whole.
 pub fn choose(
     points: &[Vec<Point>],
     budget: u64,
     options: &WdOptions,
+) -> Result<WdChoice, SolveError> {
+    choose_by(points, budget, options, deadline(Instant::now(), options))
+}
+
+fn choose_by(
+    points: &[Vec<Point>],
+    budget: u64,
+    options: &WdOptions,
+    deadline: Instant,
 ) -> Result<WdChoice, SolveError> {
     if points.is_empty() {
         return Err(SolveError::NothingToDivide);
@@ -189,17 +229,16 @@ pub fn choose(
     }
 
     let incumbent = greedy(points, &usable, budget);
+    // The MILP gets the time that is left (a millisecond at least would still build the whole
+    // model; none at all means no MILP).
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .as_secs_f64();
     let milp = match options.backend {
-        Backend::Microlp => run_milp(
-            points,
-            &usable,
-            budget,
-            &incumbent,
-            options,
-            good_lp::microlp,
-        ),
+        _ if left < 0.001 => None,
+        Backend::Microlp => run_milp(points, &usable, budget, &incumbent, left, good_lp::microlp),
         #[cfg(feature = "highs")]
-        Backend::Highs => run_milp(points, &usable, budget, &incumbent, options, good_lp::highs),
+        Backend::Highs => run_milp(points, &usable, budget, &incumbent, left, good_lp::highs),
     };
     let (incumbent_time, _) = total(points, &incumbent);
     Ok(match milp {
@@ -318,7 +357,7 @@ fn run_milp<M, S>(
     usable: &[Vec<usize>],
     budget: u64,
     incumbent: &[usize],
-    options: &WdOptions,
+    time_limit_s: f64,
     solver: S,
 ) -> Option<(Vec<usize>, bool)>
 where
@@ -358,15 +397,9 @@ where
     let mut model = vars
         .minimise(objective)
         .using(solver)
-        // Out-of-range limits are refused by the front ends; never hand one on to panic.
-        .with_time_limit(WdOptions::check_time_limit(options.time_limit_s).map_or(
-            if options.time_limit_s > 0.0 {
-                MAX_TIME_LIMIT_S
-            } else {
-                0.001
-            },
-            |s| s.max(0.001),
-        ));
+        // At most MAX_TIME_LIMIT_S (callers' deadlines come from checked limits): never a
+        // value that makes the solver's clock arithmetic panic.
+        .with_time_limit(time_limit_s.clamp(0.001, MAX_TIME_LIMIT_S));
     for row in &x {
         let one: Expression = row.iter().map(|&(_, v)| v).sum();
         model.add_constraint(one.eq(1.0));

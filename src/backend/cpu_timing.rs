@@ -253,6 +253,8 @@ mod tests {
         let huge = ConvProblem::new(1 << 40, 64, 64, 64, 64, 3, 3);
         let error = backend.check_fits(&huge).unwrap_err().to_string();
         assert!(error.contains("full-batch buffers need"), "{error}");
-        assert!(backend.check_fits(&ConvProblem::new(2, 3, 8, 8, 4, 3, 3)).is_ok());
+        assert!(backend
+            .check_fits(&ConvProblem::new(2, 3, 8, 8, 4, 3, 3))
+            .is_ok());
     }
 }
