@@ -215,7 +215,7 @@ fn workspace_totals_near_2_pow_64_do_not_overflow() {
     assert_eq!(doc["total_workspace_bytes"].as_u64(), Some(huge), "{doc}");
     assert_eq!(doc["total_time_ms"].as_f64(), Some(3.0), "{doc}");
     std::fs::remove_file(path).ok();
-    // Without the small algorithms no assignment fits: the error says so, with the exact sum.
+    // Without the small algorithms no assignment fits: the error says so.
     let path = write(
         "past-2-64",
         vec![record("a", 0, huge, 1.0), record("b", 0, huge, 1.0)],
@@ -223,7 +223,7 @@ fn workspace_totals_near_2_pow_64_do_not_overflow() {
     let output = mucudnn(&["solve", "--profile", &path, "--total-workspace", &max]);
     assert!(!output.status.success(), "{}", stdout(&output));
     assert!(
-        stderr(&output).contains("(18446744073709551616 bytes)"),
+        stderr(&output).contains("add up to more than 2^64 - 1 bytes, so no total works"),
         "{}",
         stderr(&output)
     );

@@ -541,8 +541,7 @@ pub(crate) fn entries(conn: &Connection) -> Result<Vec<EntrySummary>> {
 pub(crate) fn export(conn: &Connection, only: Option<&DeviceFingerprint>) -> Result<Vec<Profile>> {
     // Per device: the merged rows in tuning order, and where each (layer, shape, op) went.
     type Key = (String, ConvProblem, ConvOp);
-    let mut rows: BTreeMap<i64, (DeviceFingerprint, Vec<(String, ConvProblem, ConvOp)>)> =
-        BTreeMap::new();
+    let mut rows: BTreeMap<i64, (DeviceFingerprint, Vec<Key>)> = BTreeMap::new();
     let mut slot_of: HashMap<(i64, Key), usize> = HashMap::new();
     for (d, _, device, layer, problem, op) in seen_rows(conn)? {
         if only.is_some_and(|o| *o != device) {

@@ -64,14 +64,15 @@ pub enum SolveError {
         min_workspace_bytes: Option<u64>,
     },
     #[error(
-        "a total workspace of {} cannot hold every layer's smallest plan; the smallest total that works is {} ({min_total_workspace_bytes} bytes)",
-        format_bytes(*.total_workspace_bytes), format_bytes(u64::try_from(*.min_total_workspace_bytes).unwrap_or(u64::MAX))
+        "a total workspace of {} cannot hold every layer's smallest plan; {}",
+        format_bytes(*.total_workspace_bytes),
+        smallest_total(*.min_total_workspace_bytes)
     )]
     BudgetTooSmall {
         total_workspace_bytes: u64,
-        /// The sum of every layer's smallest workspace; wider than a budget, since sums of
-        /// measured sizes can pass 2^64.
-        min_total_workspace_bytes: u128,
+        /// The sum of every layer's smallest workspace; `None` when it passes 2^64 - 1 bytes,
+        /// so that no budget holds it.
+        min_total_workspace_bytes: Option<u64>,
     },
     #[error("workspace division needs at least one (layer, op) to divide among")]
     NothingToDivide,
@@ -79,4 +80,17 @@ pub enum SolveError {
     EmptyFront { index: usize },
     #[error("workspace division: point set {index} has a time of {time_ms} ms")]
     BadPoint { index: usize, time_ms: f64 },
+}
+
+/// The end of [`SolveError::BudgetTooSmall`]'s message.
+fn smallest_total(min_total_workspace_bytes: Option<u64>) -> String {
+    match min_total_workspace_bytes {
+        Some(bytes) => format!(
+            "the smallest total that works is {} ({bytes} bytes)",
+            format_bytes(bytes)
+        ),
+        None => {
+            "their smallest workspaces add up to more than 2^64 - 1 bytes, so no total works".into()
+        }
+    }
 }

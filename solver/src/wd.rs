@@ -203,7 +203,7 @@ fn choose_by(
     if min_total > u128::from(budget) {
         return Err(SolveError::BudgetTooSmall {
             total_workspace_bytes: budget,
-            min_total_workspace_bytes: min_total,
+            min_total_workspace_bytes: u64::try_from(min_total).ok(),
         });
     }
     // A point can be chosen only if the others can still take their smallest points.

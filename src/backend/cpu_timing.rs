@@ -56,13 +56,14 @@ impl CpuBackend {
                 let len = super::operand_elements(problem, role) as usize;
                 let values = random_values(problem.dtype, len, seed);
                 let mut out: Vec<T> = Vec::new();
-                out.try_reserve_exact(len)
-                    .map_err(|_| BackendError::OutOfMemory {
-                        what: format!("{}: the CPU backend's {role:?} tensor", problem.describe()),
-                        needed_bytes: (len * std::mem::size_of::<T>()) as u64,
-                        available_bytes: super::available_host_memory().unwrap_or(0),
-                        where_: "could be allocated",
-                    })?;
+                out.try_reserve_exact(len).map_err(|_| {
+                    super::out_of_memory(
+                        &format!("{}: the CPU backend's {role:?} tensor", problem.describe()),
+                        (len * std::mem::size_of::<T>()) as u64,
+                        super::available_host_memory().unwrap_or(0),
+                        "was available and the allocation failed",
+                    )
+                })?;
                 out.extend(values.into_iter().map(T::from_f32));
                 Ok(out)
             }
@@ -153,15 +154,15 @@ impl Backend for CpuBackend {
         let too_large =
             needed > isize::MAX as u128 || available.is_some_and(|a| needed > u128::from(a));
         if too_large {
-            return Err(BackendError::OutOfMemory {
-                what: format!(
+            return Err(super::out_of_memory(
+                &format!(
                     "{}: the CPU backend's full-batch buffers",
                     problem.describe()
                 ),
-                needed_bytes: u64::try_from(needed).unwrap_or(u64::MAX),
-                available_bytes: available.unwrap_or(isize::MAX as u64),
-                where_: "of host memory is available",
-            });
+                u64::try_from(needed).unwrap_or(u64::MAX),
+                available.unwrap_or(isize::MAX as u64),
+                "of host memory is available",
+            ));
         }
         Ok(())
     }

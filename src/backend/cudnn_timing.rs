@@ -244,12 +244,12 @@ impl Backend for CudnnBackend {
     fn check_fits(&self, problem: &ConvProblem) -> Result<(), BackendError> {
         let device = super::operand_bytes(problem);
         if device > u128::from(self.memory_bytes) {
-            return Err(BackendError::OutOfMemory {
-                what: format!("{}: the full-batch tensors", problem.describe()),
-                needed_bytes: u64::try_from(device).unwrap_or(u64::MAX),
-                available_bytes: self.memory_bytes,
-                where_: "is the GPU's memory",
-            });
+            return Err(super::out_of_memory(
+                &format!("{}: the full-batch tensors", problem.describe()),
+                u64::try_from(device).unwrap_or(u64::MAX),
+                self.memory_bytes,
+                "is the GPU's memory",
+            ));
         }
         let staging = [Operand::Input, Operand::Filter, Operand::Output]
             .into_iter()
@@ -258,12 +258,12 @@ impl Backend for CudnnBackend {
             .unwrap_or(0);
         if let Some(available) = super::available_host_memory() {
             if staging > u128::from(available) {
-                return Err(BackendError::OutOfMemory {
-                    what: format!("{}: staging the largest tensor", problem.describe()),
-                    needed_bytes: u64::try_from(staging).unwrap_or(u64::MAX),
-                    available_bytes: available,
-                    where_: "of host memory is available",
-                });
+                return Err(super::out_of_memory(
+                    &format!("{}: staging the largest tensor", problem.describe()),
+                    u64::try_from(staging).unwrap_or(u64::MAX),
+                    available,
+                    "of host memory is available",
+                ));
             }
         }
         Ok(())

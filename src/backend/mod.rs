@@ -63,14 +63,19 @@ pub enum BackendError {
     #[error("{0}")]
     Invalid(String),
     /// The buffers a problem needs cannot fit: refused before anything is allocated, or an
-    /// allocation that failed.
-    #[error("{what} need {}, but {} {where_} (tune a smaller --batch)", format_bytes(*.needed_bytes), format_bytes(*.available_bytes))]
-    OutOfMemory {
-        what: String,
-        needed_bytes: u64,
-        available_bytes: u64,
-        where_: &'static str,
-    },
+    /// allocation that failed (made by [`out_of_memory`]).
+    #[error("{0}")]
+    OutOfMemory(String),
+}
+
+/// [`BackendError::OutOfMemory`]: `what` needs `needed` bytes, but `available` bytes `where_`
+/// (e.g. "of host memory is available").
+pub(crate) fn out_of_memory(what: &str, needed: u64, available: u64, where_: &str) -> BackendError {
+    BackendError::OutOfMemory(format!(
+        "{what} need {}, but {} {where_} (tune a smaller --batch)",
+        format_bytes(needed),
+        format_bytes(available)
+    ))
 }
 
 /// Bytes of a problem's full-batch input, filter and output tensors in its dtype (exact: u128).
