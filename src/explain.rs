@@ -218,7 +218,9 @@ pub fn render_explanation(explanation: &Explanation) -> String {
     let _ = writeln!(
         out,
         "{}: mini-batch {}, policy {}",
-        explanation.name, explanation.n, explanation.policy
+        crate::report::escape_control(&explanation.name.to_string()),
+        explanation.n,
+        explanation.policy
     );
     let _ = writeln!(
         out,

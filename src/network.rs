@@ -418,10 +418,16 @@ pub fn parse_network(
         let problem = layer_problem(&spec, batch, dtype, layout)
             .map_err(|(field, message)| invalid(field, message))?;
         let count = spec.count.map_or(1, |Int(c)| c);
-        let count = u32::try_from(count)
-            .ok()
-            .filter(|&c| c >= 1)
-            .ok_or_else(|| invalid("count", format!("must be at least 1, got {count}")))?;
+        let count = match u32::try_from(count) {
+            Ok(count) if count >= 1 => count,
+            _ if count > 0 => {
+                return Err(invalid(
+                    "count",
+                    format!("{count} is too large (at most {})", u32::MAX),
+                ))
+            }
+            _ => return Err(invalid("count", format!("must be at least 1, got {count}"))),
+        };
         layers.push(ModelLayer {
             name,
             problem,
@@ -817,6 +823,12 @@ mod tests {
             &one_layer("count = 0\n"),
             7,
             &["field `count`: must be at least 1, got 0"],
+        );
+        // Issue 14, item 10: too many is not too few.
+        check_error(
+            &one_layer("count = 4294967296\n"),
+            7,
+            &["field `count`: 4294967296 is too large (at most 4294967295)"],
         );
         let huge = one_layer("")
             .replace("in_channels = 4", "in_channels = 65536")

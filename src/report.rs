@@ -26,6 +26,10 @@ pub struct PlanJson {
     pub layout: &'static str,
     pub op: &'static str,
     pub n: i64,
+    /// How many layers of the network share this shape (`tune` only): the weighted total is
+    /// the sum of `time_ms * multiplicity`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multiplicity: Option<u32>,
     pub undivided_ms: Option<f64>,
     pub time_ms: f64,
     pub workspace_bytes: u64,
@@ -63,6 +67,7 @@ impl SolutionJson {
                         layout: plan.problem.layout.name(),
                         op: plan.op.name(),
                         n: plan.problem.n,
+                        multiplicity: None,
                         undivided_ms: solved.undivided.as_ref().map(Plan::time_ms),
                         time_ms: plan.time_ms(),
                         workspace_bytes: plan.workspace_bytes(),
@@ -86,6 +91,38 @@ impl SolutionJson {
             total_workspace_bytes: solution.total_workspace_bytes(),
         }
     }
+}
+
+impl SolutionJson {
+    /// Adds each plan's multiplicity (layer name -> count; absent names count once).
+    pub fn with_multiplicity(mut self, multiplicity: &HashMap<String, u32>) -> Self {
+        for plan in &mut self.plans {
+            plan.multiplicity = Some(multiplicity.get(&plan.layer).copied().unwrap_or(1));
+        }
+        self
+    }
+}
+
+/// The `--json` document of `tune`: the solution's keys in `solve --json`'s order, then
+/// `tuning`, then `measured` (with `--verify`).
+#[derive(Debug, Serialize)]
+pub struct TuneJson {
+    #[serde(flatten)]
+    pub solution: SolutionJson,
+    pub tuning: TuningJson,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured: Option<VerificationJson>,
+}
+
+/// How the measurements of a `tune` run were obtained.
+#[derive(Debug, Serialize)]
+pub struct TuningJson {
+    pub seconds: f64,
+    /// The candidates tuning measured: `legacy`, `engines` or `all`.
+    pub candidates: &'static str,
+    pub sizes_measured: usize,
+    pub sizes_cached: usize,
+    pub engine_timings_pruned: usize,
 }
 
 /// One line describing the constraint, e.g. `workspace reuse: at most 64 MiB per layer`.
@@ -168,9 +205,9 @@ pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u
             let times = count(&plan.layer);
             [
                 if times > 1 {
-                    format!("{} (x{times})", plan.layer)
+                    format!("{} (x{times})", escape_control(&plan.layer))
                 } else {
-                    plan.layer.clone()
+                    escape_control(&plan.layer).into_owned()
                 },
                 plan.problem.dtype.to_string(),
                 plan.problem.layout.to_string(),
@@ -328,84 +365,137 @@ pub fn kind_summary(solution: &Solution) -> Option<String> {
 
 /// The `measured` section of `tune --verify --json`: per plan the predicted and measured
 /// times of the plan and of its undivided baseline, then totals.
+#[derive(Debug, Serialize)]
+pub struct VerificationJson {
+    pub plans: Vec<VerifiedPlanJson>,
+    pub total_measured_ms: f64,
+    pub total_measured_undivided_ms: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct VerifiedPlanJson {
+    pub layer: String,
+    pub dtype: &'static str,
+    pub layout: &'static str,
+    pub op: &'static str,
+    pub predicted_ms: f64,
+    pub measured_ms: f64,
+    pub predicted_undivided_ms: Option<f64>,
+    pub measured_undivided_ms: Option<f64>,
+}
+
+/// The `measured` section of `tune --verify --json`.
 pub fn verification_json(
     solution: &Solution,
     measured: &[crate::exec::verify::Measured],
-) -> serde_json::Value {
-    let plans: Vec<serde_json::Value> = solution
+) -> VerificationJson {
+    let plans = solution
         .problems
         .iter()
         .zip(measured)
-        .map(|(solved, m)| {
-            serde_json::json!({
-                "layer": solved.plan.layer,
-                "dtype": solved.plan.problem.dtype.name(),
-                "layout": solved.plan.problem.layout.name(),
-                "op": solved.plan.op.name(),
-                "predicted_ms": solved.plan.time_ms(),
-                "measured_ms": m.plan_ms,
-                "predicted_undivided_ms": solved.undivided.as_ref().map(Plan::time_ms),
-                "measured_undivided_ms": m.undivided_ms,
-            })
+        .map(|(solved, m)| VerifiedPlanJson {
+            layer: solved.plan.layer.clone(),
+            dtype: solved.plan.problem.dtype.name(),
+            layout: solved.plan.problem.layout.name(),
+            op: solved.plan.op.name(),
+            predicted_ms: solved.plan.time_ms(),
+            measured_ms: m.plan_ms,
+            predicted_undivided_ms: solved.undivided.as_ref().map(Plan::time_ms),
+            measured_undivided_ms: m.undivided_ms,
         })
         .collect();
-    let total: f64 = measured.iter().map(|m| m.plan_ms).sum();
-    let undivided: Option<f64> = measured.iter().map(|m| m.undivided_ms).sum();
-    serde_json::json!({"plans": plans, "total_measured_ms": total, "total_measured_undivided_ms": undivided})
+    VerificationJson {
+        plans,
+        total_measured_ms: measured.iter().map(|m| m.plan_ms).sum(),
+        total_measured_undivided_ms: measured.iter().map(|m| m.undivided_ms).sum(),
+    }
 }
 
-/// The human table of `tune --verify`.
+/// The human table of `tune --verify`: columns as wide as their widest cell, two spaces apart.
 pub fn render_verification(
     solution: &Solution,
     measured: &[crate::exec::verify::Measured],
 ) -> String {
-    let row = |layer: &str, op: &str, cells: [String; 5]| {
-        format!(
-            "{layer:<28} {op:<10} {:>12} {:>12} {:>14} {:>14} {:>8}\n",
-            cells[0], cells[1], cells[2], cells[3], cells[4]
-        )
-    };
-    let mut out = row(
+    let mut rows: Vec<Vec<String>> = vec![[
         "layer",
         "op",
-        [
-            "predicted ms",
-            "measured ms",
-            "undivided pred",
-            "undivided meas",
-            "speedup",
-        ]
-        .map(String::from),
-    );
+        "predicted ms",
+        "measured ms",
+        "undivided pred",
+        "undivided meas",
+        "speedup",
+    ]
+    .map(String::from)
+    .to_vec()];
     for (solved, m) in solution.problems.iter().zip(measured) {
-        let label = format!("{} {}", solved.plan.layer, solved.plan.problem.dtype);
-        out += &row(
-            &label,
-            solved.plan.op.name(),
-            [
-                ms(solved.plan.time_ms()),
-                ms(m.plan_ms),
-                solved
-                    .undivided
-                    .as_ref()
-                    .map_or("-".into(), |u| ms(u.time_ms())),
-                m.undivided_ms.map_or("-".into(), ms),
-                speedup(m.undivided_ms, m.plan_ms),
-            ],
-        );
+        rows.push(vec![
+            format!(
+                "{} {}",
+                escape_control(&solved.plan.layer),
+                solved.plan.problem.dtype
+            ),
+            solved.plan.op.name().to_string(),
+            ms(solved.plan.time_ms()),
+            ms(m.plan_ms),
+            solved
+                .undivided
+                .as_ref()
+                .map_or("-".into(), |u| ms(u.time_ms())),
+            m.undivided_ms.map_or("-".into(), ms),
+            speedup(m.undivided_ms, m.plan_ms),
+        ]);
     }
     let total: f64 = measured.iter().map(|m| m.plan_ms).sum();
     let undivided: Option<f64> = measured.iter().map(|m| m.undivided_ms).sum();
-    out += &row(
-        "total",
-        "",
-        [
-            ms(solution.total_time_ms()),
-            ms(total),
-            solution.total_undivided_ms().map_or("-".into(), ms),
-            undivided.map_or("-".into(), ms),
-            speedup(undivided, total),
-        ],
-    );
+    rows.push(vec![
+        "total".into(),
+        String::new(),
+        ms(solution.total_time_ms()),
+        ms(total),
+        solution.total_undivided_ms().map_or("-".into(), ms),
+        undivided.map_or("-".into(), ms),
+        speedup(undivided, total),
+    ]);
+    let mut widths = vec![0; rows[0].len()];
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for row in &rows {
+        let mut line = String::new();
+        for (column, (cell, &width)) in row.iter().zip(&widths).enumerate() {
+            if column > 0 {
+                line.push_str("  ");
+            }
+            if column >= 2 {
+                let _ = write!(line, "{cell:>width$}");
+            } else {
+                let _ = write!(line, "{cell:<width$}");
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
     out
+}
+
+/// A name as one table cell on one line: control characters (a newline, a tab) are written
+/// as escapes (`\n`, `\t`, `\u{1b}`), so a layer name from a profile cannot break a row.
+pub fn escape_control(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.chars().any(char::is_control) {
+        text.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_default().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect::<String>()
+            .into()
+    } else {
+        text.into()
+    }
 }

@@ -170,6 +170,66 @@ fn undivided_is_null_when_no_single_algorithm_fits() {
     std::fs::remove_file(path).ok();
 }
 
+/// Issue 14, item 7: workspace sums near 2^64 neither wrap ("0 B (sum)") nor panic, and a sum
+/// past 2^64 does not fit a budget of 2^64 - 1.
+#[test]
+fn workspace_totals_near_2_pow_64_do_not_overflow() {
+    let record = |layer: &str, algo: u32, ws: u64, time: f64| {
+        serde_json::json!({"layer": layer, "dtype": "fp32", "layout": "nchw", "n": 1, "c": 2, "h": 5,
+            "w": 5, "k": 2, "r": 3, "s": 3, "pad_h": 1, "pad_w": 1, "stride_h": 1, "stride_w": 1,
+            "dilation_h": 1, "dilation_w": 1, "groups": 1, "op": "fwd", "algo": algo, "micro": 1,
+            "workspace_bytes": ws, "time_ms": time})
+    };
+    let huge = 1u64 << 63;
+    let write = |name: &str, records: Vec<Value>| {
+        let doc = serde_json::json!({"format": "mucudnn-profile-v1", "device": "toy", "records": records});
+        let path = std::env::temp_dir().join(format!("mucudnn-{name}-{}.json", std::process::id()));
+        std::fs::write(&path, doc.to_string()).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    let max = u64::MAX.to_string();
+    // Each layer's fast algorithm needs 2^63 bytes: only one of them fits in 2^64 - 1.
+    let path = write(
+        "near-2-64",
+        vec![
+            record("a", 0, huge, 1.0),
+            record("a", 1, 0, 2.0),
+            record("b", 0, huge, 1.0),
+            record("b", 1, 0, 2.0),
+        ],
+    );
+    let output = mucudnn(&["solve", "--profile", &path, "--total-workspace", &max]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let table = stdout(&output);
+    assert!(!table.contains("0 B (sum)"), "{table}");
+    assert!(table.contains("8388608 TiB (sum)"), "{table}");
+    let output = mucudnn(&[
+        "solve",
+        "--profile",
+        &path,
+        "--total-workspace",
+        &max,
+        "--json",
+    ]);
+    let doc: Value = serde_json::from_str(&stdout(&output)).unwrap();
+    assert_eq!(doc["total_workspace_bytes"].as_u64(), Some(huge), "{doc}");
+    assert_eq!(doc["total_time_ms"].as_f64(), Some(3.0), "{doc}");
+    std::fs::remove_file(path).ok();
+    // Without the small algorithms no assignment fits: the error says so.
+    let path = write(
+        "past-2-64",
+        vec![record("a", 0, huge, 1.0), record("b", 0, huge, 1.0)],
+    );
+    let output = mucudnn(&["solve", "--profile", &path, "--total-workspace", &max]);
+    assert!(!output.status.success(), "{}", stdout(&output));
+    assert!(
+        stderr(&output).contains("add up to more than 2^64 - 1 bytes, so no total works"),
+        "{}",
+        stderr(&output)
+    );
+    std::fs::remove_file(path).ok();
+}
+
 #[test]
 fn human_table_has_rows_subtotals_and_compact_splits() {
     let output = mucudnn(&["solve", "--profile", FIXTURE]);

@@ -80,14 +80,19 @@ fn cached_tune_runs_no_benchmark_and_matches_solve() {
         .iter()
         .filter(|p| p["dtype"] == "fp32")
         .collect();
-    assert_eq!(
-        tuned["plans"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .collect::<Vec<_>>(),
-        fp32
-    );
+    // The same plans; tune adds each layer's multiplicity (AlexNet's layers occur once).
+    let tuned_plans: Vec<Value> = tuned["plans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|plan| {
+            let mut plan = plan.clone();
+            let multiplicity = plan.as_object_mut().unwrap().remove("multiplicity");
+            assert_eq!(multiplicity, Some(Value::from(1)), "{plan}");
+            plan
+        })
+        .collect();
+    assert_eq!(tuned_plans.iter().collect::<Vec<_>>(), fp32);
 
     // A smaller batch is solved from the same micro-batch measurements, still without profiling.
     let half = mucudnn(
@@ -155,10 +160,18 @@ fn export_clear_import_and_inspection() {
     assert!(
         !empty_export.status.success() && text(&empty_export.stderr).contains("nothing cached")
     );
-    // The exported file carries this machine's fingerprint: no --force needed.
+    // The exported file carries this machine's fingerprint, but the H100's algorithm numbers
+    // came in by --force, and the CPU backend has only 0-2: importing them again needs it too.
+    let refused = mucudnn(&cache, &["cache", "import", exported, "--device", "cpu"]);
+    assert!(
+        !refused.status.success()
+            && text(&refused.stderr).contains("algorithm 3 is not a bwd_filter candidate"),
+        "{}",
+        text(&refused.stderr)
+    );
     ok(&mucudnn(
         &cache,
-        &["cache", "import", exported, "--device", "cpu"],
+        &["cache", "import", exported, "--device", "cpu", "--force"],
     ));
     let reexported = cache.with_file_name("again.json");
     ok(&mucudnn(
@@ -400,6 +413,132 @@ fn a_closed_stdout_is_no_panic_and_reports_are_still_written() {
     assert!(
         report.join("report.md").exists(),
         "the report was still written"
+    );
+    std::fs::remove_dir_all(cache.parent().unwrap()).ok();
+}
+
+/// Issue 14, item 6: whatever the cache holds, `cache export` writes a file that `cache import`
+/// and `solve` accept: a network tuned at batch 2 and then at 4, a layer explained at another
+/// batch size, and a layer name that two networks give to different shapes.
+#[test]
+fn export_of_several_batch_sizes_imports_and_solves() {
+    let cache = temp_cache("batches");
+    let tiny = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/networks/tiny.toml");
+    let exported = cache.with_file_name("exported.json");
+    let exported = exported.to_str().unwrap();
+    let imported = cache.with_file_name("imported.sqlite");
+    let round_trip = |what: &str| -> Value {
+        ok(&mucudnn(
+            &cache,
+            &["cache", "export", exported, "--device", "cpu"],
+        ));
+        std::fs::remove_file(&imported).ok();
+        let import = mucudnn(&imported, &["cache", "import", exported, "--device", "cpu"]);
+        assert!(
+            import.status.success(),
+            "{what}: import refused its own export: {}",
+            text(&import.stderr)
+        );
+        let solve = mucudnn(&cache, &["solve", "--profile", exported, "--json"]);
+        assert!(
+            solve.status.success(),
+            "{what}: solve refused the export: {}",
+            text(&solve.stderr)
+        );
+        serde_json::from_str(&text(&solve.stdout)).unwrap()
+    };
+    for batch in ["2", "4"] {
+        ok(&mucudnn(
+            &cache,
+            &[
+                "tune",
+                "--network",
+                tiny,
+                "--batch",
+                batch,
+                "--device",
+                "cpu",
+                "--quiet",
+            ],
+        ));
+    }
+    let solved = round_trip("batches 2 and 4");
+    // Issue 14, item 7: this machine's own export with an algorithm number its backend does
+    // not have (the CPU's are 0-2) is refused, naming the problem.
+    let edited = cache.with_file_name("edited.json");
+    let text_of = std::fs::read_to_string(exported).unwrap();
+    let at = text_of.rfind("\"algo\":").unwrap();
+    let end = at + text_of[at..].find(',').unwrap();
+    let edited_text = format!("{}\"algo\":7{}", &text_of[..at], &text_of[end..]);
+    std::fs::write(&edited, edited_text).unwrap();
+    let refused = mucudnn(
+        &imported,
+        &[
+            "cache",
+            "import",
+            edited.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+    );
+    assert!(
+        !refused.status.success()
+            && text(&refused.stderr).contains("algorithm 7 is not a bwd_filter candidate of cpu"),
+        "{}",
+        text(&refused.stderr)
+    );
+    let plans = solved["plans"].as_array().unwrap();
+    assert_eq!(plans.len(), 9, "3 layers x 3 ops, once each");
+    assert!(plans.iter().all(|p| p["n"] == 4), "at the largest batch");
+
+    ok(&mucudnn(
+        &cache,
+        &[
+            "explain",
+            "--network",
+            tiny,
+            "--batch",
+            "3",
+            "--layer",
+            "tiny.conv2",
+            "--op",
+            "fwd",
+            "--device",
+            "cpu",
+        ],
+    ));
+    round_trip("after explain at batch 3");
+
+    // Another network's `conv1` is another shape: exported under its own name.
+    let other = cache.with_file_name("other.toml");
+    std::fs::write(
+        &other,
+        "name = \"tiny\"\n[[layer]]\nname = \"conv1\"\nin_channels = 4\nout_channels = 4\ninput = 6\nkernel = 1\n",
+    )
+    .unwrap();
+    ok(&mucudnn(
+        &cache,
+        &[
+            "tune",
+            "--network",
+            other.to_str().unwrap(),
+            "--batch",
+            "2",
+            "--device",
+            "cpu",
+            "--quiet",
+        ],
+    ));
+    let solved = round_trip("one layer name, two shapes");
+    let layers: Vec<&str> = solved["plans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["layer"].as_str().unwrap())
+        .collect();
+    assert!(
+        layers.contains(&"tiny.conv1") && layers.contains(&"tiny.conv1#2"),
+        "{layers:?}"
     );
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
 }

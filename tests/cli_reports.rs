@@ -184,6 +184,53 @@ fn report_and_explain_from_a_saved_profile() {
     assert!(output.status.success(), "{}", text(&output.stderr));
     assert!(stdout.contains("8x32@algo1"), "the 64 MiB plan: {stdout}");
     assert!(stdout.contains("algo5"), "the unlimited choice: {stdout}");
+    assert!(
+        stdout.starts_with("alexnet.conv2 fp32 nchw fwd"),
+        "fp32 NCHW by default: {stdout}"
+    );
+    // Issue 14, item 7: --dtype and --layout pick the entry, not the first of the layer's.
+    let output = mucudnn(
+        &[
+            "explain",
+            "--profile",
+            FIXTURE,
+            "--layer",
+            "alexnet.conv2",
+            "--op",
+            "fwd",
+            "--dtype",
+            "fp16",
+            "--layout",
+            "nhwc",
+        ],
+        "/x",
+    );
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert!(
+        stdout.starts_with("alexnet.conv2 fp16 nhwc fwd"),
+        "the fp16 NHWC entry: {stdout}"
+    );
+    let output = mucudnn(
+        &[
+            "explain",
+            "--profile",
+            FIXTURE,
+            "--layer",
+            "alexnet.conv2",
+            "--op",
+            "fwd",
+            "--dtype",
+            "bf16",
+        ],
+        "/x",
+    );
+    assert!(!output.status.success());
+    assert!(
+        text(&output.stderr).contains("fp16 nhwc fwd"),
+        "lists what the layer has: {}",
+        text(&output.stderr)
+    );
     let output = mucudnn(
         &[
             "explain",
@@ -293,5 +340,247 @@ fn ctrl_c_stops_cleanly_and_keeps_the_measurements() {
         .sum();
     assert!(sizes >= 1, "measured sizes were kept: {entries}");
     assert!(sizes < 2 * 3 * 16, "the run did stop early");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Issue 14, item 10: layer names with `|` or a newline (a profile may carry any string) stay
+/// one cell on one line in the table, `explain` and report.md.
+#[test]
+fn odd_layer_names_do_not_break_tables_or_report_md() {
+    let dir = temp("odd-names");
+    let record = |layer: &str, micro: i64, time: f64| {
+        serde_json::json!({"layer": layer, "dtype": "fp32", "layout": "nchw", "n": 2, "c": 2, "h": 5,
+            "w": 5, "k": 2, "r": 3, "s": 3, "pad_h": 1, "pad_w": 1, "stride_h": 1, "stride_w": 1,
+            "dilation_h": 1, "dilation_w": 1, "groups": 1, "op": "fwd", "algo": 0, "micro": micro,
+            "workspace_bytes": 0, "time_ms": time})
+    };
+    let names = ["a|b", "c\nd", "e\tf"];
+    let records: Vec<serde_json::Value> = names
+        .iter()
+        .flat_map(|name| [record(name, 1, 0.4), record(name, 2, 1.0)])
+        .collect();
+    let profile = dir.join("odd.json");
+    std::fs::write(
+        &profile,
+        serde_json::json!({"format": "mucudnn-profile-v1", "device": "toy", "records": records})
+            .to_string(),
+    )
+    .unwrap();
+    let profile = profile.to_str().unwrap();
+    let output = mucudnn(&["solve", "--profile", profile], "/x");
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let table = text(&output.stdout);
+    // Header, rule, three rows, rule, total: every line as wide as the rule.
+    let lines: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("layer"))
+        .collect();
+    assert_eq!(lines.len(), 7, "{table}");
+    for escaped in ["a|b", "c\\nd", "e\\tf"] {
+        assert!(
+            lines.iter().any(|l| l.starts_with(escaped)),
+            "{escaped}: {table}"
+        );
+    }
+
+    let output = mucudnn(
+        &[
+            "explain",
+            "--profile",
+            profile,
+            "--layer",
+            "c\nd",
+            "--op",
+            "fwd",
+        ],
+        "/x",
+    );
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    assert!(
+        text(&output.stdout).starts_with("c\\nd fp32 nchw fwd: mini-batch 2"),
+        "{}",
+        text(&output.stdout)
+    );
+
+    let out = dir.join("report");
+    let output = mucudnn(
+        &[
+            "report",
+            "--profile",
+            profile,
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        "/x",
+    );
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let plan_rows: Vec<&str> = md
+        .lines()
+        .filter(|l| {
+            ["| a\\|b |", "| c\\nd |", "| e\\tf |"]
+                .iter()
+                .any(|p| l.starts_with(p))
+        })
+        .collect();
+    assert_eq!(plan_rows.len(), 3, "{md}");
+    let header = md.lines().find(|l| l.starts_with("| layer")).unwrap();
+    let cells = |line: &str| line.replace("\\|", "").matches('|').count();
+    for row in plan_rows {
+        assert_eq!(cells(row), cells(header), "{row}\n{md}");
+    }
+    assert!(md.contains("| a\\|b |") && md.contains("| c\\nd |"), "{md}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Issue 14, item 11: `tune --json` has `solve --json`'s keys in its order (then `tuning`),
+/// each plan's multiplicity (so the weighted total can be rebuilt), and a saved profile's times
+/// carry no float noise beyond the clock's nanoseconds.
+#[test]
+fn tune_json_orders_keys_like_solve_and_carries_multiplicity() {
+    let dir = temp("tune-json");
+    let cache = dir.join("cache.sqlite");
+    let saved = dir.join("saved.json");
+    let output = mucudnn(
+        &[
+            "tune",
+            "--network",
+            TINY,
+            "--batch",
+            "4",
+            "--device",
+            "cpu",
+            "--json",
+            "--quiet",
+            "--save-profile",
+            saved.to_str().unwrap(),
+        ],
+        cache.to_str().unwrap(),
+    );
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let tuned = text(&output.stdout);
+    let solved = text(
+        &mucudnn(
+            &["solve", "--profile", saved.to_str().unwrap(), "--json"],
+            "/x",
+        )
+        .stdout,
+    );
+    // Keys in order of first appearance at each indentation, as the text prints them.
+    let keys = |doc: &str, indent: usize| -> Vec<String> {
+        let prefix = format!("{}\"", " ".repeat(indent));
+        let mut keys: Vec<String> = Vec::new();
+        for line in doc.lines() {
+            if let Some(rest) = line.strip_prefix(&prefix) {
+                let key = rest.split('"').next().unwrap().to_string();
+                if !keys.contains(&key) {
+                    keys.push(key);
+                }
+            }
+        }
+        keys
+    };
+    let mut expected = keys(&solved, 2);
+    assert_eq!(expected[..2], ["mode", "policy"], "{solved}");
+    expected.push("tuning".into());
+    assert_eq!(keys(&tuned, 2), expected, "{tuned}");
+    let plan_keys = keys(&tuned, 6);
+    assert_eq!(
+        plan_keys[..7],
+        [
+            "layer",
+            "dtype",
+            "layout",
+            "op",
+            "n",
+            "multiplicity",
+            "undivided_ms"
+        ],
+        "{tuned}"
+    );
+    assert_eq!(
+        keys(&tuned, 4),
+        [
+            "seconds",
+            "candidates",
+            "sizes_measured",
+            "sizes_cached",
+            "engine_timings_pruned"
+        ],
+        "{tuned}"
+    );
+
+    let doc: serde_json::Value = serde_json::from_str(&tuned).unwrap();
+    let plans = doc["plans"].as_array().unwrap();
+    for plan in plans {
+        let expect = if plan["layer"] == "tiny.conv3_dw" {
+            2
+        } else {
+            1
+        };
+        assert_eq!(plan["multiplicity"], expect, "{plan}");
+    }
+    let weighted: f64 = plans
+        .iter()
+        .map(|p| p["time_ms"].as_f64().unwrap() * p["multiplicity"].as_f64().unwrap())
+        .sum();
+    assert!(weighted > doc["total_time_ms"].as_f64().unwrap());
+
+    let profile = std::fs::read_to_string(&saved).unwrap();
+    let mut times = 0;
+    for value in profile.split("\"time_ms\":").skip(1) {
+        let number: String = value
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == 'e' || *c == '-')
+            .collect();
+        let decimals = number.split('.').nth(1).map_or(0, str::len);
+        assert!(decimals <= 6, "float noise: {number}");
+        times += 1;
+    }
+    assert!(times > 20, "{profile}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Issue 14, item 10: `tune --verify`'s table keeps two spaces between its columns, however
+/// wide a cell, and its JSON section keeps the layer first.
+#[test]
+fn verify_table_columns_stay_apart() {
+    let dir = temp("verify");
+    let cache = dir.join("cache.sqlite");
+    let tune = |extra: &[&str]| {
+        let mut args = vec![
+            "tune",
+            "--network",
+            TINY,
+            "--batch",
+            "2",
+            "--device",
+            "cpu",
+            "--verify",
+            "--quiet",
+        ];
+        args.extend_from_slice(extra);
+        let output = mucudnn(&args, cache.to_str().unwrap());
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        text(&output.stdout)
+    };
+    let table = tune(&[]);
+    let header = table
+        .lines()
+        .find(|l| l.contains("predicted ms"))
+        .unwrap_or_else(|| panic!("{table}"));
+    for pair in [
+        "op  ",
+        "predicted ms  ",
+        "measured ms  ",
+        "undivided pred  ",
+        "undivided meas  ",
+    ] {
+        assert!(header.contains(pair), "{pair:?}: {header}");
+    }
+    let json = tune(&["--json"]);
+    let measured = &json[json.find("\"measured\"").unwrap()..];
+    let layer = measured.find("\"layer\"").unwrap();
+    assert!(layer < measured.find("\"dtype\"").unwrap(), "{measured}");
     std::fs::remove_dir_all(dir).ok();
 }

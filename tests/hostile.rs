@@ -67,6 +67,16 @@ impl Corpus {
             b"[[layer]]\nname = \"c\"\nin_channels = 0\nout_channels = 8\ninput = 8\nkernel = 3\n",
         );
         write("not-toml.toml", b"[[layer\nname = ");
+        // mucudnn's own `fingerprint` key, malformed: not "no fingerprint" (item 7).
+        let record = r#"{"layer": "a", "dtype": "fp32", "layout": "nchw", "n": 1, "c": 2, "h": 5, "w": 5, "k": 2, "r": 3, "s": 3, "pad_h": 0, "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1, "groups": 1, "op": "fwd", "algo": 1, "micro": 1, "workspace_bytes": 0, "time_ms": 0.5}"#;
+        write(
+            "bad-fingerprint.json",
+            format!(r#"{{"format": "mucudnn-profile-v1", "device": "cpu", "fingerprint": {{"backend": "cpu"}}, "records": [{record}]}}"#).as_bytes(),
+        );
+        write(
+            "huge-count.toml",
+            b"[[layer]]\nname = \"c\"\nin_channels = 3\nout_channels = 8\ninput = 4\nkernel = 1\ncount = 4294967296\n",
+        );
         write(
             "huge-kernel.toml",
             b"[[layer]]\nname = \"c\"\nin_channels = 3\nout_channels = 8\ninput = 4\nkernel = 9\n",
@@ -104,6 +114,18 @@ fn refuses(corpus: &Corpus, cache: &str, args: &[&str], expect: &str) -> String 
         .filter(|line| line.starts_with("error"))
         .count();
     assert_eq!(errors, 1, "one error message: {what}");
+    // Each part of the message once (item 10): not "EOF while ...: EOF while ...".
+    let line = stderr
+        .lines()
+        .find(|line| line.starts_with("error"))
+        .unwrap_or_default();
+    let parts: Vec<&str> = line.split(": ").filter(|part| part.len() > 8).collect();
+    for (i, part) in parts.iter().enumerate() {
+        assert!(
+            !parts[i + 1..].contains(part),
+            "{part:?} is printed twice: {what}"
+        );
+    }
     assert!(stderr.contains(expect), "expected {expect:?}: {what}");
     assert!(
         elapsed < Duration::from_secs(20),
@@ -153,6 +175,10 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         ("not-json.json", "not a usable profile"),
         ("wrong-format.json", "not a usable profile"),
         ("garbage.bin", "cannot read profile"),
+        (
+            "bad-fingerprint.json",
+            "is not a mucudnn device fingerprint",
+        ),
         ("missing.json", "cannot read profile"),
     ] {
         let profile = p(name);
@@ -180,11 +206,12 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
     }
 
     // Bad network files.
-    for name in [
-        "bad-network.toml",
-        "not-toml.toml",
-        "huge-kernel.toml",
-        "missing.toml",
+    for (name, expect) in [
+        ("bad-network.toml", "in_channels"),
+        ("not-toml.toml", "TOML syntax error"),
+        ("huge-kernel.toml", "kernel"),
+        ("huge-count.toml", "4294967296 is too large"),
+        ("missing.toml", "cannot read network file"),
     ] {
         let network = p(name);
         refuses(
@@ -199,7 +226,7 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
                 "--device",
                 "cpu",
             ],
-            "error",
+            expect,
         );
     }
 
@@ -303,4 +330,41 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         "a refused command created {fresh}"
     );
     std::fs::remove_dir_all(&corpus.dir).ok();
+}
+
+/// Issue 14, item 5: a batch whose buffers cannot fit is refused before anything is allocated
+/// (it used to abort with "memory allocation of 4000000000 bytes failed"), here under a 4 GiB
+/// address-space limit as a memory-limited user would run it.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_batch_that_cannot_fit_is_refused_before_allocating() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-huge-batch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let network = dir.join("one-1x1-layer.toml");
+    std::fs::write(
+        &network,
+        "[[layer]]\nname = \"c\"\nin_channels = 1\nout_channels = 1\ninput = 1\nkernel = 1\n",
+    )
+    .unwrap();
+    let started = Instant::now();
+    let output = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4194304 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_mucudnn"))
+        .args(["tune", "--network", network.to_str().unwrap()])
+        .args(["--batch", "1000000000", "--device", "cpu", "--no-cache"])
+        .output()
+        .expect("sh runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("memory allocation"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("the CPU backend's full-batch buffers need 11.2 GiB")
+            && stderr.contains("of host memory is available (tune a smaller --batch)"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("error")).count(), 1);
+    assert!(started.elapsed() < Duration::from_secs(20));
+    std::fs::remove_dir_all(&dir).ok();
 }

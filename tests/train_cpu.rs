@@ -570,6 +570,14 @@ fn cli_errors_are_clear() {
             "{extra:?}: {stderr:?} lacks {expected:?}"
         );
     }
+    // Issue 14, item 10: LOCAL_RANK picks a GPU; a stray one does not stop CPU training.
+    for local_rank in ["3", "x"] {
+        let mut args = SMALL.to_vec();
+        args.extend_from_slice(&["--no-cache", "--epochs", "1", "--device", "cpu", "--quiet"]);
+        let output = mucudnn(&args, &[("LOCAL_RANK", local_rank)]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "LOCAL_RANK={local_rank}: {stderr}");
+    }
     let output = mucudnn(&["train", "--workspace-limit", "64MB"], &[]);
     assert_eq!(output.status.code(), Some(2));
     let output = mucudnn(&["train", "--dtype", "bf16"], &[]);

@@ -529,22 +529,7 @@ impl Cache {
         self.writable("imported")?;
         profile.validate()?;
         if !force {
-            match &profile.fingerprint {
-                Some(theirs) if theirs != local => {
-                    return Err(CacheError::ForeignDevice {
-                        theirs: theirs.to_string(),
-                        ours: local.to_string(),
-                    })
-                }
-                Some(_) => {}
-                None if profile.device == local.name
-                    && profile.cudnn_version == local.cudnn_version => {}
-                None => {
-                    return Err(CacheError::UnknownDevice {
-                        name: profile.device.clone(),
-                    })
-                }
-            }
+            check_device(profile, local)?;
         }
         Ok(store::import(&self.conn, profile, local)?)
     }
@@ -553,6 +538,25 @@ impl Cache {
     pub fn clear(&self) -> Result<(), CacheError> {
         self.writable("cleared")?;
         Ok(store::clear(&self.conn)?)
+    }
+}
+
+/// Whether `profile` was measured on `local`: its fingerprint must be `local`'s, or, for a
+/// profile without one, its device name and cuDNN version. [`Cache::import`] checks it unless
+/// forced; callers that check more (the candidates) call it first for the clearer error.
+pub fn check_device(profile: &Profile, local: &DeviceFingerprint) -> Result<(), CacheError> {
+    match &profile.fingerprint {
+        Some(theirs) if theirs != local => Err(CacheError::ForeignDevice {
+            theirs: theirs.to_string(),
+            ours: local.to_string(),
+        }),
+        Some(_) => Ok(()),
+        None if profile.device == local.name && profile.cudnn_version == local.cudnn_version => {
+            Ok(())
+        }
+        None => Err(CacheError::UnknownDevice {
+            name: profile.device.clone(),
+        }),
     }
 }
 

@@ -7,7 +7,7 @@ use mucudnn_solver::{
     EngineName, Layout, MathMode, Measurement, Mode, OpProfile, Plan, Policy, Profile,
 };
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 type Result<T> = rusqlite::Result<T>;
 
@@ -529,33 +529,71 @@ pub(crate) fn entries(conn: &Connection) -> Result<Vec<EntrySummary>> {
     Ok(out)
 }
 
+/// The cache's measurements as one profile per device, every entry of which the interchange
+/// format reads back and the solver accepts (docs/PROFILE_FORMAT.md, "Export").
+///
+/// `seen` holds a row per (layer, shape, mini-batch size, op) ever tuned, but a profile holds
+/// one problem per (layer, dtype, layout, op). Measurements are keyed by the shape without the
+/// mini-batch size, so the rows of one layer's shape tuned at several batch sizes become one
+/// entry at the largest: its measurements (every micro-batch size up to it) include the smaller
+/// batches'. A layer name given to two different shapes keeps its name on the first shape
+/// tuned; the others are exported as `<layer>#2`, `<layer>#3`, ...
 pub(crate) fn export(conn: &Connection, only: Option<&DeviceFingerprint>) -> Result<Vec<Profile>> {
-    let mut by_device: BTreeMap<i64, Profile> = BTreeMap::new();
+    // Per device: the merged rows in tuning order, and where each (layer, shape, op) went.
+    type Key = (String, ConvProblem, ConvOp);
+    let mut rows: BTreeMap<i64, (DeviceFingerprint, Vec<Key>)> = BTreeMap::new();
+    let mut slot_of: HashMap<(i64, Key), usize> = HashMap::new();
     for (d, _, device, layer, problem, op) in seen_rows(conn)? {
         if only.is_some_and(|o| *o != device) {
             continue;
         }
-        let measurements =
-            measurements_up_to(conn, &device, &problem, op, problem.n, CandidateSet::All)?;
-        if measurements.is_empty() {
-            continue;
+        let list = &mut rows.entry(d).or_insert_with(|| (device, Vec::new())).1;
+        let key = (layer.clone(), problem.with_batch(1), op);
+        match slot_of.get(&(d, key.clone())) {
+            Some(&slot) => list[slot].1.n = list[slot].1.n.max(problem.n),
+            None => {
+                slot_of.insert((d, key), list.len());
+                list.push((layer, problem, op));
+            }
         }
-        let profile = by_device.entry(d).or_insert_with(|| Profile {
+    }
+    let mut profiles = Vec::new();
+    for (device, list) in rows.into_values() {
+        let mut profile = Profile {
             device: device.name.clone(),
             cudnn_version: device.cudnn_version,
             math: None,
             timing: Some("exported from the mucudnn cache".into()),
             fingerprint: Some(device.clone()),
             entries: Vec::new(),
-        });
-        profile.entries.push(OpProfile {
-            layer,
-            problem,
-            op,
-            measurements,
-        });
+        };
+        // The (layer, dtype, layout, op) names given out so far.
+        let mut used: HashSet<(String, DType, Layout, ConvOp)> = HashSet::new();
+        for (layer, problem, op) in list {
+            let measurements =
+                measurements_up_to(conn, &device, &problem, op, problem.n, CandidateSet::All)?;
+            if measurements.is_empty() {
+                continue;
+            }
+            let layer = (1..)
+                .map(|nth| match nth {
+                    1 => layer.clone(),
+                    nth => format!("{layer}#{nth}"),
+                })
+                .find(|name| used.insert((name.clone(), problem.dtype, problem.layout, op)))
+                .unwrap_or(layer);
+            profile.entries.push(OpProfile {
+                layer,
+                problem,
+                op,
+                measurements,
+            });
+        }
+        if !profile.entries.is_empty() {
+            profiles.push(profile);
+        }
     }
-    Ok(by_device.into_values().collect())
+    Ok(profiles)
 }
 
 pub(crate) fn import(

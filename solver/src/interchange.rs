@@ -2,7 +2,7 @@
 //! in, [`Profile`] out, and back. Pure string conversion; reading files is the caller's job.
 //!
 //! Records sharing (`layer`, `dtype`, `layout`, `op`) form one tuning problem; their shape fields
-//! must agree. Unknown keys are ignored, as the format requires. Entries keep the order in which
+//! must agree. Errors name records counting from 1. Unknown keys are ignored, as the format requires. Entries keep the order in which
 //! their first record appears.
 
 use crate::algo::{Algo, EngineName};
@@ -21,8 +21,12 @@ pub enum InterchangeError {
     Json(#[from] serde_json::Error),
     #[error("unsupported profile format {found:?} (this build reads \"{FORMAT_V1}\")")]
     Format { found: String },
+    /// `index` counts records from 1, as network files count lines.
     #[error("record {index}: {message}")]
     Record { index: usize, message: String },
+    /// A measurement the profile rules refuse, with the record (from 1) that holds it.
+    #[error("record {index}: {error}")]
+    InRecord { index: usize, error: ProfileError },
     #[error(
         "record {index} ({layer} {dtype} {layout} {op}): {field} is {found}, but an earlier record of the same problem has {expected}"
     )]
@@ -36,12 +40,16 @@ pub enum InterchangeError {
         expected: String,
         found: String,
     },
+    #[error("`fingerprint` is not a mucudnn device fingerprint ({0}); remove the key to import by device name")]
+    Fingerprint(String),
     #[error(transparent)]
     Profile(#[from] ProfileError),
 }
 
+/// The document, with records as `R`: [`Record`]s read in one pass, or JSON values read one by
+/// one when a record is bad (to say which).
 #[derive(Deserialize)]
-struct RawProfile {
+struct RawProfile<R> {
     format: String,
     #[serde(default)]
     device: Option<String>,
@@ -51,11 +59,11 @@ struct RawProfile {
     math: Option<String>,
     #[serde(default)]
     timing: Option<String>,
-    /// mucudnn's extension: the full device fingerprint. A malformed one is ignored, as an
-    /// unknown key would be.
+    /// mucudnn's extension: the full device fingerprint. The key is mucudnn's, so a malformed
+    /// one is an error (an import must not fall back to matching the device by name).
     #[serde(default)]
     fingerprint: Option<serde_json::Value>,
-    records: Vec<serde_json::Value>,
+    records: Vec<R>,
 }
 
 /// One line of the format. Field order is the order records are written in.
@@ -147,7 +155,36 @@ fn first_difference(a: &ConvProblem, b: &ConvProblem) -> Option<(&'static str, S
 
 /// Parses a v1 profile and validates it (shapes, sizes, times, duplicates).
 pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
-    let raw: RawProfile = serde_json::from_str(text)?;
+    let raw: RawProfile<Record> = match serde_json::from_str(text) {
+        Ok(raw) => raw,
+        // Read again record by record, for the error that names the format or the record.
+        Err(_) => {
+            let raw: RawProfile<serde_json::Value> = serde_json::from_str(text)?;
+            if raw.format != FORMAT_V1 {
+                return Err(InterchangeError::Format { found: raw.format });
+            }
+            let records = raw
+                .records
+                .into_iter()
+                .enumerate()
+                .map(|(index, value)| {
+                    serde_json::from_value(value).map_err(|e| InterchangeError::Record {
+                        index: index + 1,
+                        message: e.to_string(),
+                    })
+                })
+                .collect::<Result<Vec<Record>, _>>()?;
+            RawProfile {
+                format: raw.format,
+                device: raw.device,
+                cudnn_version: raw.cudnn_version,
+                math: raw.math,
+                timing: raw.timing,
+                fingerprint: raw.fingerprint,
+                records,
+            }
+        }
+    };
     if raw.format != FORMAT_V1 {
         return Err(InterchangeError::Format { found: raw.format });
     }
@@ -156,18 +193,20 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
         cudnn_version: raw.cudnn_version,
         math: raw.math,
         timing: raw.timing,
-        fingerprint: raw
-            .fingerprint
-            .and_then(|value| serde_json::from_value(value).ok()),
+        fingerprint: match raw.fingerprint {
+            None => None,
+            Some(value) => Some(
+                serde_json::from_value(value)
+                    .map_err(|e| InterchangeError::Fingerprint(e.to_string()))?,
+            ),
+        },
         entries: Vec::new(),
     };
     let mut index_of: HashMap<(String, DType, Layout, ConvOp), usize> = HashMap::new();
-    for (index, value) in raw.records.into_iter().enumerate() {
-        let record: Record =
-            serde_json::from_value(value).map_err(|e| InterchangeError::Record {
-                index,
-                message: e.to_string(),
-            })?;
+    // Per entry, the number (from 1) of the record behind each measurement.
+    let mut records_of: Vec<Vec<usize>> = Vec::new();
+    for (index, record) in raw.records.into_iter().enumerate() {
+        let index = index + 1;
         let problem = record.problem();
         let key = (record.layer.clone(), record.dtype, record.layout, record.op);
         let slot = *index_of.entry(key).or_insert_with(|| {
@@ -177,6 +216,7 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
                 op: record.op,
                 measurements: Vec::new(),
             });
+            records_of.push(Vec::new());
             profile.entries.len() - 1
         });
         let entry = &mut profile.entries[slot];
@@ -223,9 +263,46 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
             time_ms: record.time_ms,
             workspace_bytes: record.workspace_bytes,
         });
+        records_of[slot].push(index);
+    }
+    for (entry, records) in profile.entries.iter().zip(&records_of) {
+        if let Err(error) = entry.validate() {
+            return Err(match record_of(entry, records, &error) {
+                Some(index) => InterchangeError::InRecord { index, error },
+                None => error.into(),
+            });
+        }
     }
     profile.validate()?;
     Ok(profile)
+}
+
+/// The record (from 1) behind an entry's validation error: the first record of a bad shape,
+/// the record of a bad measurement, the second of a duplicate.
+fn record_of(entry: &OpProfile, records: &[usize], error: &ProfileError) -> Option<usize> {
+    let position = |wanted: &dyn Fn(&Measurement) -> bool, nth: usize| {
+        entry
+            .measurements
+            .iter()
+            .zip(records)
+            .filter(|(m, _)| wanted(m))
+            .nth(nth)
+            .map(|(_, &index)| index)
+    };
+    match error {
+        ProfileError::Shape { .. } => records.first().copied(),
+        ProfileError::MicroOutOfRange { micro, .. } => position(&|m| m.micro == *micro, 0),
+        ProfileError::BadTime { micro, algo, .. } => position(
+            &|m| {
+                m.micro == *micro && m.algo == *algo && !(m.time_ms.is_finite() && m.time_ms > 0.0)
+            },
+            0,
+        ),
+        ProfileError::Duplicate { micro, algo, .. } => {
+            position(&|m| m.micro == *micro && m.algo == *algo, 1)
+        }
+        _ => None,
+    }
 }
 
 /// Writes a profile in v1 format: header fields, then one record per line.
@@ -350,9 +427,16 @@ mod tests {
         let text = to_json_string(&p);
         assert!(text.contains("\"fingerprint\""));
         assert_eq!(from_json_str(&text).unwrap(), p);
-        // A malformed fingerprint is ignored like an unknown key.
-        let odd = ONE.replace("\"extra\"", "\"fingerprint\": 7, \"extra\"");
-        assert_eq!(from_json_str(&odd).unwrap().fingerprint, None);
+        // A malformed fingerprint is refused (issue 14, item 7); a null one is absent.
+        for odd in ["7", r#"{"backend": "cuda"}"#, r#""H100""#] {
+            let text = ONE.replace("\"extra\"", &format!("\"fingerprint\": {odd}, \"extra\""));
+            assert!(
+                matches!(from_json_str(&text), Err(InterchangeError::Fingerprint(_))),
+                "{odd}"
+            );
+        }
+        let null = ONE.replace("\"extra\"", "\"fingerprint\": null, \"extra\"");
+        assert_eq!(from_json_str(&null).unwrap().fingerprint, None);
     }
 
     #[test]
@@ -404,20 +488,64 @@ mod tests {
         let missing = ONE.replace(r#""micro": 4,"#, "");
         let err = from_json_str(&missing).unwrap_err().to_string();
         assert!(
-            err.starts_with("record 0:") && err.contains("micro"),
+            err.starts_with("record 1:") && err.contains("micro"),
             "{err}"
         );
         let bad_op = ONE.replace(r#""fwd""#, r#""sideways""#);
         assert!(from_json_str(&bad_op)
             .unwrap_err()
             .to_string()
-            .contains("record 0"));
+            .contains("record 1"));
         assert!(matches!(from_json_str("{"), Err(InterchangeError::Json(_))));
         let empty = r#"{"format": "mucudnn-profile-v1", "records": []}"#;
         assert!(matches!(
             from_json_str(empty),
             Err(InterchangeError::Profile(ProfileError::Empty))
         ));
+    }
+
+    /// Issue 14, item 10: records count from 1, and a measurement the rules refuse is blamed
+    /// on the record that holds it.
+    #[test]
+    fn errors_name_the_record_counting_from_1() {
+        let record = &ONE[ONE.find("{\"layer").unwrap()..ONE.rfind('}').unwrap()];
+        let record = &record[..record.rfind('}').unwrap() + 1];
+        let profile = |records: &[String]| {
+            format!(
+                r#"{{"format": "mucudnn-profile-v1", "records": [{}]}}"#,
+                records.join(",")
+            )
+        };
+        let with = |from: &str, to: &str| record.replace(from, to);
+        for (records, expect) in [
+            (
+                vec![
+                    record.to_string(),
+                    with("\"micro\": 4", "\"micro\": 2"),
+                    with("\"micro\": 4", "\"micro\": 2"),
+                ],
+                "record 3: ",
+            ),
+            (
+                vec![
+                    record.to_string(),
+                    with("\"time_ms\": 0.5", "\"time_ms\": -1"),
+                ],
+                "record 2: ",
+            ),
+            (
+                vec![record.to_string(), with("\"micro\": 4", "\"micro\": 9")],
+                "record 2: ",
+            ),
+            (vec![with("\"c\": 2", "\"c\": 0")], "record 1: "),
+        ] {
+            let err = from_json_str(&profile(&records)).unwrap_err().to_string();
+            assert!(err.starts_with(expect), "expected {expect:?}: {err}");
+        }
+        let err = from_json_str(&profile(&[with("\"op\": \"fwd\"", "\"op\": 3")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("record 1: "), "{err}");
     }
 
     #[test]
@@ -429,7 +557,7 @@ mod tests {
             matches!(
                 &err,
                 InterchangeError::Inconsistent {
-                    index: 1,
+                    index: 2,
                     field: "c",
                     ..
                 }

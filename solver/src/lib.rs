@@ -35,7 +35,7 @@ pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
 pub use profile::{Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError};
 pub use solve::{solve_profile, Mode, Solution, SolvedProblem};
-pub use wd::{solve_wd, WdChoice, WdOptions, MAX_TIME_LIMIT_S};
+pub use wd::{solve_wd, solve_wd_by, WdChoice, WdOptions, MAX_TIME_LIMIT_S};
 pub use wr::{pareto_front, solve_wr, ParetoPoint};
 
 use units::format_bytes;
@@ -64,12 +64,15 @@ pub enum SolveError {
         min_workspace_bytes: Option<u64>,
     },
     #[error(
-        "a total workspace of {} cannot hold every layer's smallest plan; the smallest total that works is {} ({min_total_workspace_bytes} bytes)",
-        format_bytes(*.total_workspace_bytes), format_bytes(*.min_total_workspace_bytes)
+        "a total workspace of {} cannot hold every layer's smallest plan; {}",
+        format_bytes(*.total_workspace_bytes),
+        smallest_total(*.min_total_workspace_bytes)
     )]
     BudgetTooSmall {
         total_workspace_bytes: u64,
-        min_total_workspace_bytes: u64,
+        /// The sum of every layer's smallest workspace; `None` when it passes 2^64 - 1 bytes,
+        /// so that no budget holds it.
+        min_total_workspace_bytes: Option<u64>,
     },
     #[error("workspace division needs at least one (layer, op) to divide among")]
     NothingToDivide,
@@ -77,4 +80,17 @@ pub enum SolveError {
     EmptyFront { index: usize },
     #[error("workspace division: point set {index} has a time of {time_ms} ms")]
     BadPoint { index: usize, time_ms: f64 },
+}
+
+/// The end of [`SolveError::BudgetTooSmall`]'s message.
+fn smallest_total(min_total_workspace_bytes: Option<u64>) -> String {
+    match min_total_workspace_bytes {
+        Some(bytes) => format!(
+            "the smallest total that works is {} ({bytes} bytes)",
+            format_bytes(bytes)
+        ),
+        None => {
+            "their smallest workspaces add up to more than 2^64 - 1 bytes, so no total works".into()
+        }
+    }
 }

@@ -4,10 +4,11 @@
 
 use crate::plan::Plan;
 use crate::profile::{Policy, Profile};
-use crate::wd::{solve_wd, WdOptions};
+use crate::wd::{self, solve_wd_by, WdOptions};
 use crate::wr::{pareto_front, solve_wr, undivided};
 use crate::SolveError;
 use serde::{Deserialize, Serialize};
+use std::time::Instant;
 
 /// Per-layer limit (workspace reuse) or one shared budget (workspace division).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,7 +71,8 @@ impl Solution {
         let sizes = self.problems.iter().map(|p| p.plan.workspace_bytes());
         match self.mode {
             Mode::WorkspaceReuse { .. } => sizes.max().unwrap_or(0),
-            Mode::WorkspaceDivision { .. } => sizes.sum(),
+            // Within the budget, a u64, once solved; saturating for hand-built solutions.
+            Mode::WorkspaceDivision { .. } => sizes.fold(0u64, u64::saturating_add),
         }
     }
 }
@@ -108,13 +110,23 @@ pub fn solve_profile(
         Mode::WorkspaceDivision {
             total_workspace_bytes,
         } => {
+            // One time limit for the whole solve: the undivided baseline first (a small MILP,
+            // given at most a quarter of the limit), then the fronts and the MILP, which gets
+            // whatever is left.
+            let started = Instant::now();
+            let deadline = wd::deadline(started, wd_options);
+            let baseline = undivided_wd(
+                profile,
+                total_workspace_bytes,
+                wd_options,
+                started + (deadline - started) / 4,
+            )?;
             let fronts = profile
                 .entries
                 .iter()
                 .map(|entry| pareto_front(entry, policy))
                 .collect::<Result<Vec<_>, SolveError>>()?;
-            let choice = solve_wd(&fronts, total_workspace_bytes, wd_options)?;
-            let baseline = undivided_wd(profile, total_workspace_bytes, wd_options)?;
+            let choice = solve_wd_by(&fronts, total_workspace_bytes, wd_options, deadline)?;
             let problems = fronts
                 .into_iter()
                 .zip(&choice.choices)
@@ -141,6 +153,7 @@ fn undivided_wd(
     profile: &Profile,
     budget: u64,
     options: &WdOptions,
+    deadline: Instant,
 ) -> Result<Option<Vec<Plan>>, SolveError> {
     let mut fronts = Vec::with_capacity(profile.entries.len());
     for entry in &profile.entries {
@@ -150,7 +163,7 @@ fn undivided_wd(
             Err(other) => return Err(other),
         }
     }
-    match solve_wd(&fronts, budget, options) {
+    match solve_wd_by(&fronts, budget, options, deadline) {
         Ok(choice) => Ok(Some(
             fronts
                 .into_iter()

@@ -20,6 +20,7 @@ use good_lp::{
     variable, Expression, ProblemVariables, ResolutionError, Solution, SolutionStatus, SolverModel,
 };
 use good_lp::{Variable, WithInitialSolution, WithTimeLimit};
+use std::time::{Duration, Instant};
 
 /// The longest MILP time limit accepted, in seconds (about 11.6 days): far beyond any useful
 /// solve, and far from where the MILP solvers' clock arithmetic overflows (`1e19` panics).
@@ -117,25 +118,64 @@ impl From<&ParetoPoint> for Point {
     }
 }
 
-/// Workspace division over Pareto fronts; `names` of errors come from the fronts' plans.
+/// When the WD work must end: `options.time_limit_s` after `start`. Out-of-range limits, which
+/// the front ends refuse, are never handed on: one too large counts as [`MAX_TIME_LIMIT_S`],
+/// zero, a negative one or NaN as a millisecond.
+pub fn deadline(start: Instant, options: &WdOptions) -> Instant {
+    let limit = options.time_limit_s;
+    let seconds = WdOptions::check_time_limit(limit).unwrap_or(if limit > 0.0 {
+        MAX_TIME_LIMIT_S
+    } else {
+        0.001
+    });
+    start + Duration::from_secs_f64(seconds)
+}
+
+/// Workspace division over Pareto fronts; `names` of errors come from the fronts' plans. The
+/// whole call, greedy start included, is bounded by `options.time_limit_s`.
 pub fn solve_wd(
     fronts: &[Vec<ParetoPoint>],
     total_workspace_bytes: u64,
     options: &WdOptions,
 ) -> Result<WdChoice, SolveError> {
+    solve_wd_by(
+        fronts,
+        total_workspace_bytes,
+        options,
+        deadline(Instant::now(), options),
+    )
+}
+
+/// [`solve_wd`] whose MILP stops at `deadline` (shared with other work by the caller). With no
+/// time left, the greedy assignment is the answer, marked not proven.
+pub fn solve_wd_by(
+    fronts: &[Vec<ParetoPoint>],
+    total_workspace_bytes: u64,
+    options: &WdOptions,
+    deadline: Instant,
+) -> Result<WdChoice, SolveError> {
     let points: Vec<Vec<Point>> = fronts
         .iter()
         .map(|f| f.iter().map(Point::from).collect())
         .collect();
-    choose(&points, total_workspace_bytes, options)
+    choose_by(&points, total_workspace_bytes, options, deadline)
 }
 
 /// Workspace division over any sets of (time, workspace) points (they need not be Pareto
-/// fronts). Each set must be non-empty.
+/// fronts). Each set must be non-empty. Bounded by `options.time_limit_s` as a whole.
 pub fn choose(
     points: &[Vec<Point>],
     budget: u64,
     options: &WdOptions,
+) -> Result<WdChoice, SolveError> {
+    choose_by(points, budget, options, deadline(Instant::now(), options))
+}
+
+fn choose_by(
+    points: &[Vec<Point>],
+    budget: u64,
+    options: &WdOptions,
+    deadline: Instant,
 ) -> Result<WdChoice, SolveError> {
     if points.is_empty() {
         return Err(SolveError::NothingToDivide);
@@ -158,15 +198,16 @@ pub fn choose(
         .iter()
         .map(|set| set.iter().map(|p| p.workspace_bytes).min().unwrap_or(0))
         .collect();
-    let min_total = min_ws.iter().fold(0u64, |a, &b| a.saturating_add(b));
-    if min_total > budget {
+    // Sums of workspaces are taken in u128: measured sizes near 2^64 must not wrap.
+    let min_total: u128 = min_ws.iter().map(|&w| u128::from(w)).sum();
+    if min_total > u128::from(budget) {
         return Err(SolveError::BudgetTooSmall {
             total_workspace_bytes: budget,
-            min_total_workspace_bytes: min_total,
+            min_total_workspace_bytes: u64::try_from(min_total).ok(),
         });
     }
     // A point can be chosen only if the others can still take their smallest points.
-    let slack = budget - min_total;
+    let slack = budget - min_total as u64;
     let usable: Vec<Vec<usize>> = points
         .iter()
         .zip(&min_ws)
@@ -183,26 +224,25 @@ pub fn choose(
         .map(|(idx, set)| argmin_time(set, idx))
         .collect();
     let fastest_total = total(points, &fastest);
-    if fastest_total.1 <= budget {
+    if fastest_total.1 <= u128::from(budget) {
         return Ok(finish(points, fastest, true, "trivial"));
     }
 
     let incumbent = greedy(points, &usable, budget);
+    // The MILP gets the time that is left (a millisecond at least would still build the whole
+    // model; none at all means no MILP).
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .as_secs_f64();
     let milp = match options.backend {
-        Backend::Microlp => run_milp(
-            points,
-            &usable,
-            budget,
-            &incumbent,
-            options,
-            good_lp::microlp,
-        ),
+        _ if left < 0.001 => None,
+        Backend::Microlp => run_milp(points, &usable, budget, &incumbent, left, good_lp::microlp),
         #[cfg(feature = "highs")]
-        Backend::Highs => run_milp(points, &usable, budget, &incumbent, options, good_lp::highs),
+        Backend::Highs => run_milp(points, &usable, budget, &incumbent, left, good_lp::highs),
     };
     let (incumbent_time, _) = total(points, &incumbent);
     Ok(match milp {
-        Some((choices, proven)) if total(points, &choices).1 <= budget => {
+        Some((choices, proven)) if total(points, &choices).1 <= u128::from(budget) => {
             if total(points, &choices).0 <= incumbent_time || proven {
                 finish(points, choices, proven, options.backend.name())
             } else {
@@ -225,12 +265,13 @@ fn argmin_time(set: &[Point], idx: &[usize]) -> usize {
         .expect("the smallest point of every set is usable")
 }
 
-fn total(points: &[Vec<Point>], choices: &[usize]) -> (f64, u64) {
+/// Total time and total workspace (exact: u128 cannot overflow on sums of u64s here).
+fn total(points: &[Vec<Point>], choices: &[usize]) -> (f64, u128) {
     choices
         .iter()
         .zip(points)
-        .fold((0.0, 0u64), |(t, w), (&j, set)| {
-            (t + set[j].time_ms, w.saturating_add(set[j].workspace_bytes))
+        .fold((0.0, 0u128), |(t, w), (&j, set)| {
+            (t + set[j].time_ms, w + u128::from(set[j].workspace_bytes))
         })
 }
 
@@ -244,7 +285,8 @@ fn finish(
     WdChoice {
         choices,
         total_time_ms,
-        total_workspace_bytes,
+        // Every caller has checked the total against a u64 budget.
+        total_workspace_bytes: u64::try_from(total_workspace_bytes).unwrap_or(u64::MAX),
         proven_optimal,
         method,
     }
@@ -281,7 +323,9 @@ fn greedy(points: &[Vec<Point>], usable: &[Vec<usize>], budget: u64) -> Vec<usiz
                 let extra = candidate
                     .workspace_bytes
                     .saturating_sub(current.workspace_bytes);
-                let fits = used - current.workspace_bytes + candidate.workspace_bytes <= budget;
+                let fits = used - u128::from(current.workspace_bytes)
+                    + u128::from(candidate.workspace_bytes)
+                    <= u128::from(budget);
                 if !fits {
                     continue;
                 }
@@ -297,7 +341,8 @@ fn greedy(points: &[Vec<Point>], usable: &[Vec<usize>], budget: u64) -> Vec<usiz
         }
         match best {
             Some((_, p, j)) => {
-                used = used - points[p][choice[p]].workspace_bytes + points[p][j].workspace_bytes;
+                used = used - u128::from(points[p][choice[p]].workspace_bytes)
+                    + u128::from(points[p][j].workspace_bytes);
                 choice[p] = j;
             }
             None => return choice,
@@ -312,7 +357,7 @@ fn run_milp<M, S>(
     usable: &[Vec<usize>],
     budget: u64,
     incumbent: &[usize],
-    options: &WdOptions,
+    time_limit_s: f64,
     solver: S,
 ) -> Option<(Vec<usize>, bool)>
 where
@@ -352,15 +397,9 @@ where
     let mut model = vars
         .minimise(objective)
         .using(solver)
-        // Out-of-range limits are refused by the front ends; never hand one on to panic.
-        .with_time_limit(WdOptions::check_time_limit(options.time_limit_s).map_or(
-            if options.time_limit_s > 0.0 {
-                MAX_TIME_LIMIT_S
-            } else {
-                0.001
-            },
-            |s| s.max(0.001),
-        ));
+        // At most MAX_TIME_LIMIT_S (callers' deadlines come from checked limits): never a
+        // value that makes the solver's clock arithmetic panic.
+        .with_time_limit(time_limit_s.clamp(0.001, MAX_TIME_LIMIT_S));
     for row in &x {
         let one: Expression = row.iter().map(|&(_, v)| v).sum();
         model.add_constraint(one.eq(1.0));

@@ -39,36 +39,64 @@ impl CpuBackend {
         }
     }
 
-    fn operands(&mut self, problem: &ConvProblem) -> &mut Operands {
+    /// The full-batch operands of `problem`, made when the problem changes. Refused (before
+    /// allocating) when they cannot fit in host memory; an allocation failure is an error.
+    fn operands(&mut self, problem: &ConvProblem) -> Result<&mut Operands, BackendError> {
         let stale = self.operands.as_ref().is_none_or(|(p, _)| p != problem);
         if stale {
-            // Input, filter and output tensors of the full batch, indexed by `Operand`.
-            let len = |role: Operand| {
-                role.elements_per_sample(problem)
-                    * if role.is_batched() {
-                        problem.n as usize
-                    } else {
-                        1
-                    }
-            };
-            let values = |role: Operand, seed| random_values(problem.dtype, len(role), seed);
-            let (x, w, y) = (
-                values(Operand::Input, 1),
-                values(Operand::Filter, 2),
-                values(Operand::Output, 3),
-            );
-            fn convert<T: Element>(v: Vec<f32>) -> Vec<T> {
-                v.into_iter().map(T::from_f32).collect()
+            self.operands = None; // free before allocating the next problem's buffers
+            self.check_fits(problem)?;
+            // Input, filter and output tensors of the full batch, indexed by `Operand`, made
+            // one at a time (so the f32 staging of one is the only extra memory).
+            fn make<T: Element>(
+                problem: &ConvProblem,
+                role: Operand,
+                seed: u64,
+            ) -> Result<Vec<T>, BackendError> {
+                let len = super::operand_elements(problem, role) as usize;
+                let values = random_values(problem.dtype, len, seed);
+                let mut out: Vec<T> = Vec::new();
+                out.try_reserve_exact(len).map_err(|_| {
+                    super::out_of_memory(
+                        &format!("{}: the CPU backend's {role:?} tensor", problem.describe()),
+                        (len * std::mem::size_of::<T>()) as u64,
+                        super::available_host_memory().unwrap_or(0),
+                        "was available and the allocation failed",
+                    )
+                })?;
+                out.extend(values.into_iter().map(T::from_f32));
+                Ok(out)
+            }
+            fn all<T: Element>(problem: &ConvProblem) -> Result<[Vec<T>; 3], BackendError> {
+                Ok([
+                    make(problem, Operand::Input, 1)?,
+                    make(problem, Operand::Filter, 2)?,
+                    make(problem, Operand::Output, 3)?,
+                ])
             }
             let operands = match problem.dtype {
-                DType::Fp32 => Operands::F32([x, w, y]),
-                DType::Fp16 => Operands::F16([convert(x), convert(w), convert(y)]),
-                DType::Bf16 => Operands::Bf16([convert(x), convert(w), convert(y)]),
+                DType::Fp32 => Operands::F32(all(problem)?),
+                DType::Fp16 => Operands::F16(all(problem)?),
+                DType::Bf16 => Operands::Bf16(all(problem)?),
             };
             self.operands = Some((*problem, operands));
         }
-        &mut self.operands.as_mut().expect("just set").1
+        match self.operands.as_mut() {
+            Some((_, operands)) => Ok(operands),
+            None => Err(BackendError::Invalid("no operands".into())),
+        }
     }
+}
+
+/// Host bytes the CPU backend holds for `problem`'s operands at their peak: the three
+/// full-batch tensors in its dtype, plus the f32 staging of the largest while it is made.
+fn operand_host_bytes(problem: &ConvProblem) -> u128 {
+    let staging = [Operand::Input, Operand::Filter, Operand::Output]
+        .into_iter()
+        .map(|role| super::operand_elements(problem, role) * 4)
+        .max()
+        .unwrap_or(0);
+    super::operand_bytes(problem) + staging
 }
 
 /// Times one algorithm at one micro-batch, on the last `micro` samples of the full buffers.
@@ -120,6 +148,30 @@ impl Backend for CpuBackend {
         &self.fingerprint
     }
 
+    fn check_fits(&self, problem: &ConvProblem) -> Result<(), BackendError> {
+        let needed = operand_host_bytes(problem);
+        let available = super::available_host_memory();
+        let too_large =
+            needed > isize::MAX as u128 || available.is_some_and(|a| needed > u128::from(a));
+        if too_large {
+            return Err(super::out_of_memory(
+                &format!(
+                    "{}: the CPU backend's full-batch buffers",
+                    problem.describe()
+                ),
+                u64::try_from(needed).unwrap_or(u64::MAX),
+                available.unwrap_or(isize::MAX as u64),
+                "of host memory is available",
+            ));
+        }
+        Ok(())
+    }
+
+    fn has_candidate(&self, _op: ConvOp, algo: &Algo) -> bool {
+        algo.legacy()
+            .is_some_and(|id| CpuAlgo::from_id(id).is_some())
+    }
+
     fn measure(
         &mut self,
         problem: &ConvProblem,
@@ -128,14 +180,24 @@ impl Backend for CpuBackend {
         timing: &TimingSettings,
     ) -> Result<Vec<Measurement>, BackendError> {
         check_measure_args(problem, micro)?;
+        self.operands(problem)?;
         let mut measurements = Vec::with_capacity(CpuAlgo::ALL.len());
         for algo in CpuAlgo::ALL {
             let workspace_bytes = cpu::workspace_bytes(&problem.with_batch(micro), op, algo);
             if (self.workspace.len() as u64) < workspace_bytes {
-                self.workspace = AlignedWorkspace::new(workspace_bytes);
+                // A workspace that cannot be had makes the algorithm unsupported at this size,
+                // as cuDNN's are: left out, not an abort.
+                let fits = super::available_host_memory().is_none_or(|a| workspace_bytes <= a);
+                match fits
+                    .then(|| AlignedWorkspace::try_new(workspace_bytes))
+                    .flatten()
+                {
+                    Some(workspace) => self.workspace = workspace,
+                    None => continue,
+                }
             }
             let mut workspace = std::mem::take(&mut self.workspace);
-            let time_ms = match self.operands(problem) {
+            let time_ms = match self.operands(problem)? {
                 Operands::F32(b) => time_algo(
                     problem,
                     op,
@@ -173,5 +235,27 @@ impl Backend for CpuBackend {
             });
         }
         Ok(measurements)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 14, item 5: what cannot be allocated is an error or a left-out algorithm, never
+    /// an abort.
+    #[test]
+    fn allocation_failure_is_a_value() {
+        assert!(AlignedWorkspace::try_new(u64::MAX).is_none());
+        assert!(AlignedWorkspace::try_new(1 << 62).is_none());
+        assert_eq!(AlignedWorkspace::try_new(10).map(|w| w.len()), Some(10));
+        // Buffers past the address space are refused by check_fits, whatever the machine.
+        let backend = CpuBackend::new();
+        let huge = ConvProblem::new(1 << 40, 64, 64, 64, 64, 3, 3);
+        let error = backend.check_fits(&huge).unwrap_err().to_string();
+        assert!(error.contains("full-batch buffers need"), "{error}");
+        assert!(backend
+            .check_fits(&ConvProblem::new(2, 3, 8, 8, 4, 3, 3))
+            .is_ok());
     }
 }

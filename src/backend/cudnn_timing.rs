@@ -39,6 +39,8 @@ pub struct CudnnBackend {
     operands: Option<Operands>,
     workspace: Option<Workspace>,
     kinds: &'static [AlgoKind],
+    /// The GPU's memory, as CUDA reports it.
+    memory_bytes: u64,
 }
 
 impl CudnnBackend {
@@ -61,11 +63,13 @@ impl CudnnBackend {
             driver_version: Some(system.driver_version as u32),
             cudnn_version: Some(system.cudnn_version),
         };
+        let memory_bytes = device.total_memory_bytes;
         Ok(CudnnBackend {
             handle: CudnnHandle::new(ordinal)?,
             fingerprint,
             operands: None,
             workspace: None,
+            memory_bytes,
             kinds: if graph_api_status().is_ok() {
                 &[AlgoKind::Legacy, AlgoKind::Engine]
             } else {
@@ -255,6 +259,43 @@ impl Backend for CudnnBackend {
         self.kinds
     }
 
+    /// The full-batch operands live on the GPU, each staged as f32 values on the host first:
+    /// both must fit before anything is allocated (cudaMalloc failures are errors already).
+    fn check_fits(&self, problem: &ConvProblem) -> Result<(), BackendError> {
+        let device = super::operand_bytes(problem);
+        if device > u128::from(self.memory_bytes) {
+            return Err(super::out_of_memory(
+                &format!("{}: the full-batch tensors", problem.describe()),
+                u64::try_from(device).unwrap_or(u64::MAX),
+                self.memory_bytes,
+                "is the GPU's memory",
+            ));
+        }
+        let staging = [Operand::Input, Operand::Filter, Operand::Output]
+            .into_iter()
+            .map(|role| super::operand_elements(problem, role) * 4)
+            .max()
+            .unwrap_or(0);
+        if let Some(available) = super::available_host_memory() {
+            if staging > u128::from(available) {
+                return Err(super::out_of_memory(
+                    &format!("{}: staging the largest tensor", problem.describe()),
+                    u64::try_from(staging).unwrap_or(u64::MAX),
+                    available,
+                    "of host memory is available",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn has_candidate(&self, op: ConvOp, algo: &Algo) -> bool {
+        match algo {
+            Algo::Legacy(number) => *number < algo_count(op),
+            Algo::Engine(_) => self.kinds.contains(&AlgoKind::Engine),
+        }
+    }
+
     /// Enumerates configurations with cuDNN's heuristics (modes A, B and the fallback list, in
     /// that ranking, at most `search.max_candidates`), builds each one's execution plan for
     /// the micro-batch, and times it like a legacy algorithm (same offsets, same clock).
@@ -269,6 +310,9 @@ impl Backend for CudnnBackend {
     ) -> Result<Vec<Measurement>, BackendError> {
         check_measure_args(problem, micro)?;
         graph_api_status()?;
+        if self.operands.as_ref().is_none_or(|o| o.problem != *problem) {
+            self.check_fits(problem)?;
+        }
         self.ensure_operands(problem)?;
         let micro_problem = problem.with_batch(micro);
         let heuristics = super::cudnn::EngineSearch {
@@ -312,6 +356,9 @@ impl Backend for CudnnBackend {
         timing: &TimingSettings,
     ) -> Result<Vec<Measurement>, BackendError> {
         check_measure_args(problem, micro)?;
+        if self.operands.as_ref().is_none_or(|o| o.problem != *problem) {
+            self.check_fits(problem)?;
+        }
         self.ensure_operands(problem)?;
         let d = ConvDescriptors::new(&problem.with_batch(micro))?;
         // The last `micro` samples: a non-zero offset whenever the plan splits the batch.

@@ -11,7 +11,8 @@ pub mod cudnn;
 pub mod cudnn_timing;
 
 use crate::device::DeviceFingerprint;
-use crate::solver::{AlgoKind, ConvOp, ConvProblem, EngineName, Measurement};
+use crate::solver::units::format_bytes;
+use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Operand};
 use std::collections::BTreeSet;
 
 pub use cpu_timing::CpuBackend;
@@ -61,6 +62,82 @@ pub enum BackendError {
     NoEngines { backend: String },
     #[error("{0}")]
     Invalid(String),
+    /// The buffers a problem needs cannot fit: refused before anything is allocated, or an
+    /// allocation that failed (made by [`out_of_memory`]).
+    #[error("{0}")]
+    OutOfMemory(String),
+}
+
+/// [`BackendError::OutOfMemory`]: `what` needs `needed` bytes, but `available` bytes `where_`
+/// (e.g. "of host memory is available").
+pub(crate) fn out_of_memory(what: &str, needed: u64, available: u64, where_: &str) -> BackendError {
+    BackendError::OutOfMemory(format!(
+        "{what} need {}, but {} {where_} (tune a smaller --batch)",
+        format_bytes(needed),
+        format_bytes(available)
+    ))
+}
+
+/// Bytes of a problem's full-batch input, filter and output tensors in its dtype (exact: u128).
+pub(crate) fn operand_bytes(problem: &ConvProblem) -> u128 {
+    [Operand::Input, Operand::Filter, Operand::Output]
+        .into_iter()
+        .map(|role| operand_elements(problem, role) * problem.dtype.size_bytes() as u128)
+        .sum()
+}
+
+/// Elements of one full-batch operand (exact: u128).
+pub(crate) fn operand_elements(problem: &ConvProblem, role: Operand) -> u128 {
+    let samples = if role.is_batched() {
+        problem.n.max(0) as u128
+    } else {
+        1
+    };
+    role.elements_per_sample(problem) as u128 * samples
+}
+
+/// Host memory this process may still allocate, when the system says: the kernel's estimate of
+/// available memory (`MemAvailable`), a cgroup v2 memory limit less its usage, and the address
+/// space limit (`ulimit -v`) less the process's size, whichever is least. `None` off Linux.
+pub(crate) fn available_host_memory() -> Option<u64> {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    // "Key:   123 kB" lines.
+    let kib = |text: &str, key: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..]
+            .split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+    };
+    let mut limits: Vec<u64> = Vec::new();
+    if let Some(kb) = read("/proc/meminfo").and_then(|t| kib(&t, "MemAvailable:")) {
+        limits.push(kb.saturating_mul(1024));
+    }
+    let number = |path: &str| read(path).and_then(|t| t.trim().parse::<u64>().ok());
+    if let (Some(max), Some(current)) = (
+        number("/sys/fs/cgroup/memory.max"),
+        number("/sys/fs/cgroup/memory.current"),
+    ) {
+        limits.push(max.saturating_sub(current));
+    }
+    // "Max address space   <soft>   <hard>   bytes"; "unlimited" parses as no limit.
+    let address_space = read("/proc/self/limits").and_then(|t| {
+        let line = t.lines().find(|l| l.starts_with("Max address space"))?;
+        line["Max address space".len()..]
+            .split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+    });
+    if let Some(limit) = address_space {
+        let used = read("/proc/self/status")
+            .and_then(|t| kib(&t, "VmSize:"))
+            .unwrap_or(0)
+            .saturating_mul(1024);
+        limits.push(limit.saturating_sub(used));
+    }
+    limits.into_iter().min()
 }
 
 /// How to search engine configurations at one micro-batch size.
@@ -91,6 +168,20 @@ pub trait Backend {
     /// The kinds of candidate this backend can measure.
     fn kinds(&self) -> &'static [AlgoKind] {
         &[AlgoKind::Legacy]
+    }
+
+    /// Refuses a problem whose buffers cannot fit this device's memory, before anything is
+    /// allocated or measured. The profiler calls it for every job first.
+    fn check_fits(&self, problem: &ConvProblem) -> Result<(), BackendError> {
+        let _ = problem;
+        Ok(())
+    }
+
+    /// Whether `algo` is a candidate of `op` that this backend has (an imported profile's
+    /// algorithm numbers are checked against it). The default knows the kinds, not numbers.
+    fn has_candidate(&self, op: ConvOp, algo: &Algo) -> bool {
+        let _ = op;
+        self.kinds().contains(&algo.kind())
     }
 
     /// Times the graph-API engine configurations of `op` at micro-batch size `micro`, as
@@ -140,9 +231,18 @@ pub(crate) fn check_measure_args(problem: &ConvProblem, micro: i64) -> Result<()
     Ok(())
 }
 
-/// The time of one call per [`TimingSettings`]: `time_loop(k)` runs `k` back-to-back calls
-/// and returns their total milliseconds on the backend's clock. The first single call is the
-/// warm-up, or the answer when it is a long call. Shared by the CPU and GPU backends.
+/// Milliseconds rounded to whole nanoseconds, the resolution of the clocks that take them (the
+/// host clock counts nanoseconds; CUDA events resolve about half a microsecond). Digits below
+/// it are float noise from dividing a loop's total by its calls (`4.250659000000001`); rounded,
+/// a profile writes `4.250659`.
+pub(crate) fn round_to_ns(ms: f64) -> f64 {
+    (ms * 1e6).round() / 1e6
+}
+
+/// The time of one call per [`TimingSettings`], rounded to the nanosecond ([`round_to_ns`]):
+/// `time_loop(k)` runs `k` back-to-back calls and returns their total milliseconds on the
+/// backend's clock. The first single call is the warm-up, or the answer when it is a long call.
+/// Shared by the CPU and GPU backends.
 pub(crate) fn median_time<E>(
     timing: &TimingSettings,
     mut time_loop: impl FnMut(u32) -> Result<f64, E>,
@@ -150,7 +250,7 @@ pub(crate) fn median_time<E>(
     // The first call tells whether this is a long call; it doubles as the warm-up.
     let first = time_loop(1)?;
     if first >= timing.long_call_ms {
-        return Ok(first);
+        return Ok(round_to_ns(first));
     }
     for _ in 1..timing.warmup {
         time_loop(1)?;
@@ -161,5 +261,39 @@ pub(crate) fn median_time<E>(
         samples.push(time_loop(iterations)? / f64::from(iterations));
     }
     samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
+    Ok(round_to_ns(samples[samples.len() / 2]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 14, item 11: times come out at the clock's nanosecond resolution, without the
+    /// float noise of a loop's total divided by its calls, and a profile prints them short.
+    #[test]
+    fn median_times_are_whole_nanoseconds() {
+        let timing = TimingSettings {
+            iterations: 5,
+            ..TimingSettings::CPU
+        };
+        // A loop's total as a clock gives it (whole nanoseconds); divided by its 5 calls it
+        // is 4.250659000000001 in f64.
+        let time = median_time(&timing, |calls| -> Result<f64, ()> {
+            Ok(if calls == 5 { 21.253295 } else { 4.25 })
+        })
+        .unwrap();
+        assert_eq!(time.to_string(), "4.250659");
+        for noisy in [
+            4.250659000000001,
+            0.1 + 0.2,
+            13.618241999999999,
+            2.1058980000000003,
+        ] {
+            let rounded = round_to_ns(noisy);
+            let text = serde_json::to_string(&rounded).unwrap();
+            let decimals = text.split('.').nth(1).map_or(0, str::len);
+            assert!(decimals <= 6, "{noisy} -> {text}");
+            assert!((rounded - noisy).abs() <= 5e-7, "{noisy} -> {rounded}");
+        }
+    }
 }

@@ -161,9 +161,9 @@ fn unique_file_name(name: &ProblemName, used: &mut HashSet<String>) -> String {
 
 use crate::report::{ms, speedup as speedup_text};
 
-/// Markdown table cells: a `|` would end the cell.
+/// Markdown table cells: a `|` would end the cell, a newline the row.
 fn md(text: &str) -> String {
-    text.replace('|', "\\|")
+    crate::report::escape_control(text).replace('|', "\\|")
 }
 
 fn describe_constraint(mode: Mode) -> String {

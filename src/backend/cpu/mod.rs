@@ -480,6 +480,16 @@ impl AlignedWorkspace {
         }
     }
 
+    /// A zeroed workspace of `bytes` bytes, or `None` when it cannot be allocated (the
+    /// allocation failure is a value, not an abort).
+    pub fn try_new(bytes: u64) -> Option<Self> {
+        let bytes = usize::try_from(bytes).ok()?;
+        let mut storage = Vec::new();
+        storage.try_reserve_exact(bytes.div_ceil(4)).ok()?;
+        storage.resize(bytes.div_ceil(4), 0.0);
+        Some(AlignedWorkspace { storage, bytes })
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.bytes

@@ -7,9 +7,10 @@
 use crate::{open_device, read_profile, DeviceChoice};
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
+use mucudnn::backend::Backend;
 use mucudnn::cache::{Access, Cache, Location, SCHEMA_VERSION};
 use mucudnn::solver::units::format_bytes;
-use mucudnn::solver::{interchange, DeviceFingerprint};
+use mucudnn::solver::{interchange, DeviceFingerprint, Profile};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -59,6 +60,31 @@ enum CacheAction {
 fn local_fingerprint(choice: DeviceChoice) -> Result<DeviceFingerprint> {
     let mut device = open_device(choice, false)?;
     Ok(device.backend().fingerprint().clone())
+}
+
+/// Refuses a profile with candidates `backend` does not have (an algorithm number past its
+/// last, engine configurations on a backend without them), naming the first.
+fn check_candidates(profile: &Profile, backend: &dyn Backend) -> Result<()> {
+    for entry in &profile.entries {
+        if let Some(m) = entry
+            .measurements
+            .iter()
+            .find(|m| !backend.has_candidate(entry.op, &m.algo))
+        {
+            anyhow::bail!(
+                "{}: {} {} is not a {} candidate of {} (import --force stores it anyway)",
+                entry.name(),
+                match m.algo.kind() {
+                    mucudnn::solver::AlgoKind::Legacy => "algorithm",
+                    mucudnn::solver::AlgoKind::Engine => "engine configuration",
+                },
+                m.algo,
+                entry.op,
+                backend.fingerprint()
+            );
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn run(args: &CacheArgs) -> Result<()> {
@@ -121,7 +147,13 @@ pub(crate) fn run(args: &CacheArgs) -> Result<()> {
                 Some(profile) => profile,
                 None => read_profile(file)?,
             };
-            let local = local_fingerprint(*device)?;
+            let mut device = open_device(*device, false)?;
+            let backend = device.backend();
+            let local = backend.fingerprint().clone();
+            if !*force {
+                mucudnn::cache::check_device(&profile, &local)?;
+                check_candidates(&profile, backend)?;
+            }
             let stored = cache.import(&profile, &local, *force)?;
             eprintln!(
                 "imported {stored} measurements of {} (layer, op) into {}",
@@ -165,7 +197,7 @@ fn list(cache: &Cache, json: bool) -> Result<()> {
         }
         outln!(
             "  {:<32} {:<10} {:<44} {:>3} sizes {:>5} measurements {:>3} plans",
-            e.layer,
+            mucudnn::report::escape_control(&e.layer),
             e.op.name(),
             e.problem.describe(),
             e.sizes,

@@ -286,6 +286,24 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// An error and its causes on one line, each text once: many errors print their source in
+/// their own message (`cannot read x: No such file or directory (os error 2)`), so a cause
+/// whose text is already there is not repeated.
+fn error_text(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        let cause = cause.to_string();
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
+}
+
 fn main() -> ExitCode {
     let result = run(Cli::parse()).and_then(|()| {
         let _ = std::io::stdout().flush().map_err(|error| {
@@ -303,7 +321,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", error_text(&error));
             let interrupted = error
                 .downcast_ref::<mucudnn::tune::TuneError>()
                 .is_some_and(|e| matches!(e, mucudnn::tune::TuneError::Interrupted { .. }));

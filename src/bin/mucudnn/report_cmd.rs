@@ -83,20 +83,35 @@ fn parse_limit(text: &str) -> Result<u64, String> {
 
 /// The entry to explain: from the saved profile, or measured (through the cache) now.
 fn entry(args: &ExplainArgs) -> Result<OpProfile> {
+    // The (layer, dtype, layout, op) asked for: a profile may hold the layer in several.
+    let (dtype, layout) = (args.source.dtype, args.source.layout);
     let find = |profile: Profile| -> Result<OpProfile> {
-        let names: Vec<String> = profile.entries.iter().map(|e| e.layer.clone()).collect();
+        // What the profile has instead: this layer's (dtype, layout, op)s, else its layers.
+        let mut others: Vec<String> = profile
+            .entries
+            .iter()
+            .filter(|e| e.layer == args.layer)
+            .map(|e| format!("{} {} {}", e.problem.dtype, e.problem.layout, e.op))
+            .collect();
+        if others.is_empty() {
+            others = profile.entries.iter().map(|e| e.layer.clone()).collect();
+            others.dedup();
+        }
         profile
             .entries
             .into_iter()
-            .find(|e| e.layer == args.layer && e.op == args.op)
+            .find(|e| {
+                e.layer == args.layer
+                    && e.op == args.op
+                    && e.problem.dtype == dtype
+                    && e.problem.layout == layout
+            })
             .with_context(|| {
-                let mut names = names;
-                names.dedup();
                 format!(
-                    "no {} {} in the profile (layers: {})",
+                    "no {} {dtype} {layout} {} in the profile (it has: {})",
                     args.layer,
                     args.op,
-                    names.join(", ")
+                    others.join(", ")
                 )
             })
     };

@@ -14,7 +14,9 @@ use mucudnn::models::{multiplicities, Model, ModelLayer};
 use mucudnn::network::read_network;
 use mucudnn::profiler::prune::DEFAULT_MARGIN;
 use mucudnn::profiler::Progress;
-use mucudnn::report::{render_verification, verification_json, SolutionJson};
+use mucudnn::report::{
+    render_verification, verification_json, SolutionJson, TuneJson, TuningJson, VerificationJson,
+};
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::CandidateSet;
 use mucudnn::solver::{interchange, DType, Layout, Plan, Solution};
@@ -39,9 +41,9 @@ pub(crate) struct LayerSource {
     #[arg(long, value_name = "N")]
     batch: Option<i64>,
     #[arg(long, default_value = "fp32", value_parser = parse_dtype)]
-    dtype: DType,
+    pub(crate) dtype: DType,
     #[arg(long, default_value = "nchw", value_parser = parse_layout)]
-    layout: Layout,
+    pub(crate) layout: Layout,
 }
 
 impl LayerSource {
@@ -388,13 +390,13 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
             );
         }
     }
-    let tuning_json = serde_json::json!({
-        "seconds": tuning_seconds,
-        "candidates": run.effective_candidates(device.backend().kinds()).name(),
-        "sizes_measured": stats.measured,
-        "sizes_cached": stats.cached,
-        "engine_timings_pruned": stats.pruned,
-    });
+    let tuning_json = TuningJson {
+        seconds: tuning_seconds,
+        candidates: run.effective_candidates(device.backend().kinds()).name(),
+        sizes_measured: stats.measured,
+        sizes_cached: stats.cached,
+        engine_timings_pruned: stats.pruned,
+    };
     if let Some(path) = &args.save_profile {
         std::fs::write(path, interchange::to_json_string(&profile))
             .with_context(|| format!("cannot write profile {}", path.display()))?;
@@ -425,11 +427,11 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         None
     };
     if args.settings.json {
-        let mut doc = serde_json::to_value(SolutionJson::new(&solution))?;
-        doc["tuning"] = tuning_json;
-        if let Some(measured) = measured {
-            doc["measured"] = measured;
-        }
+        let doc = TuneJson {
+            solution: SolutionJson::new(&solution).with_multiplicity(&multiplicity),
+            tuning: tuning_json,
+            measured,
+        };
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
@@ -441,7 +443,7 @@ fn verify(
     solution: &Solution,
     json: bool,
     quiet: bool,
-) -> Result<serde_json::Value> {
+) -> Result<VerificationJson> {
     let progress = |plan: &Plan| {
         if !quiet {
             eprintln!(
