@@ -213,3 +213,9 @@ def test_a_shape_without_a_plan_falls_back_to_pytorch_or_raises(monkeypatch, cap
     model = mt.convert_(nn.Sequential(nn.Conv2d(3, 4, 3)), cache=False)
     summary = mt.tune(model, torch.randn(2, 3, 6, 6), verbose=False)
     assert summary["layers"] == 1 and model[0].plans[(2, 3, 6, 6)].fallback
+
+
+def test_engines_on_the_cpu_is_an_error_not_a_fallback():
+    conv = mt.Conv2d(3, 4, 3, cache=False, name="net.eng", candidates="engines")
+    with pytest.raises(RuntimeError, match="net.eng: tuning input shape .*engine"):
+        conv(torch.randn(2, 3, 6, 6))

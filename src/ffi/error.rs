@@ -61,6 +61,12 @@ impl FfiError {
             FfiError::Backend(BackendError::Invalid(_)) => {
                 mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT
             }
+            FfiError::Backend(BackendError::OutOfMemory(_)) => {
+                mucudnnStatus_t::MUCUDNN_STATUS_OUT_OF_MEMORY
+            }
+            FfiError::Backend(BackendError::NoEngines { .. }) => {
+                mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT
+            }
             FfiError::Backend(_) => mucudnnStatus_t::MUCUDNN_STATUS_INTERNAL_ERROR,
             FfiError::Solve(SolveError::Profile(_)) => mucudnnStatus_t::MUCUDNN_STATUS_BAD_PROFILE,
             FfiError::Solve(_) => mucudnnStatus_t::MUCUDNN_STATUS_SOLVER_ERROR,
