@@ -31,7 +31,55 @@ pub trait Collective {
     fn abort(&mut self, reason: &str) {
         let _ = reason;
     }
+    /// Every rank's bytes, in rank order (lengths may differ), on every rank: for small,
+    /// rare messages (tuning tasks and plans), not for data. The default goes through two
+    /// f64 sums (the lengths, then every rank's bytes in its own segment, six bytes per f64:
+    /// whole numbers below 2^48 added to zeros, so the sums are exact).
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, TrainError> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let mut lengths = vec![0.0f64; world];
+        lengths[rank] = mine.len() as f64;
+        self.all_reduce_sum_f64(&mut lengths)?;
+        let words = |len: f64| (len as usize).div_ceil(BYTES_PER_WORD);
+        let offsets: Vec<usize> = lengths
+            .iter()
+            .scan(0, |at, &len| {
+                let start = *at;
+                *at += words(len);
+                Some(start)
+            })
+            .collect();
+        let total: usize = lengths.iter().map(|&len| words(len)).sum();
+        let mut packed = vec![0.0f64; total];
+        for (word, chunk) in packed[offsets[rank]..]
+            .iter_mut()
+            .zip(mine.chunks(BYTES_PER_WORD))
+        {
+            let mut bytes = [0u8; 8];
+            bytes[..chunk.len()].copy_from_slice(chunk);
+            *word = u64::from_le_bytes(bytes) as f64;
+        }
+        self.all_reduce_sum_f64(&mut packed)?;
+        Ok(lengths
+            .iter()
+            .zip(&offsets)
+            .map(|(&len, &offset)| {
+                let len = len as usize;
+                packed[offset..offset + words(len as f64)]
+                    .iter()
+                    .flat_map(|&word| {
+                        let bytes = (word as u64).to_le_bytes();
+                        bytes[..BYTES_PER_WORD].to_vec()
+                    })
+                    .take(len)
+                    .collect()
+            })
+            .collect())
+    }
 }
+
+/// Bytes carried by one f64 in [`Collective::all_gather_bytes`]: 48 bits, exact in an f64.
+const BYTES_PER_WORD: usize = 6;
 
 /// Every rank says whether it is fine before a section that no rank may enter alone (an NCCL
 /// collective: a rank inside one waits on the device for every other rank, where no host
@@ -404,6 +452,24 @@ mod tests {
             assert_eq!(data, vec![2.5; 4]);
             assert_eq!(stats, [3.0, 3.0]);
         }
+    }
+
+    #[test]
+    fn bytes_of_every_length_are_gathered_exactly() {
+        let results = on_ranks(3, |c| {
+            // Rank r sends 0, 7 or 14 bytes, every value 0..=255 among them.
+            let mine: Vec<u8> = (0..7 * c.rank()).map(|i| (i * 37 + 255) as u8).collect();
+            c.all_gather_bytes(&mine).unwrap()
+        });
+        let expected: Vec<Vec<u8>> = (0..3)
+            .map(|r| (0..7 * r).map(|i| (i * 37 + 255) as u8).collect())
+            .collect();
+        for gathered in results {
+            assert_eq!(gathered, expected);
+        }
+        let everything: Vec<u8> = (0..=255).collect();
+        let results = on_ranks(2, |c| c.all_gather_bytes(&everything).unwrap());
+        assert!(results.iter().flatten().all(|part| part == &everything));
     }
 
     #[test]

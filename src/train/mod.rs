@@ -26,6 +26,7 @@
 mod collective;
 mod cpu;
 pub mod data;
+pub mod deal;
 pub mod driver;
 pub mod gpu;
 #[cfg(feature = "mpi")]
@@ -42,6 +43,7 @@ mod tuning_cache;
 pub use collective::{agree_ok, Collective, ThreadCollective};
 pub use cpu::{ConvSettings, CpuNet, CpuReplica, Pass};
 pub use data::{Batch, Dataset, DatasetSpec, LoaderConfig, ShardedLoader, Split};
+pub use deal::{PlanStore, TuningShare, TuningWork};
 pub use driver::{
     parse_fail_at, run_rank, train_group, train_threads, EpochReport, EvalReport, FailAt,
     TrainConfig, TrainEvent, TrainReport, FAIL_AT_ENV,

@@ -86,7 +86,7 @@ use crate::exec::cudnn::PreparedPlan;
 use crate::exec::ExecError;
 use crate::solver::{CandidateSet, ConvProblem, DType, Layout, MathMode, Plan, Policy};
 use crate::train::{
-    agree_ok, CacheChoice, Collective, Hyper, NetSpec, Replica, StepStats, TrainError,
+    agree_ok, CacheChoice, Collective, Hyper, NetSpec, Replica, StepStats, TrainError, TuningWork,
 };
 use crate::tune::{EngineOptions, LayerTuning, TuneError};
 use mucudnn_cache::Cache;
@@ -1190,6 +1190,30 @@ impl<C: Collective> Replica for GpuReplica<C> {
 
     fn prepare(&mut self, batch_sizes: &[usize]) -> Result<(), TrainError> {
         self.guard(|replica| replica.prepare_inner(batch_sizes))
+    }
+
+    /// The layers' jobs for every batch size, on a [`CudnnBackend`] of this GPU, when the
+    /// cache is a file.
+    fn tuning_work(&self, batch_sizes: &[usize]) -> Result<Option<TuningWork>, TrainError> {
+        let CacheChoice::File(path) = &self.settings.cache else {
+            return Ok(None);
+        };
+        let mut layers = Vec::new();
+        for &n in batch_sizes.iter().filter(|&&n| n > 0) {
+            for block in 0..self.spec.block_channels.len() {
+                let problem = self.settings.problem(&self.spec, block, n);
+                layers.push((format!("train.block{block}.conv"), problem));
+            }
+        }
+        let backend = CudnnBackend::new(self.ops.ordinal())
+            .map_err(|e| TrainError::Layer(TuneError::from(e).into()))?;
+        Ok(Some(TuningWork {
+            backend: Box::new(backend),
+            cache: self.settings.cache.open()?,
+            cache_path: path.clone(),
+            tuning: self.settings.tuning,
+            jobs: crate::tune::jobs_for(layers),
+        }))
     }
 
     fn conv_plans(&self, batch: usize) -> Vec<Plan> {
