@@ -17,7 +17,8 @@
 //! [`Conv2d`](crate::exec::conv2d::Conv2d) layer, which tunes itself through the tuning cache on
 //! first sight of a shape; ranks are threads joined by a [`ThreadCollective`]. Rank 0 tunes
 //! first and the others then read its plans from the same cache file
-//! ([`CacheChoice`]), as data-parallel processes would. The loop ([`driver`]) is generic over
+//! ([`CacheChoice`]); ranks with caches of their own deal the measuring out and adopt rank 0's
+//! plans ([`deal`]). The loop ([`driver`]) is generic over
 //! [`Replica`] and [`Collective`], so the GPU replica ([`gpu::GpuReplica`]: cuDNN, cuBLAS,
 //! NCCL; ranks are threads per GPU, see [`gpu::GpuJob`]) runs in the same loop and averages
 //! the same way. Several processes (started by `mpirun`/`srun`) join through MPI (feature

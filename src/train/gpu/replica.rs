@@ -66,9 +66,10 @@
 //!
 //! [`Replica::prepare`] tunes every conv layer (forward, backward-data, backward-filter) for
 //! each per-rank batch size with [`LayerTuning::tune`] on a [`CudnnBackend`] of this GPU,
-//! through the tuning cache file every rank opens: the loop calls it on rank 0 first, so the
-//! other ranks read rank 0's plans instead of measuring (ranks on another GPU model, or on
-//! another host with its own file, tune for themselves). The plans then run as
+//! through the tuning cache file every rank opens, after the loop dealt the measuring out over
+//! the ranks ([`Replica::tuning_work`], [`crate::train::deal`]): rank 0 tunes first, and the
+//! other ranks find its plans in their cache (ranks on another GPU model tune among their
+//! own kind). The plans then run as
 //! [`PreparedPlan`]s on the replica's own handle, sharing one workspace buffer as large as the
 //! largest plan's. Block 0's backward-data plan is tuned (and reported) but not run.
 
