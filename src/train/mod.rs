@@ -41,7 +41,7 @@ mod rng;
 mod sgd;
 mod tuning_cache;
 
-pub use collective::{agree_ok, Collective, ThreadCollective};
+pub use collective::{agree_ok, Collective, FailureHook, ThreadCollective};
 pub use cpu::{ConvSettings, CpuNet, CpuReplica, Pass};
 pub use data::{Batch, Dataset, DatasetSpec, LoaderConfig, ShardedLoader, Split};
 pub use deal::{PlanStore, TuningShare, TuningWork};

@@ -110,6 +110,7 @@ pub mod nccl;
 pub mod ops;
 pub mod replica;
 pub mod scaler;
+mod slot;
 pub mod trainer;
 
 pub use error::GpuTrainError;

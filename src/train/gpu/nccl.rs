@@ -310,6 +310,17 @@ impl NcclComm {
     pub fn abort(self) {
         self.comm.abort();
     }
+
+    /// What aborts this communicator from another thread: register it with the rank's host
+    /// collective ([`crate::train::HostCollective::on_failure`]) so that a failing thread
+    /// aborts every communicator of its process and the ranks waiting on the device behind
+    /// an NCCL call are released. The communicator's own later calls are then errors.
+    pub fn abort_on_failure(&self) -> crate::train::FailureHook {
+        let handle = self.comm.abort_handle();
+        Box::new(move |_reason: &str| {
+            handle.abort();
+        })
+    }
 }
 
 /// A communicator made by [`NcclComm::init_all`] on another thread, on its way to its GPU's

@@ -9,11 +9,13 @@ use super::{c_string, check_stream, DeviceDataMut};
 use crate::backend::cudnn::{candidates, driver_error, require_driver};
 use crate::solver::DType;
 use crate::train::gpu::error::{invalid, GpuTrainError};
+use crate::train::gpu::slot::{AbortSlot, Busy};
 use cudarc::driver::CudaStream;
 use cudarc::nccl::sys as nccl_sys;
 use std::ffi::{c_char, c_int, c_void};
 use std::io::Write;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
 
 /// Every NCCL symbol this module calls unconditionally.
 const NCCL_SYMBOLS: &[&str] = &[
@@ -187,9 +189,26 @@ fn nccl_type(dtype: DType) -> nccl_sys::ncclDataType_t {
     }
 }
 
-/// One rank's NCCL communicator; its collectives are queued on `stream`.
+/// A communicator handle as NCCL returns it.
+#[derive(Debug)]
+struct RawComm(nccl_sys::ncclComm_t);
+
+// SAFETY: an NCCL communicator is a handle that any thread may use as long as no two threads
+// call into it at once (NCCL's thread-safety rule). A `RawComm` lives only in an
+// [`AbortSlot`], whose lock every call on it holds ([`Communicator`]'s collectives, its
+// release, a [`CommAbort`] from another thread), so no two threads ever use it at once.
+unsafe impl Send for RawComm {}
+
+/// How long an abort from another thread waits for a call in progress on the communicator
+/// (a call only queues work, so it returns within this unless NCCL itself hangs).
+const ABORT_WAIT: Duration = Duration::from_secs(2);
+
+/// One rank's NCCL communicator; its collectives are queued on `stream`. The handle sits in
+/// an [`AbortSlot`] shared with [`CommAbort`]s, so a failing thread can abort it
+/// (`ncclCommAbort`) while its owner waits on the device; the owner's later calls are then
+/// errors.
 pub(crate) struct Communicator {
-    raw: nccl_sys::ncclComm_t,
+    raw: Arc<AbortSlot<RawComm>>,
     stream: Arc<CudaStream>,
     rank: usize,
     world_size: usize,
@@ -197,13 +216,68 @@ pub(crate) struct Communicator {
     abort_on_drop: bool,
 }
 
-// SAFETY: an NCCL communicator is a handle that any thread may use as long as no two threads
-// call into it at once (NCCL's thread-safety rule). `Communicator` is not `Sync` and every use
-// goes through `&self`/`&mut self` of its one owner, so moving it to another thread (the
-// single-process path creates every GPU's communicator on one thread, `ncclCommInitAll`, and
-// hands each to its GPU's thread) never makes two threads use it at once. Its stream is an
-// `Arc<CudaStream>`, which is `Send`.
-unsafe impl Send for Communicator {}
+/// Aborts one communicator from any thread (`ncclCommAbort`), once: for a failing rank, which
+/// aborts every communicator of its process so that peers waiting on the device are released.
+/// Holds no communicator alive.
+#[derive(Clone, Debug)]
+pub(crate) struct CommAbort {
+    raw: Weak<AbortSlot<RawComm>>,
+    stream: Arc<CudaStream>,
+    rank: usize,
+}
+
+impl CommAbort {
+    /// Aborts the communicator unless it is gone already; waits at most [`ABORT_WAIT`] for a
+    /// call on it in another thread. Returns whether this call aborted it. Never panics.
+    pub(crate) fn abort(&self) -> bool {
+        let Some(slot) = self.raw.upgrade() else {
+            return false;
+        };
+        match slot.take_within(ABORT_WAIT) {
+            Ok(Some(raw)) => {
+                release(&self.stream, raw, true);
+                true
+            }
+            Ok(None) => false,
+            Err(Busy) => {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "mucudnn: warning: NCCL communicator of rank {} still in a call after {:?}; \
+                     not aborted",
+                    self.rank,
+                    ABORT_WAIT
+                );
+                false
+            }
+        }
+    }
+}
+
+/// Releases a communicator taken out of its slot: `ncclCommAbort` (no waiting for peers), or
+/// after the stream's queued work `ncclCommDestroy`. Warns on failure; never panics.
+fn release(stream: &CudaStream, raw: RawComm, abort: bool) {
+    let _ = stream.context().bind_to_thread();
+    let (call, status) = if abort {
+        // SAFETY: `raw` was created by ncclCommInitRank/ncclCommInitAll and taken out of its
+        // slot, under the slot's lock, by this caller alone: it is released exactly once, and
+        // no call on it is running or can start (later calls find the slot empty).
+        ("ncclCommAbort", unsafe { nccl_sys::ncclCommAbort(raw.0) })
+    } else {
+        // Let queued collectives finish before their communicator goes.
+        let _ = stream.synchronize();
+        // SAFETY: as above.
+        ("ncclCommDestroy", unsafe {
+            nccl_sys::ncclCommDestroy(raw.0)
+        })
+    };
+    if status != nccl_sys::ncclResult_t::ncclSuccess {
+        let _ = writeln!(
+            std::io::stderr(),
+            "mucudnn: warning: {call} failed while releasing a communicator: {status:?} ({})",
+            status as u32
+        );
+    }
+}
 
 /// Queues the collectives issued by `body` as one NCCL group (`ncclGroupStart` ...
 /// `ncclGroupEnd`): NCCL fuses them into one launch, the cost of one all-reduce for many
@@ -274,7 +348,7 @@ impl Communicator {
             .zip(streams)
             .enumerate()
             .map(|(rank, (raw, stream))| Communicator {
-                raw,
+                raw: AbortSlot::new(RawComm(raw)),
                 stream,
                 rank,
                 world_size,
@@ -318,7 +392,7 @@ impl Communicator {
             ));
         }
         Ok(Communicator {
-            raw,
+            raw: AbortSlot::new(RawComm(raw)),
             stream,
             rank,
             world_size,
@@ -328,6 +402,33 @@ impl Communicator {
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// A handle that aborts this communicator from any thread (see [`CommAbort`]).
+    pub(crate) fn abort_handle(&self) -> CommAbort {
+        CommAbort {
+            raw: Arc::downgrade(&self.raw),
+            stream: self.stream.clone(),
+            rank: self.rank,
+        }
+    }
+
+    /// Runs `call` with the raw handle under the slot's lock; an error when the communicator
+    /// was aborted (another rank failed).
+    fn with_raw(
+        &self,
+        op: &'static str,
+        call: impl FnOnce(nccl_sys::ncclComm_t) -> Result<(), GpuTrainError>,
+    ) -> Result<(), GpuTrainError> {
+        self.raw.with(|raw| call(raw.0)).unwrap_or_else(|| {
+            Err(invalid(
+                op,
+                format!(
+                    "the NCCL communicator of {} was aborted (a rank failed)",
+                    self.context()
+                ),
+            ))
+        })
     }
 
     pub(crate) fn rank(&self) -> usize {
@@ -377,30 +478,28 @@ impl Communicator {
             Reduce::Sum => nccl_sys::ncclRedOp_t::ncclSum,
             Reduce::Average => nccl_sys::ncclRedOp_t::ncclAvg,
         };
-        // SAFETY: `raw` is a live communicator (not `Sync`: this thread alone), its device's
-        // context current; `ptr` addresses `count` elements of `datatype` in a live allocation
-        // on the communicator's stream (checked), borrowed exclusively; in place (send ==
-        // receive) is allowed; frees are stream-ordered after the guard records this use.
-        let status = unsafe {
-            nccl_sys::ncclAllReduce(
-                ptr as *const c_void,
-                ptr as *mut c_void,
-                count,
-                datatype,
-                reduce_op,
-                self.raw,
-                self.stream.cu_stream() as _,
-            )
-        };
-        match status {
-            nccl_sys::ncclResult_t::ncclSuccess => Ok(()),
-            other => Err(nccl_error(
-                "ncclAllReduce",
-                other,
-                self.raw,
-                &self.context(),
-            )),
-        }
+        self.with_raw(op, |raw| {
+            // SAFETY: `raw` is a live communicator (in its slot, whose lock this call holds:
+            // no other thread uses or releases it meanwhile), its device's context current;
+            // `ptr` addresses `count` elements of `datatype` in a live allocation on the
+            // communicator's stream (checked), borrowed exclusively; in place (send ==
+            // receive) is allowed; frees are stream-ordered after the guard records this use.
+            let status = unsafe {
+                nccl_sys::ncclAllReduce(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    count,
+                    datatype,
+                    reduce_op,
+                    raw,
+                    self.stream.cu_stream() as _,
+                )
+            };
+            match status {
+                nccl_sys::ncclResult_t::ncclSuccess => Ok(()),
+                other => Err(nccl_error("ncclAllReduce", other, raw, &self.context())),
+            }
+        })
     }
 
     /// In-place broadcast of `buf` from rank `root` to every rank, queued on the stream.
@@ -421,28 +520,25 @@ impl Communicator {
         }
         let (count, datatype) = self.prepare(op, buf)?;
         let (ptr, _sync) = buf.raw_write(&self.stream);
-        // SAFETY: as for `all_reduce`; `root` is a rank of this communicator (checked, and it
-        // fits int because the world size does).
-        let status = unsafe {
-            nccl_sys::ncclBroadcast(
-                ptr as *const c_void,
-                ptr as *mut c_void,
-                count,
-                datatype,
-                root as c_int,
-                self.raw,
-                self.stream.cu_stream() as _,
-            )
-        };
-        match status {
-            nccl_sys::ncclResult_t::ncclSuccess => Ok(()),
-            other => Err(nccl_error(
-                "ncclBroadcast",
-                other,
-                self.raw,
-                &self.context(),
-            )),
-        }
+        self.with_raw(op, |raw| {
+            // SAFETY: as for `all_reduce`; `root` is a rank of this communicator (checked, and
+            // it fits int because the world size does).
+            let status = unsafe {
+                nccl_sys::ncclBroadcast(
+                    ptr as *const c_void,
+                    ptr as *mut c_void,
+                    count,
+                    datatype,
+                    root as c_int,
+                    raw,
+                    self.stream.cu_stream() as _,
+                )
+            };
+            match status {
+                nccl_sys::ncclResult_t::ncclSuccess => Ok(()),
+                other => Err(nccl_error("ncclBroadcast", other, raw, &self.context())),
+            }
+        })
     }
 
     /// Tears the communicator down without waiting for the other ranks (`ncclCommAbort`):
@@ -477,27 +573,9 @@ pub(crate) fn check_rank(
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        let _ = self.stream.context().bind_to_thread();
-        let (call, status) = if self.abort_on_drop {
-            // SAFETY: `raw` was created by ncclCommInitRank in `init_rank` and is released
-            // exactly once, here.
-            ("ncclCommAbort", unsafe {
-                nccl_sys::ncclCommAbort(self.raw)
-            })
-        } else {
-            // Let queued collectives finish before their communicator goes.
-            let _ = self.stream.synchronize();
-            // SAFETY: as above.
-            ("ncclCommDestroy", unsafe {
-                nccl_sys::ncclCommDestroy(self.raw)
-            })
-        };
-        if status != nccl_sys::ncclResult_t::ncclSuccess {
-            let _ = writeln!(
-                std::io::stderr(),
-                "mucudnn: warning: {call} failed while dropping: {status:?} ({})",
-                status as u32
-            );
+        // Already gone when a failing rank aborted it (see `CommAbort`).
+        if let Some(raw) = self.raw.take() {
+            release(&self.stream, raw, self.abort_on_drop);
         }
     }
 }
