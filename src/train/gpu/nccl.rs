@@ -147,6 +147,12 @@ pub fn nccl_version() -> Result<NcclVersion, GpuTrainError> {
     raw::nccl().map(NcclVersion::from_code)
 }
 
+/// The file name libnccl was loaded from (`libnccl.so`, or `libnccl.so.2` as pip wheels and
+/// Debian's `libnccl2` ship it), once the gate passed.
+pub fn nccl_library() -> Result<&'static str, GpuTrainError> {
+    raw::library_name()
+}
+
 /// One rank's NCCL communicator, bound to one stream of one GPU. Not `Send`: create it on the
 /// thread that drives its GPU. Dropping it waits for its queued collectives and destroys it
 /// (`ncclCommDestroy`); [`Self::abort`] tears it down without waiting for the others.
