@@ -545,8 +545,9 @@ fn cli_errors_are_clear() {
         &'static [(&'static str, &'static str)],
         &'static str,
     );
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
         (&["--device", "cpu", "--dtype", "fp16"], &[], "fp32 only"),
+        (&["--loss-scale", "1024"], &[], "--dtype fp16 only"),
         (
             &["--device", "cpu", "--candidates", "engines"],
             &[],

@@ -164,6 +164,10 @@ impl std::str::FromStr for Precision {
 /// The initial loss scale of fp16 training, `torch.amp.GradScaler`'s (see the module docs).
 pub const DEFAULT_LOSS_SCALE: f32 = LossScaler::INITIAL_SCALE;
 
+/// The largest initial loss scale accepted: 2^24 (exact in f32; far above what fp16 gradients
+/// survive, so a run started there skips its first steps while the scale backs off).
+pub const MAX_LOSS_SCALE: f32 = 16_777_216.0;
+
 /// How a GPU replica tunes and runs its layers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GpuSettings {
@@ -205,12 +209,12 @@ impl GpuSettings {
 
     pub fn validate(&self) -> Result<(), TrainError> {
         let scale = self.loss_scale;
-        let power_of_two = (1.0..=65536.0).contains(&scale)
+        let power_of_two = (1.0..=MAX_LOSS_SCALE).contains(&scale)
             && (scale as u32).is_power_of_two()
             && scale.fract() == 0.0;
         if !power_of_two {
             return Err(TrainError::Config(format!(
-                "the loss scale must be a power of two from 1 to 65536, not {scale}"
+                "the loss scale must be a power of two from 1 to 2^24, not {scale}"
             )));
         }
         Ok(())
@@ -1419,7 +1423,11 @@ mod tests {
         assert_eq!((problem.dtype, problem.layout), (DType::Fp16, Layout::Nhwc));
         problem.validate().unwrap();
         assert_eq!(problem.output_hw(), (8, 8));
-        for bad in [0.0, 3.0, 0.5, f32::INFINITY, 131072.0] {
+        for good in [1.0, 65536.0, 131072.0, MAX_LOSS_SCALE] {
+            settings.loss_scale = good;
+            settings.validate().unwrap();
+        }
+        for bad in [0.0, 3.0, 0.5, f32::INFINITY, 2.0 * MAX_LOSS_SCALE] {
             settings.loss_scale = bad;
             assert!(settings.validate().is_err(), "{bad}");
         }
