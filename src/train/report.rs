@@ -324,9 +324,13 @@ mod tests {
                 "initial",
                 "settings",
                 "summary",
-                "tuned_batch_sizes"
+                "tuned_batch_sizes",
+                "tuning"
             ]
         );
+        let mut tuning: Vec<_> = doc["tuning"].as_object().unwrap().keys().cloned().collect();
+        tuning.sort();
+        assert_eq!(tuning, ["measured_by_rank", "plans_fnv1a", "tasks"]);
         assert_eq!(doc["summary"]["images_per_s"], 20.0);
         assert_eq!(doc["summary"]["ms_per_step"], 10.0);
         assert_eq!(doc["summary"]["conv_share"], 0.75);
