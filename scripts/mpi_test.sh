@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The MPI tests (issue 18), on the CPU: `mpirun -np 2` training must match the same run with 2
 # threads in one process bit for bit (losses and final parameters), given the same cache file
-# (so both run the same plans); a rank that fails at step k must end the job, non-zero, with its
-# message, within seconds.
+# (so both run the same plans); with a cache file per process the tuning measurements are dealt
+# out over the processes (disjoint shares) and both run identical plans; a rank that fails at
+# step k must end the job, non-zero, with its message, within seconds.
 #
 # Installs Debian's Open MPI (openmpi-bin, libopenmpi-dev) and libclang-dev (rsmpi's bindgen)
 # with apt-get when mpirun is missing and apt is usable (idempotent: nothing is installed twice),
@@ -55,7 +56,31 @@ assert bits(threads) == bits(mpi), f"threads {bits(threads)} != mpirun {bits(mpi
 print("mpirun -np 2 == 2 threads, bit for bit:", bits(mpi))
 PY
 
-# 2. A rank failing at step 3 ends the job with its message, non-zero, within seconds.
+# 2. A cache file per process (as with a file per host): the measuring is dealt out over the
+#    two processes and shared, each measures a disjoint share, both end with identical plans;
+#    a second run finds both caches complete.
+per_rank=(train --device cpu --batch 16 --train-size 320 --test-size 100 --image-size 16 --channels 1
+          --block-channels 8,16 --noise 0.3 --lr 0.05 --epochs 1 --json --quiet --check-sync)
+for run in first second; do
+  "${mpirun_np2[@]}" sh -c 'exec "$0" "$@" --cache "'"$work"'/rank-$OMPI_COMM_WORLD_RANK.sqlite"' \
+    "$bin" "${per_rank[@]}" > "$work/dealt-$run.json"
+done
+python3 - "$work/dealt-first.json" "$work/dealt-second.json" <<'PY'
+import json, sys
+first, second = (json.load(open(p))["tuning"] for p in sys.argv[1:])
+shares = first["measured_by_rank"]
+assert first["tasks"] > 0 and len(shares) == 2, first
+# Each task is measured by exactly one process (deduplicated union dealt round-robin), so the
+# shares are disjoint and cover the tasks.
+assert all(n > 0 for n in shares) and sum(shares) == first["tasks"], first
+assert len(set(first["plans_fnv1a"])) == 1, f"the ranks run different plans: {first}"
+assert second["tasks"] == 0 and second["measured_by_rank"] == [0, 0], second
+assert second["plans_fnv1a"] == first["plans_fnv1a"], (first, second)
+print(f"a cache per process: {first['tasks']} tasks dealt as {shares}, identical plans "
+      f"({first['plans_fnv1a'][0]}); the second run measured nothing")
+PY
+
+# 3. A rank failing at step 3 ends the job with its message, non-zero, within seconds.
 start=$(date +%s.%N)
 set +e
 MUCUDNN_TRAIN_FAIL_AT=1:3 timeout 120 "${mpirun_np2[@]}" -x MUCUDNN_TRAIN_FAIL_AT "$bin" "${args[@]}" \

@@ -6,7 +6,9 @@
 
 use mucudnn::cache::{Cache, PlanKey};
 use mucudnn::solver::{ConvOp, ConvProblem, Policy};
-use mucudnn::train::{rank_layout, train_group, HostCollective, ThreadProcesses, FAIL_AT_ENV};
+use mucudnn::train::{
+    rank_layout, train_group, HostCollective, ProcessGroup, ThreadProcesses, FAIL_AT_ENV,
+};
 use mucudnn::train::{
     run_rank, train_threads, CacheChoice, Collective, ConvSettings, CpuReplica, Dataset,
     DatasetSpec, Hyper, LoaderConfig, NetSpec, Replica, ShardedLoader, Split, StepStats, TempCache,
@@ -445,7 +447,8 @@ fn cli_json_reports_every_epoch_and_a_summary() {
             "initial",
             "settings",
             "summary",
-            "tuned_batch_sizes"
+            "tuned_batch_sizes",
+            "tuning"
         ]
     );
     // Two conv layers x three ops, for the per-rank batch of 16.
@@ -542,8 +545,9 @@ fn cli_errors_are_clear() {
         &'static [(&'static str, &'static str)],
         &'static str,
     );
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
         (&["--device", "cpu", "--dtype", "fp16"], &[], "fp32 only"),
+        (&["--loss-scale", "1024"], &[], "--dtype fp16 only"),
         (
             &["--device", "cpu", "--candidates", "engines"],
             &[],
@@ -707,4 +711,80 @@ fn two_processes_train_like_threads() {
         first.epochs[0].test_loss.to_bits(),
         threads.epochs[0].test_loss.to_bits()
     );
+}
+
+/// Issue 18: under MPI with a tuning cache per process (per host), the measuring is dealt out
+/// over the processes and shared, so every rank runs identical plans and no task is measured
+/// twice; a second run finds both caches complete. Two "processes" ([`ThreadProcesses`]) of one
+/// rank each, as `mpirun -np 2` runs them (scripts/mpi_test.sh runs the real thing).
+#[test]
+fn processes_with_a_cache_each_deal_the_measuring_and_run_identical_plans() {
+    let caches = [TempCache::new().unwrap(), TempCache::new().unwrap()];
+    let (train_data, test_data) = (data(Split::Train, 96), data(Split::Test, 40));
+    let run = || {
+        let process = |mut group: ThreadProcesses| {
+            let settings =
+                ConvSettings::new(Policy::PowerOfTwo, 64 << 20, caches[group.rank()].choice());
+            let layout = rank_layout(&mut group, 1)?;
+            let handles = HostCollective::group(Box::new(group), layout)?
+                .into_iter()
+                .map(|c| Ok((c.try_clone()?, c)))
+                .collect::<Result<Vec<_>, TrainError>>()?;
+            train_group(
+                handles,
+                |_, collective| CpuReplica::new(&net(), 0, &settings, collective),
+                &train_data,
+                &test_data,
+                &config(1, 8),
+                &mut |_| {},
+            )
+        };
+        let mut processes = ThreadProcesses::group(2).unwrap().into_iter();
+        let (zero, one) = (processes.next().unwrap(), processes.next().unwrap());
+        std::thread::scope(|scope| {
+            let member = scope.spawn(|| process(one));
+            let first = process(zero);
+            (first.unwrap(), member.join().unwrap().unwrap())
+        })
+    };
+    let (first, second) = run();
+    let share = &first.tuning;
+    assert_eq!(share, &second.tuning);
+    // Sizes 4 and 8 (96 = 6 global batches of 16; 40 = 16 + 16 + 8): 2 layers x 3 ops x
+    // micro-batch sizes {1, 2, 4} and {1, 2, 4, 8}, legacy algorithms only on the CPU.
+    assert_eq!(first.tuned_batch_sizes, [4, 8]);
+    assert_eq!(share.tasks, 2 * 3 * (3 + 4));
+    assert_eq!(share.measured_by_rank.len(), 2);
+    assert!(share.measured_by_rank.iter().all(|&n| n > 0), "{share:?}");
+    assert_eq!(share.measured_by_rank.iter().sum::<usize>(), share.tasks);
+    assert_eq!(share.plans_fnv1a.len(), 2);
+    assert_eq!(share.plans_fnv1a[0], share.plans_fnv1a[1], "{share:?}");
+    assert_eq!(first.parameters, second.parameters);
+    // Every task is in both caches now: nothing is missing, nothing measured.
+    let (again, _) = run();
+    assert_eq!(again.tuning.tasks, 0);
+    assert_eq!(again.tuning.measured_by_rank, [0, 0]);
+    assert_eq!(again.tuning.plans_fnv1a, share.plans_fnv1a);
+}
+
+/// Thread ranks of one process share its cache file: nothing is dealt among them (rank 0
+/// measures everything once), and they run rank 0's plans.
+#[test]
+fn thread_ranks_sharing_a_cache_deal_nothing() {
+    let temp = TempCache::new().unwrap();
+    let settings = ConvSettings::new(Policy::PowerOfTwo, 64 << 20, temp.choice());
+    let report = train_threads(
+        2,
+        |_, collective| CpuReplica::new(&net(), 0, &settings, collective),
+        &data(Split::Train, 96),
+        &data(Split::Test, 40),
+        &config(1, 8),
+        &mut |_| {},
+    )
+    .unwrap();
+    let share = &report.tuning;
+    assert_eq!(share.tasks, 2 * 3 * (3 + 4));
+    assert_eq!(share.measured_by_rank, [share.tasks, 0]);
+    assert_eq!(share.plans_fnv1a.len(), 2);
+    assert_eq!(share.plans_fnv1a[0], share.plans_fnv1a[1]);
 }

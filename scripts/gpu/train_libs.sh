@@ -3,7 +3,8 @@
 # were found in "$OUT/libraries.txt". Needs OUT set.
 #
 # cudarc dlopens each library by the names it knows (libcublas.so or libcublas.so.13,
-# libnccl.so -- not libnccl.so.2 --, libcudnn.so or libcudnn.so.9). Use the system's where the
+# libcudnn.so or libcudnn.so.9); mucudnn opens libnccl itself, as libnccl.so or libnccl.so.2
+# (the name pip wheels and Debian's libnccl2 ship). Use the system's where the
 # dynamic loader knows one of those names; otherwise take PyTorch's wheel: its folder on
 # LD_LIBRARY_PATH (only that folder, so that the system cuDNN stays the one used) and a link
 # under the plain name in $OUT/lib-links.
@@ -12,7 +13,7 @@ site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch
 links="$OUT/lib-links"
 mkdir -p "$links"
 : > "$OUT/libraries.txt"
-for spec in "libcublas.so libcublas.so.13" "libnccl.so" "libcudnn.so libcudnn.so.9"; do
+for spec in "libcublas.so libcublas.so.13" "libnccl.so.2 libnccl.so" "libcudnn.so libcudnn.so.9"; do
   set -- $spec
   plain=$1
   pattern=$(printf '%s|' "$@" | sed 's/|$//; s/\./\\./g')

@@ -211,6 +211,21 @@ impl Conv2d {
         self.plans.get(&(n, h, w))
     }
 
+    /// The problem this layer tunes for an input of `n x h x w` (unchecked).
+    pub fn problem(&self, n: i64, h: i64, w: i64) -> ConvProblem {
+        ConvProblem {
+            n,
+            h,
+            w,
+            ..self.template
+        }
+    }
+
+    /// Its tuning settings.
+    pub fn tuning(&self) -> &LayerTuning {
+        &self.tuning
+    }
+
     fn input_error(&self, message: String) -> LayerError {
         LayerError::Input {
             layer: self.name.clone(),

@@ -31,7 +31,55 @@ pub trait Collective {
     fn abort(&mut self, reason: &str) {
         let _ = reason;
     }
+    /// Every rank's bytes, in rank order (lengths may differ), on every rank: for small,
+    /// rare messages (tuning tasks and plans), not for data. The default goes through two
+    /// f64 sums (the lengths, then every rank's bytes in its own segment, six bytes per f64:
+    /// whole numbers below 2^48 added to zeros, so the sums are exact).
+    fn all_gather_bytes(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, TrainError> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let mut lengths = vec![0.0f64; world];
+        lengths[rank] = mine.len() as f64;
+        self.all_reduce_sum_f64(&mut lengths)?;
+        let words = |len: f64| (len as usize).div_ceil(BYTES_PER_WORD);
+        let offsets: Vec<usize> = lengths
+            .iter()
+            .scan(0, |at, &len| {
+                let start = *at;
+                *at += words(len);
+                Some(start)
+            })
+            .collect();
+        let total: usize = lengths.iter().map(|&len| words(len)).sum();
+        let mut packed = vec![0.0f64; total];
+        for (word, chunk) in packed[offsets[rank]..]
+            .iter_mut()
+            .zip(mine.chunks(BYTES_PER_WORD))
+        {
+            let mut bytes = [0u8; 8];
+            bytes[..chunk.len()].copy_from_slice(chunk);
+            *word = u64::from_le_bytes(bytes) as f64;
+        }
+        self.all_reduce_sum_f64(&mut packed)?;
+        Ok(lengths
+            .iter()
+            .zip(&offsets)
+            .map(|(&len, &offset)| {
+                let len = len as usize;
+                packed[offset..offset + words(len as f64)]
+                    .iter()
+                    .flat_map(|&word| {
+                        let bytes = (word as u64).to_le_bytes();
+                        bytes[..BYTES_PER_WORD].to_vec()
+                    })
+                    .take(len)
+                    .collect()
+            })
+            .collect())
+    }
 }
+
+/// Bytes carried by one f64 in [`Collective::all_gather_bytes`]: 48 bits, exact in an f64.
+const BYTES_PER_WORD: usize = 6;
 
 /// Every rank says whether it is fine before a section that no rank may enter alone (an NCCL
 /// collective: a rank inside one waits on the device for every other rank, where no host
@@ -96,6 +144,43 @@ struct Shared {
     world: usize,
     state: Mutex<State>,
     changed: Condvar,
+    /// Run once, by the thread that records the group's first failure.
+    on_failure: Mutex<Vec<FailureHook>>,
+}
+
+/// What to do when a rank of the group fails, besides waking the ranks waiting on the host:
+/// e.g. abort a communicator whose owner may be waiting on the device (see
+/// [`ThreadCollective::on_failure`]). Called with the failure's reason.
+pub type FailureHook = Box<dyn FnOnce(&str) + Send>;
+
+impl Shared {
+    /// Records `rank`'s failure unless one is recorded; if this is the first, runs every hook
+    /// (outside the state lock, so hooks may take their time).
+    fn fail(&self, rank: usize, reason: &str) {
+        let first = {
+            let mut state = self
+                .state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let first = state.failure.is_none();
+            if first {
+                state.failure = Some((rank, reason.to_string()));
+            }
+            self.changed.notify_all();
+            first
+        };
+        if first {
+            let hooks = std::mem::take(
+                &mut *self
+                    .on_failure
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            );
+            for hook in hooks {
+                hook(reason);
+            }
+        }
+    }
 }
 
 /// One rank's handle on an in-process group of ranks (threads). Make the group with
@@ -125,6 +210,7 @@ impl ThreadCollective {
                 failure: None,
             }),
             changed: Condvar::new(),
+            on_failure: Mutex::new(Vec::new()),
         });
         Ok((0..world)
             .map(|rank| ThreadCollective {
@@ -145,6 +231,26 @@ impl ThreadCollective {
             rank: self.rank,
             shared: self.shared.clone(),
         })
+    }
+
+    /// Runs `hook` when a rank of this group fails (aborts or panics), once, on the failing
+    /// rank's thread, before that rank returns: a failing thread aborts every local NCCL
+    /// communicator this way, so that peers waiting on the device are released, not only those
+    /// waiting on the host. Runs it at once if the group has already failed.
+    pub fn on_failure(&self, hook: FailureHook) {
+        let failed = self.lock().map_or_else(
+            |_| Some("a rank panicked".to_string()),
+            |state| state.failure.as_ref().map(|(_, reason)| reason.clone()),
+        );
+        match failed {
+            Some(reason) => hook(&reason),
+            None => self
+                .shared
+                .on_failure
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(hook),
+        }
     }
 
     /// Whether a rank of this group has failed (aborted, panicked or disagreed).
@@ -324,15 +430,7 @@ impl Collective for ThreadCollective {
 
     fn abort(&mut self, reason: &str) {
         // A poisoned lock still holds consistent data here: record the failure regardless.
-        let mut state = self
-            .shared
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if state.failure.is_none() {
-            state.failure = Some((self.rank, reason.to_string()));
-        }
-        self.shared.changed.notify_all();
+        self.shared.fail(self.rank, reason);
     }
 }
 
@@ -344,10 +442,11 @@ impl Drop for ThreadCollective {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         state.handles[self.rank] = state.handles[self.rank].saturating_sub(1);
-        if std::thread::panicking() && state.failure.is_none() {
-            state.failure = Some((self.rank, "panicked".into()));
-        }
         self.shared.changed.notify_all();
+        drop(state);
+        if std::thread::panicking() {
+            self.shared.fail(self.rank, "panicked");
+        }
     }
 }
 
@@ -404,6 +503,94 @@ mod tests {
             assert_eq!(data, vec![2.5; 4]);
             assert_eq!(stats, [3.0, 3.0]);
         }
+    }
+
+    #[test]
+    fn bytes_of_every_length_are_gathered_exactly() {
+        let results = on_ranks(3, |c| {
+            // Rank r sends 0, 7 or 14 bytes, every value 0..=255 among them.
+            let mine: Vec<u8> = (0..7 * c.rank()).map(|i| (i * 37 + 255) as u8).collect();
+            c.all_gather_bytes(&mine).unwrap()
+        });
+        let expected: Vec<Vec<u8>> = (0..3)
+            .map(|r| (0..7 * r).map(|i| (i * 37 + 255) as u8).collect())
+            .collect();
+        for gathered in results {
+            assert_eq!(gathered, expected);
+        }
+        let everything: Vec<u8> = (0..=255).collect();
+        let results = on_ranks(2, |c| c.all_gather_bytes(&everything).unwrap());
+        assert!(results.iter().flatten().all(|part| part == &everything));
+    }
+
+    /// Issue 18, the host logic of "a failing thread stops the others" on the CPU: every rank
+    /// registers a hook (on the GPU path: abort its NCCL communicator) and then waits where no
+    /// host collective reaches it (on the GPU: a stream synchronisation behind an NCCL
+    /// all-reduce), until its hook ran. One rank fails: it runs every hook, once, and every
+    /// peer is released.
+    #[test]
+    fn a_failing_rank_runs_every_failure_hook_once_and_releases_device_waiters() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::mpsc;
+        let world = 3;
+        let group = ThreadCollective::group(world).unwrap();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let mut released = Vec::new();
+        for collective in &group {
+            let (release, wait) = mpsc::channel::<String>();
+            let runs = runs.clone();
+            collective.on_failure(Box::new(move |reason| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let _ = release.send(reason.to_string());
+            }));
+            released.push(wait);
+        }
+        let results: Vec<Result<String, String>> = std::thread::scope(|scope| {
+            let threads: Vec<_> = group
+                .into_iter()
+                .zip(released)
+                .map(|(mut c, wait)| {
+                    scope.spawn(move || {
+                        if c.rank() == 1 {
+                            c.abort("device 1 failed");
+                            return Err("failed".to_string());
+                        }
+                        // "Inside NCCL": no host collective, only the hook releases it.
+                        wait.recv_timeout(std::time::Duration::from_secs(10))
+                            .map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        assert_eq!(runs.load(Ordering::SeqCst), world);
+        assert_eq!(results[0].as_deref(), Ok("device 1 failed"));
+        assert_eq!(results[2].as_deref(), Ok("device 1 failed"));
+        assert!(results[1].is_err());
+    }
+
+    #[test]
+    fn a_hook_registered_after_a_failure_runs_at_once_and_a_panic_runs_the_hooks() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counting = |runs: &Arc<AtomicUsize>| -> FailureHook {
+            let runs = runs.clone();
+            Box::new(move |_| {
+                runs.fetch_add(1, Ordering::SeqCst);
+            })
+        };
+        let mut group = ThreadCollective::group(2).unwrap();
+        group[0].on_failure(counting(&runs));
+        let panicking = group.pop().unwrap();
+        let _ = std::thread::spawn(move || {
+            let _held = panicking;
+            panic!("rank 1 panics");
+        })
+        .join();
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert!(group[0].has_failed());
+        group[0].on_failure(counting(&runs));
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
     }
 
     #[test]

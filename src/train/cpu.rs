@@ -10,11 +10,13 @@ use super::ops::{
     linear, linear_backward, max_pool2x2, max_pool2x2_backward, relu, relu_backward,
     softmax_cross_entropy,
 };
-use super::{CacheChoice, Collective, Hyper, NetSpec, Replica, Sgd, StepStats, TrainError};
-use crate::backend::TimingSettings;
+use super::{
+    CacheChoice, Collective, Hyper, NetSpec, Replica, Sgd, StepStats, TrainError, TuningWork,
+};
+use crate::backend::{CpuBackend, TimingSettings};
 use crate::exec::conv2d::{Conv2d, Tensor};
 use crate::solver::{Layout, Plan, Policy};
-use crate::tune::LayerTuning;
+use crate::tune::{jobs_for, LayerTuning};
 use std::time::Instant;
 
 /// How the conv layers tune themselves, and where they keep it.
@@ -65,6 +67,7 @@ struct Saved {
 /// The network of a [`NetSpec`] on the host.
 pub struct CpuNet {
     spec: NetSpec,
+    settings: ConvSettings,
     convs: Vec<Conv2d>,
     linear_weight: Vec<f32>,
     linear_bias: Vec<f32>,
@@ -121,6 +124,7 @@ impl CpuNet {
         let blocks = convs.len();
         Ok(CpuNet {
             spec: spec.clone(),
+            settings: settings.clone(),
             convs,
             linear_weight: parameters[2 * blocks].clone(),
             linear_bias: parameters[2 * blocks + 1].clone(),
@@ -191,6 +195,28 @@ impl CpuNet {
             }
         }
         Ok(())
+    }
+
+    /// What [`CpuNet::prepare`] tunes for these batch sizes, for dealing it out over ranks
+    /// ([`super::deal`]); `None` with in-memory caches (one per layer: nothing to share).
+    pub fn tuning_work(&self, batch_sizes: &[usize]) -> Result<Option<TuningWork>, TrainError> {
+        let CacheChoice::File(path) = &self.settings.cache else {
+            return Ok(None);
+        };
+        let mut layers = Vec::new();
+        for &n in batch_sizes.iter().filter(|&&n| n > 0) {
+            for (index, conv) in self.convs.iter().enumerate() {
+                let size = self.spec.block_input_size(index) as i64;
+                layers.push((conv.name().to_string(), conv.problem(n as i64, size, size)));
+            }
+        }
+        Ok(Some(TuningWork {
+            backend: Box::new(CpuBackend::new()),
+            cache: self.settings.cache.open()?,
+            cache_path: path.clone(),
+            tuning: self.settings.tuning,
+            jobs: jobs_for(layers),
+        }))
     }
 
     /// Forward over a batch (NCHW images, one label each); with `gradients`, also the backward
@@ -389,6 +415,10 @@ impl<C: Collective> Replica for CpuReplica<C> {
 
     fn prepare(&mut self, batch_sizes: &[usize]) -> Result<(), TrainError> {
         self.net.prepare(batch_sizes)
+    }
+
+    fn tuning_work(&self, batch_sizes: &[usize]) -> Result<Option<TuningWork>, TrainError> {
+        self.net.tuning_work(batch_sizes)
     }
 
     fn conv_plans(&self, batch: usize) -> Vec<Plan> {

@@ -2,15 +2,16 @@
 //! [`Replica`] and the [`Collective`]), and [`train_threads`], which runs every rank as a
 //! thread of this process with a [`ThreadCollective`].
 //!
-//! Per rank: tune (rank 0 first, then the others from the shared cache), evaluate the held-out
+//! Per rank: tune (the measuring dealt out over the ranks, then rank 0's plans adopted by
+//! every rank: [`super::deal`]), evaluate the held-out
 //! split once, then per epoch train on every batch of the shuffled shard, optionally check that
 //! every rank's parameters equal rank 0's after every step, evaluate, and all-reduce the
 //! epoch's statistics so every rank reports the same global numbers. Timing covers the
 //! training part of each epoch only; tuning is timed on its own.
 
 use super::{
-    Collective, Dataset, Hyper, LoaderConfig, Replica, ShardedLoader, StepStats, ThreadCollective,
-    TrainError,
+    deal, Collective, Dataset, Hyper, LoaderConfig, Replica, ShardedLoader, StepStats,
+    ThreadCollective, TrainError, TuningShare, TuningWork,
 };
 use crate::solver::Plan;
 use serde::Serialize;
@@ -98,6 +99,8 @@ pub struct TrainReport {
     pub tuning_s: f64,
     /// The per-rank batch sizes tuned for.
     pub tuned_batch_sizes: Vec<usize>,
+    /// How the measuring was dealt out over the ranks, and every rank's plans' checksum.
+    pub tuning: TuningShare,
     /// Rank 0's conv plans for the largest per-rank batch (see [`Replica::conv_plans`]).
     #[serde(skip)]
     pub conv_plans: Vec<Plan>,
@@ -303,18 +306,39 @@ pub fn run_rank<R: Replica + ?Sized>(
         }
     }
 
-    // Tune: rank 0 alone first, so the others read its plans from the shared cache.
+    // Tune: the measuring dealt out over the ranks, then rank 0 (each group's leader) tunes
+    // from its cache and the others adopt its plans (see `deal`).
     let mut sizes = train.batch_sizes_all_ranks();
     sizes.extend(test.batch_sizes_all_ranks());
     let sizes: Vec<usize> = sizes.into_iter().collect();
-    if rank == 0 {
-        replica.prepare(&sizes)?;
-    }
-    collective.barrier()?;
-    if rank != 0 {
-        replica.prepare(&sizes)?;
-    }
-    collective.barrier()?;
+    let all_plans =
+        |replica: &R| -> Vec<Plan> { sizes.iter().flat_map(|&n| replica.conv_plans(n)).collect() };
+    let (mut work, failed) = match replica.tuning_work(&sizes) {
+        Ok(work) => (work, None),
+        Err(error) => (None, Some(error)),
+    };
+    let mut share = deal::deal(
+        collective,
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(work.as_mut()),
+        },
+    )?;
+    let store = work.map(TuningWork::into_plan_store);
+    let leader = share.is_leader(rank);
+    let prepared = if leader {
+        replica.prepare(&sizes).map(|()| all_plans(replica))
+    } else {
+        Ok(Vec::new())
+    };
+    deal::share_plans(collective, &share, store.as_ref(), prepared)?;
+    drop(store);
+    let prepared = if leader {
+        Ok(all_plans(replica))
+    } else {
+        replica.prepare(&sizes).map(|()| all_plans(replica))
+    };
+    share.plans_fnv1a = deal::plan_checksums(collective, prepared)?;
     let tuning_s = started.elapsed().as_secs_f64();
     let conv_plans = sizes
         .last()
@@ -410,6 +434,7 @@ pub fn run_rank<R: Replica + ?Sized>(
         batch_per_rank: config.batch_per_rank,
         tuning_s,
         tuned_batch_sizes: sizes,
+        tuning: share,
         conv_plans,
         initial: initial_report,
         epochs,

@@ -17,7 +17,8 @@
 //! [`Conv2d`](crate::exec::conv2d::Conv2d) layer, which tunes itself through the tuning cache on
 //! first sight of a shape; ranks are threads joined by a [`ThreadCollective`]. Rank 0 tunes
 //! first and the others then read its plans from the same cache file
-//! ([`CacheChoice`]), as data-parallel processes would. The loop ([`driver`]) is generic over
+//! ([`CacheChoice`]); ranks with caches of their own deal the measuring out and adopt rank 0's
+//! plans ([`deal`]). The loop ([`driver`]) is generic over
 //! [`Replica`] and [`Collective`], so the GPU replica ([`gpu::GpuReplica`]: cuDNN, cuBLAS,
 //! NCCL; ranks are threads per GPU, see [`gpu::GpuJob`]) runs in the same loop and averages
 //! the same way. Several processes (started by `mpirun`/`srun`) join through MPI (feature
@@ -26,6 +27,7 @@
 mod collective;
 mod cpu;
 pub mod data;
+pub mod deal;
 pub mod driver;
 pub mod gpu;
 #[cfg(feature = "mpi")]
@@ -39,9 +41,10 @@ mod rng;
 mod sgd;
 mod tuning_cache;
 
-pub use collective::{agree_ok, Collective, ThreadCollective};
+pub use collective::{agree_ok, Collective, FailureHook, ThreadCollective};
 pub use cpu::{ConvSettings, CpuNet, CpuReplica, Pass};
 pub use data::{Batch, Dataset, DatasetSpec, LoaderConfig, ShardedLoader, Split};
+pub use deal::{PlanStore, TuningShare, TuningWork};
 pub use driver::{
     parse_fail_at, run_rank, train_group, train_threads, EpochReport, EvalReport, FailAt,
     TrainConfig, TrainEvent, TrainReport, FAIL_AT_ENV,

@@ -358,6 +358,12 @@ impl HostCollective {
         }
     }
 
+    /// Runs `hook` when a rank of this process fails (see [`ThreadCollective::on_failure`]).
+    /// Under MPI a failure ends every process (`MPI_Abort`) before the hooks would run.
+    pub fn on_failure(&self, hook: super::collective::FailureHook) {
+        self.local.on_failure(hook);
+    }
+
     /// How many processes the job has.
     pub fn processes(&self) -> usize {
         self.processes

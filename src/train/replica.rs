@@ -1,7 +1,7 @@
 //! The seam between the training loop and a device: one [`Replica`] per rank holds the whole
 //! network, runs a step on its shard of the batch, and takes part in the gradient all-reduce.
 
-use super::{Hyper, TrainError};
+use super::{Hyper, TrainError, TuningWork};
 use crate::solver::Plan;
 
 /// Per-step numbers a replica reports (this rank only).
@@ -62,6 +62,15 @@ pub trait Replica {
     fn prepare(&mut self, batch_sizes: &[usize]) -> Result<(), TrainError> {
         let _ = batch_sizes;
         Ok(())
+    }
+
+    /// What [`Replica::prepare`] would tune for these batch sizes (a backend of this
+    /// replica's device, a connection to its cache, the jobs), so that the loop can deal the
+    /// measuring out over the ranks first ([`super::deal`]). The default, `None`: this replica
+    /// tunes alone.
+    fn tuning_work(&self, batch_sizes: &[usize]) -> Result<Option<TuningWork>, TrainError> {
+        let _ = batch_sizes;
+        Ok(None)
     }
 
     /// The convolution plans this replica runs for a per-rank batch of `batch` (every layer,

@@ -1,7 +1,7 @@
 //! Presenting a training run: the `mucudnn train --json` document (see docs/training.md) and
 //! the lines people read (a header, one row per epoch, a summary).
 
-use super::{DatasetSpec, EpochReport, EvalReport, Hyper, NetSpec, TrainReport};
+use super::{DatasetSpec, EpochReport, EvalReport, Hyper, NetSpec, TrainReport, TuningShare};
 use crate::solver::units::format_bytes;
 use crate::solver::{Plan, Policy};
 use serde::Serialize;
@@ -101,6 +101,9 @@ pub struct TrainJson<'a> {
     /// Held-out loss and accuracy before training.
     pub initial: EvalReport,
     pub tuned_batch_sizes: &'a [usize],
+    /// How the measuring was dealt out over the ranks (tasks, each rank's share) and every
+    /// rank's plans' checksum (all equal: every rank runs identical plans).
+    pub tuning: &'a TuningShare,
     pub epochs: &'a [EpochReport],
     pub summary: Summary,
 }
@@ -112,6 +115,7 @@ impl<'a> TrainJson<'a> {
             conv_plans: report.conv_plans.iter().map(PlanRow::new).collect(),
             initial: report.initial,
             tuned_batch_sizes: &report.tuned_batch_sizes,
+            tuning: &report.tuning,
             epochs: &report.epochs,
             summary: summary(report),
         }
@@ -320,9 +324,13 @@ mod tests {
                 "initial",
                 "settings",
                 "summary",
-                "tuned_batch_sizes"
+                "tuned_batch_sizes",
+                "tuning"
             ]
         );
+        let mut tuning: Vec<_> = doc["tuning"].as_object().unwrap().keys().cloned().collect();
+        tuning.sort();
+        assert_eq!(tuning, ["measured_by_rank", "plans_fnv1a", "tasks"]);
         assert_eq!(doc["summary"]["images_per_s"], 20.0);
         assert_eq!(doc["summary"]["ms_per_step"], 10.0);
         assert_eq!(doc["summary"]["conv_share"], 0.75);

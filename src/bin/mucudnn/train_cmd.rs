@@ -53,6 +53,10 @@ pub(crate) struct TrainArgs {
     /// scaling). The CPU trainer is fp32.
     #[arg(long, default_value = "fp32", value_parser = parse_precision)]
     dtype: Precision,
+    /// fp16: the initial dynamic loss scale, a power of two from 1 to 2^24 (default 65536,
+    /// `torch.amp.GradScaler`'s); it halves on every step skipped for a non-finite gradient.
+    #[arg(long, value_name = "S")]
+    loss_scale: Option<f32>,
     /// Which candidates the conv layers are tuned over: cuDNN's legacy algorithms, its
     /// graph-API engine configurations, or both (the CPU has its own algorithms only).
     #[arg(long, default_value = "all", value_parser = parse_candidates)]
@@ -432,6 +436,14 @@ fn run_in(args: &TrainArgs, launch: &Launch) -> Result<()> {
     };
     let mut gpu_settings =
         GpuSettings::new(policy, args.workspace_limit, cache.clone(), args.dtype);
+    if let Some(scale) = args.loss_scale {
+        anyhow::ensure!(
+            args.dtype == Precision::Fp16,
+            "--loss-scale applies to --dtype fp16 only"
+        );
+        gpu_settings.loss_scale = scale;
+        gpu_settings.validate()?;
+    }
     gpu_settings.tuning.candidates = args.candidates;
     gpu_settings.tuning.engines = EngineOptions {
         max_candidates: args.max_candidates.map(|n| n as usize),

@@ -110,11 +110,12 @@ pub mod nccl;
 pub mod ops;
 pub mod replica;
 pub mod scaler;
+mod slot;
 pub mod trainer;
 
 pub use error::GpuTrainError;
 pub use ffi::{DeviceData, DeviceDataMut};
-pub use nccl::{nccl_version, NcclComm, NcclUniqueId, NcclVersion, PendingComm};
+pub use nccl::{nccl_library, nccl_version, NcclComm, NcclUniqueId, NcclVersion, PendingComm};
 pub use ops::{
     bias_add_host, bias_grad_host, cross_entropy_host, cublas_version, linear_backward_host,
     linear_forward_host, max_pool_backward_host, max_pool_forward_host, pool_output_dims,

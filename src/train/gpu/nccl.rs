@@ -147,6 +147,12 @@ pub fn nccl_version() -> Result<NcclVersion, GpuTrainError> {
     raw::nccl().map(NcclVersion::from_code)
 }
 
+/// The file name libnccl was loaded from (`libnccl.so`, or `libnccl.so.2` as pip wheels and
+/// Debian's `libnccl2` ship it), once the gate passed.
+pub fn nccl_library() -> Result<&'static str, GpuTrainError> {
+    raw::library_name()
+}
+
 /// One rank's NCCL communicator, bound to one stream of one GPU. Not `Send`: create it on the
 /// thread that drives its GPU. Dropping it waits for its queued collectives and destroys it
 /// (`ncclCommDestroy`); [`Self::abort`] tears it down without waiting for the others.
@@ -309,6 +315,17 @@ impl NcclComm {
     /// or the other ranks: for error paths where a peer may be gone.
     pub fn abort(self) {
         self.comm.abort();
+    }
+
+    /// What aborts this communicator from another thread: register it with the rank's host
+    /// collective ([`crate::train::HostCollective::on_failure`]) so that a failing thread
+    /// aborts every communicator of its process and the ranks waiting on the device behind
+    /// an NCCL call are released. The communicator's own later calls are then errors.
+    pub fn abort_on_failure(&self) -> crate::train::FailureHook {
+        let handle = self.comm.abort_handle();
+        Box::new(move |_reason: &str| {
+            handle.abort();
+        })
     }
 }
 

@@ -66,9 +66,10 @@
 //!
 //! [`Replica::prepare`] tunes every conv layer (forward, backward-data, backward-filter) for
 //! each per-rank batch size with [`LayerTuning::tune`] on a [`CudnnBackend`] of this GPU,
-//! through the tuning cache file every rank opens: the loop calls it on rank 0 first, so the
-//! other ranks read rank 0's plans instead of measuring (ranks on another GPU model, or on
-//! another host with its own file, tune for themselves). The plans then run as
+//! through the tuning cache file every rank opens, after the loop dealt the measuring out over
+//! the ranks ([`Replica::tuning_work`], [`crate::train::deal`]): rank 0 tunes first, and the
+//! other ranks find its plans in their cache (ranks on another GPU model tune among their
+//! own kind). The plans then run as
 //! [`PreparedPlan`]s on the replica's own handle, sharing one workspace buffer as large as the
 //! largest plan's. Block 0's backward-data plan is tuned (and reported) but not run.
 
@@ -86,7 +87,7 @@ use crate::exec::cudnn::PreparedPlan;
 use crate::exec::ExecError;
 use crate::solver::{CandidateSet, ConvProblem, DType, Layout, MathMode, Plan, Policy};
 use crate::train::{
-    agree_ok, CacheChoice, Collective, Hyper, NetSpec, Replica, StepStats, TrainError,
+    agree_ok, CacheChoice, Collective, Hyper, NetSpec, Replica, StepStats, TrainError, TuningWork,
 };
 use crate::tune::{EngineOptions, LayerTuning, TuneError};
 use mucudnn_cache::Cache;
@@ -163,6 +164,10 @@ impl std::str::FromStr for Precision {
 /// The initial loss scale of fp16 training, `torch.amp.GradScaler`'s (see the module docs).
 pub const DEFAULT_LOSS_SCALE: f32 = LossScaler::INITIAL_SCALE;
 
+/// The largest initial loss scale accepted: 2^24 (exact in f32; far above what fp16 gradients
+/// survive, so a run started there skips its first steps while the scale backs off).
+pub const MAX_LOSS_SCALE: f32 = 16_777_216.0;
+
 /// How a GPU replica tunes and runs its layers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GpuSettings {
@@ -204,12 +209,12 @@ impl GpuSettings {
 
     pub fn validate(&self) -> Result<(), TrainError> {
         let scale = self.loss_scale;
-        let power_of_two = (1.0..=65536.0).contains(&scale)
+        let power_of_two = (1.0..=MAX_LOSS_SCALE).contains(&scale)
             && (scale as u32).is_power_of_two()
             && scale.fract() == 0.0;
         if !power_of_two {
             return Err(TrainError::Config(format!(
-                "the loss scale must be a power of two from 1 to 65536, not {scale}"
+                "the loss scale must be a power of two from 1 to 2^24, not {scale}"
             )));
         }
         Ok(())
@@ -1192,6 +1197,30 @@ impl<C: Collective> Replica for GpuReplica<C> {
         self.guard(|replica| replica.prepare_inner(batch_sizes))
     }
 
+    /// The layers' jobs for every batch size, on a [`CudnnBackend`] of this GPU, when the
+    /// cache is a file.
+    fn tuning_work(&self, batch_sizes: &[usize]) -> Result<Option<TuningWork>, TrainError> {
+        let CacheChoice::File(path) = &self.settings.cache else {
+            return Ok(None);
+        };
+        let mut layers = Vec::new();
+        for &n in batch_sizes.iter().filter(|&&n| n > 0) {
+            for block in 0..self.spec.block_channels.len() {
+                let problem = self.settings.problem(&self.spec, block, n);
+                layers.push((format!("train.block{block}.conv"), problem));
+            }
+        }
+        let backend = CudnnBackend::new(self.ops.ordinal())
+            .map_err(|e| TrainError::Layer(TuneError::from(e).into()))?;
+        Ok(Some(TuningWork {
+            backend: Box::new(backend),
+            cache: self.settings.cache.open()?,
+            cache_path: path.clone(),
+            tuning: self.settings.tuning,
+            jobs: crate::tune::jobs_for(layers),
+        }))
+    }
+
     fn conv_plans(&self, batch: usize) -> Vec<Plan> {
         self.passes
             .get(&batch)
@@ -1394,7 +1423,11 @@ mod tests {
         assert_eq!((problem.dtype, problem.layout), (DType::Fp16, Layout::Nhwc));
         problem.validate().unwrap();
         assert_eq!(problem.output_hw(), (8, 8));
-        for bad in [0.0, 3.0, 0.5, f32::INFINITY, 131072.0] {
+        for good in [1.0, 65536.0, 131072.0, MAX_LOSS_SCALE] {
+            settings.loss_scale = good;
+            settings.validate().unwrap();
+        }
+        for bad in [0.0, 3.0, 0.5, f32::INFINITY, 2.0 * MAX_LOSS_SCALE] {
             settings.loss_scale = bad;
             assert!(settings.validate().is_err(), "{bad}");
         }

@@ -9,7 +9,10 @@
 //! after every rank of the job said it is ready: `init_rank` blocks until the whole world has
 //! called it, so a rank that failed before must keep the others out), its [`GpuOps`] on the
 //! communicator's stream, and a [`GpuReplica`] around its [`HostCollective`] handle; the loop
-//! gets a second handle.
+//! gets a second handle. Each communicator's abort is registered with the host collective
+//! ([`HostCollective::on_failure`]): the first thread of this process to fail aborts every
+//! local communicator (`ncclCommAbort`), so peers waiting on the device behind an NCCL call
+//! are released too, not only those waiting on the host.
 
 #![forbid(unsafe_code)]
 
@@ -229,6 +232,8 @@ impl GpuJob {
                     )?
                 }
             };
+            // A failing thread of this process aborts every local communicator.
+            collective.on_failure(comm.abort_on_failure());
             let ops = GpuOps::with_stream(comm.stream().clone())?;
             GpuReplica::new(spec, seed, settings, ops, comm, collective)
         };
