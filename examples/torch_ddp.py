@@ -187,6 +187,9 @@ def main() -> None:
             )
         )
     if distributed:
+        # Every rank is done (and has written its report) before the group is torn down:
+        # gloo aborts a process whose peer closed the connection first.
+        dist.barrier()
         dist.destroy_process_group()
 
 
