@@ -67,7 +67,9 @@ pub use foreign::{
     RawDeviceViewMut, TensorDescriptorInfo,
 };
 use gates::*;
-pub(crate) use gates::{candidates, cudnn, driver};
+#[cfg(feature = "train")]
+pub(crate) use gates::candidates;
+pub(crate) use gates::{cudnn, driver};
 pub use gates::{cudnn_version, library_status, probe, DeviceInfo, LibraryStatus, SystemInfo};
 pub use graph::{
     broken_graph_on_device, engine_configs, engine_configs_on_device,
