@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # All of mucudnn's tests, as the README's test command (and .ci/run) runs them:
 #
-#   1. the Rust workspace: cargo test --workspace --locked;
+#   1. the Rust workspace: cargo test --workspace --locked, and the library core built alone
+#      (--no-default-features) with no CLI, plotting, TOML, signal or training crate;
 #   2. the MPI tests (scripts/mpi_test.sh: Open MPI from Debian's packages, installed when
 #      missing, and a build with --features mpi);
 #   3. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
@@ -25,6 +26,16 @@ in_ci() { [ "${CI:-}" = "true" ] || [ "${CI:-}" = "1" ]; }
 
 section "Rust: cargo test --workspace --locked"
 cargo test --workspace --locked
+
+section "Rust: the library core alone (--no-default-features): builds, depends on no CLI crate"
+cargo build -p mucudnn --no-default-features --locked
+core_tree=$(cargo tree -p mucudnn --no-default-features -e normal --locked --prefix none)
+if forbidden=$(grep -E '^(clap|indicatif|plotters|ctrlc|toml|anyhow|mpi) v' <<<"$core_tree"); then
+  echo "error: the core depends on CLI or training crates:" >&2
+  echo "$forbidden" >&2
+  exit 1
+fi
+echo "the core's dependency tree has none of clap, indicatif, plotters, ctrlc, toml, anyhow, mpi"
 
 section "MPI: scripts/mpi_test.sh (mpirun -np 2 training against 2 threads, a failing rank)"
 status=0
