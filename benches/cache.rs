@@ -37,7 +37,7 @@ fn warm_tune(c: &mut Criterion) {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("cache.sqlite");
     let _ = std::fs::remove_file(&path);
-    let cache = Cache::open(&path);
+    let cache = Cache::open(&path).expect("a fresh cache file");
     let device = mucudnn::device::cpu_fingerprint();
     let mut rng = Rng(7);
     let layers: Vec<(String, ConvProblem)> = (0..50)

@@ -82,6 +82,11 @@
 #define MUCUDNN_DEFAULT_WORKSPACE_LIMIT 67108864
 
 /**
+ * The device argument of mucudnnTunerCreate for the CPU backend (a GPU is its CUDA ordinal).
+ */
+#define MUCUDNN_DEVICE_CPU -1
+
+/**
  * What every mucudnn function that can fail returns. On anything but
  * MUCUDNN_STATUS_SUCCESS, mucudnnGetLastError() says what happened, naming the function, the
  * argument or layer, and the cause.
@@ -160,6 +165,11 @@ typedef struct cudnnTensorStruct cudnnTensorStruct;
  * What a mucudnnHandle_t points to (opaque).
  */
 typedef struct mucudnnContext mucudnnContext;
+
+/**
+ * What a mucudnnTuner_t points to (opaque).
+ */
+typedef struct mucudnnTunerContext mucudnnTunerContext;
 
 /**
  * Which micro-batch sizes a plan may use: one of the MUCUDNN_POLICY_* values.
@@ -255,6 +265,15 @@ typedef struct cudnnConvolutionStruct *mucudnnConvolutionDescriptor_t;
 typedef int32_t mucudnnConvOp_t;
 
 /**
+ * A tuner: one device (the CPU backend, or one GPU), the tuning cache, and the plan sets
+ * prepared so far. Made by mucudnnTunerCreate, freed by mucudnnTunerDestroy. Convolutions are
+ * described as JSON problems, so no cuDNN of the caller's is needed; this is what the PyTorch
+ * package (`mucudnn.torch`) uses. Thread-safe: concurrent calls on one tuner run one after
+ * another.
+ */
+typedef struct mucudnnTunerContext *mucudnnTuner_t;
+
+/**
  * y = conv(x, w) (cudnnConvolutionForward).
  */
 #define MUCUDNN_OP_FORWARD 0
@@ -342,6 +361,19 @@ void mucudnnFreeString(char *text);
  * `info_json_out` is NULL (an error) or valid for writing one pointer.
  */
 enum mucudnnStatus_t mucudnnProbe(char **info_json_out);
+
+/**
+ * The version of the libcudnn mucudnn uses (cudnnGetVersion(), e.g. 92600 for 9.26.0),
+ * loading it if it is not loaded yet; needs no GPU and no libcuda. mucudnn looks for
+ * `libcudnn.so`, then `libcudnn.so.9`, through the dynamic loader's search (LD_LIBRARY_PATH,
+ * the library's RUNPATH, the system's folders); a libcudnn already loaded under the same file
+ * is shared. MUCUDNN_STATUS_NOT_AVAILABLE when none is found or it is not cuDNN 9.
+ *
+ * # Safety
+ *
+ * `version_out` is NULL (an error) or valid for writing one uint64_t.
+ */
+enum mucudnnStatus_t mucudnnGetCudnnVersion(uint64_t *version_out);
 
 /**
  * Solves a profile, without a GPU: the same plans, and the same JSON document, as
@@ -551,6 +583,179 @@ enum mucudnnStatus_t mucudnnGetWorkspaceSize(mucudnnHandle_t handle,
  */
 enum mucudnnStatus_t mucudnnGetPlansJson(mucudnnHandle_t handle,
                                          char **json_out);
+
+/**
+ * Makes a tuner on `device`: MUCUDNN_DEVICE_CPU for the CPU backend, or a CUDA ordinal
+ * (0, 1, ...) for a GPU, whose CUDA, cuDNN and context are checked now
+ * (MUCUDNN_STATUS_NOT_AVAILABLE with the reason when missing).
+ *
+ * `options_json`: NULL for the defaults, or a JSON object with any of
+ *   "cache": the tuning cache file (a path; absent or null: $MUCUDNN_CACHE, else
+ *            $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite),
+ *   "no_cache": true to keep measurements in memory only,
+ *   "verbose": true to print a line per measurement and per tuned layer on stderr.
+ *
+ * # Safety
+ *
+ * `tuner_out` is NULL (an error) or valid for writing one pointer; `options_json` is NULL or
+ * a NUL-terminated string.
+ */
+enum mucudnnStatus_t mucudnnTunerCreate(mucudnnTuner_t *tuner_out,
+                                        int32_t device,
+                                        const char *options_json);
+
+/**
+ * Destroys a tuner and every plan set prepared on it (a call still running on another thread
+ * finishes first). NULL or a stale tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
+ */
+enum mucudnnStatus_t mucudnnTunerDestroy(mucudnnTuner_t tuner);
+
+/**
+ * The device fingerprint the tuner's measurements are stored under, as JSON (backend, name,
+ * compute_capability, driver_version, cudnn_version): ranks of a distributed job share
+ * measurements only with ranks of an identical fingerprint. Free with mucudnnFreeString().
+ *
+ * # Safety
+ *
+ * `json_out` is NULL (an error) or valid for writing one pointer.
+ */
+enum mucudnnStatus_t mucudnnTunerGetFingerprint(mucudnnTuner_t tuner,
+                                                char **json_out);
+
+/**
+ * Tunes one layer through the cache: measures what the cache lacks (every candidate at every
+ * micro-batch size the policy allows, for the three ops) and solves each op under the
+ * per-layer workspace limit. `*result_json_out` gets {"plans": [fwd, bwd_data, bwd_filter],
+ * "cached": N, "measured": N}, each plan as {"layer", "problem", "op", "micro_batches":
+ * [{"size", "algo", "workspace_bytes", "time_ms"}]} (what mucudnnTunerPrepare takes).
+ *
+ * `problem_json`: the convolution at the mini-batch size, as in the interchange format's
+ * "problem" (docs/PROFILE_FORMAT.md), e.g. {"n": 32, "c": 3, "h": 32, "w": 32, "k": 16,
+ * "r": 3, "s": 3, "pad_h": 1, "pad_w": 1, "stride_h": 1, "stride_w": 1, "dilation_h": 1,
+ * "dilation_w": 1, "groups": 1, "dtype": "fp32", "layout": "nchw", "math": "default"}.
+ *
+ * `settings_json`: NULL for the defaults, or an object with any of "policy" ("undivided",
+ * "power-of-two" (default), "all"), "workspace_limit" (bytes or "64MiB"; default 64 MiB;
+ * null for none), "candidates" ("legacy", "engines", "all" (default); the CPU has only its
+ * own algorithms), "max_candidates" (engine configurations timed per size; null for all) and
+ * "prune_margin" (default 1.5; null to time every configuration at every size).
+ *
+ * # Safety
+ *
+ * The strings are NULL (an error, except `settings_json`) or NUL-terminated;
+ * `result_json_out` is NULL (an error) or valid for writing one pointer.
+ */
+enum mucudnnStatus_t mucudnnTunerTune(mucudnnTuner_t tuner,
+                                      const char *layer,
+                                      const char *problem_json,
+                                      const char *settings_json,
+                                      char **result_json_out);
+
+/**
+ * The measuring tasks the cache lacks to tune some layers: `layers_json` is an array of
+ * {"layer": NAME, "problem": PROBLEM}; `*tasks_json_out` gets an array of tasks {"layer",
+ * "problem", "op", "micro", "kind", "between"}, the anchor sizes of every layer first, then
+ * the sizes between them ("between" names their anchors). Deal the tasks out over the ranks
+ * of a job, measure each share (anchors before the sizes between), share the results with
+ * mucudnnTunerStore, and tuning then measures nothing. Settings as for mucudnnTunerTune.
+ *
+ * # Safety
+ *
+ * As for mucudnnTunerTune.
+ */
+enum mucudnnStatus_t mucudnnTunerMissing(mucudnnTuner_t tuner,
+                                         const char *layers_json,
+                                         const char *settings_json,
+                                         char **tasks_json_out);
+
+/**
+ * Measures tasks (an array as mucudnnTunerMissing returns, or a share of it), in order,
+ * storing each in the tuner's cache. `*measured_json_out` gets {"fingerprint": FINGERPRINT,
+ * "measured": [{"task": TASK, "measurements": [{"micro", "algo" or "engine", "time_ms",
+ * "workspace_bytes"}]}]}, the document mucudnnTunerStore takes on another rank. Settings as
+ * for mucudnnTunerTune (they decide timing, pruning and the engine bound).
+ *
+ * # Safety
+ *
+ * As for mucudnnTunerTune.
+ */
+enum mucudnnStatus_t mucudnnTunerMeasure(mucudnnTuner_t tuner,
+                                         const char *tasks_json,
+                                         const char *settings_json,
+                                         char **measured_json_out);
+
+/**
+ * Stores measurements another tuner took (the document of mucudnnTunerMeasure, e.g. from
+ * another rank) in this tuner's cache. Refused unless its fingerprint equals this tuner's;
+ * each record is checked (sizes, candidate kinds, finite times) before anything is stored.
+ * `*stored_out` gets the number of (task) records stored.
+ *
+ * # Safety
+ *
+ * `measured_json` is NULL (an error) or NUL-terminated; `stored_out` is NULL (an error) or
+ * valid for writing one uint64_t.
+ */
+enum mucudnnStatus_t mucudnnTunerStore(mucudnnTuner_t tuner,
+                                       const char *measured_json,
+                                       uint64_t *stored_out);
+
+/**
+ * Prepares the three plans of one input shape for execution: `plans_json` is the array of
+ * mucudnnTunerTune's "plans" (one plan per op, of one problem). On a GPU this builds the
+ * descriptors and engine execution plans once. `*plan_set_out` gets the set's id (for
+ * mucudnnTunerExecute and mucudnnTunerRelease) and `workspace_bytes_out[0..3]` the workspace
+ * bytes each op needs, in MUCUDNN_OP_* order (the caller provides that workspace).
+ *
+ * # Safety
+ *
+ * `plans_json` is NULL (an error) or NUL-terminated; `plan_set_out` is NULL (an error) or
+ * valid for writing one uint64_t; `workspace_bytes_out` is NULL (an error) or valid for
+ * writing three uint64_t.
+ */
+enum mucudnnStatus_t mucudnnTunerPrepare(mucudnnTuner_t tuner,
+                                         const char *plans_json,
+                                         uint64_t *plan_set_out,
+                                         uint64_t *workspace_bytes_out);
+
+/**
+ * Frees a prepared plan set.
+ */
+enum mucudnnStatus_t mucudnnTunerRelease(mucudnnTuner_t tuner,
+                                         uint64_t plan_set);
+
+/**
+ * Runs one op of a prepared plan set over the whole mini-batch:
+ * `out = alpha * op(a, b) + beta * out`, micro-batch by micro-batch, with operands in cuDNN's
+ * order for the op (forward: a = x, b = w, out = y; backward-data: a = w, b = dy, out = dx;
+ * backward-filter: a = x, b = dy, out = dw), each packed in the problem's layout (NCHW or
+ * NHWC; the filter in the same layout) and dtype.
+ *
+ * On a CPU tuner the pointers are host memory and `stream` is ignored; the workspace is host
+ * memory (4-byte aligned). On a GPU tuner they are device memory of the tuner's GPU, the work
+ * is queued on `stream` (NULL: the legacy default stream) through the tuner's own cuDNN
+ * handle, asynchronously, with no host synchronisation; the workspace is the caller's device
+ * memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's
+ * workspace_bytes_out[op] bytes, 16-byte aligned (NULL with 0 bytes when none is needed).
+ *
+ * # Safety
+ *
+ * `a`, `b` and `out` point to the problem's element counts of their roles (host memory on a
+ * CPU tuner, device memory of its GPU otherwise), readable, `out` writable and overlapping
+ * neither input; `workspace` is NULL with `workspace_bytes` 0, or `workspace_bytes` writable
+ * bytes of the same kind of memory; on a GPU all of it stays allocated until the work queued
+ * on `stream` has finished, and `stream` is a live stream of the GPU's primary context.
+ */
+enum mucudnnStatus_t mucudnnTunerExecute(mucudnnTuner_t tuner,
+                                         uint64_t plan_set,
+                                         mucudnnConvOp_t op,
+                                         float alpha,
+                                         const void *a,
+                                         const void *b,
+                                         float beta,
+                                         void *out,
+                                         void *workspace,
+                                         uint64_t workspace_bytes,
+                                         mucudnnStream_t stream);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -4,7 +4,8 @@
 //! - the problem model, profiles and solvers live in the pure crate `mucudnn-solver`,
 //!   re-exported here as [`solver`];
 //! - [`backend`] measures and runs convolutions (cuDNN on the GPU, real algorithms on the CPU);
-//! - [`train`] trains a small CNN data-parallel with its convolutions in mucudnn's layer.
+//! - [`train`] (feature `train`) trains a small CNN data-parallel with its convolutions in
+//!   mucudnn's layer; the CLI's network files and report plots are behind feature `cli`.
 
 pub use mucudnn_cache as cache;
 pub use mucudnn_solver as solver;
@@ -15,9 +16,12 @@ pub mod exec;
 pub mod explain;
 pub mod ffi;
 pub mod models;
+#[cfg(feature = "cli")]
 pub mod network;
 pub mod profiler;
 pub mod report;
+#[cfg(feature = "cli")]
 pub mod report_files;
+#[cfg(feature = "train")]
 pub mod train;
 pub mod tune;

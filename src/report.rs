@@ -1,5 +1,5 @@
 //! Presenting a [`Solution`]: the `--json` document that scripts read (its shape is a public
-//! contract, see README "JSON output") and the table people read.
+//! contract, see docs/cli.md "JSON output") and the table people read.
 
 pub use crate::solver::device::cudnn_version_string;
 use crate::solver::units::format_bytes;

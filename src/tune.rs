@@ -12,6 +12,7 @@ use crate::solver::{
     OpProfile, Plan, Policy, Profile, SolveError,
 };
 use mucudnn_cache::{Cache, PlanKey};
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -26,6 +27,9 @@ pub enum TuneError {
     Solve(#[from] SolveError),
     #[error("interrupted: {measured} micro-batch size(s) measured this run are kept in the cache")]
     Interrupted { measured: usize },
+    /// The cache path names a file that is not a mucudnn cache (left untouched).
+    #[error(transparent)]
+    Cache(#[from] mucudnn_cache::NotACache),
 }
 
 /// Where a profile's measurements came from.
@@ -384,6 +388,190 @@ pub fn jobs_for(layers: impl IntoIterator<Item = (String, ConvProblem)>) -> Vec<
         .collect()
 }
 
+/// One unit of measuring work that the cache lacks: a (layer problem, op, micro-batch size,
+/// candidate kind). Tasks are plain data so that they can be dealt out over processes (ranks of
+/// a distributed job) and their results shared ([`MeasuredTask`]): every rank then stores the
+/// same measurements and solves the same plans.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MeasureTask {
+    pub layer: String,
+    /// The problem at the full mini-batch size.
+    pub problem: ConvProblem,
+    pub op: ConvOp,
+    pub micro: i64,
+    pub kind: AlgoKind,
+    /// For a size between two anchors (see [`prune::measure_order`]): the anchors, whose
+    /// measurements decide which engine configurations are skipped. Measure every anchor task
+    /// (and store the results) before the tasks between them, as [`missing_tasks`] orders them.
+    pub between: Option<(i64, i64)>,
+}
+
+/// A task's measurements (possibly none: "measured, nothing supported").
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredTask {
+    pub task: MeasureTask,
+    pub measurements: Vec<Measurement>,
+}
+
+/// The tasks the cache lacks for `jobs` on `fingerprint` (a backend offering `offered`),
+/// anchors of every job first, then the sizes between them; deterministic for the same cache
+/// contents. Errors as [`ProfileRun`] does for candidate kinds the backend lacks.
+pub fn missing_tasks(
+    jobs: &[Job],
+    run: &ProfileRun<'_>,
+    fingerprint: &DeviceFingerprint,
+    offered: &[AlgoKind],
+) -> Result<Vec<MeasureTask>, TuneError> {
+    let kinds = run.kinds(offered, &fingerprint.name)?;
+    let mut anchors = Vec::new();
+    let mut between = Vec::new();
+    for job in jobs {
+        job.problem
+            .validate()
+            .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
+        let sizes = run.policy.sizes(job.problem.n);
+        let missing: BTreeMap<AlgoKind, Vec<i64>> = kinds
+            .iter()
+            .map(|&kind| {
+                let missing =
+                    run.cache
+                        .missing_sizes(fingerprint, &job.problem, job.op, kind, &sizes);
+                (kind, missing)
+            })
+            .collect();
+        for step in prune::measure_order(&sizes) {
+            for &kind in &kinds {
+                if !missing[&kind].contains(&step.micro) {
+                    continue;
+                }
+                let task = MeasureTask {
+                    layer: job.layer.clone(),
+                    problem: job.problem,
+                    op: job.op,
+                    micro: step.micro,
+                    kind,
+                    between: step.between,
+                };
+                if step.between.is_some() {
+                    between.push(task);
+                } else {
+                    anchors.push(task);
+                }
+            }
+        }
+    }
+    anchors.extend(between);
+    Ok(anchors)
+}
+
+/// Measures one task on `backend` and stores the result in the run's cache. A task between two
+/// anchors skips the engine configurations the cached anchor measurements show dominated.
+pub fn measure_task(
+    backend: &mut dyn Backend,
+    task: &MeasureTask,
+    run: &ProfileRun<'_>,
+) -> Result<MeasuredTask, TuneError> {
+    task.problem
+        .validate()
+        .map_err(|e| BackendError::Invalid(format!("{}: {e}", task.layer)))?;
+    let device = backend.fingerprint().clone();
+    run.kinds(backend.kinds(), &device.name)?;
+    if !backend.kinds().contains(&task.kind) {
+        return Err(BackendError::NoEngines {
+            backend: device.name.clone(),
+        }
+        .into());
+    }
+    let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
+    if let Some((lower, upper)) = task.between {
+        for size in [lower, upper] {
+            if let Some(found) =
+                run.cache
+                    .measurements(&device, &task.problem, task.op, size, task.kind)
+            {
+                by_size.insert(size, found);
+            }
+        }
+    }
+    let step = prune::Step {
+        micro: task.micro,
+        between: task.between,
+    };
+    let search = run.engine_search(task.kind, step, &by_size);
+    let measurements = measure_kind(
+        backend,
+        task.kind,
+        &task.problem,
+        task.op,
+        task.micro,
+        &run.timing,
+        &search,
+    )?;
+    run.cache.store_measurements(
+        &device,
+        &task.layer,
+        &task.problem,
+        task.op,
+        task.micro,
+        task.kind,
+        &measurements,
+    );
+    Ok(MeasuredTask {
+        task: task.clone(),
+        measurements,
+    })
+}
+
+/// Stores tasks measured elsewhere (another rank's device of the same fingerprint) in `cache`.
+/// Returns how many were stored. Each task's measurements are checked first: micro-batch sizes
+/// and candidate kinds must match the task, times and workspaces must be sane.
+pub fn store_measured(
+    cache: &Cache,
+    fingerprint: &DeviceFingerprint,
+    measured: &[MeasuredTask],
+) -> Result<usize, TuneError> {
+    for m in measured {
+        let t = &m.task;
+        let bad = |why: String| {
+            TuneError::Backend(BackendError::Invalid(format!(
+                "{} {} micro-batch {}: {why}",
+                t.layer, t.op, t.micro
+            )))
+        };
+        t.problem.validate().map_err(|e| bad(e.to_string()))?;
+        if t.micro < 1 || t.micro > t.problem.n {
+            return Err(bad(format!("outside 1..={}", t.problem.n)));
+        }
+        for x in &m.measurements {
+            if x.micro != t.micro {
+                return Err(bad(format!("a measurement is at micro-batch {}", x.micro)));
+            }
+            if x.algo.kind() != t.kind {
+                return Err(bad(format!(
+                    "a measurement of {} is not {}",
+                    x.algo, t.kind
+                )));
+            }
+            if !(x.time_ms.is_finite() && x.time_ms >= 0.0) {
+                return Err(bad(format!("time {} ms", x.time_ms)));
+            }
+        }
+    }
+    for m in measured {
+        let t = &m.task;
+        cache.store_measurements(
+            fingerprint,
+            &t.layer,
+            &t.problem,
+            t.op,
+            t.micro,
+            t.kind,
+            &m.measurements,
+        );
+    }
+    Ok(measured.len())
+}
+
 /// How a single layer tunes itself: per-layer workspace limit (WR), since it sees only itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerTuning {
@@ -404,6 +592,19 @@ impl LayerTuning {
         layer: &str,
         problem: &ConvProblem,
     ) -> Result<[Plan; 3], TuneError> {
+        self.tune_counted(backend, cache, layer, problem)
+            .map(|(plans, _)| plans)
+    }
+
+    /// As [`LayerTuning::tune`], also saying how many (size, kind) measurements came from the
+    /// cache and how many were measured (both 0 when the solved plans were cached).
+    pub fn tune_counted(
+        &self,
+        backend: &mut dyn Backend,
+        cache: &Cache,
+        layer: &str,
+        problem: &ConvProblem,
+    ) -> Result<([Plan; 3], CacheStats), TuneError> {
         let device: DeviceFingerprint = backend.fingerprint().clone();
         let run = ProfileRun {
             policy: self.policy,
@@ -423,10 +624,11 @@ impl LayerTuning {
             .filter_map(|&op| cache.plan(&device, problem, op, &key))
             .collect();
         if let Ok(plans) = <[Plan; 3]>::try_from(cached) {
-            return Ok(plans.map(|plan| Plan {
+            let plans = plans.map(|plan| Plan {
                 layer: layer.to_string(),
                 ..plan
-            }));
+            });
+            return Ok((plans, CacheStats::default()));
         }
         let mut stats = CacheStats::default();
         let mut plans = Vec::with_capacity(3);
@@ -441,6 +643,7 @@ impl LayerTuning {
             cache.store_plan(&device, &plan, &key);
             plans.push(plan);
         }
-        Ok(plans.try_into().expect("three ops"))
+        let plans: [Plan; 3] = plans.try_into().expect("three ops");
+        Ok((plans, stats))
     }
 }

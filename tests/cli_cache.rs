@@ -184,33 +184,222 @@ fn export_clear_import_and_inspection() {
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
 }
 
+/// Issue 14, items 1 and 2: a file that is not a mucudnn cache is refused by every cache
+/// command, never moved, and left byte-for-byte unchanged; an unusable location makes the
+/// commands that exist to write fail instead of "importing into memory".
 #[test]
-fn a_corrupt_cache_file_is_set_aside_and_the_command_goes_on() {
-    let cache = temp_cache("corrupt");
+fn a_file_that_is_not_a_cache_is_refused_by_every_command() {
+    let cache = temp_cache("not-ours");
     std::fs::write(&cache, vec![0x42u8; 8192]).unwrap();
-    let output = mucudnn(
-        &cache,
+    let commands: [&[&str]; 5] = [
+        &["cache", "show"],
+        &["cache", "list"],
+        &[
+            "cache",
+            "export",
+            "/nonexistent/out.json",
+            "--device",
+            "cpu",
+        ],
         &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
+        &["cache", "clear"],
+    ];
+    for args in commands {
+        let output = mucudnn(&cache, args);
+        assert_eq!(output.status.code(), Some(1), "{args:?}");
+        let stderr = text(&output.stderr);
+        assert!(
+            stderr.contains("is not a mucudnn cache"),
+            "{args:?}: {stderr}"
+        );
+        assert_eq!(
+            std::fs::read(&cache).unwrap(),
+            vec![0x42u8; 8192],
+            "{args:?}"
+        );
+    }
+    let names: Vec<_> = std::fs::read_dir(cache.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        names,
+        vec![cache.file_name().unwrap().to_owned()],
+        "nothing moved or added"
     );
-    ok(&output);
-    assert!(
-        text(&output.stderr).contains("moved it to"),
-        "{}",
-        text(&output.stderr)
-    );
-    assert!(ok(&mucudnn(&cache, &["cache", "list"])).contains("alexnet.conv1"));
-    // An unwritable location: the command still works, in memory.
+    // An unusable location: writing commands fail, and say why.
     let blocked = cache.with_file_name("blocker");
     std::fs::write(&blocked, b"x").unwrap();
-    let output = mucudnn(
-        &blocked.join("cache.sqlite"),
+    for args in [
+        &["cache", "import", FIXTURE, "--device", "cpu", "--force"][..],
+        &["cache", "clear"][..],
+    ] {
+        let output = mucudnn(&blocked.join("cache.sqlite"), args);
+        assert_eq!(output.status.code(), Some(1), "{args:?}");
+        assert!(
+            text(&output.stderr).contains("cannot be written"),
+            "{}",
+            text(&output.stderr)
+        );
+    }
+    std::fs::remove_dir_all(cache.parent().unwrap()).ok();
+}
+
+/// Issue 14, item 3: a cache file that cannot be written is still read. As root (mode bits do
+/// not stop root) the file is made immutable with `chattr +i`; where that is not possible the
+/// documented `MUCUDNN_CACHE_READ_ONLY=1` takes the same read-only path.
+#[test]
+fn a_read_only_cache_is_read_and_never_written() {
+    let cache = temp_cache("read-only");
+    ok(&mucudnn(
+        &cache,
         &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
-    );
-    ok(&output);
+    ));
+    // Tune once so that the cache holds this machine's tiny network.
+    ok(&mucudnn(
+        &cache,
+        &[
+            "tune",
+            "--network",
+            TINY,
+            "--batch",
+            "2",
+            "--device",
+            "cpu",
+            "--quiet",
+        ],
+    ));
+    let before = std::fs::read(&cache).unwrap();
+    let (how, env) = make_read_only(&cache);
+    eprintln!("read-only by: {how}");
+    let run = |args: &[&str]| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_mucudnn"));
+        command.args(args).env("MUCUDNN_CACHE", &cache);
+        if let Some((key, value)) = env {
+            command.env(key, value);
+        }
+        command.output().unwrap()
+    };
+    let list = ok(&run(&["cache", "list"]));
+    assert!(list.contains("alexnet.conv2"), "{list}");
+    ok(&run(&["cache", "show"]));
+    let exported = cache.with_file_name("exported.json");
+    ok(&run(&[
+        "cache",
+        "export",
+        exported.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]));
+    // tune uses the cached measurements and says new ones are not kept.
+    let tune = run(&["tune", "--network", TINY, "--batch", "2", "--device", "cpu"]);
+    ok(&tune);
+    let stderr = text(&tune.stderr);
+    assert!(stderr.contains("new ones will not be kept"), "{stderr}");
+    assert!(stderr.contains("no benchmark was run"), "{stderr}");
+    for args in [
+        &["cache", "import", FIXTURE, "--device", "cpu", "--force"][..],
+        &["cache", "clear"][..],
+    ] {
+        let output = run(args);
+        assert_eq!(
+            output.status.code(),
+            Some(1),
+            "{args:?}: {}",
+            text(&output.stderr)
+        );
+        assert!(
+            text(&output.stderr).contains("cannot be written"),
+            "{}",
+            text(&output.stderr)
+        );
+    }
+    undo_read_only(&cache, how);
+    assert_eq!(std::fs::read(&cache).unwrap(), before);
+    std::fs::remove_dir_all(cache.parent().unwrap()).ok();
+}
+
+const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/networks/tiny.toml");
+
+fn make_read_only(path: &Path) -> (&'static str, Option<(&'static str, &'static str)>) {
+    use std::os::unix::fs::MetadataExt;
+    let root = std::fs::metadata("/proc/self")
+        .map(|m| m.uid() == 0)
+        .unwrap_or(false);
+    if !root {
+        let mut perms = std::fs::metadata(path).unwrap().permissions();
+        perms.set_readonly(true);
+        std::fs::set_permissions(path, perms).unwrap();
+        ("mode bits", None)
+    } else if Command::new("chattr")
+        .arg("+i")
+        .arg(path)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        ("chattr +i", None)
+    } else {
+        (
+            "MUCUDNN_CACHE_READ_ONLY",
+            Some(("MUCUDNN_CACHE_READ_ONLY", "1")),
+        )
+    }
+}
+
+fn undo_read_only(path: &Path, how: &str) {
+    match how {
+        "chattr +i" => {
+            let _ = Command::new("chattr").arg("-i").arg(path).status();
+        }
+        "mode bits" => {
+            let mut perms = std::fs::metadata(path).unwrap().permissions();
+            #[allow(clippy::permissions_set_readonly_false)]
+            perms.set_readonly(false);
+            std::fs::set_permissions(path, perms).unwrap();
+        }
+        _ => {}
+    }
+}
+
+/// Issue 14, item 4: a reader that stops early (`| head -1`) is no panic: the command exits
+/// quietly and still writes its report files.
+#[test]
+fn a_closed_stdout_is_no_panic_and_reports_are_still_written() {
+    let cache = temp_cache("pipe");
+    ok(&mucudnn(
+        &cache,
+        &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
+    ));
+    let report = cache.with_file_name("report");
+    for args in [
+        vec!["cache", "list"],
+        vec!["solve", "--profile", FIXTURE],
+        vec![
+            "report",
+            "--profile",
+            FIXTURE,
+            "--out",
+            report.to_str().unwrap(),
+        ],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_mucudnn"))
+            .args(&args)
+            .env("MUCUDNN_CACHE", &cache)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Hang up before the first line, as `head` does once it has what it wants (closing
+        // at once makes every write meet the broken pipe, however short the output).
+        drop(child.stdout.take());
+        let output = child.wait_with_output().unwrap();
+        let stderr = text(&output.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(output.status.success(), "{args:?}: {stderr}");
+    }
     assert!(
-        text(&output.stderr).contains("in memory"),
-        "{}",
-        text(&output.stderr)
+        report.join("report.md").exists(),
+        "the report was still written"
     );
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
 }

@@ -8,7 +8,7 @@
 use mucudnn::backend::cudnn::host::{reference_convolution, Reference};
 use mucudnn::backend::cudnn::{ConvDescriptors, CudnnHandle, DeviceBuffer};
 use mucudnn::exec::cudnn::PreparedPlan;
-use mucudnn::exec::{operand_roles, Operand};
+use mucudnn::solver::{operand_roles, Operand};
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MathMode, MicroBatch, Plan};
 
 fn gpu_enabled(test: &str) -> bool {

@@ -17,7 +17,7 @@ use mucudnn::backend::cudnn::{
     engine_configs, heuristic_plan_workspaces, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer,
     EngineConfig, EnginePlan, EngineSearch, HeurMode, WorkspaceView, GPU_TESTS_ENV,
 };
-use mucudnn::exec::{operand_roles, Operand};
+use mucudnn::solver::{operand_roles, Operand};
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MathMode};
 
 fn gpu_enabled(test: &str) -> bool {

@@ -227,7 +227,7 @@ struct Recording {
 
 impl Recording {
     fn plans_cached(&self, sizes: &[usize]) -> bool {
-        let cache = Cache::open(&self.cache);
+        let cache = Cache::open(&self.cache).unwrap();
         let device = mucudnn::device::cpu_fingerprint();
         let tuning = &self.settings.tuning;
         let key = PlanKey::reuse(

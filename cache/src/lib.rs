@@ -6,30 +6,58 @@
 //! workspace limit needs no re-profiling) and as cached plans. Export and import speak the
 //! profile interchange format, with the device fingerprint in its extension key.
 //!
-//! A cache is only a cache. [`Cache::open`] never fails: a corrupt or unreadable file is moved
-//! aside and replaced (with a warning), an unwritable location or a file from a newer mucudnn
-//! falls back to an in-memory cache (with a warning). Afterwards a failed read is a miss and a
-//! failed write a warning; tuning goes on. Several processes (data-parallel ranks) may tune
-//! into one file at once: WAL journaling, a busy timeout and immediate transactions make their
-//! writes queue instead of fail. All SQL is parameterised.
+//! A cache is only a cache, but a file that is not a cache is not ours. Opening is the one
+//! place these meet, and [`Cache::open`] keeps them apart:
+//!
+//! - **Not a mucudnn cache** (not SQLite, another program's database, tables that are not
+//!   ours): the one error, [`NotACache`]. The file is left byte-for-byte unchanged, by every
+//!   [`Access`]; the caller (the CLI) reports it and stops.
+//! - **A mucudnn cache with a problem** never fails to open. Damaged: a writer moves it aside to
+//!   `<file>.corrupt-<time>`, starts a fresh one and salvages every row it can still read
+//!   ([`Salvage`]); a reader ([`Access::ReadOnly`]) moves nothing and sees an empty cache.
+//!   Unwritable (mode bits, a read-only file system, `MUCUDNN_CACHE_READ_ONLY=1`): opened
+//!   read-only, its measurements are used and new ones are not kept. From a newer mucudnn, or
+//!   an unusable location: an in-memory cache. Each comes with a warning.
+//!
+//! Afterwards a failed read is a miss and a failed write a warning; tuning goes on. Only the
+//! explicit operations that exist to change the file ([`Cache::import`], [`Cache::clear`])
+//! fail when it cannot be changed. Several processes (data-parallel ranks) may tune into one
+//! file at once: WAL journaling, a busy timeout and immediate transactions make their writes
+//! queue instead of fail. All SQL is parameterised.
 
+mod open;
 mod schema;
 mod store;
 
-pub use schema::SCHEMA_VERSION;
+pub use open::{NotACache, Salvage};
+pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
     AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement, OpProfile, Plan,
     Policy, Profile,
 };
-use rusqlite::{Connection, OpenFlags};
+use open::{Identity, OpenError};
+use rusqlite::Connection;
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-/// How long a writer waits for another process's transaction before giving up on one write.
-const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Set to anything but empty or `0`, commands that would write the cache open it read-only:
+/// its measurements are used, new ones are not kept (a shared team cache, a read-only mount).
+pub const READ_ONLY_ENV: &str = "MUCUDNN_CACHE_READ_ONLY";
+
+/// What a command may do to its cache file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Create, migrate, store, and move a damaged cache aside (salvaging it).
+    ReadWrite,
+    /// Read only: nothing is created, migrated or moved (`cache show`, `list`, `export`).
+    ReadOnly,
+}
+
+fn read_only_forced() -> bool {
+    std::env::var_os(READ_ONLY_ENV).is_some_and(|v| !v.is_empty() && v != "0")
+}
 
 /// The cache file: `$MUCUDNN_CACHE`, else `$XDG_CACHE_HOME/mucudnn/cache.sqlite`, else
 /// `~/.cache/mucudnn/cache.sqlite`; `None` when no home directory is known.
@@ -79,63 +107,188 @@ pub enum CacheError {
     UnknownDevice { name: String },
     #[error(transparent)]
     Profile(#[from] mucudnn_solver::ProfileError),
+    /// The cache cannot be changed (read-only, or an in-memory fallback): nothing was done.
+    #[error("the cache {location} cannot be written ({reason}); nothing was {what}")]
+    NotWritable {
+        location: String,
+        reason: String,
+        what: &'static str,
+    },
 }
 
 /// The tuning cache. Not `Sync`: open one per thread (they may share a file).
 pub struct Cache {
     conn: Connection,
     location: Location,
+    /// Why writes are not kept (read-only file, in-memory fallback); `None` when they are.
+    unwritable: Option<String>,
+    /// Writes are skipped (the connection is read-only or stands in for a file not created).
+    read_only: bool,
+    salvage: Option<Salvage>,
     warnings: RefCell<Vec<String>>,
     /// Print warnings to stderr as they happen (on by default).
     echo: bool,
 }
 
 impl Cache {
-    /// Opens (creating if needed) the cache at `path`. Never fails; see the module docs.
-    pub fn open(path: &Path) -> Cache {
+    /// Opens (creating if needed) the cache at `path` for reading and writing. Fails only when
+    /// the file is not a mucudnn cache; see the module docs.
+    pub fn open(path: &Path) -> Result<Cache, NotACache> {
+        Cache::open_with(path, Access::ReadWrite)
+    }
+
+    /// Opens the cache at `path`. Fails only when the file is not a mucudnn cache, which is
+    /// then left unchanged; any problem of a mucudnn cache is a warning (module docs).
+    pub fn open_with(path: &Path, access: Access) -> Result<Cache, NotACache> {
+        let identity = open::identify(path)?;
+        if let Identity::Unreachable(reason) = identity {
+            return Ok(Cache::fallback(
+                vec![format!("cannot use cache {}: {reason}", path.display())],
+                access,
+            ));
+        }
+        if access == Access::ReadOnly {
+            return Ok(Cache::read_only_file(path, &identity, None, Vec::new()));
+        }
+        if read_only_forced() {
+            let reason = format!("{READ_ONLY_ENV} is set");
+            return Ok(Cache::read_only_file(
+                path,
+                &identity,
+                Some(reason),
+                Vec::new(),
+            ));
+        }
         let mut warnings = Vec::new();
         let location = Location::File(path.to_path_buf());
-        match open_file(path) {
-            Ok(conn) => return Cache::from_parts(conn, location, warnings),
-            Err(OpenError::Unusable(reason)) => {
-                let aside = set_aside(path);
-                warnings.push(match &aside {
-                    Ok(moved) => format!(
-                        "cache {} is unreadable ({reason}); moved it to {} and started a fresh one",
+        match open::open_read_write(path) {
+            Ok(conn) => return Ok(Cache::from_parts(conn, location, warnings)),
+            Err(OpenError::ReadOnly(reason)) => {
+                return Ok(Cache::read_only_file(
+                    path,
+                    &identity,
+                    Some(reason),
+                    warnings,
+                ))
+            }
+            Err(OpenError::Unusable(reason)) => match open::set_aside(path) {
+                Ok(moved) => match open::open_read_write(path) {
+                    Ok(conn) => {
+                        let salvage = open::salvage(&moved, &conn, moved.clone());
+                        warnings.push(format!(
+                            "cache {} is damaged ({reason}); moved it to {}, started a fresh one \
+                             and salvaged {} of its rows ({} measurements){}",
+                            path.display(),
+                            moved.display(),
+                            salvage.total_kept(),
+                            salvage.measurements_kept(),
+                            if salvage.unreadable.is_empty() {
+                                String::new()
+                            } else {
+                                format!("; unreadable: {}", salvage.unreadable.join("; "))
+                            }
+                        ));
+                        let mut cache = Cache::from_parts(conn, location, warnings);
+                        cache.salvage = Some(salvage);
+                        return Ok(cache);
+                    }
+                    Err(e) => warnings.push(format!(
+                        "cache {} is damaged ({reason}); moved it to {}, but a fresh cache \
+                         failed too: {e}",
                         path.display(),
                         moved.display()
-                    ),
-                    Err(e) => format!(
-                        "cache {} is unreadable ({reason}) and could not be moved aside: {e}",
-                        path.display()
-                    ),
-                });
-                if aside.is_ok() {
-                    match open_file(path) {
-                        Ok(conn) => return Cache::from_parts(conn, location, warnings),
-                        Err(e) => warnings.push(format!(
-                            "a fresh cache at {} failed too: {e}",
-                            path.display()
-                        )),
-                    }
-                }
+                    )),
+                },
+                Err(e) => warnings.push(format!(
+                    "cache {} is damaged ({reason}) and could not be moved aside: {e}",
+                    path.display()
+                )),
+            },
+            Err(OpenError::Location(reason)) => {
+                warnings.push(format!("cannot use cache {}: {reason}", path.display()))
             }
-            Err(e) => warnings.push(format!("cannot use cache {}: {e}", path.display())),
         }
+        Ok(Cache::fallback(warnings, access))
+    }
+
+    /// A cache of ours at `path` that will not be written: `why` says why (`None`: the caller
+    /// only reads). A missing or empty file reads as an empty cache and is not created.
+    fn read_only_file(
+        path: &Path,
+        identity: &Identity,
+        why: Option<String>,
+        mut warnings: Vec<String>,
+    ) -> Cache {
+        let location = Location::File(path.to_path_buf());
+        let conn = match identity {
+            Identity::New => Ok(None),
+            _ => open::open_existing_read_only(path),
+        };
+        let conn = match conn {
+            Ok(Some(conn)) => conn,
+            Ok(None) => memory_connection(),
+            Err(OpenError::Unusable(reason)) => {
+                warnings.push(format!(
+                    "cache {} is damaged ({reason}); reading it as empty (a command that \
+                     writes the cache moves it aside and salvages what it can)",
+                    path.display()
+                ));
+                memory_connection()
+            }
+            Err(e) => {
+                warnings.push(format!("cannot read cache {}: {e}", path.display()));
+                let access = if why.is_some() {
+                    Access::ReadWrite
+                } else {
+                    Access::ReadOnly
+                };
+                return Cache::fallback(warnings, access);
+            }
+        };
+        if let Some(reason) = &why {
+            warnings.push(format!(
+                "cache {} is read-only ({reason}): its measurements are used, new ones will \
+                 not be kept",
+                path.display()
+            ));
+        }
+        let mut cache = Cache::from_parts(conn, location, warnings);
+        cache.read_only = true;
+        cache.unwritable = Some(why.unwrap_or_else(|| "opened read-only".into()));
+        cache
+    }
+
+    /// An in-memory cache standing in for a location that cannot be used.
+    fn fallback(mut warnings: Vec<String>, access: Access) -> Cache {
         let reason = warnings.last().cloned().unwrap_or_default();
-        warnings.push("keeping tuning results in memory for this run".into());
-        Cache::from_parts(memory_connection(), Location::Memory { reason }, warnings)
+        if access == Access::ReadWrite {
+            warnings.push("keeping tuning results in memory for this run".into());
+        }
+        let mut cache = Cache::from_parts(
+            memory_connection(),
+            Location::Memory {
+                reason: reason.clone(),
+            },
+            warnings,
+        );
+        cache.unwritable = Some(reason);
+        cache
+    }
+
+    /// Opens `explicit`, else [`default_path`], else an in-memory cache, for reading and
+    /// writing.
+    pub fn open_default(explicit: Option<&Path>) -> Result<Cache, NotACache> {
+        Cache::open_default_with(explicit, Access::ReadWrite)
     }
 
     /// Opens `explicit`, else [`default_path`], else an in-memory cache.
-    pub fn open_default(explicit: Option<&Path>) -> Cache {
+    pub fn open_default_with(explicit: Option<&Path>, access: Access) -> Result<Cache, NotACache> {
         match explicit.map(Path::to_path_buf).or_else(default_path) {
-            Some(path) => Cache::open(&path),
-            None => Cache::from_parts(
-                memory_connection(),
-                Location::Memory { reason: "no cache path: set MUCUDNN_CACHE or HOME".into() },
-                vec!["no cache location (set MUCUDNN_CACHE or HOME); keeping tuning results in memory".into()],
-            ),
+            Some(path) => Cache::open_with(&path, access),
+            None => Ok(Cache::fallback(
+                vec!["no cache location (set MUCUDNN_CACHE or HOME)".into()],
+                access,
+            )),
         }
     }
 
@@ -154,6 +307,9 @@ impl Cache {
         let cache = Cache {
             conn,
             location,
+            unwritable: None,
+            read_only: false,
+            salvage: None,
             warnings: RefCell::new(Vec::new()),
             echo: true,
         };
@@ -173,6 +329,29 @@ impl Cache {
         &self.location
     }
 
+    /// True when the cache file is read but never written (see [`Access`] and
+    /// [`READ_ONLY_ENV`]); stores are then skipped.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// What was salvaged when this open found the cache damaged and replaced it.
+    pub fn salvage(&self) -> Option<&Salvage> {
+        self.salvage.as_ref()
+    }
+
+    /// Fails when what is written would not be kept in the cache's file.
+    fn writable(&self, what: &'static str) -> Result<(), CacheError> {
+        match &self.unwritable {
+            None => Ok(()),
+            Some(reason) => Err(CacheError::NotWritable {
+                location: self.location.to_string(),
+                reason: reason.clone(),
+                what,
+            }),
+        }
+    }
+
     /// Every warning so far (opening problems, failed writes).
     pub fn warnings(&self) -> Vec<String> {
         self.warnings.borrow().clone()
@@ -185,9 +364,16 @@ impl Cache {
         self.warnings.borrow_mut().push(message);
     }
 
-    /// Runs a write; a failure becomes a warning.
-    fn write<T>(&self, what: &str, result: Result<T, rusqlite::Error>) -> Option<T> {
-        result
+    /// Runs a write (skipped on a read-only cache); a failure becomes a warning.
+    fn write<T>(
+        &self,
+        what: &str,
+        write: impl FnOnce(&Connection) -> Result<T, rusqlite::Error>,
+    ) -> Option<T> {
+        if self.read_only {
+            return None;
+        }
+        write(&self.conn)
             .map_err(|e| self.warn(format!("cache write failed ({what}): {e}")))
             .ok()
     }
@@ -235,19 +421,9 @@ impl Cache {
         kind: AlgoKind,
         measurements: &[Measurement],
     ) {
-        self.write(
-            "measurements",
-            store::store_measurements(
-                &self.conn,
-                device,
-                layer,
-                problem,
-                op,
-                micro,
-                kind,
-                measurements,
-            ),
-        );
+        self.write("measurements", |conn| {
+            store::store_measurements(conn, device, layer, problem, op, micro, kind, measurements)
+        });
     }
 
     /// The sizes among `sizes` at which `kind`'s candidates have not been measured for
@@ -303,10 +479,9 @@ impl Cache {
             .into_iter()
             .filter(|m| policy.allows(m.micro, problem.n))
             .collect();
-        self.write(
-            "seen",
-            store::mark_seen(&self.conn, device, layer, problem, op),
-        );
+        self.write("seen", |conn| {
+            store::mark_seen(conn, device, layer, problem, op)
+        });
         Some(OpProfile {
             layer: layer.to_string(),
             problem: *problem,
@@ -328,7 +503,7 @@ impl Cache {
     }
 
     pub fn store_plan(&self, device: &DeviceFingerprint, plan: &Plan, key: &PlanKey) {
-        self.write("plan", store::store_plan(&self.conn, device, plan, key));
+        self.write("plan", |conn| store::store_plan(conn, device, plan, key));
     }
 
     /// One row per named problem and op tuned, per device.
@@ -351,6 +526,7 @@ impl Cache {
         local: &DeviceFingerprint,
         force: bool,
     ) -> Result<usize, CacheError> {
+        self.writable("imported")?;
         profile.validate()?;
         if !force {
             match &profile.fingerprint {
@@ -375,98 +551,9 @@ impl Cache {
 
     /// Deletes every measurement and plan (the schema stays).
     pub fn clear(&self) -> Result<(), CacheError> {
+        self.writable("cleared")?;
         Ok(store::clear(&self.conn)?)
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum OpenError {
-    /// The file exists but is not a usable SQLite cache: move it aside.
-    #[error("{0}")]
-    Unusable(String),
-    /// The location cannot be used at all (permissions, a newer schema): fall back to memory.
-    #[error("{0}")]
-    Location(String),
-}
-
-fn open_file(path: &Path) -> Result<Connection, OpenError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| OpenError::Location(format!("cannot create {}: {e}", dir.display())))?;
-    }
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
-        | OpenFlags::SQLITE_OPEN_CREATE
-        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let mut conn = Connection::open_with_flags(path, flags).map_err(|e| classify(path, e))?;
-    conn.busy_timeout(BUSY_TIMEOUT)
-        .map_err(|e| classify(path, e))?;
-    // Switching to WAL needs a moment without other writers; retry while they are busy.
-    let mut attempts = 0;
-    loop {
-        match conn.query_row("PRAGMA journal_mode = WAL", [], |row| {
-            row.get::<_, String>(0)
-        }) {
-            Ok(_) => break,
-            Err(e) if is_busy(&e) && attempts < 200 => {
-                attempts += 1;
-                std::thread::sleep(Duration::from_millis(10 + 5 * attempts));
-            }
-            Err(e) => return Err(classify(path, e)),
-        }
-    }
-    conn.pragma_update(None, "synchronous", "NORMAL")
-        .map_err(|e| classify(path, e))?;
-    conn.pragma_update(None, "foreign_keys", "ON")
-        .map_err(|e| classify(path, e))?;
-    schema::migrate(&mut conn).map_err(|e| match e {
-        schema::SchemaError::Sqlite(e) => classify(path, e),
-        too_new => OpenError::Location(too_new.to_string()),
-    })?;
-    // A damaged file can open and migrate yet fail on its pages: check before trusting it.
-    let check: String = conn
-        .query_row("PRAGMA quick_check", [], |row| row.get(0))
-        .map_err(|e| classify(path, e))?;
-    if check != "ok" {
-        return Err(OpenError::Unusable(format!("integrity check: {check}")));
-    }
-    Ok(conn)
-}
-
-fn is_busy(error: &rusqlite::Error) -> bool {
-    matches!(
-        error.sqlite_error_code(),
-        Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
-    )
-}
-
-/// Corruption means "move the file aside"; anything else (permissions, disk) means "use memory".
-fn classify(path: &Path, error: rusqlite::Error) -> OpenError {
-    use rusqlite::ErrorCode::*;
-    match error.sqlite_error_code() {
-        Some(NotADatabase | DatabaseCorrupt) => OpenError::Unusable(error.to_string()),
-        Some(ReadOnly | CannotOpen | PermissionDenied) => {
-            OpenError::Location(format!("{} cannot be written: {error}", path.display()))
-        }
-        _ => OpenError::Location(error.to_string()),
-    }
-}
-
-/// Renames `path` (and its WAL files) to `path.corrupt-<unix seconds>`.
-fn set_aside(path: &Path) -> std::io::Result<PathBuf> {
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let mut target = path.as_os_str().to_owned();
-    target.push(format!(".corrupt-{stamp}"));
-    let target = PathBuf::from(target);
-    std::fs::rename(path, &target)?;
-    for suffix in ["-wal", "-shm"] {
-        let mut side = path.as_os_str().to_owned();
-        side.push(suffix);
-        let _ = std::fs::remove_file(PathBuf::from(side));
-    }
-    Ok(target)
 }
 
 fn memory_connection() -> Connection {

@@ -3,7 +3,8 @@
 //! `meta.schema_version` says which version a file has; [`migrate`] brings any older file up to
 //! [`SCHEMA_VERSION`] inside one immediate transaction, so concurrent openers serialise on it
 //! and each migration runs once. A file from a newer mucudnn is refused (the caller falls back to
-//! memory rather than damage it).
+//! memory rather than damage it), and so is a database that holds tables but no version (it is
+//! not ours). Every file written is marked with [`APPLICATION_ID`] in its SQLite header.
 //!
 //! Layout: a measurement belongs to a device, a convolution *shape* (every problem field except
 //! the batch size), an op and the micro-batch size it was timed at: a micro-batch of 32 costs
@@ -17,6 +18,10 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 /// The schema this build reads and writes.
 pub const SCHEMA_VERSION: i64 = 2;
+
+/// SQLite's `application_id` header field in every cache this build writes ("muCD"): a file
+/// is recognised as mucudnn's before anything is written to it.
+pub const APPLICATION_ID: u32 = 0x6D75_4344;
 
 const V1: &str = "
 CREATE TABLE IF NOT EXISTS devices (
@@ -149,23 +154,55 @@ pub enum SchemaError {
     Sqlite(#[from] rusqlite::Error),
     #[error("the cache file has schema version {found}; this build reads up to {SCHEMA_VERSION}")]
     TooNew { found: i64 },
+    /// The database holds tables but no mucudnn schema version: someone else's file.
+    #[error("the database is not a mucudnn cache (it has tables but no mucudnn schema version)")]
+    Foreign,
 }
 
-/// Creates or upgrades the schema. Safe to call from many processes at once.
-pub fn migrate(conn: &mut Connection) -> Result<(), SchemaError> {
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    tx.execute_batch(
-        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);",
+/// The schema version recorded in `conn`'s `meta` table; `None` when there is none (no
+/// `meta` table or no version row).
+pub fn stored_version(conn: &Connection) -> rusqlite::Result<Option<i64>> {
+    let has_meta: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta')",
+        [],
+        |row| row.get(0),
     )?;
-    let found: i64 = tx
+    if !has_meta {
+        return Ok(None);
+    }
+    Ok(conn
         .query_row(
             "SELECT value FROM meta WHERE key = 'schema_version'",
             [],
             |row| row.get::<_, String>(0),
         )
         .optional()?
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
+        .and_then(|v| v.parse().ok()))
+}
+
+/// Creates or upgrades the schema. Safe to call from many processes at once. A database with
+/// tables but no mucudnn schema version is refused untouched ([`SchemaError::Foreign`]): the
+/// caller identifies files before opening them for writing, and this re-checks it inside the
+/// transaction, so no race can make a migration run on someone else's tables.
+pub fn migrate(conn: &mut Connection) -> Result<(), SchemaError> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let found = match stored_version(&tx)? {
+        Some(version) => version,
+        None => {
+            let tables: i64 = tx.query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'",
+                [],
+                |row| row.get(0),
+            )?;
+            if tables > 0 {
+                return Err(SchemaError::Foreign);
+            }
+            0
+        }
+    };
+    tx.execute_batch(
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);",
+    )?;
     if found > SCHEMA_VERSION {
         return Err(SchemaError::TooNew { found });
     }
@@ -181,6 +218,11 @@ pub fn migrate(conn: &mut Connection) -> Result<(), SchemaError> {
          ON CONFLICT (key) DO UPDATE SET value = excluded.value",
         [SCHEMA_VERSION.to_string()],
     )?;
+    // Marks the file as mucudnn's (older caches gain the marker on their next open).
+    let application_id: u32 = tx.query_row("PRAGMA application_id", [], |row| row.get(0))?;
+    if application_id != APPLICATION_ID {
+        tx.execute_batch(&format!("PRAGMA application_id = {APPLICATION_ID}"))?;
+    }
     tx.commit()?;
     Ok(())
 }
@@ -247,5 +289,34 @@ mod tests {
             migrate(&mut conn),
             Err(SchemaError::TooNew { found: 99 })
         ));
+    }
+
+    #[test]
+    fn another_programs_tables_are_refused_and_kept() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(
+            "CREATE TABLE plans (id INTEGER PRIMARY KEY, what TEXT);
+             INSERT INTO plans (what) VALUES ('world domination');",
+        )
+        .unwrap();
+        assert!(matches!(migrate(&mut conn), Err(SchemaError::Foreign)));
+        let kept: String = conn
+            .query_row("SELECT what FROM plans", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(kept, "world domination");
+        let tables: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(tables, 1, "nothing was added");
+    }
+
+    #[test]
+    fn migrate_marks_the_file_as_ours() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn).unwrap();
+        let id: u32 = conn
+            .query_row("PRAGMA application_id", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(id, APPLICATION_ID);
     }
 }

@@ -3,7 +3,7 @@
 //! unwritable location and a newer schema never stop tuning; and 8 processes writing one file
 //! at once lose nothing.
 
-use mucudnn_cache::{Cache, Location, PlanKey};
+use mucudnn_cache::{Access, Cache, Location, PlanKey, READ_ONLY_ENV};
 use mucudnn_solver::{
     interchange, solve_profile, Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem,
     DeviceFingerprint, EngineName, Measurement, Mode, Policy, Profile, WdOptions,
@@ -157,7 +157,7 @@ fn engine_configurations_are_a_separate_kind() {
 #[test]
 fn measurements_round_trip_and_serve_every_batch_size() {
     let dir = temp_dir("round-trip");
-    let cache = Cache::open(&dir.join("c.sqlite"));
+    let cache = Cache::open(&dir.join("c.sqlite")).unwrap();
     assert_eq!(cache.location(), &Location::File(dir.join("c.sqlite")));
     let device = h100();
     let problem = ConvProblem {
@@ -282,7 +282,7 @@ fn measurements_round_trip_and_serve_every_batch_size() {
         .is_none());
     // It persists.
     drop(cache);
-    let cache = Cache::open(&dir.join("c.sqlite"));
+    let cache = Cache::open(&dir.join("c.sqlite")).unwrap();
     assert_eq!(
         cache
             .measurements(&device, &problem, op, 8, AlgoKind::Legacy)
@@ -440,29 +440,123 @@ fn import_refuses_another_device_unless_forced() {
         .is_some());
 }
 
-#[test]
-fn a_corrupt_file_is_moved_aside_and_replaced() {
-    let dir = temp_dir("corrupt");
-    let path = dir.join("cache.sqlite");
-    std::fs::write(
-        &path,
-        b"this is not an SQLite database, it is a text file that got here by mistake".repeat(100),
-    )
-    .unwrap();
-    let cache = Cache::open(&path).quiet();
-    assert_eq!(cache.location(), &Location::File(path.clone()));
-    let warnings = cache.warnings();
-    assert!(
-        warnings.iter().any(|w| w.contains("moved it to")),
-        "{warnings:?}"
-    );
-    let aside: Vec<_> = std::fs::read_dir(&dir)
+/// Every file in `dir`, name -> (length, hash of the bytes).
+fn snapshot(dir: &Path) -> std::collections::BTreeMap<String, (usize, u64)> {
+    use std::hash::{Hash, Hasher};
+    std::fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains(".corrupt-"))
-        .collect();
-    assert_eq!(aside.len(), 1, "the damaged file is kept for inspection");
-    // The fresh cache works and persists.
+        .filter(|e| e.path().is_file())
+        .map(|e| {
+            let bytes = std::fs::read(e.path()).unwrap();
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            bytes.hash(&mut hasher);
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                (bytes.len(), hasher.finish()),
+            )
+        })
+        .collect()
+}
+
+/// Issue 14, item 1: another program's SQLite database, even one with a table named `plans`,
+/// is refused by every kind of open, and the directory is byte-for-byte as it was (no table
+/// dropped, none added, no WAL switch, nothing moved aside).
+#[test]
+fn another_programs_database_is_refused_and_left_unchanged() {
+    let dir = temp_dir("foreign");
+    let sqlite = |name: &str, sql: &str| {
+        let path = dir.join(name);
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(sql).unwrap();
+        drop(conn);
+        path
+    };
+    let files = [
+        sqlite(
+            "planner.sqlite",
+            "CREATE TABLE plans (id INTEGER PRIMARY KEY, what TEXT);
+             INSERT INTO plans (what) VALUES ('keep me');",
+        ),
+        // All our table names but no mucudnn version: still not ours.
+        sqlite(
+            "lookalike.sqlite",
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             CREATE TABLE devices (id INTEGER PRIMARY KEY);",
+        ),
+        // A mucudnn-looking file with one extra table.
+        {
+            let path = dir.join("extra.sqlite");
+            drop(Cache::open(&path).unwrap());
+            let conn = rusqlite::Connection::open(&path).unwrap();
+            conn.execute_batch(
+                "PRAGMA journal_mode = DELETE; PRAGMA application_id = 0;
+                 CREATE TABLE notes (t TEXT); INSERT INTO notes VALUES ('mine');",
+            )
+            .unwrap();
+            drop(conn);
+            path
+        },
+        // Another application's marker.
+        sqlite(
+            "marked.sqlite",
+            "PRAGMA application_id = 1234; CREATE TABLE t (x);",
+        ),
+        {
+            let path = dir.join("profile.json");
+            std::fs::write(&path, br#"{"format": "mucudnn-profile-v1", "entries": []}"#).unwrap();
+            path
+        },
+        {
+            let path = dir.join("short");
+            std::fs::write(&path, b"SQLite format 3").unwrap();
+            path
+        },
+    ];
+    let before = snapshot(&dir);
+    for path in &files {
+        for access in [Access::ReadWrite, Access::ReadOnly] {
+            let refused = Cache::open_with(path, access);
+            let error = refused
+                .err()
+                .unwrap_or_else(|| panic!("{} was opened", path.display()));
+            assert_eq!(&error.path, path);
+            assert!(
+                error.to_string().contains("is not a mucudnn cache"),
+                "{error}"
+            );
+        }
+        assert!(Cache::open_default(Some(path)).is_err());
+    }
+    assert_eq!(
+        snapshot(&dir),
+        before,
+        "byte-for-byte unchanged, nothing added"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Issue 14, item 2: reading never moves, creates or migrates anything; a damaged cache of
+/// ours is read as empty (with a warning) and only a writer moves it aside.
+#[test]
+fn read_only_access_never_moves_or_creates_files() {
+    let dir = temp_dir("read-only-access");
+    let missing = dir.join("missing.sqlite");
+    let cache = Cache::open_with(&missing, Access::ReadOnly).unwrap();
+    assert!(cache.entries().unwrap().is_empty());
+    assert!(cache.is_read_only());
+    drop(cache);
+    assert!(!missing.exists(), "a reader creates nothing");
+
+    let path = dir.join("cache.sqlite");
+    let cache = Cache::open(&path).unwrap();
+    cache.import(&fixture(), &h100(), true).unwrap();
+    drop(cache);
+    let before = snapshot(&dir);
+    let cache = Cache::open_with(&path, Access::ReadOnly).unwrap().quiet();
+    assert_eq!(cache.entries().unwrap().len(), 30);
+    assert!(!cache.export(None).unwrap().is_empty());
+    // Stores are skipped and explicit writes refused.
     let problem = ConvProblem::new(2, 2, 5, 5, 2, 3, 3);
     cache.store_measurements(
         &h100(),
@@ -473,18 +567,222 @@ fn a_corrupt_file_is_moved_aside_and_replaced() {
         AlgoKind::Legacy,
         &[m(1, 0, 1.0, 0)],
     );
-    drop(cache);
-    assert!(Cache::open(&path)
+    assert!(cache
         .measurements(&h100(), &problem, ConvOp::Forward, 1, AlgoKind::Legacy)
-        .is_some());
+        .is_none());
+    assert!(cache.clear().is_err());
+    assert!(cache.import(&fixture(), &h100(), true).is_err());
+    drop(cache);
+    assert_eq!(snapshot(&dir), before);
+
+    // Damage the cache: a reader leaves it where it is.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle..middle + 8192].fill(0xA5);
+    std::fs::write(&path, &bytes).unwrap();
+    let before = snapshot(&dir);
+    let cache = Cache::open_with(&path, Access::ReadOnly).unwrap().quiet();
+    assert!(
+        cache.warnings().iter().any(|w| w.contains("damaged")),
+        "{:?}",
+        cache.warnings()
+    );
+    drop(cache);
+    assert_eq!(snapshot(&dir), before, "a reader moves nothing");
+    // A writer moves it aside.
+    let cache = Cache::open(&path).unwrap().quiet();
+    assert!(cache.salvage().is_some(), "{:?}", cache.warnings());
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// Issue 14, item 12: 8 KiB of damage in a cache of many pages costs the rows on those pages,
+/// not the file: the readable rows are copied into the fresh cache and counted.
+#[test]
+fn a_damaged_cache_is_salvaged_row_by_row() {
+    let dir = temp_dir("salvage");
+    let path = dir.join("cache.sqlite");
+    let device = h100();
+    let cache = Cache::open(&path).unwrap();
+    // Many shapes with many measurements each: a file of many pages.
+    let mut profile = fixture();
+    let template = profile.entries.clone();
+    for copy in 1..40 {
+        for entry in &template {
+            let mut entry = entry.clone();
+            entry.layer = format!("{}.copy{copy}", entry.layer);
+            entry.problem.k += copy;
+            profile.entries.push(entry);
+        }
+    }
+    let stored = cache.import(&profile, &device, true).unwrap();
+    drop(cache);
+    // Checkpoint the WAL into the file, as a long-lived cache would have.
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch("PRAGMA wal_checkpoint(TRUNCATE); PRAGMA journal_mode = DELETE;")
+        .unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    let pages = bytes.len() / 4096;
+    assert!(pages > 100, "{pages} pages");
+    // 8 KiB of garbage two thirds of the way in (two whole pages).
+    let start = (pages * 2 / 3) * 4096;
+    bytes[start..start + 8192].fill(0xA5);
+    std::fs::write(&path, &bytes).unwrap();
+
+    let cache = Cache::open(&path).unwrap().quiet();
+    let salvage = cache.salvage().expect("the damage was noticed").clone();
+    let warnings = cache.warnings();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("salvaged") && w.contains("measurements")),
+        "{warnings:?}"
+    );
+    let kept = salvage.measurements_kept();
+    eprintln!(
+        "salvaged {kept} of {stored} measurements ({} rows in all) from a {} KiB cache with 8 KiB \
+         of damage; unreadable: {:?}",
+        salvage.total_kept(),
+        bytes.len() / 1024,
+        salvage.unreadable
+    );
+    // Here the two pages hold part of `shapes` (the measurements of a lost shape cannot be
+    // used, so they are refused) and part of `measurements`; without salvage nothing is kept.
+    assert!(
+        kept * 4 >= stored * 3,
+        "kept {kept} of {stored} measurements"
+    );
+    assert!(kept < stored + 1);
+    // What was kept is really in the fresh file and serves lookups.
+    drop(cache);
+    let reopened = Cache::open(&path).unwrap();
+    assert!(reopened.salvage().is_none());
+    let exported: usize = reopened
+        .export(None)
+        .unwrap()
+        .iter()
+        .flat_map(|p| &p.entries)
+        .map(|e| e.measurements.len())
+        .sum();
+    assert!(
+        exported * 4 >= stored * 3,
+        "{exported} of {stored} exported"
+    );
+    assert!(
+        salvage.moved_to.exists(),
+        "the damaged file is kept for inspection"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Issue 14, item 3: a cache the user cannot write is opened read-only. Root ignores mode
+/// bits, so as root the file is made immutable (`chattr +i`) instead; where neither works, the
+/// documented `MUCUDNN_CACHE_READ_ONLY` switch takes the same read-only path.
+#[test]
+fn an_unwritable_cache_is_read_only_not_lost() {
+    let dir = temp_dir("unwritable-file");
+    let path = dir.join("cache.sqlite");
+    let cache = Cache::open(&path).unwrap();
+    cache.import(&fixture(), &h100(), true).unwrap();
+    drop(cache);
+    let guard = ReadOnlyFile::new(&path);
+    eprintln!("read-only by: {}", guard.how);
+    let before = std::fs::read(&path).unwrap();
+    let cache = guard.open().quiet();
+    assert!(cache.is_read_only(), "{:?}", cache.warnings());
+    assert_eq!(cache.location(), &Location::File(path.clone()));
+    assert!(
+        cache
+            .warnings()
+            .iter()
+            .any(|w| w.contains("new ones will not be kept")),
+        "{:?}",
+        cache.warnings()
+    );
+    assert_eq!(
+        cache.entries().unwrap().len(),
+        30,
+        "its measurements are used"
+    );
+    let error = cache.import(&fixture(), &h100(), true).unwrap_err();
+    assert!(error.to_string().contains("cannot be written"), "{error}");
+    assert!(cache.clear().is_err());
+    drop(cache);
+    drop(guard);
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Makes a file unwritable for this process for as long as it lives.
+struct ReadOnlyFile {
+    path: PathBuf,
+    how: &'static str,
+}
+
+impl ReadOnlyFile {
+    fn new(path: &Path) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let root = std::fs::metadata("/proc/self")
+            .map(|m| m.uid() == 0)
+            .unwrap_or(false);
+        let how = if !root {
+            let mut perms = std::fs::metadata(path).unwrap().permissions();
+            perms.set_readonly(true);
+            std::fs::set_permissions(path, perms).unwrap();
+            "mode bits"
+        } else if Command::new("chattr")
+            .arg("+i")
+            .arg(path)
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            "chattr +i"
+        } else {
+            READ_ONLY_ENV
+        };
+        ReadOnlyFile {
+            path: path.to_path_buf(),
+            how,
+        }
+    }
+
+    fn open(&self) -> Cache {
+        if self.how == READ_ONLY_ENV {
+            // Only this test's thread reads the variable while it is set.
+            std::env::set_var(READ_ONLY_ENV, "1");
+            let cache = Cache::open(&self.path).unwrap();
+            std::env::remove_var(READ_ONLY_ENV);
+            cache
+        } else {
+            Cache::open(&self.path).unwrap()
+        }
+    }
+}
+
+impl Drop for ReadOnlyFile {
+    fn drop(&mut self) {
+        match self.how {
+            "chattr +i" => {
+                let _ = Command::new("chattr").arg("-i").arg(&self.path).status();
+            }
+            "mode bits" => {
+                if let Ok(meta) = std::fs::metadata(&self.path) {
+                    let mut perms = meta.permissions();
+                    #[allow(clippy::permissions_set_readonly_false)]
+                    perms.set_readonly(false);
+                    let _ = std::fs::set_permissions(&self.path, perms);
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 #[test]
 fn a_damaged_database_never_stops_tuning() {
     let dir = temp_dir("truncated");
     let path = dir.join("cache.sqlite");
-    let cache = Cache::open(&path);
+    let cache = Cache::open(&path).unwrap();
     cache.import(&fixture(), &h100(), true).unwrap();
     drop(cache);
     // Keep the header, damage the pages: a realistic half-written file.
@@ -494,7 +792,7 @@ fn a_damaged_database_never_stops_tuning() {
     damaged[100..4096].fill(0x5A);
     std::fs::write(&path, damaged).unwrap();
     let _ = std::fs::remove_file(dir.join("cache.sqlite-wal"));
-    let cache = Cache::open(&path).quiet();
+    let cache = Cache::open(&path).unwrap().quiet();
     // Whatever the damage, the cache opens and works, from a file or from memory.
     let problem = ConvProblem::new(2, 2, 5, 5, 2, 3, 3);
     cache.store_measurements(
@@ -518,7 +816,9 @@ fn an_unwritable_location_falls_back_to_memory() {
     // A parent that is a regular file cannot hold a directory, even for root.
     let blocker = dir.join("not-a-directory");
     std::fs::write(&blocker, b"x").unwrap();
-    let cache = Cache::open(&blocker.join("sub").join("cache.sqlite")).quiet();
+    let cache = Cache::open(&blocker.join("sub").join("cache.sqlite"))
+        .unwrap()
+        .quiet();
     assert!(
         matches!(cache.location(), Location::Memory { .. }),
         "{:?}",
@@ -543,7 +843,7 @@ fn an_unwritable_location_falls_back_to_memory() {
         .measurements(&h100(), &problem, ConvOp::Forward, 1, AlgoKind::Legacy)
         .is_some());
     // A directory where the file should be.
-    let cache = Cache::open(&dir).quiet();
+    let cache = Cache::open(&dir).unwrap().quiet();
     assert!(matches!(cache.location(), Location::Memory { .. }));
     std::fs::remove_dir_all(dir).ok();
 }
@@ -552,7 +852,7 @@ fn an_unwritable_location_falls_back_to_memory() {
 fn a_file_from_a_newer_mucudnn_is_left_alone() {
     let dir = temp_dir("newer");
     let path = dir.join("cache.sqlite");
-    drop(Cache::open(&path));
+    drop(Cache::open(&path).unwrap());
     rusqlite::Connection::open(&path)
         .unwrap()
         .execute(
@@ -560,7 +860,7 @@ fn a_file_from_a_newer_mucudnn_is_left_alone() {
             [],
         )
         .unwrap();
-    let cache = Cache::open(&path).quiet();
+    let cache = Cache::open(&path).unwrap().quiet();
     assert!(matches!(cache.location(), Location::Memory { .. }));
     assert!(
         cache
@@ -587,7 +887,7 @@ fn concurrent_writer_child() {
     };
     let (path, index) = spec.rsplit_once('|').unwrap();
     let index: i64 = index.parse().unwrap();
-    let cache = Cache::open(Path::new(path));
+    let cache = Cache::open(Path::new(path)).unwrap();
     for row in 0..ROWS_PER_CHILD {
         // A distinct shape per (child, row), several sizes, and a plan: many small transactions.
         let problem = ConvProblem::new(4, 1 + index, 8, 8, 1 + row, 3, 3);
@@ -663,7 +963,7 @@ fn eight_processes_tuning_into_one_file_lose_nothing() {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let cache = Cache::open(&path);
+    let cache = Cache::open(&path).unwrap();
     let entries = cache.entries().unwrap();
     assert_eq!(
         entries.len() as i64,

@@ -8,6 +8,8 @@
 #   bash scripts/gpu/train_ops_check.sh   the training ops, NCCL and a tiny CNN (src/train/gpu)
 #   bash .gpu/train_check.sh              issue 7: the GPU replica's tests and mucudnn train
 #                                         --device cuda, fp32/fp16, 8/64 MiB, +-micro-batching
+#   bash .gpu/torch_check.sh              issue 15: the PyTorch package (pytest incl. CUDA
+#                                         tests, converted AlexNet/ResNet-50 vs PyTorch)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .gpu
@@ -34,4 +36,12 @@ cp scripts/gpu/engines_vs_torch.sh scripts/gpu/torch_bench.py .gpu/
 cp scripts/gpu/train_check.sh scripts/gpu/train_libs.sh .gpu/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/
 bash scripts/gpu/c_abi_check.sh build
+du -sh .gpu
+# The PyTorch package (issue 15): the package with its library, and its tests.
+cargo rustc --release --locked -p mucudnn --lib --crate-type cdylib --no-default-features \
+  -- -C 'link-arg=-Wl,-rpath,$ORIGIN'
+rm -rf .gpu/python && mkdir -p .gpu/python
+cp -r python/mucudnn .gpu/python/
+cp target/release/libmucudnn.so .gpu/python/mucudnn/
+cp scripts/gpu/torch_check.sh scripts/gpu/torch_check.py .gpu/
 du -sh .gpu

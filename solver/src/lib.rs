@@ -10,6 +10,7 @@
 //! - [`problem`]: [`ConvProblem`], [`ConvOp`], dtype, layout, math mode.
 //! - [`profile`]: [`Measurement`], [`OpProfile`], [`Profile`], [`Policy`].
 //! - [`interchange`]: the `mucudnn-profile-v1` JSON format.
+//! - [`operand`]: operand roles of each op, and the steps (micro-batches) a [`Plan`] runs.
 //! - [`wr`]: workspace reuse, dynamic programming per (layer, op), and Pareto fronts.
 //! - [`wd`]: workspace division, a MILP over all (layer, op) pairs.
 //! - [`solve`]: a whole profile under one mode, with the undivided baseline.
@@ -17,6 +18,7 @@
 pub mod algo;
 pub mod device;
 pub mod interchange;
+pub mod operand;
 pub mod plan;
 pub mod problem;
 pub mod profile;
@@ -28,11 +30,12 @@ pub mod wr;
 
 pub use algo::{Algo, AlgoKind, CandidateSet, EngineName, EngineNameError};
 pub use device::{BackendKind, DeviceFingerprint};
+pub use operand::{operand_roles, steps, Operand, Step};
 pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
 pub use profile::{Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError};
 pub use solve::{solve_profile, Mode, Solution, SolvedProblem};
-pub use wd::{solve_wd, WdChoice, WdOptions};
+pub use wd::{solve_wd, WdChoice, WdOptions, MAX_TIME_LIMIT_S};
 pub use wr::{pareto_front, solve_wr, ParetoPoint};
 
 use units::format_bytes;

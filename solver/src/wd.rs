@@ -21,6 +21,10 @@ use good_lp::{
 };
 use good_lp::{Variable, WithInitialSolution, WithTimeLimit};
 
+/// The longest MILP time limit accepted, in seconds (about 11.6 days): far beyond any useful
+/// solve, and far from where the MILP solvers' clock arithmetic overflows (`1e19` panics).
+pub const MAX_TIME_LIMIT_S: f64 = 1e6;
+
 /// How to run the MILP.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct WdOptions {
@@ -28,6 +32,20 @@ pub struct WdOptions {
     /// far (never worse than the greedy one) is returned, marked as not proven optimal.
     pub time_limit_s: f64,
     pub backend: Backend,
+}
+
+impl WdOptions {
+    /// Checks a time limit given by a user: a finite number of seconds in
+    /// (0, [`MAX_TIME_LIMIT_S`]]. The error says what was wrong, without naming the option.
+    pub fn check_time_limit(seconds: f64) -> Result<f64, String> {
+        if seconds.is_finite() && seconds > 0.0 && seconds <= MAX_TIME_LIMIT_S {
+            Ok(seconds)
+        } else {
+            Err(format!(
+                "{seconds} is not a time limit: expected a number of seconds above 0 and at most {MAX_TIME_LIMIT_S:e}"
+            ))
+        }
+    }
 }
 
 impl Default for WdOptions {
@@ -334,7 +352,15 @@ where
     let mut model = vars
         .minimise(objective)
         .using(solver)
-        .with_time_limit(options.time_limit_s.max(0.001));
+        // Out-of-range limits are refused by the front ends; never hand one on to panic.
+        .with_time_limit(WdOptions::check_time_limit(options.time_limit_s).map_or(
+            if options.time_limit_s > 0.0 {
+                MAX_TIME_LIMIT_S
+            } else {
+                0.001
+            },
+            |s| s.max(0.001),
+        ));
     for row in &x {
         let one: Expression = row.iter().map(|&(_, v)| v).sum();
         model.add_constraint(one.eq(1.0));

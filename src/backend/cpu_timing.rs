@@ -5,7 +5,7 @@ use super::cpu::{self, AlignedWorkspace, CpuAlgo, Element};
 use super::{check_measure_args, median_time, Backend, BackendError, TimingSettings};
 use crate::backend::cudnn::host::random_values;
 use crate::device::DeviceFingerprint;
-use crate::exec::Operand;
+use crate::solver::Operand;
 use crate::solver::{Algo, ConvOp, ConvProblem, DType, Measurement};
 use half::{bf16, f16};
 use std::time::Instant;
@@ -86,7 +86,7 @@ fn time_algo<T: Element>(
     let first = (problem.n - micro) as usize;
     let [x, w, y] = buffers;
     let range = |role: Operand| {
-        let step = crate::exec::Step {
+        let step = crate::solver::Step {
             first,
             size: micro as usize,
             algo: Algo::Legacy(algo.id()),

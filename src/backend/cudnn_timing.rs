@@ -8,7 +8,7 @@ use super::cudnn::{
 };
 use super::{check_measure_args, median_time, Backend, BackendError, EngineSearch, TimingSettings};
 use crate::device::{BackendKind, DeviceFingerprint};
-use crate::exec::{operand_roles, Operand, Step};
+use crate::solver::{operand_roles, Operand, Step};
 use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, Measurement};
 
 /// Full-batch random operands of one problem, indexed by [`Operand`].

@@ -270,7 +270,10 @@ impl Conv2d {
         if let Some(plans) = self.plans.get(&key) {
             return Ok(plans.clone());
         }
-        let cache = self.cache.get_or_insert_with(|| Cache::open_default(None));
+        let cache = match &mut self.cache {
+            Some(cache) => cache,
+            slot => slot.insert(Cache::open_default(None).map_err(TuneError::from)?),
+        };
         let plans = self
             .tuning
             .tune(&mut self.backend, cache, &self.name, problem)?;

@@ -8,11 +8,12 @@
 //! `(alpha, beta) = (1, 0)` and, for backward-filter's accumulating micro-batches, `(1, 1)` are
 //! built up front; a caller's other alpha or beta builds its plan on first use and keeps it.
 
-use super::{check_plan, operand_roles, steps, ExecError};
+use super::{check_plan, ExecError};
 use crate::backend::cudnn::{
-    ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan, Workspace,
+    ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan,
+    RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamSession, Workspace,
 };
-use crate::solver::{Algo, ConvOp, ConvProblem, Plan};
+use crate::solver::{operand_roles, steps, Algo, ConvOp, ConvProblem, Plan};
 use std::cell::RefCell;
 
 /// What one distinct (micro-batch size, candidate) runs.
@@ -183,27 +184,97 @@ impl PreparedPlan {
                         &mut workspace,
                     )
                     .map_err(error)?,
-                Kernel::Engine {
-                    problem,
-                    config,
-                    plans,
-                } => {
-                    let found = plans
-                        .borrow()
-                        .iter()
-                        .position(|p| p.alpha() == alpha && p.beta() == step.beta);
-                    let index = match found {
-                        Some(index) => index,
-                        None => {
-                            let p =
-                                EnginePlan::new(handle, problem, plan.op, config, alpha, step.beta)
-                                    .map_err(error)?;
-                            plans.borrow_mut().push(p);
-                            plans.borrow().len() - 1
-                        }
-                    };
+                Kernel::Engine { plans, .. } => {
+                    let index = self
+                        .engine_plan(handle, k, alpha, step.beta)
+                        .map_err(error)?;
                     plans.borrow()[index]
                         .execute(handle, &a, &b, &mut out, &mut workspace)
+                        .map_err(error)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The index, in kernel `k`'s built plans, of the engine plan for `(alpha, beta)`, built
+    /// on first use. `k` must be an engine kernel.
+    fn engine_plan(
+        &self,
+        handle: &CudnnHandle,
+        k: usize,
+        alpha: f32,
+        beta: f32,
+    ) -> Result<usize, CudnnError> {
+        let Kernel::Engine {
+            problem,
+            config,
+            plans,
+        } = &self.kernels[k].2
+        else {
+            unreachable!("engine_plan is called for engine kernels only");
+        };
+        let found = plans
+            .borrow()
+            .iter()
+            .position(|p| p.alpha() == alpha && p.beta() == beta);
+        if let Some(index) = found {
+            return Ok(index);
+        }
+        let p = EnginePlan::new(handle, problem, self.plan.op, config, alpha, beta)?;
+        plans.borrow_mut().push(p);
+        Ok(plans.borrow().len() - 1)
+    }
+
+    /// As [`Self::execute`], on a caller's stream, device pointers and workspace: `session` is
+    /// the handle the plan was prepared on, pointed at the caller's stream (the PyTorch path).
+    /// Operands are the full mini-batch's; each micro-batch runs on offsets of them, all on
+    /// one workspace of at least [`Self::workspace_bytes`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn execute_on(
+        &self,
+        session: &StreamSession<'_>,
+        alpha: f32,
+        a: &RawDeviceView<'_>,
+        b: &RawDeviceView<'_>,
+        beta: f32,
+        out: &mut RawDeviceViewMut<'_>,
+        workspace: &mut RawWorkspace<'_>,
+    ) -> Result<(), ExecError> {
+        let plan = &self.plan;
+        let error = |source: CudnnError| ExecError::Cudnn {
+            layer: plan.layer.clone(),
+            op: plan.op,
+            source,
+        };
+        let roles = operand_roles(plan.op);
+        let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
+        for (step, &k) in steps(plan, beta).zip(&self.kernel_of) {
+            let range = |i: usize| step.range(roles[i], per_sample[i]);
+            let (ra, rb, ro) = (range(0), range(1), range(2));
+            let a = a.slice(ra.0, ra.1).map_err(error)?;
+            let b = b.slice(rb.0, rb.1).map_err(error)?;
+            let mut out = out.slice_mut(ro.0, ro.1).map_err(error)?;
+            match &self.kernels[k].2 {
+                Kernel::Legacy { descriptors, algo } => session
+                    .convolve(
+                        descriptors,
+                        plan.op,
+                        *algo,
+                        alpha,
+                        &a,
+                        &b,
+                        step.beta,
+                        &mut out,
+                        workspace,
+                    )
+                    .map_err(error)?,
+                Kernel::Engine { plans, .. } => {
+                    let index = self
+                        .engine_plan(session.handle(), k, alpha, step.beta)
+                        .map_err(error)?;
+                    session
+                        .execute_engine(&plans.borrow()[index], &a, &b, &mut out, workspace)
                         .map_err(error)?;
                 }
             }

@@ -7,7 +7,7 @@ use super::{cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::backend::cpu::AlignedWorkspace;
 use crate::backend::cudnn::{ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer};
 use crate::backend::{median_time, TimingSettings};
-use crate::exec::Operand;
+use crate::solver::Operand;
 use crate::solver::{DType, Plan, Solution};
 use std::time::Instant;
 

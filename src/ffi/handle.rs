@@ -7,7 +7,7 @@
 //! allows, on the same GPU, then solve under the workspace limit), prepares the plan once
 //! (descriptors per micro-batch size, workspace sizes), and executes it on the caller's handle
 //! and stream: one cuDNN call per micro-batch on pointer offsets of the caller's tensors,
-//! stepped by [`crate::exec::steps`].
+//! stepped by [`crate::solver::steps`].
 
 use super::descriptors::{descriptor_names, problem_from_descriptors};
 use super::error::{invalid, FfiError};
@@ -17,9 +17,10 @@ use crate::backend::cudnn::{
     RawDeviceViewMut,
 };
 use crate::backend::CudnnBackend;
-use crate::exec::{check_plan, operand_roles, steps, Operand};
+use crate::exec::check_plan;
 use crate::profiler::Job;
 use crate::report::SolutionJson;
+use crate::solver::{operand_roles, steps, Operand};
 use crate::solver::{
     solve_profile, ConvOp, ConvProblem, Mode, Profile, Solution, SolvedProblem, WdOptions,
 };
@@ -113,8 +114,8 @@ fn operand_names(op: ConvOp) -> [&'static str; 3] {
 pub struct Handle {
     foreign: ForeignHandle,
     settings: Settings,
-    /// Opened at `settings.cache_path`, else the default location (never fails: see
-    /// `mucudnn_cache::Cache::open`).
+    /// Opened at `settings.cache_path`, else the default location (fails only for a file that
+    /// is not a mucudnn cache: see `mucudnn_cache::Cache::open`).
     cache: Cache,
     prepared: HashMap<(ConvProblem, ConvOp), Prepared>,
     /// The keys of `prepared` in the order they were tuned.
@@ -133,16 +134,19 @@ impl std::fmt::Debug for Handle {
 }
 
 impl Handle {
-    pub fn new(foreign: ForeignHandle, settings: Settings) -> Self {
-        let cache = Cache::open_default(settings.cache_path.as_deref());
-        Handle {
+    /// Fails (an invalid argument) when the cache path names a file that is not a mucudnn
+    /// cache; that file is left untouched.
+    pub fn new(foreign: ForeignHandle, settings: Settings) -> Result<Self, FfiError> {
+        let cache = Cache::open_default(settings.cache_path.as_deref())
+            .map_err(|e| FfiError::InvalidArgument(format!("options cache_path: {e}")))?;
+        Ok(Handle {
             foreign,
             cache,
             settings,
             prepared: HashMap::new(),
             order: Vec::new(),
             workspace: None,
-        }
+        })
     }
 
     /// Sends later work to `stream`.

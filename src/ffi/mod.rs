@@ -26,11 +26,12 @@ mod descriptors;
 mod error;
 mod handle;
 mod solve;
+mod tuner;
 
 use crate::backend::cudnn::{library_status, probe, ForeignHandle};
 use crate::backend::TimingSettings;
-use crate::solver::{CandidateSet, ConvOp, Policy};
-use crate::tune::{EngineOptions, LayerTuning};
+use crate::solver::{CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Plan, Policy};
+use crate::tune::{EngineOptions, LayerTuning, MeasureTask, MeasuredTask};
 use error::{
     guard, invalid, last_error_ptr, optional_str_arg, out_arg, owned_c_string, set_last_error,
     str_arg, FfiError,
@@ -449,6 +450,25 @@ pub unsafe extern "C" fn mucudnnProbe(info_json_out: *mut *mut c_char) -> mucudn
     })
 }
 
+/// The version of the libcudnn mucudnn uses (cudnnGetVersion(), e.g. 92600 for 9.26.0),
+/// loading it if it is not loaded yet; needs no GPU and no libcuda. mucudnn looks for
+/// `libcudnn.so`, then `libcudnn.so.9`, through the dynamic loader's search (LD_LIBRARY_PATH,
+/// the library's RUNPATH, the system's folders); a libcudnn already loaded under the same file
+/// is shared. MUCUDNN_STATUS_NOT_AVAILABLE when none is found or it is not cuDNN 9.
+///
+/// # Safety
+///
+/// `version_out` is NULL (an error) or valid for writing one uint64_t.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnGetCudnnVersion(version_out: *mut u64) -> mucudnnStatus_t {
+    guard("mucudnnGetCudnnVersion", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(version_out, "version_out", 0) }?;
+        *out = crate::backend::cudnn::cudnn_version()?;
+        Ok(())
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // The pure solver
 
@@ -555,7 +575,7 @@ pub unsafe extern "C" fn mucudnnCreate(
         let settings = unsafe { settings_arg(options) }?;
         let foreign = unsafe { ForeignHandle::new(cudnn.cast(), stream.cast()) }?;
         *out = HANDLES.insert(mucudnnContext {
-            handle: Handle::new(foreign, settings),
+            handle: Handle::new(foreign, settings)?,
         });
         Ok(())
     })
@@ -836,6 +856,406 @@ pub unsafe extern "C" fn mucudnnGetPlansJson(
         let json = entered.handle.plans_json()?;
         give_string(out, &json);
         Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tuners: the layer API for language bindings (no cuDNN descriptors; host or device pointers)
+
+/// What a mucudnnTuner_t points to (opaque).
+pub struct mucudnnTunerContext {
+    _opaque: [u8; 0],
+}
+
+/// A tuner: one device (the CPU backend, or one GPU), the tuning cache, and the plan sets
+/// prepared so far. Made by mucudnnTunerCreate, freed by mucudnnTunerDestroy. Convolutions are
+/// described as JSON problems, so no cuDNN of the caller's is needed; this is what the PyTorch
+/// package (`mucudnn.torch`) uses. Thread-safe: concurrent calls on one tuner run one after
+/// another.
+pub type mucudnnTuner_t = *mut mucudnnTunerContext;
+
+/// The device argument of mucudnnTunerCreate for the CPU backend (a GPU is its CUDA ordinal).
+pub const MUCUDNN_DEVICE_CPU: i32 = -1;
+
+/// The tuner a C caller holds, locked for one call.
+fn with_tuner<T>(
+    tuner: mucudnnTuner_t,
+    f: impl FnOnce(&mut tuner::Tuner) -> Result<T, FfiError>,
+) -> Result<T, FfiError> {
+    tuner::with_tuner(tuner as usize, f)
+}
+
+/// A JSON argument `name` parsed as `T`.
+///
+/// # Safety
+///
+/// `ptr` is null (an error) or a NUL-terminated string.
+unsafe fn json_arg<T: serde::de::DeserializeOwned>(
+    ptr: *const c_char,
+    name: &str,
+) -> Result<T, FfiError> {
+    // SAFETY: this function's contract.
+    let text = unsafe { str_arg(ptr, name) }?;
+    serde_json::from_str(text).map_err(|e| invalid(format!("{name}: {e}")))
+}
+
+fn to_json(value: &impl serde::Serialize) -> Result<String, FfiError> {
+    serde_json::to_string(value).map_err(|e| FfiError::Internal(format!("writing JSON: {e}")))
+}
+
+/// Settings of one tuning call (see mucudnnTunerTune).
+///
+/// # Safety
+///
+/// `ptr` is null (the defaults) or a NUL-terminated string.
+unsafe fn settings_json_arg(
+    tuner: &tuner::Tuner,
+    ptr: *const c_char,
+) -> Result<LayerTuning, FfiError> {
+    // SAFETY: this function's contract.
+    let text = unsafe { optional_str_arg(ptr, "settings_json") }?.unwrap_or("{}");
+    tuner::parse_settings(text, tuner.device())
+}
+
+/// Makes a tuner on `device`: MUCUDNN_DEVICE_CPU for the CPU backend, or a CUDA ordinal
+/// (0, 1, ...) for a GPU, whose CUDA, cuDNN and context are checked now
+/// (MUCUDNN_STATUS_NOT_AVAILABLE with the reason when missing).
+///
+/// `options_json`: NULL for the defaults, or a JSON object with any of
+///   "cache": the tuning cache file (a path; absent or null: $MUCUDNN_CACHE, else
+///            $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite),
+///   "no_cache": true to keep measurements in memory only,
+///   "verbose": true to print a line per measurement and per tuned layer on stderr.
+///
+/// # Safety
+///
+/// `tuner_out` is NULL (an error) or valid for writing one pointer; `options_json` is NULL or
+/// a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnTunerCreate(
+    tuner_out: *mut mucudnnTuner_t,
+    device: i32,
+    options_json: *const c_char,
+) -> mucudnnStatus_t {
+    guard("mucudnnTunerCreate", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(tuner_out, "tuner_out", std::ptr::null_mut()) }?;
+        let device = match device {
+            MUCUDNN_DEVICE_CPU => tuner::TunerDevice::Cpu,
+            ordinal if ordinal >= 0 => tuner::TunerDevice::Cuda(ordinal as usize),
+            other => {
+                return Err(invalid(format!(
+                    "device is {other}; give MUCUDNN_DEVICE_CPU (-1) or a CUDA ordinal >= 0"
+                )))
+            }
+        };
+        // SAFETY: this function's contract.
+        let text = unsafe { optional_str_arg(options_json, "options_json") }?.unwrap_or("{}");
+        let options: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| invalid(format!("options_json is not JSON: {e}")))?;
+        let object = options
+            .as_object()
+            .ok_or_else(|| invalid(format!("options_json must be an object, not {options}")))?;
+        const KEYS: [&str; 3] = ["cache", "no_cache", "verbose"];
+        if let Some(key) = object.keys().find(|k| !KEYS.contains(&k.as_str())) {
+            return Err(invalid(format!(
+                "options_json: unknown key `{key}` (expected one of: {})",
+                KEYS.join(", ")
+            )));
+        }
+        let flag = |key: &str| match object.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(false),
+            Some(serde_json::Value::Bool(b)) => Ok(*b),
+            Some(other) => Err(invalid(format!(
+                "options_json: {key} is {other}; give true or false"
+            ))),
+        };
+        let cache_path = match object.get("cache") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(path)) if !path.is_empty() => Some(PathBuf::from(path)),
+            Some(other) => {
+                return Err(invalid(format!(
+                    "options_json: cache is {other}; give a file path, or null for the default"
+                )))
+            }
+        };
+        let cache = flag("no_cache")?.then(mucudnn_cache::Cache::in_memory);
+        let made = tuner::Tuner::new(device, cache, cache_path, flag("verbose")?)?;
+        *out = tuner::register(made) as mucudnnTuner_t;
+        Ok(())
+    })
+}
+
+/// Destroys a tuner and every plan set prepared on it (a call still running on another thread
+/// finishes first). NULL or a stale tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
+#[no_mangle]
+pub extern "C" fn mucudnnTunerDestroy(tuner: mucudnnTuner_t) -> mucudnnStatus_t {
+    guard("mucudnnTunerDestroy", || tuner::unregister(tuner as usize))
+}
+
+/// The device fingerprint the tuner's measurements are stored under, as JSON (backend, name,
+/// compute_capability, driver_version, cudnn_version): ranks of a distributed job share
+/// measurements only with ranks of an identical fingerprint. Free with mucudnnFreeString().
+///
+/// # Safety
+///
+/// `json_out` is NULL (an error) or valid for writing one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnTunerGetFingerprint(
+    tuner: mucudnnTuner_t,
+    json_out: *mut *mut c_char,
+) -> mucudnnStatus_t {
+    guard("mucudnnTunerGetFingerprint", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(json_out, "json_out", std::ptr::null_mut()) }?;
+        let fingerprint = with_tuner(tuner, |t| t.fingerprint())?;
+        give_string(out, &to_json(&fingerprint)?);
+        Ok(())
+    })
+}
+
+/// Tunes one layer through the cache: measures what the cache lacks (every candidate at every
+/// micro-batch size the policy allows, for the three ops) and solves each op under the
+/// per-layer workspace limit. `*result_json_out` gets {"plans": [fwd, bwd_data, bwd_filter],
+/// "cached": N, "measured": N}, each plan as {"layer", "problem", "op", "micro_batches":
+/// [{"size", "algo", "workspace_bytes", "time_ms"}]} (what mucudnnTunerPrepare takes).
+///
+/// `problem_json`: the convolution at the mini-batch size, as in the interchange format's
+/// "problem" (docs/PROFILE_FORMAT.md), e.g. {"n": 32, "c": 3, "h": 32, "w": 32, "k": 16,
+/// "r": 3, "s": 3, "pad_h": 1, "pad_w": 1, "stride_h": 1, "stride_w": 1, "dilation_h": 1,
+/// "dilation_w": 1, "groups": 1, "dtype": "fp32", "layout": "nchw", "math": "default"}.
+///
+/// `settings_json`: NULL for the defaults, or an object with any of "policy" ("undivided",
+/// "power-of-two" (default), "all"), "workspace_limit" (bytes or "64MiB"; default 64 MiB;
+/// null for none), "candidates" ("legacy", "engines", "all" (default); the CPU has only its
+/// own algorithms), "max_candidates" (engine configurations timed per size; null for all) and
+/// "prune_margin" (default 1.5; null to time every configuration at every size).
+///
+/// # Safety
+///
+/// The strings are NULL (an error, except `settings_json`) or NUL-terminated;
+/// `result_json_out` is NULL (an error) or valid for writing one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnTunerTune(
+    tuner: mucudnnTuner_t,
+    layer: *const c_char,
+    problem_json: *const c_char,
+    settings_json: *const c_char,
+    result_json_out: *mut *mut c_char,
+) -> mucudnnStatus_t {
+    guard("mucudnnTunerTune", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(result_json_out, "result_json_out", std::ptr::null_mut()) }?;
+        // SAFETY: this function's contract.
+        let layer = unsafe { str_arg(layer, "layer") }?;
+        // SAFETY: this function's contract.
+        let problem: ConvProblem = unsafe { json_arg(problem_json, "problem_json") }?;
+        let result = with_tuner(tuner, |t| {
+            // SAFETY: this function's contract.
+            let settings = unsafe { settings_json_arg(t, settings_json) }?;
+            t.tune(layer, &problem, &settings)
+        })?;
+        give_string(out, &to_json(&result)?);
+        Ok(())
+    })
+}
+
+/// The measuring tasks the cache lacks to tune some layers: `layers_json` is an array of
+/// {"layer": NAME, "problem": PROBLEM}; `*tasks_json_out` gets an array of tasks {"layer",
+/// "problem", "op", "micro", "kind", "between"}, the anchor sizes of every layer first, then
+/// the sizes between them ("between" names their anchors). Deal the tasks out over the ranks
+/// of a job, measure each share (anchors before the sizes between), share the results with
+/// mucudnnTunerStore, and tuning then measures nothing. Settings as for mucudnnTunerTune.
+///
+/// # Safety
+///
+/// As for mucudnnTunerTune.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnTunerMissing(
+    tuner: mucudnnTuner_t,
+    layers_json: *const c_char,
+    settings_json: *const c_char,
+    tasks_json_out: *mut *mut c_char,
+) -> mucudnnStatus_t {
+    guard("mucudnnTunerMissing", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(tasks_json_out, "tasks_json_out", std::ptr::null_mut()) }?;
+        // SAFETY: this function's contract.
+        let layers: Vec<tuner::NamedProblem> = unsafe { json_arg(layers_json, "layers_json") }?;
+        let tasks = with_tuner(tuner, |t| {
+            // SAFETY: this function's contract.
+            let settings = unsafe { settings_json_arg(t, settings_json) }?;
+            t.missing(layers, &settings)
+        })?;
+        give_string(out, &to_json(&tasks)?);
+        Ok(())
+    })
+}
+
+/// Measures tasks (an array as mucudnnTunerMissing returns, or a share of it), in order,
+/// storing each in the tuner's cache. `*measured_json_out` gets {"fingerprint": FINGERPRINT,
+/// "measured": [{"task": TASK, "measurements": [{"micro", "algo" or "engine", "time_ms",
+/// "workspace_bytes"}]}]}, the document mucudnnTunerStore takes on another rank. Settings as
+/// for mucudnnTunerTune (they decide timing, pruning and the engine bound).
+///
+/// # Safety
+///
+/// As for mucudnnTunerTune.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnTunerMeasure(
+    tuner: mucudnnTuner_t,
+    tasks_json: *const c_char,
+    settings_json: *const c_char,
+    measured_json_out: *mut *mut c_char,
+) -> mucudnnStatus_t {
+    guard("mucudnnTunerMeasure", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(measured_json_out, "measured_json_out", std::ptr::null_mut()) }?;
+        // SAFETY: this function's contract.
+        let tasks: Vec<MeasureTask> = unsafe { json_arg(tasks_json, "tasks_json") }?;
+        let doc = with_tuner(tuner, |t| {
+            // SAFETY: this function's contract.
+            let settings = unsafe { settings_json_arg(t, settings_json) }?;
+            let measured = t.measure(&tasks, &settings)?;
+            Ok(serde_json::json!({"fingerprint": t.fingerprint()?, "measured": measured}))
+        })?;
+        give_string(out, &to_json(&doc)?);
+        Ok(())
+    })
+}
+
+/// Stores measurements another tuner took (the document of mucudnnTunerMeasure, e.g. from
+/// another rank) in this tuner's cache. Refused unless its fingerprint equals this tuner's;
+/// each record is checked (sizes, candidate kinds, finite times) before anything is stored.
+/// `*stored_out` gets the number of (task) records stored.
+///
+/// # Safety
+///
+/// `measured_json` is NULL (an error) or NUL-terminated; `stored_out` is NULL (an error) or
+/// valid for writing one uint64_t.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnTunerStore(
+    tuner: mucudnnTuner_t,
+    measured_json: *const c_char,
+    stored_out: *mut u64,
+) -> mucudnnStatus_t {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Doc {
+        fingerprint: DeviceFingerprint,
+        measured: Vec<MeasuredTask>,
+    }
+    guard("mucudnnTunerStore", || {
+        // SAFETY: this function's contract.
+        let out = unsafe { out_arg(stored_out, "stored_out", 0) }?;
+        // SAFETY: this function's contract.
+        let doc: Doc = unsafe { json_arg(measured_json, "measured_json") }?;
+        let stored = with_tuner(tuner, |t| t.store(&doc.fingerprint, &doc.measured))?;
+        *out = stored as u64;
+        Ok(())
+    })
+}
+
+/// Prepares the three plans of one input shape for execution: `plans_json` is the array of
+/// mucudnnTunerTune's "plans" (one plan per op, of one problem). On a GPU this builds the
+/// descriptors and engine execution plans once. `*plan_set_out` gets the set's id (for
+/// mucudnnTunerExecute and mucudnnTunerRelease) and `workspace_bytes_out[0..3]` the workspace
+/// bytes each op needs, in MUCUDNN_OP_* order (the caller provides that workspace).
+///
+/// # Safety
+///
+/// `plans_json` is NULL (an error) or NUL-terminated; `plan_set_out` is NULL (an error) or
+/// valid for writing one uint64_t; `workspace_bytes_out` is NULL (an error) or valid for
+/// writing three uint64_t.
+#[no_mangle]
+pub unsafe extern "C" fn mucudnnTunerPrepare(
+    tuner: mucudnnTuner_t,
+    plans_json: *const c_char,
+    plan_set_out: *mut u64,
+    workspace_bytes_out: *mut u64,
+) -> mucudnnStatus_t {
+    guard("mucudnnTunerPrepare", || {
+        // SAFETY: this function's contract.
+        let id_out = unsafe { out_arg(plan_set_out, "plan_set_out", u64::MAX) }?;
+        if workspace_bytes_out.is_null() {
+            return Err(invalid("workspace_bytes_out is NULL"));
+        }
+        // SAFETY: this function's contract.
+        let plans: Vec<Plan> = unsafe { json_arg(plans_json, "plans_json") }?;
+        let (id, workspace) = with_tuner(tuner, |t| t.prepare(plans))?;
+        // SAFETY: non-null and valid for three writes (this function's contract).
+        unsafe {
+            workspace_bytes_out
+                .cast::<[u64; 3]>()
+                .write_unaligned(workspace)
+        };
+        *id_out = id;
+        Ok(())
+    })
+}
+
+/// Frees a prepared plan set.
+#[no_mangle]
+pub extern "C" fn mucudnnTunerRelease(tuner: mucudnnTuner_t, plan_set: u64) -> mucudnnStatus_t {
+    guard("mucudnnTunerRelease", || {
+        with_tuner(tuner, |t| t.release(plan_set))
+    })
+}
+
+/// Runs one op of a prepared plan set over the whole mini-batch:
+/// `out = alpha * op(a, b) + beta * out`, micro-batch by micro-batch, with operands in cuDNN's
+/// order for the op (forward: a = x, b = w, out = y; backward-data: a = w, b = dy, out = dx;
+/// backward-filter: a = x, b = dy, out = dw), each packed in the problem's layout (NCHW or
+/// NHWC; the filter in the same layout) and dtype.
+///
+/// On a CPU tuner the pointers are host memory and `stream` is ignored; the workspace is host
+/// memory (4-byte aligned). On a GPU tuner they are device memory of the tuner's GPU, the work
+/// is queued on `stream` (NULL: the legacy default stream) through the tuner's own cuDNN
+/// handle, asynchronously, with no host synchronisation; the workspace is the caller's device
+/// memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's
+/// workspace_bytes_out[op] bytes, 16-byte aligned (NULL with 0 bytes when none is needed).
+///
+/// # Safety
+///
+/// `a`, `b` and `out` point to the problem's element counts of their roles (host memory on a
+/// CPU tuner, device memory of its GPU otherwise), readable, `out` writable and overlapping
+/// neither input; `workspace` is NULL with `workspace_bytes` 0, or `workspace_bytes` writable
+/// bytes of the same kind of memory; on a GPU all of it stays allocated until the work queued
+/// on `stream` has finished, and `stream` is a live stream of the GPU's primary context.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn mucudnnTunerExecute(
+    tuner: mucudnnTuner_t,
+    plan_set: u64,
+    op: mucudnnConvOp_t,
+    alpha: f32,
+    a: *const c_void,
+    b: *const c_void,
+    beta: f32,
+    out: *mut c_void,
+    workspace: *mut c_void,
+    workspace_bytes: u64,
+    stream: mucudnnStream_t,
+) -> mucudnnStatus_t {
+    guard("mucudnnTunerExecute", || {
+        let op = conv_op_arg(op)?;
+        with_tuner(tuner, |t| {
+            // SAFETY: this function's contract.
+            unsafe {
+                t.execute(
+                    plan_set,
+                    op,
+                    alpha,
+                    a,
+                    b,
+                    beta,
+                    out,
+                    workspace,
+                    workspace_bytes,
+                    stream.cast(),
+                )
+            }
+        })
     })
 }
 

@@ -4,7 +4,7 @@
 use super::error::{invalid, FfiError};
 use crate::report::SolutionJson;
 use crate::solver::units::parse_size;
-use crate::solver::{interchange, solve_profile, Mode, Policy, WdOptions};
+use crate::solver::{interchange, solve_profile, Mode, Policy, WdOptions, MAX_TIME_LIMIT_S};
 
 /// The keys an options document may have.
 const OPTION_KEYS: [&str; 4] = [
@@ -35,7 +35,7 @@ impl Default for SolveOptions {
 }
 
 /// A size given as a number of bytes or a string such as `"64MiB"`.
-fn size_option(key: &str, value: &serde_json::Value) -> Result<u64, FfiError> {
+pub(super) fn size_option(key: &str, value: &serde_json::Value) -> Result<u64, FfiError> {
     match value {
         serde_json::Value::Number(number) => number.as_u64().ok_or_else(|| {
             invalid(format!(
@@ -103,13 +103,11 @@ pub fn parse_options(text: Option<&str>) -> Result<SolveOptions, FfiError> {
         (None, None) => {}
     }
     if let Some(limit) = map.get("ilp_time_limit") {
-        match limit.as_f64() {
-            Some(seconds) if seconds.is_finite() && seconds > 0.0 => {
-                options.wd.time_limit_s = seconds
-            }
+        match limit.as_f64().map(WdOptions::check_time_limit) {
+            Some(Ok(seconds)) => options.wd.time_limit_s = seconds,
             _ => {
                 return Err(invalid(format!(
-                    "options: ilp_time_limit is {limit}; expected a positive number of seconds"
+                    "options: ilp_time_limit is {limit}; expected a number of seconds above 0 and at most {MAX_TIME_LIMIT_S:e}"
                 )))
             }
         }
@@ -185,6 +183,11 @@ pub(super) mod tests {
             (r#"{"workspace": 1}"#, "unknown key `workspace`"),
             (r#"{"policy": "pow2"}"#, "unknown policy `pow2`"),
             (r#"{"policy": 1}"#, "policy is 1"),
+            // Issue 14: a limit the MILP solver's clock cannot add must not reach it (it
+            // panicked there, printing a backtrace on the host program's stderr).
+            (r#"{"ilp_time_limit": 1e19}"#, "at most"),
+            (r#"{"ilp_time_limit": 0}"#, "above 0"),
+            (r#"{"ilp_time_limit": -1}"#, "above 0"),
             (
                 r#"{"workspace_limit": "64MB"}"#,
                 "decimal suffixes are ambiguous",

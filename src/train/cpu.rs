@@ -113,7 +113,7 @@ impl CpuNet {
             .with_padding(1)
             .with_layout(Layout::Nchw)
             .with_tuning(settings.tuning)
-            .with_cache(settings.cache.open());
+            .with_cache(settings.cache.open()?);
             conv.weight = parameters[2 * index].clone();
             conv.bias = Some(parameters[2 * index + 1].clone());
             convs.push(conv);

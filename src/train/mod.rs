@@ -63,6 +63,9 @@ pub enum TrainError {
     /// A convolution layer failed (tuning or execution).
     #[error(transparent)]
     Layer(#[from] LayerError),
+    /// The tuning cache path names a file that is not a mucudnn cache (left untouched).
+    #[error(transparent)]
+    Cache(#[from] mucudnn_cache::NotACache),
     /// The ranks called the collective inconsistently, or a rank left the group.
     #[error("collective: {0}")]
     Collective(String),

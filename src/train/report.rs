@@ -1,4 +1,4 @@
-//! Presenting a training run: the `mucudnn train --json` document (see README "Training") and
+//! Presenting a training run: the `mucudnn train --json` document (see docs/training.md) and
 //! the lines people read (a header, one row per epoch, a summary).
 
 use super::{DatasetSpec, EpochReport, EvalReport, Hyper, NetSpec, TrainReport};

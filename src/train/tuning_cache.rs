@@ -21,11 +21,12 @@ pub enum CacheChoice {
 }
 
 impl CacheChoice {
-    /// Opens a connection for one layer. Never fails (see [`Cache::open`]).
-    pub fn open(&self) -> Cache {
+    /// Opens a connection for one layer. Fails only when the file is not a mucudnn cache (see
+    /// [`Cache::open`]).
+    pub fn open(&self) -> Result<Cache, TrainError> {
         match self {
-            CacheChoice::File(path) => Cache::open(path),
-            CacheChoice::Memory => Cache::in_memory(),
+            CacheChoice::File(path) => Ok(Cache::open(path)?),
+            CacheChoice::Memory => Ok(Cache::in_memory()),
         }
     }
 
@@ -92,7 +93,7 @@ mod tests {
         let temp = TempCache::new().unwrap();
         let dir = temp.dir().to_path_buf();
         let choice = temp.choice();
-        let cache = choice.open();
+        let cache = choice.open().unwrap();
         assert_eq!(
             cache.location(),
             &mucudnn_cache::Location::File(temp.path())

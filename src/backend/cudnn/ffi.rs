@@ -54,6 +54,7 @@ use std::sync::{Arc, OnceLock};
 
 mod foreign;
 mod graph;
+mod stream;
 
 pub use foreign::{
     read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
@@ -62,6 +63,7 @@ pub use foreign::{
     RawDeviceViewMut, TensorDescriptorInfo,
 };
 pub use graph::{engine_configs, graph_api_status, heuristic_plan_workspaces, EnginePlan};
+pub use stream::{RawWorkspace, StreamSession};
 
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
 /// bindings use CUDA 13.0 entry points (`cuEventElapsedTime_v2`, ...). Driver 580 reports 13000.
@@ -885,6 +887,7 @@ impl CudnnHandle {
     /// The raw handle, for the training ops' FFI wall (`crate::train::gpu::ffi`), which calls
     /// more of cuDNN on the same handle. Live as long as `self`; used by this thread only (the
     /// type is not `Sync`).
+    #[cfg(feature = "train")]
     pub(crate) fn raw(&self) -> dnn_sys::cudnnHandle_t {
         self.raw
     }
@@ -1392,6 +1395,7 @@ impl TensorDescriptor {
     }
 
     /// The raw descriptor, for the training ops' FFI wall; live as long as `self`.
+    #[cfg(feature = "train")]
     pub(crate) fn raw(&self) -> dnn_sys::cudnnTensorDescriptor_t {
         self.raw
     }
@@ -1792,11 +1796,13 @@ impl DeviceBuffer {
 
     /// The allocation as cudarc holds it (`len * dtype size` bytes), for the training ops' FFI
     /// wall, which reads and writes whole buffers on their stream.
+    #[cfg(feature = "train")]
     pub(crate) fn cuda_bytes(&self) -> &CudaSlice<u8> {
         &self.data
     }
 
     /// As [`Self::cuda_bytes`], for writing.
+    #[cfg(feature = "train")]
     pub(crate) fn cuda_bytes_mut(&mut self) -> &mut CudaSlice<u8> {
         &mut self.data
     }

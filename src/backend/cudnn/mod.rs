@@ -149,6 +149,7 @@ pub use ffi::{
 };
 /// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings
 /// and error conversions, so that both walls load and describe the libraries the same way.
+#[cfg(feature = "train")]
 pub(crate) use ffi::{
     candidates, cudnn as require_cudnn, driver as require_driver, driver_error, status_error,
     warn_drop,
@@ -165,6 +166,8 @@ pub use ffi::{
     FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
     RawDeviceViewMut, TensorDescriptorInfo,
 };
+/// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
+pub use ffi::{RawWorkspace, StreamSession};
 pub use shape::{operand_roles, ConvShapes, Operand};
 
 /// Environment variable that enables the tests needing a GPU (`MUCUDNN_GPU_TESTS=1`).

@@ -14,7 +14,7 @@
 use super::error::CudnnError;
 use crate::solver::{ConvProblem, DType, Layout, MathMode};
 
-pub use crate::exec::{operand_roles, Operand};
+pub use crate::solver::{operand_roles, Operand};
 
 /// A validated problem in cuDNN's `int` terms.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

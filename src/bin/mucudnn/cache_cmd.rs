@@ -1,9 +1,13 @@
 //! `mucudnn cache path|list|show|export|import|clear`.
+//!
+//! `list`, `show` and `export` open the cache read-only: they create, migrate and move
+//! nothing. `import` and `clear` write; they fail when the cache cannot be written. Every
+//! command refuses a file that is not a mucudnn cache and leaves it as it is.
 
 use crate::{open_device, read_profile, DeviceChoice};
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use mucudnn::cache::{Cache, Location, SCHEMA_VERSION};
+use mucudnn::cache::{Access, Cache, Location, SCHEMA_VERSION};
 use mucudnn::solver::units::format_bytes;
 use mucudnn::solver::{interchange, DeviceFingerprint};
 use std::collections::BTreeMap;
@@ -61,12 +65,21 @@ pub(crate) fn run(args: &CacheArgs) -> Result<()> {
     if let CacheAction::Path = args.action {
         // Resolving the path opens nothing.
         match args.cache.clone().or_else(mucudnn::cache::default_path) {
-            Some(path) => println!("{}", path.display()),
+            Some(path) => outln!("{}", path.display()),
             None => anyhow::bail!("no cache location: set MUCUDNN_CACHE or HOME, or pass --cache"),
         }
         return Ok(());
     }
-    let cache = Cache::open_default(args.cache.as_deref());
+    // Bad input is refused before the cache is opened (or created).
+    let imported = match &args.action {
+        CacheAction::Import { file, .. } => Some(read_profile(file)?),
+        _ => None,
+    };
+    let access = match args.action {
+        CacheAction::Import { .. } | CacheAction::Clear => Access::ReadWrite,
+        _ => Access::ReadOnly,
+    };
+    let cache = Cache::open_default_with(args.cache.as_deref(), access)?;
     match &args.action {
         CacheAction::Path => unreachable!("handled above"),
         CacheAction::List { json } => list(&cache, *json),
@@ -104,7 +117,10 @@ pub(crate) fn run(args: &CacheArgs) -> Result<()> {
             force,
             device,
         } => {
-            let profile = read_profile(file)?;
+            let profile = match imported {
+                Some(profile) => profile,
+                None => read_profile(file)?,
+            };
             let local = local_fingerprint(*device)?;
             let stored = cache.import(&profile, &local, *force)?;
             eprintln!(
@@ -138,16 +154,16 @@ fn list(cache: &Cache, json: bool) -> Result<()> {
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        outln!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
     let mut device = None;
     for e in &entries {
         if device != Some(&e.device) {
-            println!("{}:", e.device);
+            outln!("{}:", e.device);
             device = Some(&e.device);
         }
-        println!(
+        outln!(
             "  {:<32} {:<10} {:<44} {:>3} sizes {:>5} measurements {:>3} plans",
             e.layer,
             e.op.name(),
@@ -158,7 +174,7 @@ fn list(cache: &Cache, json: bool) -> Result<()> {
         );
     }
     if entries.is_empty() {
-        println!("the cache at {} is empty", cache.location());
+        outln!("the cache at {} is empty", cache.location());
     }
     Ok(())
 }
@@ -185,19 +201,26 @@ fn show(cache: &Cache, json: bool) -> Result<()> {
             "location": cache.location().to_string(), "schema_version": SCHEMA_VERSION,
             "file_bytes": size, "devices": devices,
         });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
     }
-    println!("location: {}", cache.location());
-    println!("schema version: {SCHEMA_VERSION}");
+    outln!(
+        "location: {}{}",
+        cache.location(),
+        match (cache.location(), size) {
+            (Location::File(_), None) => " (no file yet)",
+            _ => "",
+        }
+    );
+    outln!("schema version: {SCHEMA_VERSION}");
     if let Some(bytes) = size {
-        println!("file size: {}", format_bytes(bytes));
+        outln!("file size: {}", format_bytes(bytes));
     }
     for (device, (e, m, p)) in &per_device {
-        println!("{device}: {e} tuned (layer, op), {m} measurements, {p} plans");
+        outln!("{device}: {e} tuned (layer, op), {m} measurements, {p} plans");
     }
     if per_device.is_empty() {
-        println!("empty");
+        outln!("empty");
     }
     Ok(())
 }

@@ -7,6 +7,24 @@
 //! - `report`, `explain` (report_cmd.rs): report files from a saved profile; why a split won.
 //! - `train` (train_cmd.rs): data-parallel training of a small CNN through the conv layer.
 
+/// Prints to stdout like `print!`, but a closed stdout (`mucudnn cache list | head -1`) is not
+/// a panic: printing stops and the command finishes its other work (see [`write_stdout`]).
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!($($arg)*))
+    };
+}
+
+/// `println!` through [`out!`].
+macro_rules! outln {
+    () => {
+        $crate::write_stdout(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod cache_cmd;
 mod report_cmd;
 mod train_cmd;
@@ -23,8 +41,34 @@ use mucudnn::solver::{
     interchange, solve_profile, CandidateSet, Mode, Policy, Profile, Solution, WdOptions,
 };
 use std::collections::HashMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+/// Set once stdout's reader has gone (a broken pipe): later output is dropped.
+static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
+/// The first other stdout error (a full disk behind a redirect): reported at exit.
+static STDOUT_ERROR: Mutex<Option<String>> = Mutex::new(None);
+
+/// Writes to stdout. A broken pipe means the reader has what it wanted (`| head`): output stops
+/// quietly and the command goes on (its report files are still written) and exits 0. Any other
+/// write error is kept and makes the command fail at exit.
+pub(crate) fn write_stdout(args: std::fmt::Arguments<'_>) {
+    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut stdout = std::io::stdout().lock();
+    if let Err(error) = stdout.write_fmt(args) {
+        STDOUT_CLOSED.store(true, Ordering::Relaxed);
+        if error.kind() != std::io::ErrorKind::BrokenPipe {
+            if let Ok(mut slot) = STDOUT_ERROR.lock() {
+                slot.get_or_insert_with(|| format!("cannot write to stdout: {error}"));
+            }
+        }
+    }
+}
 
 #[derive(Parser)]
 #[command(
@@ -68,15 +112,15 @@ pub(crate) struct SolveSettings {
     #[arg(long, default_value = "power-of-two", value_parser = parse_policy)]
     pub policy: Policy,
     /// Per-layer workspace limit (workspace reuse). Bytes, or with KiB/MiB/GiB.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "total_workspace")]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "total_workspace", allow_hyphen_values = true)]
     pub workspace_limit: Option<u64>,
     /// One workspace budget shared by all layers (workspace division, solved as a MILP).
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
     pub total_workspace: Option<u64>,
-    /// Time limit for the workspace-division MILP, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 10.0)]
+    /// Time limit for the workspace-division MILP, in seconds (above 0, at most 1e6).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = parse_time_limit, allow_hyphen_values = true)]
     pub ilp_time_limit: f64,
-    /// Print the result as JSON (see README) instead of a table.
+    /// Print the result as JSON (see docs/cli.md) instead of a table.
     #[arg(long)]
     pub json: bool,
 }
@@ -96,11 +140,8 @@ impl SolveSettings {
     }
 
     fn wd_options(&self) -> Result<WdOptions> {
-        anyhow::ensure!(
-            self.ilp_time_limit.is_finite() && self.ilp_time_limit > 0.0,
-            "--ilp-time-limit must be a positive number of seconds, got {}",
-            self.ilp_time_limit
-        );
+        WdOptions::check_time_limit(self.ilp_time_limit)
+            .map_err(|e| anyhow::anyhow!("--ilp-time-limit: {e}"))?;
         Ok(WdOptions {
             time_limit_s: self.ilp_time_limit,
             ..WdOptions::default()
@@ -119,6 +160,13 @@ struct SolveArgs {
     candidates: CandidateSet,
     #[command(flatten)]
     settings: SolveSettings,
+}
+
+fn parse_time_limit(text: &str) -> Result<f64, String> {
+    let seconds: f64 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number of seconds"))?;
+    WdOptions::check_time_limit(seconds)
 }
 
 fn parse_candidates(text: &str) -> Result<CandidateSet, String> {
@@ -193,7 +241,7 @@ pub(crate) fn solve_and_print(
     }
     if settings.json {
         if print_json {
-            println!(
+            outln!(
                 "{}",
                 serde_json::to_string_pretty(&SolutionJson::new(&solution))?
             );
@@ -207,8 +255,8 @@ pub(crate) fn solve_and_print(
             ),
             None => profile.device.clone(),
         };
-        println!("{}; measured on {device}\n", describe_mode(&solution));
-        print!("{}", render_table(&solution, multiplicity));
+        outln!("{}; measured on {device}\n", describe_mode(&solution));
+        out!("{}", render_table(&solution, multiplicity));
     }
     Ok(solution)
 }
@@ -239,7 +287,20 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    let result = run(Cli::parse()).and_then(|()| {
+        let _ = std::io::stdout().flush().map_err(|error| {
+            if error.kind() != std::io::ErrorKind::BrokenPipe {
+                if let Ok(mut slot) = STDOUT_ERROR.lock() {
+                    slot.get_or_insert_with(|| format!("cannot write to stdout: {error}"));
+                }
+            }
+        });
+        match STDOUT_ERROR.lock().ok().and_then(|mut slot| slot.take()) {
+            Some(message) => Err(anyhow::anyhow!(message)),
+            None => Ok(()),
+        }
+    });
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("error: {error:#}");

@@ -142,6 +142,6 @@ pub(crate) fn explain_command(args: &ExplainArgs) -> Result<()> {
         args.limits.clone()
     };
     let explanation = explain(&entry, args.policy, &limits)?;
-    print!("{}", render_explanation(&explanation));
+    out!("{}", render_explanation(&explanation));
     Ok(())
 }

@@ -104,7 +104,7 @@ pub(crate) struct TrainArgs {
     /// Tune everything again and keep nothing (the ranks share a private file for the run).
     #[arg(long)]
     no_cache: bool,
-    /// Print one JSON document (see README) instead of the table.
+    /// Print one JSON document (see docs/training.md) instead of the table.
     #[arg(long)]
     json: bool,
     /// No progress output.
@@ -391,7 +391,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         seed: args.seed,
     };
     if table {
-        print!("{}", render_header(&info));
+        out!("{}", render_header(&info));
     }
     if !quiet {
         eprintln!(
@@ -429,7 +429,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         }
         TrainEvent::Initial(initial) => {
             if table {
-                print!("\n{}{}", render_epoch_header(), render_initial(initial));
+                out!("\n{}{}", render_epoch_header(), render_initial(initial));
                 let _ = std::io::stdout().flush();
             }
         }
@@ -442,7 +442,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
         TrainEvent::Epoch(report) => {
             progress.end_epoch();
             if table {
-                print!("{}", render_epoch_row(report));
+                out!("{}", render_epoch_row(report));
                 let _ = std::io::stdout().flush();
             }
             if progress.lines {
@@ -484,13 +484,13 @@ pub(crate) fn run(args: &TrainArgs) -> Result<()> {
     drop(temp);
 
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::to_string_pretty(&TrainJson::new(&info, &report))?
         );
     } else if table {
-        print!("{}", render_plans(&report.conv_plans));
-        print!("{}", render_summary(&report));
+        out!("{}", render_plans(&report.conv_plans));
+        out!("{}", render_summary(&report));
     }
     Ok(())
 }

@@ -143,7 +143,17 @@ pub(crate) struct DeviceArgs {
 
 impl DeviceArgs {
     pub fn open(&self, quiet: bool) -> Result<(Device, Cache, TimingSettings)> {
+        self.open_checked(quiet, |_| Ok(()))
+    }
+
+    /// Opens the device, runs `check` on it, and only then opens (perhaps creates) the cache.
+    pub fn open_checked(
+        &self,
+        quiet: bool,
+        check: impl FnOnce(&mut Device) -> Result<()>,
+    ) -> Result<(Device, Cache, TimingSettings)> {
         let mut device = open_device(self.device, quiet)?;
+        check(&mut device)?;
         let timing = match device.backend().fingerprint().backend {
             BackendKind::Cuda => TimingSettings::GPU,
             BackendKind::Cpu => TimingSettings::CPU,
@@ -151,7 +161,7 @@ impl DeviceArgs {
         let cache = if self.no_cache {
             Cache::in_memory()
         } else {
-            Cache::open_default(self.cache.as_deref())
+            Cache::open_default(self.cache.as_deref())?
         };
         Ok((device, cache, timing))
     }
@@ -254,9 +264,42 @@ impl Reporter {
     }
 }
 
+/// Refuses, before anything is measured, what would fail only after profiling (issue 14):
+/// candidates the backend does not have, and verifying plans it cannot execute.
+fn check_before_measuring(args: &TuneArgs, device: &mut Device) -> Result<()> {
+    args.settings.wd_options()?;
+    let offered = device.backend().kinds();
+    let backend = device.backend().fingerprint().backend;
+    anyhow::ensure!(
+        args.device
+            .candidates
+            .kinds()
+            .iter()
+            .any(|kind| offered.contains(kind)),
+        "--candidates {}: the {backend} backend has no graph-API engine configurations (it offers {} candidates); nothing was measured",
+        args.device.candidates,
+        offered
+            .iter()
+            .map(|kind| kind.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if args.verify && matches!(device, Device::Cpu(_)) {
+        anyhow::ensure!(
+            args.source.dtype == DType::Fp32,
+            "--verify: the CPU executor runs fp32 only, not {}; nothing was measured",
+            args.source.dtype
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     let (network, layers) = args.source.layers()?;
-    let (mut device, cache, timing) = args.device.open(args.quiet)?;
+    args.settings.wd_options()?;
+    let (mut device, cache, timing) = args
+        .device
+        .open_checked(args.quiet, |device| check_before_measuring(args, device))?;
     let fingerprint = device.backend().fingerprint().clone();
     let jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
     let policy = args.settings.policy;
@@ -387,7 +430,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         if let Some(measured) = measured {
             doc["measured"] = measured;
         }
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
 }
@@ -430,8 +473,8 @@ fn verify(
     };
     let report = verification_json(solution, &measured);
     if !json {
-        println!("\nmeasured end to end ({clock}, median of timed loops):\n");
-        print!("{}", render_verification(solution, &measured));
+        outln!("\nmeasured end to end ({clock}, median of timed loops):\n");
+        out!("{}", render_verification(solution, &measured));
     }
     Ok(report)
 }

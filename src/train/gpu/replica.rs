@@ -449,7 +449,7 @@ impl<C: Collective> GpuReplica<C> {
         Ok(GpuReplica {
             spec: spec.clone(),
             settings: settings.clone(),
-            cache: settings.cache.open(),
+            cache: settings.cache.open()?,
             ops,
             comm: Some(comm),
             collective,

@@ -1264,6 +1264,27 @@ impl EnginePlan {
             ));
         }
         let addresses = [a.parts.ptr, b.parts.ptr, out_parts.ptr];
+        let workspace_ptr = workspace.raw_ptr();
+        self.check_alignment(CALL, addresses, workspace_ptr)?;
+        handle.bind()?;
+        // SAFETY: the handle is live (this plan holds its owner) and is the plan's handle
+        // (checked), used by this thread alone (not `Sync`), its context bound; its stream is
+        // the views' stream (checked). The views borrow live buffers holding exactly the
+        // plan's element counts and dtype in the roles `operand_uids(op)` gives them (checked),
+        // aligned as declared (checked); `out` is borrowed mutably, so it aliases no input. The
+        // workspace view covers at least the plan's workspace bytes (checked), or is null when
+        // the plan needs none. Work is queued on the stream that frees those buffers.
+        unsafe { self.launch(addresses, workspace_ptr) }
+    }
+
+    /// Checks that `[a, b, out]` are aligned as the plan declared and a non-empty workspace to
+    /// [`WORKSPACE_ALIGNMENT`].
+    pub(super) fn check_alignment(
+        &self,
+        call: &'static str,
+        addresses: [u64; 3],
+        workspace_ptr: *mut c_void,
+    ) -> Result<(), CudnnError> {
         for ((operand, address), required) in ["a", "b", "out"]
             .into_iter()
             .zip(addresses)
@@ -1271,24 +1292,50 @@ impl EnginePlan {
         {
             if !is_aligned(address, required) {
                 return Err(CudnnError::Misaligned {
-                    call: CALL,
+                    call,
                     operand,
                     address,
                     required,
                 });
             }
         }
-        let workspace_ptr = workspace.raw_ptr();
         if self.workspace_bytes > 0 && !is_aligned(workspace_ptr as u64, WORKSPACE_ALIGNMENT) {
             return Err(CudnnError::Misaligned {
-                call: CALL,
+                call,
                 operand: "workspace",
                 address: workspace_ptr as u64,
                 required: WORKSPACE_ALIGNMENT,
             });
         }
+        Ok(())
+    }
+
+    /// Whether this plan was built on the handle that `owner` keeps alive.
+    pub(super) fn built_on(&self, owner: &Rc<HandleOwner>) -> bool {
+        Rc::ptr_eq(&self.owner, owner)
+    }
+
+    /// Builds the variant pack for `addresses` (`[a, b, out]`) and the workspace, and queues
+    /// the plan on its handle's current stream.
+    ///
+    /// # Safety
+    ///
+    /// - the plan's handle is used by this thread alone during the call, with its device's
+    ///   context current, and its stream is the one the memory below is used on;
+    /// - `addresses` point to device memory holding exactly the elements of roles
+    ///   `operand_uids(self.op())` at the plan's batch size, in the problem's dtype, aligned as
+    ///   [`Self::operand_alignments`] declares; `out` is writable and overlaps neither input
+    ///   nor the workspace;
+    /// - `workspace_ptr` is null when the plan needs no workspace, else points to at least
+    ///   [`Self::workspace_bytes`] writable device bytes aligned to [`WORKSPACE_ALIGNMENT`];
+    /// - all of it stays allocated until the queued work has finished.
+    pub(super) unsafe fn launch(
+        &self,
+        addresses: [u64; 3],
+        workspace_ptr: *mut c_void,
+    ) -> Result<(), CudnnError> {
+        let op = self.op();
         let api = graph_api()?;
-        handle.bind()?;
         let name = self.config.to_string();
         let tag = |e: CudnnError| e.for_engine(op, Some(&name));
         let pack =
@@ -1301,18 +1348,7 @@ impl EnginePlan {
         pack.set_pointers(Attr::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, &[workspace_ptr])
             .map_err(tag)?;
         pack.finalize().map_err(tag)?;
-        // SAFETY:
-        // - the handle is live (this plan holds its owner) and is the plan's handle (checked),
-        //   used by this thread alone (not `Sync`); its stream is the views' stream (checked);
-        // - the plan is finalised for tensors whose dims, strides and dtype are the problem at
-        //   the plan's batch size; `a`, `b` and `out` point into live allocations (the views
-        //   borrow their buffers) with exactly that many elements of that dtype in the roles
-        //   `operand_uids(op)` gives them (checked), aligned as declared (checked); `out` is
-        //   borrowed mutably, so it aliases no input;
-        // - the workspace view covers at least the plan's workspace bytes of a live allocation
-        //   (checked), or is null when the plan needs none;
-        // - work is queued on the stream that frees those buffers, so it runs before any free;
-        //   the variant pack is only read during the call.
+        // SAFETY: this function's contract; the variant pack is only read during the call.
         unsafe { dnn_sys::cudnnBackendExecute(self.owner.raw, self.plan.raw, pack.raw) }
             .result()
             .map_err(|e| {

@@ -1,0 +1,236 @@
+"""The tuner: one device (CPU or a GPU), the tuning cache, and prepared plan sets.
+
+A thin wrapper over the C ABI's ``mucudnnTuner*`` functions. Problems, settings, tasks and
+plans cross as JSON (their shapes are in docs/C_ABI.md and docs/PROFILE_FORMAT.md); execution
+takes raw pointers and is the only call on a training step's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _lib
+
+#: Op numbers of the C ABI (MUCUDNN_OP_*), in the order plans are returned.
+OPS = ("fwd", "bwd_data", "bwd_filter")
+FORWARD, BACKWARD_DATA, BACKWARD_FILTER = 0, 1, 2
+DEVICE_CPU = -1
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a layer tunes: micro-batch ``policy``, per-layer ``workspace_limit`` (bytes, or
+    ``None`` for none), ``candidates`` (``"legacy"``, ``"engines"``, ``"all"``), an optional
+    bound on engine configurations timed per size, and the pruning margin (``None``: time
+    every configuration at every size)."""
+
+    policy: str = "power-of-two"
+    workspace_limit: Optional[int] = 64 << 20
+    candidates: str = "all"
+    max_candidates: Optional[int] = None
+    prune_margin: Optional[float] = 1.5
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "policy": self.policy,
+                "workspace_limit": self.workspace_limit,
+                "candidates": self.candidates,
+                "max_candidates": self.max_candidates,
+                "prune_margin": self.prune_margin,
+            },
+            sort_keys=True,
+        )
+
+
+def problem(
+    *,
+    n: int,
+    c: int,
+    h: int,
+    w: int,
+    k: int,
+    r: int,
+    s: int,
+    padding: Sequence[int] = (0, 0),
+    stride: Sequence[int] = (1, 1),
+    dilation: Sequence[int] = (1, 1),
+    groups: int = 1,
+    dtype: str = "fp32",
+    layout: str = "nchw",
+) -> Dict[str, Any]:
+    """A convolution problem as the C ABI reads it (docs/PROFILE_FORMAT.md, "problem")."""
+    return {
+        "n": int(n),
+        "c": int(c),
+        "h": int(h),
+        "w": int(w),
+        "k": int(k),
+        "r": int(r),
+        "s": int(s),
+        "pad_h": int(padding[0]),
+        "pad_w": int(padding[1]),
+        "stride_h": int(stride[0]),
+        "stride_w": int(stride[1]),
+        "dilation_h": int(dilation[0]),
+        "dilation_w": int(dilation[1]),
+        "groups": int(groups),
+        "dtype": dtype,
+        "layout": layout,
+        "math": "default",
+    }
+
+
+@dataclass
+class PreparedSet:
+    """The three plans of one input shape, prepared on a tuner."""
+
+    tuner: "Tuner"
+    id: int
+    #: Workspace bytes each op needs, in :data:`OPS` order.
+    workspace: Tuple[int, int, int]
+    #: The plans as mucudnn returned them, in :data:`OPS` order.
+    plans: List[Dict[str, Any]] = field(default_factory=list)
+
+    def release(self) -> None:
+        self.tuner.release(self.id)
+
+
+class Tuner:
+    """A mucudnn tuner on the CPU (``device=-1``) or a GPU (its CUDA ordinal).
+
+    ``cache``: the tuning cache file (``None``: mucudnn's default location, shared with the
+    ``mucudnn`` CLI; ``False``: in memory only)."""
+
+    def __init__(self, device: int = DEVICE_CPU, cache: Any = None, verbose: bool = False):
+        options: Dict[str, Any] = {"verbose": bool(verbose)}
+        if cache is False:
+            options["no_cache"] = True
+        elif cache is not None:
+            options["cache"] = str(cache)
+        lib = _lib.library()
+        handle = ctypes.c_void_p()
+        _lib.check(
+            lib.mucudnnTunerCreate(
+                ctypes.byref(handle), int(device), json.dumps(options).encode()
+            )
+        )
+        self._handle = handle
+        self._lib = lib
+        self.device = int(device)
+        self._fingerprint: Optional[Dict[str, Any]] = None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._handle.value:
+            _lib.check(self._lib.mucudnnTunerDestroy(self._handle))
+            self._handle = ctypes.c_void_p()
+
+    def __del__(self):  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """The device fingerprint measurements are stored under."""
+        if self._fingerprint is None:
+            self._fingerprint = _lib.call_json("mucudnnTunerGetFingerprint", self._handle)
+        return self._fingerprint
+
+    def tune(self, layer: str, problem: Dict[str, Any], settings: Settings) -> Dict[str, Any]:
+        """Tunes one layer through the cache: ``{"plans": [...], "cached": n, "measured": n}``."""
+        return _lib.call_json(
+            "mucudnnTunerTune",
+            self._handle,
+            layer.encode(),
+            json.dumps(problem).encode(),
+            settings.to_json().encode(),
+        )
+
+    def missing(self, layers: List[Dict[str, Any]], settings: Settings) -> List[Dict[str, Any]]:
+        """The measuring tasks the cache lacks for ``[{"layer", "problem"}]``, anchors first."""
+        return _lib.call_json(
+            "mucudnnTunerMissing",
+            self._handle,
+            json.dumps(layers).encode(),
+            settings.to_json().encode(),
+        )
+
+    def measure(self, tasks: List[Dict[str, Any]], settings: Settings) -> Dict[str, Any]:
+        """Measures ``tasks`` (storing them); returns ``{"fingerprint", "measured"}``."""
+        return _lib.call_json(
+            "mucudnnTunerMeasure",
+            self._handle,
+            json.dumps(tasks).encode(),
+            settings.to_json().encode(),
+        )
+
+    def store(self, measured: Dict[str, Any]) -> int:
+        """Stores another tuner's :meth:`measure` document; returns the records stored."""
+        stored = ctypes.c_uint64()
+        _lib.check(
+            self._lib.mucudnnTunerStore(
+                self._handle, json.dumps(measured).encode(), ctypes.byref(stored)
+            )
+        )
+        return stored.value
+
+    def prepare(self, plans: List[Dict[str, Any]]) -> PreparedSet:
+        plan_set = ctypes.c_uint64()
+        workspace = (ctypes.c_uint64 * 3)()
+        _lib.check(
+            self._lib.mucudnnTunerPrepare(
+                self._handle, json.dumps(plans).encode(), ctypes.byref(plan_set), workspace
+            )
+        )
+        by_op = {plan["op"]: plan for plan in plans}
+        return PreparedSet(
+            tuner=self,
+            id=plan_set.value,
+            workspace=(workspace[0], workspace[1], workspace[2]),
+            plans=[by_op[op] for op in OPS],
+        )
+
+    def release(self, plan_set: int) -> None:
+        if self._handle.value:
+            _lib.check(self._lib.mucudnnTunerRelease(self._handle, plan_set))
+
+    def execute(
+        self,
+        plan_set: int,
+        op: int,
+        a: int,
+        b: int,
+        out: int,
+        *,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+        workspace: int = 0,
+        workspace_bytes: int = 0,
+        stream: int = 0,
+    ) -> None:
+        """``out = alpha * op(a, b) + beta * out`` over raw pointers (see mucudnnTunerExecute)."""
+        status = self._lib.mucudnnTunerExecute(
+            self._handle, plan_set, op, alpha, a, b, beta, out, workspace or None,
+            workspace_bytes, stream or None,
+        )
+        if status:
+            _lib.check(status)
+
+
+def split(plan: Dict[str, Any]) -> str:
+    """A plan's micro-batches as ``COUNTxSIZE@algo`` runs, e.g. ``2x16@algo1 + 1x32@eng0_k2=1``."""
+    runs: List[List[Any]] = []
+    for micro in plan["micro_batches"]:
+        algo = micro["algo"]
+        name = f"algo{algo}" if isinstance(algo, int) else str(algo)
+        if runs and runs[-1][1] == micro["size"] and runs[-1][2] == name:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, micro["size"], name])
+    return " + ".join(f"{count}x{size}@{name}" for count, size, name in runs)

@@ -1,0 +1,280 @@
+"""``Conv2d``: a ``torch.nn.Conv2d`` whose convolutions mucudnn tunes and executes, and
+``convert_``, which swaps it in for every ``nn.Conv2d`` of a model."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._tuner import Settings
+from . import _ops, _runtime
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: Union[int, str, None]) -> Optional[int]:
+    """Bytes from an int, ``"64MiB"`` (or ``K``/``M``/``G``/``T``, powers of 1024), or ``None``
+    / ``"unlimited"`` for no limit. Decimal units (``"64MB"``) are refused as ambiguous."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"workspace_limit must be bytes or a size string, not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"workspace_limit must be >= 0 bytes, not {value}")
+        return value
+    if isinstance(value, str):
+        if value.strip().lower() in ("unlimited", "none"):
+            return None
+        match = _SIZE.match(value)
+        if match:
+            number, unit = match.group(1), (match.group(2) or "").upper()
+            if unit.endswith("B") and len(unit) == 2 and not unit.endswith("IB"):
+                raise ValueError(
+                    f"workspace_limit {value!r}: write {unit[0]}iB (powers of 1024); decimal "
+                    "units are ambiguous"
+                )
+            scale = _UNITS[unit[:1]] if unit else 1
+            bytes_ = float(number) * scale
+            if bytes_ != int(bytes_):
+                raise ValueError(f"workspace_limit {value!r} is not a whole number of bytes")
+            return int(bytes_)
+        raise ValueError(f"workspace_limit {value!r}: give bytes or a size like '64MiB'")
+    raise TypeError(f"workspace_limit must be bytes or a size string, not {type(value).__name__}")
+
+
+_POLICIES = ("undivided", "power-of-two", "all")
+_CANDIDATES = ("legacy", "engines", "all")
+
+
+def make_settings(
+    workspace_limit: Union[int, str, None] = "64MiB",
+    policy: str = "power-of-two",
+    candidates: str = "all",
+    max_candidates: Optional[int] = None,
+    prune_margin: Optional[float] = 1.5,
+) -> Settings:
+    if policy not in _POLICIES:
+        raise ValueError(f"policy {policy!r}: expected one of {', '.join(_POLICIES)}")
+    if candidates not in _CANDIDATES:
+        raise ValueError(f"candidates {candidates!r}: expected one of {', '.join(_CANDIDATES)}")
+    if max_candidates is not None and (not isinstance(max_candidates, int) or max_candidates < 1):
+        raise ValueError(f"max_candidates must be a whole number >= 1 or None, not {max_candidates!r}")
+    if prune_margin is not None and not (float(prune_margin) > 1.0):
+        raise ValueError(f"prune_margin must be > 1 or None, not {prune_margin!r}")
+    return Settings(
+        policy=policy,
+        workspace_limit=parse_size(workspace_limit),
+        candidates=candidates,
+        max_candidates=max_candidates,
+        prune_margin=None if prune_margin is None else float(prune_margin),
+    )
+
+
+class Conv2d(nn.Conv2d):
+    """A drop-in ``torch.nn.Conv2d`` (same constructor, parameters, ``state_dict`` keys and
+    semantics) whose forward and backward passes run mucudnn's plans: each new input shape is
+    tuned on first sight through the tuning cache (the file the ``mucudnn`` CLI uses), then
+    only executed.
+
+    Keyword-only options: ``workspace_limit`` (bytes, ``"64MiB"``, or ``None`` for no limit;
+    per layer and op), ``policy`` (``"power-of-two"``, ``"all"``, ``"undivided"``),
+    ``candidates`` (``"all"``, ``"legacy"``, ``"engines"``), ``cache`` (a file path; ``None``:
+    the default location; ``False``: in memory only), ``name`` (shown in plans and errors),
+    ``max_candidates``, ``prune_margin`` and ``verbose``.
+
+    CPU tensors run mucudnn's CPU backend (fp32, fp16, bf16); CUDA tensors run cuDNN plans on
+    the current stream with workspace from PyTorch's caching allocator. ``channels_last``
+    inputs run as NHWC.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Any,
+        stride: Any = 1,
+        padding: Any = 0,
+        dilation: Any = 1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        workspace_limit: Union[int, str, None] = "64MiB",
+        policy: str = "power-of-two",
+        candidates: str = "all",
+        cache: Any = None,
+        name: Optional[str] = None,
+        max_candidates: Optional[int] = None,
+        prune_margin: Optional[float] = 1.5,
+        verbose: bool = False,
+    ):
+        label = name or "mucudnn.torch.Conv2d"
+        if padding_mode != "zeros":
+            raise ValueError(
+                f"{label}: padding_mode={padding_mode!r} is not supported by mucudnn (only "
+                "'zeros'); keep this layer a torch.nn.Conv2d"
+            )
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+            padding_mode, device=device, dtype=dtype,
+        )
+        try:
+            settings = make_settings(workspace_limit, policy, candidates, max_candidates, prune_margin)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{label}: {e}") from None
+        self._mucudnn = _runtime.LayerConfig(
+            name or f"conv2d.{id(self):x}", settings, cache, verbose
+        )
+        self._mucudnn_id = _runtime.register(self._mucudnn, self)
+        self._mucudnn_geometry = (
+            [int(v) for v in self.stride],
+            None if isinstance(self.padding, str) else [int(v) for v in self.padding],
+            [int(v) for v in self.dilation],
+        )
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, **options: Any) -> "Conv2d":
+        """A mucudnn ``Conv2d`` with ``conv``'s geometry that shares its parameters."""
+        label = options.get("name") or type(conv).__name__
+        if conv.padding_mode != "zeros":
+            raise ValueError(
+                f"{label}: padding_mode={conv.padding_mode!r} is not supported by mucudnn (only "
+                "'zeros'); pass skip_unsupported=True to convert_ to keep such layers as they are"
+            )
+        if isinstance(conv.weight, nn.parameter.UninitializedParameter):
+            raise ValueError(f"{label}: a lazy Conv2d must see an input before conversion")
+        new = cls(
+            conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+            conv.dilation, conv.groups, conv.bias is not None, device="meta", **options,
+        )
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new.train(conv.training)
+        return new
+
+    @property
+    def mucudnn_name(self) -> str:
+        return self._mucudnn.name
+
+    @property
+    def plans(self) -> Dict[Tuple[int, int, int, int], "_runtime.PlanReport"]:
+        """Per input shape (n, c, h, w) tuned so far: each op's split, candidates, predicted
+        time and workspace, and the tuning time (see :class:`PlanReport`)."""
+        return {report.shape: report for report in self._mucudnn.reports.values()}
+
+    def extra_repr(self) -> str:
+        s = self._mucudnn.settings
+        limit = "unlimited" if s.workspace_limit is None else f"{s.workspace_limit} B"
+        return f"{super().extra_repr()}, mucudnn: {s.policy}, {limit}, {s.candidates}"
+
+    def _check(self, input: torch.Tensor) -> None:
+        name = self._mucudnn.name
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(input).__name__}")
+        if input.dim() != 4:
+            raise ValueError(
+                f"{name}: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape "
+                f"{tuple(input.shape)}"
+            )
+        if input.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{name}: input has {input.shape[1]} channels, the layer expects "
+                f"{self.in_channels} (input shape {tuple(input.shape)})"
+            )
+        if input.dtype != self.weight.dtype:
+            raise TypeError(
+                f"{name}: input is {input.dtype} but the weight is {self.weight.dtype}; convert "
+                "one of them (e.g. model.to(dtype) or torch.autocast)"
+            )
+        if input.device != self.weight.device:
+            raise ValueError(
+                f"{name}: input is on {input.device} but the weight is on {self.weight.device}"
+            )
+        if input.dtype not in _runtime.DTYPES:
+            raise TypeError(
+                f"{name}: {input.dtype} is not supported (float32, float16 and bfloat16 are)"
+            )
+        if input.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: {input.device.type} tensors are not supported (cpu, cuda)")
+
+    def _symmetric_input(self, input: torch.Tensor):
+        """The input and the symmetric padding mucudnn runs (``'same'`` with an even total
+        pads the extra row and column at the end first, as PyTorch does)."""
+        fixed = self._mucudnn_geometry[1]
+        if fixed is not None:
+            return input, fixed
+        if isinstance(self.padding, str):
+            if self.padding == "valid":
+                return input, [0, 0]
+            pads = []
+            extra = []
+            for d, k in zip(self.dilation, self.kernel_size):
+                total = d * (k - 1)
+                pads.append(total // 2)
+                extra.append(total - 2 * (total // 2))
+            if any(extra):
+                input = F.pad(input, (0, extra[1], 0, extra[0]))
+            return input, pads
+        return input, [int(p) for p in self.padding]
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        unbatched = isinstance(input, torch.Tensor) and input.dim() == 3
+        if unbatched:
+            input = input.unsqueeze(0)
+        self._check(input)
+        x, padding = self._symmetric_input(input)
+        stride, _, dilation = self._mucudnn_geometry
+        p, q = _runtime.output_hw(
+            x.shape[2], x.shape[3], *self.kernel_size, stride, padding, dilation
+        )
+        if p <= 0 or q <= 0:
+            raise ValueError(
+                f"{self._mucudnn.name}: input {tuple(input.shape)} is too small for kernel "
+                f"{tuple(self.kernel_size)} with padding {tuple(padding)} and dilation "
+                f"{tuple(dilation)} (output would be {p}x{q})"
+            )
+        discovery = _runtime.active_discovery()
+        if discovery is not None:
+            discovery.seen.append((self, x.detach(), stride, padding, dilation, self.groups))
+            y = F.conv2d(x, self.weight, self.bias, stride, padding, dilation, self.groups)
+        else:
+            y = _ops.conv2d(
+                x, self.weight, self.bias, stride, padding, dilation, self.groups,
+                self._mucudnn_id,
+            )
+        return y.squeeze(0) if unbatched else y
+
+
+def convert_(model: nn.Module, *, skip_unsupported: bool = False, **options: Any) -> nn.Module:
+    """Replaces every ``nn.Conv2d`` in ``model`` (in place) with a mucudnn :class:`Conv2d` that
+    shares its parameters, so optimizers, ``state_dict`` keys and loaded weights keep working.
+    Layers are named by their module path. ``options`` are :class:`Conv2d`'s keyword-only
+    options. Layers with a ``padding_mode`` other than ``'zeros'`` are an error, or are left as
+    they are with ``skip_unsupported=True``. Returns the model (a new module when ``model``
+    itself is an ``nn.Conv2d``)."""
+    if "name" in options:
+        raise TypeError("convert_ names each layer by its module path; do not pass name=")
+    if isinstance(model, nn.Conv2d) and not isinstance(model, Conv2d):
+        return Conv2d.from_conv(model, name="conv", **options)
+    targets = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d) and not isinstance(child, Conv2d):
+                qualified = f"{parent_name}.{child_name}" if parent_name else child_name
+                if child.padding_mode != "zeros" and skip_unsupported:
+                    continue
+                targets.append((parent, child_name, child, qualified))
+    converted = {}
+    for parent, child_name, child, qualified in targets:
+        if id(child) not in converted:  # a module used twice stays one module
+            converted[id(child)] = Conv2d.from_conv(child, name=qualified, **options)
+        setattr(parent, child_name, converted[id(child)])
+    return model

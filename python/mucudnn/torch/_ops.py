@@ -1,0 +1,160 @@
+"""The custom ops ``mucudnn::conv2d``, ``mucudnn::conv2d_backward_data`` and
+``mucudnn::conv2d_backward_filter`` (``torch.library.custom_op``), with fake (meta)
+implementations for ``torch.compile`` and autograd formulas (``register_autograd``), as
+torchvision registers its ops.
+
+Every op takes the layer's configuration id (see ``_runtime.register``) last. The backward ops
+take the forward input and the weight (one of them only for its shape) and are linear in the
+others, so their own gradients are the three ops again: double backward works too.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from . import _runtime
+
+
+def _empty_like_layout(input: Tensor, shape) -> Tensor:
+    """An uninitialised tensor of ``shape`` with ``input``'s dtype, device and layout."""
+    return torch.empty(
+        shape, dtype=input.dtype, device=input.device, memory_format=_runtime.memory_format(input)
+    )
+
+
+@torch.library.custom_op("mucudnn::conv2d", mutates_args=(), device_types=("cpu", "cuda"))
+def conv2d(
+    input: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    groups: int,
+    config: int,
+) -> Tensor:
+    """``y = conv(input, weight) + bias``, tuned and executed by mucudnn."""
+    return _runtime.forward(config, input, weight, bias, stride, padding, dilation, groups)
+
+
+@conv2d.register_fake
+def _conv2d_fake(input, weight, bias, stride, padding, dilation, groups, config):
+    n, _, h, w = input.shape
+    k, _, r, s = weight.shape
+    p, q = _runtime.output_hw(h, w, r, s, stride, padding, dilation)
+    return _empty_like_layout(input, (n, k, p, q))
+
+
+@torch.library.custom_op(
+    "mucudnn::conv2d_backward_data", mutates_args=(), device_types=("cpu", "cuda")
+)
+def conv2d_backward_data(
+    grad_output: Tensor,
+    input: Tensor,
+    weight: Tensor,
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    groups: int,
+    config: int,
+) -> Tensor:
+    """The gradient of ``conv2d`` with respect to its input (``input`` gives only the shape)."""
+    return _runtime.backward_data(
+        config, grad_output, input, weight, stride, padding, dilation, groups
+    )
+
+
+@conv2d_backward_data.register_fake
+def _backward_data_fake(grad_output, input, weight, stride, padding, dilation, groups, config):
+    return _empty_like_layout(input, input.shape)
+
+
+@torch.library.custom_op(
+    "mucudnn::conv2d_backward_filter", mutates_args=(), device_types=("cpu", "cuda")
+)
+def conv2d_backward_filter(
+    grad_output: Tensor,
+    input: Tensor,
+    weight: Tensor,
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    groups: int,
+    config: int,
+) -> Tensor:
+    """The gradient of ``conv2d`` with respect to its weight (``weight`` gives only the
+    shape)."""
+    return _runtime.backward_filter(
+        config, grad_output, input, weight, stride, padding, dilation, groups
+    )
+
+
+@conv2d_backward_filter.register_fake
+def _backward_filter_fake(grad_output, input, weight, stride, padding, dilation, groups, config):
+    return _empty_like_layout(input, weight.shape)
+
+
+def _geometry(ctx):
+    return ctx.stride, ctx.padding, ctx.dilation, ctx.groups, ctx.config
+
+
+def _conv2d_setup(ctx, inputs, output):
+    input, weight, bias, stride, padding, dilation, groups, config = inputs
+    ctx.has_bias = bias is not None
+    ctx.stride, ctx.padding, ctx.dilation, ctx.groups, ctx.config = (
+        stride, padding, dilation, groups, config
+    )
+    ctx.save_for_backward(input, weight)
+
+
+def _conv2d_backward(ctx, grad):
+    input, weight = ctx.saved_tensors
+    geometry = _geometry(ctx)
+    grad_input = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_input = conv2d_backward_data(grad, input, weight, *geometry)
+    if ctx.needs_input_grad[1]:
+        grad_weight = conv2d_backward_filter(grad, input, weight, *geometry)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = grad.sum(dim=(0, 2, 3))
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _backward_setup(ctx, inputs, output):
+    grad_output, input, weight = inputs[0], inputs[1], inputs[2]
+    ctx.stride, ctx.padding, ctx.dilation, ctx.groups, ctx.config = inputs[3:]
+    ctx.save_for_backward(grad_output, input, weight)
+
+
+def _backward_data_backward(ctx, grad):
+    # dx = conv_transpose(dy, w) is linear in dy and in w:
+    # d/d(dy) applied to grad is conv(grad, w); d/dw is the filter gradient of (grad, dy).
+    grad_output, input, weight = ctx.saved_tensors
+    geometry = _geometry(ctx)
+    grad_grad_output = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_grad_output = conv2d(grad, weight, None, *geometry)
+    if ctx.needs_input_grad[2]:
+        grad_weight = conv2d_backward_filter(grad_output, grad, weight, *geometry)
+    return grad_grad_output, None, grad_weight, None, None, None, None, None
+
+
+def _backward_filter_backward(ctx, grad):
+    # dw = correlate(x, dy) is linear in x and in dy:
+    # d/d(dy) applied to grad is conv(x, grad); d/dx is the data gradient of (dy, grad).
+    grad_output, input, weight = ctx.saved_tensors
+    geometry = _geometry(ctx)
+    grad_grad_output = grad_input = None
+    if ctx.needs_input_grad[0]:
+        grad_grad_output = conv2d(input, grad, None, *geometry)
+    if ctx.needs_input_grad[1]:
+        grad_input = conv2d_backward_data(grad_output, input, grad, *geometry)
+    return grad_grad_output, grad_input, None, None, None, None, None, None
+
+
+conv2d.register_autograd(_conv2d_backward, setup_context=_conv2d_setup)
+conv2d_backward_data.register_autograd(_backward_data_backward, setup_context=_backward_setup)
+conv2d_backward_filter.register_autograd(_backward_filter_backward, setup_context=_backward_setup)

@@ -1,0 +1,223 @@
+"""``tune(model, *example_inputs)``: tune every converted layer ahead of the first step, and
+under ``torch.distributed`` deal the measuring out over the ranks.
+
+Distributed tuning, per group of layers with the same settings:
+
+1. Every rank lists the measuring tasks (layer problem, op, micro-batch size, candidate kind)
+   its cache lacks, and the ranks all-gather their device fingerprints and lists. Ranks whose
+   fingerprints differ (another GPU model, driver or cuDNN version) form separate groups and
+   never share measurements.
+2. Within a group the union of the missing tasks is dealt out round-robin; each rank measures
+   its share on its own device and the group all-gathers the measurements (not just plans),
+   which every rank stores in its local cache. Anchor sizes go first, then the sizes between
+   them (whose engine pruning reads the anchors), as two such rounds.
+3. Every rank then tunes from its cache (measuring nothing) and the ranks adopt the plans of
+   the group's lowest rank, so every rank runs identical plans even when their caches held
+   different older measurements.
+
+When no rank misses anything, step 2 is skipped: the only collectives are the two small
+all-gathers of steps 1 and 3. No shared filesystem is needed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .._tuner import Settings
+from . import _runtime
+from ._layer import Conv2d
+
+
+def _progress(message: str, verbose: bool) -> None:
+    if verbose:
+        print(f"mucudnn: {message}", file=sys.stderr, flush=True)
+
+
+def _discover(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: Dict[str, Any]):
+    """Runs the model once (eval mode, no grad, PyTorch's own convolutions) and records the
+    input every converted layer sees."""
+    discovery = _runtime.Discovery()
+    modes = {module: module.training for module in model.modules()}
+    _runtime.set_discovery(discovery)
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(*example_inputs, **example_kwargs)
+    finally:
+        _runtime.set_discovery(None)
+        for module, training in modes.items():
+            module.training = training
+    return discovery.seen
+
+
+def _rank_info():
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(value: Any) -> List[Any]:
+    world = torch.distributed.get_world_size()
+    out: List[Any] = [None] * world
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def _task_id(task: Dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(
+        [task["problem"], task["op"], task["micro"], task["kind"]], sort_keys=True
+    )
+
+
+def tune(
+    model: nn.Module,
+    *example_inputs: Any,
+    verbose: bool = True,
+    **example_kwargs: Any,
+) -> Dict[str, Any]:
+    """Tunes every converted :class:`Conv2d` of ``model`` for the shapes it sees on
+    ``example_inputs`` (one forward pass in eval mode without gradients, with PyTorch's own
+    convolutions), so that training then only executes plans. Under an initialized
+    ``torch.distributed`` process group (torchrun, DDP) the measuring is dealt out over the
+    ranks and the measurements shared (see the module docs); call it on every rank with the
+    per-rank batch. Prints a line per layer on stderr unless ``verbose=False``.
+
+    Returns a summary: ``seconds``, ``layers``, ``tasks`` (measuring tasks missing in the
+    group), ``measured_here`` (this rank's share: task ids), ``cached``/``measured`` counts of
+    the final tuning, and ``world_size``.
+    """
+    started = time.perf_counter()
+    seen = _discover(model, example_inputs, example_kwargs)
+    rank, world = _rank_info()
+    # Distinct (layer config, input shape) pairs, in model order.
+    entries: List[Tuple[Conv2d, _runtime.ShapeKey, Dict[str, Any]]] = []
+    keys = set()
+    for layer, x, stride, padding, dilation, groups in seen:
+        key = _runtime.shape_key(x)
+        if (id(layer), key) in keys:
+            continue
+        keys.add((id(layer), key))
+        problem = _runtime.problem_for(x, layer.weight.shape, stride, padding, dilation, groups)
+        entries.append((layer, key, problem))
+    # Group by (device, cache, settings): one tuner and one dealing per group.
+    groups: Dict[Tuple[Any, ...], List[Tuple[Conv2d, _runtime.ShapeKey, Dict[str, Any]]]] = {}
+    for layer, key, problem in entries:
+        config = layer._mucudnn
+        cache_key = "default" if config.cache is None else str(config.cache)
+        group_key = (key[0], key[1], cache_key, config.settings)
+        groups.setdefault(group_key, []).append((layer, key, problem))
+    summary: Dict[str, Any] = {
+        "layers": len(entries),
+        "tasks": 0,
+        "measured_here": [],
+        "cached": 0,
+        "measured": 0,
+        "world_size": world,
+    }
+    # Every rank must enter the same collectives in the same order: sort the groups by a key
+    # that is the same on every rank (device kinds and settings, not object ids).
+    ordered = sorted(groups.items(), key=lambda item: repr(item[0]))
+    if world > 1:
+        counts = _all_gather(len(ordered))
+        if len(set(counts)) != 1:
+            raise RuntimeError(
+                f"mucudnn.torch.tune: the ranks see different numbers of layer groups "
+                f"({counts}); call tune with the same model and example shapes on every rank"
+            )
+    for (device_type, index, _, settings), members in ordered:
+        config = members[0][0]._mucudnn
+        tuner = _runtime.tuner_for(device_type, index, config.cache, config.verbose)
+        if device_type == "cuda":
+            torch.cuda.synchronize(index)
+        if world > 1:
+            _deal(tuner, settings, members, rank, world, summary, verbose)
+        results = []
+        for layer, key, problem in members:
+            layer_started = time.perf_counter()
+            result = tuner.tune(layer._mucudnn.name, problem, settings)
+            seconds = time.perf_counter() - layer_started
+            summary["cached"] += result["cached"]
+            summary["measured"] += result["measured"]
+            results.append((layer, key, result, seconds))
+            if world == 1:
+                _adopt(layer, key, result, seconds, verbose)
+        if world > 1:
+            _agree(tuner, results, rank, verbose)
+    summary["seconds"] = time.perf_counter() - started
+    _progress(
+        f"tuned {summary['layers']} layer shape(s) in {summary['seconds']:.2f} s"
+        + (f" on {world} ranks" if world > 1 else ""),
+        verbose and rank == 0,
+    )
+    return summary
+
+
+def _adopt(layer: Conv2d, key, result, seconds: float, verbose: bool) -> None:
+    layer._mucudnn.adopt(key, result, seconds)
+    report = layer._mucudnn.reports[key]
+    n, c, h, w = report.shape
+    _progress(
+        f"{layer._mucudnn.name} ({n}x{c}x{h}x{w} {report.dtype} {report.layout}): "
+        + ", ".join(f"{op} {info['split']}" for op, info in report.ops.items())
+        + f" ({seconds:.2f} s, {report.measured} measured, {report.cached} cached)",
+        verbose,
+    )
+
+
+def _deal(tuner, settings: Settings, members, rank: int, world: int, summary, verbose) -> None:
+    """Steps 1 and 2 of the module docs for one group of layers."""
+    layers = [{"layer": layer._mucudnn.name, "problem": problem} for layer, _, problem in members]
+    fingerprint = tuner.fingerprint()
+    missing = tuner.missing(layers, settings)
+    everyone = _all_gather({"fingerprint": fingerprint, "missing": missing})
+    peers = [r for r, info in enumerate(everyone) if info["fingerprint"] == fingerprint]
+    if len(peers) != world and rank == peers[0]:
+        print(
+            f"mucudnn: ranks {peers} share a device fingerprint ({fingerprint.get('name')}); "
+            "other ranks tune among their own kind",
+            file=sys.stderr,
+        )
+    # The union of the group's missing tasks, in a deterministic order: anchors first.
+    union: Dict[str, Dict[str, Any]] = {}
+    for r in peers:
+        for task in everyone[r]["missing"]:
+            union.setdefault(_task_id(task), task)
+    tasks = list(union.values())
+    summary["tasks"] += len(tasks)
+    if not any(info["missing"] for info in everyone):
+        return
+    position = peers.index(rank)
+    for between in (False, True):
+        round_tasks = [t for t in tasks if (t.get("between") is not None) == between]
+        mine = round_tasks[position :: len(peers)]
+        started = time.perf_counter()
+        measured = tuner.measure(mine, settings) if mine else {"fingerprint": fingerprint, "measured": []}
+        summary["measured_here"].extend(_task_id(t) for t in mine)
+        gathered = _all_gather(measured)
+        for r in peers:
+            if r != rank and gathered[r]["measured"]:
+                tuner.store(gathered[r])
+        _progress(
+            f"rank {rank}: measured {len(mine)} of {len(round_tasks)} "
+            f"{'between' if between else 'anchor'} task(s) in {time.perf_counter() - started:.2f} s",
+            verbose,
+        )
+
+
+def _agree(tuner, results, rank: int, verbose: bool) -> None:
+    """Step 3: adopt the plans of the lowest rank with this rank's fingerprint."""
+    fingerprint = tuner.fingerprint()
+    mine = [result["plans"] for _, _, result, _ in results]
+    everyone = _all_gather({"fingerprint": fingerprint, "plans": mine})
+    leader = next(r for r, info in enumerate(everyone) if info["fingerprint"] == fingerprint)
+    for (layer, key, result, seconds), plans in zip(results, everyone[leader]["plans"]):
+        agreed = dict(result, plans=plans)
+        _adopt(layer, key, agreed, seconds, verbose and rank == 0)

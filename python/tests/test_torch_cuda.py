@@ -1,0 +1,114 @@
+"""CUDA tensors (run on the GPU machine by scripts/gpu/torch_check.sh; skipped without a GPU):
+cuDNN plans (legacy algorithms and graph-API engines) against PyTorch's convolutions, on the
+current stream, with no host synchronisation after tuning, inside CUDA graphs."""
+
+import pytest
+import torch
+
+import mucudnn.torch as mt
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU (these run on the GPU machine)"
+)
+
+SHAPES = {
+    "3x3": ((8, 16, 14, 14), dict(out_channels=32, kernel_size=3, padding=1)),
+    "5x5-s2-g2": ((8, 16, 15, 15), dict(out_channels=32, kernel_size=5, padding=2, stride=2, groups=2)),
+    "dil2": ((4, 16, 14, 14), dict(out_channels=16, kernel_size=3, padding=2, dilation=2)),
+    "depthwise": ((8, 32, 14, 14), dict(out_channels=32, kernel_size=3, padding=1, groups=32)),
+    "1x1": ((16, 64, 7, 7), dict(out_channels=64, kernel_size=1)),
+}
+
+
+def pair(shape, kwargs, dtype, channels_last, **options):
+    torch.manual_seed(0)
+    ours = mt.Conv2d(shape[1], cache=False, **kwargs, **options).cuda().to(dtype)
+    reference = torch.nn.Conv2d(shape[1], **kwargs).cuda().to(dtype)
+    reference.load_state_dict(ours.state_dict())
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    if channels_last:
+        ours = ours.to(memory_format=torch.channels_last)
+        reference = reference.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    return ours, reference, x
+
+
+def compare(ours, reference, x, tolerance):
+    results = []
+    for module in (ours, reference):
+        xx = x.clone().requires_grad_()
+        y = module(xx)
+        grad = torch.ones_like(y)
+        y.backward(grad)
+        results.append([y.detach().float(), xx.grad.float(), module.weight.grad.float()])
+        module.zero_grad()
+    for mine, theirs in zip(*results):
+        error = ((mine - theirs).abs().max() / theirs.abs().max().clamp_min(1e-12)).item()
+        assert error <= tolerance, error
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("dtype, channels_last", [(torch.float32, False), (torch.float16, True)])
+@pytest.mark.parametrize("candidates", ["legacy", "engines"])
+def test_matches_pytorch(name, dtype, channels_last, candidates):
+    shape, kwargs = SHAPES[name]
+    ours, reference, x = pair(
+        shape, kwargs, dtype, channels_last, candidates=candidates, workspace_limit="8MiB",
+        max_candidates=8,
+    )
+    compare(ours, reference, x, 2e-2 if dtype == torch.float16 else 1e-2)
+    report = next(iter(ours.plans.values()))
+    algorithms = [a for info in report.ops.values() for a in info["algorithms"]]
+    if candidates == "engines":
+        assert all(a.startswith("eng") for a in algorithms), algorithms
+    else:
+        assert all(a.isdigit() for a in algorithms), algorithms
+
+
+def test_no_host_synchronisation_after_tuning_and_other_streams():
+    shape, kwargs = SHAPES["3x3"]
+    ours, reference, x = pair(shape, kwargs, torch.float16, True)
+    ours(x).sum().backward()  # tunes
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            y = ours(x)
+            y.backward(torch.ones_like(y))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    expected = reference(x)
+    error = ((y - expected).abs().max() / expected.abs().max()).item()
+    assert error < 2e-2
+
+
+def test_cuda_graph_capture_after_tuning():
+    shape, kwargs = SHAPES["5x5-s2-g2"]
+    ours, reference, x = pair(shape, kwargs, torch.float32, False)
+    static_x = x.clone()
+    ours(static_x)  # tune before capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ours(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = ours(static_x)
+    static_x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = reference(static_x)
+    error = ((static_y - expected).abs().max() / expected.abs().max()).item()
+    assert error < 1e-2
+
+
+def test_untuned_shape_inside_capture_is_a_clear_error():
+    shape, kwargs = SHAPES["1x1"]
+    ours, _, x = pair(shape, kwargs, torch.float32, False)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="not tuned before CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            ours(x)

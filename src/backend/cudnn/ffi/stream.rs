@@ -1,0 +1,244 @@
+//! mucudnn's own cuDNN handle working on a caller's CUDA stream, device pointers and workspace:
+//! the part of the FFI wall that the PyTorch path stands on.
+//!
+//! A framework such as PyTorch owns the stream its work is ordered on and the memory (tensors
+//! and the workspace, from its caching allocator). mucudnn keeps its own [`CudnnHandle`] per
+//! GPU, on which it builds descriptors and engine execution plans once
+//! ([`crate::exec::cudnn::PreparedPlan`]); for each call, a [`StreamSession`] points that
+//! handle at the caller's stream (`cudnnSetStream`) and puts the handle's own stream back when
+//! dropped. Execution is asynchronous on the caller's stream, with no host synchronisation.
+//!
+//! What can be checked is checked: dtype and exact element count of every operand against the
+//! problem, the workspace size against what cuDNN asks for, pointer alignment for engine
+//! plans, and that an engine plan was built on this handle. That the pointers are device memory
+//! of the handle's GPU holding those elements, and that the stream belongs to that GPU's primary
+//! context, is the caller's promise (`unsafe` constructors with `# Safety` contracts): PyTorch
+//! checks tensor devices before calling, and checking every pointer with the driver would cost
+//! more than the call.
+
+use super::{
+    check_operand_shapes, checked_workspace_bytes, dnn_err, invalid, raw_convolve, Algo,
+    CallPointers, ConvDescriptors, CudnnError, CudnnHandle, EnginePlan, RawDeviceView,
+    RawDeviceViewMut,
+};
+use crate::solver::ConvOp;
+use cudarc::cudnn::result as dnn;
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+/// A caller's device scratch memory, borrowed for a call: `bytes` writable bytes at a raw
+/// address (null with 0 bytes for none). Micro-batches of one call share it.
+#[derive(Debug)]
+pub struct RawWorkspace<'a> {
+    ptr: u64,
+    bytes: u64,
+    _memory: PhantomData<&'a mut [u8]>,
+}
+
+impl RawWorkspace<'static> {
+    /// No workspace (for plans that need none).
+    pub fn empty() -> Self {
+        RawWorkspace {
+            ptr: 0,
+            bytes: 0,
+            _memory: PhantomData,
+        }
+    }
+}
+
+impl<'a> RawWorkspace<'a> {
+    /// `bytes` bytes at `ptr`. Null with a non-zero size, or a range that wraps around, is an
+    /// error.
+    ///
+    /// # Safety
+    ///
+    /// When `bytes > 0`: for all of `'a`, `ptr` is the address of `bytes` bytes of device
+    /// memory that the GPU of the session's handle can write, that nothing else uses while the
+    /// work queued with it runs, and that stays allocated until that work has finished.
+    pub unsafe fn new(ptr: *mut c_void, bytes: u64) -> Result<Self, CudnnError> {
+        let address = ptr as u64;
+        if bytes > 0 && (address == 0 || address.checked_add(bytes).is_none()) {
+            return Err(invalid(
+                "RawWorkspace::new",
+                format!("{bytes} workspace bytes at {address:#x} are not a valid range"),
+            ));
+        }
+        Ok(RawWorkspace {
+            ptr: if bytes == 0 { 0 } else { address },
+            bytes,
+            _memory: PhantomData,
+        })
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    fn raw_ptr(&self) -> *mut c_void {
+        self.ptr as *mut c_void
+    }
+}
+
+/// A [`CudnnHandle`] whose work goes to a caller's stream until the session is dropped. Made by
+/// [`CudnnHandle::on_stream`]; borrows the handle, so nothing else uses it meanwhile.
+pub struct StreamSession<'h> {
+    handle: &'h CudnnHandle,
+}
+
+impl std::fmt::Debug for StreamSession<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamSession")
+            .field("device", &self.handle.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudnnHandle {
+    /// Points this handle at `stream` (binding the handle's context to this thread) until the
+    /// returned session is dropped.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is null (the legacy default stream) or a live `CUstream`/`cudaStream_t` of this
+    /// handle's device's primary context (what PyTorch's streams are), and it stays alive until
+    /// the work queued through the session has finished.
+    pub unsafe fn on_stream(&self, stream: *mut c_void) -> Result<StreamSession<'_>, CudnnError> {
+        self.bind()?;
+        // SAFETY: the handle is live and used by this thread alone (the type is not `Sync`,
+        // and the session borrows it); the stream is live and of this context (this
+        // function's contract). The cast only renames the opaque stream type between cudarc's
+        // driver and cuDNN bindings.
+        unsafe { dnn::set_stream(self.raw, stream.cast()) }.map_err(dnn_err("cudnnSetStream"))?;
+        Ok(StreamSession { handle: self })
+    }
+}
+
+impl Drop for StreamSession<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the handle is live; its own stream outlives it (it holds an Arc to it).
+        let restored =
+            unsafe { dnn::set_stream(self.handle.raw, self.handle.stream.cu_stream() as *mut _) };
+        if let Err(e) = restored {
+            super::warn_drop("cudnnSetStream", e.0);
+        }
+    }
+}
+
+impl StreamSession<'_> {
+    /// The handle, e.g. for building descriptors and plans on it.
+    pub fn handle(&self) -> &CudnnHandle {
+        self.handle
+    }
+
+    /// Legacy algorithm `algo` of `op`: `out = alpha * op(a, b) + beta * out`, queued on the
+    /// session's stream. Operands as in [`CudnnHandle::convolve`], each with exactly the dtype
+    /// and element count `d` describes for its role; the workspace at least what cuDNN asks for
+    /// (both checked).
+    #[allow(clippy::too_many_arguments)]
+    pub fn convolve(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        algo: u32,
+        alpha: f32,
+        a: &RawDeviceView<'_>,
+        b: &RawDeviceView<'_>,
+        beta: f32,
+        out: &mut RawDeviceViewMut<'_>,
+        workspace: &mut RawWorkspace<'_>,
+    ) -> Result<(), CudnnError> {
+        const CALL: &str = "StreamSession::convolve";
+        let which = Algo::checked(CALL, op, algo)?;
+        check_operand_shapes(
+            CALL,
+            &d.shapes,
+            op,
+            [
+                ("a", a.dtype(), a.len()),
+                ("b", b.dtype(), b.len()),
+                ("out", out.dtype(), out.len()),
+            ],
+        )?;
+        let required = self.handle.workspace_size(d, op, algo)?.ok_or_else(|| {
+            invalid(
+                CALL,
+                format!("cuDNN does not support {op} algorithm {algo} for this problem"),
+            )
+        })?;
+        let workspace_bytes =
+            checked_workspace_bytes(CALL, op, algo, required, workspace.bytes, "workspace")?;
+        let pointers = CallPointers {
+            a: a.address(),
+            b: b.address(),
+            out: out.address(),
+            workspace: workspace.raw_ptr(),
+            workspace_bytes: if workspace.ptr == 0 {
+                0
+            } else {
+                workspace_bytes
+            },
+        };
+        // SAFETY (the contract of `raw_convolve`): the handle is live, used by this thread
+        // alone (the session borrows it), its context bound and its stream the caller's
+        // (`on_stream`); `a`, `b` and `out` are device memory valid while the queued work runs,
+        // `out` writable and overlapping nothing else (the contracts of the raw views), with
+        // the element counts and dtype `d` describes (checked above); the workspace covers at
+        // least what cuDNN requires (checked above), or is null and 0.
+        unsafe { raw_convolve(self.handle.raw, d, op, algo, which, alpha, beta, pointers) }
+    }
+
+    /// Queues an engine execution plan built on this session's handle, computing
+    /// `out = alpha * op(a, b) + beta * out` with the plan's alpha and beta. Checked first: the
+    /// plan's handle, every operand's dtype and element count at the plan's batch size, the
+    /// workspace size, and the alignment the plan declared.
+    pub fn execute_engine(
+        &self,
+        plan: &EnginePlan,
+        a: &RawDeviceView<'_>,
+        b: &RawDeviceView<'_>,
+        out: &mut RawDeviceViewMut<'_>,
+        workspace: &mut RawWorkspace<'_>,
+    ) -> Result<(), CudnnError> {
+        const CALL: &str = "StreamSession::execute_engine";
+        let op = plan.op();
+        if !plan.built_on(&self.handle.owner) {
+            return Err(invalid(
+                CALL,
+                format!(
+                    "the plan {} was built on another cuDNN handle",
+                    plan.config()
+                ),
+            ));
+        }
+        check_operand_shapes(
+            CALL,
+            plan.shapes(),
+            op,
+            [
+                ("a", a.dtype(), a.len()),
+                ("b", b.dtype(), b.len()),
+                ("out", out.dtype(), out.len()),
+            ],
+        )?;
+        if workspace.bytes < plan.workspace_bytes() {
+            return Err(invalid(
+                CALL,
+                format!(
+                    "{op} engine {} needs {} workspace bytes, the workspace has {}",
+                    plan.config(),
+                    plan.workspace_bytes(),
+                    workspace.bytes
+                ),
+            ));
+        }
+        let addresses = [a.address(), b.address(), out.address()];
+        plan.check_alignment(CALL, addresses, workspace.raw_ptr())?;
+        // SAFETY (the contract of `EnginePlan::launch`): the plan's handle is this session's
+        // (checked), used by this thread alone with its context bound and the caller's stream
+        // set (`on_stream`); the operands hold exactly the plan's element counts and dtype
+        // (checked) and are device memory valid while the queued work runs, `out` writable and
+        // overlapping nothing else (the raw views' contracts); alignment (checked); the
+        // workspace covers the plan's bytes (checked) or is null when it needs none.
+        unsafe { plan.launch(addresses, workspace.raw_ptr()) }
+    }
+}

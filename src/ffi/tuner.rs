@@ -1,0 +1,709 @@
+//! What a `mucudnnTuner_t` is: one device (the CPU backend, or one GPU), the tuning cache, and
+//! the plan sets prepared so far; the layer API that language bindings (the PyTorch package,
+//! `python/mucudnn`) stand on.
+//!
+//! Unlike a `mucudnnHandle_t`, a tuner takes no cuDNN descriptors: a convolution is a
+//! [`ConvProblem`] (JSON), so the caller needs no cuDNN of its own. Data flows as everywhere:
+//!
+//! - **tune** one layer's problem through the cache (profile what is missing, solve the three
+//!   ops under a per-layer limit), returning the plans and how many measurements were cached or
+//!   measured;
+//! - or, to deal the measuring out over the ranks of a distributed job: list the **missing**
+//!   tasks of a set of layers, **measure** a share of them, and **store** the measurements
+//!   other ranks (of the same device fingerprint) took; tuning then finds everything cached;
+//! - **prepare** the three plans of one input shape for execution (an id, and the workspace
+//!   each op needs), then **execute** them: on the CPU over host pointers, on a GPU over
+//!   device pointers on the caller's stream with the caller's workspace (mucudnn allocates
+//!   nothing on that path and never synchronises with the host).
+//!
+//! A tuner is shared by threads: each call locks it (a second thread waits, unlike a
+//! `mucudnnHandle_t`, which refuses it), so a framework may call forward on one thread and
+//! backward on another.
+
+use super::error::{invalid, FfiError};
+use super::solve::size_option;
+use crate::backend::cpu;
+use crate::backend::cudnn::{
+    save_current_context, CudnnHandle, RawDeviceView, RawDeviceViewMut, RawWorkspace,
+};
+use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
+use crate::exec::cudnn::PreparedPlan;
+use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
+use crate::solver::{CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan, Policy};
+use crate::tune::{
+    jobs_for, measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,
+    MeasureTask, MeasuredTask, ProfileRun, TuneError,
+};
+use mucudnn_cache::Cache;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Which device a tuner measures and runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TunerDevice {
+    Cpu,
+    /// A GPU by CUDA ordinal.
+    Cuda(usize),
+}
+
+/// How a tuner tunes one layer: a JSON object with any of `policy` (`"undivided"`,
+/// `"power-of-two"`, `"all"`), `workspace_limit` (bytes, `"64MiB"`, or `null` for none),
+/// `candidates` (`"legacy"`, `"engines"`, `"all"`), `max_candidates` (a number or `null`) and
+/// `prune_margin` (a factor > 1, or `null` to time every configuration). Missing keys take the
+/// defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5); unknown keys are
+/// errors.
+pub fn parse_settings(text: &str, device: TunerDevice) -> Result<LayerTuning, FfiError> {
+    const KEYS: [&str; 5] = [
+        "policy",
+        "workspace_limit",
+        "candidates",
+        "max_candidates",
+        "prune_margin",
+    ];
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| invalid(format!("settings are not JSON: {e}")))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| invalid(format!("settings must be a JSON object, not {value}")))?;
+    if let Some(key) = object.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(invalid(format!(
+            "settings: unknown key `{key}` (expected one of: {})",
+            KEYS.join(", ")
+        )));
+    }
+    let text_of = |key: &str| -> Result<Option<&str>, FfiError> {
+        match object.get(key) {
+            None => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some(s.as_str())),
+            Some(other) => Err(invalid(format!(
+                "settings: {key} is {other}; give a string"
+            ))),
+        }
+    };
+    let mut tuning = LayerTuning {
+        policy: Policy::PowerOfTwo,
+        workspace_limit_bytes: super::MUCUDNN_DEFAULT_WORKSPACE_LIMIT,
+        timing: match device {
+            TunerDevice::Cpu => TimingSettings::CPU,
+            TunerDevice::Cuda(_) => TimingSettings::GPU,
+        },
+        candidates: CandidateSet::All,
+        engines: EngineOptions::default(),
+    };
+    if let Some(policy) = text_of("policy")? {
+        tuning.policy = policy
+            .parse()
+            .map_err(|e: String| invalid(format!("settings: policy: {e}")))?;
+    }
+    if let Some(candidates) = text_of("candidates")? {
+        tuning.candidates = candidates
+            .parse()
+            .map_err(|e: String| invalid(format!("settings: candidates: {e}")))?;
+    }
+    match object.get("workspace_limit") {
+        None => {}
+        Some(serde_json::Value::Null) => tuning.workspace_limit_bytes = u64::MAX,
+        Some(value) => tuning.workspace_limit_bytes = size_option("workspace_limit", value)?,
+    }
+    match object.get("max_candidates") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(value) => {
+            let bound = value.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
+                invalid(format!(
+                    "settings: max_candidates is {value}; give a whole number >= 1, or null"
+                ))
+            })?;
+            tuning.engines.max_candidates = Some(usize::try_from(bound).unwrap_or(usize::MAX));
+        }
+    }
+    match object.get("prune_margin") {
+        None => {}
+        Some(serde_json::Value::Null) => tuning.engines.prune_margin = None,
+        Some(value) => {
+            let margin = value
+                .as_f64()
+                .filter(|m| m.is_finite() && *m > 1.0)
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "settings: prune_margin is {value}; give a factor > 1, or null for no \
+                         pruning"
+                    ))
+                })?;
+            tuning.engines.prune_margin = Some(margin);
+        }
+    }
+    Ok(tuning)
+}
+
+/// A layer to tune, by name: one entry of `mucudnnTunerMissing`'s document.
+#[derive(Clone, Debug, Deserialize)]
+pub struct NamedProblem {
+    pub layer: String,
+    pub problem: ConvProblem,
+}
+
+/// What `mucudnnTunerTune` returns.
+#[derive(Clone, Debug, Serialize)]
+pub struct TuneResult {
+    /// `[forward, backward-data, backward-filter]`.
+    pub plans: Vec<Plan>,
+    /// (size, candidate kind) measurements read from the cache and measured by this call
+    /// (both 0 when the solved plans themselves were cached).
+    pub cached: usize,
+    pub measured: usize,
+}
+
+/// The three plans of one input shape, ready to run.
+enum PreparedSet {
+    Cpu { plans: [Plan; 3] },
+    Cuda { plans: [PreparedPlan; 3] },
+}
+
+impl PreparedSet {
+    fn plan(&self, op: ConvOp) -> &Plan {
+        let index = op_index(op);
+        match self {
+            PreparedSet::Cpu { plans } => &plans[index],
+            PreparedSet::Cuda { plans } => plans[index].plan(),
+        }
+    }
+}
+
+fn op_index(op: ConvOp) -> usize {
+    ConvOp::ALL
+        .iter()
+        .position(|&o| o == op)
+        .expect("ConvOp::ALL holds every op")
+}
+
+/// A GPU's tuning backend (made on first use) and the handle plans are prepared and run on.
+struct CudaState {
+    ordinal: usize,
+    tuning: Option<CudnnBackend>,
+    exec: Option<CudnnHandle>,
+}
+
+// SAFETY: a `CudaState` holds cuDNN handles (and, through prepared plans in the same tuner, `Rc`
+// clones of their owners) that are not `Send` because cuDNN forbids concurrent use of a handle.
+// A tuner is reachable only through its `Mutex` (`TUNERS`), so one thread at a time uses the
+// state, every `Rc` clone lives inside the same tuner and is never handed out, and each call
+// binds the handle's context to the calling thread before using it (`CudnnHandle::bind`), which
+// is what cuDNN requires of a handle used by several threads one after another.
+unsafe impl Send for CudaState {}
+
+// One per tuner: the size of a variant does not matter.
+#[allow(clippy::large_enum_variant)]
+enum DeviceState {
+    Cpu { backend: CpuBackend },
+    Cuda(Box<CudaState>),
+}
+
+/// What a `mucudnnTuner_t` refers to.
+pub struct Tuner {
+    device: TunerDevice,
+    state: DeviceState,
+    cache: Cache,
+    verbose: bool,
+    /// Prepared sets by id; released ones are `None`.
+    prepared: Vec<Option<PreparedSet>>,
+}
+
+// SAFETY: `PreparedSet::Cuda` holds prepared plans whose engine plans keep `Rc` owners of the
+// tuner's own cuDNN handle; see `CudaState`: the whole tuner is used by one thread at a time,
+// under its mutex, and none of those `Rc`s leaves it.
+unsafe impl Send for PreparedSet {}
+
+/// A profiling run through `cache` with a layer's settings (no interrupt).
+fn profile_run<'a>(tuning: &LayerTuning, cache: &'a Cache) -> ProfileRun<'a> {
+    ProfileRun {
+        policy: tuning.policy,
+        timing: tuning.timing,
+        cache,
+        interrupt: None,
+        candidates: tuning.candidates,
+        engines: tuning.engines,
+    }
+}
+
+fn tune_error(e: TuneError) -> FfiError {
+    match e {
+        TuneError::Backend(e) => FfiError::from(e),
+        TuneError::Solve(e) => FfiError::from(e),
+        other => FfiError::Internal(other.to_string()),
+    }
+}
+
+fn exec_error(e: ExecError) -> FfiError {
+    match e {
+        ExecError::Cudnn {
+            layer, op, source, ..
+        } => FfiError::from(source).context(format!("{layer} {op}")),
+        ExecError::Cpu { .. } | ExecError::InvalidPlan { .. } => invalid(e.to_string()),
+    }
+}
+
+impl Tuner {
+    /// A tuner on `device` with `cache`, else the cache at `cache_path` (`None`: the default
+    /// location; a cache of ours that cannot be opened falls back to memory with a warning, a
+    /// file that is not a mucudnn cache is an error and left untouched). A GPU is checked at
+    /// once: no CUDA, no cuDNN or no such GPU is an error.
+    pub fn new(
+        device: TunerDevice,
+        cache: Option<Cache>,
+        cache_path: Option<PathBuf>,
+        verbose: bool,
+    ) -> Result<Self, FfiError> {
+        let state = match device {
+            TunerDevice::Cpu => DeviceState::Cpu {
+                backend: CpuBackend::new(),
+            },
+            TunerDevice::Cuda(ordinal) => {
+                let _context = save_current_context()?;
+                let exec = CudnnHandle::new(ordinal)?;
+                DeviceState::Cuda(Box::new(CudaState {
+                    ordinal,
+                    tuning: None,
+                    exec: Some(exec),
+                }))
+            }
+        };
+        let cache = match cache {
+            Some(cache) => cache,
+            None => Cache::open_default(cache_path.as_deref())
+                .map_err(|e| invalid(format!("options_json cache: {e}")))?,
+        };
+        Ok(Tuner {
+            device,
+            state,
+            cache,
+            verbose,
+            prepared: Vec::new(),
+        })
+    }
+
+    /// Runs `f` with this tuner's measuring backend (a GPU's is made on first use, in the
+    /// device's primary context; the caller's current context is restored afterwards).
+    fn with_backend<T>(
+        &mut self,
+        f: impl FnOnce(&mut dyn Backend, &Cache) -> Result<T, FfiError>,
+    ) -> Result<T, FfiError> {
+        match &mut self.state {
+            DeviceState::Cpu { backend } => f(backend, &self.cache),
+            DeviceState::Cuda(cuda) => {
+                let _context = save_current_context()?;
+                if cuda.tuning.is_none() {
+                    cuda.tuning = Some(CudnnBackend::new(cuda.ordinal)?);
+                }
+                let backend = cuda.tuning.as_mut().expect("made above");
+                f(backend, &self.cache)
+            }
+        }
+    }
+
+    /// The device fingerprint measurements are stored under (ranks compare it before sharing).
+    pub fn fingerprint(&mut self) -> Result<DeviceFingerprint, FfiError> {
+        self.with_backend(|backend, _| Ok(backend.fingerprint().clone()))
+    }
+
+    /// Tunes one layer's problem through the cache.
+    pub fn tune(
+        &mut self,
+        layer: &str,
+        problem: &ConvProblem,
+        tuning: &LayerTuning,
+    ) -> Result<TuneResult, FfiError> {
+        problem
+            .validate()
+            .map_err(|e| invalid(format!("{layer}: {e}")))?;
+        let verbose = self.verbose;
+        let (plans, stats): ([Plan; 3], CacheStats) = self.with_backend(|backend, cache| {
+            tuning
+                .tune_counted(backend, cache, layer, problem)
+                .map_err(tune_error)
+        })?;
+        if verbose {
+            eprintln!(
+                "mucudnn: tuned {layer} ({} measurement(s) cached, {} measured)",
+                stats.cached, stats.measured
+            );
+        }
+        Ok(TuneResult {
+            plans: plans.to_vec(),
+            cached: stats.cached,
+            measured: stats.measured,
+        })
+    }
+
+    /// The tasks the cache lacks to tune `layers`, anchors first (see [`missing_tasks`]).
+    pub fn missing(
+        &mut self,
+        layers: Vec<NamedProblem>,
+        tuning: &LayerTuning,
+    ) -> Result<Vec<MeasureTask>, FfiError> {
+        let jobs = jobs_for(layers.into_iter().map(|l| (l.layer, l.problem)));
+        self.with_backend(|backend, cache| {
+            let run = profile_run(tuning, cache);
+            missing_tasks(&jobs, &run, backend.fingerprint(), backend.kinds()).map_err(tune_error)
+        })
+    }
+
+    /// Measures `tasks` in order, storing each in the cache; returns the measurements.
+    pub fn measure(
+        &mut self,
+        tasks: &[MeasureTask],
+        tuning: &LayerTuning,
+    ) -> Result<Vec<MeasuredTask>, FfiError> {
+        let verbose = self.verbose;
+        self.with_backend(|backend, cache| {
+            let run = profile_run(tuning, cache);
+            let mut out = Vec::with_capacity(tasks.len());
+            for (index, task) in tasks.iter().enumerate() {
+                let measured = measure_task(backend, task, &run).map_err(tune_error)?;
+                if verbose {
+                    eprintln!(
+                        "mucudnn: measured {} {} micro-batch {} {} ({}/{})",
+                        task.layer,
+                        task.op,
+                        task.micro,
+                        task.kind,
+                        index + 1,
+                        tasks.len()
+                    );
+                }
+                out.push(measured);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Stores measurements taken on another device of this tuner's fingerprint.
+    pub fn store(
+        &mut self,
+        fingerprint: &DeviceFingerprint,
+        measured: &[MeasuredTask],
+    ) -> Result<usize, FfiError> {
+        let ours = self.fingerprint()?;
+        if &ours != fingerprint {
+            return Err(invalid(format!(
+                "the measurements were taken on {fingerprint}, this tuner's device is {ours}: \
+                 measurements are shared only between devices of one fingerprint"
+            )));
+        }
+        store_measured(&self.cache, &ours, measured).map_err(tune_error)
+    }
+
+    /// Prepares the three plans of one input shape (forward, backward-data, backward-filter,
+    /// in any order) for execution. Returns the id and the workspace bytes each op needs, in
+    /// `[forward, backward-data, backward-filter]` order.
+    pub fn prepare(&mut self, plans: Vec<Plan>) -> Result<(u64, [u64; 3]), FfiError> {
+        let mut by_op: [Option<Plan>; 3] = [None, None, None];
+        for plan in plans {
+            check_plan(&plan).map_err(exec_error)?;
+            let slot = &mut by_op[op_index(plan.op)];
+            if slot.is_some() {
+                return Err(invalid(format!("two plans for {} {}", plan.layer, plan.op)));
+            }
+            *slot = Some(plan);
+        }
+        let [Some(fwd), Some(bwd_data), Some(bwd_filter)] = by_op else {
+            return Err(invalid(
+                "prepare takes exactly three plans: fwd, bwd_data and bwd_filter",
+            ));
+        };
+        let plans = [fwd, bwd_data, bwd_filter];
+        if plans.iter().any(|p| p.problem != plans[0].problem) {
+            return Err(invalid("the three plans are for different problems"));
+        }
+        let (set, workspace) = match &mut self.state {
+            DeviceState::Cpu { .. } => {
+                for plan in &plans {
+                    if let Some(mb) = plan
+                        .micro_batches
+                        .iter()
+                        .find(|mb| mb.algo.legacy().and_then(cpu::CpuAlgo::from_id).is_none())
+                    {
+                        return Err(invalid(format!(
+                            "{} {}: {} is not a CPU algorithm (a plan tuned on a GPU?)",
+                            plan.layer, plan.op, mb.algo
+                        )));
+                    }
+                }
+                let workspace = plans.each_ref().map(cpu_workspace_bytes);
+                (PreparedSet::Cpu { plans }, workspace)
+            }
+            DeviceState::Cuda(cuda) => {
+                let exec = cuda.exec.as_ref().expect("a GPU tuner has its handle");
+                let _context = save_current_context()?;
+                let [a, b, c] = plans;
+                let prepared = [
+                    PreparedPlan::new(exec, a).map_err(exec_error)?,
+                    PreparedPlan::new(exec, b).map_err(exec_error)?,
+                    PreparedPlan::new(exec, c).map_err(exec_error)?,
+                ];
+                let workspace = prepared.each_ref().map(PreparedPlan::workspace_bytes);
+                (PreparedSet::Cuda { plans: prepared }, workspace)
+            }
+        };
+        self.prepared.push(Some(set));
+        Ok(((self.prepared.len() - 1) as u64, workspace))
+    }
+
+    /// Frees a prepared set (its id is not reused).
+    pub fn release(&mut self, id: u64) -> Result<(), FfiError> {
+        let slot = self
+            .prepared
+            .get_mut(id as usize)
+            .filter(|slot| slot.is_some())
+            .ok_or_else(|| invalid(format!("plan set {id} is not prepared (or was released)")))?;
+        *slot = None;
+        Ok(())
+    }
+
+    /// `out = alpha * op(a, b) + beta * out` with the plan of `op` in set `id`, over the whole
+    /// mini-batch (operands in the order of [`crate::solver::operand_roles`], packed in the
+    /// problem's layout and dtype).
+    ///
+    /// # Safety
+    ///
+    /// - On the CPU: `a`, `b` and `out` point to host memory holding the problem's element
+    ///   counts of their roles in its dtype, readable (`out` writable, overlapping neither
+    ///   input), and `workspace` is null with `workspace_bytes == 0` or points to
+    ///   `workspace_bytes` writable host bytes; `stream` is ignored.
+    /// - On a GPU: the same in device memory of the tuner's GPU, each valid until the work
+    ///   queued on `stream` has finished with it, and `stream` is null (the legacy default
+    ///   stream) or a live stream of that GPU's primary context.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn execute(
+        &mut self,
+        id: u64,
+        op: ConvOp,
+        alpha: f32,
+        a: *const c_void,
+        b: *const c_void,
+        beta: f32,
+        out: *mut c_void,
+        workspace: *mut c_void,
+        workspace_bytes: u64,
+        stream: *mut c_void,
+    ) -> Result<(), FfiError> {
+        let set = self
+            .prepared
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| invalid(format!("plan set {id} is not prepared (or was released)")))?;
+        let plan = set.plan(op);
+        let problem = plan.problem;
+        if !alpha.is_finite() || !beta.is_finite() {
+            return Err(invalid(format!(
+                "alpha ({alpha}) and beta ({beta}) must be finite"
+            )));
+        }
+        let lens = cpu::buffer_lens(&problem, op)
+            .map_err(|e| invalid(format!("{} {op}: {e}", plan.layer)))?;
+        for ((name, _), pointer) in lens.iter().zip([a, b, out.cast_const()]) {
+            if pointer.is_null() {
+                return Err(invalid(format!("{} {op}: {name} is NULL", plan.layer)));
+            }
+        }
+        if workspace.is_null() && workspace_bytes > 0 {
+            return Err(invalid(format!(
+                "{} {op}: the workspace is NULL but workspace_bytes is {workspace_bytes}",
+                plan.layer
+            )));
+        }
+        match (set, &mut self.state) {
+            (PreparedSet::Cpu { plans }, DeviceState::Cpu { .. }) => {
+                let plan = &plans[op_index(op)];
+                // SAFETY: this function's contract for the CPU.
+                unsafe {
+                    execute_host(
+                        plan,
+                        lens.map(|(_, len)| len),
+                        alpha,
+                        [a, b],
+                        beta,
+                        out,
+                        workspace,
+                        workspace_bytes,
+                    )
+                }
+            }
+            (PreparedSet::Cuda { plans }, DeviceState::Cuda(cuda)) => {
+                let prepared = &plans[op_index(op)];
+                let exec = cuda.exec.as_ref().expect("a GPU tuner has its handle");
+                let dtype = problem.dtype;
+                let layer = &prepared.plan().layer;
+                let context = |e: crate::backend::cudnn::CudnnError| {
+                    FfiError::from(e).context(format!("{layer} {op}"))
+                };
+                // SAFETY: this function's contract for a GPU: device memory of the tuner's GPU
+                // with the roles' element counts in the problem's dtype, valid until the work
+                // queued on `stream` finishes; `out` overlaps no input; `stream` is live and of
+                // the GPU's primary context (on which `exec` was made).
+                unsafe {
+                    let a = RawDeviceView::new(a, lens[0].1, dtype).map_err(context)?;
+                    let b = RawDeviceView::new(b, lens[1].1, dtype).map_err(context)?;
+                    let mut out = RawDeviceViewMut::new(out, lens[2].1, dtype).map_err(context)?;
+                    let mut workspace =
+                        RawWorkspace::new(workspace, workspace_bytes).map_err(context)?;
+                    let session = exec.on_stream(stream).map_err(context)?;
+                    prepared
+                        .execute_on(&session, alpha, &a, &b, beta, &mut out, &mut workspace)
+                        .map_err(exec_error)
+                }
+            }
+            _ => Err(FfiError::Internal(
+                "a prepared set does not match its tuner's device".into(),
+            )),
+        }
+    }
+
+    pub fn device(&self) -> TunerDevice {
+        self.device
+    }
+}
+
+/// Runs a CPU plan over host pointers.
+///
+/// # Safety
+///
+/// As for [`Tuner::execute`] on the CPU, with `lens` the element counts of `[a, b, out]`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn execute_host(
+    plan: &Plan,
+    lens: [usize; 3],
+    alpha: f32,
+    inputs: [*const c_void; 2],
+    beta: f32,
+    out: *mut c_void,
+    workspace: *mut c_void,
+    workspace_bytes: u64,
+) -> Result<(), FfiError> {
+    let workspace_len = usize::try_from(workspace_bytes)
+        .map_err(|_| invalid("workspace_bytes exceeds the address space"))?;
+    if workspace_len > 0 && (workspace as usize) % 4 != 0 {
+        return Err(invalid(format!(
+            "{} {}: the workspace must be 4-byte aligned",
+            plan.layer, plan.op
+        )));
+    }
+    let element = plan.problem.dtype.size_bytes();
+    for ((pointer, name), len) in inputs
+        .iter()
+        .map(|p| *p as usize)
+        .chain([out as usize])
+        .zip(["a", "b", "out"])
+        .zip(lens)
+    {
+        if pointer % element != 0 {
+            return Err(invalid(format!(
+                "{} {}: {name} is not aligned to its {element}-byte elements",
+                plan.layer, plan.op
+            )));
+        }
+        let bytes = len.checked_mul(element);
+        if bytes.and_then(|b| pointer.checked_add(b)).is_none() {
+            return Err(invalid(format!(
+                "{} {}: {name} wraps around",
+                plan.layer, plan.op
+            )));
+        }
+    }
+    let (out_start, out_end) = (out as usize, out as usize + lens[2] * element);
+    for (input, len) in inputs.iter().zip(lens) {
+        let (start, end) = (*input as usize, *input as usize + len * element);
+        if start < out_end && out_start < end {
+            return Err(invalid(format!(
+                "{} {}: the output overlaps an input",
+                plan.layer, plan.op
+            )));
+        }
+    }
+    // SAFETY: the caller's contract: `workspace` is null with 0 bytes, or `workspace_len`
+    // writable bytes (4-byte aligned, checked).
+    let workspace: &mut [u8] = if workspace_len == 0 {
+        &mut []
+    } else {
+        unsafe { std::slice::from_raw_parts_mut(workspace.cast::<u8>(), workspace_len) }
+    };
+    /// # Safety: as for `execute_host`, for element type `T` of the problem's dtype.
+    unsafe fn typed<T: cpu::Element>(
+        plan: &Plan,
+        lens: [usize; 3],
+        alpha: f32,
+        inputs: [*const c_void; 2],
+        beta: f32,
+        out: *mut c_void,
+        workspace: &mut [u8],
+    ) -> Result<(), ExecError> {
+        // SAFETY: the caller's contract: host memory of these lengths in dtype `T`, aligned
+        // (checked), `out` writable and overlapping no input (checked).
+        let (a, b, out) = unsafe {
+            (
+                std::slice::from_raw_parts(inputs[0].cast::<T>(), lens[0]),
+                std::slice::from_raw_parts(inputs[1].cast::<T>(), lens[1]),
+                std::slice::from_raw_parts_mut(out.cast::<T>(), lens[2]),
+            )
+        };
+        execute_cpu(plan, alpha, a, b, beta, out, workspace)
+    }
+    // SAFETY: the caller's contract, with the element type of the problem's dtype.
+    let result = unsafe {
+        match plan.problem.dtype {
+            DType::Fp32 => typed::<f32>(plan, lens, alpha, inputs, beta, out, workspace),
+            DType::Fp16 => typed::<half::f16>(plan, lens, alpha, inputs, beta, out, workspace),
+            DType::Bf16 => typed::<half::bf16>(plan, lens, alpha, inputs, beta, out, workspace),
+        }
+    };
+    result.map_err(exec_error)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The registry of live tuners
+
+/// The live tuners by the address C holds. A call clones the tuner's `Arc` out of the map and
+/// locks the tuner (waiting for another thread's call to finish); destroying removes it from
+/// the map, and the tuner is dropped when the last call using it returns.
+static TUNERS: Mutex<BTreeMap<usize, Arc<Mutex<Tuner>>>> = Mutex::new(BTreeMap::new());
+
+fn tuners() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Mutex<Tuner>>>> {
+    // Never held across user code or a tuner call, so a poisoned map is still consistent.
+    TUNERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Registers `tuner`; the returned address is what C holds (never dereferenced).
+pub fn register(tuner: Tuner) -> usize {
+    let shared = Arc::new(Mutex::new(tuner));
+    let address = Arc::as_ptr(&shared) as usize;
+    tuners().insert(address, shared);
+    address
+}
+
+/// The tuner at `address`, locked for this call.
+pub fn with_tuner<T>(
+    address: usize,
+    f: impl FnOnce(&mut Tuner) -> Result<T, FfiError>,
+) -> Result<T, FfiError> {
+    if address == 0 {
+        return Err(invalid("tuner is NULL"));
+    }
+    let shared = tuners().get(&address).cloned().ok_or_else(|| {
+        invalid("tuner is not a live mucudnn tuner (never created, or already destroyed)")
+    })?;
+    // A panic inside an earlier call (reported as an internal error) leaves the tuner usable.
+    let mut tuner = shared.lock().unwrap_or_else(PoisonError::into_inner);
+    f(&mut tuner)
+}
+
+/// Unregisters the tuner at `address`; it is dropped once no call uses it.
+pub fn unregister(address: usize) -> Result<(), FfiError> {
+    if address == 0 {
+        return Err(invalid("tuner is NULL"));
+    }
+    tuners().remove(&address).map(drop).ok_or_else(|| {
+        invalid("tuner is not a live mucudnn tuner (never created, or already destroyed)")
+    })
+}
