@@ -52,10 +52,14 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+#[cfg(feature = "candle-cuda")]
+mod candle;
 mod foreign;
 mod graph;
 mod stream;
 
+#[cfg(feature = "candle-cuda")]
+pub use candle::CandleLayerDevice;
 pub use foreign::{
     read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
     save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard, DataTypeCode,
@@ -186,6 +190,7 @@ pub fn library_status() -> LibraryStatus {
     }
 }
 
+#[cfg(not(feature = "cudarc-linked"))]
 fn libcuda_present() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: `is_culib_present` dlopen()s libcuda under each candidate name and closes it again;
@@ -193,13 +198,33 @@ fn libcuda_present() -> bool {
     *PRESENT.get_or_init(|| unsafe { drv_sys::is_culib_present() })
 }
 
+#[cfg(not(feature = "cudarc-linked"))]
 fn libcudnn_present() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: as for libcuda: a dlopen()/dlclose() of libcudnn under its candidate names.
     *PRESENT.get_or_init(|| unsafe { dnn_sys::is_culib_present() })
 }
 
+// Linked mode (`cudarc-linked`: cudarc resolved with `dynamic-linking`, e.g. beside candle's
+// `cuda`): the libraries were linked into the program, so they are present by construction and
+// export every symbol the bindings name; there is nothing to probe, load or look up.
+#[cfg(feature = "cudarc-linked")]
+fn libcuda_present() -> bool {
+    true
+}
+
+#[cfg(feature = "cudarc-linked")]
+fn libcudnn_present() -> bool {
+    true
+}
+
+#[cfg(feature = "cudarc-linked")]
+pub(crate) fn candidates(lib: &str) -> String {
+    format!("lib{lib} (linked at build time)")
+}
+
 /// The file names cudarc tries for `lib`, without repeats.
+#[cfg(not(feature = "cudarc-linked"))]
 pub(crate) fn candidates(lib: &str) -> String {
     let mut names: Vec<String> = Vec::new();
     for name in cudarc::get_lib_name_candidates(lib) {
@@ -328,6 +353,7 @@ fn init_cudnn() -> Result<u64, CudnnError> {
 
 /// The names in `symbols` that the loaded libcudnn does not export. Call only after
 /// `libcudnn_present()` (so that `culib` loads the library instead of panicking).
+#[cfg(not(feature = "cudarc-linked"))]
 fn missing_cudnn_symbols(symbols: &[&'static str]) -> Vec<&'static str> {
     // SAFETY: the caller checked that libcudnn is present, so `culib` loads it rather than
     // panicking.
@@ -339,6 +365,12 @@ fn missing_cudnn_symbols(symbols: &[&'static str]) -> Vec<&'static str> {
         // the (unused) symbol would be read as.
         .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
         .collect()
+}
+
+/// Linked mode: the program would not have started without every symbol.
+#[cfg(feature = "cudarc-linked")]
+fn missing_cudnn_symbols(_symbols: &[&'static str]) -> Vec<&'static str> {
+    Vec::new()
 }
 
 /// The version of the libcudnn this process uses (`cudnnGetVersion`, e.g. 91400 for 9.14.0),

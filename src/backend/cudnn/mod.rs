@@ -141,6 +141,9 @@ pub use engine_search::{
 pub use error::CudnnError;
 #[doc(hidden)]
 pub use ffi::heuristic_plan_workspaces;
+/// One candle layer's cuDNN state on a GPU, run on candle's stream over its buffers.
+#[cfg(feature = "candle-cuda")]
+pub use ffi::CandleLayerDevice;
 pub use ffi::{
     algo_count, algo_name, cudnn_version, library_status, probe, AlgoWorkspace, ConvDescriptors,
     ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut,

@@ -39,6 +39,7 @@ pub(crate) fn cublas() -> Result<(i32, i32, i32), GpuTrainError> {
 fn init_cublas() -> Result<(i32, i32, i32), GpuTrainError> {
     require_driver()?;
     // SAFETY: `is_culib_present` dlopen()s libcublas under each candidate name and closes it.
+    #[cfg(not(feature = "cudarc-linked"))]
     if !unsafe { blas_sys::is_culib_present() } {
         return Err(GpuTrainError::Unavailable {
             what: "libcublas",
@@ -50,7 +51,12 @@ fn init_cublas() -> Result<(i32, i32, i32), GpuTrainError> {
         });
     }
     // SAFETY: present (checked above), so `culib` loads it rather than panicking.
+    #[cfg(not(feature = "cudarc-linked"))]
     let lib = unsafe { blas_sys::culib() };
+    // Linked mode: linked at build time, every symbol is there.
+    #[cfg(feature = "cudarc-linked")]
+    let missing: Vec<&str> = Vec::new();
+    #[cfg(not(feature = "cudarc-linked"))]
     let missing: Vec<&str> = CUBLAS_SYMBOLS
         .iter()
         .copied()

@@ -55,6 +55,7 @@ pub(crate) fn nccl() -> Result<i32, GpuTrainError> {
 fn init_library() -> Result<Library, GpuTrainError> {
     require_driver()?;
     // SAFETY: `is_culib_present` dlopen()s libnccl under each candidate name and closes it.
+    #[cfg(not(feature = "cudarc-linked"))]
     if !unsafe { nccl_sys::is_culib_present() } {
         return Err(GpuTrainError::Unavailable {
             what: "libnccl",
@@ -68,8 +69,13 @@ fn init_library() -> Result<Library, GpuTrainError> {
         });
     }
     // SAFETY: present (checked above), so `culib` loads it rather than panicking.
+    #[cfg(not(feature = "cudarc-linked"))]
     let lib = unsafe { nccl_sys::culib() };
     // SAFETY (both lookups): looking a symbol up does not call it.
+    // Linked mode: linked at build time, every symbol is there.
+    #[cfg(feature = "cudarc-linked")]
+    let exported = |_name: &str| true;
+    #[cfg(not(feature = "cudarc-linked"))]
     let exported =
         |name: &str| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_ok();
     let missing: Vec<&str> = NCCL_SYMBOLS
