@@ -89,7 +89,7 @@ fn main() -> candle_core::Result<()> {
         VarBuilder::from_varmap(&varmap, DType::F32, &device),
         &cache,
     )?;
-    let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.05)?;
+    let mut sgd = candle_nn::SGD::new(varmap.all_vars(), 0.1)?;
     for step in 0..40 {
         let (x, labels) = batch(32, step, &device)?;
         let logits = net.forward(&x)?;
@@ -110,11 +110,17 @@ fn main() -> candle_core::Result<()> {
     }
     for layer in [&net.conv1, &net.conv2, &net.conv3] {
         for ((n, h, w), stats) in layer.tunings()? {
+            let source = if stats.measured + stats.cached == 0 {
+                "plans read from the cache".to_string()
+            } else {
+                format!(
+                    "{} sizes measured, {} read from the cache",
+                    stats.measured, stats.cached
+                )
+            };
             println!(
-                "{}: tuned {n}x{h}x{w} ({} measured, {} from the cache {})",
+                "{}: input {n}x{h}x{w}: {source} ({})",
                 layer.name(),
-                stats.measured,
-                stats.cached,
                 cache_path.display()
             );
         }

@@ -139,6 +139,10 @@ pub use engine_search::{
     MAX_VALUES_PER_KNOB,
 };
 pub use error::CudnnError;
+/// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings
+/// and error conversions, so that both walls load and describe the libraries the same way.
+#[cfg(all(feature = "train", not(feature = "cudarc-linked")))]
+pub(crate) use ffi::candidates;
 #[doc(hidden)]
 pub use ffi::heuristic_plan_workspaces;
 /// One candle layer's cuDNN state on a GPU, run on candle's stream over its buffers.
@@ -150,12 +154,9 @@ pub use ffi::{
     FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
     Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
 };
-/// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings
-/// and error conversions, so that both walls load and describe the libraries the same way.
 #[cfg(feature = "train")]
 pub(crate) use ffi::{
-    candidates, cudnn as require_cudnn, driver as require_driver, driver_error, status_error,
-    warn_drop,
+    cudnn as require_cudnn, driver as require_driver, driver_error, status_error, warn_drop,
 };
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
 /// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).

@@ -14,7 +14,7 @@ use crate::backend::CudnnBackend;
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::ExecError;
 use crate::solver::{ConvOp, DType, Plan};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::collections::HashMap;
 use std::ffi::c_void;
 

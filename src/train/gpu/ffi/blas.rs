@@ -7,7 +7,9 @@
 //! dimensions and leading dimension imply (`ld * (cols - 1) + rows` elements).
 
 use super::{c_string, check_stream, DeviceData, DeviceDataMut};
-use crate::backend::cudnn::{candidates, driver_error, require_driver};
+#[cfg(not(feature = "cudarc-linked"))]
+use crate::backend::cudnn::candidates;
+use crate::backend::cudnn::{driver_error, require_driver};
 use crate::solver::DType;
 use crate::train::gpu::error::{invalid, GpuTrainError};
 use cudarc::cublas::sys as blas_sys;
@@ -55,7 +57,7 @@ fn init_cublas() -> Result<(i32, i32, i32), GpuTrainError> {
     let lib = unsafe { blas_sys::culib() };
     // Linked mode: linked at build time, every symbol is there.
     #[cfg(feature = "cudarc-linked")]
-    let missing: Vec<&str> = Vec::new();
+    let missing: Vec<&str> = CUBLAS_SYMBOLS.iter().copied().filter(|_| false).collect();
     #[cfg(not(feature = "cudarc-linked"))]
     let missing: Vec<&str> = CUBLAS_SYMBOLS
         .iter()

@@ -6,7 +6,9 @@
 //! communicator exists only if `ncclCommInitRank` succeeded, and is destroyed exactly once.
 
 use super::{c_string, check_stream, DeviceDataMut};
-use crate::backend::cudnn::{candidates, driver_error, require_driver};
+#[cfg(not(feature = "cudarc-linked"))]
+use crate::backend::cudnn::candidates;
+use crate::backend::cudnn::{driver_error, require_driver};
 use crate::solver::DType;
 use crate::train::gpu::error::{invalid, GpuTrainError};
 use cudarc::driver::CudaStream;
