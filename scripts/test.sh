@@ -3,12 +3,13 @@
 #
 #   1. the Rust workspace: cargo test --workspace --locked, and the library core built alone
 #      (--no-default-features) with no CLI, plotting, TOML, signal or training crate;
-#   2. the MPI tests (scripts/mpi_test.sh: Open MPI from Debian's packages, installed when
+#   2. the candle layer on candle's CPU device (feature candle);
+#   3. the MPI tests (scripts/mpi_test.sh: Open MPI from Debian's packages, installed when
 #      missing, and a build with --features mpi);
-#   3. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
+#   4. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
 #      description of an H100, with no GPU (the cuDNN and cuBLAS wheels and a stub libcuda,
 #      fetched and built once under the test cache folder);
-#   4. the Python package (python/): a virtualenv with torch, pytest and numpy from PyPI, made
+#   5. the Python package (python/): a virtualenv with torch, pytest and numpy from PyPI, made
 #      once under the test cache folder and reused, the package installed into it (which
 #      builds the library with cargo), then pytest.
 #
@@ -36,6 +37,9 @@ if forbidden=$(grep -E '^(clap|indicatif|plotters|ctrlc|toml|anyhow|mpi) v' <<<"
   exit 1
 fi
 echo "the core's dependency tree has none of clap, indicatif, plotters, ctrlc, toml, anyhow, mpi"
+
+section "candle: cargo test --features candle --test candle_cpu"
+cargo test --locked --features candle --test candle_cpu
 
 section "MPI: scripts/mpi_test.sh (mpirun -np 2 training against 2 threads, a failing rank)"
 status=0

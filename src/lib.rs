@@ -11,6 +11,8 @@ pub use mucudnn_cache as cache;
 pub use mucudnn_solver as solver;
 
 pub mod backend;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod device;
 pub mod exec;
 pub mod explain;

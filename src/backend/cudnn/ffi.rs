@@ -52,6 +52,8 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+#[cfg(feature = "candle-cuda")]
+mod candle;
 mod descriptors;
 mod foreign;
 mod gates;
@@ -59,6 +61,8 @@ mod graph;
 mod memory;
 mod stream;
 
+#[cfg(feature = "candle-cuda")]
+pub use candle::CandleLayerDevice;
 pub use descriptors::{ConvDescriptors, ConvolutionDescriptor, FilterDescriptor, TensorDescriptor};
 pub use foreign::{
     read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
@@ -66,9 +70,9 @@ pub use foreign::{
     FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
     RawDeviceViewMut, TensorDescriptorInfo,
 };
-use gates::*;
-#[cfg(feature = "train")]
+#[cfg(all(feature = "train", not(feature = "cudarc-linked")))]
 pub(crate) use gates::candidates;
+use gates::*;
 pub(crate) use gates::{cudnn, driver};
 pub use gates::{cudnn_version, library_status, probe, DeviceInfo, LibraryStatus, SystemInfo};
 pub use graph::{
@@ -178,11 +182,17 @@ fn driver_error_symbols() -> (bool, bool) {
         if !libcuda_present() {
             return (false, false);
         }
+        // Linked mode: the program would not have started without both.
+        #[cfg(feature = "cudarc-linked")]
+        return (true, true);
         // SAFETY: libcuda is present, so `culib` loads it rather than panicking; looking a
         // symbol up does not call it (the type parameter is only what it would be read as).
-        let lib = unsafe { drv_sys::culib() };
-        let has = |name: &[u8]| unsafe { lib.get::<unsafe extern "C" fn()>(name) }.is_ok();
-        (has(b"cuGetErrorName"), has(b"cuGetErrorString"))
+        #[cfg(not(feature = "cudarc-linked"))]
+        {
+            let lib = unsafe { drv_sys::culib() };
+            let has = |name: &[u8]| unsafe { lib.get::<unsafe extern "C" fn()>(name) }.is_ok();
+            (has(b"cuGetErrorName"), has(b"cuGetErrorString"))
+        }
     })
 }
 

@@ -21,6 +21,7 @@ pub fn library_status() -> LibraryStatus {
     }
 }
 
+#[cfg(not(feature = "cudarc-linked"))]
 pub(super) fn libcuda_present() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: `is_culib_present` dlopen()s libcuda under each candidate name and closes it again;
@@ -28,13 +29,33 @@ pub(super) fn libcuda_present() -> bool {
     *PRESENT.get_or_init(|| unsafe { drv_sys::is_culib_present() })
 }
 
+#[cfg(not(feature = "cudarc-linked"))]
 pub(super) fn libcudnn_present() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: as for libcuda: a dlopen()/dlclose() of libcudnn under its candidate names.
     *PRESENT.get_or_init(|| unsafe { dnn_sys::is_culib_present() })
 }
 
+// Linked mode (`cudarc-linked`: cudarc resolved with `dynamic-linking`, e.g. beside candle's
+// `cuda`): the libraries were linked into the program, so they are present by construction and
+// export every symbol the bindings name; there is nothing to probe, load or look up.
+#[cfg(feature = "cudarc-linked")]
+pub(super) fn libcuda_present() -> bool {
+    true
+}
+
+#[cfg(feature = "cudarc-linked")]
+pub(super) fn libcudnn_present() -> bool {
+    true
+}
+
+#[cfg(feature = "cudarc-linked")]
+pub(crate) fn candidates(lib: &str) -> String {
+    format!("lib{lib} (linked at build time)")
+}
+
 /// The file names cudarc tries for `lib`, without repeats.
+#[cfg(not(feature = "cudarc-linked"))]
 pub(crate) fn candidates(lib: &str) -> String {
     let mut names: Vec<String> = Vec::new();
     for name in cudarc::get_lib_name_candidates(lib) {
@@ -219,9 +240,15 @@ pub(super) const CUDNN_SUB_LIBRARIES: [&str; 3] = [
 pub(super) fn libcudnn_folder() -> Option<std::path::PathBuf> {
     // SAFETY: called after `libcudnn_present()`, so `culib` loads the library rather than
     // panicking; the symbol is looked up, not called.
-    let lib = unsafe { dnn_sys::culib() };
-    let symbol = unsafe { lib.get::<unsafe extern "C" fn()>(b"cudnnGetVersion") }.ok()?;
-    let address = *symbol as *const c_void;
+    #[cfg(not(feature = "cudarc-linked"))]
+    let address = {
+        let lib = unsafe { dnn_sys::culib() };
+        let symbol = unsafe { lib.get::<unsafe extern "C" fn()>(b"cudnnGetVersion") }.ok()?;
+        *symbol as *const c_void
+    };
+    // Linked mode: the binding is the library's own symbol.
+    #[cfg(feature = "cudarc-linked")]
+    let address = dnn_sys::cudnnGetVersion as *const c_void;
     let mut info = dl::DlInfo {
         dli_fname: std::ptr::null(),
         dli_fbase: std::ptr::null_mut(),
@@ -325,6 +352,7 @@ pub(super) fn check_cublas_lt() -> Result<(), CudnnError> {
     }
 }
 
+#[cfg(not(feature = "cudarc-linked"))]
 /// The names in `symbols` that the loaded libcudnn does not export. Call only after
 /// `libcudnn_present()` (so that `culib` loads the library instead of panicking).
 pub(super) fn missing_cudnn_symbols(symbols: &[&'static str]) -> Vec<&'static str> {
@@ -338,6 +366,12 @@ pub(super) fn missing_cudnn_symbols(symbols: &[&'static str]) -> Vec<&'static st
         // the (unused) symbol would be read as.
         .filter(|name| unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
         .collect()
+}
+
+/// Linked mode: the program would not have started without every symbol.
+#[cfg(feature = "cudarc-linked")]
+pub(super) fn missing_cudnn_symbols(_symbols: &[&'static str]) -> Vec<&'static str> {
+    Vec::new()
 }
 
 /// The version of the libcudnn this process uses (`cudnnGetVersion`, e.g. 91400 for 9.14.0),

@@ -7,7 +7,9 @@
 //! dimensions and leading dimension imply (`ld * (cols - 1) + rows` elements).
 
 use super::{c_string, check_stream, DeviceData, DeviceDataMut};
-use crate::backend::cudnn::{candidates, driver_error, require_driver};
+#[cfg(not(feature = "cudarc-linked"))]
+use crate::backend::cudnn::candidates;
+use crate::backend::cudnn::{driver_error, require_driver};
 use crate::solver::DType;
 use crate::train::gpu::error::{invalid, GpuTrainError};
 use cudarc::cublas::sys as blas_sys;
@@ -40,6 +42,7 @@ pub(crate) fn cublas() -> Result<(i32, i32, i32), GpuTrainError> {
 fn init_cublas() -> Result<(i32, i32, i32), GpuTrainError> {
     require_driver()?;
     // SAFETY: `is_culib_present` dlopen()s libcublas under each candidate name and closes it.
+    #[cfg(not(feature = "cudarc-linked"))]
     if !unsafe { blas_sys::is_culib_present() } {
         return Err(GpuTrainError::Unavailable {
             what: "libcublas",
@@ -51,7 +54,12 @@ fn init_cublas() -> Result<(i32, i32, i32), GpuTrainError> {
         });
     }
     // SAFETY: present (checked above), so `culib` loads it rather than panicking.
+    #[cfg(not(feature = "cudarc-linked"))]
     let lib = unsafe { blas_sys::culib() };
+    // Linked mode: linked at build time, every symbol is there.
+    #[cfg(feature = "cudarc-linked")]
+    let missing: Vec<&str> = CUBLAS_SYMBOLS.iter().copied().filter(|_| false).collect();
+    #[cfg(not(feature = "cudarc-linked"))]
     let missing: Vec<&str> = CUBLAS_SYMBOLS
         .iter()
         .copied()

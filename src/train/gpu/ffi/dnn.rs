@@ -44,7 +44,12 @@ const TENSOR_OP_SYMBOLS: &[&str] = &[
 fn require_symbols(names: &[&str]) -> Result<(), GpuTrainError> {
     let version = require_cudnn()?;
     // SAFETY: the gate passed, so libcudnn is present and `culib` loads it without panicking.
+    #[cfg(not(feature = "cudarc-linked"))]
     let lib = unsafe { dnn_sys::culib() };
+    // Linked mode: linked at build time, every symbol is there.
+    #[cfg(feature = "cudarc-linked")]
+    let missing: Vec<&str> = names.iter().copied().filter(|_| false).collect();
+    #[cfg(not(feature = "cudarc-linked"))]
     let missing: Vec<&str> = names
         .iter()
         .copied()

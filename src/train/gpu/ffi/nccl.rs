@@ -88,7 +88,10 @@ pub(crate) fn nccl() -> Result<i32, GpuTrainError> {
 /// soname of every NCCL 2 release, all that pip wheels and Debian's `libnccl2` install), then
 /// cudarc's other candidates.
 pub(crate) fn library_names() -> Vec<String> {
+    #[allow(unused_mut)]
     let mut names = vec!["libnccl.so".to_string(), "libnccl.so.2".to_string()];
+    // (cudarc linked at build time has no candidate list: libnccl is already loaded then.)
+    #[cfg(not(feature = "cudarc-linked"))]
     for name in cudarc::get_lib_name_candidates("nccl") {
         if !names.contains(&name) {
             names.push(name);

@@ -1,0 +1,218 @@
+//! candle's CUDA tensors at the FFI wall (feature `candle-cuda`): one layer's cuDNN state on
+//! one GPU, and execution of its prepared plans on candle's stream over candle's cudarc
+//! buffers, through the same [`StreamSession`] and raw views as the PyTorch path.
+//!
+//! Data in: cudarc `CudaSlice`/`CudaView`s (candle's storage) and candle's `CudaStream`. The
+//! raw device pointers come from cudarc's `DevicePtr` on that stream, which also records the
+//! events cudarc uses to order other streams' access to the same buffers; the pointers live
+//! as long as the borrows they came from, which outlive the call, and the buffers are freed
+//! stream-ordered by cudarc, so the queued work never outlives its memory. Data out: the
+//! operation queued on candle's stream, no host synchronisation.
+
+use super::{invalid, CudnnError, CudnnHandle, RawDeviceView, RawDeviceViewMut, RawWorkspace};
+use crate::backend::CudnnBackend;
+use crate::exec::cudnn::PreparedPlan;
+use crate::exec::ExecError;
+use crate::solver::{ConvOp, DType, Plan};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+/// Key of a tuned input shape `(n, h, w)`.
+pub type ShapeKey = (i64, i64, i64);
+
+/// One layer's cuDNN state on one GPU: the handle its plans are prepared and run on, the
+/// measuring backend (made on first tuning), the prepared `[forward, backward-data,
+/// backward-filter]` plans per input shape, and a workspace from the caller's allocator.
+pub struct CandleLayerDevice {
+    ordinal: usize,
+    exec: CudnnHandle,
+    tuning: Option<CudnnBackend>,
+    plans: HashMap<ShapeKey, [PreparedPlan; 3]>,
+    workspace: Option<CudaSlice<u8>>,
+}
+
+// SAFETY: a `CandleLayerDevice` holds a cuDNN handle and plans prepared on it (engine plans
+// keep `Rc` clones of the handle's owner), which are not `Send` because cuDNN forbids
+// concurrent use of a handle. The layer keeps it behind its `Mutex`, so one thread at a time
+// uses it; no method hands out the handle, a plan or an `Rc` (closures get only shared
+// references for the duration of the call and must return `Send` values); and every call
+// binds the handle's context to the calling thread first (`on_stream` and the backend's calls
+// do), which is what cuDNN requires of a handle used by several threads one after another.
+unsafe impl Send for CandleLayerDevice {}
+
+impl std::fmt::Debug for CandleLayerDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CandleLayerDevice")
+            .field("ordinal", &self.ordinal)
+            .field("shapes", &self.plans.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CandleLayerDevice {
+    /// The state on GPU `ordinal`: a cuDNN handle in its primary context (candle's context).
+    pub fn new(ordinal: usize) -> Result<Self, CudnnError> {
+        Ok(CandleLayerDevice {
+            ordinal,
+            exec: CudnnHandle::new(ordinal)?,
+            tuning: None,
+            plans: HashMap::new(),
+            workspace: None,
+        })
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    pub fn is_tuned(&self, key: ShapeKey) -> bool {
+        self.plans.contains_key(&key)
+    }
+
+    /// Tunes shape `key` with `tune` (given the GPU's measuring backend, made on first use)
+    /// and prepares its plans on the layer's handle.
+    pub fn tune<T: Send, E: From<ExecError> + From<crate::backend::BackendError>>(
+        &mut self,
+        key: ShapeKey,
+        tune: impl FnOnce(&mut CudnnBackend) -> Result<([Plan; 3], T), E>,
+    ) -> Result<T, E> {
+        if self.tuning.is_none() {
+            self.tuning = Some(CudnnBackend::new(self.ordinal)?);
+        }
+        let backend = self.tuning.as_mut().expect("made above");
+        let (plans, extra) = tune(backend)?;
+        let [f, d, w] = plans;
+        let prepared = [
+            PreparedPlan::new(&self.exec, f)?,
+            PreparedPlan::new(&self.exec, d)?,
+            PreparedPlan::new(&self.exec, w)?,
+        ];
+        self.plans.insert(key, prepared);
+        Ok(extra)
+    }
+
+    /// The workspace bytes `op` of shape `key` needs (`None`: not tuned).
+    pub fn workspace_bytes(&self, key: ShapeKey, op: ConvOp) -> Option<u64> {
+        self.plans
+            .get(&key)
+            .map(|plans| plans[op_index(op)].workspace_bytes())
+    }
+
+    /// Makes sure the workspace holds at least `bytes`, allocating with `alloc` (the caller's
+    /// allocator, e.g. candle's device) when it does not.
+    pub fn reserve_workspace<E>(
+        &mut self,
+        bytes: u64,
+        alloc: impl FnOnce(usize) -> Result<CudaSlice<u8>, E>,
+    ) -> Result<(), E> {
+        let have = self.workspace.as_ref().map_or(0, |w| w.len() as u64);
+        if bytes > have {
+            self.workspace = None;
+            self.workspace = Some(alloc(bytes as usize)?);
+        }
+        Ok(())
+    }
+
+    /// `out = op(a, b)` for shape `key` (operands at the full mini-batch, roles as for
+    /// `CudnnHandle::convolve`), queued on `stream`, which must belong to this GPU's primary
+    /// context (candle's). Checked: the stream's context, every operand's element count, the
+    /// workspace.
+    pub fn execute<A, B>(
+        &mut self,
+        key: ShapeKey,
+        op: ConvOp,
+        stream: &CudaStream,
+        a: &A,
+        b: &B,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), ExecError>
+    where
+        A: DevicePtr<f32>,
+        B: DevicePtr<f32>,
+    {
+        const CALL: &str = "CandleLayerDevice::execute";
+        let Some(plans) = self.plans.get(&key) else {
+            return Err(ExecError::InvalidPlan {
+                layer: "candle layer".into(),
+                op,
+                reason: format!("the input shape {key:?} has not been tuned"),
+            });
+        };
+        let plan = &plans[op_index(op)];
+        let error = |source: CudnnError| ExecError::Cudnn {
+            layer: plan.plan().layer.clone(),
+            op,
+            source,
+        };
+        let ours = self.exec.stream().context();
+        if stream.context().cu_ctx() != ours.cu_ctx() {
+            return Err(error(invalid(
+                CALL,
+                format!(
+                    "the stream is of device {}'s context, the layer's handle is of device {}'s \
+                     primary context",
+                    stream.context().ordinal(),
+                    self.ordinal
+                ),
+            )));
+        }
+        let needed = plan.workspace_bytes();
+        let (a_ptr, _a_sync) = a.device_ptr(stream);
+        let (b_ptr, _b_sync) = b.device_ptr(stream);
+        let out_len = out.len();
+        let (out_ptr, _out_sync) = out.device_ptr_mut(stream);
+        let mut workspace_guard = None;
+        let (ws_ptr, ws_bytes) = match self.workspace.as_mut() {
+            Some(ws) if needed > 0 => {
+                let bytes = ws.len() as u64;
+                let (ptr, sync) = ws.device_ptr_mut(stream);
+                workspace_guard = Some(sync);
+                (ptr, bytes)
+            }
+            _ => (0, 0),
+        };
+        if ws_bytes < needed {
+            return Err(error(invalid(
+                CALL,
+                format!("{op} needs {needed} workspace bytes, {ws_bytes} reserved"),
+            )));
+        }
+        // SAFETY (the contracts of the raw views and workspace): each pointer is cudarc's
+        // device pointer of a buffer borrowed for this whole function (so it stays allocated
+        // while we queue work; cudarc frees buffers stream-ordered, after the work queued on
+        // `stream`, whose events `device_ptr`/`device_ptr_mut` record) with exactly the given
+        // number of f32 elements or bytes, on this GPU (the stream's context is the handle's,
+        // checked above). `out` and the workspace are borrowed mutably, so nothing else
+        // writes or reads them meanwhile and they overlap neither input.
+        let result = unsafe {
+            let a = RawDeviceView::new(a_ptr as *const c_void, a.len(), DType::Fp32);
+            let b = RawDeviceView::new(b_ptr as *const c_void, b.len(), DType::Fp32);
+            let out = RawDeviceViewMut::new(out_ptr as *mut c_void, out_len, DType::Fp32);
+            let ws = RawWorkspace::new(ws_ptr as *mut c_void, ws_bytes);
+            match (a, b, out, ws) {
+                (Ok(a), Ok(b), Ok(mut out), Ok(mut ws)) => {
+                    // SAFETY: the stream is live (borrowed) and of this handle's device's
+                    // primary context (checked above); the work queued on it finishes before
+                    // cudarc frees anything it uses (see above).
+                    let session = self
+                        .exec
+                        .on_stream(stream.cu_stream() as *mut c_void)
+                        .map_err(error)?;
+                    plan.execute_on(&session, 1.0, &a, &b, 0.0, &mut out, &mut ws)
+                }
+                (Err(e), ..) | (_, Err(e), ..) | (_, _, Err(e), _) | (.., Err(e)) => Err(error(e)),
+            }
+        };
+        drop(workspace_guard);
+        result
+    }
+}
+
+fn op_index(op: ConvOp) -> usize {
+    match op {
+        ConvOp::Forward => 0,
+        ConvOp::BackwardData => 1,
+        ConvOp::BackwardFilter => 2,
+    }
+}

@@ -1,0 +1,105 @@
+//! The layer on candle's CUDA device (feature `candle-cuda`): tune a new input shape on the
+//! GPU through the shared cache (cuDNN legacy algorithms and engine configurations, as the
+//! options say), prepare its plans once on the layer's cuDNN handle, then run them on
+//! candle's stream over candle's buffers, with the output and the workspace allocated from
+//! candle's device. Everything unsafe (raw pointers, the stream) is in the FFI wall
+//! (`CandleLayerDevice`).
+
+use super::LayerCore;
+use crate::backend::cpu;
+use crate::backend::cudnn::CandleLayerDevice;
+use crate::backend::TimingSettings;
+use crate::solver::{ConvOp, ConvProblem};
+use candle_core::backend::BackendStorage;
+use candle_core::{CudaStorage, Layout};
+use cudarc::driver::CudaView;
+
+pub(super) type DeviceState = CandleLayerDevice;
+
+/// The f32 elements of a candle CUDA tensor (contiguous: the layer makes its operands so).
+fn view<'a>(
+    core: &LayerCore,
+    what: &str,
+    storage: &'a CudaStorage,
+    layout: &Layout,
+) -> candle_core::Result<CudaView<'a, f32>> {
+    let slice = storage.as_cuda_slice::<f32>().map_err(|_| {
+        core.error(format!(
+            "the {what} is {:?}; only f32 is supported",
+            storage.dtype()
+        ))
+    })?;
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| core.error(format!("the {what} is not contiguous")))?;
+    Ok(slice.slice(start..end))
+}
+
+/// `op(a, b)` of `problem` on candle's device and stream; `a` and `b` as for the op's plan:
+/// `(x, w)`, `(w, dy)` or `(x, dy)`.
+pub(super) fn run(
+    core: &LayerCore,
+    problem: &ConvProblem,
+    op: ConvOp,
+    (a, a_layout): (&CudaStorage, &Layout),
+    (b, b_layout): (&CudaStorage, &Layout),
+) -> candle_core::Result<CudaStorage> {
+    let device = a.device().clone();
+    let stream = device.cuda_stream();
+    let ordinal = stream.context().ordinal();
+    let a = view(core, "first operand", a, a_layout)?;
+    let b = view(core, "second operand", b, b_layout)?;
+    let out_len = cpu::buffer_lens(problem, op).map_err(|e| core.error(e))?[2].1;
+    let mut out = device.alloc_zeros::<f32>(out_len)?;
+    let key = (problem.n, problem.h, problem.w);
+
+    let mut state = core.lock()?;
+    let state = &mut *state;
+    let index = match state.cuda.iter().position(|d| d.ordinal() == ordinal) {
+        Some(index) => index,
+        None => {
+            let made = CandleLayerDevice::new(ordinal).map_err(|e| core.error(e))?;
+            state.cuda.push(made);
+            state.cuda.len() - 1
+        }
+    };
+    let gpu = &mut state.cuda[index];
+    if !gpu.is_tuned(key) {
+        let cache = core.cache()?;
+        let cache = cache
+            .lock()
+            .map_err(|_| core.error("the tuning cache's mutex is poisoned"))?;
+        let tuning = core.options.tuning(TimingSettings::GPU);
+        let stats = gpu
+            .tune(key, |backend| {
+                tuning
+                    .tune_counted(backend, &cache, &core.name, problem)
+                    .map_err(|e| LayerMessage(e.to_string()))
+            })
+            .map_err(|e| core.error(e.0))?;
+        state.tunings.push((key, stats));
+    }
+    let gpu = &mut state.cuda[index];
+    let needed = gpu
+        .workspace_bytes(key, op)
+        .ok_or_else(|| core.error("the plans were not prepared"))?;
+    gpu.reserve_workspace(needed, |bytes| device.alloc_zeros::<u8>(bytes))?;
+    gpu.execute(key, op, &stream, &a, &b, &mut out)
+        .map_err(|e| core.error(e))?;
+    Ok(CudaStorage::wrap_cuda_slice(out, device))
+}
+
+/// A tuning or preparing failure, as text for the layer's error.
+struct LayerMessage(String);
+
+impl From<crate::exec::ExecError> for LayerMessage {
+    fn from(e: crate::exec::ExecError) -> Self {
+        LayerMessage(e.to_string())
+    }
+}
+
+impl From<crate::backend::BackendError> for LayerMessage {
+    fn from(e: crate::backend::BackendError) -> Self {
+        LayerMessage(e.to_string())
+    }
+}

@@ -1,0 +1,709 @@
+//! mucudnn inside candle (feature `candle`): [`Conv2d`], a drop-in for `candle_nn::Conv2d`
+//! whose convolution is tuned by mucudnn and run from its plans.
+//!
+//! A model swaps its convolutions by changing one call: [`conv2d`] (and [`conv2d_no_bias`])
+//! take the same arguments as `candle_nn::conv2d` plus [`Conv2dOptions`], and load the same
+//! variables (`weight`, `bias`) from the `VarBuilder`, so checkpoints and optimizers see the
+//! same model.
+//!
+//! Data flow: `forward` applies one candle `CustomOp2` to `(x, weight)`. On first sight of an
+//! input shape `(n, h, w)` it tunes the layer's three ops (forward, backward-data,
+//! backward-filter) through the shared SQLite cache ([`LayerTuning`]) and keeps the plans;
+//! later calls only execute them. Candle's autograd calls the op's `bwd`, which applies two
+//! more custom ops (backward-data on `(dy, weight)`, backward-filter on `(x, dy)`), each
+//! running its tuned plan. The input gradient always has the input's shape: it is computed
+//! from the layer's problem, not re-derived from the output's shape (candle's own backward
+//! gets the width wrong when `W + 2p - dilation * (k - 1) - 1` is not a multiple of the
+//! stride).
+//!
+//! Devices: on candle's CPU device the plans run on mucudnn's CPU backend
+//! ([`execute_cpu`]); with `candle-cuda`, on candle's CUDA device they run as cuDNN plans on
+//! candle's stream over candle's buffers, with workspace allocated from candle's device
+//! (`cuda.rs`). Only f32 tensors are supported; anything else is an error naming the layer.
+
+#[cfg(feature = "candle-cuda")]
+mod cuda;
+
+use crate::backend::cpu::{self, AlignedWorkspace};
+use crate::backend::{CpuBackend, TimingSettings};
+use crate::exec::{cpu_workspace_bytes, execute_cpu};
+use crate::solver::{CandidateSet, ConvOp, ConvProblem, Plan, Policy};
+use crate::tune::{CacheStats, EngineOptions, LayerTuning};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Module, Shape, Tensor};
+use candle_nn::{Conv2dConfig, VarBuilder};
+use mucudnn_cache::Cache;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+/// A tuning cache shared by layers (and threads): every layer of a model should use one.
+pub type SharedCache = Arc<Mutex<Cache>>;
+
+/// mucudnn's settings for a layer, beside candle's [`Conv2dConfig`].
+#[derive(Clone)]
+pub struct Conv2dOptions {
+    /// The layer's name in messages and in the cache's plan records; `None`: the
+    /// `VarBuilder`'s prefix (e.g. `model.conv1`), else `conv2d`.
+    pub name: Option<String>,
+    /// The workspace a plan may use (per layer: micro-batches share one buffer).
+    pub workspace_limit_bytes: u64,
+    /// Which micro-batch sizes a plan may use.
+    pub policy: Policy,
+    /// Which candidates are measured (legacy algorithms, engine configurations, both).
+    pub candidates: CandidateSet,
+    /// How engine configurations are searched on a GPU.
+    pub engines: EngineOptions,
+    /// The cache tuning reads and fills; `None`: the user's cache file
+    /// (`mucudnn_cache::default_path`), opened once per process.
+    pub cache: Option<SharedCache>,
+}
+
+impl Default for Conv2dOptions {
+    fn default() -> Self {
+        Conv2dOptions {
+            name: None,
+            workspace_limit_bytes: 64 << 20,
+            policy: Policy::PowerOfTwo,
+            candidates: CandidateSet::All,
+            engines: EngineOptions::default(),
+            cache: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Conv2dOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conv2dOptions")
+            .field("name", &self.name)
+            .field("workspace_limit_bytes", &self.workspace_limit_bytes)
+            .field("policy", &self.policy)
+            .field("candidates", &self.candidates)
+            .field("engines", &self.engines)
+            .field("cache", &self.cache.as_ref().map(|_| "shared"))
+            .finish()
+    }
+}
+
+impl Conv2dOptions {
+    pub fn with_name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    pub fn with_workspace_limit(mut self, bytes: u64) -> Self {
+        self.workspace_limit_bytes = bytes;
+        self
+    }
+
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    pub fn with_candidates(mut self, candidates: CandidateSet) -> Self {
+        self.candidates = candidates;
+        self
+    }
+
+    pub fn with_engines(mut self, engines: EngineOptions) -> Self {
+        self.engines = engines;
+        self
+    }
+
+    /// Tune through `cache` (clone the `Arc` into every layer of a model).
+    pub fn with_cache(mut self, cache: SharedCache) -> Self {
+        self.cache = Some(cache);
+        self
+    }
+
+    fn tuning(&self, timing: TimingSettings) -> LayerTuning {
+        LayerTuning {
+            policy: self.policy,
+            workspace_limit_bytes: self.workspace_limit_bytes,
+            timing,
+            candidates: self.candidates,
+            engines: self.engines,
+        }
+    }
+}
+
+/// The user's cache file, opened once per process for layers given no cache.
+fn default_cache() -> Result<SharedCache, String> {
+    static DEFAULT: OnceLock<Result<SharedCache, String>> = OnceLock::new();
+    DEFAULT
+        .get_or_init(|| {
+            Cache::open_default(None)
+                .map(|cache| Arc::new(Mutex::new(cache)))
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+}
+
+/// Key of a tuned shape: the input's `(n, h, w)` (the rest is the layer's).
+pub type ShapeKey = (i64, i64, i64);
+
+/// What the host side of a layer keeps: its measuring backend, plans per input shape, and
+/// the workspace they share.
+struct CpuState {
+    backend: CpuBackend,
+    plans: HashMap<ShapeKey, [Plan; 3]>,
+    workspace: AlignedWorkspace,
+}
+
+/// Mutable state of a layer, behind its mutex: shared by the forward op and the two backward
+/// ops of every call.
+struct State {
+    cpu: Option<CpuState>,
+    /// How each shape was tuned, in the order first seen: measurements read from the cache
+    /// and measured (both 0 when the solved plans were cached).
+    tunings: Vec<(ShapeKey, CacheStats)>,
+    #[cfg(feature = "candle-cuda")]
+    cuda: Vec<cuda::DeviceState>,
+}
+
+/// The immutable part of a layer, and its state.
+struct LayerCore {
+    name: String,
+    /// The problem at n = h = w = 1; an input shape fills those in.
+    template: ConvProblem,
+    options: Conv2dOptions,
+    state: Mutex<State>,
+}
+
+impl LayerCore {
+    fn error(&self, message: impl std::fmt::Display) -> candle_core::Error {
+        candle_core::Error::Msg(format!("mucudnn conv2d {}: {message}", self.name))
+    }
+
+    fn lock(&self) -> candle_core::Result<MutexGuard<'_, State>> {
+        self.state
+            .lock()
+            .map_err(|_| self.error("the layer's state is poisoned (a call panicked)"))
+    }
+
+    fn cache(&self) -> candle_core::Result<SharedCache> {
+        match &self.options.cache {
+            Some(cache) => Ok(cache.clone()),
+            None => default_cache().map_err(|e| self.error(format!("the tuning cache: {e}"))),
+        }
+    }
+
+    /// The filter dims `(k, c / groups, r, s)`.
+    fn weight_dims(&self) -> [usize; 4] {
+        let t = &self.template;
+        [t.k, t.c / t.groups.max(1), t.r, t.s].map(|d| d as usize)
+    }
+
+    /// The problem for an input of `dims`, checked against the layer.
+    fn problem(&self, input: &[usize]) -> candle_core::Result<ConvProblem> {
+        let &[n, c, h, w] = input else {
+            return Err(self.error(format!(
+                "the input must be 4-D (n, c, h, w), it has shape {input:?}"
+            )));
+        };
+        if c as i64 != self.template.c {
+            return Err(self.error(format!(
+                "the input has {c} channels, the layer expects {}",
+                self.template.c
+            )));
+        }
+        let problem = ConvProblem {
+            n: n as i64,
+            h: h as i64,
+            w: w as i64,
+            ..self.template
+        };
+        problem.validate().map_err(|e| self.error(e))?;
+        Ok(problem)
+    }
+
+    fn check_weight(&self, weight: &[usize]) -> candle_core::Result<()> {
+        let expected = self.weight_dims();
+        if weight != expected {
+            return Err(self.error(format!(
+                "the weight has shape {weight:?}, the layer expects {expected:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_output_grad(&self, problem: &ConvProblem, dy: &[usize]) -> candle_core::Result<()> {
+        let expected = output_dims(problem);
+        if dy != expected {
+            return Err(self.error(format!(
+                "the output gradient has shape {dy:?}, expected {expected:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `op` of `problem` on the host: tunes the shape on first sight, then runs its plan.
+    fn run_cpu(
+        &self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        a: &[f32],
+        b: &[f32],
+    ) -> candle_core::Result<Vec<f32>> {
+        let mut state = self.lock()?;
+        let state = &mut *state;
+        let key = (problem.n, problem.h, problem.w);
+        let cpu = state.cpu.get_or_insert_with(|| CpuState {
+            backend: CpuBackend::new(),
+            plans: HashMap::new(),
+            workspace: AlignedWorkspace::default(),
+        });
+        if !cpu.plans.contains_key(&key) {
+            let cache = self.cache()?;
+            let cache = cache
+                .lock()
+                .map_err(|_| self.error("the tuning cache's mutex is poisoned"))?;
+            let (plans, stats) = self
+                .options
+                .tuning(TimingSettings::CPU)
+                .tune_counted(&mut cpu.backend, &cache, &self.name, problem)
+                .map_err(|e| self.error(e))?;
+            let needed = plans.iter().map(cpu_workspace_bytes).max().unwrap_or(0);
+            if (cpu.workspace.len() as u64) < needed {
+                cpu.workspace = AlignedWorkspace::new(needed);
+            }
+            cpu.plans.insert(key, plans);
+            state.tunings.push((key, stats));
+        }
+        let plan = cpu
+            .plans
+            .get(&key)
+            .map(|plans| &plans[op_index(op)])
+            .ok_or_else(|| self.error("the shape's plans are missing after tuning"))?;
+        let out_len = cpu::buffer_lens(problem, op).map_err(|e| self.error(e))?[2].1;
+        let mut out = vec![0f32; out_len];
+        execute_cpu(plan, 1.0, a, b, 0.0, &mut out, cpu.workspace.as_bytes_mut())
+            .map_err(|e| self.error(e))?;
+        Ok(out)
+    }
+}
+
+fn op_index(op: ConvOp) -> usize {
+    match op {
+        ConvOp::Forward => 0,
+        ConvOp::BackwardData => 1,
+        ConvOp::BackwardFilter => 2,
+    }
+}
+
+fn output_dims(problem: &ConvProblem) -> [usize; 4] {
+    let (p, q) = problem.output_hw();
+    [problem.n, problem.k, p, q].map(|d| d as usize)
+}
+
+/// The f32 elements of a contiguous host tensor.
+fn host_f32<'a>(
+    core: &LayerCore,
+    what: &str,
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a [f32]> {
+    let CpuStorage::F32(data) = storage else {
+        return Err(core.error(format!(
+            "the {what} is {:?}; only f32 is supported",
+            storage.dtype()
+        )));
+    };
+    // The layer makes its operands contiguous before applying its ops.
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| core.error(format!("the {what} is not contiguous")))?;
+    data.get(start..end)
+        .ok_or_else(|| core.error(format!("the {what}'s layout exceeds its storage")))
+}
+
+/// The forward convolution, applied to `(x, weight)`.
+struct ForwardOp {
+    core: Arc<LayerCore>,
+}
+
+/// The input gradient, applied to `(dy, weight)`; the input's dims are given, not derived.
+struct BackwardDataOp {
+    core: Arc<LayerCore>,
+    input: [usize; 4],
+}
+
+/// The weight gradient, applied to `(x, dy)`.
+struct BackwardFilterOp {
+    core: Arc<LayerCore>,
+}
+
+impl CustomOp2 for ForwardOp {
+    fn name(&self) -> &'static str {
+        "mucudnn-conv2d"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let core = &self.core;
+        let problem = core.problem(l1.dims())?;
+        core.check_weight(l2.dims())?;
+        let x = host_f32(core, "input", s1, l1)?;
+        let w = host_f32(core, "weight", s2, l2)?;
+        let y = core.run_cpu(&problem, ConvOp::Forward, x, w)?;
+        Ok((
+            CpuStorage::F32(y),
+            Shape::from(output_dims(&problem).to_vec()),
+        ))
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let core = &self.core;
+        let problem = core.problem(l1.dims())?;
+        core.check_weight(l2.dims())?;
+        let out = cuda::run(core, &problem, ConvOp::Forward, (s1, l1), (s2, l2))?;
+        Ok((out, Shape::from(output_dims(&problem).to_vec())))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let core = &self.core;
+        let (n, c, h, w) = x.dims4()?;
+        let dy = dy.contiguous()?;
+        let dx = dy.apply_op2_no_bwd(
+            &weight.contiguous()?,
+            &BackwardDataOp {
+                core: core.clone(),
+                input: [n, c, h, w],
+            },
+        )?;
+        let dw = x
+            .contiguous()?
+            .apply_op2_no_bwd(&dy, &BackwardFilterOp { core: core.clone() })?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp2 for BackwardDataOp {
+    fn name(&self) -> &'static str {
+        "mucudnn-conv2d-backward-data"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let core = &self.core;
+        let problem = core.problem(&self.input)?;
+        core.check_output_grad(&problem, l1.dims())?;
+        core.check_weight(l2.dims())?;
+        let dy = host_f32(core, "output gradient", s1, l1)?;
+        let w = host_f32(core, "weight", s2, l2)?;
+        // The backward-data plan's operands are (weight, dy).
+        let dx = core.run_cpu(&problem, ConvOp::BackwardData, w, dy)?;
+        Ok((CpuStorage::F32(dx), Shape::from(self.input.to_vec())))
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let core = &self.core;
+        let problem = core.problem(&self.input)?;
+        core.check_output_grad(&problem, l1.dims())?;
+        core.check_weight(l2.dims())?;
+        let out = cuda::run(core, &problem, ConvOp::BackwardData, (s2, l2), (s1, l1))?;
+        Ok((out, Shape::from(self.input.to_vec())))
+    }
+}
+
+impl CustomOp2 for BackwardFilterOp {
+    fn name(&self) -> &'static str {
+        "mucudnn-conv2d-backward-filter"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let core = &self.core;
+        let problem = core.problem(l1.dims())?;
+        core.check_output_grad(&problem, l2.dims())?;
+        let x = host_f32(core, "input", s1, l1)?;
+        let dy = host_f32(core, "output gradient", s2, l2)?;
+        let dw = core.run_cpu(&problem, ConvOp::BackwardFilter, x, dy)?;
+        Ok((
+            CpuStorage::F32(dw),
+            Shape::from(core.weight_dims().to_vec()),
+        ))
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let core = &self.core;
+        let problem = core.problem(l1.dims())?;
+        core.check_output_grad(&problem, l2.dims())?;
+        let out = cuda::run(core, &problem, ConvOp::BackwardFilter, (s1, l1), (s2, l2))?;
+        Ok((out, Shape::from(core.weight_dims().to_vec())))
+    }
+}
+
+/// A 2-D convolution layer run by mucudnn: a drop-in for `candle_nn::Conv2d` (same weights,
+/// same `forward`), f32, NCHW.
+#[derive(Clone)]
+pub struct Conv2d {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    config: Conv2dConfig,
+    core: Arc<LayerCore>,
+}
+
+impl std::fmt::Debug for Conv2d {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conv2d")
+            .field("name", &self.core.name)
+            .field("weight", &self.weight.shape())
+            .field("bias", &self.bias.as_ref().map(|b| b.shape().clone()))
+            .field("config", &self.config)
+            .field("options", &self.core.options)
+            .finish()
+    }
+}
+
+impl Conv2d {
+    /// A layer over `weight` (`out x in/groups x kh x kw`, f32) and an optional `bias` (`out`),
+    /// as `candle_nn::Conv2d::new`. `cfg.cudnn_fwd_algo` is ignored: mucudnn chooses.
+    pub fn new(
+        weight: Tensor,
+        bias: Option<Tensor>,
+        cfg: Conv2dConfig,
+        options: Conv2dOptions,
+    ) -> candle_core::Result<Self> {
+        let name = options.name.clone().unwrap_or_else(|| "conv2d".to_string());
+        let fail =
+            |message: String| candle_core::Error::Msg(format!("mucudnn conv2d {name}: {message}"));
+        let (k, c_per_group, r, s) = weight.dims4().map_err(|_| {
+            fail(format!(
+                "the weight must be 4-D, it is {:?}",
+                weight.shape()
+            ))
+        })?;
+        if weight.dtype() != DType::F32 {
+            return Err(fail(format!(
+                "the weight is {:?}; only f32 is supported",
+                weight.dtype()
+            )));
+        }
+        if let Some(bias) = &bias {
+            if bias.dims() != [k] || bias.dtype() != DType::F32 {
+                return Err(fail(format!(
+                    "the bias is {:?} {:?}, expected f32 [{k}]",
+                    bias.dtype(),
+                    bias.dims()
+                )));
+            }
+        }
+        let [padding, stride, dilation, groups] =
+            [cfg.padding, cfg.stride, cfg.dilation, cfg.groups].map(|v| v as i64);
+        let mut template = ConvProblem::new(
+            1,
+            c_per_group as i64 * groups,
+            1,
+            1,
+            k as i64,
+            r as i64,
+            s as i64,
+        );
+        (template.pad_h, template.pad_w) = (padding, padding);
+        (template.stride_h, template.stride_w) = (stride, stride);
+        (template.dilation_h, template.dilation_w) = (dilation, dilation);
+        template.groups = groups;
+        // Validate everything but the spatial size (an input large enough for the filter).
+        let reach = |k: i64| dilation * (k - 1) + 1;
+        ConvProblem {
+            h: reach(template.r),
+            w: reach(template.s),
+            ..template
+        }
+        .validate()
+        .map_err(|e| fail(e.to_string()))?;
+        Ok(Conv2d {
+            weight,
+            bias,
+            config: cfg,
+            core: Arc::new(LayerCore {
+                name,
+                template,
+                options,
+                state: Mutex::new(State {
+                    cpu: None,
+                    tunings: Vec::new(),
+                    #[cfg(feature = "candle-cuda")]
+                    cuda: Vec::new(),
+                }),
+            }),
+        })
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    pub fn config(&self) -> &Conv2dConfig {
+        &self.config
+    }
+
+    pub fn options(&self) -> &Conv2dOptions {
+        &self.core.options
+    }
+
+    pub fn name(&self) -> &str {
+        &self.core.name
+    }
+
+    /// The input shapes `(n, h, w)` tuned so far, in the order first seen, with where each
+    /// one's measurements came from (cached or measured). A shape is tuned once per device.
+    pub fn tunings(&self) -> candle_core::Result<Vec<(ShapeKey, CacheStats)>> {
+        Ok(self.core.lock()?.tunings.clone())
+    }
+
+    /// The host plans `[forward, backward-data, backward-filter]` tuned for an input of
+    /// `n x h x w`, if that shape has been seen on the CPU.
+    pub fn cpu_plans(&self, n: i64, h: i64, w: i64) -> candle_core::Result<Option<[Plan; 3]>> {
+        let state = self.core.lock()?;
+        Ok(state
+            .cpu
+            .as_ref()
+            .and_then(|cpu| cpu.plans.get(&(n, h, w)).cloned()))
+    }
+}
+
+impl Module for Conv2d {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.contiguous()?.apply_op2(
+            &self.weight.contiguous()?,
+            ForwardOp {
+                core: self.core.clone(),
+            },
+        )?;
+        match &self.bias {
+            None => Ok(y),
+            Some(bias) => {
+                let k = bias.dims1()?;
+                y.broadcast_add(&bias.reshape((1, k, 1, 1))?)
+            }
+        }
+    }
+}
+
+/// The layer's name: the options', else the `VarBuilder`'s prefix, else `conv2d`.
+fn named(options: Conv2dOptions, vb: &VarBuilder) -> Conv2dOptions {
+    if options.name.is_some() {
+        return options;
+    }
+    let prefix = vb.prefix();
+    let name = if prefix.is_empty() {
+        "conv2d".to_string()
+    } else {
+        prefix
+    };
+    options.with_name(name)
+}
+
+/// As `candle_nn::conv2d`: `weight` (`out x in/groups x k x k`, Kaiming-normal) and `bias`
+/// (`out`, uniform in `±1/sqrt(in)`) from `vb`, the layer run by mucudnn.
+pub fn conv2d(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    cfg: Conv2dConfig,
+    options: Conv2dOptions,
+    vb: VarBuilder,
+) -> candle_core::Result<Conv2d> {
+    let options = named(options, &vb);
+    let weight = load_weight(in_channels, out_channels, kernel_size, &cfg, &options, &vb)?;
+    let bound = 1. / (in_channels as f64).sqrt();
+    let bias = vb.get_with_hints(
+        out_channels,
+        "bias",
+        candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        },
+    )?;
+    Conv2d::new(weight, Some(bias), cfg, options)
+}
+
+/// As `candle_nn::conv2d_no_bias`: only `weight` from `vb`.
+pub fn conv2d_no_bias(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    cfg: Conv2dConfig,
+    options: Conv2dOptions,
+    vb: VarBuilder,
+) -> candle_core::Result<Conv2d> {
+    let options = named(options, &vb);
+    let weight = load_weight(in_channels, out_channels, kernel_size, &cfg, &options, &vb)?;
+    Conv2d::new(weight, None, cfg, options)
+}
+
+fn load_weight(
+    in_channels: usize,
+    out_channels: usize,
+    kernel_size: usize,
+    cfg: &Conv2dConfig,
+    options: &Conv2dOptions,
+    vb: &VarBuilder,
+) -> candle_core::Result<Tensor> {
+    if cfg.groups == 0 || in_channels % cfg.groups != 0 || out_channels % cfg.groups != 0 {
+        return Err(candle_core::Error::Msg(format!(
+            "mucudnn conv2d {}: {in_channels} input and {out_channels} output channels do not \
+             divide into {} groups",
+            options.name.as_deref().unwrap_or("conv2d"),
+            cfg.groups
+        )));
+    }
+    vb.get_with_hints(
+        (
+            out_channels,
+            in_channels / cfg.groups,
+            kernel_size,
+            kernel_size,
+        ),
+        "weight",
+        candle_nn::init::DEFAULT_KAIMING_NORMAL,
+    )
+}

@@ -1,0 +1,92 @@
+//! `mucudnn::candle::Conv2d` on candle's CUDA device (feature `candle-cuda`): the checks of
+//! `tests/candle/checks.rs` on GPU 0, and the training step time of a small CNN against the
+//! same CNN with candle's own convolution (cuDNN when candle-core's `cudnn` feature is on, as
+//! `scripts/gpu/candle_check.sh` builds it). Run with `MUCUDNN_GPU_TESTS=1`; without it each
+//! test says it was skipped.
+
+#[path = "candle/checks.rs"]
+mod checks;
+
+use candle_core::{DType, Device};
+use candle_nn::{Optimizer, VarBuilder, VarMap};
+use mucudnn::backend::cudnn::GPU_TESTS_ENV;
+use std::time::Instant;
+
+fn gpu() -> Option<Device> {
+    if std::env::var(GPU_TESTS_ENV).as_deref() != Ok("1") {
+        eprintln!("skipped: set {GPU_TESTS_ENV}=1 to run the candle CUDA tests");
+        return None;
+    }
+    Some(Device::new_cuda(0).expect("CUDA device 0 (MUCUDNN_GPU_TESTS=1)"))
+}
+
+#[test]
+fn cuda_forward_and_gradients_match_candle_conv2d() {
+    if let Some(dev) = gpu() {
+        checks::forward_and_gradients_match_candle_conv2d(&dev);
+    }
+}
+
+#[test]
+fn cuda_backward_matches_the_f64_reference_where_candle_gets_the_width_wrong() {
+    if let Some(dev) = gpu() {
+        checks::backward_matches_the_f64_reference_where_candle_gets_the_width_wrong(&dev);
+    }
+}
+
+#[test]
+fn cuda_each_shape_is_tuned_once_and_a_second_layer_reads_the_shared_cache() {
+    if let Some(dev) = gpu() {
+        checks::each_shape_is_tuned_once_and_a_second_layer_reads_the_shared_cache(&dev);
+    }
+}
+
+#[test]
+fn cuda_errors_are_values_that_name_the_layer() {
+    if let Some(dev) = gpu() {
+        checks::errors_are_values_that_name_the_layer(&dev);
+    }
+}
+
+#[test]
+fn cuda_a_small_cnn_trains_and_its_sgd_step_matches_candle_convs() {
+    if let Some(dev) = gpu() {
+        checks::a_small_cnn_trains_and_its_sgd_step_matches_candle_convs(&dev);
+    }
+}
+
+/// Median training-step time (forward, backward, SGD) of the checks' CNN, mucudnn's layers
+/// against candle's, on the same batch; printed, not asserted (timings vary by GPU).
+#[test]
+fn cuda_step_time_against_candle_conv() {
+    let Some(dev) = gpu() else { return };
+    let cache = checks::shared_cache();
+    let mut report = Vec::new();
+    for (label, ours) in [("candle conv2d", None), ("mucudnn conv2d", Some(&cache))] {
+        let vm = VarMap::new();
+        let net = checks::Cnn::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), ours).unwrap();
+        let mut sgd = candle_nn::SGD::new(vm.all_vars(), 0.01).unwrap();
+        let (x, labels) = checks::batch(7, &dev).unwrap();
+        let mut times = Vec::new();
+        for step in 0..25 {
+            dev.synchronize().unwrap();
+            let start = Instant::now();
+            let loss = net.loss(&x, &labels).unwrap();
+            sgd.backward_step(&loss).unwrap();
+            dev.synchronize().unwrap();
+            // The first steps tune (mucudnn) or warm up (both).
+            if step >= 5 {
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        report.push(format!(
+            "{label}: median step {:.3} ms",
+            times[times.len() / 2]
+        ));
+    }
+    eprintln!(
+        "step time, checks' CNN (8 x 3 x 9 x 9): {}",
+        report.join("; ")
+    );
+}
