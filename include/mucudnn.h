@@ -363,6 +363,19 @@ void mucudnnFreeString(char *text);
 enum mucudnnStatus_t mucudnnProbe(char **info_json_out);
 
 /**
+ * A byte size from text, as the CLI and mucudnnSolveProfile read it: a number of bytes or a
+ * number with `KiB`, `MiB`, `GiB`, `TiB` (or `K`, `M`, `G`, `T`; powers of 1024). Decimal
+ * suffixes (`MB`) are refused as ambiguous. Thread-safe.
+ *
+ * # Safety
+ *
+ * `text` is NULL (an error) or NUL-terminated; `bytes_out` is NULL (an error) or valid for
+ * writing one uint64_t.
+ */
+enum mucudnnStatus_t mucudnnParseSize(const char *text,
+                                      uint64_t *bytes_out);
+
+/**
  * The version of the libcudnn mucudnn uses (cudnnGetVersion(), e.g. 92600 for 9.26.0),
  * loading it if it is not loaded yet; needs no GPU and no libcuda. mucudnn looks for
  * `libcudnn.so`, then `libcudnn.so.9`, through the dynamic loader's search (LD_LIBRARY_PATH,
@@ -626,8 +639,9 @@ enum mucudnnStatus_t mucudnnTunerGetFingerprint(mucudnnTuner_t tuner,
  * Tunes one layer through the cache: measures what the cache lacks (every candidate at every
  * micro-batch size the policy allows, for the three ops) and solves each op under the
  * per-layer workspace limit. `*result_json_out` gets {"plans": [fwd, bwd_data, bwd_filter],
- * "cached": N, "measured": N}, each plan as {"layer", "problem", "op", "micro_batches":
- * [{"size", "algo", "workspace_bytes", "time_ms"}]} (what mucudnnTunerPrepare takes).
+ * "splits": [...], "cached": N, "measured": N}, each plan as {"layer", "problem", "op",
+ * "micro_batches": [{"size", "algo", "workspace_bytes", "time_ms"}]} (what
+ * mucudnnTunerPrepare takes) and each split its micro-batches as `COUNTxSIZE@algo` runs.
  *
  * `problem_json`: the convolution at the mini-batch size, as in the interchange format's
  * "problem" (docs/PROFILE_FORMAT.md), e.g. {"n": 32, "c": 3, "h": 32, "w": 32, "k": 16,

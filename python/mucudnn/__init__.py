@@ -9,7 +9,7 @@ algorithm that fits, chosen from measurements kept in a persistent tuning cache.
 """
 
 from ._lib import MucudnnError, library_path
-from ._tuner import OPS, PreparedSet, Settings, Tuner, problem, split
+from ._tuner import OPS, PreparedSet, Settings, Tuner, problem
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,6 @@ __all__ = [
     "Tuner",
     "library_path",
     "problem",
-    "split",
     "version",
 ]
 

@@ -118,6 +118,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "mucudnnFreeString": (None, [p]),
         "mucudnnProbe": (c.c_int, [out_s]),
         "mucudnnGetCudnnVersion": (c.c_int, [c.POINTER(c.c_uint64)]),
+        "mucudnnParseSize": (c.c_int, [s, c.POINTER(c.c_uint64)]),
         "mucudnnSolveProfile": (c.c_int, [s, s, out_s]),
         "mucudnnTunerCreate": (c.c_int, [c.POINTER(p), c.c_int32, s]),
         "mucudnnTunerDestroy": (c.c_int, [p]),
@@ -172,6 +173,13 @@ def cudnn_version() -> int:
     return version.value
 
 
+def parse_size(text: str) -> int:
+    """Bytes from ``"64MiB"`` and the like, as the CLI reads sizes (mucudnnParseSize)."""
+    value = ctypes.c_uint64()
+    check(library().mucudnnParseSize(text.encode("utf-8"), ctypes.byref(value)))
+    return value.value
+
+
 def check(status: int) -> None:
     """Raises :class:`MucudnnError` for a failed status, with mucudnn's last error message."""
     if status != 0:
@@ -195,7 +203,3 @@ def call_json(function: str, *args: Any) -> Any:
     out = ctypes.c_void_p()
     check(getattr(library(), function)(*args, ctypes.byref(out)))
     return json.loads(take_string(out))
-
-
-def encode(text: Optional[str]) -> Optional[bytes]:
-    return None if text is None else text.encode("utf-8")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -123,7 +122,6 @@ class Tuner:
         self._lib = lib
         self.device = int(device)
         self._fingerprint: Optional[Dict[str, Any]] = None
-        self._lock = threading.Lock()
 
     def close(self) -> None:
         if self._handle.value:
@@ -143,7 +141,8 @@ class Tuner:
         return self._fingerprint
 
     def tune(self, layer: str, problem: Dict[str, Any], settings: Settings) -> Dict[str, Any]:
-        """Tunes one layer through the cache: ``{"plans": [...], "cached": n, "measured": n}``."""
+        """Tunes one layer through the cache: ``{"plans": [...], "splits": [...], "cached": n,
+        "measured": n}`` (each split a plan's ``COUNTxSIZE@algo`` runs)."""
         return _lib.call_json(
             "mucudnnTunerTune",
             self._handle,
@@ -222,15 +221,3 @@ class Tuner:
         if status:
             _lib.check(status)
 
-
-def split(plan: Dict[str, Any]) -> str:
-    """A plan's micro-batches as ``COUNTxSIZE@algo`` runs, e.g. ``2x16@algo1 + 1x32@eng0_k2=1``."""
-    runs: List[List[Any]] = []
-    for micro in plan["micro_batches"]:
-        algo = micro["algo"]
-        name = f"algo{algo}" if isinstance(algo, int) else str(algo)
-        if runs and runs[-1][1] == micro["size"] and runs[-1][2] == name:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, micro["size"], name])
-    return " + ".join(f"{count}x{size}@{name}" for count, size, name in runs)

@@ -1,16 +1,12 @@
 """Shared fixtures: every test gets its own cache file, so tests never read each other's (or
 the user's) measurements."""
 
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
-    """Points mucudnn's default cache (and the runtime folder) at this test's tmp dir."""
+    """Points mucudnn's default cache at a file in this test's tmp dir."""
     path = tmp_path / "cache.sqlite"
     monkeypatch.setenv("MUCUDNN_CACHE", str(path))
     return path

@@ -150,6 +150,9 @@ pub struct NamedProblem {
 pub struct TuneResult {
     /// `[forward, backward-data, backward-filter]`.
     pub plans: Vec<Plan>,
+    /// Each plan's micro-batches as `COUNTxSIZE@algo` runs ([`Plan::split_string`]), in the
+    /// order of `plans`.
+    pub splits: Vec<String>,
     /// (size, candidate kind) measurements read from the cache and measured by this call
     /// (both 0 when the solved plans themselves were cached).
     pub cached: usize,
@@ -331,6 +334,7 @@ impl Tuner {
             );
         }
         Ok(TuneResult {
+            splits: plans.iter().map(Plan::split_string).collect(),
             plans: plans.to_vec(),
             cached: stats.cached,
             measured: stats.measured,

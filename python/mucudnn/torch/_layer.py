@@ -3,23 +3,23 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _lib
+from .._lib import MucudnnError
 from .._tuner import Settings
 from . import _ops, _runtime
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_size(value: Union[int, str, None]) -> Optional[int]:
-    """Bytes from an int, ``"64MiB"`` (or ``K``/``M``/``G``/``T``, powers of 1024), or ``None``
-    / ``"unlimited"`` for no limit. Decimal units (``"64MB"``) are refused as ambiguous."""
+    """Bytes from an int, ``"64MiB"`` (or ``K``/``M``/``G``/``T``, powers of 1024; parsed by the
+    library, as the CLI parses sizes), or ``None`` / ``"unlimited"`` for no limit. Decimal units
+    (``"64MB"``) are refused as ambiguous."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -31,20 +31,10 @@ def parse_size(value: Union[int, str, None]) -> Optional[int]:
     if isinstance(value, str):
         if value.strip().lower() in ("unlimited", "none"):
             return None
-        match = _SIZE.match(value)
-        if match:
-            number, unit = match.group(1), (match.group(2) or "").upper()
-            if unit.endswith("B") and len(unit) == 2 and not unit.endswith("IB"):
-                raise ValueError(
-                    f"workspace_limit {value!r}: write {unit[0]}iB (powers of 1024); decimal "
-                    "units are ambiguous"
-                )
-            scale = _UNITS[unit[:1]] if unit else 1
-            bytes_ = float(number) * scale
-            if bytes_ != int(bytes_):
-                raise ValueError(f"workspace_limit {value!r} is not a whole number of bytes")
-            return int(bytes_)
-        raise ValueError(f"workspace_limit {value!r}: give bytes or a size like '64MiB'")
+        try:
+            return _lib.parse_size(value)
+        except MucudnnError as e:
+            raise ValueError(f"workspace_limit: {e}") from None
     raise TypeError(f"workspace_limit must be bytes or a size string, not {type(value).__name__}")
 
 

@@ -83,10 +83,10 @@ class PlanReport:
 def report_of(key: ShapeKey, result: Dict[str, Any], seconds: float) -> PlanReport:
     device_type, index, dtype, layout, shape = key
     ops = {}
-    for plan in result["plans"]:
+    for plan, split in zip(result["plans"], result["splits"]):
         micro = plan["micro_batches"]
         ops[plan["op"]] = {
-            "split": _tuner.split(plan),
+            "split": split,
             "algorithms": sorted({str(m["algo"]) for m in micro}),
             "time_ms": sum(m["time_ms"] for m in micro),
             "workspace_bytes": max((m["workspace_bytes"] for m in micro), default=0),

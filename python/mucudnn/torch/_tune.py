@@ -225,11 +225,11 @@ def _deal(tuner, settings: Settings, members, rank: int, world: int, summary, ve
 def _agree(tuner, results, rank: int, verbose: bool) -> None:
     """Step 3: adopt the plans of the lowest rank with this rank's fingerprint."""
     fingerprint = tuner.fingerprint()
-    mine = [result["plans"] for _, _, result, _ in results]
+    mine = [(result["plans"], result.get("splits")) for _, _, result, _ in results]
     everyone = _all_gather({"fingerprint": fingerprint, "plans": mine})
     leader = next(r for r, info in enumerate(everyone) if info["fingerprint"] == fingerprint)
-    for (layer, key, result, seconds), plans in zip(results, everyone[leader]["plans"]):
-        agreed = dict(result, plans=plans)
+    for (layer, key, result, seconds), (plans, splits) in zip(results, everyone[leader]["plans"]):
+        agreed = dict(result, plans=plans, splits=splits)
         if plans is None:
             agreed.setdefault("fallback", "no plan on the group's lowest rank")
         _adopt(layer, key, agreed, seconds, verbose and rank == 0)
