@@ -7,7 +7,7 @@ use super::*;
 /// A 4-D tensor descriptor: logical dims `[n, c, h, w]`, packed in `layout`.
 pub struct TensorDescriptor {
     pub(super) raw: dnn_sys::cudnnTensorDescriptor_t,
-    pub(super) dims: [i32; 4],
+    dims: [i32; 4],
 }
 
 impl TensorDescriptor {
@@ -56,7 +56,7 @@ impl Drop for TensorDescriptor {
 /// (NCHW: KCRS; NHWC: KRSC).
 pub struct FilterDescriptor {
     pub(super) raw: dnn_sys::cudnnFilterDescriptor_t,
-    pub(super) dims: [i32; 4],
+    dims: [i32; 4],
 }
 
 impl FilterDescriptor {
@@ -140,7 +140,7 @@ impl Drop for ConvolutionDescriptor {
 /// tied to a handle or device.
 pub struct ConvDescriptors {
     pub(super) id: u64,
-    pub(super) problem: ConvProblem,
+    problem: ConvProblem,
     pub(super) shapes: ConvShapes,
     pub(super) input: TensorDescriptor,
     pub(super) filter: FilterDescriptor,

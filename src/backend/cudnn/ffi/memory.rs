@@ -49,17 +49,17 @@ pub(super) struct ViewParts<'a> {
 pub struct DeviceView<'a> {
     pub(super) parts: ViewParts<'a>,
     /// Records the buffer's read event on drop (after the work using the view is issued).
-    pub(super) _sync: SyncOnDrop<'a>,
+    _sync: SyncOnDrop<'a>,
 }
 
 /// A writable window of a [`DeviceBuffer`]; it borrows the buffer mutably, so nothing else
 /// reads or writes the buffer meanwhile. Made only by [`DeviceBuffer::view_mut`].
 pub struct DeviceViewMut<'a> {
-    pub(super) ptr: u64,
-    pub(super) len: usize,
-    pub(super) dtype: DType,
-    pub(super) stream: &'a CudaStream,
-    pub(super) _sync: SyncOnDrop<'a>,
+    ptr: u64,
+    len: usize,
+    dtype: DType,
+    stream: &'a CudaStream,
+    _sync: SyncOnDrop<'a>,
 }
 
 impl DeviceViewMut<'_> {
@@ -118,7 +118,7 @@ impl DeviceBuffer {
         self.len * self.dtype.size_bytes()
     }
 
-    pub(super) fn check_range(
+    fn check_range(
         &self,
         call: &'static str,
         offset: usize,
@@ -258,10 +258,10 @@ impl std::fmt::Debug for Workspace {
 
 /// A byte range of a [`Workspace`] (or no workspace at all), borrowed mutably.
 pub struct WorkspaceView<'a> {
-    pub(super) ptr: u64,
+    ptr: u64,
     pub(super) bytes: u64,
     pub(super) stream: Option<&'a CudaStream>,
-    pub(super) _sync: Option<SyncOnDrop<'a>>,
+    _sync: Option<SyncOnDrop<'a>>,
 }
 
 impl WorkspaceView<'static> {
