@@ -186,7 +186,7 @@ fn op_index(op: ConvOp) -> usize {
 struct CudaState {
     ordinal: usize,
     tuning: Option<CudnnBackend>,
-    exec: Option<CudnnHandle>,
+    exec: CudnnHandle,
 }
 
 // SAFETY: a `CudaState` holds cuDNN handles (and, through prepared plans in the same tuner, `Rc`
@@ -206,7 +206,6 @@ enum DeviceState {
 
 /// What a `mucudnnTuner_t` refers to.
 pub struct Tuner {
-    device: TunerDevice,
     state: DeviceState,
     cache: Cache,
     verbose: bool,
@@ -269,7 +268,7 @@ impl Tuner {
                 DeviceState::Cuda(Box::new(CudaState {
                     ordinal,
                     tuning: None,
-                    exec: Some(exec),
+                    exec,
                 }))
             }
         };
@@ -279,7 +278,6 @@ impl Tuner {
                 .map_err(|e| invalid(format!("options_json cache: {e}")))?,
         };
         Ok(Tuner {
-            device,
             state,
             cache,
             verbose,
@@ -439,7 +437,7 @@ impl Tuner {
                 (PreparedSet::Cpu { plans }, workspace)
             }
             DeviceState::Cuda(cuda) => {
-                let exec = cuda.exec.as_ref().expect("a GPU tuner has its handle");
+                let exec = &cuda.exec;
                 let _context = save_current_context()?;
                 let [a, b, c] = plans;
                 let prepared = [
@@ -537,7 +535,7 @@ impl Tuner {
             }
             (PreparedSet::Cuda { plans }, DeviceState::Cuda(cuda)) => {
                 let prepared = &plans[op_index(op)];
-                let exec = cuda.exec.as_ref().expect("a GPU tuner has its handle");
+                let exec = &cuda.exec;
                 let dtype = problem.dtype;
                 let layer = &prepared.plan().layer;
                 let context = |e: crate::backend::cudnn::CudnnError| {
@@ -566,7 +564,10 @@ impl Tuner {
     }
 
     pub fn device(&self) -> TunerDevice {
-        self.device
+        match &self.state {
+            DeviceState::Cpu { .. } => TunerDevice::Cpu,
+            DeviceState::Cuda(cuda) => TunerDevice::Cuda(cuda.ordinal),
+        }
     }
 }
 
