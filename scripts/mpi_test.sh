@@ -17,7 +17,7 @@ skip() { echo "skipped: $*"; exit 77; }
 need_packages=()
 command -v mpirun >/dev/null 2>&1 || need_packages+=(openmpi-bin)
 command -v mpicc >/dev/null 2>&1 || need_packages+=(libopenmpi-dev)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_packages+=(libclang-dev)
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || need_packages+=(libclang-dev)
 if [ ${#need_packages[@]} -gt 0 ]; then
   command -v apt-get >/dev/null 2>&1 || skip "MPI is missing (${need_packages[*]}) and there is no apt-get"
   sudo=""
