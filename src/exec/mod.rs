@@ -6,7 +6,8 @@
 //! Forward and backward-data write disjoint slices of their output, so every micro-batch uses
 //! the caller's `beta`. Backward-filter sums over the batch into one filter gradient: the first
 //! micro-batch uses the caller's `beta`, the later ones `beta = 1` (µ-cuDNN passed the caller's
-//! beta to every micro-batch, which loses gradients when beta = 0).
+//! beta to every micro-batch, which loses gradients when beta = 0). On the CPU a fp16/bf16
+//! backward-filter split sums its micro-batches in fp32 instead and rounds `dw` once.
 //!
 //! That stepping ([`steps`](crate::solver::steps), with the operand roles, in the pure solver
 //! crate so that the backends use it too) is shared by the CPU executor here and the cuDNN
