@@ -25,6 +25,7 @@ import atexit
 import ctypes
 import json
 import os
+import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -132,14 +133,17 @@ def _process_runtime_dir(library: Path) -> Path:
     folders of processes that died without removing theirs are removed here)."""
     base = _runtime_base()
     base.mkdir(parents=True, exist_ok=True)
-    for stale in base.glob("pid-*"):
+    # Named by host too: a process of another machine or container sharing this cache is
+    # never judged dead by its pid here.
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+    for stale in base.glob(f"pid-*-{host}-*"):
         try:
             pid = int(stale.name.split("-")[1])
         except (IndexError, ValueError):
             continue
         if pid != os.getpid() and not _pid_alive(pid):
             _remove_folder(stale)
-    folder = Path(tempfile.mkdtemp(prefix=f"pid-{os.getpid()}-", dir=base))
+    folder = Path(tempfile.mkdtemp(prefix=f"pid-{os.getpid()}-{host}-", dir=base))
     atexit.register(_remove_folder, folder)
     (folder / _LIBRARY_NAME).symlink_to(library.resolve())
     return folder

@@ -168,3 +168,24 @@ def test_a_cuda_tuner_refuses_two_libcudnn_copies(tmp_path):
     assert "2 different libcudnn libraries are loaded" in info["tuner"], info
     for path in info["libcudnn_files"]:
         assert path in info["tuner"] or os.path.basename(path) in info["tuner"], info
+
+
+def test_runtime_folders_are_removed_at_exit_and_swept_when_stale(tmp_path):
+    import socket
+
+    base = tmp_path / "xdg" / "mucudnn" / "runtime"
+    base.mkdir(parents=True)
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+    dead = next(pid for pid in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{pid}"))
+    stale = base / f"pid-{dead}-{host}-abc"
+    stale.mkdir()
+    (stale / "libmucudnn.so").symlink_to("/nonexistent")
+    other_host = base / f"pid-{dead}-another_machine-abc"
+    other_host.mkdir()
+    script = "import json, mucudnn\nfrom mucudnn import _lib\nmucudnn.version()\n" \
+             "print(json.dumps({'folder': str(_lib.library_path().parent)}))"
+    info = run(tmp_path, script)
+    assert Path(info["folder"]).parent == base, info
+    assert not Path(info["folder"]).exists(), "the process's own folder outlived it"
+    assert not stale.exists(), "a dead process's folder was not swept"
+    assert other_host.exists(), "another host's folder was judged by a local pid"
