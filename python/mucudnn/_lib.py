@@ -99,7 +99,7 @@ _runtime_folder: Optional[Path] = None  # the folder the library was loaded from
 _cudnn_linked = False  # the folder's libcudnn.so link exists (set once)
 
 #: The C functions that may load libcudnn (the first time one runs, mucudnn's lookup happens).
-_CUDNN_LOADERS = ("mucudnnProbe", "mucudnnGetCudnnVersion", "mucudnnTunerCreate", "mucudnnCreate")
+_CUDNN_LOADERS = ("mucudnnProbe", "mucudnnGetCudnnVersion", "mucudnnTunerCreate")
 
 
 def _runtime_base() -> Path:
