@@ -5,22 +5,28 @@ Every call returns a status; a failure raises :class:`MucudnnError` with mucudnn
 are copied and freed at once.
 
 Which libcudnn mucudnn uses: mucudnn loads cuDNN at run time by name, trying ``libcudnn.so``
-before ``libcudnn.so.9``. In a process where torch has already loaded its own
+before ``libcudnn.so.9``, and only when it first needs it (a CUDA tuner, the probe, the cuDNN
+version), not when the library is loaded. In a process where torch has loaded its own
 ``libcudnn.so.9`` (the pip wheels' copy), a system ``libcudnn.so`` elsewhere would be a second,
-different cuDNN, and handles could not be shared with torch. So when a libcudnn is already
-mapped into the process, the library is loaded from a small folder in the user's cache holding
-two links: ``libmucudnn.so`` (to the installed library) and ``libcudnn.so`` (to the libcudnn
-already loaded). The library is built with ``RUNPATH=$ORIGIN``, so its lookup of
-``libcudnn.so`` finds that link first and the dynamic loader hands back the copy torch loaded.
+different cuDNN, and handles could not be shared with torch. So the library is loaded from a
+folder of this process (under the user's cache) holding a link ``libmucudnn.so`` -> the installed
+library; the library is built with ``RUNPATH=$ORIGIN``. Just before each call that may load
+cuDNN (:func:`use_loaded_cudnn`), the folder gains a link ``libcudnn.so`` to the libcudnn
+already mapped into the process, if there is one, so that mucudnn's lookup finds that link first
+and the dynamic loader hands back the copy torch loaded, whether torch was imported before or
+after the library was loaded. A CUDA tuner refuses to work when two different libcudnn files
+are mapped anyway (an ``LD_LIBRARY_PATH`` naming another cuDNN is searched first).
 ``MUCUDNN_LIBRARY`` names a library to load instead of the installed one.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
-import hashlib
 import json
 import os
+import socket
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -89,22 +95,88 @@ def loaded_libcudnn() -> Optional[Path]:
     return None
 
 
-def _runtime_dir(library: Path, cudnn: Path) -> Path:
-    """A folder with ``libmucudnn.so`` -> ``library`` and ``libcudnn.so`` -> ``cudnn``."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mucudnn" / "runtime"
-    key = hashlib.sha256(f"{library.resolve()}\0{cudnn.resolve()}".encode()).hexdigest()[:16]
-    folder = base / key
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, target in ((_LIBRARY_NAME, library.resolve()), ("libcudnn.so", cudnn.resolve())):
-        link = folder / name
-        if link.is_symlink() and Path(os.readlink(link)) == target:
+_runtime_folder: Optional[Path] = None  # the folder the library was loaded from
+_cudnn_linked = False  # the folder's libcudnn.so link exists (set once)
+
+#: The C functions that may load libcudnn (the first time one runs, mucudnn's lookup happens).
+_CUDNN_LOADERS = ("mucudnnProbe", "mucudnnGetCudnnVersion", "mucudnnTunerCreate")
+
+
+def _runtime_base() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mucudnn" / "runtime"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _remove_folder(folder: Path) -> None:
+    for entry in (folder / _LIBRARY_NAME, folder / "libcudnn.so"):
+        try:
+            entry.unlink()
+        except OSError:
+            pass
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
+def _process_runtime_dir(library: Path) -> Path:
+    """This process's folder holding ``libmucudnn.so`` -> ``library`` (removed at exit; the
+    folders of processes that died without removing theirs are removed here)."""
+    base = _runtime_base()
+    base.mkdir(parents=True, exist_ok=True)
+    # Named by host too: a process of another machine or container sharing this cache is
+    # never judged dead by its pid here.
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+    for stale in base.glob(f"pid-*-{host}-*"):
+        try:
+            pid = int(stale.name.split("-")[1])
+        except (IndexError, ValueError):
             continue
-        temporary = folder / f".{name}.{os.getpid()}"
-        if temporary.is_symlink() or temporary.exists():
-            temporary.unlink()
-        temporary.symlink_to(target)
-        os.replace(temporary, link)  # atomic: concurrent processes agree
+        if pid != os.getpid() and not _pid_alive(pid):
+            _remove_folder(stale)
+    folder = Path(tempfile.mkdtemp(prefix=f"pid-{os.getpid()}-{host}-", dir=base))
+    atexit.register(_remove_folder, folder)
+    (folder / _LIBRARY_NAME).symlink_to(library.resolve())
     return folder
+
+
+def use_loaded_cudnn() -> None:
+    """Makes mucudnn's coming lookup of ``libcudnn.so`` find the libcudnn already mapped into
+    this process (torch's), if any: a link in the folder the library was loaded from. Runs
+    before every C function that may load cuDNN; once the link exists it does nothing (after
+    mucudnn has loaded a libcudnn, a later link would not change which one it uses)."""
+    global _cudnn_linked
+    if _cudnn_linked or _runtime_folder is None:
+        return
+    cudnn = loaded_libcudnn()
+    if cudnn is None:
+        return
+    link = _runtime_folder / "libcudnn.so"
+    try:
+        link.symlink_to(cudnn.resolve())
+    except FileExistsError:
+        pass
+    except OSError:
+        return  # mucudnn finds cuDNN by its own search (and a tuner refuses two copies)
+    _cudnn_linked = True
+
+
+def _loading_cudnn(function: Any) -> Any:
+    def call(*args: Any) -> Any:
+        use_loaded_cudnn()
+        return function(*args)
+
+    call.__name__ = function.__name__
+    return call
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -138,23 +210,24 @@ def _declare(lib: ctypes.CDLL) -> None:
         function = getattr(lib, name)
         function.restype = restype
         function.argtypes = argtypes
+        if name in _CUDNN_LOADERS:
+            setattr(lib, name, _loading_cudnn(function))
 
 
 def library() -> ctypes.CDLL:
     """The loaded library (loaded on first use; see the module docs for which libcudnn)."""
-    global _library, _library_path
+    global _library, _library_path, _runtime_folder
     with _lock:
         if _library is None:
             path = _installed_library()
-            cudnn = loaded_libcudnn()
-            if cudnn is not None:
-                try:
-                    path = _runtime_dir(path, cudnn) / _LIBRARY_NAME
-                except OSError:
-                    pass  # no writable cache: mucudnn finds cuDNN by its own search
+            try:
+                folder = _process_runtime_dir(path)
+                path = folder / _LIBRARY_NAME
+            except OSError:
+                folder = None  # no writable cache: mucudnn finds cuDNN by its own search
             lib = ctypes.CDLL(str(path))
             _declare(lib)
-            _library, _library_path = lib, path
+            _library, _library_path, _runtime_folder = lib, path, folder
         return _library
 
 

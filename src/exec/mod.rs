@@ -6,7 +6,8 @@
 //! Forward and backward-data write disjoint slices of their output, so every micro-batch uses
 //! the caller's `beta`. Backward-filter sums over the batch into one filter gradient: the first
 //! micro-batch uses the caller's `beta`, the later ones `beta = 1` (µ-cuDNN passed the caller's
-//! beta to every micro-batch, which loses gradients when beta = 0).
+//! beta to every micro-batch, which loses gradients when beta = 0). On the CPU a fp16/bf16
+//! backward-filter split sums its micro-batches in fp32 instead and rounds `dw` once.
 //!
 //! That stepping ([`steps`](crate::solver::steps), with the operand roles, in the pure solver
 //! crate so that the backends use it too) is shared by the CPU executor here and the cuDNN
@@ -18,7 +19,7 @@ pub mod cudnn;
 pub mod verify;
 
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
-use crate::solver::{operand_roles, steps, ConvOp, Plan};
+use crate::solver::{operand_roles, steps, ConvOp, DType, Plan};
 
 /// Why a plan could not be executed.
 #[derive(Debug, thiserror::Error)]
@@ -133,6 +134,22 @@ pub fn execute_cpu<T: Element>(
     }
     let roles = operand_roles(plan.op);
     let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
+    // Half-precision backward-filter over several micro-batches: each micro-batch's gradient
+    // is written once in the dtype (beta = 0) and summed in fp32, and `dw` is rounded once at
+    // the end, instead of rounding the running sum k times through beta = 1 (issue 21,
+    // item 10: docs/pytorch.md has the measured errors). The two buffers are made before the
+    // loop, which still allocates nothing.
+    let mut half_sum = (plan.op == ConvOp::BackwardFilter
+        && T::DTYPE != DType::Fp32
+        && plan.micro_batches.len() > 1)
+        .then(|| {
+            let sum: Vec<f32> = if beta == 0.0 {
+                vec![0.0; out.len()]
+            } else {
+                out.iter().map(|v| beta * v.to_f32()).collect()
+            };
+            (sum, vec![T::from_f32(0.0); out.len()])
+        });
     for step in steps(plan, beta) {
         let algo = step
             .algo
@@ -145,6 +162,16 @@ pub fn execute_cpu<T: Element>(
         };
         let micro = plan.problem.with_batch(step.size as i64);
         let (ra, rb, ro) = (slice(0), slice(1), slice(2));
+        if let Some((sum, partial)) = &mut half_sum {
+            cpu::run(
+                &micro, plan.op, algo, alpha, &a[ra], &b[rb], 0.0, partial, workspace,
+            )
+            .map_err(cpu_error)?;
+            for (s, p) in sum.iter_mut().zip(partial.iter()) {
+                *s += p.to_f32();
+            }
+            continue;
+        }
         cpu::run(
             &micro,
             plan.op,
@@ -157,6 +184,11 @@ pub fn execute_cpu<T: Element>(
             workspace,
         )
         .map_err(cpu_error)?;
+    }
+    if let Some((sum, _)) = half_sum {
+        for (o, s) in out.iter_mut().zip(sum) {
+            *o = T::from_f32(s);
+        }
     }
     Ok(())
 }

@@ -24,7 +24,8 @@ use super::error::{invalid, FfiError};
 use super::solve::size_option;
 use crate::backend::cpu;
 use crate::backend::cudnn::{
-    save_current_context, CudnnHandle, RawDeviceView, RawDeviceViewMut, RawWorkspace,
+    check_one_libcudnn, save_current_context, CudnnHandle, CurrentContextGuard,
+    DropInCallerContext, RawDeviceView, RawDeviceViewMut, RawWorkspace,
 };
 use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
@@ -200,8 +201,11 @@ unsafe impl Send for CudaState {}
 // One per tuner: the size of a variant does not matter.
 #[allow(clippy::large_enum_variant)]
 enum DeviceState {
-    Cpu { backend: CpuBackend },
-    Cuda(Box<CudaState>),
+    Cpu {
+        backend: CpuBackend,
+    },
+    /// Its handles bind the GPU's context to be destroyed; the caller's is restored after.
+    Cuda(DropInCallerContext<Box<CudaState>>),
 }
 
 /// What a `mucudnnTuner_t` refers to.
@@ -263,13 +267,15 @@ impl Tuner {
                 backend: CpuBackend::new(),
             },
             TunerDevice::Cuda(ordinal) => {
+                // Plans made by one libcudnn must never run on another's objects.
+                check_one_libcudnn()?;
                 let _context = save_current_context()?;
                 let exec = CudnnHandle::new(ordinal)?;
-                DeviceState::Cuda(Box::new(CudaState {
+                DeviceState::Cuda(DropInCallerContext::new(Box::new(CudaState {
                     ordinal,
                     tuning: None,
                     exec,
-                }))
+                })))
             }
         };
         let cache = match cache {
@@ -453,8 +459,18 @@ impl Tuner {
         Ok(((self.prepared.len() - 1) as u64, workspace))
     }
 
+    /// On a GPU, the caller's current context, restored when the guard drops (destroying plans
+    /// and handles binds the GPU's own); `None` on the CPU or without a driver.
+    fn caller_context(&self) -> Option<CurrentContextGuard> {
+        match self.state {
+            DeviceState::Cpu { .. } => None,
+            DeviceState::Cuda(_) => save_current_context().ok(),
+        }
+    }
+
     /// Frees a prepared set (its id is not reused).
     pub fn release(&mut self, id: u64) -> Result<(), FfiError> {
+        let _context = self.caller_context();
         let slot = self
             .prepared
             .get_mut(id as usize)
@@ -568,6 +584,14 @@ impl Tuner {
             DeviceState::Cpu { .. } => TunerDevice::Cpu,
             DeviceState::Cuda(cuda) => TunerDevice::Cuda(cuda.ordinal),
         }
+    }
+}
+
+impl Drop for Tuner {
+    fn drop(&mut self) {
+        // The plans first, in the caller's context; the GPU state restores it itself.
+        let _context = self.caller_context();
+        self.prepared.clear();
     }
 }
 

@@ -12,7 +12,7 @@ from torch import nn
 from .. import _lib
 from .._lib import MucudnnError
 from .._tuner import Settings
-from . import _ops, _runtime
+from . import _autocast, _ops, _runtime
 
 
 
@@ -183,7 +183,7 @@ class Conv2d(nn.Conv2d):
                 f"{name}: input has {input.shape[1]} channels, the layer expects "
                 f"{self.in_channels} (input shape {tuple(input.shape)})"
             )
-        if input.dtype != self.weight.dtype:
+        if input.dtype != self.weight.dtype and not _autocast.enabled_for(input.device):
             raise TypeError(
                 f"{name}: input is {input.dtype} but the weight is {self.weight.dtype}; convert "
                 "one of them (e.g. model.to(dtype) or torch.autocast)"

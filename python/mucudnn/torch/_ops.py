@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from . import _runtime
+from . import _autocast, _runtime
 
 
 def _empty_like_layout(input: Tensor, shape) -> Tensor:
@@ -158,3 +158,8 @@ def _backward_filter_backward(ctx, grad):
 conv2d.register_autograd(_conv2d_backward, setup_context=_conv2d_setup)
 conv2d_backward_data.register_autograd(_backward_data_backward, setup_context=_backward_setup)
 conv2d_backward_filter.register_autograd(_backward_filter_backward, setup_context=_backward_setup)
+
+# Under torch.autocast the ops run in the autocast dtype, as nn.Conv2d does (see _autocast).
+_autocast.register(
+    ["mucudnn::conv2d", "mucudnn::conv2d_backward_data", "mucudnn::conv2d_backward_filter"]
+)

@@ -54,6 +54,7 @@ use std::sync::{Arc, OnceLock};
 
 #[cfg(feature = "candle-cuda")]
 mod candle;
+mod context;
 mod descriptors;
 mod foreign;
 mod gates;
@@ -63,12 +64,13 @@ mod stream;
 
 #[cfg(feature = "candle-cuda")]
 pub use candle::CandleLayerDevice;
+pub use context::{save_current_context, CurrentContextGuard, DropInCallerContext};
 pub use descriptors::{ConvDescriptors, ConvolutionDescriptor, FilterDescriptor, TensorDescriptor};
 pub use foreign::{
-    read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
-    save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard, DataTypeCode,
-    FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
-    RawDeviceViewMut, TensorDescriptorInfo,
+    check_one_libcudnn, read_convolution_descriptor, read_filter_descriptor,
+    read_tensor_descriptor, ConvolutionDescriptorInfo, DataTypeCode, FilterDescriptorInfo,
+    ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView, RawDeviceViewMut,
+    TensorDescriptorInfo,
 };
 #[cfg(all(feature = "train", not(feature = "cudarc-linked")))]
 pub(crate) use gates::candidates;

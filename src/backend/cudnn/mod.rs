@@ -157,6 +157,15 @@ pub use ffi::{
     broken_graph_on_device, heuristic_plan_workspaces, heuristic_plan_workspaces_on_device,
     BrokenGraph,
 };
+/// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
+/// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
+/// workspace mucudnn allocates for it.
+pub use ffi::{
+    check_one_libcudnn, read_convolution_descriptor, read_filter_descriptor,
+    read_tensor_descriptor, save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard,
+    DataTypeCode, DropInCallerContext, FilterDescriptorInfo, ForeignHandle, ForeignSession,
+    ForeignWorkspace, RawDeviceView, RawDeviceViewMut, TensorDescriptorInfo,
+};
 #[cfg(feature = "train")]
 pub(crate) use ffi::{
     cudnn as require_cudnn, driver as require_driver, driver_error, status_error, warn_drop,
@@ -170,15 +179,6 @@ pub use ffi::{engine_configs, engine_configs_with_alignments, graph_api_status, 
 pub use ffi::{
     engine_configs_on_device, plan_on_device, DeviceDescription, DevicePlan,
     DEVICE_DESCRIPTION_MIN_VERSION,
-};
-/// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
-/// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
-/// workspace mucudnn allocates for it.
-pub use ffi::{
-    read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
-    save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard, DataTypeCode,
-    FilterDescriptorInfo, ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView,
-    RawDeviceViewMut, TensorDescriptorInfo,
 };
 /// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
 pub use ffi::{RawWorkspace, StreamSession};

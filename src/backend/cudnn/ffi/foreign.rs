@@ -292,15 +292,20 @@ pub unsafe fn read_convolution_descriptor(
 /// The distinct `libcudnn.so*` files mapped into this process (`/proc/self/maps`), as
 /// `(device:inode, path)`; empty where there is no `/proc`.
 fn loaded_libcudnn_files() -> Vec<(String, String)> {
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return Vec::new();
-    };
+    match std::fs::read_to_string("/proc/self/maps") {
+        Ok(maps) => libcudnn_files_in(&maps),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The distinct `libcudnn.so*` files in a `/proc/<pid>/maps` text, as `(device:inode, path)`:
+/// one file mapped under two paths (a link) is one file.
+fn libcudnn_files_in(maps: &str) -> Vec<(String, String)> {
     let mut found: Vec<(String, String)> = Vec::new();
     for line in maps.lines() {
         // address perms offset dev inode path
-        let mut fields = line.splitn(6, char::is_whitespace);
-        let (Some(_), Some(_), Some(_), Some(dev), Some(inode), Some(path)) = (
-            fields.next(),
+        let mut fields = line.split_whitespace();
+        let (Some(_), Some(_), Some(_), Some(dev), Some(inode)) = (
             fields.next(),
             fields.next(),
             fields.next(),
@@ -309,8 +314,8 @@ fn loaded_libcudnn_files() -> Vec<(String, String)> {
         ) else {
             continue;
         };
-        let path = path.trim();
-        let name = path.rsplit('/').next().unwrap_or(path);
+        let path = fields.collect::<Vec<_>>().join(" ");
+        let name = path.rsplit('/').next().unwrap_or(&path);
         if name == "libcudnn.so" || name.starts_with("libcudnn.so.") {
             let id = format!("{dev}:{inode}");
             if !found.iter().any(|(seen, _)| *seen == id) {
@@ -324,7 +329,11 @@ fn loaded_libcudnn_files() -> Vec<(String, String)> {
 /// Errors when more than one libcudnn is loaded: a handle made by one copy of cuDNN would be
 /// read as garbage by the other. (mucudnn loads libcudnn through cudarc, which tries
 /// `libcudnn.so` before `libcudnn.so.9`; a framework's own copy is usually found by its soname.)
-fn check_one_libcudnn() -> Result<(), CudnnError> {
+/// Every path that hands mucudnn's cuDNN objects to a caller's stream or handle checks it: a
+/// caller's handle ([`ForeignHandle::new`]) and a GPU tuner (`crate::ffi::tuner`).
+/// Loads mucudnn's own libcudnn first (the cuDNN gate), so that it is among those counted.
+pub fn check_one_libcudnn() -> Result<(), CudnnError> {
+    cudnn()?;
     let files = loaded_libcudnn_files();
     if files.len() > 1 {
         let paths: Vec<&str> = files.iter().map(|(_, path)| path.as_str()).collect();
@@ -344,45 +353,7 @@ fn check_one_libcudnn() -> Result<(), CudnnError> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Contexts
-
-/// Restores this thread's current CUDA context when dropped. Code that binds a context of its
-/// own (the tuning backend binds the device's primary context) runs inside one, so that a C
-/// caller finds its own context current afterwards.
-pub struct CurrentContextGuard {
-    saved: drv_sys::CUcontext,
-}
-
-impl std::fmt::Debug for CurrentContextGuard {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CurrentContextGuard")
-            .finish_non_exhaustive()
-    }
-}
-
-/// Saves this thread's current CUDA context (possibly none) until the guard is dropped.
-pub fn save_current_context() -> Result<CurrentContextGuard, CudnnError> {
-    driver()?;
-    let mut saved = ptr::null_mut();
-    // SAFETY: the driver gate has passed; one output pointer to a live local.
-    unsafe { drv_sys::cuCtxGetCurrent(&mut saved) }
-        .result()
-        .map_err(drv_err("cuCtxGetCurrent"))?;
-    Ok(CurrentContextGuard { saved })
-}
-
-impl Drop for CurrentContextGuard {
-    fn drop(&mut self) {
-        // SAFETY: `saved` was current on this thread when the guard was made (or null, which
-        // unbinds); making it current again is what the thread had before.
-        if let Err(e) = unsafe { drv_sys::cuCtxSetCurrent(self.saved) }.result() {
-            warn_cleanup(
-                "cuCtxSetCurrent",
-                &super::driver_error("cuCtxSetCurrent", e),
-            );
-        }
-    }
-}
+// Contexts (the caller's current context is saved and restored by `super::context`)
 
 /// The context of `stream` (the current context for the null stream) and its device ordinal.
 ///
@@ -1050,5 +1021,60 @@ impl ForeignSession<'_> {
         //   null and 0), at least what cuDNN requires (checked above), freed only after the
         //   context has finished its work.
         unsafe { raw_convolve(self.handle.cudnn, d, op, algo, which, alpha, beta, pointers) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::libcudnn_files_in;
+
+    const LINE: &str = "7f0000000000-7f0000001000 r-xp 00000000 08:01";
+
+    fn maps(entries: &[(&str, &str)]) -> String {
+        entries
+            .iter()
+            .map(|(inode, path)| format!("{LINE} {inode}                    {path}\n"))
+            .collect()
+    }
+
+    #[test]
+    fn one_file_mapped_several_times_is_one_copy() {
+        let text = maps(&[
+            ("11", "/venv/nvidia/cudnn/lib/libcudnn.so.9"),
+            ("11", "/venv/nvidia/cudnn/lib/libcudnn.so.9"),
+            ("12", "/venv/nvidia/cudnn/lib/libcudnn_graph.so.9"),
+            ("13", "/usr/lib/libc.so.6"),
+        ]);
+        let files = libcudnn_files_in(&text);
+        assert_eq!(files.len(), 1, "{files:?}");
+        assert_eq!(files[0].1, "/venv/nvidia/cudnn/lib/libcudnn.so.9");
+    }
+
+    #[test]
+    fn two_files_are_two_copies_whatever_their_names() {
+        let text = maps(&[
+            ("11", "/venv/nvidia/cudnn/lib/libcudnn.so.9"),
+            ("21", "/usr/lib/x86_64-linux-gnu/libcudnn.so.9.14.0"),
+            ("22", "/opt/my cudnn/libcudnn.so"),
+        ]);
+        let files = libcudnn_files_in(&text);
+        let paths: Vec<&str> = files.iter().map(|(_, p)| p.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "/venv/nvidia/cudnn/lib/libcudnn.so.9",
+                "/usr/lib/x86_64-linux-gnu/libcudnn.so.9.14.0",
+                "/opt/my cudnn/libcudnn.so"
+            ]
+        );
+    }
+
+    #[test]
+    fn anonymous_and_other_mappings_are_not_cudnn() {
+        let text = format!(
+            "{LINE} 0\n{}",
+            maps(&[("5", "/lib/libcudnnx.so"), ("6", "[heap]")])
+        );
+        assert!(libcudnn_files_in(&text).is_empty());
     }
 }

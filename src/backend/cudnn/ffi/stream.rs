@@ -17,8 +17,9 @@
 //! more than the call.
 
 use super::{
-    check_operand_shapes, dnn_err, invalid, legacy_call, raw_convolve, ConvDescriptors, CudnnError,
-    CudnnHandle, EnginePlan, RawDeviceView, RawDeviceViewMut,
+    check_operand_shapes, dnn_err, invalid, legacy_call, raw_convolve, save_current_context,
+    ConvDescriptors, CudnnError, CudnnHandle, CurrentContextGuard, EnginePlan, RawDeviceView,
+    RawDeviceViewMut,
 };
 use crate::solver::ConvOp;
 use cudarc::cudnn::result as dnn;
@@ -82,6 +83,9 @@ impl<'a> RawWorkspace<'a> {
 /// [`CudnnHandle::on_stream`]; borrows the handle, so nothing else uses it meanwhile.
 pub struct StreamSession<'h> {
     handle: &'h CudnnHandle,
+    /// The caller's current context, made current again after the session (declared last:
+    /// dropped after `Drop::drop` has put the handle's own stream back).
+    _caller_context: CurrentContextGuard,
 }
 
 impl std::fmt::Debug for StreamSession<'_> {
@@ -94,7 +98,7 @@ impl std::fmt::Debug for StreamSession<'_> {
 
 impl CudnnHandle {
     /// Points this handle at `stream` (binding the handle's context to this thread) until the
-    /// returned session is dropped.
+    /// returned session is dropped, which makes the caller's current context current again.
     ///
     /// # Safety
     ///
@@ -102,13 +106,17 @@ impl CudnnHandle {
     /// handle's device's primary context (what PyTorch's streams are), and it stays alive until
     /// the work queued through the session has finished.
     pub unsafe fn on_stream(&self, stream: *mut c_void) -> Result<StreamSession<'_>, CudnnError> {
+        let caller_context = save_current_context()?;
         self.bind()?;
         // SAFETY: the handle is live and used by this thread alone (the type is not `Sync`,
         // and the session borrows it); the stream is live and of this context (this
         // function's contract). The cast only renames the opaque stream type between cudarc's
         // driver and cuDNN bindings.
         unsafe { dnn::set_stream(self.raw, stream.cast()) }.map_err(dnn_err("cudnnSetStream"))?;
-        Ok(StreamSession { handle: self })
+        Ok(StreamSession {
+            handle: self,
+            _caller_context: caller_context,
+        })
     }
 }
 
