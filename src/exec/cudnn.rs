@@ -51,7 +51,10 @@ pub struct PreparedPlan {
 
 impl PreparedPlan {
     /// Builds every micro-batch's descriptors or execution plans and checks that cuDNN
-    /// supports each one's candidate at its size.
+    /// supports each one's candidate at its size and, for an engine configuration, at the
+    /// alignment of its offset. A candidate cuDNN declines is [`ExecError::Unsupported`]
+    /// (the caller runs this convolution another way); other failures are
+    /// [`ExecError::Cudnn`] or [`ExecError::InvalidPlan`].
     pub fn new(handle: &CudnnHandle, plan: Plan) -> Result<Self, ExecError> {
         check_plan(&plan)?;
         let error = |source: CudnnError| ExecError::Cudnn {
@@ -59,16 +62,38 @@ impl PreparedPlan {
             op: plan.op,
             source,
         };
-        let unsupported = |what: String| ExecError::InvalidPlan {
+        let invalid = |what: String| ExecError::InvalidPlan {
             layer: plan.layer.clone(),
             op: plan.op,
             reason: what,
         };
+        // cuDNN declining a micro-batch's candidate is its own error (a caller falls back);
+        // any other failure stays a cuDNN error.
+        let declined = |index: usize, first: usize| {
+            let mb = &plan.micro_batches[index];
+            let (layer, op) = (plan.layer.clone(), plan.op);
+            move |source: CudnnError| {
+                if source.is_not_supported() {
+                    ExecError::Unsupported {
+                        layer,
+                        op,
+                        index,
+                        size: mb.size,
+                        first,
+                        algo: mb.algo,
+                        reason: source.to_string(),
+                    }
+                } else {
+                    ExecError::Cudnn { layer, op, source }
+                }
+            }
+        };
         let mut kernels: Vec<(i64, Algo, Option<Alignments>, Kernel)> = Vec::new();
         let mut kernel_of = Vec::with_capacity(plan.micro_batches.len());
+        let mut firsts = Vec::with_capacity(plan.micro_batches.len());
         let mut workspace_bytes = 0;
         let mut first = 0usize;
-        for mb in &plan.micro_batches {
+        for (index, mb) in plan.micro_batches.iter().enumerate() {
             let problem = plan.problem.with_batch(mb.size);
             let alignments = match mb.algo {
                 Algo::Legacy(_) => None,
@@ -77,6 +102,8 @@ impl PreparedPlan {
                     first,
                 )),
             };
+            let this_first = first;
+            firsts.push(first);
             first += usize::try_from(mb.size).unwrap_or(0);
             let known = kernels.iter().position(|(size, algo, aligned, _)| {
                 *size == mb.size && *algo == mb.algo && *aligned == alignments
@@ -90,11 +117,17 @@ impl PreparedPlan {
                             let bytes = handle
                                 .workspace_size(&d, plan.op, algo)
                                 .map_err(error)?
-                                .ok_or_else(|| {
-                                    unsupported(format!(
-                                        "cuDNN does not support algo {algo} at micro-batch {}",
-                                        mb.size
-                                    ))
+                                .ok_or_else(|| ExecError::Unsupported {
+                                    layer: plan.layer.clone(),
+                                    op: plan.op,
+                                    index,
+                                    size: mb.size,
+                                    first: this_first,
+                                    algo: mb.algo,
+                                    reason: format!(
+                                        "cuDNN does not support legacy algorithm {algo} at \
+                                         this size"
+                                    ),
                                 })?;
                             workspace_bytes = workspace_bytes.max(bytes);
                             Kernel::Legacy {
@@ -104,13 +137,13 @@ impl PreparedPlan {
                         }
                         Algo::Engine(name) => {
                             let config = EngineConfig::from_name(name)
-                                .map_err(|e| unsupported(e.to_string()))?;
+                                .map_err(|e| invalid(e.to_string()))?;
                             let alignments = alignments.unwrap_or(Alignments::MAX);
                             let build = |beta: f32| {
                                 EnginePlan::with_alignments(
                                     handle, &problem, plan.op, &config, 1.0, beta, alignments,
                                 )
-                                .map_err(error)
+                                .map_err(declined(index, this_first))
                             };
                             let built = build(0.0)?;
                             workspace_bytes = workspace_bytes.max(built.workspace_bytes());
@@ -131,7 +164,7 @@ impl PreparedPlan {
         // A later backward-filter micro-batch of an already-seen kernel accumulates: make sure
         // its beta = 1 plan exists too.
         if plan.op == ConvOp::BackwardFilter {
-            for &k in kernel_of.iter().skip(1) {
+            for (index, &k) in kernel_of.iter().enumerate().skip(1) {
                 if let Kernel::Engine {
                     problem,
                     config,
@@ -149,7 +182,7 @@ impl PreparedPlan {
                             1.0,
                             *alignments,
                         )
-                        .map_err(error)?;
+                        .map_err(declined(index, firsts[index]))?;
                         workspace_bytes = workspace_bytes.max(p.workspace_bytes());
                         plans.borrow_mut().push(p);
                     }
