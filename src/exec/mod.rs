@@ -15,6 +15,7 @@
 
 pub mod conv2d;
 pub mod cudnn;
+pub mod teardown;
 pub mod verify;
 
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
