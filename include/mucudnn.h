@@ -134,6 +134,13 @@ typedef enum mucudnnStatus_t {
      * A bug in mucudnn, a panic included; please report the message.
      */
     MUCUDNN_STATUS_INTERNAL_ERROR = 9,
+    /**
+     * mucudnnTunerPrepare: cuDNN will not build one micro-batch of a plan here (an engine
+     * configuration at the byte alignment of the micro-batch's offset, or a legacy algorithm
+     * at its size). Nothing was prepared; run this convolution another way (the PyTorch
+     * package falls back to PyTorch's convolution with a warning).
+     */
+    MUCUDNN_STATUS_PLAN_NOT_SUPPORTED = 10,
 } mucudnnStatus_t;
 
 /**
@@ -719,6 +726,9 @@ enum mucudnnStatus_t mucudnnTunerStore(mucudnnTuner_t tuner,
  * descriptors and engine execution plans once. `*plan_set_out` gets the set's id (for
  * mucudnnTunerExecute and mucudnnTunerRelease) and `workspace_bytes_out[0..3]` the workspace
  * bytes each op needs, in MUCUDNN_OP_* order (the caller provides that workspace).
+ * MUCUDNN_STATUS_PLAN_NOT_SUPPORTED when cuDNN will not build one of the micro-batches here
+ * (nothing is prepared; the message names the op, the micro-batch, its offset and candidate):
+ * a caller falls back to another convolution for this shape rather than fail.
  *
  * # Safety
  *

@@ -174,8 +174,8 @@ fn check_op(device: &DeviceDescription, problem: &ConvProblem, op: ConvOp) -> Ou
 }
 
 /// The micro-batch graphs of `problem` (1, 2, 4, ... up to its batch) finalize and offer a
-/// configuration (modes A, B or fallback), at the alignment of the offset the profiler times
-/// them at.
+/// configuration (modes A, B or fallback), at the alignment the profiler declares when it
+/// times them (what holds at every offset: issue 21, item 8).
 fn check_micro_batches(
     device: &DeviceDescription,
     problem: &ConvProblem,
@@ -186,7 +186,7 @@ fn check_micro_batches(
     while micro <= problem.n {
         let micro_problem = problem.with_batch(micro);
         let shapes = ConvShapes::new(&micro_problem).unwrap();
-        let alignments = Alignments::at_sample(&shapes, (problem.n - micro) as usize);
+        let alignments = Alignments::any_sample(&shapes);
         let all_modes = EngineSearch {
             max_candidates: usize::MAX,
             ..EngineSearch::default()
@@ -382,6 +382,132 @@ fn odd_stems_gain_configurations_from_the_offset_alignment() {
     let old = Alignments::any_sample(&ConvShapes::new(&stem).unwrap());
     let before = mode_counts(&device, &stem, ConvOp::BackwardFilter, old);
     assert_eq!([before[0], before[1]], [0, 0], "{before:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 21, item 8: what is timed can be prepared wherever a plan runs it
+
+/// PyTorch's AlexNet-style stem at N = 12 in fp16 NHWC with 3 unpadded channels: 3 x 227 x 227
+/// x 2 bytes per sample is only 2-byte aligned, so sample 4 is 8-byte aligned and sample 8
+/// 16-byte aligned.
+fn alexnet_conv1_fp16_n12() -> ConvProblem {
+    ConvProblem {
+        stride_h: 4,
+        stride_w: 4,
+        dtype: DType::Fp16,
+        layout: Layout::Nhwc,
+        ..ConvProblem::new(12, 3, 227, 227, 96, 11, 11)
+    }
+}
+
+/// The engine configurations the profiler would time for `micro` samples of `problem` when
+/// its tensors declare `timed` (every heuristics mode; only those whose plans build there, for
+/// backward-filter with beta = 0 and 1, as `CudnnBackend::time_engine` keeps them).
+fn timed_configs(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    op: ConvOp,
+    micro: i64,
+    timed: Alignments,
+) -> Vec<EngineConfig> {
+    let micro_problem = problem.with_batch(micro);
+    let all_modes = EngineSearch {
+        max_candidates: usize::MAX,
+        ..EngineSearch::default()
+    };
+    let configs = match engine_configs_on_device(device, &micro_problem, op, &all_modes, timed) {
+        Ok(configs) => configs,
+        Err(e) if e.is_not_supported() => Vec::new(),
+        Err(e) => panic!("{op} at {micro}: {e}"),
+    };
+    let betas: &[f32] = if op == ConvOp::BackwardFilter {
+        &[0.0, 1.0]
+    } else {
+        &[0.0]
+    };
+    configs
+        .into_iter()
+        .filter(|config| {
+            betas.iter().all(|&beta| {
+                plan_on_device(device, &micro_problem, op, config, beta, timed).is_ok()
+            })
+        })
+        .collect()
+}
+
+/// Every micro-batch of the plan `sizes` (each at its real offset, with its real beta) built
+/// with every configuration timed for its size under `timing` (size -> declared alignments):
+/// the failures, as `(op, size, first, config, error)` lines.
+fn unbuildable_steps(
+    device: &DeviceDescription,
+    problem: &ConvProblem,
+    sizes: &[i64],
+    timing: impl Fn(&ConvShapes, i64) -> Alignments,
+) -> (usize, Vec<String>) {
+    let mut built = 0;
+    let mut failures = Vec::new();
+    for op in ConvOp::ALL {
+        let mut first = 0usize;
+        for (index, &size) in sizes.iter().enumerate() {
+            let micro_problem = problem.with_batch(size);
+            let shapes = ConvShapes::new(&micro_problem).unwrap();
+            let timed = timing(&shapes, size);
+            let run_at = Alignments::at_sample(&shapes, first);
+            let beta = if op == ConvOp::BackwardFilter && index > 0 {
+                1.0
+            } else {
+                0.0
+            };
+            for config in timed_configs(device, problem, op, size, timed) {
+                match plan_on_device(device, &micro_problem, op, &config, beta, run_at) {
+                    Ok(_) => built += 1,
+                    Err(e) => failures.push(format!(
+                        "{op} micro-batch {size} at sample {first} ({run_at:?}), timed at \
+                         {timed:?}: {config}: {e}"
+                    )),
+                }
+            }
+            first += size as usize;
+        }
+    }
+    (built, failures)
+}
+
+/// Acceptance of item 8: AlexNet conv1 fp16 NHWC at N = 12 split 4+4+4 (and 5+3+4, odd
+/// offsets): every configuration timed under the profiler's rule (the alignment that holds at
+/// every offset, `Alignments::any_sample`) builds at every micro-batch's real offset, in every
+/// op. The old rule (the alignment of sample N - m) is the negative control: it timed size 4
+/// at sample 8 (16 bytes) and configurations that need 16 bytes failed at sample 4 (8 bytes).
+#[test]
+fn every_micro_batch_builds_at_its_offset() {
+    if !enabled("every_micro_batch_builds_at_its_offset") {
+        return;
+    }
+    let device = device();
+    let problem = alexnet_conv1_fp16_n12();
+    let shapes = ConvShapes::new(&problem).unwrap();
+    assert_eq!(Alignments::at_sample(&shapes, 4).x, 8);
+    assert_eq!(Alignments::at_sample(&shapes, 8).x, 16);
+    for sizes in [&[4, 4, 4][..], &[5, 3, 4][..]] {
+        let (built, failures) =
+            unbuildable_steps(&device, &problem, sizes, |s, _| Alignments::any_sample(s));
+        println!("{sizes:?}: {built} micro-batch plans built at their offsets");
+        assert!(built > 0, "{sizes:?}: no configuration was timed at all");
+        assert!(failures.is_empty(), "{sizes:?}:\n{}", failures.join("\n"));
+    }
+    // The old rule: size m declared the alignment of sample N - m.
+    let n = problem.n;
+    let (built, failures) = unbuildable_steps(&device, &problem, &[4, 4, 4], |s, m| {
+        Alignments::at_sample(s, (n - m) as usize)
+    });
+    println!(
+        "old rule, 4+4+4: {built} built, {} failed at their offsets",
+        failures.len()
+    );
+    assert!(
+        !failures.is_empty(),
+        "the old rule should time configurations that fail at sample 4"
+    );
 }
 
 /// Negative controls: the checks can fail. A wrong output size and swapped tensors are

@@ -47,6 +47,7 @@ STATUS_NAMES = {
     7: "SOLVER_ERROR",
     8: "BAD_PROFILE",
     9: "INTERNAL_ERROR",
+    10: "PLAN_NOT_SUPPORTED",
 }
 
 

@@ -30,7 +30,7 @@ pub mod wr;
 
 pub use algo::{Algo, AlgoKind, CandidateSet, EngineName, EngineNameError};
 pub use device::{BackendKind, DeviceFingerprint};
-pub use operand::{operand_roles, steps, Operand, Step};
+pub use operand::{operand_roles, steps, timing_offset, Operand, Step};
 pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
 pub use profile::{Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError};

@@ -84,6 +84,24 @@ impl Step {
     }
 }
 
+/// The sample offset at which a backend times a micro-batch of `micro` samples inside a
+/// mini-batch buffer of `batch` samples: the least-aligned offset that micro-batch can run at.
+///
+/// A micro-batch starts at the sum of the sizes before it, and the solver orders sizes without
+/// regard to offsets, so a micro-batch of `micro < batch` samples can start at any sample
+/// `1..=batch - micro`, odd ones included; and a measurement is keyed by the shape without the
+/// batch size, so it serves every mini-batch, larger ones too. An odd offset `f` is the least
+/// aligned there is: `f * sample_bytes` has exactly the power of two of `sample_bytes`. So a
+/// size is timed at sample 1 whenever the buffer has room (`micro < batch`), and at sample 0
+/// only when it is the whole buffer. (Engine configurations are also *declared* at the
+/// least alignment of any offset, whatever the size, because of the mini-batches a
+/// measurement serves: `Alignments::any_sample` in the cuDNN backend.) Issue 21, item 8: timing
+/// at sample `batch - micro` measured, e.g., 4 of 12 samples at sample 8 (16-byte aligned in
+/// fp16 3 x 227 x 227) while a 4+4+4 plan runs it at sample 4 (8-byte aligned).
+pub fn timing_offset(batch: usize, micro: usize) -> usize {
+    usize::from(micro < batch)
+}
+
 /// The steps of a plan, in order, for a caller's `beta` (see the module docs).
 pub fn steps(plan: &Plan, beta: f32) -> impl Iterator<Item = Step> + '_ {
     let accumulate = plan.op == ConvOp::BackwardFilter;
@@ -100,4 +118,88 @@ pub fn steps(plan: &Plan, beta: f32) -> impl Iterator<Item = Step> + '_ {
             *first += step.size;
             Some(step)
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::MicroBatch;
+
+    /// Every ordered split of `batch` into positive sizes (a plan's micro-batches in order).
+    fn compositions(batch: usize) -> Vec<Vec<usize>> {
+        if batch == 0 {
+            return vec![vec![]];
+        }
+        (1..=batch)
+            .flat_map(|first| {
+                compositions(batch - first)
+                    .into_iter()
+                    .map(move |mut rest| {
+                        rest.insert(0, first);
+                        rest
+                    })
+            })
+            .collect()
+    }
+
+    fn plan_of(sizes: &[usize]) -> Plan {
+        let batch: usize = sizes.iter().sum();
+        Plan {
+            layer: "l".into(),
+            problem: ConvProblem::new(batch as i64, 3, 8, 8, 4, 3, 3),
+            op: ConvOp::Forward,
+            micro_batches: sizes
+                .iter()
+                .map(|&size| MicroBatch {
+                    size: size as i64,
+                    algo: Algo::Legacy(0),
+                    workspace_bytes: 0,
+                    time_ms: 1.0,
+                })
+                .collect(),
+        }
+    }
+
+    /// The power of two of a byte offset's alignment, as far as a sample offset decides it
+    /// (`None`: offset 0, aligned to anything).
+    fn twos(first: usize) -> Option<u32> {
+        (first > 0).then(|| first.trailing_zeros())
+    }
+
+    #[test]
+    fn a_size_is_timed_at_its_least_aligned_offset() {
+        assert_eq!(timing_offset(12, 4), 1);
+        assert_eq!(timing_offset(12, 11), 1);
+        assert_eq!(timing_offset(12, 12), 0);
+        assert_eq!(timing_offset(1, 1), 0);
+        // Property, over every plan of up to 10 samples: every micro-batch runs at an offset
+        // at least as aligned as the one its size is timed at, and the timing offset fits in
+        // the buffer.
+        for batch in 1..=10usize {
+            for sizes in compositions(batch) {
+                for step in steps(&plan_of(&sizes), 0.0) {
+                    let timed = timing_offset(batch, step.size);
+                    assert!(timed + step.size <= batch);
+                    match (twos(step.first), twos(timed)) {
+                        (_, None) => assert_eq!(step.first, 0, "{sizes:?}"),
+                        (None, Some(_)) => {}
+                        (Some(run), Some(t)) => assert!(run >= t, "{sizes:?} {step:?}"),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn timing_at_the_end_of_the_buffer_was_more_aligned_than_the_run() {
+        // Negative control, the old rule (sample `batch - micro`): 4+4+4 of 12 timed size 4 at
+        // sample 8 and ran it at sample 4, which is less aligned.
+        let plan = plan_of(&[4, 4, 4]);
+        let old = |step: &Step| plan.problem.n as usize - step.size;
+        let less_aligned = steps(&plan, 0.0)
+            .filter(|s| s.first > 0 && s.first.trailing_zeros() < old(s).trailing_zeros())
+            .map(|s| s.first)
+            .collect::<Vec<_>>();
+        assert_eq!(less_aligned, vec![4]);
+    }
 }

@@ -99,7 +99,8 @@ fn operand_host_bytes(problem: &ConvProblem) -> u128 {
     super::operand_bytes(problem) + staging
 }
 
-/// Times one algorithm at one micro-batch, on the last `micro` samples of the full buffers.
+/// Times one algorithm at one micro-batch of the full buffers, at the offset the cuDNN backend
+/// times it at too ([`crate::solver::timing_offset`]).
 #[allow(clippy::too_many_arguments)]
 fn time_algo<T: Element>(
     problem: &ConvProblem,
@@ -111,7 +112,7 @@ fn time_algo<T: Element>(
     timing: &TimingSettings,
 ) -> Result<f64, BackendError> {
     let micro_problem = problem.with_batch(micro);
-    let first = (problem.n - micro) as usize;
+    let first = crate::solver::timing_offset(problem.n as usize, micro as usize);
     let [x, w, y] = buffers;
     let range = |role: Operand| {
         let step = crate::solver::Step {

@@ -1,6 +1,8 @@
 //! The cuDNN backend as the profiler sees it: times every legacy algorithm with CUDA events on
-//! random device data, at a micro-batch offset inside a full-batch buffer (as the executor
-//! runs it, so pointer alignment matches).
+//! random device data, at a micro-batch offset inside a full-batch buffer: the least-aligned
+//! offset the executor can run that size at ([`timing_offset`]), and engine configurations
+//! declare the alignment that holds at every offset, so what is timed can run wherever a plan
+//! puts it (issue 21, item 8).
 
 use super::cudnn::{
     algo_count, engine_configs_with_alignments, graph_api_status, probe, Alignments,
@@ -9,7 +11,7 @@ use super::cudnn::{
 };
 use super::{check_measure_args, median_time, Backend, BackendError, EngineSearch, TimingSettings};
 use crate::device::{BackendKind, DeviceFingerprint};
-use crate::solver::{operand_roles, Operand, Step};
+use crate::solver::{operand_roles, timing_offset, Operand, Step};
 use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, Measurement};
 
 /// Full-batch random operands of one problem, indexed by [`Operand`].
@@ -164,9 +166,10 @@ impl CudnnBackend {
         timing: &TimingSettings,
     ) -> Result<Option<(f64, u64)>, CudnnError> {
         let skip = |e: &CudnnError| e.is_not_supported() || e.is_out_of_memory();
-        // The alignment of the offset timed at (issue 17, fix 1): what a plan's micro-batch
-        // at that offset declares too.
-        let alignments = Alignments::at_sample(&ConvShapes::new(micro_problem)?, first);
+        // What holds at every offset this size can run at, in every mini-batch the
+        // measurement serves (issue 21, item 8; `solver::timing_offset`): a plan's micro-batch
+        // declares at least as much at its own offset, so what is timed here builds there.
+        let alignments = Alignments::any_sample(&ConvShapes::new(micro_problem)?);
         let plan = match EnginePlan::with_alignments(
             &self.handle,
             micro_problem,
@@ -319,8 +322,8 @@ impl Backend for CudnnBackend {
             max_candidates: search.max_candidates.unwrap_or(usize::MAX),
             ..Default::default()
         };
-        let first = (problem.n - micro) as usize;
-        let alignments = Alignments::at_sample(&ConvShapes::new(&micro_problem)?, first);
+        let first = timing_offset(problem.n as usize, micro as usize);
+        let alignments = Alignments::any_sample(&ConvShapes::new(&micro_problem)?);
         let configs = engine_configs_with_alignments(
             &self.handle,
             &micro_problem,
@@ -361,8 +364,9 @@ impl Backend for CudnnBackend {
         }
         self.ensure_operands(problem)?;
         let d = ConvDescriptors::new(&problem.with_batch(micro))?;
-        // The last `micro` samples: a non-zero offset whenever the plan splits the batch.
-        let first = (problem.n - micro) as usize;
+        // Sample 1 whenever the plan splits the batch: the least-aligned offset a micro-batch
+        // of this size can run at (`solver::timing_offset`).
+        let first = timing_offset(problem.n as usize, micro as usize);
         let mut measurements = Vec::new();
         for algo in 0..algo_count(op) {
             let Some(workspace_bytes) = self.handle.workspace_size(&d, op, algo)? else {

@@ -13,14 +13,38 @@
 //! An engine configuration's execution plan has alpha and beta built in, so the plans for
 //! `(alpha, beta) = (1, 0)` and, for backward-filter's accumulating micro-batches, `(1, 1)` are
 //! built up front; a caller's other alpha or beta builds its plan on first use and keeps it.
+//!
+//! Teardown on a caller's stream (issue 21, item 9) is decided in [`super::teardown`]: a
+//! prepared plan waits for the CUDA events of its last calls before its cuDNN objects are
+//! destroyed, and one that ran under CUDA graph capture is parked until the process exits.
 
+use super::teardown::{Disposal, Fence, Teardown};
 use super::{check_plan, ExecError};
 use crate::backend::cudnn::{
     Alignments, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig,
-    EnginePlan, RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamSession, Workspace,
+    EnginePlan, RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamFence, StreamKey,
+    StreamSession, Workspace,
 };
 use crate::solver::{operand_roles, steps, Algo, ConvOp, ConvProblem, Plan};
 use std::cell::RefCell;
+use std::io::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+impl Fence for StreamFence {
+    fn wait(&self) -> Result<(), String> {
+        StreamFence::wait(self).map_err(|e| e.to_string())
+    }
+}
+
+/// Prepared plans parked so far in this process (see [`PreparedPlan`]'s teardown).
+static PARKED: AtomicUsize = AtomicUsize::new(0);
+
+/// How many prepared plans this process has parked instead of destroying: plans that ran on a
+/// stream being captured into a CUDA graph (or whose last work could not be waited for). Their
+/// cuDNN objects live until the process exits.
+pub fn parked_plans() -> usize {
+    PARKED.load(Ordering::Relaxed)
+}
 
 /// What one distinct (micro-batch size, candidate) runs.
 enum Kernel {
@@ -40,6 +64,13 @@ enum Kernel {
 }
 
 /// A plan ready to run on one cuDNN handle.
+///
+/// Teardown (issue 21, item 9): dropping it first waits for the work its calls queued on
+/// callers' streams ([`Self::execute_on`] records a CUDA event per stream after each call), so
+/// no descriptor or execution plan is destroyed under a queued kernel; a plan that ever ran on
+/// a stream being captured into a CUDA graph is parked instead: never destroyed, since the
+/// graph may replay it at any time ([`parked_plans`]). Work on the handle's own stream
+/// ([`Self::execute`]) is waited for by the engine plans' own drop.
 pub struct PreparedPlan {
     plan: Plan,
     /// Distinct (size, candidate, alignment) kernels (no alignment for a legacy algorithm),
@@ -47,11 +78,39 @@ pub struct PreparedPlan {
     kernels: Vec<(i64, Algo, Option<Alignments>, Kernel)>,
     kernel_of: Vec<usize>,
     workspace_bytes: u64,
+    /// Fences of the caller streams it ran on, and whether it ran under capture (boxed: cold
+    /// state, kept out of the plan's own size).
+    teardown: Box<RefCell<Teardown<StreamKey, StreamFence>>>,
+}
+
+impl Drop for PreparedPlan {
+    fn drop(&mut self) {
+        if let Disposal::Park { reason } = self.teardown.get_mut().dispose() {
+            // Never destroyed: the descriptors, execution plans and (through them) the cuDNN
+            // handle stay alive until the process exits.
+            std::mem::forget(std::mem::take(&mut self.kernels));
+            PARKED.fetch_add(1, Ordering::Relaxed);
+            if !reason.contains("CUDA graph") {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "mucudnn: warning: {} {}: the prepared plan is kept until the process \
+                     exits: {reason}",
+                    self.plan.layer,
+                    self.plan.op
+                );
+            }
+        }
+        // Otherwise every caller stream's work has finished: the fields drop (the kernels,
+        // then the fences).
+    }
 }
 
 impl PreparedPlan {
     /// Builds every micro-batch's descriptors or execution plans and checks that cuDNN
-    /// supports each one's candidate at its size.
+    /// supports each one's candidate at its size and, for an engine configuration, at the
+    /// alignment of its offset. A candidate cuDNN declines is [`ExecError::Unsupported`]
+    /// (the caller runs this convolution another way); other failures are
+    /// [`ExecError::Cudnn`] or [`ExecError::InvalidPlan`].
     pub fn new(handle: &CudnnHandle, plan: Plan) -> Result<Self, ExecError> {
         check_plan(&plan)?;
         let error = |source: CudnnError| ExecError::Cudnn {
@@ -59,16 +118,38 @@ impl PreparedPlan {
             op: plan.op,
             source,
         };
-        let unsupported = |what: String| ExecError::InvalidPlan {
+        let invalid = |what: String| ExecError::InvalidPlan {
             layer: plan.layer.clone(),
             op: plan.op,
             reason: what,
         };
+        // cuDNN declining a micro-batch's candidate is its own error (a caller falls back);
+        // any other failure stays a cuDNN error.
+        let declined = |index: usize, first: usize| {
+            let mb = &plan.micro_batches[index];
+            let (layer, op) = (plan.layer.clone(), plan.op);
+            move |source: CudnnError| {
+                if source.is_not_supported() {
+                    ExecError::Unsupported {
+                        layer,
+                        op,
+                        index,
+                        size: mb.size,
+                        first,
+                        algo: mb.algo,
+                        reason: source.to_string(),
+                    }
+                } else {
+                    ExecError::Cudnn { layer, op, source }
+                }
+            }
+        };
         let mut kernels: Vec<(i64, Algo, Option<Alignments>, Kernel)> = Vec::new();
         let mut kernel_of = Vec::with_capacity(plan.micro_batches.len());
+        let mut firsts = Vec::with_capacity(plan.micro_batches.len());
         let mut workspace_bytes = 0;
         let mut first = 0usize;
-        for mb in &plan.micro_batches {
+        for (index, mb) in plan.micro_batches.iter().enumerate() {
             let problem = plan.problem.with_batch(mb.size);
             let alignments = match mb.algo {
                 Algo::Legacy(_) => None,
@@ -77,6 +158,8 @@ impl PreparedPlan {
                     first,
                 )),
             };
+            let this_first = first;
+            firsts.push(first);
             first += usize::try_from(mb.size).unwrap_or(0);
             let known = kernels.iter().position(|(size, algo, aligned, _)| {
                 *size == mb.size && *algo == mb.algo && *aligned == alignments
@@ -90,11 +173,17 @@ impl PreparedPlan {
                             let bytes = handle
                                 .workspace_size(&d, plan.op, algo)
                                 .map_err(error)?
-                                .ok_or_else(|| {
-                                    unsupported(format!(
-                                        "cuDNN does not support algo {algo} at micro-batch {}",
-                                        mb.size
-                                    ))
+                                .ok_or_else(|| ExecError::Unsupported {
+                                    layer: plan.layer.clone(),
+                                    op: plan.op,
+                                    index,
+                                    size: mb.size,
+                                    first: this_first,
+                                    algo: mb.algo,
+                                    reason: format!(
+                                        "cuDNN does not support legacy algorithm {algo} at \
+                                         this size"
+                                    ),
                                 })?;
                             workspace_bytes = workspace_bytes.max(bytes);
                             Kernel::Legacy {
@@ -104,13 +193,13 @@ impl PreparedPlan {
                         }
                         Algo::Engine(name) => {
                             let config = EngineConfig::from_name(name)
-                                .map_err(|e| unsupported(e.to_string()))?;
+                                .map_err(|e| invalid(e.to_string()))?;
                             let alignments = alignments.unwrap_or(Alignments::MAX);
                             let build = |beta: f32| {
                                 EnginePlan::with_alignments(
                                     handle, &problem, plan.op, &config, 1.0, beta, alignments,
                                 )
-                                .map_err(error)
+                                .map_err(declined(index, this_first))
                             };
                             let built = build(0.0)?;
                             workspace_bytes = workspace_bytes.max(built.workspace_bytes());
@@ -131,7 +220,7 @@ impl PreparedPlan {
         // A later backward-filter micro-batch of an already-seen kernel accumulates: make sure
         // its beta = 1 plan exists too.
         if plan.op == ConvOp::BackwardFilter {
-            for &k in kernel_of.iter().skip(1) {
+            for (index, &k) in kernel_of.iter().enumerate().skip(1) {
                 if let Kernel::Engine {
                     problem,
                     config,
@@ -149,7 +238,7 @@ impl PreparedPlan {
                             1.0,
                             *alignments,
                         )
-                        .map_err(error)?;
+                        .map_err(declined(index, firsts[index]))?;
                         workspace_bytes = workspace_bytes.max(p.workspace_bytes());
                         plans.borrow_mut().push(p);
                     }
@@ -161,6 +250,7 @@ impl PreparedPlan {
             kernels,
             kernel_of,
             workspace_bytes,
+            teardown: Box::default(),
         })
     }
 
@@ -171,6 +261,16 @@ impl PreparedPlan {
     /// Workspace bytes the plan needs (the largest micro-batch's, as cuDNN reports it here).
     pub fn workspace_bytes(&self) -> u64 {
         self.workspace_bytes
+    }
+
+    /// Whether dropping this plan will park it (it ran under capture, or lost track of work).
+    pub fn will_park(&self) -> bool {
+        self.teardown.borrow().is_parked()
+    }
+
+    /// Number of caller streams whose last work this plan will wait for when dropped.
+    pub fn fenced_streams(&self) -> usize {
+        self.teardown.borrow().fenced_streams()
     }
 
     /// `out = alpha * op(a, b) + beta * out` over the whole mini-batch (operands as for
@@ -277,8 +377,48 @@ impl PreparedPlan {
     /// the handle the plan was prepared on, pointed at the caller's stream (the PyTorch path).
     /// Operands are the full mini-batch's; each micro-batch runs on offsets of them, all on
     /// one workspace of at least [`Self::workspace_bytes`].
+    ///
+    /// For teardown, the call asks whether the stream is being captured (then the plan is
+    /// parked for good, before anything is queued) and otherwise records this stream's fence
+    /// after the last micro-batch; it never waits.
     #[allow(clippy::too_many_arguments)]
     pub fn execute_on(
+        &self,
+        session: &StreamSession<'_>,
+        alpha: f32,
+        a: &RawDeviceView<'_>,
+        b: &RawDeviceView<'_>,
+        beta: f32,
+        out: &mut RawDeviceViewMut<'_>,
+        workspace: &mut RawWorkspace<'_>,
+    ) -> Result<(), ExecError> {
+        let tag = |source: CudnnError| ExecError::Cudnn {
+            layer: self.plan.layer.clone(),
+            op: self.plan.op,
+            source,
+        };
+        let capturing = session.is_capturing().map_err(tag)?;
+        if capturing {
+            self.teardown.borrow_mut().captured();
+        }
+        let ran = self.run_steps_on(session, alpha, a, b, beta, out, workspace);
+        if !capturing {
+            // Even after a failed step: the steps before it are queued.
+            let mut teardown = self.teardown.borrow_mut();
+            let recorded = teardown
+                .fence_for(session.key(), || session.new_fence())
+                .and_then(|fence| session.record(fence));
+            if let Err(e) = recorded {
+                teardown.lost(&e.to_string());
+                ran?;
+                return Err(tag(e));
+            }
+        }
+        ran
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_steps_on(
         &self,
         session: &StreamSession<'_>,
         alpha: f32,

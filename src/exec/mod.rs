@@ -16,10 +16,11 @@
 
 pub mod conv2d;
 pub mod cudnn;
+pub mod teardown;
 pub mod verify;
 
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
-use crate::solver::{operand_roles, steps, ConvOp, DType, Plan};
+use crate::solver::{operand_roles, steps, Algo, ConvOp, DType, Plan};
 
 /// Why a plan could not be executed.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +42,28 @@ pub enum ExecError {
         layer: String,
         op: ConvOp,
         source: crate::backend::cudnn::CudnnError,
+    },
+    /// cuDNN will not build one micro-batch's candidate here: an engine configuration at the
+    /// byte alignment of the micro-batch's offset, or a legacy algorithm at its size
+    /// (`CUDNN_STATUS_NOT_SUPPORTED*`). The plan cannot be prepared; the caller should run
+    /// this convolution another way (the PyTorch package falls back to PyTorch's, with a
+    /// warning). Measurements are taken where this cannot happen (issue 21, item 8:
+    /// `solver::timing_offset`), so it means a plan from elsewhere (another cuDNN, another
+    /// device, a hand-made plan) or a cuDNN that declines what it offered.
+    #[error(
+        "{layer} {op}: micro-batch {index} ({size} samples at sample {first}, {algo}) cannot \
+         be prepared: {reason}"
+    )]
+    Unsupported {
+        layer: String,
+        op: ConvOp,
+        /// The micro-batch's index in the plan.
+        index: usize,
+        size: i64,
+        /// The sample it starts at (its offset).
+        first: usize,
+        algo: Algo,
+        reason: String,
     },
 }
 

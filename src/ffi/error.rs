@@ -22,6 +22,10 @@ pub enum FfiError {
     /// `CUDNN_CONVOLUTION` mode, ...).
     #[error("{0}")]
     NotSupported(String),
+    /// cuDNN will not build one micro-batch of a plan being prepared
+    /// ([`crate::exec::ExecError::Unsupported`]): the caller falls back.
+    #[error("{0}")]
+    PlanNotSupported(String),
     #[error(transparent)]
     Cudnn(#[from] CudnnError),
     #[error(transparent)]
@@ -56,6 +60,7 @@ impl FfiError {
         match self {
             FfiError::InvalidArgument(_) => mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT,
             FfiError::NotSupported(_) => mucudnnStatus_t::MUCUDNN_STATUS_NOT_SUPPORTED,
+            FfiError::PlanNotSupported(_) => mucudnnStatus_t::MUCUDNN_STATUS_PLAN_NOT_SUPPORTED,
             FfiError::Cudnn(e) => cudnn_status(e),
             FfiError::Backend(BackendError::Cudnn(e)) => cudnn_status(e),
             FfiError::Backend(BackendError::Invalid(_)) => {
@@ -286,6 +291,8 @@ mod tests {
         assert!(wrapped.to_string().starts_with(
             "layer 3 fwd: cudnnConvolutionForward failed with CUDNN_STATUS_BAD_PARAM"
         ));
+        let declined = FfiError::PlanNotSupported("l fwd: micro-batch 1".into()).context("prepare");
+        assert_eq!(declined.status(), S::MUCUDNN_STATUS_PLAN_NOT_SUPPORTED);
         let solver = FfiError::from(SolveError::NothingToDivide);
         assert_eq!(solver.status(), S::MUCUDNN_STATUS_SOLVER_ERROR);
         assert_eq!(

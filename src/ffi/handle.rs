@@ -443,6 +443,10 @@ impl Handle {
             )
         };
         let session = foreign.activate()?;
+        // Kernels captured into a CUDA graph use the workspace whenever the graph replays.
+        if session.is_capturing()? {
+            workspace.captured();
+        }
         session.check_memory(
             "mucudnn",
             [(names[0], &a), (names[1], &b)],

@@ -74,6 +74,11 @@ pub enum mucudnnStatus_t {
     MUCUDNN_STATUS_BAD_PROFILE = 8,
     /// A bug in mucudnn, a panic included; please report the message.
     MUCUDNN_STATUS_INTERNAL_ERROR = 9,
+    /// mucudnnTunerPrepare: cuDNN will not build one micro-batch of a plan here (an engine
+    /// configuration at the byte alignment of the micro-batch's offset, or a legacy algorithm
+    /// at its size). Nothing was prepared; run this convolution another way (the PyTorch
+    /// package falls back to PyTorch's convolution with a warning).
+    MUCUDNN_STATUS_PLAN_NOT_SUPPORTED = 10,
 }
 
 /// The three convolution operations: one of the MUCUDNN_OP_* values.
@@ -388,6 +393,7 @@ pub extern "C" fn mucudnnGetStatusString(status: i32) -> *const c_char {
         7 => c"MUCUDNN_STATUS_SOLVER_ERROR",
         8 => c"MUCUDNN_STATUS_BAD_PROFILE",
         9 => c"MUCUDNN_STATUS_INTERNAL_ERROR",
+        10 => c"MUCUDNN_STATUS_PLAN_NOT_SUPPORTED",
         _ => c"MUCUDNN_STATUS_UNKNOWN",
     };
     name.as_ptr()
@@ -1185,6 +1191,9 @@ pub unsafe extern "C" fn mucudnnTunerStore(
 /// descriptors and engine execution plans once. `*plan_set_out` gets the set's id (for
 /// mucudnnTunerExecute and mucudnnTunerRelease) and `workspace_bytes_out[0..3]` the workspace
 /// bytes each op needs, in MUCUDNN_OP_* order (the caller provides that workspace).
+/// MUCUDNN_STATUS_PLAN_NOT_SUPPORTED when cuDNN will not build one of the micro-batches here
+/// (nothing is prepared; the message names the op, the micro-batch, its offset and candidate):
+/// a caller falls back to another convolution for this shape rather than fail.
 ///
 /// # Safety
 ///

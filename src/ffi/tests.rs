@@ -79,7 +79,11 @@ fn status_strings() {
         name(mucudnnStatus_t::MUCUDNN_STATUS_INTERNAL_ERROR as i32),
         "MUCUDNN_STATUS_INTERNAL_ERROR"
     );
-    assert_eq!(name(10), "MUCUDNN_STATUS_UNKNOWN");
+    assert_eq!(
+        name(mucudnnStatus_t::MUCUDNN_STATUS_PLAN_NOT_SUPPORTED as i32),
+        "MUCUDNN_STATUS_PLAN_NOT_SUPPORTED"
+    );
+    assert_eq!(name(11), "MUCUDNN_STATUS_UNKNOWN");
     assert_eq!(name(-1), "MUCUDNN_STATUS_UNKNOWN");
 }
 

@@ -247,6 +247,7 @@ fn exec_error(e: ExecError) -> FfiError {
         ExecError::Cudnn {
             layer, op, source, ..
         } => FfiError::from(source).context(format!("{layer} {op}")),
+        ExecError::Unsupported { .. } => FfiError::PlanNotSupported(e.to_string()),
         ExecError::Cpu { .. } | ExecError::InvalidPlan { .. } => invalid(e.to_string()),
     }
 }

@@ -85,7 +85,7 @@ pub use graph::{
 };
 use memory::{buffer_bytes, ViewParts};
 pub use memory::{DeviceBuffer, DeviceView, DeviceViewMut, GpuTimer, Workspace, WorkspaceView};
-pub use stream::{RawWorkspace, StreamSession};
+pub use stream::{RawWorkspace, StreamFence, StreamKey, StreamSession};
 
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
 /// bindings use CUDA 13.0 entry points (`cuEventElapsedTime_v2`, ...). Driver 580 reports 13000.

@@ -453,4 +453,93 @@ mod tests {
             Alignments::any_sample(&s)
         );
     }
+
+    /// Issue 21, item 8: what the profiler declares when it times a size (the alignment of
+    /// every offset, `any_sample`) holds at every offset any plan runs that size at, for every
+    /// mini-batch the measurement may serve; the pointer it times at (`timing_offset`) has
+    /// exactly that alignment whenever the plan splits. The old rule, the alignment of sample
+    /// `N - m`, is the negative control.
+    #[test]
+    fn a_size_is_timed_at_an_alignment_every_offset_has() {
+        use crate::solver::{steps, timing_offset, Algo, MicroBatch, Plan};
+        // AlexNet's conv1 in fp16 NHWC with 3 channels (3 x 227 x 227 x 2 bytes: 2-aligned),
+        // issue 17's odd stem, and a layer whose samples are all 16-aligned.
+        let problems = [
+            ConvProblem {
+                stride_h: 4,
+                stride_w: 4,
+                dtype: DType::Fp16,
+                layout: Layout::Nhwc,
+                ..ConvProblem::new(12, 3, 227, 227, 96, 11, 11)
+            },
+            ConvProblem {
+                dtype: DType::Bf16,
+                layout: Layout::Nhwc,
+                ..ConvProblem::new(12, 3, 299, 299, 32, 3, 3)
+            },
+            ConvProblem::new(12, 64, 56, 56, 64, 3, 3),
+        ];
+        // Every ordered split of `n` samples.
+        fn splits(n: i64) -> Vec<Vec<i64>> {
+            if n == 0 {
+                return vec![vec![]];
+            }
+            (1..=n)
+                .flat_map(|first| {
+                    splits(n - first).into_iter().map(move |mut rest| {
+                        rest.insert(0, first);
+                        rest
+                    })
+                })
+                .collect()
+        }
+        let at_least = |run: Alignments, timed: Alignments| {
+            run.x >= timed.x && run.w >= timed.w && run.y >= timed.y
+        };
+        let mut old_rule_misses = 0;
+        for problem in problems {
+            for n in 1..=problem.n {
+                for sizes in splits(n) {
+                    let plan = Plan {
+                        layer: "l".into(),
+                        problem: problem.with_batch(n),
+                        op: ConvOp::Forward,
+                        micro_batches: sizes
+                            .iter()
+                            .map(|&size| MicroBatch {
+                                size,
+                                algo: Algo::Legacy(0),
+                                workspace_bytes: 0,
+                                time_ms: 1.0,
+                            })
+                            .collect(),
+                    };
+                    for step in steps(&plan, 0.0) {
+                        let shapes =
+                            ConvShapes::new(&problem.with_batch(step.size as i64)).unwrap();
+                        let timed = Alignments::any_sample(&shapes);
+                        let run = Alignments::at_sample(&shapes, step.first);
+                        assert!(at_least(run, timed), "{sizes:?} {step:?}");
+                        // A measurement serves every mini-batch of the shape, larger ones too.
+                        for larger in n..=problem.n {
+                            let offset = timing_offset(larger as usize, step.size);
+                            if offset > 0 {
+                                assert_eq!(Alignments::at_sample(&shapes, offset), timed);
+                            }
+                        }
+                        let old = Alignments::at_sample(&shapes, n as usize - step.size);
+                        if !at_least(run, old) {
+                            old_rule_misses += 1;
+                        }
+                    }
+                }
+            }
+        }
+        // The old rule promised more than some runs have (4+4+4 of 12: sample 4 vs sample 8).
+        assert!(old_rule_misses > 0);
+        let conv1 = ConvShapes::new(&problems[0].with_batch(4)).unwrap();
+        assert_eq!(Alignments::at_sample(&conv1, 8).x, 16);
+        assert_eq!(Alignments::at_sample(&conv1, 4).x, 8);
+        assert_eq!(Alignments::any_sample(&conv1).x, 2);
+    }
 }

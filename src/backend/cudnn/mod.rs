@@ -181,7 +181,7 @@ pub use ffi::{
     DEVICE_DESCRIPTION_MIN_VERSION,
 };
 /// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
-pub use ffi::{RawWorkspace, StreamSession};
+pub use ffi::{RawWorkspace, StreamFence, StreamKey, StreamSession};
 pub use graph_params::Alignments;
 pub use shape::{operand_roles, ConvShapes, Operand};
 

@@ -594,11 +594,14 @@ impl<'a> RawDeviceViewMut<'a> {
 
 /// Device scratch memory that mucudnn allocates for a caller's handle, in the context of the
 /// handle's stream. Dropping it waits for that context's work (the workspace may still be in
-/// use on any stream the handle has had) and frees it.
+/// use on any stream the handle has had) and frees it, unless work using it was captured into
+/// a CUDA graph ([`Self::captured`]): a graph may replay that work at any time, so such a
+/// workspace is never freed (it stays allocated until the process exits).
 pub struct ForeignWorkspace {
     ptr: drv_sys::CUdeviceptr,
     bytes: u64,
     context: drv_sys::CUcontext,
+    captured: bool,
 }
 
 impl std::fmt::Debug for ForeignWorkspace {
@@ -613,11 +616,16 @@ impl ForeignWorkspace {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Work using this workspace is being captured into a CUDA graph: never free it.
+    pub fn captured(&mut self) {
+        self.captured = true;
+    }
 }
 
 impl Drop for ForeignWorkspace {
     fn drop(&mut self) {
-        if self.ptr == 0 {
+        if self.ptr == 0 || self.captured {
             return;
         }
         // SAFETY: `context` is the live context the memory was allocated in (a handle's user
@@ -781,6 +789,7 @@ impl ForeignHandle {
             ptr: 0,
             bytes: 0,
             context: self.context,
+            captured: false,
         };
         if bytes == 0 {
             return Ok(workspace);
@@ -864,6 +873,18 @@ fn pointer_attribute(
 }
 
 impl ForeignSession<'_> {
+    /// Whether the caller's stream is being captured into a CUDA graph
+    /// (`cuStreamIsCapturing`: active, or invalidated and not yet ended).
+    pub fn is_capturing(&self) -> Result<bool, CudnnError> {
+        let mut status = drv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream is live (the contract of `ForeignHandle::new`), its context
+        // current (the session); the status is written to a local.
+        unsafe { drv_sys::cuStreamIsCapturing(self.handle.stream, &mut status) }
+            .result()
+            .map_err(drv_err("cuStreamIsCapturing"))?;
+        Ok(status != drv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     /// Checks what can be checked of a caller's memory: the output overlaps neither input, and
     /// the first and last byte of every operand is device (or managed) memory CUDA knows,
     /// device memory on the handle's GPU. (Whether the bytes in between belong to the

@@ -1745,8 +1745,10 @@ impl EnginePlan {
 
 impl Drop for EnginePlan {
     fn drop(&mut self) {
-        // Kernels queued from this plan may still run: wait before its descriptors (and any
-        // kernels they loaded) are destroyed. A failure is reported by cudarc's next call.
+        // Kernels queued from this plan on the handle's own stream may still run: wait before
+        // its descriptors (and any kernels they loaded) are destroyed. A failure is reported by
+        // cudarc's next call. Work on a caller's stream is waited for (or the plan parked,
+        // under CUDA graph capture) by the `PreparedPlan` holding it, before this runs.
         let _ = self.owner.stream.context().bind_to_thread();
         if let Err(e) = self.owner.stream.synchronize() {
             let _ = writeln!(

@@ -15,15 +15,23 @@
 //! context, is the caller's promise (`unsafe` constructors with `# Safety` contracts): PyTorch
 //! checks tensor devices before calling, and checking every pointer with the driver would cost
 //! more than the call.
+//!
+//! Teardown: a plan's kernels may still be queued on the caller's stream when its plan set is
+//! released, or captured in a CUDA graph. [`StreamSession::is_capturing`], [`StreamFence`]
+//! (a CUDA event recorded on the caller's stream after a call) and [`StreamKey`] are what
+//! `PreparedPlan` needs to wait for that work, or to park a plan that a graph may replay; the
+//! decision itself is plain Rust in `exec/teardown.rs`.
 
 use super::{
     check_operand_shapes, dnn_err, invalid, legacy_call, raw_convolve, save_current_context,
     ConvDescriptors, CudnnError, CudnnHandle, CurrentContextGuard, EnginePlan, RawDeviceView,
     RawDeviceViewMut,
 };
+use super::{drv, drv_err, drv_sys, Arc, CudaContext};
 use crate::solver::ConvOp;
 use cudarc::cudnn::result as dnn;
 use std::ffi::c_void;
+use std::io::Write;
 use std::marker::PhantomData;
 
 /// A caller's device scratch memory, borrowed for a call: `bytes` writable bytes at a raw
@@ -83,9 +91,63 @@ impl<'a> RawWorkspace<'a> {
 /// [`CudnnHandle::on_stream`]; borrows the handle, so nothing else uses it meanwhile.
 pub struct StreamSession<'h> {
     handle: &'h CudnnHandle,
+    /// The caller's stream (null: the legacy default stream).
+    stream: drv_sys::CUstream,
     /// The caller's current context, made current again after the session (declared last:
     /// dropped after `Drop::drop` has put the handle's own stream back).
     _caller_context: CurrentContextGuard,
+}
+
+/// `CU_STREAM_PER_THREAD`: a handle that names a different stream on every thread.
+const PER_THREAD_STREAM: usize = 0x2;
+
+/// Which stream a session's work goes to, as far as fences are concerned: the stream's handle,
+/// and the thread for the per-thread default stream (`CU_STREAM_PER_THREAD` names each
+/// thread's own stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamKey {
+    stream: usize,
+    thread: Option<std::thread::ThreadId>,
+}
+
+/// A CUDA event (without timing) that marks the end of a call's work on a caller's stream:
+/// made by [`StreamSession::new_fence`], recorded by [`StreamSession::record`], waited for at
+/// teardown ([`Self::wait`]; `exec/teardown.rs` decides when). Destroyed on drop (an event may
+/// be destroyed while its work is pending).
+pub struct StreamFence {
+    event: drv_sys::CUevent,
+    context: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for StreamFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamFence").finish_non_exhaustive()
+    }
+}
+
+impl StreamFence {
+    /// Blocks the host until the work queued before the last [`StreamSession::record`] of
+    /// this fence has finished (at once if it was never recorded).
+    pub fn wait(&self) -> Result<(), CudnnError> {
+        self.context
+            .bind_to_thread()
+            .map_err(drv_err("cuCtxSetCurrent"))?;
+        // SAFETY: `event` was created by `new_fence` and is destroyed only on drop.
+        unsafe { drv::event::synchronize(self.event) }.map_err(drv_err("cuEventSynchronize"))
+    }
+}
+
+impl Drop for StreamFence {
+    fn drop(&mut self) {
+        let _ = self.context.bind_to_thread();
+        // SAFETY: created by `new_fence`, destroyed exactly once, here.
+        if let Err(e) = unsafe { drv::event::destroy(self.event) } {
+            let _ = writeln!(
+                std::io::stderr(),
+                "mucudnn: warning: cuEventDestroy failed while dropping a stream fence: {e:?}"
+            );
+        }
+    }
 }
 
 impl std::fmt::Debug for StreamSession<'_> {
@@ -115,6 +177,7 @@ impl CudnnHandle {
         unsafe { dnn::set_stream(self.raw, stream.cast()) }.map_err(dnn_err("cudnnSetStream"))?;
         Ok(StreamSession {
             handle: self,
+            stream: stream.cast(),
             _caller_context: caller_context,
         })
     }
@@ -135,6 +198,52 @@ impl StreamSession<'_> {
     /// The handle, e.g. for building descriptors and plans on it.
     pub fn handle(&self) -> &CudnnHandle {
         self.handle
+    }
+
+    /// Whether the caller's stream is being captured into a CUDA graph
+    /// (`cuStreamIsCapturing`: active, or invalidated and not yet ended). Work queued now goes
+    /// into the graph, which may replay it at any time.
+    pub fn is_capturing(&self) -> Result<bool, CudnnError> {
+        let mut status = drv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream is live and of the bound context (`on_stream`'s contract); the
+        // status is written to a local.
+        unsafe { drv_sys::cuStreamIsCapturing(self.stream, &mut status) }
+            .result()
+            .map_err(drv_err("cuStreamIsCapturing"))?;
+        Ok(status != drv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// The caller's stream, as fences tell streams apart.
+    pub fn key(&self) -> StreamKey {
+        let stream = self.stream as usize;
+        StreamKey {
+            stream,
+            thread: (stream == PER_THREAD_STREAM).then(|| std::thread::current().id()),
+        }
+    }
+
+    /// A new fence in the handle's context (not yet recorded).
+    pub fn new_fence(&self) -> Result<StreamFence, CudnnError> {
+        let event = drv::event::create(drv_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(drv_err("cuEventCreate"))?;
+        Ok(StreamFence {
+            event,
+            context: self.handle.stream.context().clone(),
+        })
+    }
+
+    /// Records `fence` on the caller's stream: it now marks the work queued there so far.
+    /// Not for a stream being captured (the event would become a graph node).
+    pub fn record(&self, fence: &mut StreamFence) -> Result<(), CudnnError> {
+        if !Arc::ptr_eq(&fence.context, self.handle.stream.context()) {
+            return Err(invalid(
+                "StreamSession::record",
+                "the fence was made in another context".into(),
+            ));
+        }
+        // SAFETY: the event is live (owned by `fence`) and of the bound context (checked);
+        // the stream is live and of that context (`on_stream`'s contract).
+        unsafe { drv::event::record(fence.event, self.stream) }.map_err(drv_err("cuEventRecord"))
     }
 
     /// Legacy algorithm `algo` of `op`: `out = alpha * op(a, b) + beta * out`, queued on the
