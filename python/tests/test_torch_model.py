@@ -128,9 +128,9 @@ def test_bad_input_names_the_layer():
         conv(torch.randn(3, 4))
     with pytest.raises(ValueError, match="net.conv9: input has 5 channels"):
         conv(torch.randn(1, 5, 8, 8))
-    with pytest.raises(TypeError, match="net.conv9: input is torch.float64"):
+    with pytest.raises(RuntimeError, match="net.conv9: the input is torch.float64 but the weight"):
         conv(torch.randn(1, 3, 8, 8, dtype=torch.float64))
-    with pytest.raises(ValueError, match="net.conv9: input is on meta"):
+    with pytest.raises(RuntimeError, match="net.conv9: the input is on meta but the weight"):
         conv(torch.randn(1, 3, 8, 8, device="meta"))
     with pytest.raises(ValueError, match="net.conv9: padding_mode='reflect' is not supported"):
         mt.Conv2d(3, 4, 3, padding_mode="reflect", name="net.conv9")

@@ -3,9 +3,13 @@
 implementations for ``torch.compile`` and autograd formulas (``register_autograd``), as
 torchvision registers its ops.
 
-Every op takes the layer's configuration id (see ``_runtime.register``) last. The backward ops
-take the forward input and the weight (one of them only for its shape) and are linear in the
-others, so their own gradients are the three ops again: double backward works too.
+Every op takes the geometry as arguments and the layer's configuration last, as a string of
+plain values (``_runtime.config_text``: name, tuning settings, cache), so a graph that holds
+these ops means the same thing in every process. The backward ops take the forward input and
+the weight (one of them only for its shape) and are linear in the others, so their own
+gradients are the three ops again: double backward works too. The fake (meta) implementations
+check operand agreement as the real ones do, so a mismatch fails at trace time with the same
+message.
 """
 
 from __future__ import annotations
@@ -34,14 +38,22 @@ def conv2d(
     padding: List[int],
     dilation: List[int],
     groups: int,
-    config: int,
+    config: str,
 ) -> Tensor:
     """``y = conv(input, weight) + bias``, tuned and executed by mucudnn."""
     return _runtime.forward(config, input, weight, bias, stride, padding, dilation, groups)
 
 
+def _check(config, input, weight, bias, stride, padding, dilation, groups, grad_output=None):
+    name = _runtime.config_for(config).name
+    _runtime.check_operands(
+        name, input, weight, bias, stride, padding, dilation, groups, grad_output=grad_output
+    )
+
+
 @conv2d.register_fake
 def _conv2d_fake(input, weight, bias, stride, padding, dilation, groups, config):
+    _check(config, input, weight, bias, stride, padding, dilation, groups)
     n, _, h, w = input.shape
     k, _, r, s = weight.shape
     p, q = _runtime.output_hw(h, w, r, s, stride, padding, dilation)
@@ -59,7 +71,7 @@ def conv2d_backward_data(
     padding: List[int],
     dilation: List[int],
     groups: int,
-    config: int,
+    config: str,
 ) -> Tensor:
     """The gradient of ``conv2d`` with respect to its input (``input`` gives only the shape)."""
     return _runtime.backward_data(
@@ -69,6 +81,7 @@ def conv2d_backward_data(
 
 @conv2d_backward_data.register_fake
 def _backward_data_fake(grad_output, input, weight, stride, padding, dilation, groups, config):
+    _check(config, input, weight, None, stride, padding, dilation, groups, grad_output)
     return _empty_like_layout(input, input.shape)
 
 
@@ -83,7 +96,7 @@ def conv2d_backward_filter(
     padding: List[int],
     dilation: List[int],
     groups: int,
-    config: int,
+    config: str,
 ) -> Tensor:
     """The gradient of ``conv2d`` with respect to its weight (``weight`` gives only the
     shape)."""
@@ -94,6 +107,7 @@ def conv2d_backward_filter(
 
 @conv2d_backward_filter.register_fake
 def _backward_filter_fake(grad_output, input, weight, stride, padding, dilation, groups, config):
+    _check(config, input, weight, None, stride, padding, dilation, groups, grad_output)
     return _empty_like_layout(input, weight.shape)
 
 
