@@ -185,72 +185,83 @@ class Conv2d(nn.Conv2d):
         limit = "unlimited" if s.workspace_limit is None else f"{s.workspace_limit} B"
         return f"{super().extra_repr()}, mucudnn: {s.policy}, {limit}, {s.candidates}"
 
-    def _check(self, input: torch.Tensor) -> None:
-        name = self.mucudnn_name
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"{name}: expected a tensor, got {type(input).__name__}")
+    def _check(self, input: torch.Tensor, weight: torch.Tensor) -> None:
         if input.dim() != 4:
             raise ValueError(
-                f"{name}: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape "
-                f"{tuple(input.shape)}"
+                f"{self.mucudnn_name}: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got "
+                f"shape {tuple(input.shape)}"
             )
         # The weight, not in_channels: surgery may replace the weight alone, as nn.Conv2d allows.
-        expected = self.weight.shape[1] * self.groups
+        expected = weight.shape[1] * self.groups
         if input.shape[1] != expected:
             raise ValueError(
-                f"{name}: input has {input.shape[1]} channels, the layer expects "
+                f"{self.mucudnn_name}: input has {input.shape[1]} channels, the layer expects "
                 f"{expected} (input shape {tuple(input.shape)})"
             )
 
-    def _symmetric_input(self, input: torch.Tensor):
+    def _symmetric_input(self, input: torch.Tensor, weight: Optional[torch.Tensor] = None):
         """The input and the symmetric padding mucudnn runs (``'same'`` with an even total
         pads the extra row and column at the end first, as PyTorch does). Read from the layer
         at each call, so a changed ``padding`` takes effect as in ``nn.Conv2d``."""
         padding = self.padding
         if not isinstance(padding, str):
-            return input, [int(p) for p in padding]
+            return input, _pair(padding)
         if padding == "valid":
-            return input, [0, 0]
+            return input, (0, 0)
+        kernel = (self.weight if weight is None else weight).shape[2:]
         pads = []
         extra = []
-        for d, k in zip(self.dilation, self.weight.shape[2:]):
+        for d, k in zip(_pair(self.dilation), kernel):
             total = d * (k - 1)
             pads.append(total // 2)
             extra.append(total - 2 * (total // 2))
         if any(extra):
             input = F.pad(input, (0, extra[1], 0, extra[0]))
-        return input, pads
+        return input, tuple(pads)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        unbatched = isinstance(input, torch.Tensor) and input.dim() == 3
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"{self.mucudnn_name}: expected a tensor, got {type(input).__name__}")
+        unbatched = input.dim() == 3
         if unbatched:
             input = input.unsqueeze(0)
-        self._check(input)
-        x, padding = self._symmetric_input(input)
-        stride = [int(v) for v in self.stride]
-        dilation = [int(v) for v in self.dilation]
-        p, q = _runtime.output_hw(
-            x.shape[2], x.shape[3], *self.weight.shape[2:], stride, padding, dilation
-        )
+        # The geometry and the weight are read at every call (never a cached copy).
+        weight = self.weight
+        groups = self.groups
+        self._check(input, weight)
+        x, padding = self._symmetric_input(input, weight)
+        stride = _pair(self.stride)
+        dilation = _pair(self.dilation)
+        r, s = weight.shape[2], weight.shape[3]
+        p, q = _runtime.output_hw(x.shape[2], x.shape[3], r, s, stride, padding, dilation)
         if p <= 0 or q <= 0:
             raise ValueError(
                 f"{self.mucudnn_name}: input {tuple(input.shape)} is too small for kernel "
-                f"{tuple(self.weight.shape[2:])} with padding {tuple(padding)} and dilation "
-                f"{tuple(dilation)} (output would be {p}x{q})"
+                f"{(r, s)} with padding {tuple(padding)} and dilation {tuple(dilation)} (output "
+                f"would be {p}x{q})"
             )
         discovery = _runtime.active_discovery()
-        if self.weight.shape[1] == 0:
+        if weight.shape[1] == 0:
             # No input channels: whatever nn.Conv2d returns (an empty tensor in PyTorch 2.x).
-            y = F.conv2d(x, self.weight, self.bias, stride, padding, dilation, self.groups)
+            y = F.conv2d(x, weight, self.bias, stride, padding, dilation, groups)
         elif discovery is not None:
-            discovery.seen.append((self, x.detach(), stride, padding, dilation, self.groups))
-            y = F.conv2d(x, self.weight, self.bias, stride, padding, dilation, self.groups)
+            discovery.seen.append((self, x.detach(), list(stride), list(padding), list(dilation), groups))
+            y = F.conv2d(x, weight, self.bias, stride, padding, dilation, groups)
         else:
             y = _ops.conv2d(
-                x, self.weight, self.bias, stride, padding, dilation, self.groups,
-                self._mucudnn_config,
+                x, weight, self.bias, stride, padding, dilation, groups, self._mucudnn_config
             )
         return y.squeeze(0) if unbatched else y
+
+
+def _pair(value: Any) -> Tuple[int, int]:
+    """A layer's stride, padding or dilation as a pair of ints (nn.Conv2d keeps tuples; after
+    surgery it may be an int or a list)."""
+    if type(value) is tuple and len(value) == 2:
+        return value
+    if isinstance(value, int):
+        return (value, value)
+    return tuple(int(v) for v in value)
 
 
 def convert_(model: nn.Module, *, skip_unsupported: bool = False, **options: Any) -> nn.Module:

@@ -164,6 +164,9 @@ class LayerConfig:
         self.fallback = fallback
         self.prepared: Dict[PlanKey, Optional[Ready]] = {}
         self.reports: Dict[PlanKey, PlanReport] = {}
+        #: Call signatures (:func:`signature`) whose operands passed :func:`check_operands`,
+        #: and their plan keys: a call seen before needs one tuple and two dict lookups.
+        self.checked: Dict[Tuple[Any, ...], PlanKey] = {}
         self.lock = threading.Lock()
         self.owners = 0
         self.warned_float64 = False
@@ -332,6 +335,58 @@ def plan_key(
         device_type, index, dtype, layout or layout_of(x), tuple(x.shape), tuple(weight_shape),
         tuple(stride), tuple(padding), tuple(dilation), groups, math, deterministic,
     )
+
+
+def signature(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    fmt: torch.memory_format,
+    grad_output: Optional[torch.Tensor] = None,
+) -> Tuple[Any, ...]:
+    """Everything :func:`check_operands` and :func:`plan_key` read from one call, as a
+    hashable tuple: shapes, dtypes and devices of every operand, the input's memory format,
+    the geometry and PyTorch's switches. Equal signatures pass the same checks and run the
+    same plans, so both are decided once per signature."""
+    return (
+        x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device,
+        None if bias is None else (bias.shape, bias.dtype, bias.device),
+        None if grad_output is None
+        else (grad_output.shape, grad_output.dtype, grad_output.device),
+        fmt, tuple(stride), tuple(padding), tuple(dilation), groups,
+        _cudnn_flags.allow_tf32, _cudnn_flags.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+
+
+def checked_key(
+    config: LayerConfig,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    fmt: torch.memory_format,
+    grad_output: Optional[torch.Tensor] = None,
+) -> PlanKey:
+    """The plan key of a call whose operands agree (:func:`check_operands`, which raises
+    otherwise), checked once per call signature."""
+    call = signature(x, weight, bias, stride, padding, dilation, groups, fmt, grad_output)
+    key = config.checked.get(call)
+    if key is None:
+        check_operands(
+            config.name, x, weight, bias, stride, padding, dilation, groups, grad_output
+        )
+        layout = "nhwc" if fmt is torch.channels_last else "nchw"
+        key = plan_key(x, weight.shape, stride, padding, dilation, groups, layout)
+        config.checked[call] = key
+    return key
 
 
 def problem_of(key: PlanKey) -> Dict[str, Any]:
@@ -550,12 +605,11 @@ def forward(
     groups: int,
 ) -> torch.Tensor:
     config = _configs.get(config_text) or config_for(config_text)
-    check_operands(config.name, x, weight, bias, stride, padding, dilation, groups)
+    fmt = memory_format(x)
+    key = checked_key(config, x, weight, bias, stride, padding, dilation, groups, fmt)
     if x.dtype is torch.float64:
         _warn_float64(config)
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    fmt = memory_format(x)
-    layout = "nhwc" if fmt is torch.channels_last else "nchw"
     x = x.contiguous(memory_format=fmt)
     weight = weight.contiguous(memory_format=fmt)
     n, c, h, w = x.shape
@@ -566,7 +620,6 @@ def forward(
         y.zero_()  # no input channels: the sum is empty (nn.Conv2d gives the bias)
     elif y.numel() > 0:
         x, weight = aligned(x, fmt), aligned(weight, fmt)
-        key = plan_key(x, weight.shape, stride, padding, dilation, groups, layout)
         ready = config.prepared.get(key, _MISSING)
         if ready is _MISSING:
             ready = plans_for(config, key)
@@ -598,8 +651,9 @@ def _backward(
     ``grad_output``) or the filter gradient (BACKWARD_FILTER: of ``weight``'s shape, from ``x``
     and ``grad_output``), in ``x``'s memory format."""
     config = _configs.get(config_text) or config_for(config_text)
-    check_operands(
-        config.name, x, weight, None, stride, padding, dilation, groups, grad_output=grad_output
+    fmt = memory_format(x)
+    key = checked_key(
+        config, x, weight, None, stride, padding, dilation, groups, fmt, grad_output
     )
     data = op == BACKWARD_DATA
     geometry = (stride, padding, dilation, groups)
@@ -608,8 +662,6 @@ def _backward(
         if data:
             return torch.nn.grad.conv2d_input(x.shape, weight, grad_output, *geometry)
         return torch.nn.grad.conv2d_weight(x, weight.shape, grad_output, *geometry)
-    fmt = memory_format(x)
-    layout = "nhwc" if fmt is torch.channels_last else "nchw"
     shape = x.shape if data else weight.shape
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     if x.numel() == 0 or weight.numel() == 0:
@@ -617,7 +669,6 @@ def _backward(
     grad_output = aligned(grad_output.contiguous(memory_format=fmt), fmt)
     # The operand the op reads besides dy: w for the data gradient, x for the filter's.
     other = aligned((weight if data else x).contiguous(memory_format=fmt), fmt)
-    key = plan_key(x, weight.shape, stride, padding, dilation, groups, layout)
     ready = config.prepared.get(key, _MISSING)
     if ready is _MISSING:
         ready = plans_for(config, key)
