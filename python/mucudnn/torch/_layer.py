@@ -248,7 +248,7 @@ class Conv2d(nn.Conv2d):
             discovery.seen.append((self, x.detach(), list(stride), list(padding), list(dilation), groups))
             y = F.conv2d(x, weight, self.bias, stride, padding, dilation, groups)
         else:
-            y = _ops.conv2d(
+            y = _ops.conv2d_op(
                 x, weight, self.bias, stride, padding, dilation, groups, self._mucudnn_config
             )
         return y.squeeze(0) if unbatched else y

@@ -682,6 +682,21 @@ def _backward(
     return out
 
 
+def forward_op(x, weight, bias, stride, padding, dilation, groups, config_text: str):
+    """The op ``mucudnn::conv2d`` (arguments in its schema's order)."""
+    return forward(config_text, x, weight, bias, stride, padding, dilation, groups)
+
+
+def backward_data_op(grad_output, x, weight, stride, padding, dilation, groups, config_text):
+    return backward_data(config_text, grad_output, x, weight, stride, padding, dilation, groups)
+
+
+def backward_filter_op(grad_output, x, weight, stride, padding, dilation, groups, config_text):
+    return backward_filter(
+        config_text, grad_output, x, weight, stride, padding, dilation, groups
+    )
+
+
 def backward_data(config_text: str, grad_output, x, weight, stride, padding, dilation, groups):
     return _backward(
         BACKWARD_DATA, config_text, grad_output, x, weight, stride, padding, dilation, groups
