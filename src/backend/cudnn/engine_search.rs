@@ -254,6 +254,7 @@ mod tests {
 
     #[test]
     fn legacy_determinism_follows_cudnn() {
+        use crate::backend::cudnn::{algo_count, algo_name};
         use crate::solver::ConvOp::*;
         let deterministic = |op| {
             (0..8)
@@ -263,7 +264,21 @@ mod tests {
         assert_eq!(deterministic(Forward), [0, 1, 2, 3, 4, 5, 6, 7]);
         assert_eq!(deterministic(BackwardData), [1, 2, 3, 4, 5]);
         assert_eq!(deterministic(BackwardFilter), [1, 2, 4, 5, 6]);
-        assert!(!legacy_deterministic(Forward, 99));
+        // By cuDNN's names (the bindings' numbering): the ones that sum with atomics.
+        for op in crate::solver::ConvOp::ALL {
+            for algo in 0..algo_count(op) {
+                let name = algo_name(op, algo).unwrap();
+                let atomics = matches!(
+                    name.as_str(),
+                    "BWD_DATA_ALGO_0" | "BWD_FILTER_ALGO_0" | "BWD_FILTER_ALGO_3"
+                );
+                assert_eq!(legacy_deterministic(op, algo), !atomics, "{name}");
+            }
+            assert!(
+                !legacy_deterministic(op, algo_count(op)),
+                "no such algorithm"
+            );
+        }
     }
 
     #[test]
