@@ -10,7 +10,7 @@ import pytest
 
 import mucudnn
 from mucudnn import MucudnnError, Settings, Tuner, problem
-from mucudnn._tuner import operand_extents
+from mucudnn import operand_extents
 
 SETTINGS = Settings(workspace_limit=1 << 20)
 
