@@ -123,6 +123,15 @@ class PreparedSet:
         self.tuner.release(self.id)
 
 
+#: Handles of tuners the garbage collector took, destroyed when the next tuner is made.
+_collected: List[ctypes.c_void_p] = []
+
+
+def _destroy_collected(lib: Any) -> None:
+    while _collected:
+        lib.mucudnnTunerDestroy(_collected.pop())
+
+
 class Tuner:
     """A mucudnn tuner on the CPU (``device=-1``) or a GPU (its CUDA ordinal).
 
@@ -136,6 +145,7 @@ class Tuner:
         elif cache is not None:
             options["cache"] = str(cache)
         lib = _lib.library()
+        _destroy_collected(lib)
         handle = ctypes.c_void_p()
         _lib.check(
             lib.mucudnnTunerCreate(
@@ -153,10 +163,13 @@ class Tuner:
             self._handle = ctypes.c_void_p()
 
     def __del__(self):  # pragma: no cover - interpreter shutdown order varies
-        try:
-            self.close()
-        except Exception:
-            pass
+        # Not destroyed here: the garbage collector may run this between another call's
+        # failure and the reading of its error message, which a successful destroy would
+        # clear. The next tuner made destroys it (or the process's exit frees it).
+        handle = getattr(self, "_handle", None)
+        if handle is not None and handle.value:
+            _collected.append(handle)
+            self._handle = ctypes.c_void_p()
 
     def fingerprint(self) -> Dict[str, Any]:
         """The device fingerprint measurements are stored under."""
