@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mucudnn
 import mucudnn.torch as mt
 from mucudnn import Tuner
 
@@ -32,7 +33,9 @@ SAVED_AND_LOADED = ["traced", "exported", "torch_save"]
 
 
 def run_scenario(name, *args):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent)] + sys.path))
+    # The child imports the mucudnn this process imported (installed, or a source tree).
+    package_root = str(Path(mucudnn.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root] + sys.path))
     done = subprocess.run(
         [sys.executable, str(HERE / "torch_scenarios.py"), name, *map(str, args)],
         capture_output=True, text=True, timeout=300, env=env,
