@@ -761,13 +761,23 @@ enum mucudnnStatus_t mucudnnTunerRelease(mucudnnTuner_t tuner,
  * memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's
  * workspace_bytes_out[op] bytes, 16-byte aligned (NULL with 0 bytes when none is needed).
  *
+ * `operand_dims` (12 values) gives the dims of `a`, `b` and `out` in that order, each as
+ * N, C, H, W (a filter as K, C/groups, R, S) whatever the layout, and `operand_bytes` (3
+ * values) the bytes each buffer holds from its pointer on. They are checked against the
+ * plan's problem before any pointer is read: dims other than the roles' in the prepared
+ * problem, or a buffer smaller than its role's elements in the problem's dtype, is
+ * MUCUDNN_STATUS_INVALID_ARGUMENT naming the operand and both shapes (so a plan tuned for
+ * one shape never runs over tensors of another).
+ *
  * # Safety
  *
- * `a`, `b` and `out` point to the problem's element counts of their roles (host memory on a
- * CPU tuner, device memory of its GPU otherwise), readable, `out` writable and overlapping
- * neither input; `workspace` is NULL with `workspace_bytes` 0, or `workspace_bytes` writable
- * bytes of the same kind of memory; on a GPU all of it stays allocated until the work queued
- * on `stream` has finished, and `stream` is a live stream of the GPU's primary context.
+ * `a`, `b` and `out` point to at least `operand_bytes[i]` bytes each (host memory on a CPU
+ * tuner, device memory of its GPU otherwise), readable, `out` writable and overlapping
+ * neither input; `operand_dims` is NULL (an error) or points to 12 readable int64_t and
+ * `operand_bytes` is NULL (an error) or points to 3 readable uint64_t; `workspace` is NULL
+ * with `workspace_bytes` 0, or `workspace_bytes` writable bytes of the same kind of memory;
+ * on a GPU all of it stays allocated until the work queued on `stream` has finished, and
+ * `stream` is a live stream of the GPU's primary context.
  */
 enum mucudnnStatus_t mucudnnTunerExecute(mucudnnTuner_t tuner,
                                          uint64_t plan_set,
@@ -777,6 +787,8 @@ enum mucudnnStatus_t mucudnnTunerExecute(mucudnnTuner_t tuner,
                                          const void *b,
                                          float beta,
                                          void *out,
+                                         const int64_t *operand_dims,
+                                         const uint64_t *operand_bytes,
                                          void *workspace,
                                          uint64_t workspace_bytes,
                                          mucudnnStream_t stream);

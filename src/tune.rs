@@ -51,6 +51,10 @@ pub struct EngineOptions {
     /// Drop a configuration at larger sizes once a candidate needing no more workspace is
     /// faster by more than this factor; `None`: time every configuration at every size.
     pub prune_margin: Option<f64>,
+    /// Solve plans from deterministic candidates only ([`Backend::is_deterministic`], of
+    /// either kind), as PyTorch's `torch.backends.cudnn.deterministic` asks. Measuring is
+    /// unchanged (the cache keeps every candidate); the plans are cached under their own key.
+    pub deterministic: bool,
 }
 
 impl Default for EngineOptions {
@@ -58,8 +62,21 @@ impl Default for EngineOptions {
         EngineOptions {
             max_candidates: None,
             prune_margin: Some(prune::DEFAULT_MARGIN),
+            deterministic: false,
         }
     }
+}
+
+/// The plan-cache context of plans solved from deterministic candidates only (plain plans
+/// have none), so the two never stand in for each other.
+pub const DETERMINISTIC_CONTEXT: &str = "deterministic";
+
+/// Drops the measurements of candidates `backend` does not mark deterministic.
+pub fn keep_deterministic(backend: &dyn Backend, profile: &mut OpProfile) {
+    let op = profile.op;
+    profile
+        .measurements
+        .retain(|m| backend.is_deterministic(op, &m.algo));
 }
 
 /// Everything a profiling run needs besides the backend and the jobs.
@@ -614,11 +631,14 @@ impl LayerTuning {
             candidates: self.candidates,
             engines: self.engines,
         };
-        let key = PlanKey::reuse(
+        let mut key = PlanKey::reuse(
             self.policy,
             run.effective_candidates(backend.kinds()),
             self.workspace_limit_bytes,
         );
+        if self.engines.deterministic {
+            key.context = DETERMINISTIC_CONTEXT.to_string();
+        }
         let cached: Vec<Plan> = ConvOp::ALL
             .iter()
             .filter_map(|&op| cache.plan(&device, problem, op, &key))
@@ -638,7 +658,10 @@ impl LayerTuning {
                 problem: *problem,
                 op,
             };
-            let profile = profile_job_cached(backend, &job, &run, &mut stats, &mut |_, _| {})?;
+            let mut profile = profile_job_cached(backend, &job, &run, &mut stats, &mut |_, _| {})?;
+            if self.engines.deterministic {
+                keep_deterministic(backend, &mut profile);
+            }
             let plan = solve_wr(&profile, self.policy, self.workspace_limit_bytes)?;
             cache.store_plan(&device, &plan, &key);
             plans.push(plan);

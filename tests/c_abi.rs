@@ -1,8 +1,9 @@
 //! The C ABI from C: compiles `tests/c/abi_test.c` with the system C compiler (`cc`, or `$CC`)
 //! against `include/mucudnn.h` and the library cargo built for this test run, links it once
 //! with the static library and once with the shared one, and runs both on the recorded H100
-//! profile. Needs no GPU (`abi_test.c` checks that mucudnnCreate says so). Also checks that the
-//! header compiles as strict C99 and, where a C++ compiler is installed, as C++.
+//! profile. Needs no GPU (`abi_test.c` checks that mucudnnCreate says so); a CPU tuner tunes,
+//! prepares and runs a tiny problem, and operands of another shape are refused. Also checks
+//! that the header compiles as strict C99 and, where a C++ compiler is installed, as C++.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -118,6 +118,9 @@ fn run_with_current(ordinal: usize, caller: cudarc::driver::sys::CUcontext) {
         let (wp, _b) = w.device_ptr(&stream);
         let (yp, _c) = y.device_ptr_mut(&stream);
         let (sp, _d) = space.device_ptr_mut(&stream);
+        // x, w and y in NCHW order, and their bytes (f32).
+        let dims: [i64; 12] = [4, 8, 8, 8, 8, 8, 3, 3, 4, 8, 8, 8];
+        let bytes: [u64; 3] = [4 * 8 * 8 * 8 * 4, 8 * 8 * 3 * 3 * 4, 4 * 8 * 8 * 8 * 4];
         set(caller);
         // SAFETY: device buffers of the tuner's GPU with the problem's element counts, live
         // until the stream is synchronised below; a live stream of the primary context.
@@ -131,6 +134,8 @@ fn run_with_current(ordinal: usize, caller: cudarc::driver::sys::CUcontext) {
                 wp as *const c_void,
                 0.0,
                 yp as *mut c_void,
+                dims.as_ptr(),
+                bytes.as_ptr(),
                 sp as *mut c_void,
                 workspace[0],
                 stream.cu_stream() as *mut _,

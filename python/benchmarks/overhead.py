@@ -42,7 +42,7 @@ def main():
     theirs.load_state_dict(ours.state_dict())
     with torch.no_grad():
         ours(x)  # tune
-        key = _runtime.shape_key(x)
+        key = _runtime.plan_key(x, ours.weight.shape, [1, 1], [0, 0], [1, 1], 1)
         prepared = ours._mucudnn.prepared[key]
         y = torch.empty(1, 4, 4, 4)
         w = ours.weight.detach()
@@ -53,7 +53,7 @@ def main():
             (
                 "  the op alone (torch.ops.mucudnn.conv2d)",
                 per_call(
-                    lambda: torch.ops.mucudnn.conv2d(x, w, None, [1, 1], [0, 0], [1, 1], 1, ours._mucudnn_id),
+                    lambda: torch.ops.mucudnn.conv2d(x, w, None, [1, 1], [0, 0], [1, 1], 1, ours._mucudnn_config),
                     args.calls, args.repeats,
                 ),
             ),
@@ -62,6 +62,7 @@ def main():
                 per_call(
                     lambda: prepared.tuner.execute(
                         prepared.id, 0, x.data_ptr(), w.data_ptr(), y.data_ptr(),
+                        prepared.extents[0],
                         workspace=workspace.data_ptr(), workspace_bytes=prepared.workspace[0],
                     ),
                     args.calls, args.repeats,

@@ -9,7 +9,7 @@ algorithm that fits, chosen from measurements kept in a persistent tuning cache.
 """
 
 from ._lib import MucudnnError, library_path
-from ._tuner import OPS, PreparedSet, Settings, Tuner, problem
+from ._tuner import OPS, PreparedSet, Settings, Tuner, operand_extents, problem
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "Settings",
     "Tuner",
     "library_path",
+    "operand_extents",
     "problem",
     "version",
 ]

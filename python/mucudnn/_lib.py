@@ -204,7 +204,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "mucudnnTunerRelease": (c.c_int, [p, c.c_uint64]),
         "mucudnnTunerExecute": (
             c.c_int,
-            [p, c.c_uint64, c.c_int32, c.c_float, p, p, c.c_float, p, p, c.c_uint64, p],
+            [p, c.c_uint64, c.c_int32, c.c_float, p, p, c.c_float, p,
+             c.POINTER(c.c_int64), c.POINTER(c.c_uint64), p, c.c_uint64, p],
         ),
     }
     for name, (restype, argtypes) in signatures.items():

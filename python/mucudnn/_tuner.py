@@ -24,26 +24,29 @@ DEVICE_CPU = -1
 class Settings:
     """How a layer tunes: micro-batch ``policy``, per-layer ``workspace_limit`` (bytes, or
     ``None`` for none), ``candidates`` (``"legacy"``, ``"engines"``, ``"all"``), an optional
-    bound on engine configurations timed per size, and the pruning margin (``None``: time
-    every configuration at every size)."""
+    bound on engine configurations timed per size, the pruning margin (``None``: time
+    every configuration at every size), and ``deterministic`` (plans from candidates the
+    backend marks deterministic only; cached apart from the others)."""
 
     policy: str = "power-of-two"
     workspace_limit: Optional[int] = 64 << 20
     candidates: str = "all"
     max_candidates: Optional[int] = None
     prune_margin: Optional[float] = 1.5
+    deterministic: bool = False
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "workspace_limit": self.workspace_limit,
+            "candidates": self.candidates,
+            "max_candidates": self.max_candidates,
+            "prune_margin": self.prune_margin,
+            "deterministic": self.deterministic,
+        }
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "policy": self.policy,
-                "workspace_limit": self.workspace_limit,
-                "candidates": self.candidates,
-                "max_candidates": self.max_candidates,
-                "prune_margin": self.prune_margin,
-            },
-            sort_keys=True,
-        )
+        return json.dumps(self.to_dict(), sort_keys=True)
 
 
 def problem(
@@ -61,8 +64,10 @@ def problem(
     groups: int = 1,
     dtype: str = "fp32",
     layout: str = "nchw",
+    math: str = "default",
 ) -> Dict[str, Any]:
-    """A convolution problem as the C ABI reads it (docs/PROFILE_FORMAT.md, "problem")."""
+    """A convolution problem as the C ABI reads it (docs/PROFILE_FORMAT.md, "problem");
+    ``math`` is cuDNN's math mode (``"default"``, or ``"fma"``: no tensor cores, no TF32)."""
     return {
         "n": int(n),
         "c": int(c),
@@ -80,8 +85,27 @@ def problem(
         "groups": int(groups),
         "dtype": dtype,
         "layout": layout,
-        "math": "default",
+        "math": math,
     }
+
+
+Dims = Tuple[int, int, int, int]
+
+
+def operand_extents(
+    op: int, x: Sequence[int], w: Sequence[int], y: Sequence[int], itemsize: int
+) -> Tuple[Any, Any]:
+    """What :meth:`Tuner.execute` passes for ``op``'s operands ``a``, ``b``, ``out``: their
+    dims (N, C, H, W; a filter K, C/groups, R, S) as 12 ``int64`` and their bytes as 3
+    ``uint64``, from the input ``x``, filter ``w`` and output ``y`` dims (the C ABI checks them
+    against the plan before it reads a pointer). Build them once per shape: ctypes arrays are
+    slow to make and fast to pass."""
+    roles = {FORWARD: (x, w, y), BACKWARD_DATA: (w, y, x), BACKWARD_FILTER: (x, y, w)}[op]
+    dims = (ctypes.c_int64 * 12)(*(int(d) for shape in roles for d in shape))
+    nbytes = (ctypes.c_uint64 * 3)(
+        *(itemsize * shape[0] * shape[1] * shape[2] * shape[3] for shape in roles)
+    )
+    return dims, nbytes
 
 
 @dataclass
@@ -99,6 +123,15 @@ class PreparedSet:
         self.tuner.release(self.id)
 
 
+#: Handles of tuners the garbage collector took, destroyed when the next tuner is made.
+_collected: List[ctypes.c_void_p] = []
+
+
+def _destroy_collected(lib: Any) -> None:
+    while _collected:
+        lib.mucudnnTunerDestroy(_collected.pop())
+
+
 class Tuner:
     """A mucudnn tuner on the CPU (``device=-1``) or a GPU (its CUDA ordinal).
 
@@ -112,6 +145,7 @@ class Tuner:
         elif cache is not None:
             options["cache"] = str(cache)
         lib = _lib.library()
+        _destroy_collected(lib)
         handle = ctypes.c_void_p()
         _lib.check(
             lib.mucudnnTunerCreate(
@@ -129,10 +163,13 @@ class Tuner:
             self._handle = ctypes.c_void_p()
 
     def __del__(self):  # pragma: no cover - interpreter shutdown order varies
-        try:
-            self.close()
-        except Exception:
-            pass
+        # Not destroyed here: the garbage collector may run this between another call's
+        # failure and the reading of its error message, which a successful destroy would
+        # clear. The next tuner made destroys it (or the process's exit frees it).
+        handle = getattr(self, "_handle", None)
+        if handle is not None and handle.value:
+            _collected.append(handle)
+            self._handle = ctypes.c_void_p()
 
     def fingerprint(self) -> Dict[str, Any]:
         """The device fingerprint measurements are stored under."""
@@ -206,6 +243,7 @@ class Tuner:
         a: int,
         b: int,
         out: int,
+        extents: Tuple[Any, Any],
         *,
         alpha: float = 1.0,
         beta: float = 0.0,
@@ -213,10 +251,13 @@ class Tuner:
         workspace_bytes: int = 0,
         stream: int = 0,
     ) -> None:
-        """``out = alpha * op(a, b) + beta * out`` over raw pointers (see mucudnnTunerExecute)."""
+        """``out = alpha * op(a, b) + beta * out`` over raw pointers (see mucudnnTunerExecute);
+        ``extents`` says what the operands are (:func:`operand_extents`), and a plan prepared
+        for other shapes, or a buffer too small, is refused before any pointer is read."""
+        dims, nbytes = extents
         status = self._lib.mucudnnTunerExecute(
-            self._handle, plan_set, op, alpha, a, b, beta, out, workspace or None,
-            workspace_bytes, stream or None,
+            self._handle, plan_set, op, alpha, a, b, beta, out, dims, nbytes,
+            workspace or None, workspace_bytes, stream or None,
         )
         if status:
             _lib.check(status)

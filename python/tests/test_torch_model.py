@@ -128,9 +128,9 @@ def test_bad_input_names_the_layer():
         conv(torch.randn(3, 4))
     with pytest.raises(ValueError, match="net.conv9: input has 5 channels"):
         conv(torch.randn(1, 5, 8, 8))
-    with pytest.raises(TypeError, match="net.conv9: input is torch.float64"):
+    with pytest.raises(RuntimeError, match="net.conv9: the input is torch.float64 but the weight"):
         conv(torch.randn(1, 3, 8, 8, dtype=torch.float64))
-    with pytest.raises(ValueError, match="net.conv9: input is on meta"):
+    with pytest.raises(RuntimeError, match="net.conv9: the input is on meta but the weight"):
         conv(torch.randn(1, 3, 8, 8, device="meta"))
     with pytest.raises(ValueError, match="net.conv9: padding_mode='reflect' is not supported"):
         mt.Conv2d(3, 4, 3, padding_mode="reflect", name="net.conv9")
@@ -213,6 +213,32 @@ def test_a_shape_without_a_plan_falls_back_to_pytorch_or_raises(monkeypatch, cap
     model = mt.convert_(nn.Sequential(nn.Conv2d(3, 4, 3)), cache=False)
     summary = mt.tune(model, torch.randn(2, 3, 6, 6), verbose=False)
     assert summary["layers"] == 1 and model[0].plans[(2, 3, 6, 6)].fallback
+
+
+def test_a_plan_cudnn_declines_to_prepare_falls_back_to_pytorch(monkeypatch, capsys):
+    # PLAN_NOT_SUPPORTED (issue 21, item 8): cuDNN refuses a tuned micro-batch at its real
+    # offset. The layer, the forward's lazy tuning and tune() all fall back with a warning.
+    from mucudnn import MucudnnError, Tuner
+
+    def declines(self, plans):
+        raise MucudnnError("net.offset forward: micro-batch 2 at sample 5: not supported",
+                           "PLAN_NOT_SUPPORTED")
+
+    monkeypatch.setattr(Tuner, "prepare", declines)
+    torch.manual_seed(0)
+    conv = mt.Conv2d(3, 4, 3, padding=1, cache=False, name="net.offset")
+    reference = nn.Conv2d(3, 4, 3, padding=1)
+    reference.load_state_dict(conv.state_dict())
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(conv(x), reference(x))
+    assert "cannot be prepared" in conv.plans[(2, 3, 6, 6)].fallback
+    assert "net.offset" in capsys.readouterr().err
+    model = mt.convert_(nn.Sequential(nn.Conv2d(3, 4, 3)), cache=False)
+    mt.tune(model, torch.randn(2, 3, 6, 6), verbose=False)
+    assert "cannot be prepared" in model[0].plans[(2, 3, 6, 6)].fallback
+    strict = mt.Conv2d(3, 4, 3, cache=False, name="net.strict2", fallback=False)
+    with pytest.raises(MucudnnError, match="not supported"):
+        strict(torch.randn(2, 3, 6, 6))
 
 
 def test_engines_on_the_cpu_is_an_error_not_a_fallback():

@@ -44,7 +44,7 @@ def op_args(conv, x):
         padding,
         list(conv.dilation),
         conv.groups,
-        conv._mucudnn_id,
+        conv._mucudnn_config,
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import mucudnn
 from mucudnn import MucudnnError, Settings, Tuner, problem
+from mucudnn import operand_extents
 
 SETTINGS = Settings(workspace_limit=1 << 20)
 
@@ -44,8 +45,9 @@ def ptr(array):
 
 def run_forward(tuner, prepared, x, w, out):
     workspace = np.zeros(max(prepared.workspace) + 16, dtype=np.uint8)
+    extents = operand_extents(0, x.shape, w.shape, out.shape, x.itemsize)
     tuner.execute(
-        prepared.id, 0, ptr(x), ptr(w), ptr(out),
+        prepared.id, 0, ptr(x), ptr(w), ptr(out), extents,
         workspace=ptr(workspace), workspace_bytes=prepared.workspace[0],
     )
 
@@ -72,6 +74,17 @@ def test_tune_prepare_execute_matches_reference():
     out = np.full(expected.shape, np.nan, dtype=np.float32)
     run_forward(tuner, prepared, x, w, out)
     assert np.allclose(out, expected, rtol=1e-4, atol=1e-4)
+    # Operands of other shapes than the plan's are refused before a pointer is read.
+    small = np.zeros((1, 4, 9, 8), dtype=np.float32)
+    out[...] = 7.0
+    with pytest.raises(MucudnnError, match=r"x is \[1, 4, 9, 8\] but the plan is for \[3, 4, 9, 8\]"):
+        run_forward(tuner, prepared, small, w, out)
+    half = x.astype(np.float16)
+    dims, _ = operand_extents(0, x.shape, w.shape, out.shape, 4)
+    nbytes = (ctypes.c_uint64 * 3)(half.nbytes, w.nbytes, out.nbytes)
+    with pytest.raises(MucudnnError, match="x holds 1728 bytes"):
+        tuner.execute(prepared.id, 0, ptr(half), ptr(w), ptr(out), (dims, nbytes))
+    assert (out == 7.0).all()
 
 
 def test_shared_measurements_make_tuning_free():

@@ -5,9 +5,9 @@
 //! puts it (issue 21, item 8).
 
 use super::cudnn::{
-    algo_count, engine_configs_with_alignments, graph_api_status, probe, Alignments,
-    ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan,
-    Workspace,
+    algo_count, engine_configs_with_alignments, graph_api_status, legacy_deterministic, probe,
+    Alignments, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig,
+    EnginePlan, Workspace,
 };
 use super::{check_measure_args, median_time, Backend, BackendError, EngineSearch, TimingSettings};
 use crate::device::{BackendKind, DeviceFingerprint};
@@ -296,6 +296,16 @@ impl Backend for CudnnBackend {
         match algo {
             Algo::Legacy(number) => *number < algo_count(op),
             Algo::Engine(_) => self.kinds.contains(&AlgoKind::Engine),
+        }
+    }
+
+    /// Legacy algorithms by cuDNN's documented determinism (what its perf results report);
+    /// engine configurations never: their numerical notes are not kept with measurements,
+    /// so one measured earlier cannot be vouched for (see [`legacy_deterministic`]).
+    fn is_deterministic(&self, op: ConvOp, algo: &Algo) -> bool {
+        match algo {
+            Algo::Legacy(number) => legacy_deterministic(op, *number),
+            Algo::Engine(_) => false,
         }
     }
 

@@ -184,6 +184,14 @@ pub trait Backend {
         self.kinds().contains(&algo.kind())
     }
 
+    /// Whether `algo` gives bitwise the same result on every run of `op` (no atomics), which
+    /// is what determinism (`torch.backends.cudnn.deterministic`) admits. The default: every
+    /// candidate is (the CPU backend computes each output element in a fixed order).
+    fn is_deterministic(&self, op: ConvOp, algo: &Algo) -> bool {
+        let _ = (op, algo);
+        true
+    }
+
     /// Times the graph-API engine configurations of `op` at micro-batch size `micro`, as
     /// `search` bounds them. Backends without engines say so.
     fn measure_engines(

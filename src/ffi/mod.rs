@@ -1248,13 +1248,23 @@ pub extern "C" fn mucudnnTunerRelease(tuner: mucudnnTuner_t, plan_set: u64) -> m
 /// memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's
 /// workspace_bytes_out[op] bytes, 16-byte aligned (NULL with 0 bytes when none is needed).
 ///
+/// `operand_dims` (12 values) gives the dims of `a`, `b` and `out` in that order, each as
+/// N, C, H, W (a filter as K, C/groups, R, S) whatever the layout, and `operand_bytes` (3
+/// values) the bytes each buffer holds from its pointer on. They are checked against the
+/// plan's problem before any pointer is read: dims other than the roles' in the prepared
+/// problem, or a buffer smaller than its role's elements in the problem's dtype, is
+/// MUCUDNN_STATUS_INVALID_ARGUMENT naming the operand and both shapes (so a plan tuned for
+/// one shape never runs over tensors of another).
+///
 /// # Safety
 ///
-/// `a`, `b` and `out` point to the problem's element counts of their roles (host memory on a
-/// CPU tuner, device memory of its GPU otherwise), readable, `out` writable and overlapping
-/// neither input; `workspace` is NULL with `workspace_bytes` 0, or `workspace_bytes` writable
-/// bytes of the same kind of memory; on a GPU all of it stays allocated until the work queued
-/// on `stream` has finished, and `stream` is a live stream of the GPU's primary context.
+/// `a`, `b` and `out` point to at least `operand_bytes[i]` bytes each (host memory on a CPU
+/// tuner, device memory of its GPU otherwise), readable, `out` writable and overlapping
+/// neither input; `operand_dims` is NULL (an error) or points to 12 readable int64_t and
+/// `operand_bytes` is NULL (an error) or points to 3 readable uint64_t; `workspace` is NULL
+/// with `workspace_bytes` 0, or `workspace_bytes` writable bytes of the same kind of memory;
+/// on a GPU all of it stays allocated until the work queued on `stream` has finished, and
+/// `stream` is a live stream of the GPU's primary context.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn mucudnnTunerExecute(
@@ -1266,12 +1276,36 @@ pub unsafe extern "C" fn mucudnnTunerExecute(
     b: *const c_void,
     beta: f32,
     out: *mut c_void,
+    operand_dims: *const i64,
+    operand_bytes: *const u64,
     workspace: *mut c_void,
     workspace_bytes: u64,
     stream: mucudnnStream_t,
 ) -> mucudnnStatus_t {
     guard("mucudnnTunerExecute", || {
         let op = conv_op_arg(op)?;
+        if operand_dims.is_null() {
+            return Err(invalid("operand_dims is NULL"));
+        }
+        if operand_bytes.is_null() {
+            return Err(invalid("operand_bytes is NULL"));
+        }
+        // SAFETY: non-null, and 12 and 3 readable values (this function's contract).
+        let (dims, bytes) = unsafe {
+            (
+                operand_dims.cast::<[i64; 12]>().read_unaligned(),
+                operand_bytes.cast::<[u64; 3]>().read_unaligned(),
+            )
+        };
+        let operands: [tuner::OperandExtent; 3] = std::array::from_fn(|i| tuner::OperandExtent {
+            dims: [
+                dims[4 * i],
+                dims[4 * i + 1],
+                dims[4 * i + 2],
+                dims[4 * i + 3],
+            ],
+            bytes: bytes[i],
+        });
         with_tuner(tuner, |t| {
             // SAFETY: this function's contract.
             unsafe {
@@ -1283,6 +1317,7 @@ pub unsafe extern "C" fn mucudnnTunerExecute(
                     b,
                     beta,
                     out,
+                    &operands,
                     workspace,
                     workspace_bytes,
                     stream.cast(),

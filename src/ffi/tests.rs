@@ -454,3 +454,137 @@ fn argument_conversions() {
             .starts_with("beta is NULL"));
     }
 }
+
+/// A CPU tuner with a tiny 1x1 problem (2 x 2 x 3 x 3 input, 2 filters) prepared: the tuner,
+/// the plan set's id and the forward workspace bytes.
+fn prepared_tiny_tuner() -> (mucudnnTuner_t, u64, u64) {
+    let mut tuner: mucudnnTuner_t = null_mut();
+    let options = c(r#"{"no_cache": true}"#);
+    let problem = serde_json::to_string(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1)).unwrap();
+    let problem = c(&problem);
+    let mut result: *mut c_char = null_mut();
+    let (mut set, mut workspace) = (0u64, [0u64; 3]);
+    // SAFETY: live outputs and NUL-terminated strings.
+    unsafe {
+        assert_eq!(
+            mucudnnTunerCreate(&mut tuner, MUCUDNN_DEVICE_CPU, options.as_ptr()),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS,
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            mucudnnTunerTune(
+                tuner,
+                c("tiny").as_ptr(),
+                problem.as_ptr(),
+                null(),
+                &mut result
+            ),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS,
+            "{}",
+            last_error()
+        );
+        let doc: serde_json::Value = serde_json::from_str(&take(result)).unwrap();
+        let plans = c(&doc["plans"].to_string());
+        assert_eq!(
+            mucudnnTunerPrepare(tuner, plans.as_ptr(), &mut set, workspace.as_mut_ptr()),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS,
+            "{}",
+            last_error()
+        );
+    }
+    (tuner, set, workspace[0])
+}
+
+#[test]
+fn tuner_execute_checks_operands_against_the_plan() {
+    use mucudnnStatus_t as S;
+    let (tuner, set, workspace_bytes) = prepared_tiny_tuner();
+    // 4-byte aligned, as the CPU tuner asks.
+    let mut workspace = vec![0u32; (workspace_bytes as usize).div_ceil(4)];
+    let x: Vec<f32> = (0..36).map(|i| i as f32).collect();
+    let w: Vec<f32> = vec![1.0, 0.0, 0.5, 2.0]; // y0 = x0, y1 = 0.5 x0 + 2 x1
+    let mut y = vec![f32::NAN; 36];
+    let dims: [i64; 12] = [2, 2, 3, 3, 2, 2, 1, 1, 2, 2, 3, 3];
+    let bytes: [u64; 3] = [36 * 4, 4 * 4, 36 * 4];
+    let mut execute = |y: &mut Vec<f32>, dims: &[i64; 12], bytes: &[u64; 3]| {
+        // SAFETY: x, w and y hold the byte counts `bytes` claims or more (the wrong-shape
+        // calls below claim less or other dims, and must be refused before reading).
+        unsafe {
+            mucudnnTunerExecute(
+                tuner,
+                set,
+                MUCUDNN_OP_FORWARD,
+                1.0,
+                x.as_ptr().cast(),
+                w.as_ptr().cast(),
+                0.0,
+                y.as_mut_ptr().cast(),
+                dims.as_ptr(),
+                bytes.as_ptr(),
+                workspace.as_mut_ptr().cast(),
+                workspace_bytes,
+                null_mut(),
+            )
+        }
+    };
+    assert_eq!(execute(&mut y, &dims, &bytes), S::MUCUDNN_STATUS_SUCCESS);
+    for n in 0..2 {
+        for pixel in 0..9 {
+            let x0 = x[n * 18 + pixel];
+            let x1 = x[n * 18 + 9 + pixel];
+            assert_eq!(y[n * 18 + pixel], x0);
+            assert_eq!(y[n * 18 + 9 + pixel], 0.5 * x0 + 2.0 * x1);
+        }
+    }
+    // A weight of another shape (pruned to one filter), an input with a larger batch, an
+    // output of another size, a buffer too small for its role: refused, nothing written.
+    let mut cases: Vec<([i64; 12], [u64; 3], &str)> = Vec::new();
+    let mut pruned = dims;
+    pruned[4] = 1;
+    cases.push((
+        pruned,
+        bytes,
+        "w is [1, 2, 1, 1] but the plan is for [2, 2, 1, 1]",
+    ));
+    let mut bigger = dims;
+    bigger[0] = 4;
+    cases.push((bigger, bytes, "x is [4, 2, 3, 3]"));
+    let mut strided = dims;
+    (strided[10], strided[11]) = (2, 2);
+    cases.push((strided, bytes, "y is [2, 2, 2, 2]"));
+    cases.push((dims, [36 * 2, 16, 36 * 4], "x holds 72 bytes"));
+    cases.push((dims, [36 * 4, 16, 35 * 4], "y holds 140 bytes"));
+    for (dims, bytes, message) in cases {
+        y.fill(-7.0);
+        assert_eq!(
+            execute(&mut y, &dims, &bytes),
+            S::MUCUDNN_STATUS_INVALID_ARGUMENT,
+            "{message}"
+        );
+        assert!(last_error().contains(message), "{}", last_error());
+        assert!(last_error().contains("tiny fwd"), "{}", last_error());
+        assert!(y.iter().all(|&v| v == -7.0), "nothing written");
+    }
+    // SAFETY: NULL dims or bytes are refused before any pointer is read.
+    unsafe {
+        let status = mucudnnTunerExecute(
+            tuner,
+            set,
+            MUCUDNN_OP_FORWARD,
+            1.0,
+            x.as_ptr().cast(),
+            w.as_ptr().cast(),
+            0.0,
+            y.as_mut_ptr().cast(),
+            null(),
+            bytes.as_ptr(),
+            null_mut(),
+            0,
+            null_mut(),
+        );
+        assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        assert!(last_error().contains("operand_dims is NULL"));
+        assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
+    }
+}

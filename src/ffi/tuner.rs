@@ -30,7 +30,10 @@ use crate::backend::cudnn::{
 use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
-use crate::solver::{CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan, Policy};
+use crate::solver::{
+    operand_roles, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Operand, Plan,
+    Policy,
+};
 use crate::tune::{
     jobs_for, measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,
     MeasureTask, MeasuredTask, ProfileRun, TuneError,
@@ -52,17 +55,19 @@ pub enum TunerDevice {
 
 /// How a tuner tunes one layer: a JSON object with any of `policy` (`"undivided"`,
 /// `"power-of-two"`, `"all"`), `workspace_limit` (bytes, `"64MiB"`, or `null` for none),
-/// `candidates` (`"legacy"`, `"engines"`, `"all"`), `max_candidates` (a number or `null`) and
-/// `prune_margin` (a factor > 1, or `null` to time every configuration). Missing keys take the
-/// defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5); unknown keys are
-/// errors.
+/// `candidates` (`"legacy"`, `"engines"`, `"all"`), `max_candidates` (a number or `null`),
+/// `prune_margin` (a factor > 1, or `null` to time every configuration) and `deterministic`
+/// (`true`: plans from deterministic candidates only, cached apart). Missing keys take the
+/// defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5, false); unknown keys
+/// are errors.
 pub fn parse_settings(text: &str, device: TunerDevice) -> Result<LayerTuning, FfiError> {
-    const KEYS: [&str; 5] = [
+    const KEYS: [&str; 6] = [
         "policy",
         "workspace_limit",
         "candidates",
         "max_candidates",
         "prune_margin",
+        "deterministic",
     ];
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| invalid(format!("settings are not JSON: {e}")))?;
@@ -134,6 +139,15 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<LayerTuning, Ff
                     ))
                 })?;
             tuning.engines.prune_margin = Some(margin);
+        }
+    }
+    match object.get("deterministic") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::Bool(flag)) => tuning.engines.deterministic = *flag,
+        Some(other) => {
+            return Err(invalid(format!(
+                "settings: deterministic is {other}; give true or false"
+            )))
         }
     }
     Ok(tuning)
@@ -483,7 +497,10 @@ impl Tuner {
 
     /// `out = alpha * op(a, b) + beta * out` with the plan of `op` in set `id`, over the whole
     /// mini-batch (operands in the order of [`crate::solver::operand_roles`], packed in the
-    /// problem's layout and dtype).
+    /// problem's layout and dtype). `operands` says what the caller's buffers are (each one's
+    /// dims and extent); they are checked against the plan's problem before any pointer is
+    /// read ([`check_operands`]), so a plan never runs over a tensor of another shape or a
+    /// buffer too small for its role.
     ///
     /// # Safety
     ///
@@ -504,6 +521,7 @@ impl Tuner {
         b: *const c_void,
         beta: f32,
         out: *mut c_void,
+        operands: &[OperandExtent; 3],
         workspace: *mut c_void,
         workspace_bytes: u64,
         stream: *mut c_void,
@@ -522,6 +540,7 @@ impl Tuner {
         }
         let lens = cpu::buffer_lens(&problem, op)
             .map_err(|e| invalid(format!("{} {op}: {e}", plan.layer)))?;
+        check_operands(plan, operands)?;
         for ((name, _), pointer) in lens.iter().zip([a, b, out.cast_const()]) {
             if pointer.is_null() {
                 return Err(invalid(format!("{} {op}: {name} is NULL", plan.layer)));
@@ -594,6 +613,65 @@ impl Drop for Tuner {
         let _context = self.caller_context();
         self.prepared.clear();
     }
+}
+
+/// What the caller says one operand of [`Tuner::execute`] is: its dims in NCHW order
+/// (`n, c, h, w`; a filter `k, c/groups, r, s`), whatever its layout, and the bytes its buffer
+/// holds from the pointer on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OperandExtent {
+    pub dims: [i64; 4],
+    pub bytes: u64,
+}
+
+/// The dims of `role` in `problem` (NCHW order, whatever the layout).
+fn role_dims(problem: &ConvProblem, role: Operand) -> [i64; 4] {
+    let (p, q) = problem.output_hw();
+    match role {
+        Operand::Input => [problem.n, problem.c, problem.h, problem.w],
+        Operand::Filter => [
+            problem.k,
+            problem.c / problem.groups.max(1),
+            problem.r,
+            problem.s,
+        ],
+        Operand::Output => [problem.n, problem.k, p, q],
+    }
+}
+
+/// Checks the caller's operands against `plan`: each one's dims are exactly its role's in the
+/// plan's problem, and its buffer holds at least the role's elements in the problem's dtype
+/// (more is fine: a buffer may be a prefix of a larger allocation). A mismatch is
+/// INVALID_ARGUMENT naming the layer, the op, the operand and both shapes.
+pub fn check_operands(plan: &Plan, operands: &[OperandExtent; 3]) -> Result<(), FfiError> {
+    let problem = &plan.problem;
+    let names = match plan.op {
+        ConvOp::Forward => ["x", "w", "y"],
+        ConvOp::BackwardData => ["w", "dy", "dx"],
+        ConvOp::BackwardFilter => ["x", "dy", "dw"],
+    };
+    let element = problem.dtype.size_bytes() as u64;
+    for ((role, name), given) in operand_roles(plan.op).into_iter().zip(names).zip(operands) {
+        let expected = role_dims(problem, role);
+        if given.dims != expected {
+            return Err(invalid(format!(
+                "{} {}: {name} is {:?} but the plan is for {:?} (a plan runs only over the \
+                 shapes it was tuned for)",
+                plan.layer, plan.op, given.dims, expected
+            )));
+        }
+        let needed = expected
+            .iter()
+            .try_fold(element, |acc, &d| acc.checked_mul(u64::try_from(d).ok()?))
+            .ok_or_else(|| invalid(format!("{} {}: {name} is too large", plan.layer, plan.op)))?;
+        if given.bytes < needed {
+            return Err(invalid(format!(
+                "{} {}: {name} holds {} bytes, its {:?} {} elements need {needed}",
+                plan.layer, plan.op, given.bytes, expected, problem.dtype
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Runs a CPU plan over host pointers.

@@ -277,6 +277,62 @@ static void test_threads(void) {
     CHECK(strcmp(mucudnnGetLastError(), before) == 0);
 }
 
+/* A CPU tuner from C: tune a tiny 1x1 problem, prepare its plans, run the forward over host
+ * arrays with the operands' dims and extents, and see operands of another shape refused before
+ * anything is read or written. */
+static void test_tuner_execute(void) {
+    mucudnnTuner_t tuner = NULL;
+    CHECK_STATUS(mucudnnTunerCreate(&tuner, MUCUDNN_DEVICE_CPU, "{\"no_cache\": true}"),
+                 MUCUDNN_STATUS_SUCCESS);
+    const char *problem = "{\"n\": 2, \"c\": 2, \"h\": 3, \"w\": 3, \"k\": 2, \"r\": 1, "
+                          "\"s\": 1, \"pad_h\": 0, \"pad_w\": 0, \"stride_h\": 1, "
+                          "\"stride_w\": 1, \"dilation_h\": 1, \"dilation_w\": 1, "
+                          "\"groups\": 1, \"dtype\": \"fp32\", \"layout\": \"nchw\", "
+                          "\"math\": \"default\"}";
+    char *result = NULL;
+    CHECK_STATUS(mucudnnTunerTune(tuner, "c.tiny", problem, "{\"deterministic\": true}", &result),
+                 MUCUDNN_STATUS_SUCCESS);
+    /* {"plans": [...], "splits": ...}: the plans array is what prepare takes. */
+    const char *start = strstr(result, "[");
+    const char *end = strstr(result, ",\"splits\"");
+    CHECK(start != NULL && end != NULL && end > start);
+    size_t length = (size_t)(end - start);
+    char *plans = malloc(length + 1);
+    memcpy(plans, start, length);
+    plans[length] = '\0';
+    uint64_t set = 0, workspace_bytes[3] = {0, 0, 0};
+    CHECK_STATUS(mucudnnTunerPrepare(tuner, plans, &set, workspace_bytes), MUCUDNN_STATUS_SUCCESS);
+    float *workspace = calloc(workspace_bytes[0] / 4 + 1, 4);
+    float x[36], w[4] = {1.0f, 0.0f, 0.5f, 2.0f}, y[36];
+    for (int i = 0; i < 36; i++) {
+        x[i] = (float)i;
+        y[i] = -1.0f;
+    }
+    int64_t dims[12] = {2, 2, 3, 3, 2, 2, 1, 1, 2, 2, 3, 3};
+    uint64_t bytes[3] = {sizeof x, sizeof w, sizeof y};
+    CHECK_STATUS(mucudnnTunerExecute(tuner, set, MUCUDNN_OP_FORWARD, 1.0f, x, w, 0.0f, y, dims,
+                                     bytes, workspace, workspace_bytes[0], NULL),
+                 MUCUDNN_STATUS_SUCCESS);
+    CHECK(y[0] == 0.0f && y[9] == 0.5f * 0.0f + 2.0f * 9.0f && y[18 + 4] == 22.0f);
+    /* A pruned weight (one filter) against the plan for two; a buffer too small for x. */
+    int64_t pruned[12] = {2, 2, 3, 3, 1, 2, 1, 1, 2, 2, 3, 3};
+    y[0] = -7.0f;
+    CHECK_STATUS(mucudnnTunerExecute(tuner, set, MUCUDNN_OP_FORWARD, 1.0f, x, w, 0.0f, y, pruned,
+                                     bytes, workspace, workspace_bytes[0], NULL),
+                 MUCUDNN_STATUS_INVALID_ARGUMENT);
+    CHECK(contains(mucudnnGetLastError(), "c.tiny fwd: w is [1, 2, 1, 1]"));
+    uint64_t small[3] = {sizeof x / 2, sizeof w, sizeof y};
+    CHECK_STATUS(mucudnnTunerExecute(tuner, set, MUCUDNN_OP_FORWARD, 1.0f, x, w, 0.0f, y, dims,
+                                     small, workspace, workspace_bytes[0], NULL),
+                 MUCUDNN_STATUS_INVALID_ARGUMENT);
+    CHECK(contains(mucudnnGetLastError(), "x holds 72 bytes"));
+    CHECK(y[0] == -7.0f);
+    free(workspace);
+    free(plans);
+    mucudnnFreeString(result);
+    CHECK_STATUS(mucudnnTunerDestroy(tuner), MUCUDNN_STATUS_SUCCESS);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s PROFILE.json\n", argv[0]);
@@ -303,6 +359,7 @@ int main(int argc, char **argv) {
     test_options();
     test_handles(gpu_present);
     test_threads();
+    test_tuner_execute();
 
     free(profile);
     printf("c abi test: %d checks passed\n", checks);

@@ -10,7 +10,8 @@ workspace limit, tuned once per device and shape through a persistent cache.
 - :func:`tune`: tune ahead of the first step; under ``torch.distributed`` the measuring is
   dealt out over the ranks and every rank runs identical plans.
 - The ops ``torch.ops.mucudnn.conv2d``, ``conv2d_backward_data`` and
-  ``conv2d_backward_filter`` (``torch.library.custom_op``; ``torch.compile`` compatible).
+  ``conv2d_backward_filter`` (``torch.library.define``/``impl`` with fake and autograd
+  registrations; ``torch.compile`` compatible).
 """
 
 from ._layer import Conv2d, convert_, parse_size

@@ -12,8 +12,7 @@ from torch import nn
 from .. import _lib
 from .._lib import MucudnnError
 from .._tuner import Settings
-from . import _autocast, _ops, _runtime
-
+from . import _ops, _runtime
 
 
 def parse_size(value: Union[int, str, None]) -> Optional[int]:
@@ -124,15 +123,30 @@ class Conv2d(nn.Conv2d):
             settings = make_settings(workspace_limit, policy, candidates, max_candidates, prune_margin)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{label}: {e}") from None
-        self._mucudnn = _runtime.LayerConfig(
+        # The layer's only mucudnn state: a string of plain values (pickled with the module;
+        # the ops take it as their last argument). Prepared plans live in the runtime's
+        # process-wide table, rebuilt on first use in any process.
+        self._mucudnn_config = _runtime.config_text(
             name or f"conv2d.{id(self):x}", settings, cache, verbose, fallback
         )
-        self._mucudnn_id = _runtime.register(self._mucudnn, self)
-        self._mucudnn_geometry = (
-            [int(v) for v in self.stride],
-            None if isinstance(self.padding, str) else [int(v) for v in self.padding],
-            [int(v) for v in self.dilation],
+        _runtime.retain(self._mucudnn_config, self)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # pickle, copy.deepcopy, torch.load: the runtime state is rebuilt on first use.
+        super().__setstate__(state)
+        _runtime.retain(self._mucudnn_config, self)
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(
+            f"{self.mucudnn_name}: a mucudnn Conv2d cannot be compiled by torch.jit.script (its "
+            "convolutions are Python custom ops); use torch.compile, torch.export or "
+            "torch.jit.trace instead"
         )
+
+    @property
+    def _mucudnn(self) -> "_runtime.LayerConfig":
+        """This layer's configuration in the runtime (its prepared plans and reports)."""
+        return _runtime.config_for(self._mucudnn_config)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, **options: Any) -> "Conv2d":
@@ -161,7 +175,9 @@ class Conv2d(nn.Conv2d):
     @property
     def plans(self) -> Dict[Tuple[int, int, int, int], "_runtime.PlanReport"]:
         """Per input shape (n, c, h, w) tuned so far: each op's split, candidates, predicted
-        time and workspace, and the tuning time (see :class:`PlanReport`)."""
+        time and workspace, and the tuning time (see :class:`PlanReport`). Where one input
+        shape was tuned for several problems (another weight, geometry or PyTorch switch), the
+        last one tuned."""
         return {report.shape: report for report in self._mucudnn.reports.values()}
 
     def extra_repr(self) -> str:
@@ -169,82 +185,83 @@ class Conv2d(nn.Conv2d):
         limit = "unlimited" if s.workspace_limit is None else f"{s.workspace_limit} B"
         return f"{super().extra_repr()}, mucudnn: {s.policy}, {limit}, {s.candidates}"
 
-    def _check(self, input: torch.Tensor) -> None:
-        name = self._mucudnn.name
-        if not isinstance(input, torch.Tensor):
-            raise TypeError(f"{name}: expected a tensor, got {type(input).__name__}")
+    def _check(self, input: torch.Tensor, weight: torch.Tensor) -> None:
         if input.dim() != 4:
             raise ValueError(
-                f"{name}: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape "
-                f"{tuple(input.shape)}"
+                f"{self.mucudnn_name}: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got "
+                f"shape {tuple(input.shape)}"
             )
-        if input.shape[1] != self.in_channels:
+        # The weight, not in_channels: surgery may replace the weight alone, as nn.Conv2d allows.
+        expected = weight.shape[1] * self.groups
+        if input.shape[1] != expected:
             raise ValueError(
-                f"{name}: input has {input.shape[1]} channels, the layer expects "
-                f"{self.in_channels} (input shape {tuple(input.shape)})"
+                f"{self.mucudnn_name}: input has {input.shape[1]} channels, the layer expects "
+                f"{expected} (input shape {tuple(input.shape)})"
             )
-        if input.dtype != self.weight.dtype and not _autocast.enabled_for(input.device):
-            raise TypeError(
-                f"{name}: input is {input.dtype} but the weight is {self.weight.dtype}; convert "
-                "one of them (e.g. model.to(dtype) or torch.autocast)"
-            )
-        if input.device != self.weight.device:
-            raise ValueError(
-                f"{name}: input is on {input.device} but the weight is on {self.weight.device}"
-            )
-        if input.dtype not in _runtime.DTYPES:
-            raise TypeError(
-                f"{name}: {input.dtype} is not supported (float32, float16 and bfloat16 are)"
-            )
-        if input.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{name}: {input.device.type} tensors are not supported (cpu, cuda)")
 
-    def _symmetric_input(self, input: torch.Tensor):
+    def _symmetric_input(self, input: torch.Tensor, weight: Optional[torch.Tensor] = None):
         """The input and the symmetric padding mucudnn runs (``'same'`` with an even total
-        pads the extra row and column at the end first, as PyTorch does)."""
-        fixed = self._mucudnn_geometry[1]
-        if fixed is not None:
-            return input, fixed
-        if isinstance(self.padding, str):
-            if self.padding == "valid":
-                return input, [0, 0]
-            pads = []
-            extra = []
-            for d, k in zip(self.dilation, self.kernel_size):
-                total = d * (k - 1)
-                pads.append(total // 2)
-                extra.append(total - 2 * (total // 2))
-            if any(extra):
-                input = F.pad(input, (0, extra[1], 0, extra[0]))
-            return input, pads
-        return input, [int(p) for p in self.padding]
+        pads the extra row and column at the end first, as PyTorch does). Read from the layer
+        at each call, so a changed ``padding`` takes effect as in ``nn.Conv2d``."""
+        padding = self.padding
+        if not isinstance(padding, str):
+            return input, _pair(padding)
+        if padding == "valid":
+            return input, (0, 0)
+        kernel = (self.weight if weight is None else weight).shape[2:]
+        pads = []
+        extra = []
+        for d, k in zip(_pair(self.dilation), kernel):
+            total = d * (k - 1)
+            pads.append(total // 2)
+            extra.append(total - 2 * (total // 2))
+        if any(extra):
+            input = F.pad(input, (0, extra[1], 0, extra[0]))
+        return input, tuple(pads)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        unbatched = isinstance(input, torch.Tensor) and input.dim() == 3
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"{self.mucudnn_name}: expected a tensor, got {type(input).__name__}")
+        unbatched = input.dim() == 3
         if unbatched:
             input = input.unsqueeze(0)
-        self._check(input)
-        x, padding = self._symmetric_input(input)
-        stride, _, dilation = self._mucudnn_geometry
-        p, q = _runtime.output_hw(
-            x.shape[2], x.shape[3], *self.kernel_size, stride, padding, dilation
-        )
+        # The geometry and the weight are read at every call (never a cached copy).
+        weight = self.weight
+        groups = self.groups
+        self._check(input, weight)
+        x, padding = self._symmetric_input(input, weight)
+        stride = _pair(self.stride)
+        dilation = _pair(self.dilation)
+        r, s = weight.shape[2], weight.shape[3]
+        p, q = _runtime.output_hw(x.shape[2], x.shape[3], r, s, stride, padding, dilation)
         if p <= 0 or q <= 0:
             raise ValueError(
-                f"{self._mucudnn.name}: input {tuple(input.shape)} is too small for kernel "
-                f"{tuple(self.kernel_size)} with padding {tuple(padding)} and dilation "
-                f"{tuple(dilation)} (output would be {p}x{q})"
+                f"{self.mucudnn_name}: input {tuple(input.shape)} is too small for kernel "
+                f"{(r, s)} with padding {tuple(padding)} and dilation {tuple(dilation)} (output "
+                f"would be {p}x{q})"
             )
         discovery = _runtime.active_discovery()
-        if discovery is not None:
-            discovery.seen.append((self, x.detach(), stride, padding, dilation, self.groups))
-            y = F.conv2d(x, self.weight, self.bias, stride, padding, dilation, self.groups)
+        if weight.shape[1] == 0:
+            # No input channels: whatever nn.Conv2d returns (an empty tensor in PyTorch 2.x).
+            y = F.conv2d(x, weight, self.bias, stride, padding, dilation, groups)
+        elif discovery is not None:
+            discovery.seen.append((self, x.detach(), list(stride), list(padding), list(dilation), groups))
+            y = F.conv2d(x, weight, self.bias, stride, padding, dilation, groups)
         else:
-            y = _ops.conv2d(
-                x, self.weight, self.bias, stride, padding, dilation, self.groups,
-                self._mucudnn_id,
+            y = _ops.conv2d_op(
+                x, weight, self.bias, stride, padding, dilation, groups, self._mucudnn_config
             )
         return y.squeeze(0) if unbatched else y
+
+
+def _pair(value: Any) -> Tuple[int, int]:
+    """A layer's stride, padding or dilation as a pair of ints (nn.Conv2d keeps tuples; after
+    surgery it may be an int or a list)."""
+    if type(value) is tuple and len(value) == 2:
+        return value
+    if isinstance(value, int):
+        return (value, value)
+    return tuple(int(v) for v in value)
 
 
 def convert_(model: nn.Module, *, skip_unsupported: bool = False, **options: Any) -> nn.Module:
@@ -259,8 +276,11 @@ def convert_(model: nn.Module, *, skip_unsupported: bool = False, **options: Any
     if isinstance(model, nn.Conv2d) and not isinstance(model, Conv2d):
         return Conv2d.from_conv(model, name="conv", **options)
     targets = []
+    # Every registration (not named_children(), which lists a module registered under two
+    # names once): each reference must be replaced. A parent listed once is enough, since
+    # replacing its attribute replaces it for every reference to the parent.
     for parent_name, parent in model.named_modules():
-        for child_name, child in parent.named_children():
+        for child_name, child in list(parent._modules.items()):
             if isinstance(child, nn.Conv2d) and not isinstance(child, Conv2d):
                 qualified = f"{parent_name}.{child_name}" if parent_name else child_name
                 if child.padding_mode != "zeros" and skip_unsupported:

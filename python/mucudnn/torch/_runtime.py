@@ -1,18 +1,25 @@
-"""What the custom ops run: per-layer configurations, tuners per device, tuning on first sight
-of an input shape, and execution over tensor pointers.
+"""What the custom ops run: layer configurations, tuners per device, tuning on first sight of a
+problem, and execution over tensor pointers.
 
-The ops take the layer's configuration as an integer id (schemas hold no Python objects, and an
-int keeps ``torch.compile`` graphs free of them); :func:`register` hands one out per layer.
+The ops take the layer's configuration as a string: the canonical JSON of its name, tuning
+settings, cache, ``verbose`` and ``fallback`` (:func:`config_text`). It is a plain value that
+means the same thing in every process, so a traced, exported or compiled graph runs anywhere:
+the process-wide table :data:`_configs` finds (or makes) the configuration by that string, and
+the configuration finds its prepared plans by the full problem read from the tensors and the
+geometry at each call (:func:`plan_key`: device, dtype, layout, input and weight shapes, stride,
+padding, dilation, groups, and PyTorch's TF32 and determinism switches). Anything that changes
+makes another key, which is tuned through the cache; no plan ever runs over tensors of another
+problem (and the C ABI checks each operand's dims and extent against the plan again).
 """
 
 from __future__ import annotations
 
-import itertools
+import json
 import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,8 +31,11 @@ from .._tuner import BACKWARD_DATA, BACKWARD_FILTER, FORWARD, PreparedSet, Setti
 
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-#: (device type, device index, dtype, layout, input shape): one prepared plan set.
-ShapeKey = Tuple[str, int, torch.dtype, str, Tuple[int, int, int, int]]
+#: Everything that defines a prepared plan set: (device type, device index, dtype, layout,
+#: input shape, weight shape, stride, padding, dilation, groups, math mode, deterministic).
+PlanKey = Tuple[Any, ...]
+#: Kept as a name for :func:`mucudnn.torch.tune`'s grouping.
+ShapeKey = PlanKey
 
 
 def is_channels_last(t: torch.Tensor) -> bool:
@@ -66,6 +76,12 @@ class PlanReport:
     measured: int
     #: Why this shape runs PyTorch's convolution instead (no plan), else None.
     fallback: Optional[str] = None
+    #: The weight's shape (k, c/groups, r, s) the plans are for.
+    weight_shape: Tuple[int, ...] = ()
+    #: cuDNN's math mode (``"fma"`` when ``torch.backends.cudnn.allow_tf32`` is off for fp32).
+    math: str = "default"
+    #: Whether only deterministic candidates were used (PyTorch's determinism switches).
+    deterministic: bool = False
 
     def __str__(self) -> str:
         n, c, h, w = self.shape
@@ -80,8 +96,8 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def report_of(key: ShapeKey, result: Dict[str, Any], seconds: float) -> PlanReport:
-    device_type, index, dtype, layout, shape = key
+def report_of(key: PlanKey, result: Dict[str, Any], seconds: float) -> PlanReport:
+    device_type, index, dtype, layout, shape = key[:5]
     ops = {}
     for plan, split in zip(result["plans"], result["splits"]):
         micro = plan["micro_batches"]
@@ -100,80 +116,166 @@ def report_of(key: ShapeKey, result: Dict[str, Any], seconds: float) -> PlanRepo
         tuning_seconds=seconds,
         cached=int(result.get("cached", 0)),
         measured=int(result.get("measured", 0)),
+        weight_shape=key[5],
+        math=key[10],
+        deterministic=key[11],
     )
 
 
+class Ready:
+    """A prepared plan set and what running it needs: the operand extents of each op (ctypes
+    arrays, made once from the key's shapes) and, on the CPU, the workspace."""
+
+    __slots__ = ("prepared", "tuner", "id", "workspace", "extents", "host_workspace")
+
+    def __init__(self, prepared: PreparedSet, key: PlanKey):
+        self.prepared = prepared
+        self.tuner = prepared.tuner
+        self.id = prepared.id
+        self.workspace = prepared.workspace
+        x_shape, w_shape = key[4], key[5]
+        p, q = output_hw(x_shape[2], x_shape[3], w_shape[2], w_shape[3], key[6], key[7], key[8])
+        y_shape = (x_shape[0], w_shape[0], p, q)
+        itemsize = key[2].itemsize
+        self.extents = [
+            _tuner.operand_extents(op, x_shape, w_shape, y_shape, itemsize)
+            for op in (FORWARD, BACKWARD_DATA, BACKWARD_FILTER)
+        ]
+        self.host_workspace: Optional[torch.Tensor] = None
+        if key[0] == "cpu" and max(prepared.workspace) > 0:
+            self.host_workspace = torch.empty(max(prepared.workspace), dtype=torch.uint8)
+
+    def release(self) -> None:
+        self.prepared.release()
+
+
 class LayerConfig:
-    """A layer's name, tuning settings and cache, and its prepared plan sets by input shape."""
+    """A layer's name, tuning settings and cache, and its prepared plan sets by problem
+    (:func:`plan_key`). Found by its :func:`config_text` in the process-wide table."""
 
     def __init__(
         self, name: str, settings: Settings, cache: Any, verbose: bool, fallback: bool = True
     ):
         self.name = name
         self.settings = settings
+        self.deterministic_settings = replace(settings, deterministic=True)
         self.cache = cache
         self.verbose = verbose
         self.fallback = fallback
-        self.prepared: Dict[ShapeKey, Optional[PreparedSet]] = {}
-        self.reports: Dict[ShapeKey, PlanReport] = {}
-        self.workspaces: Dict[ShapeKey, torch.Tensor] = {}
+        self.prepared: Dict[PlanKey, Optional[Ready]] = {}
+        self.reports: Dict[PlanKey, PlanReport] = {}
+        #: Call signatures (:func:`signature`) whose operands passed :func:`check_operands`,
+        #: and their plan keys: a call seen before needs one tuple and two dict lookups.
+        self.checked: Dict[Tuple[Any, ...], PlanKey] = {}
         self.lock = threading.Lock()
+        self.owners = 0
+        self.warned_float64 = False
+
+    def settings_for(self, key: PlanKey) -> Settings:
+        return self.deterministic_settings if key[11] else self.settings
 
     def release(self) -> None:
-        for prepared in self.prepared.values():
+        with self.lock:
+            prepared = [p for p in self.prepared.values() if p is not None]
+            self.prepared.clear()
+        for ready in prepared:
             try:
-                if prepared is not None:
-                    prepared.release()
+                ready.release()
             except MucudnnError:
                 pass
-        self.prepared.clear()
-        self.workspaces.clear()
 
-    def adopt(self, key: ShapeKey, result: Dict[str, Any], seconds: float) -> PreparedSet:
+    def adopt(self, key: PlanKey, result: Dict[str, Any], seconds: float) -> Ready:
         """Prepares plans tuned elsewhere (or just now) for ``key``."""
-        device_type, index, _, _, _ = key
-        tuner = tuner_for(device_type, index, self.cache, self.verbose)
-        prepared = tuner.prepare(result["plans"])
+        tuner = tuner_for(key[0], key[1], self.cache, self.verbose)
+        ready = Ready(tuner.prepare(result["plans"]), key)
         with self.lock:
             old = self.prepared.pop(key, None)
-            if old is not None:
-                old.release()
-            self.prepared[key] = prepared
+            self.prepared[key] = ready
             self.reports[key] = report_of(key, result, seconds)
-            if device_type == "cpu" and max(prepared.workspace) > 0:
-                self.workspaces[key] = torch.empty(max(prepared.workspace), dtype=torch.uint8)
-        return prepared
+        if old is not None:
+            old.release()
+        return ready
 
 
-_configs: Dict[int, LayerConfig] = {}
-_ids = itertools.count(1)
+_CONFIG_KEYS = ("cache", "fallback", "name", "settings", "verbose")
+
+
+def config_text(name: str, settings: Settings, cache: Any, verbose: bool, fallback: bool) -> str:
+    """The op argument that stands for a layer's configuration: canonical JSON of plain values
+    (``cache``: a path, ``null`` for the default location, ``false`` for memory only)."""
+    if cache is not None and cache is not False:
+        cache = str(cache)
+    settings_dict = settings.to_dict()
+    settings_dict.pop("deterministic")  # read from PyTorch's switches at each call
+    return json.dumps(
+        {
+            "cache": cache,
+            "fallback": bool(fallback),
+            "name": str(name),
+            "settings": settings_dict,
+            "verbose": bool(verbose),
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+
+
+def _parse_config(text: str) -> LayerConfig:
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or sorted(doc) != list(_CONFIG_KEYS):
+            raise ValueError(f"expected an object with keys {', '.join(_CONFIG_KEYS)}")
+        settings = Settings(**doc["settings"])
+        if not isinstance(doc["name"], str):
+            raise ValueError("name is not a string")
+        if doc["cache"] is not None and doc["cache"] is not False and not isinstance(doc["cache"], str):
+            raise ValueError("cache is not a path, null or false")
+    except (ValueError, TypeError, KeyError) as e:
+        raise RuntimeError(
+            f"mucudnn: {text[:200]!r} is not a mucudnn layer configuration ({e}); the op's last "
+            "argument is what a mucudnn.torch.Conv2d passes (its _mucudnn_config)"
+        ) from None
+    return LayerConfig(doc["name"], settings, doc["cache"], bool(doc["verbose"]), bool(doc["fallback"]))
+
+
+#: The process's layer configurations by their text (see the module docs).
+_configs: Dict[str, LayerConfig] = {}
 _registry_lock = threading.Lock()
 
 
-def register(config: LayerConfig, owner: Any) -> int:
-    """Registers ``config`` under a new id, released when ``owner`` is garbage-collected."""
-    with _registry_lock:
-        config_id = next(_ids)
-        _configs[config_id] = config
-    weakref.finalize(owner, _forget, config_id)
-    return config_id
-
-
-def _forget(config_id: int) -> None:
-    with _registry_lock:
-        config = _configs.pop(config_id, None)
-    if config is not None:
-        config.release()
-
-
-def lookup(config_id: int) -> LayerConfig:
-    config = _configs.get(config_id)
+def config_for(text: str) -> LayerConfig:
+    """The configuration a layer (or a graph) names by ``text``, made on first use."""
+    config = _configs.get(text)
     if config is None:
-        raise RuntimeError(
-            f"mucudnn: layer configuration {config_id} does not exist (the layer was deleted, "
-            "or the op was called with an id no mucudnn Conv2d made)"
-        )
+        if not isinstance(text, str):
+            raise RuntimeError(f"mucudnn: the layer configuration must be a string, not {text!r}")
+        made = _parse_config(text)
+        with _registry_lock:
+            config = _configs.setdefault(text, made)
     return config
+
+
+def retain(text: str, owner: Any) -> LayerConfig:
+    """Counts ``owner`` (a layer) as a user of the configuration ``text``; when its last layer
+    is garbage-collected, the prepared plans are released (a graph that still names it
+    prepares them again, from the cache)."""
+    config = config_for(text)
+    with _registry_lock:
+        config.owners += 1
+    weakref.finalize(owner, _disown, text)
+    return config
+
+
+def _disown(text: str) -> None:
+    with _registry_lock:
+        config = _configs.get(text)
+        if config is None:
+            return
+        config.owners -= 1
+        if config.owners > 0:
+            return
+        del _configs[text]
+    config.release()
 
 
 _tuners: Dict[Tuple[str, int, str], Tuner] = {}
@@ -203,27 +305,96 @@ def device_of(t: torch.Tensor) -> Tuple[str, int]:
     return t.device.type, -1
 
 
-def shape_key(x: torch.Tensor) -> ShapeKey:
-    device = x.device
-    if device.type == "cpu":
-        return ("cpu", -1, x.dtype, layout_of(x), tuple(x.shape))
-    device_type, index = device_of(x)
-    return (device_type, index, x.dtype, layout_of(x), tuple(x.shape))
+_cudnn_flags = torch.backends.cudnn
 
 
-def problem_for(
+def plan_key(
     x: torch.Tensor,
     weight_shape: Sequence[int],
     stride: Sequence[int],
     padding: Sequence[int],
     dilation: Sequence[int],
     groups: int,
-) -> Dict[str, Any]:
-    n, c, h, w = (int(d) for d in x.shape)
-    k, _, r, s = (int(d) for d in weight_shape)
+    layout: Optional[str] = None,
+) -> PlanKey:
+    """Everything that defines the plans of a convolution of ``x``, read now: the device,
+    dtype, layout and shapes, the geometry, and PyTorch's switches (``allow_tf32`` off maps
+    fp32 to cuDNN's FMA math; ``deterministic`` or ``use_deterministic_algorithms`` admits only
+    deterministic candidates)."""
+    device = x.device
+    if device.type == "cuda":
+        device_type, index = device_of(x)
+    else:
+        device_type, index = device.type, -1
+    dtype = x.dtype
+    math = "fma" if dtype is torch.float32 and not _cudnn_flags.allow_tf32 else "default"
+    deterministic = bool(
+        _cudnn_flags.deterministic or torch.are_deterministic_algorithms_enabled()
+    )
+    return (
+        device_type, index, dtype, layout or layout_of(x), tuple(x.shape), tuple(weight_shape),
+        tuple(stride), tuple(padding), tuple(dilation), groups, math, deterministic,
+    )
+
+
+def signature(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    fmt: torch.memory_format,
+    grad_output: Optional[torch.Tensor] = None,
+) -> Tuple[Any, ...]:
+    """Everything :func:`check_operands` and :func:`plan_key` read from one call, as a
+    hashable tuple: shapes, dtypes and devices of every operand, the input's memory format,
+    the geometry and PyTorch's switches. Equal signatures pass the same checks and run the
+    same plans, so both are decided once per signature."""
+    return (
+        x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device,
+        None if bias is None else (bias.shape, bias.dtype, bias.device),
+        None if grad_output is None
+        else (grad_output.shape, grad_output.dtype, grad_output.device),
+        fmt, tuple(stride), tuple(padding), tuple(dilation), groups,
+        _cudnn_flags.allow_tf32, _cudnn_flags.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+
+
+def checked_key(
+    config: LayerConfig,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    fmt: torch.memory_format,
+    grad_output: Optional[torch.Tensor] = None,
+) -> PlanKey:
+    """The plan key of a call whose operands agree (:func:`check_operands`, which raises
+    otherwise), checked once per call signature."""
+    call = signature(x, weight, bias, stride, padding, dilation, groups, fmt, grad_output)
+    key = config.checked.get(call)
+    if key is None:
+        check_operands(
+            config.name, x, weight, bias, stride, padding, dilation, groups, grad_output
+        )
+        layout = "nhwc" if fmt is torch.channels_last else "nchw"
+        key = plan_key(x, weight.shape, stride, padding, dilation, groups, layout)
+        config.checked[call] = key
+    return key
+
+
+def problem_of(key: PlanKey) -> Dict[str, Any]:
+    n, c, h, w = key[4]
+    k, _, r, s = key[5]
     return _tuner.problem(
-        n=n, c=c, h=h, w=w, k=k, r=r, s=s, padding=padding, stride=stride, dilation=dilation,
-        groups=groups, dtype=DTYPES[x.dtype], layout=layout_of(x),
+        n=n, c=c, h=h, w=w, k=k, r=r, s=s, stride=key[6], padding=key[7], dilation=key[8],
+        groups=key[9], dtype=DTYPES[key[2]], layout=key[3], math=key[10],
     )
 
 
@@ -234,24 +405,17 @@ _warned_distributed = False
 FALLBACK_STATUSES = ("SOLVER_ERROR", "NOT_SUPPORTED")
 
 
-def plans_for(
-    config: LayerConfig,
-    x: torch.Tensor,
-    weight_shape: Sequence[int],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> Tuple[ShapeKey, PreparedSet]:
-    """The prepared plans for input ``x``: tuned through the cache on first sight."""
-    key = shape_key(x)
+def plans_for(config: LayerConfig, key: PlanKey) -> Optional[Ready]:
+    """The prepared plans of ``key``: tuned through the cache on first sight; ``None`` when the
+    problem runs PyTorch's convolution instead (no plan, with ``fallback``)."""
     if key in config.prepared:
-        return key, config.prepared[key]
-    device_type, index, _, _, _ = key
+        return config.prepared[key]
+    device_type, index = key[0], key[1]
+    shape = key[4]
     if device_type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"{config.name}: input shape {tuple(x.shape)} was not tuned before CUDA graph "
+                f"{config.name}: input shape {shape} was not tuned before CUDA graph "
                 "capture; run the model once (or mucudnn.torch.tune(model, example)) before "
                 "capturing"
             )
@@ -265,34 +429,48 @@ def plans_for(
     ):
         _warned_distributed = True
         print(
-            f"mucudnn: {config.name} tunes input shape {tuple(x.shape)} on this rank alone; call "
+            f"mucudnn: {config.name} tunes input shape {shape} on this rank alone; call "
             "mucudnn.torch.tune(model, example_inputs) before training to deal tuning out over "
             "the ranks and run identical plans on every rank",
             file=sys.stderr,
         )
     tuner = tuner_for(device_type, index, config.cache, config.verbose)
-    problem = problem_for(x, weight_shape, stride, padding, dilation, groups)
     started = time.perf_counter()
     try:
-        result = tuner.tune(config.name, problem, config.settings)
+        result = tuner.tune(config.name, problem_of(key), config.settings_for(key))
     except MucudnnError as e:
         if config.fallback and e.status in FALLBACK_STATUSES:
             fall_back(config, key, str(e), time.perf_counter() - started)
-            return key, None
-        raise RuntimeError(f"{config.name}: tuning input shape {tuple(x.shape)} failed: {e}") from e
-    prepared = config.adopt(key, result, time.perf_counter() - started)
-    return key, prepared
+            return None
+        raise RuntimeError(f"{config.name}: tuning input shape {shape} failed: {e}") from e
+    return adopt_or_fall_back(config, key, result, time.perf_counter() - started)
 
 
-def fall_back(config: LayerConfig, key: ShapeKey, reason: str, seconds: float) -> None:
+def adopt_or_fall_back(
+    config: LayerConfig, key: PlanKey, result: Dict[str, Any], seconds: float
+) -> Optional[Ready]:
+    """Prepares the tuned plans; a plan cuDNN declines to build at its real offsets
+    (``PLAN_NOT_SUPPORTED``) leaves the shape to PyTorch's convolution with a warning, unless
+    the layer was made with ``fallback=False``."""
+    try:
+        return config.adopt(key, result, seconds)
+    except MucudnnError as e:
+        if not config.fallback or e.status != "PLAN_NOT_SUPPORTED":
+            raise
+        fall_back(config, key, f"the tuned plan cannot be prepared here: {e}", seconds)
+        return None
+
+
+def fall_back(config: LayerConfig, key: PlanKey, reason: str, seconds: float) -> None:
     """Leaves ``key`` to PyTorch's convolution, saying so once on stderr."""
-    device_type, index, dtype, layout, shape = key
+    device_type, index, dtype, layout, shape = key[:5]
     with config.lock:
         config.prepared[key] = None
         config.reports[key] = PlanReport(
             shape=shape, dtype=DTYPES[dtype], layout=layout,
             device=device_type if index < 0 else f"{device_type}:{index}", ops={},
             tuning_seconds=seconds, cached=0, measured=0, fallback=reason,
+            weight_shape=key[5], math=key[10], deterministic=key[11],
         )
     print(
         f"mucudnn: warning: {config.name}: input shape {shape} ({DTYPES[dtype]} {layout}) runs "
@@ -303,30 +481,32 @@ def fall_back(config: LayerConfig, key: ShapeKey, reason: str, seconds: float) -
 
 def run(
     config: LayerConfig,
-    key: ShapeKey,
-    prepared: PreparedSet,
+    ready: Ready,
     op: int,
     a: torch.Tensor,
     b: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """``out = op(a, b)`` with the prepared plan (on ``out``'s device and current stream)."""
-    needed = prepared.workspace[op]
+    """``out = op(a, b)`` with the prepared plan (on ``out``'s device and current stream). The
+    operands are those of the plan's key (checked by the caller); the library checks their
+    dims and extents against the plan once more."""
+    needed = ready.workspace[op]
     workspace = None
     stream = 0
-    if out.device.type == "cuda":
+    if out.is_cuda:
         if needed:
             workspace = torch.empty(needed, dtype=torch.uint8, device=out.device)
         stream = torch.cuda.current_stream(out.device).cuda_stream
     elif needed:
-        workspace = config.workspaces.get(key)
+        workspace = ready.host_workspace
     try:
-        prepared.tuner.execute(
-            prepared.id,
+        ready.tuner.execute(
+            ready.id,
             op,
             a.data_ptr(),
             b.data_ptr(),
             out.data_ptr(),
+            ready.extents[op],
             workspace=workspace.data_ptr() if workspace is not None else 0,
             workspace_bytes=needed if workspace is not None else 0,
             stream=stream,
@@ -349,8 +529,88 @@ def aligned(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     return t
 
 
+def _pair(name: str, what: str, value: Any, least: int) -> None:
+    if len(value) != 2 or any(int(v) < least for v in value):
+        raise RuntimeError(f"{name}: {what} must be two numbers >= {least}, not {list(value)}")
+
+
+def check_operands(
+    name: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    grad_output: Optional[torch.Tensor] = None,
+) -> None:
+    """Checks that the operands make one convolution before any pointer leaves Python: 4-D
+    tensors of one dtype on one device, a weight that fits the input's channels and groups, a
+    bias of ``k`` values, a positive output, and (backward) a ``grad_output`` of the output's
+    shape. A mismatch is a RuntimeError naming the layer."""
+    if x.dim() != 4 or weight.dim() != 4:
+        raise RuntimeError(
+            f"{name}: expected a 4-D input and weight, got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    operands = [("weight", weight)]
+    if bias is not None:
+        operands.append(("bias", bias))
+    if grad_output is not None:
+        operands.append(("grad_output", grad_output))
+    for what, t in operands:
+        if t.dtype != x.dtype:
+            raise RuntimeError(
+                f"{name}: the input is {x.dtype} but the {what} is {t.dtype}; convert one of "
+                "them (e.g. model.to(dtype) or torch.autocast)"
+            )
+        if t.device != x.device:
+            raise RuntimeError(f"{name}: the input is on {x.device} but the {what} is on {t.device}")
+    if x.device.type not in ("cpu", "cuda", "meta"):
+        raise RuntimeError(f"{name}: {x.device.type} tensors are not supported (cpu, cuda)")
+    if x.dtype not in DTYPES and x.dtype is not torch.float64:
+        raise RuntimeError(
+            f"{name}: {x.dtype} is not supported (float32, float16 and bfloat16 run mucudnn's "
+            "plans; float64 runs PyTorch's convolution)"
+        )
+    _pair(name, "stride", stride, 1)
+    _pair(name, "padding", padding, 0)
+    _pair(name, "dilation", dilation, 1)
+    k, cg, r, s = weight.shape
+    if groups < 1 or k % groups or x.shape[1] != cg * groups:
+        raise RuntimeError(
+            f"{name}: a weight of shape {tuple(weight.shape)} with groups={groups} does not fit an "
+            f"input of shape {tuple(x.shape)} (it needs {cg * groups} input channels and "
+            "out_channels divisible by groups)"
+        )
+    if bias is not None and tuple(bias.shape) != (k,):
+        raise RuntimeError(f"{name}: the bias has shape {tuple(bias.shape)}, expected ({k},)")
+    p, q = output_hw(x.shape[2], x.shape[3], r, s, stride, padding, dilation)
+    if p <= 0 or q <= 0:
+        raise RuntimeError(
+            f"{name}: input {tuple(x.shape)} is too small for kernel {(r, s)} with padding "
+            f"{tuple(padding)} and dilation {tuple(dilation)} (output would be {p}x{q})"
+        )
+    if grad_output is not None and tuple(grad_output.shape) != (x.shape[0], k, p, q):
+        raise RuntimeError(
+            f"{name}: grad_output has shape {tuple(grad_output.shape)}, the convolution's output "
+            f"is {(x.shape[0], k, p, q)}"
+        )
+
+
+def _warn_float64(config: LayerConfig) -> None:
+    if not config.warned_float64:
+        config.warned_float64 = True
+        print(
+            f"mucudnn: warning: {config.name}: float64 runs PyTorch's convolution (mucudnn's "
+            "plans are fp32, fp16 and bf16)",
+            file=sys.stderr,
+        )
+
+
 def forward(
-    config_id: int,
+    config_text: str,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -359,30 +619,41 @@ def forward(
     dilation: List[int],
     groups: int,
 ) -> torch.Tensor:
-    config = lookup(config_id)
+    config = _configs.get(config_text) or config_for(config_text)
     fmt = memory_format(x)
+    key = checked_key(config, x, weight, bias, stride, padding, dilation, groups, fmt)
+    if x.dtype is torch.float64:
+        _warn_float64(config)
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     x = x.contiguous(memory_format=fmt)
     weight = weight.contiguous(memory_format=fmt)
-    n, _, h, w = x.shape
+    n, c, h, w = x.shape
     k, _, r, s = weight.shape
     p, q = output_hw(h, w, r, s, stride, padding, dilation)
     y = torch.empty((n, k, p, q), dtype=x.dtype, device=x.device, memory_format=fmt)
-    if y.numel() > 0:
+    if y.numel() > 0 and c == 0:
+        y.zero_()  # no input channels: the sum is empty (nn.Conv2d gives the bias)
+    elif y.numel() > 0:
         x, weight = aligned(x, fmt), aligned(weight, fmt)
-        key, prepared = plans_for(config, x, weight.shape, stride, padding, dilation, groups)
-        if prepared is None:
+        ready = config.prepared.get(key, _MISSING)
+        if ready is _MISSING:
+            ready = plans_for(config, key)
+        if ready is None:
             y = F.conv2d(x, weight, None, stride, padding, dilation, groups)
             y = y.contiguous(memory_format=fmt)
         else:
-            run(config, key, prepared, FORWARD, x, weight, y)
+            run(config, ready, FORWARD, x, weight, y)
     if bias is not None:
         y.add_(bias.view(1, -1, 1, 1))
     return y
 
 
+_MISSING = object()
+
+
 def _backward(
     op: int,
-    config_id: int,
+    config_text: str,
     grad_output: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -394,9 +665,18 @@ def _backward(
     """The data gradient (``op`` = BACKWARD_DATA: of ``x``'s shape, from ``weight`` and
     ``grad_output``) or the filter gradient (BACKWARD_FILTER: of ``weight``'s shape, from ``x``
     and ``grad_output``), in ``x``'s memory format."""
-    config = lookup(config_id)
+    config = _configs.get(config_text) or config_for(config_text)
     fmt = memory_format(x)
+    key = checked_key(
+        config, x, weight, None, stride, padding, dilation, groups, fmt, grad_output
+    )
     data = op == BACKWARD_DATA
+    geometry = (stride, padding, dilation, groups)
+    if x.dtype is torch.float64:
+        _warn_float64(config)
+        if data:
+            return torch.nn.grad.conv2d_input(x.shape, weight, grad_output, *geometry)
+        return torch.nn.grad.conv2d_weight(x, weight.shape, grad_output, *geometry)
     shape = x.shape if data else weight.shape
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     if x.numel() == 0 or weight.numel() == 0:
@@ -404,27 +684,43 @@ def _backward(
     grad_output = aligned(grad_output.contiguous(memory_format=fmt), fmt)
     # The operand the op reads besides dy: w for the data gradient, x for the filter's.
     other = aligned((weight if data else x).contiguous(memory_format=fmt), fmt)
-    key, prepared = plans_for(config, x, weight.shape, stride, padding, dilation, groups)
-    if prepared is None:
-        geometry = (stride, padding, dilation, groups)
+    ready = config.prepared.get(key, _MISSING)
+    if ready is _MISSING:
+        ready = plans_for(config, key)
+    if ready is None:
         if data:
             out = torch.nn.grad.conv2d_input(x.shape, other, grad_output, *geometry)
         else:
             out = torch.nn.grad.conv2d_weight(other, weight.shape, grad_output, *geometry)
         return out.contiguous(memory_format=fmt)
-    run(config, key, prepared, op, other, grad_output, out)
+    run(config, ready, op, other, grad_output, out)
     return out
 
 
-def backward_data(config_id: int, grad_output, x, weight, stride, padding, dilation, groups):
-    return _backward(
-        BACKWARD_DATA, config_id, grad_output, x, weight, stride, padding, dilation, groups
+def forward_op(x, weight, bias, stride, padding, dilation, groups, config_text: str):
+    """The op ``mucudnn::conv2d`` (arguments in its schema's order)."""
+    return forward(config_text, x, weight, bias, stride, padding, dilation, groups)
+
+
+def backward_data_op(grad_output, x, weight, stride, padding, dilation, groups, config_text):
+    return backward_data(config_text, grad_output, x, weight, stride, padding, dilation, groups)
+
+
+def backward_filter_op(grad_output, x, weight, stride, padding, dilation, groups, config_text):
+    return backward_filter(
+        config_text, grad_output, x, weight, stride, padding, dilation, groups
     )
 
 
-def backward_filter(config_id: int, grad_output, x, weight, stride, padding, dilation, groups):
+def backward_data(config_text: str, grad_output, x, weight, stride, padding, dilation, groups):
     return _backward(
-        BACKWARD_FILTER, config_id, grad_output, x, weight, stride, padding, dilation, groups
+        BACKWARD_DATA, config_text, grad_output, x, weight, stride, padding, dilation, groups
+    )
+
+
+def backward_filter(config_text: str, grad_output, x, weight, stride, padding, dilation, groups):
+    return _backward(
+        BACKWARD_FILTER, config_text, grad_output, x, weight, stride, padding, dilation, groups
     )
 
 

@@ -102,18 +102,19 @@ def tune(
     entries: List[Tuple[Conv2d, _runtime.ShapeKey, Dict[str, Any]]] = []
     keys = set()
     for layer, x, stride, padding, dilation, groups in seen:
-        key = _runtime.shape_key(x)
-        if (id(layer), key) in keys:
-            continue
-        keys.add((id(layer), key))
-        problem = _runtime.problem_for(x, layer.weight.shape, stride, padding, dilation, groups)
-        entries.append((layer, key, problem))
+        key = _runtime.plan_key(x, layer.weight.shape, stride, padding, dilation, groups)
+        if (layer._mucudnn_config, key) in keys or key[2] not in _runtime.DTYPES:
+            continue  # seen already, or float64 (PyTorch's convolution)
+        if x.shape[1] == 0 or 0 in key[4] or 0 in key[5]:
+            continue  # nothing to tune: an empty convolution
+        keys.add((layer._mucudnn_config, key))
+        entries.append((layer, key, _runtime.problem_of(key)))
     # Group by (device, cache, settings): one tuner and one dealing per group.
     groups: Dict[Tuple[Any, ...], List[Tuple[Conv2d, _runtime.ShapeKey, Dict[str, Any]]]] = {}
     for layer, key, problem in entries:
         config = layer._mucudnn
         cache_key = "default" if config.cache is None else str(config.cache)
-        group_key = (key[0], key[1], cache_key, config.settings)
+        group_key = (key[0], key[1], cache_key, config.settings_for(key))
         groups.setdefault(group_key, []).append((layer, key, problem))
     summary: Dict[str, Any] = {
         "layers": len(entries),
@@ -171,7 +172,8 @@ def _adopt(layer: Conv2d, key, result, seconds: float, verbose: bool) -> None:
     if result["plans"] is None:
         _runtime.fall_back(layer._mucudnn, key, result.get("fallback", "no plan"), seconds)
         return
-    layer._mucudnn.adopt(key, result, seconds)
+    if _runtime.adopt_or_fall_back(layer._mucudnn, key, result, seconds) is None:
+        return
     report = layer._mucudnn.reports[key]
     n, c, h, w = report.shape
     _progress(

@@ -11,7 +11,7 @@
 
 #![forbid(unsafe_code)]
 
-use crate::solver::MathMode;
+use crate::solver::{ConvOp, MathMode};
 use serde::{Deserialize, Serialize};
 
 /// A `cudnnBackendHeurMode_t` worth asking.
@@ -158,6 +158,21 @@ impl EngineNotes {
     }
 }
 
+/// Whether cuDNN's legacy algorithm `algo` of `op` is deterministic, as cuDNN documents it
+/// and its perf results (`cudnnConvolution*AlgoPerf_t::determinism`) report: every forward
+/// algorithm is; backward-data `ALGO_0` and backward-filter `ALGO_0` and `ALGO_3` sum with
+/// atomics and are not. An algorithm number cuDNN does not have is not.
+pub fn legacy_deterministic(op: ConvOp, algo: u32) -> bool {
+    match op {
+        // IMPLICIT_GEMM .. WINOGRAD_NONFUSED.
+        ConvOp::Forward => algo < 8,
+        // ALGO_1, FFT, FFT_TILING, WINOGRAD, WINOGRAD_NONFUSED.
+        ConvOp::BackwardData => (1..6).contains(&algo),
+        // ALGO_1, FFT, WINOGRAD (not implemented), WINOGRAD_NONFUSED, FFT_TILING.
+        ConvOp::BackwardFilter => matches!(algo, 1 | 2 | 4 | 5 | 6),
+    }
+}
+
 /// One knob of an engine (`CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR`): values `min, min + stride, ..
 /// ..= max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -236,6 +251,35 @@ pub fn knob_combinations(ranges: &[KnobRange]) -> impl Iterator<Item = Vec<(i64,
 mod tests {
     use super::*;
     use std::collections::HashSet;
+
+    #[test]
+    fn legacy_determinism_follows_cudnn() {
+        use crate::backend::cudnn::{algo_count, algo_name};
+        use crate::solver::ConvOp::*;
+        let deterministic = |op| {
+            (0..8)
+                .filter(|&a| legacy_deterministic(op, a))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(deterministic(Forward), [0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(deterministic(BackwardData), [1, 2, 3, 4, 5]);
+        assert_eq!(deterministic(BackwardFilter), [1, 2, 4, 5, 6]);
+        // By cuDNN's names (the bindings' numbering): the ones that sum with atomics.
+        for op in crate::solver::ConvOp::ALL {
+            for algo in 0..algo_count(op) {
+                let name = algo_name(op, algo).unwrap();
+                let atomics = matches!(
+                    name.as_str(),
+                    "BWD_DATA_ALGO_0" | "BWD_FILTER_ALGO_0" | "BWD_FILTER_ALGO_3"
+                );
+                assert_eq!(legacy_deterministic(op, algo), !atomics, "{name}");
+            }
+            assert!(
+                !legacy_deterministic(op, algo_count(op)),
+                "no such algorithm"
+            );
+        }
+    }
 
     #[test]
     fn notes_from_codes() {

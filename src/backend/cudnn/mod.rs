@@ -135,8 +135,8 @@ pub mod shape;
 
 pub use engine_name::{EngineConfig, EngineNameError};
 pub use engine_search::{
-    knob_combinations, EngineNotes, EngineSearch, HeurMode, KnobRange, DEFAULT_MAX_CANDIDATES,
-    MAX_VALUES_PER_KNOB,
+    knob_combinations, legacy_deterministic, EngineNotes, EngineSearch, HeurMode, KnobRange,
+    DEFAULT_MAX_CANDIDATES, MAX_VALUES_PER_KNOB,
 };
 pub use error::CudnnError;
 /// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings

@@ -175,6 +175,7 @@ impl DeviceArgs {
             EngineOptions {
                 max_candidates: self.max_candidates.map(|n| n as usize),
                 prune_margin: (!self.no_prune).then_some(self.prune_margin),
+                deterministic: false,
             },
         )
     }

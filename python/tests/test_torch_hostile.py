@@ -1,0 +1,173 @@
+"""A converted layer treated as training code treats models (issue 22 items 1-3, issue 21 item
+5): surgery after tuning, raw ops with operands that do not agree, graphs and models saved in
+one process and loaded in a fresh one that converted other layers first, deepcopy, pickle,
+torch.save. Each scenario (``torch_scenarios.py``) runs in its own process: it must give the
+right answer or a clear exception, and no signal (a crash, a heap abort) may end any of them.
+Also, in this process: float64, zero input channels, a module registered under two names, and
+PyTorch's TF32 and determinism switches in the plan's key and settings."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mucudnn
+import mucudnn.torch as mt
+from mucudnn import Tuner
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import torch_scenarios  # noqa: E402
+
+SINGLE = sorted(
+    name for name, fn in torch_scenarios.SCENARIOS.items() if fn.__code__.co_argcount == 0
+)
+IN_ONE_DIRECTORY = ["deepcopy_after_use", "pickle_after_use"]
+SAVED_AND_LOADED = ["traced", "exported", "torch_save"]
+
+
+def run_scenario(name, *args):
+    # The child imports the mucudnn this process imported (installed, or a source tree).
+    package_root = str(Path(mucudnn.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root] + sys.path))
+    done = subprocess.run(
+        [sys.executable, str(HERE / "torch_scenarios.py"), name, *map(str, args)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    # A negative return code is a signal: SIGSEGV, SIGABRT from a corrupted heap, ...
+    assert done.returncode >= 0, f"{name} was killed by signal {-done.returncode}:\n{done.stderr}"
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
+    assert f"scenario {name}: ok" in done.stdout
+    return done
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_scenario_in_a_subprocess(name):
+    run_scenario(name)
+
+
+@pytest.mark.parametrize("name", IN_ONE_DIRECTORY)
+def test_copy_scenario_in_a_subprocess(name, tmp_path):
+    run_scenario(name, tmp_path)
+
+
+@pytest.mark.parametrize("kind", SAVED_AND_LOADED)
+def test_saved_in_one_process_runs_in_a_fresh_one(kind, tmp_path):
+    run_scenario(f"{kind}_save", tmp_path)
+    run_scenario(f"{kind}_load", tmp_path)
+
+
+def test_the_layer_state_is_its_conv_state_plus_one_plain_string():
+    conv = mt.Conv2d(3, 4, 3, cache=False, name="state")
+    conv(torch.randn(1, 3, 5, 5))
+    mucudnn_state = {k: v for k, v in vars(conv).items() if "mucudnn" in k}
+    assert list(mucudnn_state) == ["_mucudnn_config"]
+    assert json.loads(conv._mucudnn_config)["name"] == "state"
+
+
+def test_float64_runs_pytorch_convolution_with_one_warning(capfd):
+    torch.manual_seed(0)
+    conv = mt.Conv2d(3, 4, 3, padding=1, cache=False, name="net.double").double()
+    reference = nn.Conv2d(3, 4, 3, padding=1).double()
+    reference.load_state_dict(conv.state_dict())
+    for _ in range(2):
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        y, expected = conv(x), reference(xr)
+        assert y.dtype == torch.float64
+        torch.testing.assert_close(y, expected)
+        y.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad)
+    err = capfd.readouterr().err
+    assert err.count("net.double: float64 runs PyTorch's convolution") == 1, err
+    assert not conv.plans, "no plan was tuned"
+
+
+def test_zero_input_channels_behave_like_nn_conv2d():
+    torch.manual_seed(0)
+    conv = mt.Conv2d(0, 16, 3, cache=False, name="empty")
+    reference = nn.Conv2d(0, 16, 3)
+    reference.load_state_dict(conv.state_dict())
+    for shape in ((2, 0, 5, 5), (0, 5, 5)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(conv(x), reference(x))
+    # The op itself computes the empty sum: the bias alone.
+    x = torch.randn(2, 0, 5, 5)
+    y = torch.ops.mucudnn.conv2d(
+        x, conv.weight, conv.bias, [1, 1], [0, 0], [1, 1], 1, conv._mucudnn_config
+    )
+    torch.testing.assert_close(y, conv.bias.view(1, -1, 1, 1).expand(2, 16, 3, 3))
+
+
+def test_a_module_registered_under_two_names_is_converted_everywhere():
+    shared = nn.Conv2d(3, 3, 3, padding=1)
+    model = nn.Sequential()
+    model.add_module("first", shared)
+    model.add_module("again", shared)
+    inner = nn.Sequential(shared)
+    model.add_module("inner", inner)
+    mt.convert_(model, cache=False)
+    assert isinstance(model.first, mt.Conv2d)
+    assert model.again is model.first and model.inner[0] is model.first
+    assert model.first.weight is shared.weight
+
+
+def recorded_tunes(monkeypatch):
+    calls = []
+    real = Tuner.tune
+
+    def tune(self, layer, problem, settings):
+        calls.append((problem, settings))
+        return real(self, layer, problem, settings)
+
+    monkeypatch.setattr(Tuner, "tune", tune)
+    return calls
+
+
+def test_tf32_and_determinism_switches_are_part_of_the_plan(monkeypatch):
+    calls = recorded_tunes(monkeypatch)
+    torch.manual_seed(0)
+    conv = mt.Conv2d(3, 4, 3, cache=False, name="flags")
+    x = torch.randn(2, 3, 6, 6)
+    expected = F.conv2d(x, conv.weight, conv.bias)
+    tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        torch.testing.assert_close(conv(x), expected)
+        torch.backends.cudnn.allow_tf32 = False
+        torch.testing.assert_close(conv(x), expected)
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.backends.cudnn.flags(deterministic=True):
+            torch.testing.assert_close(conv(x), expected)
+        torch.use_deterministic_algorithms(True)
+        torch.testing.assert_close(conv(x), expected)  # the same key as cudnn.deterministic
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(conv(x), expected)  # the first plans again, not re-tuned
+    assert [(p["math"], s.deterministic) for p, s in calls] == [
+        ("default", False), ("fma", False), ("default", True)
+    ]
+    assert '"deterministic": true' in calls[2][1].to_json()
+    reports = conv._mucudnn.reports.values()
+    assert sorted((r.math, r.deterministic) for r in reports) == [
+        ("default", False), ("default", True), ("fma", False)
+    ]
+
+
+def test_half_precision_ignores_the_tf32_switch(monkeypatch):
+    calls = recorded_tunes(monkeypatch)
+    conv = mt.Conv2d(3, 4, 3, cache=False, name="flags.half", dtype=torch.bfloat16)
+    tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = False
+        conv(torch.randn(1, 3, 5, 5, dtype=torch.bfloat16))
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    assert calls[0][0]["math"] == "default"
