@@ -79,8 +79,15 @@ fn json_has_exactly_the_documented_shape() {
         let micro = plan["micro_batches"].as_array().unwrap();
         assert_eq!(
             keys(&micro[0]),
-            ["algo", "kind", "size", "time_ms", "workspace_bytes"]
+            ["algo", "kind", "name", "size", "time_ms", "workspace_bytes"]
         );
+        // The number for programs, the name for people (the fixture is a cuDNN profile).
+        for m in micro {
+            let number = m["algo"].as_u64().unwrap() as u32;
+            let op: mucudnn::solver::ConvOp = plan["op"].as_str().unwrap().parse().unwrap();
+            let name = mucudnn::solver::legacy_name(mucudnn::solver::BackendKind::Cuda, op, number);
+            assert_eq!(m["name"].as_str(), name, "{m}");
+        }
         let sizes: i64 = micro.iter().map(|m| m["size"].as_i64().unwrap()).sum();
         assert_eq!(sizes, plan["n"].as_i64().unwrap());
         let time: f64 = micro.iter().map(|m| m["time_ms"].as_f64().unwrap()).sum();
@@ -244,7 +251,8 @@ fn human_table_has_rows_subtotals_and_compact_splits() {
         .split_whitespace()
         .collect();
     assert_eq!(row[..4], ["alexnet.conv2", "fp32", "nchw", "fwd"], "{text}");
-    assert!(text.contains("8x32@algo1"), "{text}");
+    assert!(text.contains("8x32@IMPLICIT_PRECOMP_GEMM"), "{text}");
+    assert!(!text.contains("algo"), "algorithms by name: {text}");
     assert!(
         text.lines()
             .any(|l| l.starts_with("total fp32 nchw") && l.contains("3.75x")),
@@ -270,7 +278,7 @@ fn errors_are_clear_and_exit_nonzero() {
         ),
         (
             &["solve", "--profile", FIXTURE, "--policy", "pow2"],
-            "unknown policy",
+            "[possible values: undivided, power-of-two, all]",
         ),
         (
             &[
@@ -402,19 +410,19 @@ fn tune_errors_are_clear() {
         ),
         (
             &["tune", "--model", "vgg", "--batch", "4"],
-            "unknown model `vgg`",
+            "invalid value 'vgg' for '--model <MODEL>'",
         ),
         (
             &[
                 "tune", "--model", "alexnet", "--batch", "4", "--dtype", "fp64",
             ],
-            "unknown dtype",
+            "[possible values: fp32, fp16, bf16]",
         ),
         (
             &[
                 "tune", "--model", "alexnet", "--batch", "4", "--layout", "chwn",
             ],
-            "unknown layout",
+            "[possible values: nchw, nhwc]",
         ),
         (
             &[
@@ -513,6 +521,9 @@ fn solve_merges_profiles_and_compares_candidate_kinds() {
         .map(|m| {
             // A micro-batch names its candidate by exactly one of `algo` and `engine`.
             assert!(m.get("algo").is_some() != m.get("engine").is_some(), "{m}");
+            if let Some(engine) = m.get("engine") {
+                assert_eq!(m["name"], *engine);
+            }
             m["kind"].as_str().unwrap()
         })
         .collect();
