@@ -102,11 +102,26 @@ fn cached_tune_runs_no_benchmark_and_matches_solve() {
         &["solve", "--profile", cpu_fixture(), "--json"],
     )))
     .unwrap();
-    let fp32: Vec<&Value> = solved["plans"]
+    // Algorithm names follow the device: the profile file is a cuDNN one (no fingerprint, a
+    // cuDNN version), the cache holds it as this machine's CPU measurements. Numbers agree.
+    let names = |plan: &mut Value| -> Vec<Value> {
+        plan["micro_batches"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .map(|m| m.as_object_mut().unwrap().remove("name").unwrap())
+            .collect()
+    };
+    let fp32: Vec<Value> = solved["plans"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|p| p["dtype"] == "fp32")
+        .map(|plan| {
+            let mut plan = plan.clone();
+            names(&mut plan);
+            plan
+        })
         .collect();
     // The same plans; tune adds each layer's multiplicity (AlexNet's layers occur once).
     let tuned_plans: Vec<Value> = tuned["plans"]
@@ -117,10 +132,17 @@ fn cached_tune_runs_no_benchmark_and_matches_solve() {
             let mut plan = plan.clone();
             let multiplicity = plan.as_object_mut().unwrap().remove("multiplicity");
             assert_eq!(multiplicity, Some(Value::from(1)), "{plan}");
+            for name in names(&mut plan) {
+                assert!(
+                    ["direct", "im2col-batched", "im2col-per-image"]
+                        .contains(&name.as_str().unwrap()),
+                    "{name}"
+                );
+            }
             plan
         })
         .collect();
-    assert_eq!(tuned_plans.iter().collect::<Vec<_>>(), fp32);
+    assert_eq!(tuned_plans, fp32);
 
     // A smaller batch is solved from the same micro-batch measurements, still without profiling.
     let half = mucudnn(
@@ -234,8 +256,20 @@ fn export_clear_import_and_inspection() {
         &cache,
         &["solve", "--profile", cpu_fixture(), "--json"],
     ));
+    // The same plans by number; the names follow the device (the export is this machine's CPU,
+    // the original a cuDNN profile).
+    let numbers_only = |json: &str| {
+        let mut doc: Value = serde_json::from_str(json).unwrap();
+        for plan in doc["plans"].as_array_mut().unwrap() {
+            for m in plan["micro_batches"].as_array_mut().unwrap() {
+                m.as_object_mut().unwrap().remove("name").unwrap();
+            }
+        }
+        doc
+    };
     assert_eq!(
-        before, original,
+        numbers_only(&before),
+        numbers_only(&original),
         "export keeps every measurement of the original profile"
     );
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
