@@ -29,11 +29,13 @@ enum CacheAction {
     Path,
     /// One line per tuned (device, layer, op): micro-batch sizes, measurements, plans.
     List {
+        /// Print the entries as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Location, schema, size, and totals per device.
     Show {
+        /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -47,9 +49,12 @@ enum CacheAction {
     /// Read a profile (interchange format) into the cache as this machine's measurements.
     Import {
         file: PathBuf,
-        /// Import a profile measured on another device (or driver, or cuDNN) anyway.
+        /// Import a profile measured on another device (or driver, or cuDNN) anyway, as this
+        /// machine's (its records must still be candidates of this machine's backend).
         #[arg(long)]
         force: bool,
+        /// Which device's measurements they become: this machine's GPU (auto/cuda) or its CPU
+        /// backend.
         #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
         device: DeviceChoice,
     },
