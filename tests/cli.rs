@@ -749,7 +749,10 @@ fn help_and_docs_agree_on_every_option() {
     for command in &commands {
         let command: Vec<&str> = command.iter().map(String::as_str).collect();
         let help = options_in_help(&command);
-        assert!(!help.is_empty() || command == ["cache", "path"], "{command:?}");
+        assert!(
+            !help.is_empty() || command == ["cache", "path"],
+            "{command:?}"
+        );
         assert_eq!(
             options_in_docs(&docs, &command),
             help,

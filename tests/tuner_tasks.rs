@@ -165,7 +165,7 @@ fn stored_records_are_checked_before_anything_is_stored() {
     let mut elsewhere = fingerprint.clone();
     elsewhere.name.push_str(" (another)");
     let error = store_measured(&cache, &backend, &elsewhere, &[good.clone()]).unwrap_err();
-    assert!(error.to_string().contains("measured on"), "{error}");
+    assert!(error.to_string().contains("taken on"), "{error}");
     assert_eq!(
         store_measured(&cache, &backend, &fingerprint, &[good]).unwrap(),
         1
@@ -297,7 +297,7 @@ fn poisoned_stores_through_the_c_abi_are_refused_and_the_cache_still_tunes() {
     let (status, _) = store(&foreign);
     assert_eq!(status, Status::MUCUDNN_STATUS_INVALID_ARGUMENT);
     assert!(
-        last_error().contains("measured on some other CPU"),
+        last_error().contains("taken on some other CPU"),
         "{}",
         last_error()
     );

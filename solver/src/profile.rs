@@ -326,7 +326,9 @@ impl Profile {
 /// Why one measurement may not enter the cache (see [`RecordCheck`]).
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum RecordError {
-    #[error("measured on {theirs}, but this cache stores {ours}'s measurements")]
+    #[error(
+        "the measurements were taken on {theirs}, this device is {ours}: measurements are shared only between devices of one fingerprint"
+    )]
     Fingerprint { theirs: String, ours: String },
     #[error("invalid shape: {0}")]
     Shape(#[from] ShapeError),
@@ -622,7 +624,7 @@ mod tests {
             .fingerprint(&cpu)
             .unwrap_err()
             .to_string()
-            .contains("measured on a cpu"));
+            .contains("taken on a cpu, this device is a gpu"));
         // A batch is refused at its first bad record, by index.
         let records = [m(1, 0, 1.0), m(2, 1, 1.0), m(4, 0, 0.0), m(1, 999, 1.0)];
         let refused = on_cpu
