@@ -373,7 +373,7 @@ fn a_batch_that_cannot_fit_is_refused_before_allocating() {
 /// blocks on a FIFO would otherwise hang the test run); returns (status code, stdout, stderr).
 fn run_bounded(cache: &str, args: &[&str]) -> (Option<i32>, String, String) {
     use std::process::Stdio;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mucudnn"))
+    let child = Command::new(env!("CARGO_BIN_EXE_mucudnn"))
         .args(args)
         .env("MUCUDNN_CACHE", cache)
         .stdin(Stdio::null())

@@ -164,7 +164,8 @@ fn stored_records_are_checked_before_anything_is_stored() {
     // Another device's measurements are refused whole.
     let mut elsewhere = fingerprint.clone();
     elsewhere.name.push_str(" (another)");
-    let error = store_measured(&cache, &backend, &elsewhere, &[good.clone()]).unwrap_err();
+    let error =
+        store_measured(&cache, &backend, &elsewhere, std::slice::from_ref(&good)).unwrap_err();
     assert!(error.to_string().contains("taken on"), "{error}");
     assert_eq!(
         store_measured(&cache, &backend, &fingerprint, &[good]).unwrap(),

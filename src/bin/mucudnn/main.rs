@@ -109,7 +109,7 @@ pub(crate) enum DeviceChoice {
 /// and the value is parsed with the type's own `FromStr`, so the names stay defined once.
 pub(crate) fn one_of<T>(
     names: impl IntoIterator<Item = &'static str>,
-) -> impl clap::builder::TypedValueParser<Value = T> + Clone + Send + Sync + 'static
+) -> impl clap::builder::TypedValueParser<Value = T>
 where
     T: std::str::FromStr<Err = String> + Clone + Send + Sync + 'static,
 {
