@@ -12,7 +12,7 @@
 
 use crate::solver::units::format_bytes;
 use crate::solver::{
-    solve_wr, Algo, Measurement, OpProfile, Plan, Policy, ProblemName, SolveError,
+    solve_wr, Algo, AlgoNames, Measurement, OpProfile, Plan, Policy, ProblemName, SolveError,
 };
 use std::fmt::Write as _;
 
@@ -212,8 +212,10 @@ fn compact_bytes(bytes: u64) -> String {
 }
 
 /// The table of per-size winners (rows: micro-batch sizes, columns: limits; `-` where nothing
-/// fits), then the plan at each limit.
-pub fn render_explanation(explanation: &Explanation) -> String {
+/// fits), then the plan at each limit; algorithms as `names` calls them (the profile's
+/// backend, [`Profile::algo_names`](crate::solver::Profile::algo_names)).
+pub fn render_explanation(explanation: &Explanation, names: AlgoNames) -> String {
+    let op = explanation.name.op;
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -235,7 +237,7 @@ pub fn render_explanation(explanation: &Explanation) -> String {
         cells.extend(row.best.iter().map(|cell| match cell {
             Some(c) => format!(
                 "{} {:.3}ms {}",
-                c.algo.label(),
+                names.name(op, c.algo),
                 c.time_ms,
                 compact_bytes(c.workspace_bytes)
             ),
@@ -270,7 +272,7 @@ pub fn render_explanation(explanation: &Explanation) -> String {
                     .undivided_ms
                     .map_or("-".into(), |u| format!("{:.2}x", u / plan.time_ms())),
                 format_bytes(plan.workspace_bytes()),
-                plan.split_string(),
+                plan.split_string(names),
             ],
             None => vec![
                 limit_label(limit_plan.limit_bytes),
@@ -309,11 +311,7 @@ fn push_table(out: &mut String, rows: &[Vec<String>], right: &[usize]) {
                 line.push_str("  ");
             }
             let width = widths[c];
-            if right.contains(&c) {
-                let _ = write!(line, "{cell:>width$}");
-            } else {
-                let _ = write!(line, "{cell:<width$}");
-            }
+            crate::report::pad(&mut line, cell, width, right.contains(&c));
         }
         out.push_str(line.trim_end());
         out.push('\n');
@@ -389,19 +387,31 @@ mod tests {
         let plan = at_64.plan.as_ref().unwrap();
         assert!(plan.workspace_bytes() <= 64 << 20);
         assert!(plan.time_ms() < at_64.undivided_ms.unwrap());
-        let text = render_explanation(&explanation);
+        let names = profile.algo_names();
+        let text = render_explanation(&explanation, names);
         assert!(
             text.starts_with("alexnet.conv2 fp32 nchw fwd: mini-batch 256, policy power-of-two")
         );
-        for part in ["<= 0 B", "<= 64 MiB", "unlimited", &plan.split_string()] {
+        for part in [
+            "<= 0 B",
+            "<= 64 MiB",
+            "unlimited",
+            &plan.split_string(names),
+        ] {
             assert!(text.contains(part), "`{part}` not in:\n{text}");
         }
-        // One table line per micro-batch size, each with one cell per limit.
+        // One table line per micro-batch size, each with one cell per limit, named by
+        // cuDNN's forward algorithm names (the fixture is a cuDNN profile).
         let line_256 = text
             .lines()
             .find(|l| l.trim_start().starts_with("256 "))
             .unwrap();
-        assert_eq!(line_256.matches("algo").count(), 3, "{line_256}");
+        assert_eq!(line_256.matches("ms ").count(), 3, "{line_256}");
+        assert!(
+            !(0..10).any(|d| text.contains(&format!("algo{d}"))),
+            "no numbered algorithms: {text}"
+        );
+        assert!(text.contains("IMPLICIT_PRECOMP_GEMM"), "{text}");
     }
 
     #[test]
@@ -483,16 +493,17 @@ mod tests {
         assert_eq!(explanation.plans[0].plan, None);
         assert_eq!(explanation.plans[0].min_workspace_bytes, Some(100));
         let four_ones = explanation.plans[1].plan.as_ref().unwrap();
-        assert_eq!(four_ones.split_string(), "4x1@algo0");
+        let cpu = AlgoNames::new(crate::solver::BackendKind::Cpu);
+        assert_eq!(four_ones.split_string(cpu), "4x1@direct");
         assert_eq!(explanation.plans[1].undivided_ms, None);
-        let text = render_explanation(&explanation);
+        let text = render_explanation(&explanation, cpu);
         assert!(text.contains("infeasible (needs 100 B)"), "{text}");
         let line_4 = text
             .lines()
             .find(|l| l.trim_start().starts_with("4 "))
             .unwrap();
         assert!(
-            line_4.contains(" -  ") && line_4.contains("algo1 5.000ms 300B"),
+            line_4.contains(" -  ") && line_4.contains("im2col-batched 5.000ms 300B"),
             "{line_4}"
         );
         assert_eq!(

@@ -150,7 +150,9 @@ impl fmt::Display for LayerRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "layer {}", self.index)?;
         if let Some(name) = &self.name {
-            write!(f, " `{name}`")?;
+            // As written in the file, but one line: a name with control characters is
+            // refused, and the message naming it must not carry them to the terminal.
+            write!(f, " `{}`", crate::report::escape_control(name))?;
         }
         Ok(())
     }
@@ -496,9 +498,9 @@ fn layer_problem(
     problem.validate().map_err(|err| {
         let field = match &err {
             ShapeError::Groups { .. } => "groups",
-            ShapeError::NotPositive { field, .. } | ShapeError::Negative { field, .. } => {
-                file_field(field)
-            }
+            ShapeError::NotPositive { field, .. }
+            | ShapeError::Negative { field, .. }
+            | ShapeError::FieldTooLarge { field, .. } => file_field(field),
             // The filter (with its dilation) does not fit the padded input.
             ShapeError::EmptyOutput { .. } => "kernel",
             ShapeError::TooLarge { .. } => "input",

@@ -6,7 +6,6 @@ use crate::solver::units::format_bytes;
 use crate::solver::{AlgoKind, Mode, Plan, Solution};
 use serde::Serialize;
 use std::collections::HashMap;
-use std::fmt::Write as _;
 
 /// The `--json` document.
 #[derive(Debug, Serialize)]
@@ -41,6 +40,9 @@ pub struct MicroBatchJson {
     pub size: i64,
     /// `legacy` or `engine`.
     pub kind: AlgoKind,
+    /// The algorithm's name for people: `IMPLICIT_PRECOMP_GEMM`, `im2col-batched`, the engine
+    /// configuration's name (`algo<N>` when the profile's backend is unknown).
+    pub name: String,
     /// The legacy algorithm number; absent for an engine configuration.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub algo: Option<u32>,
@@ -77,6 +79,7 @@ impl SolutionJson {
                             .map(|m| MicroBatchJson {
                                 size: m.size,
                                 kind: m.algo.kind(),
+                                name: solution.names.name(plan.op, m.algo).into_owned(),
                                 algo: m.algo.legacy(),
                                 engine: m.algo.engine().map(|e| e.to_string()),
                                 workspace_bytes: m.workspace_bytes,
@@ -216,7 +219,7 @@ pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u
                 ms(plan.time_ms()),
                 speedup(undivided, plan.time_ms()),
                 format_bytes(plan.workspace_bytes()),
-                plan.split_string(),
+                plan.split_string(solution.names),
             ]
         })
         .collect();
@@ -308,11 +311,7 @@ pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u
             if column > 0 {
                 text.push_str("  ");
             }
-            if numeric(column) {
-                let _ = write!(text, "{cell:>width$}");
-            } else {
-                let _ = write!(text, "{cell:<width$}");
-            }
+            pad(&mut text, cell, width, numeric(column));
         }
         out.push_str(text.trim_end());
         out.push('\n');
@@ -469,16 +468,25 @@ pub fn render_verification(
             if column > 0 {
                 line.push_str("  ");
             }
-            if column >= 2 {
-                let _ = write!(line, "{cell:>width$}");
-            } else {
-                let _ = write!(line, "{cell:<width$}");
-            }
+            pad(&mut line, cell, width, column >= 2);
         }
         out.push_str(line.trim_end());
         out.push('\n');
     }
     out
+}
+
+/// Writes `cell` padded with spaces to `width` characters, right-aligned when `right`. By hand,
+/// not with `format!`'s `{:width$}`: a width past 65,535 (a very long layer name) panics there.
+pub(crate) fn pad(out: &mut String, cell: &str, width: usize, right: bool) {
+    let fill = width.saturating_sub(cell.chars().count());
+    if right {
+        out.extend(std::iter::repeat_n(' ', fill));
+        out.push_str(cell);
+    } else {
+        out.push_str(cell);
+        out.extend(std::iter::repeat_n(' ', fill));
+    }
 }
 
 /// A name as one table cell on one line: control characters (a newline, a tab) are written

@@ -9,7 +9,7 @@ use crate::backend::{measure_kind, Backend, BackendError, EngineSearch, TimingSe
 use crate::profiler::{measure_sizes_parallel, prune, same_model, Job, Progress};
 use crate::solver::{
     solve_wr, AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement,
-    OpProfile, Plan, Policy, Profile, SolveError,
+    OpProfile, Plan, Policy, Profile, RecordCheck, SolveError,
 };
 use mucudnn_cache::{Cache, PlanKey};
 use serde::{Deserialize, Serialize};
@@ -539,45 +539,65 @@ pub fn measure_task(
     })
 }
 
-/// Stores tasks measured elsewhere (another rank's device of the same fingerprint) in `cache`.
-/// Returns how many were stored. Each task's measurements are checked first: micro-batch sizes
-/// and candidate kinds must match the task, times and workspaces must be sane.
+/// Stores tasks measured elsewhere (another rank's device of the same fingerprint, `from`) in
+/// `cache`, under `backend`'s fingerprint. Returns how many tasks were stored.
+///
+/// All or nothing: first every record passes [`RecordCheck::batch`], the check every record
+/// entering the cache passes (`from` must be `backend`'s fingerprint, a candidate the backend
+/// has, a positive finite time, a workspace within [`Backend::memory_bytes`]), and each
+/// measurement must be of its task's micro-batch size and candidate kind. The first bad record
+/// refuses the whole batch, named by its index among all the batch's measurements (and its
+/// task's); nothing is stored then.
 pub fn store_measured(
     cache: &Cache,
-    fingerprint: &DeviceFingerprint,
+    backend: &dyn Backend,
+    from: &DeviceFingerprint,
     measured: &[MeasuredTask],
 ) -> Result<usize, TuneError> {
-    for m in measured {
+    let check = RecordCheck {
+        device: backend.fingerprint(),
+        memory_bytes: backend.memory_bytes(),
+    };
+    let invalid = |why: String| TuneError::Backend(BackendError::Invalid(why));
+    check
+        .fingerprint(from)
+        .map_err(|e| invalid(e.to_string()))?;
+    for (index, m) in measured.iter().enumerate() {
         let t = &m.task;
         let bad = |why: String| {
-            TuneError::Backend(BackendError::Invalid(format!(
-                "{} {} micro-batch {}: {why}",
-                t.layer, t.op, t.micro
-            )))
+            invalid(format!(
+                "task {index} ({} {} micro-batch {}): {why}",
+                t.layer.chars().take(200).collect::<String>(),
+                t.op,
+                t.micro
+            ))
         };
         t.problem.validate().map_err(|e| bad(e.to_string()))?;
         if t.micro < 1 || t.micro > t.problem.n {
             return Err(bad(format!("outside 1..={}", t.problem.n)));
         }
-        for x in &m.measurements {
-            if x.micro != t.micro {
-                return Err(bad(format!("a measurement is at micro-batch {}", x.micro)));
-            }
-            if x.algo.kind() != t.kind {
-                return Err(bad(format!(
-                    "a measurement of {} is not {}",
-                    x.algo, t.kind
-                )));
-            }
-            if !(x.time_ms.is_finite() && x.time_ms >= 0.0) {
-                return Err(bad(format!("time {} ms", x.time_ms)));
-            }
+        if let Some(x) = m.measurements.iter().find(|x| x.micro != t.micro) {
+            return Err(bad(format!("a measurement is at micro-batch {}", x.micro)));
+        }
+        if let Some(x) = m.measurements.iter().find(|x| x.algo.kind() != t.kind) {
+            return Err(bad(format!(
+                "a measurement of {} is not {}",
+                x.algo, t.kind
+            )));
         }
     }
+    let records = measured.iter().flat_map(|m| {
+        m.measurements
+            .iter()
+            .map(move |x| (m.task.layer.as_str(), &m.task.problem, m.task.op, x))
+    });
+    check
+        .batch(records)
+        .map_err(|refused| invalid(format!("measurement {refused}")))?;
     for m in measured {
         let t = &m.task;
         cache.store_measurements(
-            fingerprint,
+            check.device,
             &t.layer,
             &t.problem,
             t.op,

@@ -79,8 +79,15 @@ fn json_has_exactly_the_documented_shape() {
         let micro = plan["micro_batches"].as_array().unwrap();
         assert_eq!(
             keys(&micro[0]),
-            ["algo", "kind", "size", "time_ms", "workspace_bytes"]
+            ["algo", "kind", "name", "size", "time_ms", "workspace_bytes"]
         );
+        // The number for programs, the name for people (the fixture is a cuDNN profile).
+        for m in micro {
+            let number = m["algo"].as_u64().unwrap() as u32;
+            let op: mucudnn::solver::ConvOp = plan["op"].as_str().unwrap().parse().unwrap();
+            let name = mucudnn::solver::legacy_name(mucudnn::solver::BackendKind::Cuda, op, number);
+            assert_eq!(m["name"].as_str(), name, "{m}");
+        }
         let sizes: i64 = micro.iter().map(|m| m["size"].as_i64().unwrap()).sum();
         assert_eq!(sizes, plan["n"].as_i64().unwrap());
         let time: f64 = micro.iter().map(|m| m["time_ms"].as_f64().unwrap()).sum();
@@ -244,7 +251,8 @@ fn human_table_has_rows_subtotals_and_compact_splits() {
         .split_whitespace()
         .collect();
     assert_eq!(row[..4], ["alexnet.conv2", "fp32", "nchw", "fwd"], "{text}");
-    assert!(text.contains("8x32@algo1"), "{text}");
+    assert!(text.contains("8x32@IMPLICIT_PRECOMP_GEMM"), "{text}");
+    assert!(!text.contains("algo"), "algorithms by name: {text}");
     assert!(
         text.lines()
             .any(|l| l.starts_with("total fp32 nchw") && l.contains("3.75x")),
@@ -270,7 +278,7 @@ fn errors_are_clear_and_exit_nonzero() {
         ),
         (
             &["solve", "--profile", FIXTURE, "--policy", "pow2"],
-            "unknown policy",
+            "[possible values: undivided, power-of-two, all]",
         ),
         (
             &[
@@ -402,19 +410,19 @@ fn tune_errors_are_clear() {
         ),
         (
             &["tune", "--model", "vgg", "--batch", "4"],
-            "unknown model `vgg`",
+            "invalid value 'vgg' for '--model <MODEL>'",
         ),
         (
             &[
                 "tune", "--model", "alexnet", "--batch", "4", "--dtype", "fp64",
             ],
-            "unknown dtype",
+            "[possible values: fp32, fp16, bf16]",
         ),
         (
             &[
                 "tune", "--model", "alexnet", "--batch", "4", "--layout", "chwn",
             ],
-            "unknown layout",
+            "[possible values: nchw, nhwc]",
         ),
         (
             &[
@@ -513,6 +521,9 @@ fn solve_merges_profiles_and_compares_candidate_kinds() {
         .map(|m| {
             // A micro-batch names its candidate by exactly one of `algo` and `engine`.
             assert!(m.get("algo").is_some() != m.get("engine").is_some(), "{m}");
+            if let Some(engine) = m.get("engine") {
+                assert_eq!(m["name"], *engine);
+            }
             m["kind"].as_str().unwrap()
         })
         .collect();
@@ -601,4 +612,160 @@ fn reports_say_which_candidates_won() {
     assert!(report.contains("### Which candidates won"), "{report}");
     assert!(report.contains("eng"), "{report}");
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// One option of one command: its allowed values (in order) and its default, as `--help`
+/// prints them or as docs/cli.md's option tables list them.
+#[derive(Debug, PartialEq)]
+struct OptionDoc {
+    values: Vec<String>,
+    default: Option<String>,
+}
+
+/// The options `mucudnn <command> --help` lists (not `--help`/`--version`), in either of
+/// clap's layouts: one line per option (`--x <V>  text [default: d] [possible values: a, b]`)
+/// or a block per option (`[default: d]`, `[possible values: ...]` or a `Possible values:`
+/// list of `- name: text` lines).
+fn options_in_help(command: &[&str]) -> Vec<(String, OptionDoc)> {
+    let mut args = command.to_vec();
+    args.push("--help");
+    let output = mucudnn(&args);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let mut blocks: Vec<(String, String)> = Vec::new();
+    for line in stdout(&output).lines() {
+        let trimmed = line.trim_start();
+        let option = trimmed
+            .strip_prefix("-h, ")
+            .unwrap_or(trimmed)
+            .strip_prefix("--")
+            .filter(|_| line.starts_with("  "));
+        match option {
+            Some(rest) => {
+                let name = rest.split([' ', '<']).next().unwrap().to_string();
+                blocks.push((name, rest.to_string()));
+            }
+            None => {
+                if let Some((_, text)) = blocks.last_mut() {
+                    text.push('\n');
+                    text.push_str(line.trim());
+                }
+            }
+        }
+    }
+    let bracket = |text: &str, key: &str| -> Option<String> {
+        let start = text.find(key)? + key.len();
+        Some(text[start..start + text[start..].find(']')?].to_string())
+    };
+    blocks
+        .into_iter()
+        .filter(|(name, _)| name != "help" && name != "version")
+        .map(|(name, text)| {
+            let mut values: Vec<String> = bracket(&text, "[possible values: ")
+                .map(|list| list.split(", ").map(str::to_string).collect())
+                .unwrap_or_default();
+            if let Some(list) = text.split("Possible values:\n").nth(1) {
+                values = list
+                    .lines()
+                    .map_while(|l| l.strip_prefix("- "))
+                    .map(|l| l.split(':').next().unwrap().to_string())
+                    .collect();
+            }
+            let default = bracket(&text, "[default: ");
+            (name, OptionDoc { values, default })
+        })
+        .collect()
+}
+
+/// The option table docs/cli.md has under "### `mucudnn <command>`": rows of
+/// | `--option` VALUE | `a`, `b` or - | `default` or - |.
+fn options_in_docs(docs: &str, command: &[&str]) -> Vec<(String, OptionDoc)> {
+    let heading = format!("### `mucudnn {}`\n", command.join(" "));
+    let section = docs
+        .split(&heading)
+        .nth(1)
+        .unwrap_or_else(|| panic!("docs/cli.md has no {heading:?}"));
+    let ticked = |cell: &str| -> Vec<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_string)
+            .collect()
+    };
+    section
+        .lines()
+        .skip_while(|l| !l.starts_with("| option"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|row| {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let name = ticked(cells[1])[0]
+                .strip_prefix("--")
+                .expect("an option")
+                .to_string();
+            let default = ticked(cells[3]).into_iter().next();
+            (
+                name,
+                OptionDoc {
+                    values: ticked(cells[2]),
+                    default,
+                },
+            )
+        })
+        .collect()
+}
+
+/// Issue 23: `--help` lists the allowed values and the default of every option, and
+/// docs/cli.md's option tables say the same, for every subcommand.
+#[test]
+fn help_and_docs_agree_on_every_option() {
+    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/cli.md"))
+        .expect("docs/cli.md");
+    // Every subcommand, from the help itself (so a new one needs its table).
+    let subcommands = |args: &[&str]| -> Vec<String> {
+        let mut args = args.to_vec();
+        args.push("--help");
+        stdout(&mucudnn(&args))
+            .split("Commands:\n")
+            .nth(1)
+            .map(|list| {
+                list.lines()
+                    .map_while(|l| l.strip_prefix("  "))
+                    .map(|l| l.split_whitespace().next().unwrap().to_string())
+                    .filter(|name| name != "help")
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut commands: Vec<Vec<String>> = Vec::new();
+    for command in subcommands(&[]) {
+        let nested = subcommands(&[command.as_str()]);
+        if nested.is_empty() {
+            commands.push(vec![command]);
+        } else {
+            commands.extend(nested.into_iter().map(|sub| vec![command.clone(), sub]));
+        }
+    }
+    assert!(commands.len() >= 11, "{commands:?}");
+    for command in &commands {
+        let command: Vec<&str> = command.iter().map(String::as_str).collect();
+        let help = options_in_help(&command);
+        assert!(
+            !help.is_empty() || command == ["cache", "path"],
+            "{command:?}"
+        );
+        assert_eq!(
+            options_in_docs(&docs, &command),
+            help,
+            "docs/cli.md's table for `mucudnn {}` and its --help differ",
+            command.join(" ")
+        );
+    }
+    // The options the issue named: values and defaults are in the help.
+    let tune = options_in_help(&["tune"]);
+    let find = |name: &str| &tune.iter().find(|(n, _)| n == name).unwrap().1;
+    assert_eq!(find("dtype").values, ["fp32", "fp16", "bf16"]);
+    assert_eq!(find("layout").values, ["nchw", "nhwc"]);
+    assert_eq!(find("candidates").values, ["legacy", "engines", "all"]);
+    assert_eq!(find("workspace-limit").default.as_deref(), Some("64MiB"));
+    assert_eq!(find("device").values, ["auto", "cuda", "cpu"]);
 }

@@ -12,6 +12,27 @@ const FIXTURE: &str = concat!(
     "/tests/fixtures/h100-alexnet-profile.json"
 );
 
+/// The H100 fixture cut down to the algorithm numbers the CPU backend has (0-2), for tests
+/// that import it with `--force` as this machine's and then tune without measuring. (Records
+/// entering the cache must be candidates of its device: the full fixture's 3-7 are refused.)
+fn cpu_fixture() -> &'static str {
+    static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let mut doc: Value =
+            serde_json::from_str(&std::fs::read_to_string(FIXTURE).unwrap()).unwrap();
+        doc["records"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|r| r["algo"].as_u64().unwrap() <= 2);
+        let dir =
+            std::env::temp_dir().join(format!("mucudnn-cli-cache-fixture-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("h100-algos-0-2.json");
+        std::fs::write(&path, doc.to_string()).unwrap();
+        path.display().to_string()
+    })
+}
+
 fn mucudnn(cache: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_mucudnn"))
         .args(args)
@@ -54,7 +75,14 @@ fn cached_tune_runs_no_benchmark_and_matches_solve() {
     );
     ok(&mucudnn(
         &cache,
-        &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
+        &[
+            "cache",
+            "import",
+            cpu_fixture(),
+            "--device",
+            "cpu",
+            "--force",
+        ],
     ));
 
     let tune = mucudnn(
@@ -71,14 +99,29 @@ fn cached_tune_runs_no_benchmark_and_matches_solve() {
     );
     let solved: Value = serde_json::from_str(&ok(&mucudnn(
         &cache,
-        &["solve", "--profile", FIXTURE, "--json"],
+        &["solve", "--profile", cpu_fixture(), "--json"],
     )))
     .unwrap();
-    let fp32: Vec<&Value> = solved["plans"]
+    // Algorithm names follow the device: the profile file is a cuDNN one (no fingerprint, a
+    // cuDNN version), the cache holds it as this machine's CPU measurements. Numbers agree.
+    let names = |plan: &mut Value| -> Vec<Value> {
+        plan["micro_batches"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .map(|m| m.as_object_mut().unwrap().remove("name").unwrap())
+            .collect()
+    };
+    let fp32: Vec<Value> = solved["plans"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|p| p["dtype"] == "fp32")
+        .map(|plan| {
+            let mut plan = plan.clone();
+            names(&mut plan);
+            plan
+        })
         .collect();
     // The same plans; tune adds each layer's multiplicity (AlexNet's layers occur once).
     let tuned_plans: Vec<Value> = tuned["plans"]
@@ -89,10 +132,17 @@ fn cached_tune_runs_no_benchmark_and_matches_solve() {
             let mut plan = plan.clone();
             let multiplicity = plan.as_object_mut().unwrap().remove("multiplicity");
             assert_eq!(multiplicity, Some(Value::from(1)), "{plan}");
+            for name in names(&mut plan) {
+                assert!(
+                    ["direct", "im2col-batched", "im2col-per-image"]
+                        .contains(&name.as_str().unwrap()),
+                    "{name}"
+                );
+            }
             plan
         })
         .collect();
-    assert_eq!(tuned_plans.iter().collect::<Vec<_>>(), fp32);
+    assert_eq!(tuned_plans, fp32);
 
     // A smaller batch is solved from the same micro-batch measurements, still without profiling.
     let half = mucudnn(
@@ -125,7 +175,14 @@ fn export_clear_import_and_inspection() {
     let cache = temp_cache("round-trip");
     ok(&mucudnn(
         &cache,
-        &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
+        &[
+            "cache",
+            "import",
+            cpu_fixture(),
+            "--device",
+            "cpu",
+            "--force",
+        ],
     ));
     assert_eq!(
         ok(&mucudnn(&cache, &["cache", "path"])).trim(),
@@ -160,19 +217,25 @@ fn export_clear_import_and_inspection() {
     assert!(
         !empty_export.status.success() && text(&empty_export.stderr).contains("nothing cached")
     );
-    // The exported file carries this machine's fingerprint, but the H100's algorithm numbers
-    // came in by --force, and the CPU backend has only 0-2: importing them again needs it too.
-    let refused = mucudnn(&cache, &["cache", "import", exported, "--device", "cpu"]);
+    // The exported file carries this machine's fingerprint and only its candidates: it imports
+    // without --force.
+    ok(&mucudnn(
+        &cache,
+        &["cache", "import", exported, "--device", "cpu"],
+    ));
+    // The full H100 profile is refused even with --force (which only relabels the device):
+    // its algorithm numbers 3-7 are not the CPU backend's, and nothing is stored.
+    let refused = mucudnn(
+        &cache,
+        &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
+    );
     assert!(
         !refused.status.success()
-            && text(&refused.stderr).contains("algorithm 3 is not a bwd_filter candidate"),
+            && text(&refused.stderr).contains("candidate of the cpu backend")
+            && text(&refused.stderr).contains("nothing was imported"),
         "{}",
         text(&refused.stderr)
     );
-    ok(&mucudnn(
-        &cache,
-        &["cache", "import", exported, "--device", "cpu", "--force"],
-    ));
     let reexported = cache.with_file_name("again.json");
     ok(&mucudnn(
         &cache,
@@ -189,9 +252,24 @@ fn export_clear_import_and_inspection() {
         &["solve", "--profile", reexported.to_str().unwrap(), "--json"],
     ));
     assert_eq!(before, after);
-    let original = ok(&mucudnn(&cache, &["solve", "--profile", FIXTURE, "--json"]));
+    let original = ok(&mucudnn(
+        &cache,
+        &["solve", "--profile", cpu_fixture(), "--json"],
+    ));
+    // The same plans by number; the names follow the device (the export is this machine's CPU,
+    // the original a cuDNN profile).
+    let numbers_only = |json: &str| {
+        let mut doc: Value = serde_json::from_str(json).unwrap();
+        for plan in doc["plans"].as_array_mut().unwrap() {
+            for m in plan["micro_batches"].as_array_mut().unwrap() {
+                m.as_object_mut().unwrap().remove("name").unwrap();
+            }
+        }
+        doc
+    };
     assert_eq!(
-        before, original,
+        numbers_only(&before),
+        numbers_only(&original),
         "export keeps every measurement of the original profile"
     );
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
@@ -214,7 +292,14 @@ fn a_file_that_is_not_a_cache_is_refused_by_every_command() {
             "--device",
             "cpu",
         ],
-        &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
+        &[
+            "cache",
+            "import",
+            cpu_fixture(),
+            "--device",
+            "cpu",
+            "--force",
+        ],
         &["cache", "clear"],
     ];
     for args in commands {
@@ -244,7 +329,14 @@ fn a_file_that_is_not_a_cache_is_refused_by_every_command() {
     let blocked = cache.with_file_name("blocker");
     std::fs::write(&blocked, b"x").unwrap();
     for args in [
-        &["cache", "import", FIXTURE, "--device", "cpu", "--force"][..],
+        &[
+            "cache",
+            "import",
+            cpu_fixture(),
+            "--device",
+            "cpu",
+            "--force",
+        ][..],
         &["cache", "clear"][..],
     ] {
         let output = mucudnn(&blocked.join("cache.sqlite"), args);
@@ -266,7 +358,14 @@ fn a_read_only_cache_is_read_and_never_written() {
     let cache = temp_cache("read-only");
     ok(&mucudnn(
         &cache,
-        &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
+        &[
+            "cache",
+            "import",
+            cpu_fixture(),
+            "--device",
+            "cpu",
+            "--force",
+        ],
     ));
     // Tune once so that the cache holds this machine's tiny network.
     ok(&mucudnn(
@@ -311,7 +410,14 @@ fn a_read_only_cache_is_read_and_never_written() {
     assert!(stderr.contains("new ones will not be kept"), "{stderr}");
     assert!(stderr.contains("no benchmark was run"), "{stderr}");
     for args in [
-        &["cache", "import", FIXTURE, "--device", "cpu", "--force"][..],
+        &[
+            "cache",
+            "import",
+            cpu_fixture(),
+            "--device",
+            "cpu",
+            "--force",
+        ][..],
         &["cache", "clear"][..],
     ] {
         let output = run(args);
@@ -381,7 +487,14 @@ fn a_closed_stdout_is_no_panic_and_reports_are_still_written() {
     let cache = temp_cache("pipe");
     ok(&mucudnn(
         &cache,
-        &["cache", "import", FIXTURE, "--device", "cpu", "--force"],
+        &[
+            "cache",
+            "import",
+            cpu_fixture(),
+            "--device",
+            "cpu",
+            "--force",
+        ],
     ));
     let report = cache.with_file_name("report");
     for args in [
@@ -483,7 +596,8 @@ fn export_of_several_batch_sizes_imports_and_solves() {
     );
     assert!(
         !refused.status.success()
-            && text(&refused.stderr).contains("algorithm 7 is not a bwd_filter candidate of cpu"),
+            && text(&refused.stderr)
+                .contains("algorithm 7 is not a bwd_filter candidate of the cpu backend"),
         "{}",
         text(&refused.stderr)
     );

@@ -368,3 +368,228 @@ fn a_batch_that_cannot_fit_is_refused_before_allocating() {
     assert!(started.elapsed() < Duration::from_secs(20));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Runs the binary with `cache` as `MUCUDNN_CACHE`, killing it after 60 s (a command that
+/// blocks on a FIFO would otherwise hang the test run); returns (status code, stdout, stderr).
+fn run_bounded(cache: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    use std::process::Stdio;
+    let child = Command::new(env!("CARGO_BIN_EXE_mucudnn"))
+        .args(args)
+        .env("MUCUDNN_CACHE", cache)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    // The pipes are read while it runs (a long table would fill them and stall it).
+    let pid = child.id();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(child.wait_with_output());
+    });
+    let output = match receiver.recv_timeout(Duration::from_secs(60)) {
+        Ok(output) => output.expect("output"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("mucudnn {} with cache {cache} hung", args.join(" "));
+        }
+    };
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Issue 22, item 5: a cache path that exists and is not a regular file is refused before
+/// anything opens it. A FIFO used to hang every command, read-only ones included (opening a
+/// FIFO for reading waits for a writer); a character device (`/dev/null`) used to be opened
+/// by SQLite, which left `/dev/null-journal` behind.
+#[cfg(unix)]
+#[test]
+fn a_cache_path_that_is_not_a_regular_file_is_refused_before_any_open() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = std::env::temp_dir().join(format!("mucudnn-hostile-fifo-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fifo = dir.join("cache.fifo");
+    let made = Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
+    let journal = Path::new("/dev/null-journal");
+    let journal_before = journal.exists();
+    let commands: [&[&str]; 6] = [
+        &["cache", "show"],
+        &["cache", "list", "--json"],
+        &["cache", "export", "/nonexistent/x.json", "--device", "cpu"],
+        &["cache", "import", FIXTURE, "--force", "--device", "cpu"],
+        &["cache", "clear"],
+        &["tune", "--network", TINY, "--batch", "2", "--device", "cpu"],
+    ];
+    for (cache, what) in [
+        (
+            fifo.to_str().unwrap(),
+            "it is a FIFO (named pipe), not a regular file",
+        ),
+        ("/dev/null", "it is a character device, not a regular file"),
+    ] {
+        for args in commands {
+            let (code, _, stderr) = run_bounded(cache, args);
+            let context = format!("mucudnn {} with cache {cache}:\n{stderr}", args.join(" "));
+            assert_eq!(code, Some(1), "{context}");
+            assert!(!stderr.contains("panicked at"), "{context}");
+            assert_eq!(
+                stderr.lines().filter(|l| l.starts_with("error")).count(),
+                1,
+                "{context}"
+            );
+            assert!(
+                stderr.contains("is not a mucudnn cache") && stderr.contains(what),
+                "{context}"
+            );
+        }
+    }
+    // Left as they were: the FIFO is still the only thing in its directory, still a FIFO,
+    // and nothing was written beside /dev/null.
+    let names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, [fifo.file_name().unwrap()]);
+    assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+    if !journal_before {
+        assert!(
+            !journal.exists(),
+            "a command left {} behind",
+            journal.display()
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 22, item 5: a layer name of 65,536 characters is printed, not a panic: `format!`'s
+/// `{:width$}` panics past a width of 65,535, which the tables used to pad their columns.
+/// `solve`, `report`, `explain` (from a profile) and `tune` (from a network file) all work.
+#[test]
+fn a_layer_name_of_65536_characters_is_printed_not_a_panic() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-hostile-long-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let long = "x".repeat(65_536);
+    let record = |algo: u32, micro: i64, time: f64| {
+        format!(
+            r#"{{"layer": "{long}", "dtype": "fp32", "layout": "nchw", "n": 2, "c": 2, "h": 5, "w": 5, "k": 2, "r": 3, "s": 3, "pad_h": 0, "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1, "groups": 1, "op": "fwd", "algo": {algo}, "micro": {micro}, "workspace_bytes": 0, "time_ms": {time}}}"#
+        )
+    };
+    let records = [record(0, 1, 0.5), record(0, 2, 0.8), record(1, 2, 0.9)].join(", ");
+    let profile = dir.join("long.json");
+    std::fs::write(
+        &profile,
+        format!(r#"{{"format": "mucudnn-profile-v1", "device": "cpu", "records": [{records}]}}"#),
+    )
+    .unwrap();
+    let profile = profile.to_str().unwrap();
+    let network = dir.join("long.toml");
+    std::fs::write(
+        &network,
+        format!(
+            "[[layer]]\nname = \"{long}\"\nin_channels = 1\nout_channels = 1\ninput = 3\nkernel = 1\n"
+        ),
+    )
+    .unwrap();
+    let network = network.to_str().unwrap();
+    let report = dir.join("report");
+    let cache = dir.join("cache.sqlite");
+    for args in [
+        vec!["solve", "--profile", profile],
+        vec!["solve", "--profile", profile, "--json"],
+        vec![
+            "report",
+            "--profile",
+            profile,
+            "--out",
+            report.to_str().unwrap(),
+        ],
+        vec![
+            "explain",
+            "--profile",
+            profile,
+            "--layer",
+            &long,
+            "--op",
+            "fwd",
+        ],
+        vec![
+            "tune",
+            "--network",
+            network,
+            "--batch",
+            "1",
+            "--device",
+            "cpu",
+            "--quiet",
+        ],
+    ] {
+        let (code, stdout, stderr) = run_bounded(cache.to_str().unwrap(), &args);
+        let what = format!("mucudnn {}: {}", args[0], &stderr[..stderr.len().min(2000)]);
+        assert!(!stderr.contains("panicked"), "{what}");
+        assert_eq!(code, Some(0), "{what}");
+        assert!(stdout.contains(&long), "{what}: the name is printed whole");
+    }
+    assert!(report.join("report.md").is_file());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Issue 22, item 5: control characters of a layer name never reach the terminal raw: a
+/// network file's name with an escape sequence is refused with the name escaped (`\u{1b}`),
+/// in the one error line, wherever the message names the layer.
+#[test]
+fn control_characters_of_a_layer_name_are_escaped_in_errors() {
+    let corpus = Corpus::new();
+    let network = corpus.dir.join("escape.toml");
+    // TOML's \u001b is the ESC character inside the name.
+    std::fs::write(
+        &network,
+        "[[layer]]\nname = \"a\\u001b[31mred\\u0007\"\nin_channels = 1\nout_channels = 1\ninput = 3\nkernel = 1\n",
+    )
+    .unwrap();
+    let network = network.to_str().unwrap().to_string();
+    let fresh = corpus.dir.join("fresh").join("cache.sqlite");
+    let stderr = refuses(
+        &corpus,
+        fresh.to_str().unwrap(),
+        &[
+            "tune",
+            "--network",
+            &network,
+            "--batch",
+            "1",
+            "--device",
+            "cpu",
+        ],
+        "contains whitespace or control characters",
+    );
+    assert!(
+        !stderr.contains('\u{1b}') && !stderr.contains('\u{7}'),
+        "{stderr:?}"
+    );
+    assert!(stderr.contains("a\\u{1b}[31mred\\u{7}"), "{stderr:?}");
+    // A profile's layer name in a solver error (a bad time) is escaped the same way.
+    let profile = corpus.dir.join("escape.json");
+    std::fs::write(
+        &profile,
+        r#"{"format": "mucudnn-profile-v1", "device": "cpu", "records": [{"layer": "b\u001b[2J", "dtype": "fp32", "layout": "nchw", "n": 1, "c": 2, "h": 5, "w": 5, "k": 2, "r": 3, "s": 3, "pad_h": 0, "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1, "groups": 1, "op": "fwd", "algo": 1, "micro": 1, "workspace_bytes": 0, "time_ms": 0}]}"#,
+    )
+    .unwrap();
+    let profile = profile.to_str().unwrap().to_string();
+    let stderr = refuses(
+        &corpus,
+        fresh.to_str().unwrap(),
+        &["solve", "--profile", &profile],
+        "not a usable profile",
+    );
+    assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
+    std::fs::remove_dir_all(&corpus.dir).ok();
+}

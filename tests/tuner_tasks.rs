@@ -5,7 +5,7 @@
 use mucudnn::backend::{Backend, CpuBackend, TimingSettings};
 use mucudnn::cache::Cache;
 use mucudnn::profiler::Job;
-use mucudnn::solver::{AlgoKind, CandidateSet, ConvOp, ConvProblem, Policy};
+use mucudnn::solver::{Algo, AlgoKind, CandidateSet, ConvOp, ConvProblem, Measurement, Policy};
 use mucudnn::tune::{
     jobs_for, measure_task, missing_tasks, store_measured, EngineOptions, LayerTuning,
     MeasuredTask, ProfileRun,
@@ -71,8 +71,8 @@ fn shares_measured_by_two_ranks_complete_both_caches() {
             shares[share].push(measure_task(backend, task, &run(cache)).unwrap());
         }
         // Exchange this round's results before the next round (whose pruning reads them).
-        store_measured(&cache0, &fingerprint, &shares[1]).unwrap();
-        store_measured(&cache1, &fingerprint, &shares[0]).unwrap();
+        store_measured(&cache0, &rank0, &fingerprint, &shares[1]).unwrap();
+        store_measured(&cache1, &rank1, &fingerprint, &shares[0]).unwrap();
     }
     assert_eq!(shares[0].len() + shares[1].len(), tasks.len());
     for cache in [&cache0, &cache1] {
@@ -114,11 +114,45 @@ fn stored_records_are_checked_before_anything_is_stored() {
     assert!(!good.measurements.is_empty());
     let mut wrong_size = good.clone();
     wrong_size.measurements[0].micro += 1;
-    let mut not_finite = good.clone();
-    not_finite.measurements[0].time_ms = f64::NAN;
-    for bad in [wrong_size, not_finite] {
-        let error = store_measured(&cache, &fingerprint, &[good.clone(), bad]).unwrap_err();
-        assert!(error.to_string().contains("a.fwd") || error.to_string().contains("a fwd"));
+    // Poisoned records: each refuses the whole batch, naming the record by its index among
+    // the batch's measurements (the good task's come first).
+    let first_bad = good.measurements.len();
+    let poisoned = |f: &dyn Fn(&mut Measurement)| {
+        let mut bad = good.clone();
+        f(&mut bad.measurements[0]);
+        bad
+    };
+    let (op, micro) = (good.task.op, good.task.micro);
+    let cases: Vec<(MeasuredTask, String)> = vec![
+        (wrong_size, format!("task 1 (a {op} micro-batch {micro})")),
+        (
+            poisoned(&|m| m.time_ms = f64::NAN),
+            format!("record {first_bad} (a {op} micro-batch {micro})"),
+        ),
+        (poisoned(&|m| m.time_ms = 0.0), "positive finite".into()),
+        (poisoned(&|m| m.time_ms = -1.0), "positive finite".into()),
+        (
+            poisoned(&|m| m.time_ms = f64::INFINITY),
+            "positive finite".into(),
+        ),
+        (
+            poisoned(&|m| m.algo = Algo::Legacy(999)),
+            format!("algorithm 999 is not a {op} candidate of the cpu backend"),
+        ),
+        (
+            poisoned(&|m| m.algo = Algo::Legacy(3)),
+            "algorithm 3 is not a".into(),
+        ),
+        (
+            poisoned(&|m| m.workspace_bytes = u64::MAX),
+            "more than the device's".into(),
+        ),
+    ];
+    for (bad, expect) in cases {
+        let error = store_measured(&cache, &backend, &fingerprint, &[good.clone(), bad])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains(&expect), "{expect:?} not in {error}");
         // Nothing of the batch was stored, the good record included.
         assert_eq!(
             missing_tasks(&jobs, &run(&cache), &fingerprint, &[AlgoKind::Legacy])
@@ -127,5 +161,200 @@ fn stored_records_are_checked_before_anything_is_stored() {
             tasks.len()
         );
     }
-    assert_eq!(store_measured(&cache, &fingerprint, &[good]).unwrap(), 1);
+    // Another device's measurements are refused whole.
+    let mut elsewhere = fingerprint.clone();
+    elsewhere.name.push_str(" (another)");
+    let error =
+        store_measured(&cache, &backend, &elsewhere, std::slice::from_ref(&good)).unwrap_err();
+    assert!(error.to_string().contains("taken on"), "{error}");
+    assert_eq!(
+        store_measured(&cache, &backend, &fingerprint, &[good]).unwrap(),
+        1
+    );
+}
+
+/// Issue 22, item 4, through the C ABI: poisoned records given to `mucudnnTunerStore` (a zero,
+/// negative, infinite or missing time, an algorithm number the backend does not have, a
+/// workspace past the machine's memory, a negative workspace, another device) are refused with
+/// INVALID_ARGUMENT and the record's index, nothing of the batch is stored, and the cache
+/// still tunes. A stride past a C int is INVALID_ARGUMENT too (item 5).
+#[test]
+fn poisoned_stores_through_the_c_abi_are_refused_and_the_cache_still_tunes() {
+    use mucudnn::ffi::{
+        mucudnnGetLastError, mucudnnStatus_t as Status, mucudnnTunerCreate, mucudnnTunerDestroy,
+        mucudnnTunerMeasure, mucudnnTunerMissing, mucudnnTunerStore, mucudnnTunerTune,
+        mucudnnTuner_t, MUCUDNN_DEVICE_CPU,
+    };
+    use serde_json::{json, Value};
+    use std::ffi::{CStr, CString};
+
+    fn c(text: &str) -> CString {
+        CString::new(text).unwrap()
+    }
+    fn last_error() -> String {
+        // SAFETY: the library's last error is a NUL-terminated string it owns.
+        unsafe { CStr::from_ptr(mucudnnGetLastError()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+    /// Calls a function that writes a JSON string, returning it (freed here).
+    fn json_out(call: impl FnOnce(*mut *mut std::os::raw::c_char) -> Status) -> Value {
+        let mut out = std::ptr::null_mut();
+        let status = call(&mut out);
+        assert_eq!(status, Status::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+        // SAFETY: the library wrote a NUL-terminated string it allocated.
+        let text = unsafe { CStr::from_ptr(out) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: `out` came from the library and is freed once.
+        unsafe { mucudnn::ffi::mucudnnFreeString(out) };
+        serde_json::from_str(&text).unwrap()
+    }
+
+    let dir = std::env::temp_dir().join(format!("mucudnn-poisoned-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let options = |file: &str| c(&json!({"cache": dir.join(file)}).to_string());
+    let create = |file: &str| {
+        let mut tuner: mucudnnTuner_t = std::ptr::null_mut();
+        // SAFETY: valid out pointer and options string.
+        let status =
+            unsafe { mucudnnTunerCreate(&mut tuner, MUCUDNN_DEVICE_CPU, options(file).as_ptr()) };
+        assert_eq!(status, Status::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+        tuner
+    };
+    let (measurer, target) = (create("measurer.sqlite"), create("target.sqlite"));
+    let problem = json!({"n": 4, "c": 3, "h": 6, "w": 6, "k": 4, "r": 3, "s": 3, "pad_h": 1,
+        "pad_w": 1, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1, "groups": 1,
+        "dtype": "fp32", "layout": "nchw"});
+    let layers = c(&json!([{"layer": "a", "problem": problem}]).to_string());
+    // SAFETY (every call below): valid tuner, NUL-terminated strings, valid out pointers.
+    let tasks = json_out(|out| unsafe {
+        mucudnnTunerMissing(measurer, layers.as_ptr(), std::ptr::null(), out)
+    });
+    let tasks = c(&tasks.to_string());
+    let doc = json_out(|out| unsafe {
+        mucudnnTunerMeasure(measurer, tasks.as_ptr(), std::ptr::null(), out)
+    });
+    let store = |doc: &Value| -> (Status, u64) {
+        let text = c(&doc.to_string());
+        let mut stored = 0u64;
+        let status = unsafe { mucudnnTunerStore(target, text.as_ptr(), &mut stored) };
+        (status, stored)
+    };
+    let missing_after = || -> usize {
+        json_out(|out| unsafe {
+            mucudnnTunerMissing(target, layers.as_ptr(), std::ptr::null(), out)
+        })
+        .as_array()
+        .unwrap()
+        .len()
+    };
+    let all_missing = missing_after();
+    assert!(all_missing > 0);
+
+    // The second task's first measurement is poisoned; its index counts the first task's.
+    let first_task = doc["measured"][0]["measurements"].as_array().unwrap().len();
+    let poisoned = |field: &str, value: Value| {
+        let mut bad = doc.clone();
+        bad["measured"][1]["measurements"][0][field] = value;
+        bad
+    };
+    let cases = [
+        (
+            poisoned("time_ms", json!(0.0)),
+            "time_ms must be a positive finite number, got 0",
+        ),
+        (poisoned("time_ms", json!(-1.5)), "got -1.5"),
+        (poisoned("time_ms", Value::Null), "measured_json"), // NaN is written as null
+        (poisoned("algo", json!(999)), "algorithm 999 is not a"),
+        (
+            poisoned("workspace_bytes", json!(u64::MAX)),
+            "more than the device's",
+        ),
+        (poisoned("workspace_bytes", json!(-1)), "measured_json"),
+    ];
+    for (bad, expect) in &cases {
+        let (status, stored) = store(bad);
+        let error = last_error();
+        assert_eq!(
+            status,
+            Status::MUCUDNN_STATUS_INVALID_ARGUMENT,
+            "{expect}: {error}"
+        );
+        assert!(error.contains(expect), "{expect:?} not in {error}");
+        if !expect.starts_with("measured_json") {
+            assert!(error.contains(&format!("record {first_task} (")), "{error}");
+        }
+        assert_eq!(stored, 0);
+        assert_eq!(
+            missing_after(),
+            all_missing,
+            "nothing of the batch was stored"
+        );
+    }
+    let mut foreign = doc.clone();
+    foreign["fingerprint"]["name"] = json!("some other CPU");
+    let (status, _) = store(&foreign);
+    assert_eq!(status, Status::MUCUDNN_STATUS_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("taken on some other CPU"),
+        "{}",
+        last_error()
+    );
+
+    // The good batch is stored, and the cache tunes from it without measuring.
+    let (status, stored) = store(&doc);
+    assert_eq!(status, Status::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+    assert_eq!(stored as usize, doc["measured"].as_array().unwrap().len());
+    assert_eq!(missing_after(), 0);
+    let name = c("a");
+    let problem_text = c(&problem.to_string());
+    let tuned = json_out(|out| unsafe {
+        mucudnnTunerTune(
+            target,
+            name.as_ptr(),
+            problem_text.as_ptr(),
+            std::ptr::null(),
+            out,
+        )
+    });
+    assert_eq!(tuned["measured"], 0, "{tuned}");
+    // Splits name the CPU's algorithms.
+    for split in tuned["splits"].as_array().unwrap() {
+        let split = split.as_str().unwrap();
+        assert!(
+            ["@direct", "@im2col-batched", "@im2col-per-image"]
+                .iter()
+                .any(|name| split.contains(name)),
+            "{split}"
+        );
+    }
+
+    // Item 5: a stride of 2^62 is a bad argument, refused before any conversion.
+    let mut huge = problem.clone();
+    huge["stride_h"] = json!(1i64 << 62);
+    let huge = c(&huge.to_string());
+    let mut out = std::ptr::null_mut();
+    let status = unsafe {
+        mucudnnTunerTune(
+            target,
+            name.as_ptr(),
+            huge.as_ptr(),
+            std::ptr::null(),
+            &mut out,
+        )
+    };
+    assert_eq!(
+        status,
+        Status::MUCUDNN_STATUS_INVALID_ARGUMENT,
+        "{}",
+        last_error()
+    );
+    assert!(last_error().contains("stride_h"), "{}", last_error());
+
+    for tuner in [measurer, target] {
+        assert_eq!(mucudnnTunerDestroy(tuner), Status::MUCUDNN_STATUS_SUCCESS);
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -39,7 +39,7 @@ use mucudnn_solver::{
 };
 use open::{Identity, OpenError};
 use rusqlite::Connection;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
 
 /// Set to anything but empty or `0`, commands that would write the cache open it read-only:
@@ -107,6 +107,9 @@ pub enum CacheError {
     UnknownDevice { name: String },
     #[error(transparent)]
     Profile(#[from] mucudnn_solver::ProfileError),
+    /// A record no measurement on this device could produce; nothing was imported.
+    #[error("{0}; nothing was imported")]
+    Record(#[from] mucudnn_solver::RefusedRecord),
     /// The cache cannot be changed (read-only, or an in-memory fallback): nothing was done.
     #[error("the cache {location} cannot be written ({reason}); nothing was {what}")]
     NotWritable {
@@ -128,6 +131,8 @@ pub struct Cache {
     warnings: RefCell<Vec<String>>,
     /// Print warnings to stderr as they happen (on by default).
     echo: bool,
+    /// Rows that failed the record check were skipped and said so (once per cache).
+    bad_rows_warned: Cell<bool>,
 }
 
 impl Cache {
@@ -312,6 +317,7 @@ impl Cache {
             salvage: None,
             warnings: RefCell::new(Vec::new()),
             echo: true,
+            bad_rows_warned: Cell::new(false),
         };
         for warning in warnings {
             cache.warn(warning);
@@ -378,6 +384,17 @@ impl Cache {
             .ok()
     }
 
+    /// Says once that rows failing the record check were skipped (lookups count them).
+    fn skipped_rows(&self, skipped: usize) {
+        if skipped > 0 && !self.bad_rows_warned.replace(true) {
+            self.warn(format!(
+                "skipped {skipped} cached row(s) that no measurement could produce (a candidate \
+                 the device does not have, a time that is not positive and finite); they are \
+                 not used, and measuring again replaces them"
+            ));
+        }
+    }
+
     /// Runs a read; a failure is a miss (with a warning, since it means a damaged file).
     fn read<T>(&self, what: &str, result: Result<T, rusqlite::Error>) -> Option<T> {
         result
@@ -400,11 +417,15 @@ impl Cache {
         micro: i64,
         kind: AlgoKind,
     ) -> Option<Vec<Measurement>> {
-        self.read(
-            "measurements",
-            store::measurements(&self.conn, device, problem, op, micro, kind),
-        )
-        .flatten()
+        let mut skipped = 0;
+        let found = self
+            .read(
+                "measurements",
+                store::measurements(&self.conn, device, problem, op, micro, kind, &mut skipped),
+            )
+            .flatten();
+        self.skipped_rows(skipped);
+        found
     }
 
     /// Records the measurements of `kind`'s candidates at one micro-batch size (replacing
@@ -471,10 +492,13 @@ impl Cache {
                 return None;
             }
         }
+        let mut skipped = 0;
         let measurements = self.read(
             "profile",
-            store::measurements_up_to(&self.conn, device, problem, op, problem.n, candidates),
-        )?;
+            store::measurements_up_to(&self.conn, device, problem, op, candidates, &mut skipped),
+        );
+        self.skipped_rows(skipped);
+        let measurements = measurements?;
         let measurements = measurements
             .into_iter()
             .filter(|m| policy.allows(m.micro, problem.n))
@@ -498,8 +522,15 @@ impl Cache {
         op: ConvOp,
         key: &PlanKey,
     ) -> Option<Plan> {
-        self.read("plan", store::plan(&self.conn, device, problem, op, key))
-            .flatten()
+        let mut skipped = 0;
+        let plan = self
+            .read(
+                "plan",
+                store::plan(&self.conn, device, problem, op, key, &mut skipped),
+            )
+            .flatten();
+        self.skipped_rows(skipped);
+        plan
     }
 
     pub fn store_plan(&self, device: &DeviceFingerprint, plan: &Plan, key: &PlanKey) {
@@ -514,12 +545,18 @@ impl Cache {
     /// The cached measurements of every named problem, one profile per device (with its
     /// fingerprint), optionally only `device`'s.
     pub fn export(&self, device: Option<&DeviceFingerprint>) -> Result<Vec<Profile>, CacheError> {
-        Ok(store::export(&self.conn, device)?)
+        let mut skipped = 0;
+        let profiles = store::export(&self.conn, device, &mut skipped)?;
+        self.skipped_rows(skipped);
+        Ok(profiles)
     }
 
     /// Imports a profile. Its fingerprint (or, for a profile without one, its device name and
     /// cuDNN version) must be `local`'s unless `force`, in which case the measurements are
-    /// stored as `local`'s. Returns the number of measurements stored.
+    /// stored as `local`'s. All or nothing: every record must pass
+    /// [`RecordCheck::batch`](mucudnn_solver::RecordCheck::batch) for `local` (even when
+    /// forced), else the first bad one is named by its index and nothing is stored. Returns
+    /// the number of measurements stored.
     pub fn import(
         &self,
         profile: &Profile,
@@ -531,6 +568,16 @@ impl Cache {
         if !force {
             check_device(profile, local)?;
         }
+        let check = mucudnn_solver::RecordCheck {
+            device: local,
+            memory_bytes: None,
+        };
+        check.batch(profile.entries.iter().flat_map(|entry| {
+            entry
+                .measurements
+                .iter()
+                .map(move |m| (entry.layer.as_str(), &entry.problem, entry.op, m))
+        }))?;
         Ok(store::import(&self.conn, profile, local)?)
     }
 

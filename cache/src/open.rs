@@ -51,12 +51,43 @@ pub(crate) enum Identity {
     Unreachable(String),
 }
 
+/// What a path that exists is, when it is neither a regular file nor a directory: a FIFO, a
+/// device, a socket. Opening one could block forever (a FIFO without a writer) or make SQLite
+/// write beside it (`/dev/null-journal`), so it is refused before anything opens it.
+fn special_file(path: &Path) -> Option<&'static str> {
+    let kind = std::fs::metadata(path).ok()?.file_type();
+    if kind.is_file() || kind.is_dir() {
+        return None;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_fifo() {
+            return Some("a FIFO (named pipe)");
+        }
+        if kind.is_char_device() {
+            return Some("a character device");
+        }
+        if kind.is_block_device() {
+            return Some("a block device");
+        }
+        if kind.is_socket() {
+            return Some("a socket");
+        }
+    }
+    Some("a special file")
+}
+
 /// Identifies the file at `path` without modifying it.
 pub(crate) fn identify(path: &Path) -> Result<Identity, NotACache> {
     let refuse = |why: String| NotACache {
         path: path.to_path_buf(),
         why,
     };
+    // Before any open: a FIFO would block the open itself.
+    if let Some(what) = special_file(path) {
+        return Err(refuse(format!("it is {what}, not a regular file")));
+    }
     let mut file = match std::fs::File::open(path) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Identity::New),

@@ -4,7 +4,7 @@
 
 use mucudnn_solver::{
     Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
-    EngineName, Layout, MathMode, Measurement, Mode, OpProfile, Plan, Policy, Profile,
+    EngineName, Layout, MathMode, Measurement, Mode, OpProfile, Plan, Policy, Profile, RecordCheck,
 };
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -199,6 +199,49 @@ fn read_measurement(row: &rusqlite::Row<'_>) -> Result<Measurement> {
     })
 }
 
+/// The rows of a measurement query that may be used: each passes the check every record
+/// entering the cache passes ([`RecordCheck::record`]; the device's memory is not known here).
+/// A row that does not parse or fails the check (written by an older mucudnn, by hand, or
+/// poisoned) is skipped and counted in `skipped`, so one bad row never fails a tune.
+fn usable_rows(
+    rows: impl Iterator<Item = Result<Result<Measurement>>>,
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+    skipped: &mut usize,
+) -> Result<Vec<Measurement>> {
+    let check = RecordCheck {
+        device,
+        memory_bytes: None,
+    };
+    let mut usable = Vec::new();
+    for row in rows {
+        match row? {
+            Ok(m) if check.record(problem, op, &m).is_ok() => usable.push(m),
+            _ => *skipped += 1,
+        }
+    }
+    Ok(usable)
+}
+
+/// Whether every micro-batch of a cached plan passes the record check (a plan solved from a
+/// poisoned measurement names a candidate the device does not have, or a zero time).
+fn usable_plan(plan: &Plan, device: &DeviceFingerprint) -> bool {
+    let check = RecordCheck {
+        device,
+        memory_bytes: None,
+    };
+    plan.micro_batches.iter().all(|mb| {
+        let m = Measurement {
+            micro: mb.size,
+            algo: mb.algo,
+            time_ms: mb.time_ms,
+            workspace_bytes: mb.workspace_bytes,
+        };
+        check.record(&plan.problem, plan.op, &m).is_ok()
+    })
+}
+
 /// The SQL condition selecting one kind's measurement rows.
 fn kind_condition(kind: AlgoKind) -> &'static str {
     match kind {
@@ -207,6 +250,7 @@ fn kind_condition(kind: AlgoKind) -> &'static str {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn measurements(
     conn: &Connection,
     device: &DeviceFingerprint,
@@ -214,6 +258,7 @@ pub(crate) fn measurements(
     op: ConvOp,
     micro: i64,
     kind: AlgoKind,
+    skipped: &mut usize,
 ) -> Result<Option<Vec<Measurement>>> {
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(None);
@@ -231,20 +276,23 @@ pub(crate) fn measurements(
          ORDER BY algo, engine",
         kind_condition(kind)
     ))?;
-    let rows = stmt.query_map(params![d, s, op.name(), micro], read_measurement)?;
-    rows.collect::<Result<Vec<_>>>().map(Some)
+    let rows = stmt.query_map(params![d, s, op.name(), micro], |row| {
+        Ok(read_measurement(row))
+    })?;
+    usable_rows(rows, device, problem, op, skipped).map(Some)
 }
 
-/// Every cached measurement of `problem`'s shape and `op` at micro-batch sizes up to `n`, of
-/// the kinds in `candidates`.
+/// Every usable cached measurement of `problem`'s shape and `op` at micro-batch sizes up to
+/// `problem.n`, of the kinds in `candidates` (see [`usable_rows`]).
 pub(crate) fn measurements_up_to(
     conn: &Connection,
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
-    n: i64,
     candidates: CandidateSet,
+    skipped: &mut usize,
 ) -> Result<Vec<Measurement>> {
+    let n = problem.n;
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
@@ -258,8 +306,8 @@ pub(crate) fn measurements_up_to(
          WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND {condition}
          ORDER BY micro, algo, engine"
     ))?;
-    let rows = stmt.query_map(params![d, s, op.name(), n], read_measurement)?;
-    rows.collect()
+    let rows = stmt.query_map(params![d, s, op.name(), n], |row| Ok(read_measurement(row)))?;
+    usable_rows(rows, device, problem, op, skipped)
 }
 
 /// The micro-batch sizes at which `kind`'s candidates were measured.
@@ -383,6 +431,7 @@ pub(crate) fn plan(
     problem: &ConvProblem,
     op: ConvOp,
     key: &PlanKey,
+    skipped: &mut usize,
 ) -> Result<Option<Plan>> {
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(None);
@@ -395,10 +444,18 @@ pub(crate) fn plan(
         )?
         .query_row(params![d, s, problem.n, op.name(), key.policy.name(), mode, limit, key.context, key.candidates.name()], |row| row.get(0))
         .optional()?;
-    // A row that does not parse, or is for another problem, is a miss.
-    Ok(json
+    // A row that does not parse, or is for another problem, is a miss; so is a plan with a
+    // micro-batch no record could have produced (counted in `skipped`).
+    let plan = json
         .and_then(|text| serde_json::from_str::<Plan>(&text).ok())
-        .filter(|plan| plan.problem == *problem && plan.op == op && plan.batch() == problem.n))
+        .filter(|plan| plan.problem == *problem && plan.op == op && plan.batch() == problem.n);
+    match plan {
+        Some(plan) if !usable_plan(&plan, device) => {
+            *skipped += 1;
+            Ok(None)
+        }
+        plan => Ok(plan),
+    }
 }
 
 pub(crate) fn store_plan(
@@ -538,7 +595,11 @@ pub(crate) fn entries(conn: &Connection) -> Result<Vec<EntrySummary>> {
 /// entry at the largest: its measurements (every micro-batch size up to it) include the smaller
 /// batches'. A layer name given to two different shapes keeps its name on the first shape
 /// tuned; the others are exported as `<layer>#2`, `<layer>#3`, ...
-pub(crate) fn export(conn: &Connection, only: Option<&DeviceFingerprint>) -> Result<Vec<Profile>> {
+pub(crate) fn export(
+    conn: &Connection,
+    only: Option<&DeviceFingerprint>,
+    skipped: &mut usize,
+) -> Result<Vec<Profile>> {
     // Per device: the merged rows in tuning order, and where each (layer, shape, op) went.
     type Key = (String, ConvProblem, ConvOp);
     let mut rows: BTreeMap<i64, (DeviceFingerprint, Vec<Key>)> = BTreeMap::new();
@@ -571,7 +632,7 @@ pub(crate) fn export(conn: &Connection, only: Option<&DeviceFingerprint>) -> Res
         let mut used: HashSet<(String, DType, Layout, ConvOp)> = HashSet::new();
         for (layer, problem, op) in list {
             let measurements =
-                measurements_up_to(conn, &device, &problem, op, problem.n, CandidateSet::All)?;
+                measurements_up_to(conn, &device, &problem, op, CandidateSet::All, skipped)?;
             if measurements.is_empty() {
                 continue;
             }

@@ -294,6 +294,132 @@ fn measurements_round_trip_and_serve_every_batch_size() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// Issue 22, item 4: a cache that already holds rows no measurement could produce (written
+/// by an older mucudnn's unchecked store, or by hand) skips them, says so once, and still
+/// tunes; a cached plan solved from such a row is a miss.
+#[test]
+fn bad_rows_written_by_sql_are_skipped_with_one_warning() {
+    let dir = temp_dir("bad-rows");
+    let path = dir.join("c.sqlite");
+    let device = h100();
+    let problem = ConvProblem::new(4, 8, 9, 9, 8, 3, 3);
+    let op = ConvOp::Forward;
+    {
+        let cache = Cache::open(&path).unwrap();
+        for micro in [1, 2, 4] {
+            let ms = [m(micro, 0, 1.0 * micro as f64, 0), m(micro, 1, 0.5, 100)];
+            cache.store_measurements(&device, "l", &problem, op, micro, AlgoKind::Legacy, &ms);
+        }
+    }
+    // Poison: an algorithm number cuDNN's forward op does not have, a zero and a negative
+    // time, a workspace past any size, and an engine name that does not parse.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let rows: [(i64, i64, &str, f64, i64); 5] = [
+        (2, 999, "", 0.01, 0),
+        (4, 2, "", 0.0, 0),
+        (1, 3, "", -1.0, 0),
+        (4, 5, "", f64::INFINITY, 0),
+        (2, -1, "not an engine", 0.01, 0),
+    ];
+    for (micro, algo, engine, time_ms, workspace) in rows {
+        conn.execute(
+            "INSERT INTO measurements (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes)
+             SELECT device_id, shape_id, op, ?1, ?2, ?3, ?4, ?5 FROM measurements LIMIT 1",
+            rusqlite::params![micro, algo, engine, time_ms, workspace],
+        )
+        .unwrap();
+    }
+    drop(conn);
+
+    let cache = Cache::open(&path).unwrap().quiet();
+    let entry = cache
+        .op_profile(
+            &device,
+            "l",
+            &problem,
+            op,
+            Policy::PowerOfTwo,
+            CandidateSet::Legacy,
+        )
+        .expect("every size is still measured");
+    // Only the good rows: two algorithms at three sizes.
+    assert_eq!(entry.measurements.len(), 6, "{:?}", entry.measurements);
+    assert!(entry
+        .measurements
+        .iter()
+        .all(|x| x.algo == Algo::Legacy(0) || x.algo == Algo::Legacy(1)));
+    assert_eq!(
+        cache
+            .measurements(&device, &problem, op, 2, AlgoKind::Legacy)
+            .unwrap(),
+        [m(2, 0, 2.0, 0), m(2, 1, 0.5, 100)]
+    );
+    // The profile solves: the cache still tunes.
+    let profile = Profile {
+        device: device.name.clone(),
+        cudnn_version: device.cudnn_version,
+        fingerprint: Some(device.clone()),
+        entries: vec![entry],
+        ..Profile::default()
+    };
+    let mode = Mode::WorkspaceReuse {
+        workspace_limit_bytes: 64 << 20,
+    };
+    let solution =
+        solve_profile(&profile, Policy::PowerOfTwo, mode, &WdOptions::default()).unwrap();
+    // The whole batch with algorithm 1 (0.5 ms); the poisoned rows would have made it less.
+    assert_eq!(solution.problems[0].plan.time_ms(), 0.5);
+    // A plan solved from a poisoned row (algorithm 999) is a miss, not a plan to run.
+    let key = PlanKey::reuse(Policy::PowerOfTwo, CandidateSet::All, 64 << 20);
+    let mut poisoned = solution.problems[0].plan.clone();
+    poisoned.micro_batches[0].algo = Algo::Legacy(999);
+    cache.store_plan(&device, &poisoned, &key);
+    assert_eq!(cache.plan(&device, &problem, op, &key), None);
+    cache.store_plan(&device, &solution.problems[0].plan, &key);
+    assert_eq!(
+        cache.plan(&device, &problem, op, &key).as_ref(),
+        Some(&solution.problems[0].plan)
+    );
+    // One warning for all of it.
+    let warnings = cache.warnings();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("skipped"), "{warnings:?}");
+    // Export leaves them out too, so the file it writes imports again.
+    let exported = cache.export(Some(&device)).unwrap();
+    assert_eq!(exported[0].entries[0].measurements.len(), 6);
+    let fresh = Cache::in_memory();
+    assert_eq!(fresh.import(&exported[0], &device, false).unwrap(), 6);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Import is all or nothing: a record no measurement on this device could produce is named by
+/// its index, and nothing of the profile is stored, even with `force`.
+#[test]
+fn import_refuses_a_bad_record_by_index() {
+    let device = h100();
+    let mut profile = fixture();
+    let cache = Cache::in_memory();
+    let (entry, index) = (7, 2);
+    let before: usize = profile.entries[..entry]
+        .iter()
+        .map(|e| e.measurements.len())
+        .sum();
+    profile.entries[entry].measurements[index].algo = Algo::Legacy(999);
+    for force in [false, true] {
+        let error = cache
+            .import(&profile, &device, force)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.starts_with(&format!("record {} (", before + index)),
+            "{error}"
+        );
+        assert!(error.contains("algorithm 999 is not a"), "{error}");
+        assert!(error.ends_with("nothing was imported"), "{error}");
+        assert!(cache.export(None).unwrap().is_empty());
+    }
+}
+
 #[test]
 fn plans_are_keyed_by_policy_and_constraint() {
     let cache = Cache::in_memory();

@@ -6,7 +6,10 @@
 //! An [`Algo`] is `Copy`, so measurements and plans stay plain data: engine names are interned
 //! once per process (a profile holds a few hundred distinct ones) and compared by content.
 
+use crate::device::BackendKind;
+use crate::problem::ConvOp;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::{Mutex, OnceLock};
@@ -150,11 +153,87 @@ impl Algo {
         }
     }
 
-    /// Short label for compact splits: `algo1` or the engine name.
-    pub fn label(self) -> String {
+    /// Whether `backend` has this candidate for `op`: a legacy number it names (the CPU's
+    /// three algorithms, cuDNN's `CUDNN_CONVOLUTION_*_ALGO_COUNT` per op), or an engine
+    /// configuration on cuDNN.
+    pub fn belongs_to(self, backend: BackendKind, op: ConvOp) -> bool {
         match self {
-            Algo::Legacy(n) => format!("algo{n}"),
-            Algo::Engine(name) => name.as_str().to_string(),
+            Algo::Legacy(n) => legacy_name(backend, op, n).is_some(),
+            Algo::Engine(_) => backend == BackendKind::Cuda,
+        }
+    }
+}
+
+/// The CPU backend's algorithms by number (the same for every op).
+const CPU_ALGOS: [&str; 3] = ["direct", "im2col-batched", "im2col-per-image"];
+/// cuDNN's `cudnnConvolutionFwdAlgo_t`, without the `CUDNN_CONVOLUTION_FWD_ALGO_` prefix.
+const CUDNN_FWD_ALGOS: [&str; 8] = [
+    "IMPLICIT_GEMM",
+    "IMPLICIT_PRECOMP_GEMM",
+    "GEMM",
+    "DIRECT",
+    "FFT",
+    "FFT_TILING",
+    "WINOGRAD",
+    "WINOGRAD_NONFUSED",
+];
+/// `cudnnConvolutionBwdDataAlgo_t`, without `CUDNN_CONVOLUTION_BWD_DATA_ALGO_`.
+const CUDNN_BWD_DATA_ALGOS: [&str; 6] = [
+    "ALGO_0",
+    "ALGO_1",
+    "FFT",
+    "FFT_TILING",
+    "WINOGRAD",
+    "WINOGRAD_NONFUSED",
+];
+/// `cudnnConvolutionBwdFilterAlgo_t`, without `CUDNN_CONVOLUTION_BWD_FILTER_ALGO_`.
+const CUDNN_BWD_FILTER_ALGOS: [&str; 7] = [
+    "ALGO_0",
+    "ALGO_1",
+    "FFT",
+    "ALGO_3",
+    "WINOGRAD",
+    "WINOGRAD_NONFUSED",
+    "FFT_TILING",
+];
+
+/// The name people know legacy algorithm `number` of `op` by on `backend`: `direct`,
+/// `im2col-batched`, `im2col-per-image` on the CPU; cuDNN's enum name without its prefix
+/// (`IMPLICIT_PRECOMP_GEMM`, `ALGO_1`) on cuDNN. `None` for a number the backend does not have.
+pub fn legacy_name(backend: BackendKind, op: ConvOp, number: u32) -> Option<&'static str> {
+    let table: &[&str] = match (backend, op) {
+        (BackendKind::Cpu, _) => &CPU_ALGOS,
+        (BackendKind::Cuda, ConvOp::Forward) => &CUDNN_FWD_ALGOS,
+        (BackendKind::Cuda, ConvOp::BackwardData) => &CUDNN_BWD_DATA_ALGOS,
+        (BackendKind::Cuda, ConvOp::BackwardFilter) => &CUDNN_BWD_FILTER_ALGOS,
+    };
+    table.get(usize::try_from(number).ok()?).copied()
+}
+
+/// How candidates are named for people: by the backend that measured them. Plans, profiles and
+/// the cache keep numbers (programs read them); tables, reports and split strings use names.
+/// Without a known backend a legacy algorithm reads `algo<N>`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AlgoNames {
+    pub backend: Option<BackendKind>,
+}
+
+impl AlgoNames {
+    pub fn new(backend: BackendKind) -> Self {
+        AlgoNames {
+            backend: Some(backend),
+        }
+    }
+
+    /// `IMPLICIT_PRECOMP_GEMM`, `im2col-batched`, the engine configuration's name, or
+    /// `algo<N>` for a number the backend does not name.
+    pub fn name(self, op: ConvOp, algo: Algo) -> Cow<'static, str> {
+        match algo {
+            Algo::Legacy(n) => match self.backend.and_then(|b| legacy_name(b, op, n)) {
+                Some(name) => Cow::Borrowed(name),
+                None => Cow::Owned(format!("algo{n}")),
+            },
+            Algo::Engine(name) => Cow::Borrowed(name.as_str()),
         }
     }
 }
@@ -361,9 +440,38 @@ mod tests {
         assert!(serde_json::from_str::<Algo>("\"nope\"").is_err());
         assert!(serde_json::from_str::<Algo>("-1").is_err());
         assert_eq!(engine.kind(), AlgoKind::Engine);
-        assert_eq!(legacy.label(), "algo6");
+        assert_eq!(AlgoNames::default().name(ConvOp::Forward, legacy), "algo6");
         assert_eq!(engine.to_string(), "eng67_k2=5");
         assert!(legacy < engine);
+    }
+
+    #[test]
+    fn names_by_backend_and_op() {
+        let cuda = AlgoNames::new(BackendKind::Cuda);
+        let cpu = AlgoNames::new(BackendKind::Cpu);
+        let name = |names: AlgoNames, op, n| names.name(op, Algo::Legacy(n)).into_owned();
+        assert_eq!(name(cuda, ConvOp::Forward, 1), "IMPLICIT_PRECOMP_GEMM");
+        assert_eq!(name(cuda, ConvOp::Forward, 7), "WINOGRAD_NONFUSED");
+        assert_eq!(name(cuda, ConvOp::BackwardData, 1), "ALGO_1");
+        assert_eq!(name(cuda, ConvOp::BackwardFilter, 3), "ALGO_3");
+        assert_eq!(name(cuda, ConvOp::BackwardFilter, 6), "FFT_TILING");
+        assert_eq!(name(cpu, ConvOp::BackwardData, 0), "direct");
+        assert_eq!(name(cpu, ConvOp::Forward, 1), "im2col-batched");
+        assert_eq!(name(cpu, ConvOp::BackwardFilter, 2), "im2col-per-image");
+        // Past the backend's last algorithm, or with no backend known: the number.
+        assert_eq!(name(cpu, ConvOp::Forward, 3), "algo3");
+        assert_eq!(name(cuda, ConvOp::BackwardData, 6), "algo6");
+        assert_eq!(name(AlgoNames::default(), ConvOp::Forward, 1), "algo1");
+        let engine = Algo::Engine(EngineName::new("eng38_k2=8").unwrap());
+        assert_eq!(cuda.name(ConvOp::Forward, engine), "eng38_k2=8");
+        // Membership follows the same tables.
+        assert!(Algo::Legacy(7).belongs_to(BackendKind::Cuda, ConvOp::Forward));
+        assert!(!Algo::Legacy(7).belongs_to(BackendKind::Cuda, ConvOp::BackwardFilter));
+        assert!(Algo::Legacy(6).belongs_to(BackendKind::Cuda, ConvOp::BackwardFilter));
+        assert!(!Algo::Legacy(3).belongs_to(BackendKind::Cpu, ConvOp::Forward));
+        assert!(!Algo::Legacy(999).belongs_to(BackendKind::Cuda, ConvOp::Forward));
+        assert!(engine.belongs_to(BackendKind::Cuda, ConvOp::Forward));
+        assert!(!engine.belongs_to(BackendKind::Cpu, ConvOp::Forward));
     }
 
     #[test]

@@ -28,12 +28,15 @@ pub mod units;
 pub mod wd;
 pub mod wr;
 
-pub use algo::{Algo, AlgoKind, CandidateSet, EngineName, EngineNameError};
+pub use algo::{legacy_name, Algo, AlgoKind, AlgoNames, CandidateSet, EngineName, EngineNameError};
 pub use device::{BackendKind, DeviceFingerprint};
 pub use operand::{operand_roles, steps, timing_offset, Operand, Step};
 pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
-pub use profile::{Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError};
+pub use profile::{
+    Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError, RecordCheck, RecordError,
+    RefusedRecord,
+};
 pub use solve::{solve_profile, Mode, Solution, SolvedProblem};
 pub use wd::{solve_wd, solve_wd_by, WdChoice, WdOptions, MAX_TIME_LIMIT_S};
 pub use wr::{pareto_front, solve_wr, ParetoPoint};

@@ -1,7 +1,7 @@
 //! A plan: how to run one tuning problem as a sequence of micro-batches. Plain serde data that
 //! can be printed, stored in the cache and executed again without the solver.
 
-use crate::algo::Algo;
+use crate::algo::{Algo, AlgoNames};
 use crate::problem::{ConvOp, ConvProblem};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
@@ -44,9 +44,11 @@ impl Plan {
         self.micro_batches.iter().map(|m| m.size).sum()
     }
 
-    /// Compact split: runs of equal (size, algo) as `2x128@algo1` (or `2x128@eng38_k2=8` for
-    /// an engine configuration), joined by `+`.
-    pub fn split_string(&self) -> String {
+    /// Compact split for people: runs of equal (size, algo) as `COUNTxSIZE@ALGO`, joined by
+    /// `+`: `2x128@IMPLICIT_PRECOMP_GEMM` (two micro-batches of 128 samples), `4x8@direct`,
+    /// `1x64@eng38_k2=8`; the algorithm as `names` calls it ([`AlgoNames`]; `algo1` when the
+    /// backend is unknown). Programs read the micro-batches' numbers, never this string.
+    pub fn split_string(&self, names: AlgoNames) -> String {
         let mut out = String::new();
         let mut i = 0;
         while i < self.micro_batches.len() {
@@ -58,7 +60,7 @@ impl Plan {
             if !out.is_empty() {
                 out.push('+');
             }
-            let _ = write!(out, "{run}x{}@{}", m.size, m.algo.label());
+            let _ = write!(out, "{run}x{}@{}", m.size, names.name(self.op, m.algo));
             i += run;
         }
         out
@@ -83,10 +85,24 @@ mod tests {
             op: ConvOp::Forward,
             micro_batches: vec![mb(2, 1), mb(2, 1), mb(2, 0), mb(1, 0)],
         };
-        assert_eq!(plan.split_string(), "2x2@algo1+1x2@algo0+1x1@algo0");
+        let unknown = AlgoNames::default();
+        assert_eq!(plan.split_string(unknown), "2x2@algo1+1x2@algo0+1x1@algo0");
+        let cuda = AlgoNames::new(crate::BackendKind::Cuda);
+        assert_eq!(
+            plan.split_string(cuda),
+            "2x2@IMPLICIT_PRECOMP_GEMM+1x2@IMPLICIT_GEMM+1x1@IMPLICIT_GEMM"
+        );
+        let cpu = AlgoNames::new(crate::BackendKind::Cpu);
+        assert_eq!(
+            plan.split_string(cpu),
+            "2x2@im2col-batched+1x2@direct+1x1@direct"
+        );
         let mut engines = plan.clone();
         engines.micro_batches[2].algo = Algo::Engine("eng3_k2=1".parse().unwrap());
-        assert_eq!(engines.split_string(), "2x2@algo1+1x2@eng3_k2=1+1x1@algo0");
+        assert_eq!(
+            engines.split_string(cuda),
+            "2x2@IMPLICIT_PRECOMP_GEMM+1x2@eng3_k2=1+1x1@IMPLICIT_GEMM"
+        );
         assert_eq!(plan.batch(), 7);
         assert_eq!(plan.workspace_bytes(), 2);
         assert_eq!(plan.time_ms(), 4.0);

@@ -68,6 +68,9 @@ impl ConvOp {
 macro_rules! names {
     ($ty:ty, $what:literal, $( $variant:path => $name:literal ),+ $(,)?) => {
         impl $ty {
+            /// Every name, in declaration order (the command line's allowed values).
+            pub const NAMES: &'static [&'static str] = &[$( $name ),+];
+
             /// The name used in the interchange format and on the command line.
             pub fn name(self) -> &'static str {
                 match self { $( $variant => $name ),+ }
@@ -168,6 +171,9 @@ pub enum ShapeError {
     },
     #[error("tensor too large: {what} has more than 2^31 elements")]
     TooLarge { what: &'static str },
+    /// Every field is a C `int` to cuDNN and an index to the CPU backend.
+    #[error("{field} = {value} is more than 2^31 - 1")]
+    FieldTooLarge { field: &'static str, value: i64 },
 }
 
 impl ConvProblem {
@@ -218,6 +224,12 @@ impl ConvProblem {
         for (field, value) in [("pad_h", self.pad_h), ("pad_w", self.pad_w)] {
             if value < 0 {
                 return Err(ShapeError::Negative { field, value });
+            }
+        }
+        let padding = [("pad_h", self.pad_h), ("pad_w", self.pad_w)];
+        for (field, value) in positive.into_iter().chain(padding) {
+            if value > i64::from(i32::MAX) {
+                return Err(ShapeError::FieldTooLarge { field, value });
             }
         }
         if self.c % self.groups != 0 || self.k % self.groups != 0 {
@@ -404,6 +416,26 @@ mod tests {
             }
             .validate(),
             Err(ShapeError::TooLarge { .. })
+        ));
+        // A stride (or padding) past a C int is refused before any backend converts it.
+        assert_eq!(
+            ConvProblem {
+                stride_h: 1 << 62,
+                ..base
+            }
+            .validate(),
+            Err(ShapeError::FieldTooLarge {
+                field: "stride_h",
+                value: 1 << 62
+            })
+        );
+        assert!(matches!(
+            ConvProblem {
+                pad_w: 1 << 31,
+                ..base
+            }
+            .validate(),
+            Err(ShapeError::FieldTooLarge { field: "pad_w", .. })
         ));
     }
 

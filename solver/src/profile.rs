@@ -6,7 +6,8 @@
 //! [`OpProfile::validate`] is checked by every solver entry point, so a hand-built profile is
 //! held to the same rules as one read from a file.
 
-use crate::algo::{Algo, CandidateSet};
+use crate::algo::{Algo, AlgoNames, CandidateSet};
+use crate::device::{BackendKind, DeviceFingerprint};
 use crate::problem::{ConvOp, ConvProblem, DType, Layout, ShapeError};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
@@ -296,6 +297,16 @@ impl Profile {
         }
     }
 
+    /// How its candidates are named for people: by its fingerprint's backend, else cuDNN when
+    /// it names a cuDNN version (profiles written before fingerprints), else by number.
+    pub fn algo_names(&self) -> AlgoNames {
+        match (&self.fingerprint, self.cudnn_version) {
+            (Some(fingerprint), _) => AlgoNames::new(fingerprint.backend),
+            (None, Some(_)) => AlgoNames::new(BackendKind::Cuda),
+            (None, None) => AlgoNames::default(),
+        }
+    }
+
     /// Checks every entry, and that no tuning problem appears twice.
     pub fn validate(&self) -> Result<(), ProfileError> {
         if self.entries.is_empty() {
@@ -309,6 +320,142 @@ impl Profile {
             }
         }
         Ok(())
+    }
+}
+
+/// Why one measurement may not enter the cache (see [`RecordCheck`]).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RecordError {
+    #[error(
+        "the measurements were taken on {theirs}, this device is {ours}: measurements are shared only between devices of one fingerprint"
+    )]
+    Fingerprint { theirs: String, ours: String },
+    #[error("invalid shape: {0}")]
+    Shape(#[from] ShapeError),
+    #[error("{} {algo} is not a {op} candidate of the {backend} backend", match .algo {
+        Algo::Legacy(_) => "algorithm",
+        Algo::Engine(_) => "engine configuration",
+    })]
+    UnknownCandidate {
+        op: ConvOp,
+        algo: Algo,
+        backend: BackendKind,
+    },
+    #[error("micro-batch size {micro} is outside 1..={n}")]
+    Micro { micro: i64, n: i64 },
+    #[error("algo {algo}: time_ms must be a positive finite number, got {time_ms}")]
+    BadTime { algo: Algo, time_ms: f64 },
+    #[error("algo {algo}: a workspace of {workspace_bytes} bytes is more than the device's {memory_bytes} bytes of memory")]
+    Workspace {
+        algo: Algo,
+        workspace_bytes: u64,
+        memory_bytes: u64,
+    },
+}
+
+/// A batch refused because of one record: its index in the batch, and why. Nothing of the
+/// batch was stored.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("record {index} ({layer} {op} micro-batch {micro}): {source}")]
+pub struct RefusedRecord {
+    pub index: usize,
+    pub layer: String,
+    pub op: ConvOp,
+    pub micro: i64,
+    pub source: RecordError,
+}
+
+/// The one check every measurement passes before the cache stores it (a rank's share through
+/// `mucudnnTunerStore`, `cache import`, the trainer's exchange) and that rows read back from the
+/// cache pass before tuning uses them: measured on the cache's device, a valid shape, a
+/// candidate that device's backend has for the op ([`Algo::belongs_to`]), a micro-batch size
+/// within the problem, a positive finite time, and a workspace within the device's memory when
+/// that is known.
+#[derive(Clone, Copy, Debug)]
+pub struct RecordCheck<'a> {
+    /// The device the records will be stored under.
+    pub device: &'a DeviceFingerprint,
+    /// The device's memory in bytes (a GPU's global memory; the CPU's physical memory), when
+    /// known: no workspace can be larger.
+    pub memory_bytes: Option<u64>,
+}
+
+impl RecordCheck<'_> {
+    /// The records' device must be this one.
+    pub fn fingerprint(&self, theirs: &DeviceFingerprint) -> Result<(), RecordError> {
+        if theirs == self.device {
+            Ok(())
+        } else {
+            Err(RecordError::Fingerprint {
+                theirs: theirs.to_string(),
+                ours: self.device.to_string(),
+            })
+        }
+    }
+
+    /// One measurement of `op` on `problem` (its full mini-batch).
+    pub fn record(
+        &self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        m: &Measurement,
+    ) -> Result<(), RecordError> {
+        if !m.algo.belongs_to(self.device.backend, op) {
+            return Err(RecordError::UnknownCandidate {
+                op,
+                algo: m.algo,
+                backend: self.device.backend,
+            });
+        }
+        if m.micro < 1 || m.micro > problem.n {
+            return Err(RecordError::Micro {
+                micro: m.micro,
+                n: problem.n,
+            });
+        }
+        if !(m.time_ms.is_finite() && m.time_ms > 0.0) {
+            return Err(RecordError::BadTime {
+                algo: m.algo,
+                time_ms: m.time_ms,
+            });
+        }
+        if let Some(memory_bytes) = self.memory_bytes {
+            if m.workspace_bytes > memory_bytes {
+                return Err(RecordError::Workspace {
+                    algo: m.algo,
+                    workspace_bytes: m.workspace_bytes,
+                    memory_bytes,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A whole batch, all or nothing: `records` are (layer, problem, op, measurement) in batch
+    /// order; the first bad one is returned with its index. The problems' shapes are validated
+    /// too.
+    pub fn batch<'r>(
+        &self,
+        records: impl IntoIterator<Item = (&'r str, &'r ConvProblem, ConvOp, &'r Measurement)>,
+    ) -> Result<usize, RefusedRecord> {
+        let mut count = 0;
+        for (index, (layer, problem, op, m)) in records.into_iter().enumerate() {
+            let checked = problem
+                .validate()
+                .map_err(RecordError::from)
+                .and_then(|()| self.record(problem, op, m));
+            if let Err(source) = checked {
+                return Err(RefusedRecord {
+                    index,
+                    layer: layer.chars().take(200).collect(),
+                    op,
+                    micro: m.micro,
+                    source,
+                });
+            }
+            count += 1;
+        }
+        Ok(count)
     }
 }
 
@@ -404,5 +551,105 @@ mod tests {
             Err(ProfileError::DuplicateProblem { .. })
         ));
         assert_eq!(Profile::default().validate(), Err(ProfileError::Empty));
+    }
+
+    #[test]
+    fn records_are_checked_against_the_device() {
+        let cpu = DeviceFingerprint {
+            backend: BackendKind::Cpu,
+            name: "a cpu".into(),
+            compute_capability: None,
+            driver_version: None,
+            cudnn_version: None,
+        };
+        let gpu = DeviceFingerprint {
+            backend: BackendKind::Cuda,
+            name: "a gpu".into(),
+            ..cpu.clone()
+        };
+        let on_cpu = RecordCheck {
+            device: &cpu,
+            memory_bytes: Some(1 << 20),
+        };
+        let problem = ConvProblem::new(4, 2, 5, 5, 2, 3, 3);
+        let check = |check: &RecordCheck, op, m: Measurement| check.record(&problem, op, &m);
+        let good = m(2, 2, 0.5);
+        assert_eq!(check(&on_cpu, ConvOp::BackwardFilter, good), Ok(()));
+        for (bad, want) in [
+            (
+                m(2, 3, 0.5),
+                "algorithm 3 is not a fwd candidate of the cpu backend",
+            ),
+            (m(2, 999, 0.5), "algorithm 999 is not a fwd candidate"),
+            (m(0, 0, 0.5), "outside 1..=4"),
+            (m(5, 0, 0.5), "outside 1..=4"),
+            (m(1, 0, 0.0), "positive finite"),
+            (m(1, 0, -1.0), "positive finite"),
+            (m(1, 0, f64::NAN), "positive finite"),
+            (m(1, 0, f64::INFINITY), "positive finite"),
+            (
+                Measurement {
+                    workspace_bytes: (1 << 20) + 1,
+                    ..good
+                },
+                "more than the device's 1048576 bytes",
+            ),
+        ] {
+            let error = check(&on_cpu, ConvOp::Forward, bad)
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(want), "{error}");
+        }
+        // An engine configuration is a cuDNN candidate only; cuDNN's counts differ per op.
+        let engine = Measurement {
+            algo: Algo::Engine("eng3_k2=1".parse().unwrap()),
+            ..good
+        };
+        assert!(check(&on_cpu, ConvOp::Forward, engine).is_err());
+        let on_gpu = RecordCheck {
+            device: &gpu,
+            memory_bytes: None,
+        };
+        assert_eq!(check(&on_gpu, ConvOp::Forward, engine), Ok(()));
+        assert_eq!(check(&on_gpu, ConvOp::Forward, m(1, 7, 1.0)), Ok(()));
+        assert!(check(&on_gpu, ConvOp::BackwardData, m(1, 7, 1.0)).is_err());
+        // Without a known memory size, any workspace passes.
+        let big = Measurement {
+            workspace_bytes: u64::MAX,
+            ..good
+        };
+        assert_eq!(check(&on_gpu, ConvOp::Forward, big), Ok(()));
+        assert!(on_gpu.fingerprint(&gpu).is_ok());
+        assert!(on_gpu
+            .fingerprint(&cpu)
+            .unwrap_err()
+            .to_string()
+            .contains("taken on a cpu, this device is a gpu"));
+        // A batch is refused at its first bad record, by index.
+        let records = [m(1, 0, 1.0), m(2, 1, 1.0), m(4, 0, 0.0), m(1, 999, 1.0)];
+        let refused = on_cpu
+            .batch(records.iter().map(|r| ("l", &problem, ConvOp::Forward, r)))
+            .unwrap_err();
+        assert_eq!(refused.index, 2);
+        assert!(refused
+            .to_string()
+            .starts_with("record 2 (l fwd micro-batch 4): "));
+        assert_eq!(
+            on_cpu.batch(
+                records[..2]
+                    .iter()
+                    .map(|r| ("l", &problem, ConvOp::Forward, r))
+            ),
+            Ok(2)
+        );
+        let mut bad_shape = problem;
+        bad_shape.groups = 0;
+        assert!(matches!(
+            on_cpu.batch([("l", &bad_shape, ConvOp::Forward, &records[0])]),
+            Err(RefusedRecord {
+                source: RecordError::Shape(_),
+                ..
+            })
+        ));
     }
 }

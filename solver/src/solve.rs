@@ -2,6 +2,7 @@
 //! undivided baseline each plan is compared against. This is what `mucudnn solve`, `tune` and
 //! the C ABI's pure solver entry point call.
 
+use crate::algo::AlgoNames;
 use crate::plan::Plan;
 use crate::profile::{Policy, Profile};
 use crate::wd::{self, solve_wd_by, WdOptions};
@@ -51,6 +52,8 @@ pub struct Solution {
     pub proven_optimal: bool,
     /// How the WD assignment was found (`trivial`, `microlp`, `highs`, `greedy`); `dp` for WR.
     pub method: &'static str,
+    /// How the plans' algorithms are named for people (the profile's backend).
+    pub names: AlgoNames,
 }
 
 impl Solution {
@@ -105,6 +108,7 @@ pub fn solve_profile(
                 problems,
                 proven_optimal: true,
                 method: "dp",
+                names: profile.algo_names(),
             })
         }
         Mode::WorkspaceDivision {
@@ -142,6 +146,7 @@ pub fn solve_profile(
                 problems,
                 proven_optimal: choice.proven_optimal,
                 method: choice.method,
+                names: profile.algo_names(),
             })
         }
     }

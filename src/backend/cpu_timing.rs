@@ -173,6 +173,12 @@ impl Backend for CpuBackend {
             .is_some_and(|id| CpuAlgo::from_id(id).is_some())
     }
 
+    /// The machine's physical memory (a workspace is host memory), else the most any
+    /// allocation can be (`isize::MAX` bytes).
+    fn memory_bytes(&self) -> Option<u64> {
+        Some(super::total_host_memory().unwrap_or(isize::MAX as u64))
+    }
+
     fn measure(
         &mut self,
         problem: &ConvProblem,

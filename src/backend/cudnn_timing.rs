@@ -258,6 +258,11 @@ impl Backend for CudnnBackend {
         &self.fingerprint
     }
 
+    /// The GPU's global memory.
+    fn memory_bytes(&self) -> Option<u64> {
+        Some(self.memory_bytes)
+    }
+
     fn kinds(&self) -> &'static [AlgoKind] {
         self.kinds
     }

@@ -140,6 +140,19 @@ pub(crate) fn available_host_memory() -> Option<u64> {
     limits.into_iter().min()
 }
 
+/// The machine's physical memory (`MemTotal`), when the system says: no CPU workspace can be
+/// larger. `None` off Linux.
+pub(crate) fn total_host_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line["MemTotal:".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
 /// How to search engine configurations at one micro-batch size.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EngineSearch {
@@ -175,6 +188,12 @@ pub trait Backend {
     fn check_fits(&self, problem: &ConvProblem) -> Result<(), BackendError> {
         let _ = problem;
         Ok(())
+    }
+
+    /// The device's memory in bytes, when known: no measured workspace can be larger (records
+    /// entering the cache are checked against it, see [`RecordCheck`](crate::solver::RecordCheck)).
+    fn memory_bytes(&self) -> Option<u64> {
+        None
     }
 
     /// Whether `algo` is a candidate of `op` that this backend has (an imported profile's

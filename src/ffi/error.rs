@@ -63,7 +63,8 @@ impl FfiError {
             FfiError::PlanNotSupported(_) => mucudnnStatus_t::MUCUDNN_STATUS_PLAN_NOT_SUPPORTED,
             FfiError::Cudnn(e) => cudnn_status(e),
             FfiError::Backend(BackendError::Cudnn(e)) => cudnn_status(e),
-            FfiError::Backend(BackendError::Invalid(_)) => {
+            // The CPU backend's errors are all about its inputs (shapes, buffers, workspace).
+            FfiError::Backend(BackendError::Invalid(_) | BackendError::Cpu(_)) => {
                 mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT
             }
             FfiError::Backend(BackendError::OutOfMemory(_)) => {

@@ -20,7 +20,7 @@ use crate::backend::CudnnBackend;
 use crate::exec::check_plan;
 use crate::profiler::Job;
 use crate::report::SolutionJson;
-use crate::solver::{operand_roles, steps, Operand};
+use crate::solver::{operand_roles, steps, AlgoNames, BackendKind, Operand};
 use crate::solver::{
     solve_profile, ConvOp, ConvProblem, Mode, Profile, Solution, SolvedProblem, WdOptions,
 };
@@ -276,7 +276,10 @@ impl Handle {
             if self.settings.verbose {
                 eprintln!(
                     "mucudnn: {context}: {} in {:.3} ms predicted (undivided {}), workspace {} bytes",
-                    prepared.solved.plan.split_string(),
+                    prepared
+                        .solved
+                        .plan
+                        .split_string(AlgoNames::new(BackendKind::Cuda)),
                     prepared.solved.plan.time_ms(),
                     prepared
                         .solved
@@ -505,6 +508,7 @@ impl Handle {
                 .collect(),
             proven_optimal: true,
             method: "dp",
+            names: AlgoNames::new(BackendKind::Cuda),
         };
         serde_json::to_string_pretty(&SolutionJson::new(&solution))
             .map_err(|e| FfiError::Internal(format!("writing the plan document: {e}")))

@@ -1155,9 +1155,11 @@ pub unsafe extern "C" fn mucudnnTunerMeasure(
 }
 
 /// Stores measurements another tuner took (the document of mucudnnTunerMeasure, e.g. from
-/// another rank) in this tuner's cache. Refused unless its fingerprint equals this tuner's;
-/// each record is checked (sizes, candidate kinds, finite times) before anything is stored.
-/// `*stored_out` gets the number of (task) records stored.
+/// another rank) in this tuner's cache. All or nothing: refused unless its fingerprint equals
+/// this tuner's, and every record is checked before anything is stored (the task's size and
+/// candidate kind, a candidate this tuner's backend has, a positive finite time, a workspace
+/// within the device's memory); the first bad one is MUCUDNN_STATUS_INVALID_ARGUMENT, named by
+/// its index in the last error. `*stored_out` gets the number of (task) records stored.
 ///
 /// # Safety
 ///

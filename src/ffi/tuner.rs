@@ -31,8 +31,8 @@ use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::solver::{
-    operand_roles, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Operand, Plan,
-    Policy,
+    operand_roles, AlgoNames, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
+    Operand, Plan, Policy,
 };
 use crate::tune::{
     jobs_for, measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,
@@ -165,7 +165,8 @@ pub struct NamedProblem {
 pub struct TuneResult {
     /// `[forward, backward-data, backward-filter]`.
     pub plans: Vec<Plan>,
-    /// Each plan's micro-batches as `COUNTxSIZE@algo` runs ([`Plan::split_string`]), in the
+    /// Each plan's micro-batches as `COUNTxSIZE@ALGO` runs with the algorithms' names
+    /// (`4x8@im2col-batched`, `1x64@IMPLICIT_PRECOMP_GEMM`; [`Plan::split_string`]), in the
     /// order of `plans`.
     pub splits: Vec<String>,
     /// (size, candidate kind) measurements read from the cache and measured by this call
@@ -352,8 +353,9 @@ impl Tuner {
                 stats.cached, stats.measured
             );
         }
+        let names = AlgoNames::new(self.fingerprint()?.backend);
         Ok(TuneResult {
-            splits: plans.iter().map(Plan::split_string).collect(),
+            splits: plans.iter().map(|plan| plan.split_string(names)).collect(),
             plans: plans.to_vec(),
             cached: stats.cached,
             measured: stats.measured,
@@ -402,20 +404,17 @@ impl Tuner {
         })
     }
 
-    /// Stores measurements taken on another device of this tuner's fingerprint.
+    /// Stores measurements taken on another device of this tuner's fingerprint: all or
+    /// nothing, every record checked first ([`store_measured`]); a bad one is refused with its
+    /// index.
     pub fn store(
         &mut self,
         fingerprint: &DeviceFingerprint,
         measured: &[MeasuredTask],
     ) -> Result<usize, FfiError> {
-        let ours = self.fingerprint()?;
-        if &ours != fingerprint {
-            return Err(invalid(format!(
-                "the measurements were taken on {fingerprint}, this tuner's device is {ours}: \
-                 measurements are shared only between devices of one fingerprint"
-            )));
-        }
-        store_measured(&self.cache, &ours, measured).map_err(tune_error)
+        self.with_backend(|backend, cache| {
+            store_measured(cache, backend, fingerprint, measured).map_err(tune_error)
+        })
     }
 
     /// Prepares the three plans of one input shape (forward, backward-data, backward-filter,

@@ -121,10 +121,13 @@ pub(super) fn pareto_svg(
     let front = pareto_front(entry, solution.policy).map_err(ChartError::Solve)?;
     let plan = &solved.plan;
     let chosen = (plan.workspace_bytes(), plan.time_ms());
-    let undivided = solved
-        .undivided
-        .as_ref()
-        .map(|u| (u.workspace_bytes(), u.time_ms(), u.split_string()));
+    let undivided = solved.undivided.as_ref().map(|u| {
+        (
+            u.workspace_bytes(),
+            u.time_ms(),
+            u.split_string(solution.names),
+        )
+    });
     let limit = match solution.mode {
         Mode::WorkspaceReuse {
             workspace_limit_bytes,
@@ -250,7 +253,7 @@ pub(super) fn pareto_svg(
         // The markers themselves are appended below; these empty series only add legend rows.
         let chosen_label = format!(
             "chosen: {} ({} ms, {})",
-            plan.split_string(),
+            plan.split_string(solution.names),
             ms(chosen.1),
             format_bytes(chosen.0)
         );

@@ -257,7 +257,9 @@ fn render_markdown(input: &ReportInput<'_>, charts: &[(ProblemName, String)]) ->
         out,
         "One row per (layer, dtype, layout, op). *Undivided*: the best single algorithm on the \
          whole mini-batch under the same constraint; *micro-batched*: the chosen plan; *split*: \
-         `COUNTxSIZE@algoA` runs of micro-batches. Times are predicted from the measurements.\n"
+         `COUNTxSIZE@ALGO` runs of micro-batches (`8x32@IMPLICIT_PRECOMP_GEMM`: eight \
+         micro-batches of 32 samples, each with that algorithm). Times are predicted from the \
+         measurements.\n"
     );
     let mut header = vec!["layer", "dtype", "layout", "op", "n"];
     if multiplicity.is_some() {
@@ -304,7 +306,7 @@ fn render_markdown(input: &ReportInput<'_>, charts: &[(ProblemName, String)]) ->
             ms(plan.time_ms()),
             speedup_text(undivided, plan.time_ms()),
             format_bytes(plan.workspace_bytes()),
-            format!("`{}`", plan.split_string()),
+            format!("`{}`", plan.split_string(solution.names)),
             format!("[svg]({chart})"),
         ]);
         let _ = writeln!(out, "| {} |", cells.join(" | "));
@@ -643,7 +645,7 @@ mod tests {
                 "{} {}",
                 solved.plan.layer, solved.plan.problem.dtype
             )));
-            assert!(svg.contains(&xml_escape(&solved.plan.split_string())));
+            assert!(svg.contains(&xml_escape(&solved.plan.split_string(solution.names))));
             assert!(svg.contains("limit 64 MiB"));
         }
         let speedup = read(&dir.join("speedup.svg"));
@@ -657,7 +659,7 @@ mod tests {
             "at most 64 MiB per (layer, op)",
             "| policy | power-of-two",
             "| layer | dtype | layout | op | n | layers | undivided ms | micro-batched ms | speedup | workspace | split | chart |",
-            "| alexnet.conv2 | fp32 | nchw | fwd | 256 | 1 | 10.081 | 1.229 | 8.20x | 41.2 MiB | `8x32@algo1` | [svg](pareto/alexnet.conv2.fp32.nchw.fwd.svg) |",
+            "| alexnet.conv2 | fp32 | nchw | fwd | 256 | 1 | 10.081 | 1.229 | 8.20x | 41.2 MiB | `8x32@IMPLICIT_PRECOMP_GEMM` | [svg](pareto/alexnet.conv2.fp32.nchw.fwd.svg) |",
             "## Totals",
             "| fp32 nchw |",
             "| fp16 nhwc |",

@@ -329,7 +329,8 @@ pub fn deal(
                 if intros[peer].unit == intros[rank].unit || everyone[peer].is_empty() {
                     continue;
                 }
-                store_measured(&work.cache, work.backend.fingerprint(), &everyone[peer])
+                let backend = work.backend.as_ref();
+                store_measured(&work.cache, backend, backend.fingerprint(), &everyone[peer])
                     .map_err(layer_error)?;
             }
         }

@@ -3,7 +3,7 @@
 
 use super::{DatasetSpec, EpochReport, EvalReport, Hyper, NetSpec, TrainReport, TuningShare};
 use crate::solver::units::format_bytes;
-use crate::solver::{Plan, Policy};
+use crate::solver::{AlgoNames, Plan, Policy};
 use serde::Serialize;
 use std::fmt::Write as _;
 
@@ -72,7 +72,7 @@ pub struct PlanRow {
     pub op: &'static str,
     /// The per-rank batch the plan is for.
     pub n: i64,
-    /// Runs of equal (micro-batch size, algorithm), e.g. `4x8@algo1`.
+    /// Runs of equal (micro-batch size, algorithm), e.g. `4x8@im2col-batched`.
     pub split: String,
     /// The solver's prediction from the measurements.
     pub predicted_ms: f64,
@@ -80,12 +80,12 @@ pub struct PlanRow {
 }
 
 impl PlanRow {
-    pub fn new(plan: &Plan) -> Self {
+    pub fn new(plan: &Plan, names: AlgoNames) -> Self {
         PlanRow {
             layer: plan.layer.clone(),
             op: plan.op.name(),
             n: plan.batch(),
-            split: plan.split_string(),
+            split: plan.split_string(names),
             predicted_ms: plan.time_ms(),
             workspace_bytes: plan.workspace_bytes(),
         }
@@ -109,10 +109,14 @@ pub struct TrainJson<'a> {
 }
 
 impl<'a> TrainJson<'a> {
-    pub fn new(settings: &'a RunInfo, report: &'a TrainReport) -> Self {
+    pub fn new(settings: &'a RunInfo, report: &'a TrainReport, names: AlgoNames) -> Self {
         TrainJson {
             settings,
-            conv_plans: report.conv_plans.iter().map(PlanRow::new).collect(),
+            conv_plans: report
+                .conv_plans
+                .iter()
+                .map(|plan| PlanRow::new(plan, names))
+                .collect(),
             initial: report.initial,
             tuned_batch_sizes: &report.tuned_batch_sizes,
             tuning: &report.tuning,
@@ -220,18 +224,19 @@ pub fn render_initial(initial: &EvalReport) -> String {
 }
 
 /// The conv plans, one line per (layer, op).
-pub fn render_plans(plans: &[Plan]) -> String {
+pub fn render_plans(plans: &[Plan], names: AlgoNames) -> String {
     let Some(first) = plans.first() else {
         return String::new();
     };
     let mut out = format!("\nconv plans for a per-rank batch of {}:\n", first.batch());
     let width = plans.iter().map(|p| p.layer.len()).max().unwrap_or(0);
     for plan in plans {
-        let row = PlanRow::new(plan);
+        let row = PlanRow::new(plan, names);
+        let mut layer = String::from("  ");
+        crate::report::pad(&mut layer, &row.layer, width, false);
         let _ = writeln!(
             out,
-            "  {:<width$}  {:<10}  {:<24}  predicted {:>8.3} ms  workspace {}",
-            row.layer,
+            "{layer}  {:<10}  {:<24}  predicted {:>8.3} ms  workspace {}",
             row.op,
             row.split,
             row.predicted_ms,
@@ -313,7 +318,8 @@ mod tests {
             ..TrainReport::default()
         };
         let info = info();
-        let doc = serde_json::to_value(TrainJson::new(&info, &report)).unwrap();
+        let doc =
+            serde_json::to_value(TrainJson::new(&info, &report, AlgoNames::default())).unwrap();
         let mut keys: Vec<_> = doc.as_object().unwrap().keys().cloned().collect();
         keys.sort();
         assert_eq!(

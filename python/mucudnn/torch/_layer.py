@@ -30,6 +30,9 @@ def parse_size(value: Union[int, str, None]) -> Optional[int]:
     if isinstance(value, str):
         if value.strip().lower() in ("unlimited", "none"):
             return None
+        # A library that cannot be loaded (MUCUDNN_LIBRARY, a missing build) raises its own
+        # error here, not one labelled as a bad workspace_limit.
+        _lib.library()
         try:
             return _lib.parse_size(value)
         except MucudnnError as e:

@@ -90,13 +90,11 @@ impl CpuAlgo {
         CpuAlgo::ALL.into_iter().find(|a| a.id() == id)
     }
 
-    /// Short human-readable name.
+    /// The name tables and reports use: `direct`, `im2col-batched`, `im2col-per-image` (the
+    /// solver's names table, [`crate::solver::legacy_name`], which every report reads).
     pub fn name(self) -> &'static str {
-        match self {
-            CpuAlgo::Direct => "direct",
-            CpuAlgo::Im2colGemm => "im2col_gemm",
-            CpuAlgo::Im2colGemmPerImage => "im2col_gemm_per_image",
-        }
+        crate::solver::legacy_name(crate::solver::BackendKind::Cpu, ConvOp::Forward, self.id())
+            .unwrap_or("unknown")
     }
 }
 

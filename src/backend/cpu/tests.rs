@@ -519,9 +519,12 @@ fn bad_inputs_are_errors_not_panics() {
                 stride_h: 1 << 42,
                 ..p
             };
+            // Past a C int: refused by the shape check itself (ConvProblem::validate).
             assert!(matches!(
                 go(&bad, &a, &b, &mut out),
-                Err(CpuError::FieldTooLarge { field: "pad_h", .. })
+                Err(CpuError::Shape(
+                    crate::solver::ShapeError::FieldTooLarge { .. }
+                ))
             ));
             let half = ConvProblem {
                 dtype: DType::Fp16,
@@ -562,7 +565,19 @@ fn algo_ids_are_stable() {
         assert_eq!(CpuAlgo::from_id(algo.id()), Some(algo));
     }
     assert_eq!(CpuAlgo::from_id(3), None);
+    // The names reports print, for every op; the solver's table has exactly these ids.
+    let names: Vec<&str> = CpuAlgo::ALL.iter().map(|a| a.name()).collect();
+    assert_eq!(names, ["direct", "im2col-batched", "im2col-per-image"]);
     assert_eq!(CpuAlgo::Direct.to_string(), "direct");
+    for op in ConvOp::ALL {
+        for id in 0..4 {
+            let algo = crate::solver::Algo::Legacy(id);
+            assert_eq!(
+                algo.belongs_to(crate::solver::BackendKind::Cpu, op),
+                CpuAlgo::from_id(id).is_some()
+            );
+        }
+    }
 }
 
 #[test]

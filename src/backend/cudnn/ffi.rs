@@ -1233,6 +1233,34 @@ mod tests {
         );
         assert_eq!(algo_name(ConvOp::Forward, 8), None);
         assert!(Algo::checked("t", ConvOp::BackwardData, 6).is_err());
+        // The solver's names table (what reports print) is cuDNN's enums, number for number.
+        for op in ConvOp::ALL {
+            let prefix = match op {
+                ConvOp::Forward => "FWD_ALGO_",
+                ConvOp::BackwardData => "BWD_DATA_ALGO_",
+                ConvOp::BackwardFilter => "BWD_FILTER_ALGO_",
+            };
+            for number in 0..=algo_count(op) {
+                let ours = crate::solver::legacy_name(crate::solver::BackendKind::Cuda, op, number);
+                let cudnn = algo_name(op, number);
+                // `BWD_DATA_ALGO_0` reads `ALGO_0`, `BWD_DATA_ALGO_FFT` reads `FFT`.
+                let theirs = cudnn.as_deref().map(|name| {
+                    let rest = name.strip_prefix(prefix).unwrap();
+                    if rest.bytes().all(|b| b.is_ascii_digit()) {
+                        format!("ALGO_{rest}")
+                    } else {
+                        rest.to_string()
+                    }
+                });
+                assert_eq!(ours, theirs.as_deref(), "{op} {number}");
+                // Tuning's idea of a candidate agrees with the solver's.
+                let algo = crate::solver::Algo::Legacy(number);
+                assert_eq!(
+                    algo.belongs_to(crate::solver::BackendKind::Cuda, op),
+                    number < algo_count(op)
+                );
+            }
+        }
     }
 
     #[test]

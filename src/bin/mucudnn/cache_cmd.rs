@@ -10,9 +10,9 @@ use clap::{Args, Subcommand};
 use mucudnn::backend::Backend;
 use mucudnn::cache::{Access, Cache, Location, SCHEMA_VERSION};
 use mucudnn::solver::units::format_bytes;
-use mucudnn::solver::{interchange, DeviceFingerprint, Profile};
+use mucudnn::solver::{interchange, DeviceFingerprint, Profile, RecordCheck};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Args)]
 pub(crate) struct CacheArgs {
@@ -29,11 +29,13 @@ enum CacheAction {
     Path,
     /// One line per tuned (device, layer, op): micro-batch sizes, measurements, plans.
     List {
+        /// Print the entries as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Location, schema, size, and totals per device.
     Show {
+        /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -47,9 +49,12 @@ enum CacheAction {
     /// Read a profile (interchange format) into the cache as this machine's measurements.
     Import {
         file: PathBuf,
-        /// Import a profile measured on another device (or driver, or cuDNN) anyway.
+        /// Import a profile measured on another device (or driver, or cuDNN) anyway, as this
+        /// machine's (its records must still be candidates of this machine's backend).
         #[arg(long)]
         force: bool,
+        /// Which device's measurements they become: this machine's GPU (auto/cuda) or its CPU
+        /// backend.
         #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
         device: DeviceChoice,
     },
@@ -62,28 +67,24 @@ fn local_fingerprint(choice: DeviceChoice) -> Result<DeviceFingerprint> {
     Ok(device.backend().fingerprint().clone())
 }
 
-/// Refuses a profile with candidates `backend` does not have (an algorithm number past its
-/// last, engine configurations on a backend without them), naming the first.
-fn check_candidates(profile: &Profile, backend: &dyn Backend) -> Result<()> {
-    for entry in &profile.entries {
-        if let Some(m) = entry
+/// Refuses a profile with any record this machine's cache may not hold, before anything is
+/// stored: each passes [`RecordCheck::batch`], the check every record entering the cache
+/// passes (a candidate `backend` has, a positive finite time, a workspace within its memory).
+/// `--force` only relabels a foreign profile's device; it does not let bad records in.
+fn check_records(profile: &Profile, backend: &dyn Backend, file: &Path) -> Result<()> {
+    let check = RecordCheck {
+        device: backend.fingerprint(),
+        memory_bytes: backend.memory_bytes(),
+    };
+    let records = profile.entries.iter().flat_map(|entry| {
+        entry
             .measurements
             .iter()
-            .find(|m| !backend.has_candidate(entry.op, &m.algo))
-        {
-            anyhow::bail!(
-                "{}: {} {} is not a {} candidate of {} (import --force stores it anyway)",
-                entry.name(),
-                match m.algo.kind() {
-                    mucudnn::solver::AlgoKind::Legacy => "algorithm",
-                    mucudnn::solver::AlgoKind::Engine => "engine configuration",
-                },
-                m.algo,
-                entry.op,
-                backend.fingerprint()
-            );
-        }
-    }
+            .map(move |m| (entry.layer.as_str(), &entry.problem, entry.op, m))
+    });
+    check.batch(records).map_err(|refused| {
+        anyhow::anyhow!("{}: {refused}; nothing was imported", file.display())
+    })?;
     Ok(())
 }
 
@@ -152,8 +153,8 @@ pub(crate) fn run(args: &CacheArgs) -> Result<()> {
             let local = backend.fingerprint().clone();
             if !*force {
                 mucudnn::cache::check_device(&profile, &local)?;
-                check_candidates(&profile, backend)?;
             }
+            check_records(&profile, backend, file)?;
             let stored = cache.import(&profile, &local, *force)?;
             eprintln!(
                 "imported {stored} measurements of {} (layer, op) into {}",

@@ -105,15 +105,28 @@ pub(crate) enum DeviceChoice {
     Cpu,
 }
 
+/// A value parser over a fixed list of names: `--help` lists them (clap's possible values),
+/// and the value is parsed with the type's own `FromStr`, so the names stay defined once.
+pub(crate) fn one_of<T>(
+    names: impl IntoIterator<Item = &'static str>,
+) -> impl clap::builder::TypedValueParser<Value = T>
+where
+    T: std::str::FromStr<Err = String> + Clone + Send + Sync + 'static,
+{
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(names).try_map(|text: String| text.parse::<T>())
+}
+
 /// The constraint and solver settings shared by every command that solves.
 #[derive(Args)]
 pub(crate) struct SolveSettings {
-    /// Micro-batch sizes a plan may use: undivided, power-of-two or all.
-    #[arg(long, default_value = "power-of-two", value_parser = parse_policy)]
+    /// Micro-batch sizes a plan may use: the whole mini-batch only, powers of two (and N),
+    /// or every size.
+    #[arg(long, default_value = "power-of-two", value_parser = one_of::<Policy>(Policy::ALL.map(Policy::name)))]
     pub policy: Policy,
     /// Per-layer workspace limit (workspace reuse). Bytes, or with KiB/MiB/GiB.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size, conflicts_with = "total_workspace", allow_hyphen_values = true)]
-    pub workspace_limit: Option<u64>,
+    #[arg(long, value_name = "SIZE", default_value = "64MiB", value_parser = parse_size, conflicts_with = "total_workspace", allow_hyphen_values = true)]
+    pub workspace_limit: u64,
     /// One workspace budget shared by all layers (workspace division, solved as a MILP).
     #[arg(long, value_name = "SIZE", value_parser = parse_size, allow_hyphen_values = true)]
     pub total_workspace: Option<u64>,
@@ -125,8 +138,6 @@ pub(crate) struct SolveSettings {
     pub json: bool,
 }
 
-const DEFAULT_WORKSPACE_LIMIT: u64 = 64 << 20;
-
 impl SolveSettings {
     pub fn mode(&self) -> Mode {
         match self.total_workspace {
@@ -134,7 +145,7 @@ impl SolveSettings {
                 total_workspace_bytes,
             },
             None => Mode::WorkspaceReuse {
-                workspace_limit_bytes: self.workspace_limit.unwrap_or(DEFAULT_WORKSPACE_LIMIT),
+                workspace_limit_bytes: self.workspace_limit,
             },
         }
     }
@@ -156,7 +167,7 @@ struct SolveArgs {
     #[arg(long, value_name = "FILE", required = true)]
     profile: Vec<PathBuf>,
     /// Solve with only these candidates from the profile: legacy, engines or all.
-    #[arg(long, default_value = "all", value_parser = parse_candidates)]
+    #[arg(long, default_value = "all", value_parser = one_of::<CandidateSet>(CandidateSet::ALL.map(CandidateSet::name)))]
     candidates: CandidateSet,
     #[command(flatten)]
     settings: SolveSettings,
@@ -167,14 +178,6 @@ fn parse_time_limit(text: &str) -> Result<f64, String> {
         .parse()
         .map_err(|_| format!("`{text}` is not a number of seconds"))?;
     WdOptions::check_time_limit(seconds)
-}
-
-fn parse_candidates(text: &str) -> Result<CandidateSet, String> {
-    text.parse()
-}
-
-fn parse_policy(text: &str) -> Result<Policy, String> {
-    text.parse()
 }
 
 /// The backend a command measures on.
@@ -321,7 +324,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("error: {}", error_text(&error));
+            // Control characters (of a layer name, a path) are escaped: one line, no terminal
+            // escape sequences from input files.
+            eprintln!(
+                "error: {}",
+                mucudnn::report::escape_control(&error_text(&error))
+            );
             let interrupted = error
                 .downcast_ref::<mucudnn::tune::TuneError>()
                 .is_some_and(|e| matches!(e, mucudnn::tune::TuneError::Interrupted { .. }));

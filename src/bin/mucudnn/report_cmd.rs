@@ -1,14 +1,14 @@
 //! `mucudnn report` (report files from a saved profile) and `mucudnn explain` (why a split won).
 
 use crate::tune::{DeviceArgs, LayerSource};
-use crate::{read_profile, solve_and_print, SolveSettings};
+use crate::{one_of, read_profile, solve_and_print, SolveSettings};
 use anyhow::{Context, Result};
 use clap::Args;
 use mucudnn::explain::{default_limits, explain, render_explanation, UNLIMITED};
 use mucudnn::profiler::Job;
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::units::parse_size;
-use mucudnn::solver::{ConvOp, OpProfile, Policy, Profile};
+use mucudnn::solver::{AlgoNames, ConvOp, OpProfile, Policy, Profile};
 use mucudnn::tune::{profile_jobs, ProfileRun};
 use std::path::PathBuf;
 
@@ -51,8 +51,8 @@ pub(crate) struct ExplainArgs {
     /// The layer to explain (as named in the table).
     #[arg(long)]
     layer: String,
-    /// The op: fwd, bwd_data or bwd_filter.
-    #[arg(long, value_parser = parse_op)]
+    /// The op: forward, backward-data or backward-filter.
+    #[arg(long, value_parser = one_of::<ConvOp>(ConvOp::NAMES.iter().copied()))]
     op: ConvOp,
     /// Explain from a saved profile instead of measuring (through the cache).
     #[arg(long, value_name = "FILE", conflicts_with_all = ["model", "network"])]
@@ -65,12 +65,10 @@ pub(crate) struct ExplainArgs {
     /// the limits at which some micro-batch size's best algorithm changes.
     #[arg(long, value_name = "SIZES", value_delimiter = ',', value_parser = parse_limit)]
     limits: Vec<u64>,
-    #[arg(long, default_value = "power-of-two", value_parser = |s: &str| s.parse::<Policy>())]
+    /// Micro-batch sizes a plan may use: the whole mini-batch only, powers of two (and N),
+    /// or every size.
+    #[arg(long, default_value = "power-of-two", value_parser = one_of::<Policy>(Policy::ALL.map(Policy::name)))]
     policy: Policy,
-}
-
-fn parse_op(text: &str) -> Result<ConvOp, String> {
-    text.parse()
 }
 
 fn parse_limit(text: &str) -> Result<u64, String> {
@@ -81,11 +79,13 @@ fn parse_limit(text: &str) -> Result<u64, String> {
     }
 }
 
-/// The entry to explain: from the saved profile, or measured (through the cache) now.
-fn entry(args: &ExplainArgs) -> Result<OpProfile> {
+/// The entry to explain, from the saved profile or measured (through the cache) now, and how
+/// its algorithms are named.
+fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames)> {
     // The (layer, dtype, layout, op) asked for: a profile may hold the layer in several.
     let (dtype, layout) = (args.source.dtype, args.source.layout);
-    let find = |profile: Profile| -> Result<OpProfile> {
+    let find = |profile: Profile| -> Result<(OpProfile, AlgoNames)> {
+        let names = profile.algo_names();
         // What the profile has instead: this layer's (dtype, layout, op)s, else its layers.
         let mut others: Vec<String> = profile
             .entries
@@ -114,6 +114,7 @@ fn entry(args: &ExplainArgs) -> Result<OpProfile> {
                     others.join(", ")
                 )
             })
+            .map(|entry| (entry, names))
     };
     if let Some(path) = &args.profile {
         return find(read_profile(path)?);
@@ -150,13 +151,13 @@ fn entry(args: &ExplainArgs) -> Result<OpProfile> {
 }
 
 pub(crate) fn explain_command(args: &ExplainArgs) -> Result<()> {
-    let entry = entry(args)?;
+    let (entry, names) = entry(args)?;
     let limits = if args.limits.is_empty() {
         default_limits(&entry, args.policy)
     } else {
         args.limits.clone()
     };
     let explanation = explain(&entry, args.policy, &limits)?;
-    out!("{}", render_explanation(&explanation));
+    out!("{}", render_explanation(&explanation, names));
     Ok(())
 }

@@ -3,13 +3,13 @@
 //! stderr. Started by `mpirun`/`srun` (a binary built with the `mpi` feature), every process
 //! joins the job through MPI and a failing one ends it (`MPI_Abort`).
 
-use crate::DeviceChoice;
+use crate::{one_of, DeviceChoice};
 use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use mucudnn::device::cpu_fingerprint;
 use mucudnn::solver::units::parse_size;
-use mucudnn::solver::{CandidateSet, Policy};
+use mucudnn::solver::{AlgoNames, BackendKind, CandidateSet, Policy};
 use mucudnn::train::gpu::{select_gpus, visible_gpus, GpuJob, GpuSettings, Precision};
 use mucudnn::train::process::mpi_launch_size;
 use mucudnn::train::report::{
@@ -51,7 +51,7 @@ pub(crate) struct TrainArgs {
     ranks: Option<usize>,
     /// GPU: fp32 (NCHW) or fp16 (NHWC convolutions with fp32 master weights, dynamic loss
     /// scaling). The CPU trainer is fp32.
-    #[arg(long, default_value = "fp32", value_parser = parse_precision)]
+    #[arg(long, default_value = "fp32", value_parser = one_of::<Precision>(Precision::ALL.map(Precision::name)))]
     dtype: Precision,
     /// fp16: the initial dynamic loss scale, a power of two from 1 to 2^24 (default 65536,
     /// `torch.amp.GradScaler`'s); it halves on every step skipped for a non-finite gradient.
@@ -59,7 +59,7 @@ pub(crate) struct TrainArgs {
     loss_scale: Option<f32>,
     /// Which candidates the conv layers are tuned over: cuDNN's legacy algorithms, its
     /// graph-API engine configurations, or both (the CPU has its own algorithms only).
-    #[arg(long, default_value = "all", value_parser = parse_candidates)]
+    #[arg(long, default_value = "all", value_parser = one_of::<CandidateSet>(CandidateSet::ALL.map(CandidateSet::name)))]
     candidates: CandidateSet,
     /// GPU: time at most N engine configurations per (op, micro-batch size) while tuning.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
@@ -158,14 +158,6 @@ impl Progress {
             bar.finish_and_clear();
         }
     }
-}
-
-fn parse_precision(text: &str) -> Result<Precision, String> {
-    text.parse()
-}
-
-fn parse_candidates(text: &str) -> Result<CandidateSet, String> {
-    text.parse()
 }
 
 /// The other processes of an MPI job (`mpirun`/`srun`), or none.
@@ -536,6 +528,10 @@ fn run_in(args: &TrainArgs, launch: &Launch) -> Result<()> {
             }
         }
     };
+    let names = AlgoNames::new(match &target {
+        Target::Cpu { .. } => BackendKind::Cpu,
+        Target::Gpu { .. } => BackendKind::Cuda,
+    });
     let report = match target {
         Target::Cpu { ranks } => {
             let mut settings = ConvSettings::new(policy, args.workspace_limit, cache);
@@ -584,10 +580,10 @@ fn run_in(args: &TrainArgs, launch: &Launch) -> Result<()> {
     if json {
         outln!(
             "{}",
-            serde_json::to_string_pretty(&TrainJson::new(&info, &report))?
+            serde_json::to_string_pretty(&TrainJson::new(&info, &report, names))?
         );
     } else if table {
-        out!("{}", render_plans(&report.conv_plans));
+        out!("{}", render_plans(&report.conv_plans, names));
         out!("{}", render_summary(&report));
     }
     Ok(())

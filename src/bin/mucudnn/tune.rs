@@ -1,7 +1,7 @@
 //! `mucudnn tune`: model -> jobs -> profile (through the cache, with progress and Ctrl-C) ->
 //! solve -> print, then optionally execute the plans to verify them.
 
-use crate::{open_device, solve_and_print, Device, DeviceChoice, SolveSettings};
+use crate::{one_of, open_device, solve_and_print, Device, DeviceChoice, SolveSettings};
 use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -32,7 +32,7 @@ use std::time::Instant;
 pub(crate) struct LayerSource {
     /// A network from the zoo: alexnet, resnet18, resnet50, vgg16, densenet121, mobilenet_v2,
     /// deepbench.
-    #[arg(long, value_parser = parse_model, conflicts_with = "network")]
+    #[arg(long, value_parser = one_of::<Model>(Model::ALL.map(Model::name)), conflicts_with = "network")]
     model: Option<Model>,
     /// A network file: a TOML list of conv layers (docs/NETWORK_FORMAT.md).
     #[arg(long, value_name = "FILE.toml")]
@@ -40,9 +40,11 @@ pub(crate) struct LayerSource {
     /// Mini-batch size (not used by deepbench, whose entries fix their own).
     #[arg(long, value_name = "N")]
     batch: Option<i64>,
-    #[arg(long, default_value = "fp32", value_parser = parse_dtype)]
+    /// Element type of activations and filters.
+    #[arg(long, default_value = "fp32", value_parser = one_of::<DType>(DType::NAMES.iter().copied()))]
     pub(crate) dtype: DType,
-    #[arg(long, default_value = "nchw", value_parser = parse_layout)]
+    /// Memory layout of activations and filters.
+    #[arg(long, default_value = "nchw", value_parser = one_of::<Layout>(Layout::NAMES.iter().copied()))]
     pub(crate) layout: Layout,
 }
 
@@ -128,7 +130,7 @@ pub(crate) struct DeviceArgs {
     /// Which candidates to time: cuDNN's legacy algorithms, its graph-API engine
     /// configurations, or both (the solver takes the best of either). The CPU has legacy
     /// algorithms only.
-    #[arg(long, default_value = "all", value_parser = parse_candidates)]
+    #[arg(long, default_value = "all", value_parser = one_of::<CandidateSet>(CandidateSet::ALL.map(CandidateSet::name)))]
     candidates: CandidateSet,
     /// Time at most N engine configurations per (op, micro-batch size), in cuDNN's
     /// heuristics order (default: every one found).
@@ -181,10 +183,6 @@ impl DeviceArgs {
     }
 }
 
-fn parse_candidates(text: &str) -> Result<CandidateSet, String> {
-    text.parse()
-}
-
 fn parse_margin(text: &str) -> Result<f64, String> {
     let margin: f64 = text
         .parse()
@@ -196,18 +194,6 @@ fn parse_margin(text: &str) -> Result<f64, String> {
             "the margin must be a finite number >= 1, got {text}"
         ))
     }
-}
-
-fn parse_model(text: &str) -> Result<Model, String> {
-    text.parse()
-}
-
-fn parse_dtype(text: &str) -> Result<DType, String> {
-    text.parse()
-}
-
-fn parse_layout(text: &str) -> Result<Layout, String> {
-    text.parse()
 }
 
 /// Shows progress: a bar with ETA on a terminal, one line per (layer, op) otherwise.
