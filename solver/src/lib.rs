@@ -33,7 +33,7 @@ pub use device::{BackendKind, DeviceFingerprint};
 pub use operand::{operand_roles, steps, Operand, Step};
 pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
-pub use profile::{Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError};
+pub use profile::{Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError, Skipped};
 pub use solve::{solve_profile, Mode, Solution, SolvedProblem};
 pub use wd::{solve_wd, solve_wd_by, WdChoice, WdOptions, MAX_TIME_LIMIT_S};
 pub use wr::{pareto_front, solve_wr, ParetoPoint};

@@ -157,6 +157,15 @@ pub struct TuneResult {
     /// (both 0 when the solved plans themselves were cached).
     pub cached: usize,
     pub measured: usize,
+    /// (size, candidate) timings this call skipped because the candidate's workspace exceeded
+    /// the workspace limit (recorded in the cache; a larger limit times them).
+    pub skipped: usize,
+    /// The most memory this call's measuring held at once: full-batch operands plus workspace,
+    /// device memory on a GPU (outside the framework's allocator; cuDNN's own allocations are
+    /// not counted), host memory on the CPU. All of it is freed before the call returns.
+    pub peak_measuring_memory_bytes: u64,
+    /// The largest workspace this call's measuring allocated (at most the limit).
+    pub largest_workspace_bytes: u64,
 }
 
 /// The three plans of one input shape, ready to run.
@@ -227,6 +236,7 @@ fn profile_run<'a>(tuning: &LayerTuning, cache: &'a Cache) -> ProfileRun<'a> {
         interrupt: None,
         candidates: tuning.candidates,
         engines: tuning.engines,
+        workspace_limit_bytes: Some(tuning.workspace_limit_bytes),
     }
 }
 
@@ -336,6 +346,9 @@ impl Tuner {
             plans: plans.to_vec(),
             cached: stats.cached,
             measured: stats.measured,
+            skipped: stats.skipped,
+            peak_measuring_memory_bytes: stats.memory.peak_bytes,
+            largest_workspace_bytes: stats.memory.largest_workspace_bytes,
         })
     }
 
@@ -363,7 +376,14 @@ impl Tuner {
             let run = profile_run(tuning, cache);
             let mut out = Vec::with_capacity(tasks.len());
             for (index, task) in tasks.iter().enumerate() {
-                let measured = measure_task(backend, task, &run).map_err(tune_error)?;
+                let measured = measure_task(backend, task, &run).map_err(tune_error);
+                let measured = match measured {
+                    Ok(measured) => measured,
+                    Err(e) => {
+                        backend.release();
+                        return Err(e);
+                    }
+                };
                 if verbose {
                     eprintln!(
                         "mucudnn: measured {} {} micro-batch {} {} ({}/{})",
@@ -377,8 +397,24 @@ impl Tuner {
                 }
                 out.push(measured);
             }
+            // Nothing measuring made outlives the call (issue 21, item 1).
+            backend.release();
             Ok(out)
         })
+    }
+
+    #[cfg(test)]
+    /// The memory this tuner's measuring state holds now (0 between calls: every tune and
+    /// measure call releases it). A GPU tuner that never measured holds nothing.
+    pub fn measuring_memory(&self) -> crate::backend::MemoryUse {
+        match &self.state {
+            DeviceState::Cpu { backend } => backend.memory(),
+            DeviceState::Cuda(cuda) => cuda
+                .tuning
+                .as_ref()
+                .map(Backend::memory)
+                .unwrap_or_default(),
+        }
     }
 
     /// Stores measurements taken on another device of this tuner's fingerprint.
