@@ -191,7 +191,8 @@ fn op_index(op: ConvOp) -> usize {
         .expect("ConvOp::ALL holds every op")
 }
 
-/// A GPU's tuning backend (made on first use) and the handle plans are prepared and run on.
+/// A GPU's tuning backend (made when a call measures, dropped at the end of each tune or
+/// measure call) and the handle plans are prepared and run on.
 struct CudaState {
     ordinal: usize,
     tuning: Option<CudnnBackend>,
@@ -330,11 +331,13 @@ impl Tuner {
             .validate()
             .map_err(|e| invalid(format!("{layer}: {e}")))?;
         let verbose = self.verbose;
-        let (plans, stats): ([Plan; 3], CacheStats) = self.with_backend(|backend, cache| {
+        let tuned = self.with_backend(|backend, cache| {
             tuning
                 .tune_counted(backend, cache, layer, problem)
                 .map_err(tune_error)
-        })?;
+        });
+        self.end_measuring();
+        let (plans, stats): ([Plan; 3], CacheStats) = tuned?;
         if verbose {
             eprintln!(
                 "mucudnn: tuned {layer} ({} measurement(s) cached, {} measured)",
@@ -365,6 +368,18 @@ impl Tuner {
         })
     }
 
+    /// Drops a GPU's measuring backend (its cuDNN handle and stream too) at the end of a tune
+    /// or measure call, in the device's context, keeping the caller's current context (issue
+    /// 21, item 1). The CPU backend holds nothing once released.
+    fn end_measuring(&mut self) {
+        if let DeviceState::Cuda(cuda) = &mut self.state {
+            if cuda.tuning.is_some() {
+                let _context = save_current_context();
+                cuda.tuning = None;
+            }
+        }
+    }
+
     /// Measures `tasks` in order, storing each in the cache; returns the measurements.
     pub fn measure(
         &mut self,
@@ -372,7 +387,7 @@ impl Tuner {
         tuning: &LayerTuning,
     ) -> Result<Vec<MeasuredTask>, FfiError> {
         let verbose = self.verbose;
-        self.with_backend(|backend, cache| {
+        let measured = self.with_backend(|backend, cache| {
             let run = profile_run(tuning, cache);
             let mut out = Vec::with_capacity(tasks.len());
             for (index, task) in tasks.iter().enumerate() {
@@ -400,7 +415,9 @@ impl Tuner {
             // Nothing measuring made outlives the call (issue 21, item 1).
             backend.release();
             Ok(out)
-        })
+        });
+        self.end_measuring();
+        measured
     }
 
     #[cfg(test)]
