@@ -520,7 +520,10 @@ fn tune_json_orders_keys_like_solve_and_carries_multiplicity() {
     assert_eq!(tuning["measuring_limit_bytes"], 64 << 20, "{tuning}");
     let largest = tuning["largest_workspace_bytes"].as_u64().unwrap();
     let peak = tuning["peak_measuring_memory_bytes"].as_u64().unwrap();
-    assert!(largest <= 64 << 20 && peak >= largest && peak > 0, "{tuning}");
+    assert!(
+        largest <= 64 << 20 && peak >= largest && peak > 0,
+        "{tuning}"
+    );
     let plans = doc["plans"].as_array().unwrap();
     for plan in plans {
         let expect = if plan["layer"] == "tiny.conv3_dw" {
