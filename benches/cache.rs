@@ -3,7 +3,7 @@
 //! the cache and solved. Run: `cargo bench --bench cache`.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use mucudnn::backend::{Backend, BackendError, TimingSettings};
+use mucudnn::backend::{Backend, BackendError, Measured, Selection, TimingSettings};
 use mucudnn::cache::Cache;
 use mucudnn::solver::synthetic::{random_entry, Rng};
 use mucudnn::solver::{
@@ -25,7 +25,8 @@ impl Backend for NoMeasuring {
         _: ConvOp,
         _: i64,
         _: &TimingSettings,
-    ) -> Result<Vec<Measurement>, BackendError> {
+        _: &Selection,
+    ) -> Result<Measured, BackendError> {
         Err(BackendError::Invalid(
             "the warm path measured something".into(),
         ))
@@ -74,6 +75,7 @@ fn warm_tune(c: &mut Criterion) {
         interrupt: None,
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
+        workspace_limit_bytes: None,
     };
     let mut backend = NoMeasuring(device);
     let mode = Mode::WorkspaceReuse {

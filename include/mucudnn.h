@@ -645,8 +645,14 @@ enum mucudnnStatus_t mucudnnTunerGetFingerprint(mucudnnTuner_t tuner,
 /**
  * Tunes one layer through the cache: measures what the cache lacks (every candidate at every
  * micro-batch size the policy allows, for the three ops) and solves each op under the
- * per-layer workspace limit. `*result_json_out` gets {"plans": [fwd, bwd_data, bwd_filter],
- * "splits": [...], "cached": N, "measured": N}, each plan as {"layer", "problem", "op",
+ * per-layer workspace limit. A candidate whose workspace at a size exceeds the limit is not
+ * timed (nor its workspace allocated), only recorded in the cache as skipped; a later tune
+ * under a larger limit times exactly those. Everything measuring allocated is freed before the
+ * call returns. `*result_json_out` gets {"plans": [fwd, bwd_data, bwd_filter], "splits":
+ * [...], "cached": N, "measured": N, "skipped": N, "peak_measuring_memory_bytes": N,
+ * "largest_workspace_bytes": N} (skipped: candidate timings not taken for their workspace;
+ * the peak: the most operand and workspace memory measuring held at once, device memory on a
+ * GPU, not counting cuDNN's own), each plan as {"layer", "problem", "op",
  * "micro_batches": [{"size", "algo", "workspace_bytes", "time_ms"}]} (what
  * mucudnnTunerPrepare takes) and each split its micro-batches as `COUNTxSIZE@algo` runs.
  *
@@ -693,8 +699,10 @@ enum mucudnnStatus_t mucudnnTunerMissing(mucudnnTuner_t tuner,
  * Measures tasks (an array as mucudnnTunerMissing returns, or a share of it), in order,
  * storing each in the tuner's cache. `*measured_json_out` gets {"fingerprint": FINGERPRINT,
  * "measured": [{"task": TASK, "measurements": [{"micro", "algo" or "engine", "time_ms",
- * "workspace_bytes"}]}]}, the document mucudnnTunerStore takes on another rank. Settings as
- * for mucudnnTunerTune (they decide timing, pruning and the engine bound).
+ * "workspace_bytes"}], "skipped": [{"micro", "algo", "workspace_bytes"}]}]}, the document
+ * mucudnnTunerStore takes on another rank ("skipped", present when not empty: candidates over
+ * the workspace limit, not timed). Settings as for mucudnnTunerTune (they decide timing,
+ * pruning, the engine bound and the workspace limit measuring stays within).
  *
  * # Safety
  *

@@ -471,6 +471,7 @@ mod tests {
                 measurement(4, 0, 2.0, 400),
                 measurement(4, 1, 5.0, 300),
             ],
+            skipped: Vec::new(),
         };
         let explanation = explain(&entry, Policy::PowerOfTwo, &[50, 100, 300]).unwrap();
         check_consistent(&entry, &explanation);
@@ -519,6 +520,7 @@ mod tests {
             problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
             op: ConvOp::Forward,
             measurements: vec![],
+            skipped: Vec::new(),
         };
         assert!(matches!(
             explain(&entry, Policy::All, &[]),

@@ -126,6 +126,15 @@ pub struct TuningJson {
     pub sizes_measured: usize,
     pub sizes_cached: usize,
     pub engine_timings_pruned: usize,
+    /// The largest workspace measuring allowed itself: the per-layer limit or the total budget.
+    pub measuring_limit_bytes: Option<u64>,
+    /// (size, candidate) timings skipped because the candidate's workspace exceeded that limit.
+    pub timings_skipped_over_limit: usize,
+    /// The most memory measuring held at once (full-batch operands plus workspace; device
+    /// memory on a GPU, host memory on the CPU). cuDNN's own allocations are not counted.
+    pub peak_measuring_memory_bytes: u64,
+    /// The largest workspace measuring allocated.
+    pub largest_workspace_bytes: u64,
 }
 
 /// One line describing the constraint, e.g. `workspace reuse: at most 64 MiB per layer`.

@@ -5,11 +5,14 @@
 //! on this device is read, not measured; each newly measured size is stored at once, so an
 //! interrupted run keeps its work. A layer's solved plans are cached too.
 
-use crate::backend::{measure_kind, Backend, BackendError, EngineSearch, TimingSettings};
+use crate::backend::{
+    measure_kind, Backend, BackendError, EngineSearch, Measured, MemoryUse, Selection,
+    TimingSettings,
+};
 use crate::profiler::{measure_sizes_parallel, prune, same_model, Job, Progress};
 use crate::solver::{
-    solve_wr, AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement,
-    OpProfile, Plan, Policy, Profile, RecordCheck, SolveError,
+    solve_wr, Algo, AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement,
+    OpProfile, Plan, Policy, Profile, RecordCheck, Skipped, SolveError,
 };
 use mucudnn_cache::{Cache, PlanKey};
 use serde::{Deserialize, Serialize};
@@ -41,6 +44,11 @@ pub struct CacheStats {
     pub measured: usize,
     /// Engine configurations (size, configuration) not timed because pruning dropped them.
     pub pruned: usize,
+    /// Candidates (size, candidate) not timed because their workspace exceeded the measuring
+    /// limit (recorded as skipped; a tune under a larger limit times them).
+    pub skipped: usize,
+    /// The memory measuring held (operands and workspace; device memory on a GPU) in this run.
+    pub memory: MemoryUse,
 }
 
 /// How engine configurations are searched: a bound and pruning (see [`prune`]).
@@ -90,6 +98,10 @@ pub struct ProfileRun<'a> {
     /// another kind (`all` on the CPU measures its algorithms); a set of only those is an error.
     pub candidates: CandidateSet,
     pub engines: EngineOptions,
+    /// The largest workspace any plan solved from this run may use (a per-layer limit, or a
+    /// total budget): a candidate needing more at a size is not timed, only recorded as
+    /// skipped (issue 21, item 2). `None`: time every candidate.
+    pub workspace_limit_bytes: Option<u64>,
 }
 
 impl ProfileRun<'_> {
@@ -143,10 +155,116 @@ impl ProfileRun<'_> {
         }
     }
 
+    /// The candidates to time at one size: every one, or, when `cached` holds what a smaller
+    /// limit measured there, only those it skipped that fit this run's limit. `None`: the
+    /// cached measurements serve this run as they are.
+    fn selection(&self, cached: Option<&(Vec<Measurement>, Vec<Skipped>)>) -> Option<Selection> {
+        let limit = self.workspace_limit_bytes;
+        match cached {
+            None => Some(Selection {
+                workspace_limit_bytes: limit,
+                only: None,
+            }),
+            Some((_, skipped)) => {
+                let only: BTreeSet<Algo> = skipped
+                    .iter()
+                    .filter(|s| limit.is_none_or(|l| s.workspace_bytes <= l))
+                    .map(|s| s.algo)
+                    .collect();
+                (!only.is_empty()).then_some(Selection {
+                    workspace_limit_bytes: limit,
+                    only: Some(only),
+                })
+            }
+        }
+    }
+
     /// The candidate set actually measured on a backend that offers `offered` (the plan key).
     pub fn effective_candidates(&self, offered: &[AlgoKind]) -> CandidateSet {
         CandidateSet::from_kinds(&self.offered_kinds(offered)).unwrap_or(self.candidates)
     }
+}
+
+/// What a size holds after measuring `found` with `select` over what the cache had: the cached
+/// timings, the new ones, and the skipped candidates that are still not timed.
+fn merge_measured(
+    cached: Option<(Vec<Measurement>, Vec<Skipped>)>,
+    select: &Selection,
+    found: Measured,
+) -> Measured {
+    let Some((mut measurements, skipped)) = cached else {
+        return found;
+    };
+    measurements.extend(found.measurements);
+    let mut skipped: Vec<Skipped> = skipped
+        .into_iter()
+        .filter(|s| !select.wants(&s.algo))
+        .collect();
+    skipped.extend(found.skipped);
+    Measured {
+        measurements,
+        skipped,
+    }
+}
+
+/// One (size, kind) through the cache: what the cache holds when it serves the run's limit
+/// (`true`), else measured (everything, or what a smaller limit skipped), stored merged with
+/// what was cached, and returned (`false`).
+#[allow(clippy::too_many_arguments)]
+fn size_through_cache(
+    backend: &mut dyn Backend,
+    run: &ProfileRun<'_>,
+    layer: &str,
+    problem: &ConvProblem,
+    op: ConvOp,
+    micro: i64,
+    kind: AlgoKind,
+    search: &EngineSearch,
+    stats: &mut CacheStats,
+) -> Result<(Measured, bool), TuneError> {
+    let device = backend.fingerprint().clone();
+    let cached = run.cache.measured(&device, problem, op, micro, kind);
+    let Some(select) = run.selection(cached.as_ref()) else {
+        let (measurements, skipped) = cached.unwrap_or_default();
+        stats.cached += 1;
+        return Ok((
+            Measured {
+                measurements,
+                skipped,
+            },
+            true,
+        ));
+    };
+    if run.interrupted() {
+        return Err(TuneError::Interrupted {
+            measured: stats.measured,
+        });
+    }
+    let found = measure_kind(
+        backend,
+        kind,
+        problem,
+        op,
+        micro,
+        &run.timing,
+        search,
+        &select,
+    )?;
+    stats.pruned += search.skip.len();
+    stats.skipped += found.skipped.len();
+    let merged = merge_measured(cached, &select, found);
+    run.cache.store_measured(
+        &device,
+        layer,
+        problem,
+        op,
+        micro,
+        kind,
+        &merged.measurements,
+        &merged.skipped,
+    );
+    stats.measured += 1;
+    Ok((merged, false))
 }
 
 /// Measures one job, reading what the cache has and storing what it measures. Sizes go in
@@ -166,46 +284,26 @@ fn profile_job_cached(
     let kinds = run.kinds(backend.kinds(), &device.name)?;
     let sizes = run.policy.sizes(job.problem.n);
     let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
+    let mut skipped = Vec::new();
     for (index, step) in prune::measure_order(&sizes).into_iter().enumerate() {
         let micro = step.micro;
         let mut from_cache = true;
         for &kind in &kinds {
-            if let Some(found) = run
-                .cache
-                .measurements(&device, &job.problem, job.op, micro, kind)
-            {
-                stats.cached += 1;
-                by_size.entry(micro).or_default().extend(found);
-                continue;
-            }
-            if run.interrupted() {
-                return Err(TuneError::Interrupted {
-                    measured: stats.measured,
-                });
-            }
             let search = run.engine_search(kind, step, &by_size);
-            let found = measure_kind(
+            let (found, cached) = size_through_cache(
                 backend,
-                kind,
-                &job.problem,
-                job.op,
-                micro,
-                &run.timing,
-                &search,
-            )?;
-            stats.pruned += search.skip.len();
-            run.cache.store_measurements(
-                &device,
+                run,
                 &job.layer,
                 &job.problem,
                 job.op,
                 micro,
                 kind,
-                &found,
-            );
-            stats.measured += 1;
-            from_cache = false;
-            by_size.entry(micro).or_default().extend(found);
+                &search,
+                stats,
+            )?;
+            from_cache &= cached;
+            by_size.entry(micro).or_default().extend(found.measurements);
+            skipped.extend(found.skipped);
         }
         progress(
             Progress {
@@ -222,6 +320,7 @@ fn profile_job_cached(
         problem: job.problem,
         op: job.op,
         measurements: by_size.into_values().flatten().collect(),
+        skipped,
     })
 }
 
@@ -258,12 +357,28 @@ pub fn profile_jobs(
     let mut profile = profile_header(backend.fingerprint(), &run.timing);
     profile.entries.reserve(jobs.len());
     let mut stats = CacheStats::default();
-    for job in jobs {
-        profile
-            .entries
-            .push(profile_job_cached(backend, job, run, &mut stats, progress)?);
-    }
-    Ok((profile, stats))
+    let measured = with_release(backend, &mut stats, |backend, stats| {
+        for job in jobs {
+            profile
+                .entries
+                .push(profile_job_cached(backend, job, run, stats, progress)?);
+        }
+        Ok(())
+    });
+    measured.map(|()| (profile, stats))
+}
+
+/// Runs `f`, then releases the backend's measuring state (also on error), recording in `stats`
+/// the memory it held at most.
+fn with_release<T>(
+    backend: &mut dyn Backend,
+    stats: &mut CacheStats,
+    f: impl FnOnce(&mut dyn Backend, &mut CacheStats) -> Result<T, TuneError>,
+) -> Result<T, TuneError> {
+    let result = f(backend, stats);
+    stats.memory = stats.memory.max(backend.memory());
+    backend.release();
+    result
 }
 
 /// Like [`profile_jobs`] on several devices of one model: for each job and candidate kind,
@@ -294,18 +409,31 @@ where
         let sizes = run.policy.sizes(job.problem.n);
         let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
         let mut measured_sizes: BTreeSet<i64> = BTreeSet::new();
+        let mut skipped = Vec::new();
         for &kind in &kinds {
             let mut missing = Vec::new();
+            // What the cache has at the sizes still to measure (a smaller limit's), and what
+            // to time there.
+            let mut partial: BTreeMap<i64, (Vec<Measurement>, Vec<Skipped>)> = BTreeMap::new();
+            let mut selections: BTreeMap<i64, Selection> = BTreeMap::new();
             for &micro in &sizes {
-                match run
+                let cached = run
                     .cache
-                    .measurements(fingerprint, &job.problem, job.op, micro, kind)
-                {
-                    Some(found) => {
+                    .measured(fingerprint, &job.problem, job.op, micro, kind);
+                match run.selection(cached.as_ref()) {
+                    None => {
+                        let (found, skips) = cached.unwrap_or_default();
                         stats.cached += 1;
                         by_size.entry(micro).or_default().extend(found);
+                        skipped.extend(skips);
                     }
-                    None => missing.push(micro),
+                    Some(select) => {
+                        missing.push(micro);
+                        selections.insert(micro, select);
+                        if let Some(cached) = cached {
+                            partial.insert(micro, cached);
+                        }
+                    }
                 }
             }
             // Anchors first, then the sizes between them (see `prune`); each pass is dealt
@@ -334,7 +462,7 @@ where
                     .map(|&step| (step.micro, run.engine_search(kind, step, &by_size)))
                     .collect();
                 let micros: Vec<i64> = pass.iter().map(|s| s.micro).collect();
-                let (device, measured) = measure_sizes_parallel(
+                let (device, measured, memory) = measure_sizes_parallel(
                     &make,
                     devices,
                     job,
@@ -342,7 +470,9 @@ where
                     &run.timing,
                     kind,
                     &|micro| searches.get(&micro).cloned().unwrap_or_default(),
+                    &|micro| selections.get(&micro).cloned().unwrap_or_default(),
                 )?;
+                stats.memory = stats.memory.max(memory);
                 if !same_model(&device, fingerprint) {
                     return Err(BackendError::MixedDevices {
                         first: fingerprint.to_string(),
@@ -351,19 +481,24 @@ where
                     .into());
                 }
                 for (micro, found) in measured {
-                    run.cache.store_measurements(
+                    stats.skipped += found.skipped.len();
+                    let select = selections.get(&micro).cloned().unwrap_or_default();
+                    let found = merge_measured(partial.remove(&micro), &select, found);
+                    run.cache.store_measured(
                         fingerprint,
                         &job.layer,
                         &job.problem,
                         job.op,
                         micro,
                         kind,
-                        &found,
+                        &found.measurements,
+                        &found.skipped,
                     );
                     stats.measured += 1;
                     stats.pruned += searches.get(&micro).map_or(0, |s| s.skip.len());
                     measured_sizes.insert(micro);
-                    by_size.entry(micro).or_default().extend(found);
+                    by_size.entry(micro).or_default().extend(found.measurements);
+                    skipped.extend(found.skipped);
                 }
             }
         }
@@ -384,6 +519,7 @@ where
             problem: job.problem,
             op: job.op,
             measurements,
+            skipped,
         });
     }
     let mut profile = profile_header(fingerprint, &run.timing);
@@ -423,11 +559,15 @@ pub struct MeasureTask {
     pub between: Option<(i64, i64)>,
 }
 
-/// A task's measurements (possibly none: "measured, nothing supported").
+/// A task's measurements (possibly none: "measured, nothing supported"), with what is cached
+/// of the size already merged in, so every rank stores the same size.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MeasuredTask {
     pub task: MeasureTask,
     pub measurements: Vec<Measurement>,
+    /// Candidates not timed because their workspace exceeded the measuring limit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<Skipped>,
 }
 
 /// The tasks the cache lacks for `jobs` on `fingerprint` (a backend offering `offered`),
@@ -450,9 +590,14 @@ pub fn missing_tasks(
         let missing: BTreeMap<AlgoKind, Vec<i64>> = kinds
             .iter()
             .map(|&kind| {
-                let missing =
-                    run.cache
-                        .missing_sizes(fingerprint, &job.problem, job.op, kind, &sizes);
+                let missing = run.cache.missing_sizes_within(
+                    fingerprint,
+                    &job.problem,
+                    job.op,
+                    kind,
+                    &sizes,
+                    run.workspace_limit_bytes,
+                );
                 (kind, missing)
             })
             .collect();
@@ -482,7 +627,9 @@ pub fn missing_tasks(
 }
 
 /// Measures one task on `backend` and stores the result in the run's cache. A task between two
-/// anchors skips the engine configurations the cached anchor measurements show dominated.
+/// anchors skips the engine configurations the cached anchor measurements show dominated. A
+/// size measured under a smaller limit times only the candidates that limit skipped. The
+/// caller releases the backend's measuring state when its tasks are done.
 pub fn measure_task(
     backend: &mut dyn Backend,
     task: &MeasureTask,
@@ -515,27 +662,21 @@ pub fn measure_task(
         between: task.between,
     };
     let search = run.engine_search(task.kind, step, &by_size);
-    let measurements = measure_kind(
+    let (found, _) = size_through_cache(
         backend,
-        task.kind,
-        &task.problem,
-        task.op,
-        task.micro,
-        &run.timing,
-        &search,
-    )?;
-    run.cache.store_measurements(
-        &device,
+        run,
         &task.layer,
         &task.problem,
         task.op,
         task.micro,
         task.kind,
-        &measurements,
-    );
+        &search,
+        &mut CacheStats::default(),
+    )?;
     Ok(MeasuredTask {
         task: task.clone(),
-        measurements,
+        measurements: found.measurements,
+        skipped: found.skipped,
     })
 }
 
@@ -585,6 +726,14 @@ pub fn store_measured(
                 x.algo, t.kind
             )));
         }
+        for x in &m.skipped {
+            if x.micro != t.micro || x.algo.kind() != t.kind {
+                return Err(bad(format!(
+                    "a skipped candidate {} at micro-batch {} is not of this task",
+                    x.algo, x.micro
+                )));
+            }
+        }
     }
     let records = measured.iter().flat_map(|m| {
         m.measurements
@@ -596,7 +745,7 @@ pub fn store_measured(
         .map_err(|refused| invalid(format!("measurement {refused}")))?;
     for m in measured {
         let t = &m.task;
-        cache.store_measurements(
+        cache.store_measured(
             check.device,
             &t.layer,
             &t.problem,
@@ -604,6 +753,7 @@ pub fn store_measured(
             t.micro,
             t.kind,
             &m.measurements,
+            &m.skipped,
         );
     }
     Ok(measured.len())
@@ -650,6 +800,7 @@ impl LayerTuning {
             interrupt: None,
             candidates: self.candidates,
             engines: self.engines,
+            workspace_limit_bytes: Some(self.workspace_limit_bytes),
         };
         let mut key = PlanKey::reuse(
             self.policy,
@@ -672,20 +823,25 @@ impl LayerTuning {
         }
         let mut stats = CacheStats::default();
         let mut plans = Vec::with_capacity(3);
-        for op in ConvOp::ALL {
-            let job = Job {
-                layer: layer.to_string(),
-                problem: *problem,
-                op,
-            };
-            let mut profile = profile_job_cached(backend, &job, &run, &mut stats, &mut |_, _| {})?;
-            if self.engines.deterministic {
-                keep_deterministic(backend, &mut profile);
+        // The three ops share the operands; nothing measuring made outlives the tune.
+        with_release(backend, &mut stats, |backend, stats| {
+            for op in ConvOp::ALL {
+                let job = Job {
+                    layer: layer.to_string(),
+                    problem: *problem,
+                    op,
+                };
+                let mut profile =
+                    profile_job_cached(backend, &job, &run, stats, &mut |_, _| {})?;
+                if self.engines.deterministic {
+                    keep_deterministic(backend, &mut profile);
+                }
+                let plan = solve_wr(&profile, self.policy, self.workspace_limit_bytes)?;
+                cache.store_plan(&device, &plan, &key);
+                plans.push(plan);
             }
-            let plan = solve_wr(&profile, self.policy, self.workspace_limit_bytes)?;
-            cache.store_plan(&device, &plan, &key);
-            plans.push(plan);
-        }
+            Ok(())
+        })?;
         let plans: [Plan; 3] = plans.try_into().expect("three ops");
         Ok((plans, stats))
     }

@@ -511,12 +511,25 @@ fn tune_json_orders_keys_like_solve_and_carries_multiplicity() {
             "candidates",
             "sizes_measured",
             "sizes_cached",
-            "engine_timings_pruned"
+            "engine_timings_pruned",
+            "measuring_limit_bytes",
+            "timings_skipped_over_limit",
+            "peak_measuring_memory_bytes",
+            "largest_workspace_bytes"
         ],
         "{tuned}"
     );
 
     let doc: serde_json::Value = serde_json::from_str(&tuned).unwrap();
+    // Issue 21, item 2: measuring held memory, and no workspace above the default limit.
+    let tuning = &doc["tuning"];
+    assert_eq!(tuning["measuring_limit_bytes"], 64 << 20, "{tuning}");
+    let largest = tuning["largest_workspace_bytes"].as_u64().unwrap();
+    let peak = tuning["peak_measuring_memory_bytes"].as_u64().unwrap();
+    assert!(
+        largest <= 64 << 20 && peak >= largest && peak > 0,
+        "{tuning}"
+    );
     let plans = doc["plans"].as_array().unwrap();
     for plan in plans {
         let expect = if plan["layer"] == "tiny.conv3_dw" {

@@ -3,7 +3,7 @@
 //! deterministic only, and those plans are cached apart from the plain ones, so neither kind
 //! stands in for the other.
 
-use mucudnn::backend::{Backend, BackendError, CpuBackend, TimingSettings};
+use mucudnn::backend::{Backend, BackendError, CpuBackend, Measured, Selection, TimingSettings};
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
 use mucudnn::solver::{Algo, CandidateSet, ConvOp, ConvProblem, Measurement, Plan, Policy};
@@ -22,16 +22,20 @@ impl Backend for Atomics {
         _: ConvOp,
         micro: i64,
         _: &TimingSettings,
-    ) -> Result<Vec<Measurement>, BackendError> {
-        Ok([(0, 1.0), (1, 2.0)]
-            .into_iter()
-            .map(|(algo, ms)| Measurement {
-                micro,
-                algo: Algo::Legacy(algo),
-                time_ms: ms * micro as f64,
-                workspace_bytes: 0,
-            })
-            .collect())
+        _: &Selection,
+    ) -> Result<Measured, BackendError> {
+        Ok(Measured {
+            measurements: [(0, 1.0), (1, 2.0)]
+                .into_iter()
+                .map(|(algo, ms)| Measurement {
+                    micro,
+                    algo: Algo::Legacy(algo),
+                    time_ms: ms * micro as f64,
+                    workspace_bytes: 0,
+                })
+                .collect(),
+            skipped: Vec::new(),
+        })
     }
     fn is_deterministic(&self, _: ConvOp, algo: &Algo) -> bool {
         *algo != Algo::Legacy(0)

@@ -342,7 +342,7 @@ fn cudnn_plans_match_pytorch() {
 /// float64 reference, and a plan mixing a legacy algorithm and an engine does too.
 #[test]
 fn engine_candidates_from_the_profiler_execute_as_plans() {
-    use mucudnn::backend::{Backend, CudnnBackend, EngineSearch, TimingSettings};
+    use mucudnn::backend::{Backend, CudnnBackend, EngineSearch, Selection, TimingSettings};
     use mucudnn::solver::{Algo, AlgoKind};
     if !gpu_enabled("engine_candidates_from_the_profiler_execute_as_plans") {
         return;
@@ -398,8 +398,9 @@ fn engine_candidates_from_the_profiler_execute_as_plans() {
                 ..Default::default()
             };
             let measured = backend
-                .measure_engines(&problem, op, 4, &quick, &search)
-                .expect("engines measured");
+                .measure_engines(&problem, op, 4, &quick, &search, &Selection::ALL)
+                .expect("engines measured")
+                .measurements;
             assert!(!measured.is_empty(), "{label} {op}: no engine ran");
             let roles = operand_roles(op);
             let pick = |role: Operand| match role {

@@ -3,7 +3,7 @@
 //! (size, algorithm), in parallel across devices too, and refuses to mix device models.
 
 use mucudnn::backend::cpu::{self, reference, CpuAlgo};
-use mucudnn::backend::{Backend, BackendError, CpuBackend, TimingSettings};
+use mucudnn::backend::{Backend, BackendError, CpuBackend, Measured, Selection, TimingSettings};
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
 use mucudnn::exec::conv2d::{Conv2d, LayerError, Tensor};
@@ -227,8 +227,9 @@ impl Backend for Renamed {
         op: ConvOp,
         micro: i64,
         t: &TimingSettings,
-    ) -> Result<Vec<Measurement>, BackendError> {
-        self.0.measure(p, op, micro, t)
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
+        self.0.measure(p, op, micro, t, select)
     }
 }
 
@@ -286,6 +287,7 @@ fn parallel_tuning_goes_through_the_cache() {
         interrupt: None,
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
+        workspace_limit_bytes: None,
     };
     let fingerprint = mucudnn::device::cpu_fingerprint();
     let mut steps = 0;

@@ -26,6 +26,7 @@ fn run(cache: &Cache) -> ProfileRun<'_> {
         interrupt: None,
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
+        workspace_limit_bytes: None,
     }
 }
 

@@ -35,7 +35,7 @@ pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
     AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement, OpProfile, Plan,
-    Policy, Profile,
+    Policy, Profile, Skipped,
 };
 use open::{Identity, OpenError};
 use rusqlite::Connection;
@@ -430,7 +430,8 @@ impl Cache {
 
     /// Records the measurements of `kind`'s candidates at one micro-batch size (replacing
     /// earlier ones of that kind; measurements of another kind or size are ignored), and that
-    /// the named problem was tuned on `device`.
+    /// the named problem was tuned on `device`. Every candidate was timed: the size is complete
+    /// for every workspace limit.
     #[allow(clippy::too_many_arguments)]
     pub fn store_measurements(
         &self,
@@ -442,9 +443,83 @@ impl Cache {
         kind: AlgoKind,
         measurements: &[Measurement],
     ) {
+        self.store_measured(device, layer, problem, op, micro, kind, measurements, &[]);
+    }
+
+    /// As [`Cache::store_measurements`], with the candidates `skipped` for their workspace
+    /// (not timed): the size is complete only for limits below each skipped workspace, and
+    /// [`Cache::missing_sizes_within`] lists it for larger ones.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_measured(
+        &self,
+        device: &DeviceFingerprint,
+        layer: &str,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        kind: AlgoKind,
+        measurements: &[Measurement],
+        skipped: &[Skipped],
+    ) {
         self.write("measurements", |conn| {
-            store::store_measurements(conn, device, layer, problem, op, micro, kind, measurements)
+            store::store_measurements(
+                conn,
+                device,
+                layer,
+                problem,
+                op,
+                micro,
+                kind,
+                measurements,
+                skipped,
+            )
         });
+    }
+
+    /// What is cached of `kind` at `micro`, if that size was measured: the timed measurements
+    /// and the candidates skipped for their workspace. A skipped candidate is never a
+    /// measurement; it is what a tune under a larger limit still has to time.
+    pub fn measured(
+        &self,
+        device: &DeviceFingerprint,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        kind: AlgoKind,
+    ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
+        let measurements = self.measurements(device, problem, op, micro, kind)?;
+        let skipped = self.read(
+            "skipped",
+            store::skipped(&self.conn, device, problem, op, micro, kind),
+        )?;
+        Some((measurements, skipped))
+    }
+
+    /// The sizes among `sizes` that a tune under a workspace limit of `limit` bytes (`None`:
+    /// none) still has to measure for `kind`: never measured, or measured under a smaller
+    /// limit that skipped a candidate fitting `limit`.
+    pub fn missing_sizes_within(
+        &self,
+        device: &DeviceFingerprint,
+        problem: &ConvProblem,
+        op: ConvOp,
+        kind: AlgoKind,
+        sizes: &[i64],
+        limit: Option<u64>,
+    ) -> Vec<i64> {
+        let missing = self.missing_sizes(device, problem, op, kind, sizes);
+        let incomplete = self
+            .read(
+                "skipped sizes",
+                store::sizes_skipped_within(&self.conn, device, problem, op, kind, limit),
+            )
+            // A failed read is a miss.
+            .unwrap_or_else(|| sizes.to_vec());
+        sizes
+            .iter()
+            .copied()
+            .filter(|s| missing.contains(s) || incomplete.contains(s))
+            .collect()
     }
 
     /// The sizes among `sizes` at which `kind`'s candidates have not been measured for
@@ -511,6 +586,7 @@ impl Cache {
             problem: *problem,
             op,
             measurements,
+            skipped: Vec::new(),
         })
     }
 

@@ -27,6 +27,7 @@ const OUR_OBJECTS: &[&str] = &[
     "shapes",
     "measured_sizes",
     "measurements",
+    "skipped",
     "seen",
     "plans",
     "seen_by_shape",
@@ -439,6 +440,11 @@ const SALVAGE_TABLES: &[(&str, &str, Probe)] = &[
     ),
     (
         "measurements",
+        "device_id, shape_id, op, micro, algo, engine",
+        Probe::DeviceShape,
+    ),
+    (
+        "skipped",
         "device_id, shape_id, op, micro, algo, engine",
         Probe::DeviceShape,
     ),

@@ -17,7 +17,7 @@
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 /// The schema this build reads and writes.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// SQLite's `application_id` header field in every cache this build writes ("muCD"): a file
 /// is recognised as mucudnn's before anything is written to it.
@@ -147,6 +147,26 @@ CREATE TABLE plans (
 ) WITHOUT ROWID;
 ";
 
+/// Version 3: measuring under a workspace limit (issue 21, item 2) does not time a candidate
+/// whose workspace exceeds it. `skipped` records those candidates, with their workspace and no
+/// time, at a size whose `measured_sizes` row says it was measured: the size is complete for
+/// every limit below each skipped workspace, and a tune under a larger limit times exactly the
+/// skipped candidates that fit it. Older caches have no skipped rows: their sizes were measured
+/// without a limit and are complete for every limit.
+const V3: &str = "
+CREATE TABLE IF NOT EXISTS skipped (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    op TEXT NOT NULL,
+    micro INTEGER NOT NULL,
+    -- as in measurements: a legacy algorithm's number and '', or -1 and an engine's name
+    algo INTEGER NOT NULL,
+    engine TEXT NOT NULL,
+    workspace_bytes INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, op, micro, algo, engine)
+) WITHOUT ROWID;
+";
+
 /// Why a file cannot be used as a cache.
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
@@ -213,6 +233,9 @@ pub fn migrate(conn: &mut Connection) -> Result<(), SchemaError> {
     if found < 2 {
         tx.execute_batch(V2)?;
     }
+    if found < 3 {
+        tx.execute_batch(V3)?;
+    }
     tx.execute(
         "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
          ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -274,6 +297,38 @@ mod tests {
             })
             .unwrap();
         assert_eq!(kind, "legacy");
+    }
+
+    #[test]
+    fn version_2_measurements_stay_complete_after_the_upgrade() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(V1).unwrap();
+        conn.execute_batch(V2).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             INSERT INTO meta VALUES ('schema_version', '2');
+             INSERT INTO devices VALUES (1, 'cpu', 'cpu', NULL, NULL, NULL, NULL, 'cpu');
+             INSERT INTO shapes VALUES (1, 8, 9, 9, 8, 3, 3, 0, 0, 1, 1, 1, 1, 1, 'fp32', 'nchw', 'default');
+             INSERT INTO measured_sizes VALUES (1, 1, 'fwd', 4, 'legacy', 100);
+             INSERT INTO measurements VALUES (1, 1, 'fwd', 4, 6, '', 0.5, 1024);",
+        )
+        .unwrap();
+        migrate(&mut conn).unwrap();
+        let version: String = conn
+            .query_row(
+                "SELECT value FROM meta WHERE key = 'schema_version'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(version, "3");
+        let kept: i64 = conn
+            .query_row("SELECT count(*) FROM measurements", [], |r| r.get(0))
+            .unwrap();
+        let skipped: i64 = conn
+            .query_row("SELECT count(*) FROM skipped", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!((kept, skipped), (1, 0));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 use mucudnn_solver::{
     Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
     EngineName, Layout, MathMode, Measurement, Mode, OpProfile, Plan, Policy, Profile, RecordCheck,
+    Skipped,
 };
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -176,6 +177,25 @@ fn ids(
 /// Columns: micro, algo, engine, time_ms, workspace_bytes. A row whose engine name does not
 /// parse (or whose algo number is negative) is an error, which the caller treats as a miss.
 fn read_measurement(row: &rusqlite::Row<'_>) -> Result<Measurement> {
+    Ok(Measurement {
+        micro: row.get(0)?,
+        algo: read_algo(row)?,
+        time_ms: row.get(3)?,
+        workspace_bytes: row.get::<_, i64>(4)?.max(0) as u64,
+    })
+}
+
+/// Columns: micro, algo, engine, workspace_bytes of a `skipped` row.
+fn read_skipped(row: &rusqlite::Row<'_>) -> Result<Skipped> {
+    Ok(Skipped {
+        micro: row.get(0)?,
+        algo: read_algo(row)?,
+        workspace_bytes: row.get::<_, i64>(3)?.max(0) as u64,
+    })
+}
+
+/// The candidate of a row whose columns 1 and 2 are `algo` and `engine`.
+fn read_algo(row: &rusqlite::Row<'_>) -> Result<Algo> {
     let engine: String = row.get(2)?;
     let algo = if engine.is_empty() {
         let number: i64 = row.get(1)?;
@@ -191,12 +211,15 @@ fn read_measurement(row: &rusqlite::Row<'_>) -> Result<Measurement> {
             rusqlite::Error::FromSqlConversionFailure(2, rusqlite::types::Type::Text, Box::new(e))
         })?)
     };
-    Ok(Measurement {
-        micro: row.get(0)?,
-        algo,
-        time_ms: row.get(3)?,
-        workspace_bytes: row.get::<_, i64>(4)?.max(0) as u64,
-    })
+    Ok(algo)
+}
+
+/// The `(algo, engine)` key columns of a candidate.
+fn algo_columns(algo: &Algo) -> (i64, &'static str) {
+    match *algo {
+        Algo::Legacy(number) => (i64::from(number), ""),
+        Algo::Engine(name) => (-1, name.as_str()),
+    }
 }
 
 /// The rows of a measurement query that may be used: each passes the check every record
@@ -282,6 +305,54 @@ pub(crate) fn measurements(
     usable_rows(rows, device, problem, op, skipped).map(Some)
 }
 
+/// The candidates of `kind` skipped for their workspace at micro-batch `micro` (empty when
+/// none were, or the size was never measured).
+pub(crate) fn skipped(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+    micro: i64,
+    kind: AlgoKind,
+) -> Result<Vec<Skipped>> {
+    let Some((d, s)) = ids(conn, device, problem)? else {
+        return Ok(Vec::new());
+    };
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT micro, algo, engine, workspace_bytes FROM skipped
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND {}
+         ORDER BY algo, engine",
+        kind_condition(kind)
+    ))?;
+    let rows = stmt.query_map(params![d, s, op.name(), micro], read_skipped)?;
+    rows.collect()
+}
+
+/// The micro-batch sizes at which some candidate of `kind` was skipped with a workspace of at
+/// most `limit` bytes (`None`: any).
+pub(crate) fn sizes_skipped_within(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+    kind: AlgoKind,
+    limit: Option<u64>,
+) -> Result<Vec<i64>> {
+    let Some((d, s)) = ids(conn, device, problem)? else {
+        return Ok(Vec::new());
+    };
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT DISTINCT micro FROM skipped
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND workspace_bytes <= ?4 AND {}",
+        kind_condition(kind)
+    ))?;
+    let rows = stmt.query_map(
+        params![d, s, op.name(), clamp(limit.unwrap_or(u64::MAX))],
+        |row| row.get(0),
+    )?;
+    rows.collect()
+}
+
 /// Every usable cached measurement of `problem`'s shape and `op` at micro-batch sizes up to
 /// `problem.n`, of the kinds in `candidates` (see [`usable_rows`]).
 pub(crate) fn measurements_up_to(
@@ -328,6 +399,9 @@ pub(crate) fn measured_sizes(
     rows.collect()
 }
 
+/// Replaces what is stored of `kind` at `micro`: the timed `measurements` and the `skipped`
+/// candidates (a candidate also timed is not stored as skipped).
+#[allow(clippy::too_many_arguments)]
 fn insert_measurements(
     conn: &Connection,
     d: i64,
@@ -336,12 +410,37 @@ fn insert_measurements(
     micro: i64,
     kind: AlgoKind,
     measurements: &[Measurement],
+    skipped: &[Skipped],
 ) -> Result<usize> {
-    conn.prepare_cached(&format!(
-        "DELETE FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND {}",
-        kind_condition(kind)
-    ))?
-    .execute(params![d, s, op.name(), micro])?;
+    for table in ["measurements", "skipped"] {
+        // The table name is one of these two constants, never input.
+        conn.prepare_cached(&format!(
+            "DELETE FROM {table} WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND {}",
+            kind_condition(kind)
+        ))?
+        .execute(params![d, s, op.name(), micro])?;
+    }
+    let timed: HashSet<Algo> = measurements.iter().map(|m| m.algo).collect();
+    let mut insert_skipped = conn.prepare_cached(
+        "INSERT INTO skipped (device_id, shape_id, op, micro, algo, engine, workspace_bytes)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+         ON CONFLICT DO UPDATE SET workspace_bytes = excluded.workspace_bytes",
+    )?;
+    for x in skipped
+        .iter()
+        .filter(|x| x.micro == micro && x.algo.kind() == kind && !timed.contains(&x.algo))
+    {
+        let (algo, engine) = algo_columns(&x.algo);
+        insert_skipped.execute(params![
+            d,
+            s,
+            op.name(),
+            micro,
+            algo,
+            engine,
+            clamp(x.workspace_bytes)
+        ])?;
+    }
     let mut insert = conn.prepare_cached(
         "INSERT INTO measurements (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
@@ -352,10 +451,7 @@ fn insert_measurements(
         .iter()
         .filter(|m| m.micro == micro && m.algo.kind() == kind)
     {
-        let (algo, engine) = match m.algo {
-            Algo::Legacy(number) => (i64::from(number), ""),
-            Algo::Engine(name) => (-1, name.as_str()),
-        };
+        let (algo, engine) = algo_columns(&m.algo);
         insert.execute(params![
             d,
             s,
@@ -403,11 +499,12 @@ pub(crate) fn store_measurements(
     micro: i64,
     kind: AlgoKind,
     measurements: &[Measurement],
+    skipped: &[Skipped],
 ) -> Result<()> {
     let tx = begin(conn)?;
     let d = ensure_device(&tx, device)?;
     let s = ensure_shape(&tx, problem)?;
-    insert_measurements(&tx, d, s, op, micro, kind, measurements)?;
+    insert_measurements(&tx, d, s, op, micro, kind, measurements, skipped)?;
     insert_seen(&tx, d, s, layer, problem, op)?;
     tx.commit()
 }
@@ -648,6 +745,8 @@ pub(crate) fn export(
                 problem,
                 op,
                 measurements,
+                // The interchange format carries timed measurements only.
+                skipped: Vec::new(),
             });
         }
         if !profile.entries.is_empty() {
@@ -675,7 +774,8 @@ pub(crate) fn import(
                 .push(*m);
         }
         for ((micro, kind), measurements) in by_size {
-            stored += insert_measurements(&tx, d, s, entry.op, micro, kind, &measurements)?;
+            // An imported size is complete: the interchange format has no skipped candidates.
+            stored += insert_measurements(&tx, d, s, entry.op, micro, kind, &measurements, &[])?;
         }
         insert_seen(&tx, d, s, &entry.layer, &entry.problem, entry.op)?;
     }
@@ -686,7 +786,7 @@ pub(crate) fn import(
 pub(crate) fn clear(conn: &Connection) -> Result<()> {
     let tx = begin(conn)?;
     tx.execute_batch(
-        "DELETE FROM plans; DELETE FROM measurements; DELETE FROM measured_sizes; DELETE FROM seen;
+        "DELETE FROM plans; DELETE FROM measurements; DELETE FROM skipped; DELETE FROM measured_sizes; DELETE FROM seen;
          DELETE FROM shapes; DELETE FROM devices;",
     )?;
     tx.commit()?;

@@ -1134,3 +1134,73 @@ impl SpawnPiped for Command {
             .unwrap()
     }
 }
+
+/// Issue 21, item 2: candidates skipped for their workspace are kept apart from measurements,
+/// make a size incomplete only for limits that fit them, survive a reopen, and are cleared by
+/// a complete store or an import of that size.
+#[test]
+fn skipped_candidates_are_kept_apart_from_measurements() {
+    use mucudnn_solver::Skipped;
+    let dir = temp_dir("skipped");
+    let path = dir.join("cache.sqlite");
+    let device = h100();
+    let problem = ConvProblem::new(8, 16, 13, 13, 32, 3, 3);
+    let op = ConvOp::Forward;
+    let skip = |micro: i64, algo: u32, workspace_bytes: u64| Skipped {
+        micro,
+        algo: Algo::Legacy(algo),
+        workspace_bytes,
+    };
+    {
+        let cache = Cache::open(&path).unwrap().quiet();
+        cache.store_measured(
+            &device,
+            "l",
+            &problem,
+            op,
+            4,
+            AlgoKind::Legacy,
+            &[m(4, 0, 1.0, 0), m(4, 1, 0.5, 100)],
+            // A candidate also timed is not stored as skipped.
+            &[skip(4, 2, 5000), skip(4, 3, 90_000), skip(4, 1, 100)],
+        );
+    }
+    let cache = Cache::open(&path).unwrap().quiet();
+    let (timed, skipped) = cache
+        .measured(&device, &problem, op, 4, AlgoKind::Legacy)
+        .unwrap();
+    assert_eq!(timed, [m(4, 0, 1.0, 0), m(4, 1, 0.5, 100)]);
+    assert_eq!(skipped, [skip(4, 2, 5000), skip(4, 3, 90_000)]);
+    // The timed measurements alone are what `measurements` (and the solver) see.
+    assert_eq!(
+        cache.measurements(&device, &problem, op, 4, AlgoKind::Legacy),
+        Some(timed)
+    );
+    let sizes = [1, 4];
+    let missing =
+        |limit| cache.missing_sizes_within(&device, &problem, op, AlgoKind::Legacy, &sizes, limit);
+    assert_eq!(missing(Some(4999)), [1]);
+    assert_eq!(missing(Some(5000)), [1, 4]);
+    assert_eq!(missing(None), [1, 4]);
+    // Engines were never measured at 4: all missing, whatever the legacy rows say.
+    assert_eq!(
+        cache.missing_sizes_within(&device, &problem, op, AlgoKind::Engine, &sizes, Some(0)),
+        [1, 4]
+    );
+    // A complete store of the size clears what was skipped.
+    cache.store_measurements(
+        &device,
+        "l",
+        &problem,
+        op,
+        4,
+        AlgoKind::Legacy,
+        &[m(4, 0, 1.0, 0), m(4, 2, 0.2, 5000)],
+    );
+    let (_, skipped) = cache
+        .measured(&device, &problem, op, 4, AlgoKind::Legacy)
+        .unwrap();
+    assert!(skipped.is_empty());
+    assert_eq!(missing(None), [1]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -215,6 +215,7 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
                 problem,
                 op: record.op,
                 measurements: Vec::new(),
+                skipped: Vec::new(),
             });
             records_of.push(Vec::new());
             profile.entries.len() - 1

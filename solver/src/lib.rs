@@ -35,7 +35,7 @@ pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
 pub use profile::{
     Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError, RecordCheck, RecordError,
-    RefusedRecord,
+    RefusedRecord, Skipped,
 };
 pub use solve::{solve_profile, Mode, Solution, SolvedProblem};
 pub use wd::{solve_wd, solve_wd_by, WdChoice, WdOptions, MAX_TIME_LIMIT_S};

@@ -27,6 +27,18 @@ pub struct Measurement {
     pub workspace_bytes: u64,
 }
 
+/// A candidate that was not timed at one micro-batch size because its workspace exceeded the
+/// limit measuring ran under (no plan under that limit could use it there). Its workspace is
+/// known, its time is not: it is never a [`Measurement`], and the solver never reads it. A
+/// later tune under a larger limit times exactly these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Skipped {
+    pub micro: i64,
+    pub algo: Algo,
+    /// Workspace the call would need, in bytes (above the measuring limit).
+    pub workspace_bytes: u64,
+}
+
 /// All measurements of one tuning problem.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OpProfile {
@@ -36,6 +48,10 @@ pub struct OpProfile {
     pub problem: ConvProblem,
     pub op: ConvOp,
     pub measurements: Vec<Measurement>,
+    /// Candidates not timed because their workspace exceeded the measuring limit: known
+    /// workspace, no time. Only a record of what is left to measure; solving ignores it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<Skipped>,
 }
 
 /// A whole profile: the measurements of every tuning problem, plus where they were taken.
@@ -232,6 +248,23 @@ impl OpProfile {
                 });
             }
         }
+        // A skipped candidate is one not timed: never also a measurement, never twice.
+        for skipped in &self.skipped {
+            if skipped.micro < 1 || skipped.micro > self.problem.n {
+                return Err(ProfileError::MicroOutOfRange {
+                    name: name(),
+                    micro: skipped.micro,
+                    n: self.problem.n,
+                });
+            }
+            if !seen.insert((skipped.micro, skipped.algo)) {
+                return Err(ProfileError::Duplicate {
+                    name: name(),
+                    micro: skipped.micro,
+                    algo: skipped.algo,
+                });
+            }
+        }
         Ok(())
     }
 
@@ -264,7 +297,19 @@ impl Profile {
                 Some(mine) if mine.problem != entry.problem => {
                     return Err(ProfileError::MergeShapes { name: entry.name() })
                 }
-                Some(mine) => mine.measurements.extend_from_slice(&entry.measurements),
+                Some(mine) => {
+                    mine.measurements.extend_from_slice(&entry.measurements);
+                    // What one side timed is no longer left to measure.
+                    let timed: HashSet<(i64, Algo)> = mine
+                        .measurements
+                        .iter()
+                        .map(|m| (m.micro, m.algo))
+                        .collect();
+                    mine.skipped.extend_from_slice(&entry.skipped);
+                    mine.skipped.retain(|s| !timed.contains(&(s.micro, s.algo)));
+                    mine.skipped.sort_by_key(|s| (s.micro, s.algo));
+                    mine.skipped.dedup_by_key(|s| (s.micro, s.algo));
+                }
                 None => self.entries.push(entry.clone()),
             }
         }
@@ -285,6 +330,12 @@ impl Profile {
                     .measurements
                     .iter()
                     .filter(|m| candidates.contains(m.algo.kind()))
+                    .copied()
+                    .collect(),
+                skipped: e
+                    .skipped
+                    .iter()
+                    .filter(|s| candidates.contains(s.algo.kind()))
                     .copied()
                     .collect(),
                 ..e.clone()
@@ -495,7 +546,45 @@ mod tests {
             problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
             op: ConvOp::Forward,
             measurements,
+            skipped: Vec::new(),
         }
+    }
+
+    /// A skipped candidate is never also a measurement, and a merge that times it drops it.
+    #[test]
+    fn skipped_candidates_are_not_measurements() {
+        let skipped = |micro: i64, algo: u32| Skipped {
+            micro,
+            algo: Algo::Legacy(algo),
+            workspace_bytes: 1 << 30,
+        };
+        let mut with_skipped = entry(vec![m(4, 0, 1.0)]);
+        with_skipped.skipped = vec![skipped(4, 1)];
+        with_skipped.validate().unwrap();
+        let mut both = with_skipped.clone();
+        both.skipped.push(skipped(4, 0));
+        assert!(matches!(
+            both.validate(),
+            Err(ProfileError::Duplicate { micro: 4, .. })
+        ));
+        let mut outside = with_skipped.clone();
+        outside.skipped = vec![skipped(5, 1)];
+        assert!(matches!(
+            outside.validate(),
+            Err(ProfileError::MicroOutOfRange { .. })
+        ));
+        // Merging the timing of the skipped candidate leaves nothing skipped.
+        let mut profile = Profile {
+            entries: vec![with_skipped],
+            ..Default::default()
+        };
+        let timed = Profile {
+            entries: vec![entry(vec![m(4, 1, 0.5)])],
+            ..Default::default()
+        };
+        profile.merge(&timed).unwrap();
+        assert!(profile.entries[0].skipped.is_empty());
+        assert_eq!(profile.entries[0].measurements.len(), 2);
     }
 
     fn m(micro: i64, algo: u32, time_ms: f64) -> Measurement {

@@ -56,6 +56,7 @@ pub fn random_entry(rng: &mut Rng, n: i64, algos: u32, policy: Policy) -> OpProf
         problem: ConvProblem::new(n, 8, 8, 8, 8, 3, 3),
         op: ConvOp::Forward,
         measurements,
+        skipped: Vec::new(),
     }
 }
 

@@ -12,7 +12,7 @@
 
 use crate::algo::Algo;
 use crate::plan::{MicroBatch, Plan};
-use crate::profile::{OpProfile, Policy};
+use crate::profile::{OpProfile, Policy, ProfileError};
 use crate::SolveError;
 
 /// One point of a Pareto front: the fastest plan whose workspace is at most `workspace_bytes`,
@@ -187,7 +187,73 @@ impl Dp {
 ///
 /// Errors: an invalid profile; no measured size allowed by the policy; or
 /// [`SolveError::Infeasible`] naming the smallest limit that would work.
+///
+/// Only measurements make plans. When measuring skipped candidates for their workspace
+/// ([`OpProfile::skipped`]) and no plan fits, the error's smallest limit counts their
+/// workspaces too (feasibility does not depend on times), so it still names a limit that works.
 pub fn solve_wr(
+    profile: &OpProfile,
+    policy: Policy,
+    workspace_limit_bytes: u64,
+) -> Result<Plan, SolveError> {
+    match solve_measured(profile, policy, workspace_limit_bytes) {
+        Err(
+            SolveError::Infeasible { .. }
+            | SolveError::NoSizes { .. }
+            | SolveError::Profile(ProfileError::NoMeasurements { .. }),
+        ) if !profile.skipped.is_empty() && profile.problem.validate().is_ok() => {
+            Err(SolveError::Infeasible {
+                name: profile.name(),
+                policy,
+                workspace_limit_bytes,
+                min_workspace_bytes: smallest_limit_with_skipped(profile, policy),
+            })
+        }
+        other => other,
+    }
+}
+
+/// The smallest limit at which the sizes `policy` allows can make up the mini-batch, counting
+/// the workspaces of measured and skipped candidates alike.
+fn smallest_limit_with_skipped(profile: &OpProfile, policy: Policy) -> Option<u64> {
+    let n = profile.n();
+    let mut least: std::collections::BTreeMap<i64, u64> = std::collections::BTreeMap::new();
+    let workspaces = profile
+        .measurements
+        .iter()
+        .map(|m| (m.micro, m.workspace_bytes))
+        .chain(profile.skipped.iter().map(|s| (s.micro, s.workspace_bytes)));
+    for (micro, bytes) in workspaces.filter(|&(micro, _)| policy.allows(micro, n)) {
+        let entry = least.entry(micro).or_insert(bytes);
+        *entry = (*entry).min(bytes);
+    }
+    let feasible = |limit: u64| {
+        let sizes: Vec<usize> = least
+            .iter()
+            .filter(|&(_, &bytes)| bytes <= limit)
+            .map(|(&micro, _)| micro as usize)
+            .collect();
+        let mut reachable = vec![false; n as usize + 1];
+        reachable[0] = true;
+        for i in 1..=n as usize {
+            reachable[i] = sizes.iter().any(|&m| m <= i && reachable[i - m]);
+        }
+        reachable[n as usize]
+    };
+    let mut values: Vec<u64> = least.values().copied().collect();
+    values.sort_unstable();
+    values.dedup();
+    let last = *values.last()?;
+    if !feasible(last) {
+        return None;
+    }
+    values
+        .get(values.partition_point(|&limit| !feasible(limit)))
+        .copied()
+}
+
+/// [`solve_wr`] on the measurements alone.
+fn solve_measured(
     profile: &OpProfile,
     policy: Policy,
     workspace_limit_bytes: u64,

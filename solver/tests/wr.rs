@@ -233,3 +233,68 @@ fn pareto_front_is_complete_on_random_profiles() {
         }
     }
 }
+
+/// Issue 21, item 2: a profile measured under a limit that skipped every candidate at some
+/// sizes still names the smallest limit that works, counting the skipped workspaces, and never
+/// plans with a skipped candidate.
+#[test]
+fn skipped_candidates_name_the_smallest_limit_but_never_make_a_plan() {
+    use mucudnn_solver::{
+        Algo, ConvOp, ConvProblem, Measurement, OpProfile, ProfileError, Skipped,
+    };
+    let m = |micro: i64, algo: u32, workspace_bytes: u64| Measurement {
+        micro,
+        algo: Algo::Legacy(algo),
+        time_ms: micro as f64,
+        workspace_bytes,
+    };
+    let s = |micro: i64, algo: u32, workspace_bytes: u64| Skipped {
+        micro,
+        algo: Algo::Legacy(algo),
+        workspace_bytes,
+    };
+    let mut entry = OpProfile {
+        layer: "l".into(),
+        problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
+        op: ConvOp::Forward,
+        measurements: vec![m(1, 0, 10)],
+        skipped: vec![s(2, 1, 300), s(4, 1, 200), s(4, 2, 900)],
+    };
+    // Measured under 100 bytes: size 1 alone makes up 4.
+    let plan = solve_wr(&entry, Policy::PowerOfTwo, 100).unwrap();
+    assert!(plan
+        .micro_batches
+        .iter()
+        .all(|mb| mb.algo == Algo::Legacy(0)));
+    // A limit below every workspace names the smallest one that works: 10 bytes.
+    let err = solve_wr(&entry, Policy::PowerOfTwo, 5).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SolveError::Infeasible {
+                min_workspace_bytes: Some(10),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Nothing timed at all: the skipped workspaces alone name it (200: size 4 undivided).
+    entry.measurements.clear();
+    let err = solve_wr(&entry, Policy::PowerOfTwo, 100).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            SolveError::Infeasible {
+                min_workspace_bytes: Some(200),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Without skipped candidates an empty profile stays a profile error.
+    entry.skipped.clear();
+    assert!(matches!(
+        solve_wr(&entry, Policy::PowerOfTwo, 100),
+        Err(SolveError::Profile(ProfileError::NoMeasurements { .. }))
+    ));
+}

@@ -2,11 +2,14 @@
 //! data with the host clock.
 
 use super::cpu::{self, AlignedWorkspace, CpuAlgo, Element};
-use super::{check_measure_args, median_time, Backend, BackendError, TimingSettings};
+use super::{
+    check_measure_args, median_time, Backend, BackendError, Decision, Measured, MemoryUse,
+    Selection, TimingSettings,
+};
 use crate::backend::cudnn::host::random_values;
 use crate::device::DeviceFingerprint;
 use crate::solver::Operand;
-use crate::solver::{Algo, ConvOp, ConvProblem, DType, Measurement};
+use crate::solver::{Algo, ConvOp, ConvProblem, DType, Measurement, Skipped};
 use half::{bf16, f16};
 use std::time::Instant;
 
@@ -17,11 +20,29 @@ enum Operands {
     Bf16([Vec<bf16>; 3]),
 }
 
-/// Times the CPU algorithms. Operand buffers are made once per problem and reused.
+impl Operands {
+    fn bytes(&self) -> u64 {
+        fn of<T>(buffers: &[Vec<T>; 3]) -> u64 {
+            buffers
+                .iter()
+                .map(|b| (b.len() * std::mem::size_of::<T>()) as u64)
+                .sum()
+        }
+        match self {
+            Operands::F32(b) => of(b),
+            Operands::F16(b) => of(b),
+            Operands::Bf16(b) => of(b),
+        }
+    }
+}
+
+/// Times the CPU algorithms. Operand buffers are made once per problem and reused until
+/// [`Backend::release`].
 pub struct CpuBackend {
     fingerprint: DeviceFingerprint,
     operands: Option<(ConvProblem, Operands)>,
     workspace: AlignedWorkspace,
+    memory: MemoryUse,
 }
 
 impl Default for CpuBackend {
@@ -36,7 +57,14 @@ impl CpuBackend {
             fingerprint: crate::device::cpu_fingerprint(),
             operands: None,
             workspace: AlignedWorkspace::default(),
+            memory: MemoryUse::default(),
         }
+    }
+
+    /// Records what the operands and the workspace hold now.
+    fn account(&mut self) {
+        let operands = self.operands.as_ref().map_or(0, |(_, o)| o.bytes());
+        self.memory.hold(operands + self.workspace.len() as u64);
     }
 
     /// The full-batch operands of `problem`, made when the problem changes. Refused (before
@@ -80,6 +108,7 @@ impl CpuBackend {
                 DType::Bf16 => Operands::Bf16(all(problem)?),
             };
             self.operands = Some((*problem, operands));
+            self.account();
         }
         match self.operands.as_mut() {
             Some((_, operands)) => Ok(operands),
@@ -185,13 +214,30 @@ impl Backend for CpuBackend {
         op: ConvOp,
         micro: i64,
         timing: &TimingSettings,
-    ) -> Result<Vec<Measurement>, BackendError> {
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
         check_measure_args(problem, micro)?;
         self.operands(problem)?;
         let mut measurements = Vec::with_capacity(CpuAlgo::ALL.len());
+        let mut skipped = Vec::new();
         for algo in CpuAlgo::ALL {
             let workspace_bytes = cpu::workspace_bytes(&problem.with_batch(micro), op, algo);
+            match select.decide(&Algo::Legacy(algo.id()), workspace_bytes) {
+                Decision::Leave => continue,
+                Decision::Skip => {
+                    skipped.push(Skipped {
+                        micro,
+                        algo: Algo::Legacy(algo.id()),
+                        workspace_bytes,
+                    });
+                    continue;
+                }
+                Decision::Time => {}
+            }
             if (self.workspace.len() as u64) < workspace_bytes {
+                // Free the smaller one first: never two workspaces at once.
+                self.workspace = AlignedWorkspace::default();
+                self.account();
                 // A workspace that cannot be had makes the algorithm unsupported at this size,
                 // as cuDNN's are: left out, not an abort.
                 let fits = super::available_host_memory().is_none_or(|a| workspace_bytes <= a);
@@ -199,7 +245,12 @@ impl Backend for CpuBackend {
                     .then(|| AlignedWorkspace::try_new(workspace_bytes))
                     .flatten()
                 {
-                    Some(workspace) => self.workspace = workspace,
+                    Some(workspace) => {
+                        self.workspace = workspace;
+                        self.memory.largest_workspace_bytes =
+                            self.memory.largest_workspace_bytes.max(workspace_bytes);
+                        self.account();
+                    }
                     None => continue,
                 }
             }
@@ -241,7 +292,20 @@ impl Backend for CpuBackend {
                 workspace_bytes,
             });
         }
-        Ok(measurements)
+        Ok(Measured {
+            measurements,
+            skipped,
+        })
+    }
+
+    fn release(&mut self) {
+        self.operands = None;
+        self.workspace = AlignedWorkspace::default();
+        self.memory = MemoryUse::default();
+    }
+
+    fn memory(&self) -> MemoryUse {
+        self.memory
     }
 }
 

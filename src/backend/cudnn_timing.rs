@@ -9,10 +9,13 @@ use super::cudnn::{
     Alignments, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig,
     EnginePlan, Workspace,
 };
-use super::{check_measure_args, median_time, Backend, BackendError, EngineSearch, TimingSettings};
+use super::{
+    check_measure_args, median_time, Backend, BackendError, Decision, EngineSearch, Measured,
+    MemoryUse, Selection, TimingSettings,
+};
 use crate::device::{BackendKind, DeviceFingerprint};
 use crate::solver::{operand_roles, timing_offset, Operand, Step};
-use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, Measurement};
+use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, Measurement, Skipped};
 
 /// Full-batch random operands of one problem, indexed by [`Operand`].
 struct Operands {
@@ -23,6 +26,13 @@ struct Operands {
 }
 
 impl Operands {
+    fn bytes(&self) -> u64 {
+        [&self.input, &self.filter, &self.output]
+            .iter()
+            .map(|b| b.size_bytes() as u64)
+            .sum()
+    }
+
     /// `(a, b, out)` for `op`.
     fn for_op(&mut self, op: ConvOp) -> (&DeviceBuffer, &DeviceBuffer, &mut DeviceBuffer) {
         match op {
@@ -43,6 +53,18 @@ pub struct CudnnBackend {
     kinds: &'static [AlgoKind],
     /// The GPU's memory, as CUDA reports it.
     memory_bytes: u64,
+    /// What the operands and the workspace hold (device memory).
+    memory: MemoryUse,
+}
+
+/// One engine configuration at one micro-batch size.
+enum EngineOutcome {
+    /// cuDNN cannot build or run it here.
+    Unsupported,
+    /// Its workspace exceeds the measuring limit: not allocated, not timed.
+    Skipped(u64),
+    /// Time (ms) and workspace bytes.
+    Timed(f64, u64),
 }
 
 impl CudnnBackend {
@@ -72,6 +94,7 @@ impl CudnnBackend {
             operands: None,
             workspace: None,
             memory_bytes,
+            memory: MemoryUse::default(),
             kinds: if graph_api_status().is_ok() {
                 &[AlgoKind::Legacy, AlgoKind::Engine]
             } else {
@@ -98,6 +121,7 @@ impl CudnnBackend {
             return Ok(());
         }
         self.operands = None; // free before allocating the next problem's buffers
+        self.account();
         let d = ConvDescriptors::new(problem)?;
         let len = |role| d.shapes().elements(role);
         let dtype = problem.dtype;
@@ -107,15 +131,26 @@ impl CudnnBackend {
             filter: self.handle.alloc_random(dtype, len(Operand::Filter), 2)?,
             output: self.handle.alloc_random(dtype, len(Operand::Output), 3)?,
         });
+        self.account();
         Ok(())
     }
 
     fn ensure_workspace(&mut self, bytes: u64) -> Result<(), CudnnError> {
         if self.workspace.as_ref().is_none_or(|w| w.bytes() < bytes) {
             self.workspace = None;
+            self.account();
             self.workspace = Some(self.handle.alloc_workspace(bytes)?);
+            self.memory.largest_workspace_bytes = self.memory.largest_workspace_bytes.max(bytes);
+            self.account();
         }
         Ok(())
+    }
+
+    /// Records what the operands and the workspace hold now.
+    fn account(&mut self) {
+        let operands = self.operands.as_ref().map_or(0, Operands::bytes);
+        let workspace = self.workspace.as_ref().map_or(0, Workspace::bytes);
+        self.memory.hold(operands + workspace);
     }
 
     /// Runs `run` on the `(a, b, out)` views of one micro-batch at sample `first` of the
@@ -164,7 +199,8 @@ impl CudnnBackend {
         config: &EngineConfig,
         first: usize,
         timing: &TimingSettings,
-    ) -> Result<Option<(f64, u64)>, CudnnError> {
+        select: &Selection,
+    ) -> Result<EngineOutcome, CudnnError> {
         let skip = |e: &CudnnError| e.is_not_supported() || e.is_out_of_memory();
         // What holds at every offset this size can run at, in every mini-batch the
         // measurement serves (issue 21, item 8; `solver::timing_offset`): a plan's micro-batch
@@ -180,7 +216,7 @@ impl CudnnBackend {
             alignments,
         ) {
             Ok(plan) => plan,
-            Err(e) if skip(&e) => return Ok(None),
+            Err(e) if skip(&e) => return Ok(EngineOutcome::Unsupported),
             Err(e) => return Err(e),
         };
         if op == ConvOp::BackwardFilter {
@@ -194,14 +230,17 @@ impl CudnnBackend {
                 alignments,
             ) {
                 Ok(_) => {}
-                Err(e) if skip(&e) => return Ok(None),
+                Err(e) if skip(&e) => return Ok(EngineOutcome::Unsupported),
                 Err(e) => return Err(e),
             }
         }
         let bytes = plan.workspace_bytes();
+        if select.decide(&Algo::Engine(config.name()), bytes) == Decision::Skip {
+            return Ok(EngineOutcome::Skipped(bytes));
+        }
         match self.ensure_workspace(bytes) {
             Ok(()) => {}
-            Err(e) if e.is_out_of_memory() => return Ok(None),
+            Err(e) if e.is_out_of_memory() => return Ok(EngineOutcome::Unsupported),
             Err(e) => return Err(e),
         }
         let micro = micro_problem.n as usize;
@@ -211,8 +250,8 @@ impl CudnnBackend {
             })
         });
         match timed {
-            Ok(ms) => Ok(Some((ms, bytes))),
-            Err(e) if skip(&e) => Ok(None),
+            Ok(ms) => Ok(EngineOutcome::Timed(ms, bytes)),
+            Err(e) if skip(&e) => Ok(EngineOutcome::Unsupported),
             Err(e) => Err(e),
         }
     }
@@ -325,7 +364,8 @@ impl Backend for CudnnBackend {
         micro: i64,
         timing: &TimingSettings,
         search: &EngineSearch,
-    ) -> Result<Vec<Measurement>, BackendError> {
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
         check_measure_args(problem, micro)?;
         graph_api_status()?;
         if self.operands.as_ref().is_none_or(|o| o.problem != *problem) {
@@ -346,24 +386,40 @@ impl Backend for CudnnBackend {
             &heuristics,
             alignments,
         )?;
-        let mut measurements = Vec::new();
+        let mut found = Measured::default();
         for config in configs {
             let name = config.name();
-            if search.skip.contains(&name) {
+            if search.skip.contains(&name) || !select.wants(&Algo::Engine(name)) {
                 continue;
             }
-            if let Some((time_ms, workspace_bytes)) =
-                self.time_engine(&micro_problem, op, &config, first, timing)?
-            {
-                measurements.push(Measurement {
+            match self.time_engine(&micro_problem, op, &config, first, timing, select)? {
+                EngineOutcome::Unsupported => {}
+                EngineOutcome::Skipped(workspace_bytes) => found.skipped.push(Skipped {
                     micro,
                     algo: Algo::Engine(name),
-                    time_ms: time_ms.max(1e-6),
                     workspace_bytes,
-                });
+                }),
+                EngineOutcome::Timed(time_ms, workspace_bytes) => {
+                    found.measurements.push(Measurement {
+                        micro,
+                        algo: Algo::Engine(name),
+                        time_ms: time_ms.max(1e-6),
+                        workspace_bytes,
+                    })
+                }
             }
         }
-        Ok(measurements)
+        Ok(found)
+    }
+
+    fn release(&mut self) {
+        self.operands = None;
+        self.workspace = None;
+        self.memory = MemoryUse::default();
+    }
+
+    fn memory(&self) -> MemoryUse {
+        self.memory
     }
 
     fn measure(
@@ -372,7 +428,8 @@ impl Backend for CudnnBackend {
         op: ConvOp,
         micro: i64,
         timing: &TimingSettings,
-    ) -> Result<Vec<Measurement>, BackendError> {
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
         check_measure_args(problem, micro)?;
         if self.operands.as_ref().is_none_or(|o| o.problem != *problem) {
             self.check_fits(problem)?;
@@ -382,16 +439,27 @@ impl Backend for CudnnBackend {
         // Sample 1 whenever the plan splits the batch: the least-aligned offset a micro-batch
         // of this size can run at (`solver::timing_offset`).
         let first = timing_offset(problem.n as usize, micro as usize);
-        let mut measurements = Vec::new();
+        let mut found = Measured::default();
         for algo in 0..algo_count(op) {
+            if !select.wants(&Algo::Legacy(algo)) {
+                continue;
+            }
             let Some(workspace_bytes) = self.handle.workspace_size(&d, op, algo)? else {
                 continue;
             };
+            if select.decide(&Algo::Legacy(algo), workspace_bytes) == Decision::Skip {
+                found.skipped.push(Skipped {
+                    micro,
+                    algo: Algo::Legacy(algo),
+                    workspace_bytes,
+                });
+                continue;
+            }
             match self
                 .ensure_workspace(workspace_bytes)
                 .and_then(|()| self.time_algo(&d, op, algo, first, timing))
             {
-                Ok(time_ms) => measurements.push(Measurement {
+                Ok(time_ms) => found.measurements.push(Measurement {
                     micro,
                     algo: Algo::Legacy(algo),
                     time_ms: time_ms.max(1e-6),
@@ -402,6 +470,6 @@ impl Backend for CudnnBackend {
                 Err(e) => return Err(e.into()),
             }
         }
-        Ok(measurements)
+        Ok(found)
     }
 }

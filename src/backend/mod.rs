@@ -12,7 +12,9 @@ pub mod cudnn_timing;
 
 use crate::device::DeviceFingerprint;
 use crate::solver::units::format_bytes;
-use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Operand};
+use crate::solver::{
+    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Operand, Skipped,
+};
 use std::collections::BTreeSet;
 
 pub use cpu_timing::CpuBackend;
@@ -163,20 +165,122 @@ pub struct EngineSearch {
     pub skip: BTreeSet<EngineName>,
 }
 
+/// Which candidates to time at one micro-batch size (issue 21, item 2): measuring never
+/// allocates more workspace than a plan could use.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Selection {
+    /// A candidate whose workspace at this size exceeds this many bytes cannot appear in a plan
+    /// under the limit (or total budget) being tuned for: it is not timed and its workspace is
+    /// not allocated; it is reported as [`Skipped`]. `None`: time every candidate.
+    pub workspace_limit_bytes: Option<u64>,
+    /// Time only these candidates (those a smaller limit skipped); `None`: every one.
+    pub only: Option<BTreeSet<Algo>>,
+}
+
+/// What to do with one candidate, by [`Selection::decide`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Not asked for: leave it out of the result.
+    Leave,
+    /// Over the workspace limit: report it skipped, time nothing.
+    Skip,
+    Time,
+}
+
+impl Selection {
+    /// Every candidate, no limit.
+    pub const ALL: Selection = Selection {
+        workspace_limit_bytes: None,
+        only: None,
+    };
+
+    /// Whether `algo` is asked for at all (before its workspace is known).
+    pub fn wants(&self, algo: &Algo) -> bool {
+        self.only.as_ref().is_none_or(|only| only.contains(algo))
+    }
+
+    /// What to do with `algo`, whose workspace at this size is `workspace_bytes`.
+    pub fn decide(&self, algo: &Algo, workspace_bytes: u64) -> Decision {
+        if !self.wants(algo) {
+            Decision::Leave
+        } else if self
+            .workspace_limit_bytes
+            .is_some_and(|limit| workspace_bytes > limit)
+        {
+            Decision::Skip
+        } else {
+            Decision::Time
+        }
+    }
+}
+
+/// What a backend measured at one micro-batch size: the candidates timed, and those skipped
+/// for their workspace (known workspace, no time).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Measured {
+    pub measurements: Vec<Measurement>,
+    pub skipped: Vec<Skipped>,
+}
+
+/// Memory a backend's measuring state holds (its full-batch operands and workspace: device
+/// memory on a GPU, host memory on the CPU), since it was made or last [released].
+///
+/// [released]: Backend::release
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryUse {
+    /// Bytes held now.
+    pub held_bytes: u64,
+    /// The most bytes held at once.
+    pub peak_bytes: u64,
+    /// The largest workspace allocated.
+    pub largest_workspace_bytes: u64,
+}
+
+impl MemoryUse {
+    /// Records that `bytes` are held now.
+    pub(crate) fn hold(&mut self, bytes: u64) {
+        self.held_bytes = bytes;
+        self.peak_bytes = self.peak_bytes.max(bytes);
+    }
+
+    /// The larger of each field (two devices, or two runs).
+    pub fn max(self, other: MemoryUse) -> MemoryUse {
+        MemoryUse {
+            held_bytes: self.held_bytes.max(other.held_bytes),
+            peak_bytes: self.peak_bytes.max(other.peak_bytes),
+            largest_workspace_bytes: self
+                .largest_workspace_bytes
+                .max(other.largest_workspace_bytes),
+        }
+    }
+}
+
 /// A device that can time convolution algorithms.
 pub trait Backend {
     /// The device the measurements belong to.
     fn fingerprint(&self) -> &DeviceFingerprint;
 
     /// Times every legacy algorithm of `op` that supports `problem` at micro-batch size
-    /// `micro` (`problem.n` is the full mini-batch). Unsupported algorithms are left out.
+    /// `micro` (`problem.n` is the full mini-batch) and that `select` asks for. Unsupported
+    /// algorithms are left out; those over `select`'s workspace limit are skipped, unallocated.
     fn measure(
         &mut self,
         problem: &ConvProblem,
         op: ConvOp,
         micro: i64,
         timing: &TimingSettings,
-    ) -> Result<Vec<Measurement>, BackendError>;
+        select: &Selection,
+    ) -> Result<Measured, BackendError>;
+
+    /// Frees what measuring holds (full-batch operands, workspace) and resets
+    /// [`Backend::memory`]; the next measurement makes them again. Tuning calls it at the end
+    /// of every tune, so no measuring state outlives it (issue 21, item 1).
+    fn release(&mut self) {}
+
+    /// What measuring holds now and held at most since the last [`Backend::release`].
+    fn memory(&self) -> MemoryUse {
+        MemoryUse::default()
+    }
 
     /// The kinds of candidate this backend can measure.
     fn kinds(&self) -> &'static [AlgoKind] {
@@ -212,7 +316,7 @@ pub trait Backend {
     }
 
     /// Times the graph-API engine configurations of `op` at micro-batch size `micro`, as
-    /// `search` bounds them. Backends without engines say so.
+    /// `search` bounds them and `select` selects them. Backends without engines say so.
     fn measure_engines(
         &mut self,
         problem: &ConvProblem,
@@ -220,8 +324,9 @@ pub trait Backend {
         micro: i64,
         timing: &TimingSettings,
         search: &EngineSearch,
-    ) -> Result<Vec<Measurement>, BackendError> {
-        let _ = (problem, op, micro, timing, search);
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
+        let _ = (problem, op, micro, timing, search, select);
         Err(BackendError::NoEngines {
             backend: self.fingerprint().name.clone(),
         })
@@ -229,6 +334,7 @@ pub trait Backend {
 }
 
 /// Measures one kind of candidate: [`Backend::measure`] or [`Backend::measure_engines`].
+#[allow(clippy::too_many_arguments)]
 pub fn measure_kind(
     backend: &mut dyn Backend,
     kind: AlgoKind,
@@ -237,10 +343,11 @@ pub fn measure_kind(
     micro: i64,
     timing: &TimingSettings,
     search: &EngineSearch,
-) -> Result<Vec<Measurement>, BackendError> {
+    select: &Selection,
+) -> Result<Measured, BackendError> {
     match kind {
-        AlgoKind::Legacy => backend.measure(problem, op, micro, timing),
-        AlgoKind::Engine => backend.measure_engines(problem, op, micro, timing, search),
+        AlgoKind::Legacy => backend.measure(problem, op, micro, timing, select),
+        AlgoKind::Engine => backend.measure_engines(problem, op, micro, timing, search, select),
     }
 }
 

@@ -1,9 +1,11 @@
 //! The layer on candle's CUDA device (feature `candle-cuda`): tune a new input shape on the
 //! GPU through the shared cache (cuDNN legacy algorithms and engine configurations, as the
-//! options say), prepare its plans once on the layer's cuDNN handle, then run them on
-//! candle's stream over candle's buffers, with the output and the workspace allocated from
-//! candle's device. Everything unsafe (raw pointers, the stream) is in the FFI wall
-//! (`CandleLayerDevice`).
+//! options say), with candle's stream drained first so that its queued kernels do not run
+//! beside the timed ones; prepare its plans once on the layer's cuDNN handle, then run them on
+//! candle's stream over candle's buffers, with the output and each call's workspace allocated
+//! from candle's device. Operands start at aligned addresses (the layer copies views that do
+//! not, `operand` in mod.rs; checked again here). Everything unsafe (raw pointers, the stream)
+//! is in the FFI wall (`CandleLayerDevice`).
 
 use super::LayerCore;
 use crate::backend::cpu;
@@ -32,6 +34,15 @@ fn view<'a>(
     let (start, end) = layout
         .contiguous_offsets()
         .ok_or_else(|| core.error(format!("the {what} is not contiguous")))?;
+    // candle's allocations are aligned; an offset into one must keep the base alignment the
+    // plans were built for (the layer copies views that do not).
+    if super::needs_aligned_copy(true, start, std::mem::size_of::<f32>()) {
+        return Err(core.error(format!(
+            "the {what} starts {start} elements into its storage, not at a {}-byte aligned \
+             address",
+            super::GPU_BASE_ALIGNMENT
+        )));
+    }
     Ok(slice.slice(start..end))
 }
 
@@ -70,6 +81,13 @@ pub(super) fn run(
             .lock()
             .map_err(|_| core.error("the tuning cache's mutex is poisoned"))?;
         let tuning = core.options.tuning(TimingSettings::GPU);
+        // Measure on an idle GPU: candle's queued kernels would inflate the timings, which
+        // the cache then keeps (issue 21, item 12).
+        stream.synchronize().map_err(|e| {
+            core.error(format!(
+                "synchronising candle's stream before measuring: {e}"
+            ))
+        })?;
         let stats = gpu
             .tune(key, |backend| {
                 tuning
@@ -83,8 +101,13 @@ pub(super) fn run(
     let needed = gpu
         .workspace_bytes(key, op)
         .ok_or_else(|| core.error("the plans were not prepared"))?;
-    gpu.reserve_workspace(needed, |bytes| device.alloc_zeros::<u8>(bytes))?;
-    gpu.execute(key, op, &stream, &a, &b, &mut out)
+    // This call's workspace, from candle's allocator (freed stream-ordered after the work
+    // queued on its stream): no layer keeps one (issue 21, item 1).
+    let mut workspace = match needed {
+        0 => None,
+        bytes => Some(device.alloc_zeros::<u8>(bytes as usize)?),
+    };
+    gpu.execute(key, op, &stream, &a, &b, &mut out, workspace.as_mut())
         .map_err(|e| core.error(e))?;
     Ok(CudaStorage::wrap_cuda_slice(out, device))
 }

@@ -381,17 +381,15 @@ impl CustomOp2 for ForwardOp {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let core = &self.core;
         let (n, c, h, w) = x.dims4()?;
-        let dy = dy.contiguous()?;
+        let dy = operand(dy)?;
         let dx = dy.apply_op2_no_bwd(
-            &weight.contiguous()?,
+            &operand(weight)?,
             &BackwardDataOp {
                 core: core.clone(),
                 input: [n, c, h, w],
             },
         )?;
-        let dw = x
-            .contiguous()?
-            .apply_op2_no_bwd(&dy, &BackwardFilterOp { core: core.clone() })?;
+        let dw = operand(x)?.apply_op2_no_bwd(&dy, &BackwardFilterOp { core: core.clone() })?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -610,10 +608,38 @@ impl Conv2d {
     }
 }
 
+/// The base alignment, in bytes, the GPU path asks of every operand, as the PyTorch path does
+/// (`GPU_BASE_ALIGNMENT` in python/mucudnn/torch/_runtime.py): engine plans declare the
+/// alignment of the micro-batch offsets they run at relative to an aligned base, and a view
+/// into a tensor (`narrow`, `chunk`) may start anywhere in its storage (issue 21, item 12).
+const GPU_BASE_ALIGNMENT: usize = 256;
+
+/// Whether an operand starting `start_offset` elements of `element_bytes` into its storage
+/// must be copied to an aligned one first: on a GPU, when that offset breaks the alignment.
+fn needs_aligned_copy(on_gpu: bool, start_offset: usize, element_bytes: usize) -> bool {
+    on_gpu && (start_offset * element_bytes) % GPU_BASE_ALIGNMENT != 0
+}
+
+/// `t` as an op operand: contiguous and, on a GPU, starting at an aligned address (a fresh
+/// copy, whose storage candle's allocator aligns, when the view's offset is not).
+fn operand(t: &Tensor) -> candle_core::Result<Tensor> {
+    let t = t.contiguous()?;
+    let copy = needs_aligned_copy(
+        t.device().is_cuda(),
+        t.layout().start_offset(),
+        t.dtype().size_in_bytes(),
+    );
+    if copy {
+        t.force_contiguous()
+    } else {
+        Ok(t)
+    }
+}
+
 impl Module for Conv2d {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.contiguous()?.apply_op2(
-            &self.weight.contiguous()?,
+        let y = operand(x)?.apply_op2(
+            &operand(&self.weight)?,
             ForwardOp {
                 core: self.core.clone(),
             },
@@ -706,4 +732,28 @@ fn load_weight(
         "weight",
         candle_nn::init::DEFAULT_KAIMING_NORMAL,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 21, item 12: an operand viewed at an offset that breaks the GPU base alignment is
+    /// copied first; aligned offsets and host tensors are not. The copy itself runs on a GPU.
+    #[test]
+    fn unaligned_gpu_views_are_copied() {
+        assert!(!needs_aligned_copy(true, 0, 4));
+        assert!(!needs_aligned_copy(true, 64, 4));
+        assert!(needs_aligned_copy(true, 1, 4));
+        assert!(needs_aligned_copy(true, 32, 4));
+        assert!(!needs_aligned_copy(true, 128, 2));
+        assert!(needs_aligned_copy(true, 64, 2));
+        assert!(!needs_aligned_copy(false, 1, 4));
+        // On the host an offset view is used in place (contiguous, same values).
+        let whole = Tensor::arange(0f32, 8.0, &candle_core::Device::Cpu).unwrap();
+        let view = whole.narrow(0, 1, 4).unwrap();
+        let used = operand(&view).unwrap();
+        assert_eq!(used.layout().start_offset(), 1);
+        assert_eq!(used.to_vec1::<f32>().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+    }
 }

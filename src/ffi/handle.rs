@@ -221,6 +221,7 @@ impl Handle {
                 interrupt: None,
                 candidates: tuning.candidates,
                 engines: tuning.engines,
+                workspace_limit_bytes: Some(tuning.workspace_limit_bytes),
             };
             let (profile, stats) = profile_jobs(&mut backend, &[job], &run, &mut |p, cached| {
                 if verbose {

@@ -588,3 +588,50 @@ fn tuner_execute_checks_operands_against_the_plan() {
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }
 }
+
+/// Issue 21, item 1: a tuner holds no measuring state between calls, and its tune result says
+/// how much measuring held at most (item 2: never a workspace above the limit).
+#[test]
+fn a_tuner_releases_its_measuring_state_after_each_tune() {
+    let mut tuner = tuner::Tuner::new(
+        tuner::TunerDevice::Cpu,
+        Some(mucudnn_cache::Cache::in_memory().quiet()),
+        None,
+        false,
+    )
+    .unwrap();
+    let settings = tuner::parse_settings(
+        r#"{"policy": "power-of-two", "workspace_limit": "64KiB"}"#,
+        tuner::TunerDevice::Cpu,
+    )
+    .unwrap();
+    let mut problem = crate::solver::ConvProblem::new(4, 3, 12, 12, 4, 3, 3);
+    (problem.pad_h, problem.pad_w) = (1, 1);
+    let result = tuner.tune("tiny", &problem, &settings).unwrap();
+    assert!(result.measured > 0);
+    assert!(result.peak_measuring_memory_bytes > 0);
+    assert!(result.largest_workspace_bytes <= 64 << 10);
+    assert!(result.peak_measuring_memory_bytes >= result.largest_workspace_bytes);
+    assert_eq!(
+        tuner.measuring_memory(),
+        crate::backend::MemoryUse::default()
+    );
+    let json = serde_json::to_value(&result).unwrap();
+    assert!(json["peak_measuring_memory_bytes"].as_u64().unwrap() > 0);
+    // The distributed path releases too.
+    let tasks = tuner
+        .missing(
+            vec![tuner::NamedProblem {
+                layer: "other".into(),
+                problem: crate::solver::ConvProblem { k: 5, ..problem },
+            }],
+            &settings,
+        )
+        .unwrap();
+    assert!(!tasks.is_empty());
+    tuner.measure(&tasks, &settings).unwrap();
+    assert_eq!(
+        tuner.measuring_memory(),
+        crate::backend::MemoryUse::default()
+    );
+}

@@ -173,6 +173,15 @@ pub struct TuneResult {
     /// (both 0 when the solved plans themselves were cached).
     pub cached: usize,
     pub measured: usize,
+    /// (size, candidate) timings this call skipped because the candidate's workspace exceeded
+    /// the workspace limit (recorded in the cache; a larger limit times them).
+    pub skipped: usize,
+    /// The most memory this call's measuring held at once: full-batch operands plus workspace,
+    /// device memory on a GPU (outside the framework's allocator; cuDNN's own allocations are
+    /// not counted), host memory on the CPU. All of it is freed before the call returns.
+    pub peak_measuring_memory_bytes: u64,
+    /// The largest workspace this call's measuring allocated (at most the limit).
+    pub largest_workspace_bytes: u64,
 }
 
 /// The three plans of one input shape, ready to run.
@@ -198,7 +207,8 @@ fn op_index(op: ConvOp) -> usize {
         .expect("ConvOp::ALL holds every op")
 }
 
-/// A GPU's tuning backend (made on first use) and the handle plans are prepared and run on.
+/// A GPU's tuning backend (made when a call measures, dropped at the end of each tune or
+/// measure call) and the handle plans are prepared and run on.
 struct CudaState {
     ordinal: usize,
     tuning: Option<CudnnBackend>,
@@ -246,6 +256,7 @@ fn profile_run<'a>(tuning: &LayerTuning, cache: &'a Cache) -> ProfileRun<'a> {
         interrupt: None,
         candidates: tuning.candidates,
         engines: tuning.engines,
+        workspace_limit_bytes: Some(tuning.workspace_limit_bytes),
     }
 }
 
@@ -342,11 +353,13 @@ impl Tuner {
             .validate()
             .map_err(|e| invalid(format!("{layer}: {e}")))?;
         let verbose = self.verbose;
-        let (plans, stats): ([Plan; 3], CacheStats) = self.with_backend(|backend, cache| {
+        let tuned = self.with_backend(|backend, cache| {
             tuning
                 .tune_counted(backend, cache, layer, problem)
                 .map_err(tune_error)
-        })?;
+        });
+        self.end_measuring();
+        let (plans, stats): ([Plan; 3], CacheStats) = tuned?;
         if verbose {
             eprintln!(
                 "mucudnn: tuned {layer} ({} measurement(s) cached, {} measured)",
@@ -359,6 +372,9 @@ impl Tuner {
             plans: plans.to_vec(),
             cached: stats.cached,
             measured: stats.measured,
+            skipped: stats.skipped,
+            peak_measuring_memory_bytes: stats.memory.peak_bytes,
+            largest_workspace_bytes: stats.memory.largest_workspace_bytes,
         })
     }
 
@@ -375,6 +391,18 @@ impl Tuner {
         })
     }
 
+    /// Drops a GPU's measuring backend (its cuDNN handle and stream too) at the end of a tune
+    /// or measure call, in the device's context, keeping the caller's current context (issue
+    /// 21, item 1). The CPU backend holds nothing once released.
+    fn end_measuring(&mut self) {
+        if let DeviceState::Cuda(cuda) = &mut self.state {
+            if cuda.tuning.is_some() {
+                let _context = save_current_context();
+                cuda.tuning = None;
+            }
+        }
+    }
+
     /// Measures `tasks` in order, storing each in the cache; returns the measurements.
     pub fn measure(
         &mut self,
@@ -382,11 +410,18 @@ impl Tuner {
         tuning: &LayerTuning,
     ) -> Result<Vec<MeasuredTask>, FfiError> {
         let verbose = self.verbose;
-        self.with_backend(|backend, cache| {
+        let measured = self.with_backend(|backend, cache| {
             let run = profile_run(tuning, cache);
             let mut out = Vec::with_capacity(tasks.len());
             for (index, task) in tasks.iter().enumerate() {
-                let measured = measure_task(backend, task, &run).map_err(tune_error)?;
+                let measured = measure_task(backend, task, &run).map_err(tune_error);
+                let measured = match measured {
+                    Ok(measured) => measured,
+                    Err(e) => {
+                        backend.release();
+                        return Err(e);
+                    }
+                };
                 if verbose {
                     eprintln!(
                         "mucudnn: measured {} {} micro-batch {} {} ({}/{})",
@@ -400,8 +435,26 @@ impl Tuner {
                 }
                 out.push(measured);
             }
+            // Nothing measuring made outlives the call (issue 21, item 1).
+            backend.release();
             Ok(out)
-        })
+        });
+        self.end_measuring();
+        measured
+    }
+
+    #[cfg(test)]
+    /// The memory this tuner's measuring state holds now (0 between calls: every tune and
+    /// measure call releases it). A GPU tuner that never measured holds nothing.
+    pub fn measuring_memory(&self) -> crate::backend::MemoryUse {
+        match &self.state {
+            DeviceState::Cpu { backend } => backend.memory(),
+            DeviceState::Cuda(cuda) => cuda
+                .tuning
+                .as_ref()
+                .map(Backend::memory)
+                .unwrap_or_default(),
+        }
     }
 
     /// Stores measurements taken on another device of this tuner's fingerprint: all or

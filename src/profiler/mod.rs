@@ -6,9 +6,12 @@
 
 pub mod prune;
 
-use crate::backend::{measure_kind, Backend, BackendError, EngineSearch, TimingSettings};
+use crate::backend::{
+    measure_kind, Backend, BackendError, EngineSearch, Measured, MemoryUse, Selection,
+    TimingSettings,
+};
 use crate::device::DeviceFingerprint;
-use crate::solver::{AlgoKind, ConvOp, ConvProblem, Measurement, OpProfile, Policy};
+use crate::solver::{AlgoKind, ConvOp, ConvProblem, OpProfile, Policy};
 
 /// One tuning problem to measure.
 #[derive(Clone, Debug, PartialEq)]
@@ -28,7 +31,8 @@ pub struct Progress<'a> {
     pub total: usize,
 }
 
-/// Measures one job's legacy algorithms on one backend.
+/// Measures one job's legacy algorithms on one backend (every one, at every size), then
+/// releases the backend's measuring state.
 pub fn profile_job(
     backend: &mut dyn Backend,
     job: &Job,
@@ -42,7 +46,15 @@ pub fn profile_job(
     let sizes = policy.sizes(job.problem.n);
     let mut measurements = Vec::new();
     for (index, &micro) in sizes.iter().enumerate() {
-        measurements.extend(backend.measure(&job.problem, job.op, micro, timing)?);
+        let found = backend.measure(&job.problem, job.op, micro, timing, &Selection::ALL);
+        let found = match found {
+            Ok(found) => found,
+            Err(e) => {
+                backend.release();
+                return Err(e);
+            }
+        };
+        measurements.extend(found.measurements);
         progress(Progress {
             job,
             micro,
@@ -50,11 +62,13 @@ pub fn profile_job(
             total: sizes.len(),
         });
     }
+    backend.release();
     Ok(OpProfile {
         layer: job.layer.clone(),
         problem: job.problem,
         op: job.op,
         measurements,
+        skipped: Vec::new(),
     })
 }
 
@@ -74,7 +88,7 @@ where
     F: Fn(usize) -> Result<B, BackendError> + Sync,
 {
     let sizes = policy.sizes(job.problem.n);
-    let (fingerprint, by_size) = measure_sizes_parallel(
+    let (fingerprint, by_size, _) = measure_sizes_parallel(
         &make,
         devices,
         job,
@@ -82,8 +96,12 @@ where
         timing,
         AlgoKind::Legacy,
         &|_| EngineSearch::default(),
+        &|_| Selection::ALL,
     )?;
-    let measurements = by_size.into_iter().flat_map(|(_, m)| m).collect();
+    let measurements = by_size
+        .into_iter()
+        .flat_map(|(_, m)| m.measurements)
+        .collect();
     Ok((
         fingerprint,
         OpProfile {
@@ -91,18 +109,21 @@ where
             problem: job.problem,
             op: job.op,
             measurements,
+            skipped: Vec::new(),
         },
     ))
 }
 
 /// Measurements per micro-batch size, in size order.
-pub type BySize = Vec<(i64, Vec<Measurement>)>;
+pub type BySize = Vec<(i64, Measured)>;
 
 /// Measures `kind`'s candidates at `sizes` of one job (engine configurations as
-/// `search(micro)` bounds them), dealt out round-robin over `devices`
-/// backends (one thread each, made by `make(d)` in its thread). Returns the common
-/// fingerprint and the measurements per size, in size order. Devices of different models are
+/// `search(micro)` bounds them, candidates as `select(micro)` selects them), dealt out
+/// round-robin over `devices` backends (one thread each, made by `make(d)` in its thread and
+/// dropped at its end). Returns the common fingerprint, the measurements per size, in size
+/// order, and the measuring memory the busiest device held. Devices of different models are
 /// refused.
+#[allow(clippy::too_many_arguments)]
 pub fn measure_sizes_parallel<B, F>(
     make: &F,
     devices: usize,
@@ -111,7 +132,8 @@ pub fn measure_sizes_parallel<B, F>(
     timing: &TimingSettings,
     kind: AlgoKind,
     search: &(dyn Fn(i64) -> EngineSearch + Sync),
-) -> Result<(DeviceFingerprint, BySize), BackendError>
+    select: &(dyn Fn(i64) -> Selection + Sync),
+) -> Result<(DeviceFingerprint, BySize, MemoryUse), BackendError>
 where
     B: Backend,
     F: Fn(usize) -> Result<B, BackendError> + Sync,
@@ -120,7 +142,7 @@ where
         .validate()
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
     let devices = devices.clamp(1, sizes.len().max(1));
-    type Part = Result<(DeviceFingerprint, BySize), BackendError>;
+    type Part = Result<(DeviceFingerprint, BySize, MemoryUse), BackendError>;
     let parts: Vec<Part> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..devices)
             .map(|device| {
@@ -136,10 +158,11 @@ where
                             micro,
                             timing,
                             &search(micro),
+                            &select(micro),
                         )?;
                         measured.push((micro, found));
                     }
-                    Ok((backend.fingerprint().clone(), measured))
+                    Ok((backend.fingerprint().clone(), measured, backend.memory()))
                 })
             })
             .collect();
@@ -154,8 +177,10 @@ where
     });
     let mut fingerprint: Option<DeviceFingerprint> = None;
     let mut by_size = Vec::new();
+    let mut memory = MemoryUse::default();
     for part in parts {
-        let (device, measured) = part?;
+        let (device, measured, used) = part?;
+        memory = memory.max(used);
         match &fingerprint {
             Some(first) if !same_model(first, &device) => {
                 return Err(BackendError::MixedDevices {
@@ -170,7 +195,7 @@ where
     }
     by_size.sort_by_key(|(micro, _)| *micro);
     let fingerprint = fingerprint.ok_or_else(|| BackendError::Invalid("no device".into()))?;
-    Ok((fingerprint, by_size))
+    Ok((fingerprint, by_size, memory))
 }
 
 /// Whether two devices' measurements may be mixed in one profile.

@@ -71,6 +71,7 @@ impl TuningWork {
             interrupt: None,
             candidates: self.tuning.candidates,
             engines: self.tuning.engines,
+            workspace_limit_bytes: Some(self.tuning.workspace_limit_bytes),
         }
     }
 
@@ -94,6 +95,7 @@ impl TuningWork {
                 interrupt: None,
                 candidates: self.tuning.candidates,
                 engines: self.tuning.engines,
+                workspace_limit_bytes: Some(self.tuning.workspace_limit_bytes),
             };
             measured.push(measure_task(self.backend.as_mut(), task, &run).map_err(layer_error)?);
         }

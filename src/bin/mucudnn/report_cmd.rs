@@ -145,6 +145,8 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames)> {
         interrupt: None,
         candidates,
         engines,
+        // The explanation reads every limit: time every candidate.
+        workspace_limit_bytes: None,
     };
     let (profile, _) = profile_jobs(device.backend(), &[job], &run, &mut |_, _| {})?;
     find(profile)

@@ -19,7 +19,7 @@ use mucudnn::report::{
 };
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::CandidateSet;
-use mucudnn::solver::{interchange, DType, Layout, Plan, Solution};
+use mucudnn::solver::{interchange, DType, Layout, Mode, Plan, Solution};
 use mucudnn::tune::{jobs_for, profile_jobs, profile_jobs_parallel, EngineOptions, ProfileRun};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -183,6 +183,19 @@ impl DeviceArgs {
     }
 }
 
+/// The largest workspace a plan of this run may use: the per-layer limit, or the total budget.
+/// Measuring times nothing that needs more (issue 21, item 2).
+fn measuring_limit(settings: &SolveSettings) -> u64 {
+    match settings.mode() {
+        Mode::WorkspaceReuse {
+            workspace_limit_bytes,
+        } => workspace_limit_bytes,
+        Mode::WorkspaceDivision {
+            total_workspace_bytes,
+        } => total_workspace_bytes,
+    }
+}
+
 fn parse_margin(text: &str) -> Result<f64, String> {
     let margin: f64 = text
         .parse()
@@ -330,6 +343,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         interrupt: Some(&interrupt),
         candidates,
         engines,
+        workspace_limit_bytes: Some(measuring_limit(&args.settings)),
     };
     let mut step = |p: Progress<'_>, from_cache: bool| {
         reporter.step(&p.job.layer, p.job.op.name(), p.done == p.total, from_cache);
@@ -366,11 +380,20 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
             );
         } else {
             eprintln!(
-                "profiled in {tuning_seconds:.1} s ({} sizes measured, {} from the cache{})",
+                "profiled in {tuning_seconds:.1} s ({} sizes measured, {} from the cache{}{})",
                 stats.measured,
                 stats.cached,
                 if stats.pruned > 0 {
                     format!("; {} engine timings pruned", stats.pruned)
+                } else {
+                    String::new()
+                },
+                if stats.skipped > 0 {
+                    format!(
+                        "; {} candidates over the {} limit not timed",
+                        stats.skipped,
+                        mucudnn::solver::units::format_bytes(measuring_limit(&args.settings))
+                    )
                 } else {
                     String::new()
                 }
@@ -383,6 +406,10 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         sizes_measured: stats.measured,
         sizes_cached: stats.cached,
         engine_timings_pruned: stats.pruned,
+        measuring_limit_bytes: run.workspace_limit_bytes,
+        timings_skipped_over_limit: stats.skipped,
+        peak_measuring_memory_bytes: stats.memory.peak_bytes,
+        largest_workspace_bytes: stats.memory.largest_workspace_bytes,
     };
     if let Some(path) = &args.save_profile {
         std::fs::write(path, interchange::to_json_string(&profile))

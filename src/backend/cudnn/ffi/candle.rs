@@ -21,15 +21,15 @@ use std::ffi::c_void;
 /// Key of a tuned input shape `(n, h, w)`.
 pub type ShapeKey = (i64, i64, i64);
 
-/// One layer's cuDNN state on one GPU: the handle its plans are prepared and run on, the
-/// measuring backend (made on first tuning), the prepared `[forward, backward-data,
-/// backward-filter]` plans per input shape, and a workspace from the caller's allocator.
+/// One layer's cuDNN state on one GPU: the handle its plans are prepared and run on and the
+/// prepared `[forward, backward-data, backward-filter]` plans per input shape. It keeps no
+/// measuring state (a tune makes its backend and drops it) and no workspace (each call takes
+/// one from the caller's allocator), so its memory does not grow with the layers (issue 21,
+/// item 1).
 pub struct CandleLayerDevice {
     ordinal: usize,
     exec: CudnnHandle,
-    tuning: Option<CudnnBackend>,
     plans: HashMap<ShapeKey, [PreparedPlan; 3]>,
-    workspace: Option<CudaSlice<u8>>,
 }
 
 // SAFETY: a `CandleLayerDevice` holds a cuDNN handle and plans prepared on it (engine plans
@@ -56,9 +56,7 @@ impl CandleLayerDevice {
         Ok(CandleLayerDevice {
             ordinal,
             exec: CudnnHandle::new(ordinal)?,
-            tuning: None,
             plans: HashMap::new(),
-            workspace: None,
         })
     }
 
@@ -70,18 +68,17 @@ impl CandleLayerDevice {
         self.plans.contains_key(&key)
     }
 
-    /// Tunes shape `key` with `tune` (given the GPU's measuring backend, made on first use)
-    /// and prepares its plans on the layer's handle.
+    /// Tunes shape `key` with `tune` (given a measuring backend on the GPU, made for this tune
+    /// and dropped after it) and prepares its plans on the layer's handle.
     pub fn tune<T: Send, E: From<ExecError> + From<crate::backend::BackendError>>(
         &mut self,
         key: ShapeKey,
         tune: impl FnOnce(&mut CudnnBackend) -> Result<([Plan; 3], T), E>,
     ) -> Result<T, E> {
-        if self.tuning.is_none() {
-            self.tuning = Some(CudnnBackend::new(self.ordinal)?);
-        }
-        let backend = self.tuning.as_mut().expect("made above");
-        let (plans, extra) = tune(backend)?;
+        let mut backend = CudnnBackend::new(self.ordinal)?;
+        let tuned = tune(&mut backend);
+        drop(backend);
+        let (plans, extra) = tuned?;
         let [f, d, w] = plans;
         let prepared = [
             PreparedPlan::new(&self.exec, f)?,
@@ -99,25 +96,12 @@ impl CandleLayerDevice {
             .map(|plans| plans[op_index(op)].workspace_bytes())
     }
 
-    /// Makes sure the workspace holds at least `bytes`, allocating with `alloc` (the caller's
-    /// allocator, e.g. candle's device) when it does not.
-    pub fn reserve_workspace<E>(
-        &mut self,
-        bytes: u64,
-        alloc: impl FnOnce(usize) -> Result<CudaSlice<u8>, E>,
-    ) -> Result<(), E> {
-        let have = self.workspace.as_ref().map_or(0, |w| w.len() as u64);
-        if bytes > have {
-            self.workspace = None;
-            self.workspace = Some(alloc(bytes as usize)?);
-        }
-        Ok(())
-    }
-
     /// `out = op(a, b)` for shape `key` (operands at the full mini-batch, roles as for
     /// `CudnnHandle::convolve`), queued on `stream`, which must belong to this GPU's primary
-    /// context (candle's). Checked: the stream's context, every operand's element count, the
-    /// workspace.
+    /// context (candle's), with `workspace` from the caller's allocator for this call (at
+    /// least [`CandleLayerDevice::workspace_bytes`]; `None` when that is 0). Checked: the
+    /// stream's context, every operand's element count and alignment, the workspace.
+    #[allow(clippy::too_many_arguments)]
     pub fn execute<A, B>(
         &mut self,
         key: ShapeKey,
@@ -126,6 +110,7 @@ impl CandleLayerDevice {
         a: &A,
         b: &B,
         out: &mut CudaSlice<f32>,
+        workspace: Option<&mut CudaSlice<u8>>,
     ) -> Result<(), ExecError>
     where
         A: DevicePtr<f32>,
@@ -163,7 +148,7 @@ impl CandleLayerDevice {
         let out_len = out.len();
         let (out_ptr, _out_sync) = out.device_ptr_mut(stream);
         let mut workspace_guard = None;
-        let (ws_ptr, ws_bytes) = match self.workspace.as_mut() {
+        let (ws_ptr, ws_bytes) = match workspace {
             Some(ws) if needed > 0 => {
                 let bytes = ws.len() as u64;
                 let (ptr, sync) = ws.device_ptr_mut(stream);
