@@ -72,7 +72,7 @@ impl Default for Settings {
             channels: 1,
             classes: 4,
             width: 8,
-            noise: 0.3,
+            noise: 0.1,
             lr: 0.05,
             momentum: 0.9,
             epochs: 3,

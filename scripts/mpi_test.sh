@@ -45,7 +45,7 @@ trap 'rm -rf "$work"' EXIT
 export RAYON_NUM_THREADS=1
 mpirun_np2=(mpirun --allow-run-as-root --oversubscribe -np 2 -x RAYON_NUM_THREADS)
 args=(--batch 32 --train-size 512 --test-size 256 --image-size 16 --channels 1 --classes 4
-      --width 8 --noise 0.3 --lr 0.05 --momentum 0.9 --json)
+      --width 8 --noise 0.1 --lr 0.05 --momentum 0.9 --json)
 
 # 1. Same plans, same bits: one process with the 2 ranks' shards in turn (it fills the cache),
 #    then two MPI processes on that cache.
