@@ -48,12 +48,19 @@ args=(--batch 32 --train-size 512 --test-size 256 --image-size 16 --channels 1 -
       --width 8 --noise 0.1 --lr 0.05 --momentum 0.9 --json)
 
 # 1. Same plans, same bits: one process with the 2 ranks' shards in turn (it fills the cache),
-#    then two MPI processes on that cache.
+#    then two MPI processes on that cache; and one rank with the whole global batch, whose sums
+#    run in another order (close, not equal).
 "$bin" "${args[@]}" --epochs 3 --local-ranks 2 --cache "$work/cache.sqlite" > "$work/local.json"
 "${mpirun_np2[@]}" "$bin" "${args[@]}" --epochs 3 --cache "$work/cache.sqlite" > "$work/mpi.json"
-python3 - "$work/local.json" "$work/mpi.json" <<'PY'
+"$bin" "${args[@]}" --epochs 1 --cache "$work/cache.sqlite" > "$work/one.json" 2> /dev/null
+python3 - "$work/local.json" "$work/mpi.json" "$work/one.json" <<'PY'
 import json, sys
-local, mpi = (json.load(open(p)) for p in sys.argv[1:])
+local, mpi, one = (json.load(open(p)) for p in sys.argv[1:])
+# One rank, global batch: the first epoch's step losses within 1e-6 relative of the 2 ranks'.
+steps = len(one["step_losses"])
+drift = max(abs(a - b) / abs(b) for a, b in zip(one["step_losses"], mpi["step_losses"][:steps]))
+assert one["ranks"] == 1 and drift <= 1e-6, f"1 rank vs 2: relative difference {drift}"
+print(f"1 rank with the global batch vs 2 ranks: step losses of epoch 1 within {drift:.1e} relative")
 assert local["ranks"] == mpi["ranks"] == 2 and (local["processes"], mpi["processes"]) == (1, 2)
 def bits(run):
     return ([x.hex() for x in run["step_losses"]],
