@@ -17,6 +17,8 @@
 //! a share of what the caches lack, the measurements are shared, and every rank stores rank
 //! 0's plans, which the layers then find on first sight of each shape.
 //!
+//! `--conv candle` runs the same model with candle's own `conv2d` (the GPU comparison).
+//!
 //! `MUCUDNN_TRAIN_FAIL_AT=RANK:STEP` makes that rank fail before that step (the MPI test's
 //! hook); under MPI a failing rank prints its message and ends the job (`MPI_Abort`).
 
@@ -26,7 +28,7 @@ use candle_nn::{Conv2dConfig, GroupNorm, Linear, Optimizer, VarBuilder, VarMap};
 use mucudnn::backend::{Backend, CpuBackend, TimingSettings};
 use mucudnn::cache::Cache;
 use mucudnn::candle::ddp::{self, Collective, SingleProcess, TuningShare, TuningWork};
-use mucudnn::candle::{conv2d_no_bias, Conv2d, Conv2dOptions, SharedCache};
+use mucudnn::candle::{Conv2d, Conv2dOptions, SharedCache};
 use mucudnn::tune::jobs_for;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
@@ -41,6 +43,8 @@ use std::time::Instant;
 #[derive(Clone, Debug, Serialize)]
 struct Settings {
     device: String,
+    /// `mucudnn` (the default) or `candle`: whose convolutions the model runs.
+    conv: String,
     /// Samples per step over all ranks.
     batch: usize,
     train_size: usize,
@@ -65,6 +69,7 @@ impl Default for Settings {
     fn default() -> Self {
         Settings {
             device: "cpu".into(),
+            conv: "mucudnn".into(),
             batch: 32,
             train_size: 512,
             test_size: 256,
@@ -84,7 +89,7 @@ impl Default for Settings {
     }
 }
 
-const USAGE: &str = "candle_ddp [--device cpu|cuda] [--batch N] [--train-size N] [--test-size N]
+const USAGE: &str = "candle_ddp [--device cpu|cuda] [--conv mucudnn|candle] [--batch N] [--train-size N] [--test-size N]
   [--image-size N] [--channels N] [--classes N] [--width N] [--noise X] [--lr X]
   [--momentum X] [--epochs N] [--seed N] [--local-ranks K] [--cache FILE] [--json]";
 
@@ -100,6 +105,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
     while let Some(flag) = args.next() {
         match flag.as_str() {
             "--device" => s.device = args.next().ok_or("--device needs cpu or cuda")?,
+            "--conv" => s.conv = args.next().ok_or("--conv needs mucudnn or candle")?,
             "--batch" => s.batch = number(&flag, args.next())?,
             "--train-size" => s.train_size = number(&flag, args.next())?,
             "--test-size" => s.test_size = number(&flag, args.next())?,
@@ -133,6 +139,9 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
     }
     if s.local_ranks == 0 || s.epochs == 0 {
         return Err("--local-ranks and --epochs are at least 1".into());
+    }
+    if s.conv != "mucudnn" && s.conv != "candle" {
+        return Err(format!("--conv mucudnn or candle, not {:?}", s.conv));
     }
     if s.device != "cpu" && s.device != "cuda" {
         return Err(format!("--device cpu or cuda, not {:?}", s.device));
@@ -277,15 +286,53 @@ fn epoch_order(s: &Settings, epoch: usize) -> Vec<usize> {
     order
 }
 
+/// A convolution: mucudnn's (tuned, from its plans) or, for comparison, candle's own.
+enum Conv {
+    Mucudnn(Conv2d),
+    Candle(candle_nn::Conv2d),
+}
+
+impl Conv {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Conv::Mucudnn(conv) => conv.forward(x),
+            Conv::Candle(conv) => conv.forward(x),
+        }
+    }
+}
+
+/// Makes the model's convolutions (both kinds load `weight` from the same `VarBuilder` path).
+struct ConvMaker<'a> {
+    candle: bool,
+    cache: &'a SharedCache,
+}
+
+impl ConvMaker<'_> {
+    fn make(
+        &self,
+        (c, k, cfg): (usize, usize, Conv2dConfig),
+        name: &str,
+        vb: &VarBuilder,
+    ) -> candle_core::Result<Conv> {
+        if self.candle {
+            return candle_nn::conv2d_no_bias(c, k, 3, cfg, vb.pp(name)).map(Conv::Candle);
+        }
+        let options = Conv2dOptions::default()
+            .with_cache(self.cache.clone())
+            .with_name(name);
+        mucudnn::candle::conv2d_no_bias(c, k, 3, cfg, options, vb.pp(name)).map(Conv::Mucudnn)
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The model: a ResNet in miniature. Stem conv, a residual block, a strided conv, a second
 // residual block, global average pooling, a linear head; group norm (per sample: a rank's
 // shard size does not change the normalisation), ReLU.
 
 struct Residual {
-    conv1: Conv2d,
+    conv1: Conv,
     norm1: GroupNorm,
-    conv2: Conv2d,
+    conv2: Conv,
     norm2: GroupNorm,
 }
 
@@ -293,17 +340,14 @@ impl Residual {
     fn new(
         width: usize,
         name: &str,
-        options: &dyn Fn(&str) -> Conv2dOptions,
-        vb: VarBuilder,
+        convs: &ConvMaker,
+        vb: &VarBuilder,
     ) -> candle_core::Result<Self> {
         let cfg = Conv2dConfig {
             padding: 1,
             ..Default::default()
         };
-        let conv = |which: &str| {
-            let name = format!("{name}.{which}");
-            conv2d_no_bias(width, width, 3, cfg, options(&name), vb.pp(name))
-        };
+        let conv = |which: &str| convs.make((width, width, cfg), &format!("{name}.{which}"), vb);
         Ok(Residual {
             conv1: conv("conv1")?,
             norm1: candle_nn::group_norm(4, width, 1e-5, vb.pp(format!("{name}.norm1")))?,
@@ -320,10 +364,10 @@ impl Residual {
 }
 
 struct Net {
-    stem: Conv2d,
+    stem: Conv,
     stem_norm: GroupNorm,
     block1: Residual,
-    down: Conv2d,
+    down: Conv,
     down_norm: GroupNorm,
     block2: Residual,
     head: Linear,
@@ -331,7 +375,10 @@ struct Net {
 
 impl Net {
     fn new(s: &Settings, cache: &SharedCache, vb: VarBuilder) -> candle_core::Result<Self> {
-        let options = |name: &str| Conv2dOptions::default().with_cache(cache.clone()).with_name(name);
+        let convs = ConvMaker {
+            candle: s.conv == "candle",
+            cache,
+        };
         let w = s.width;
         let same = Conv2dConfig {
             padding: 1,
@@ -343,12 +390,12 @@ impl Net {
             ..Default::default()
         };
         Ok(Net {
-            stem: conv2d_no_bias(s.channels, w, 3, same, options("stem"), vb.pp("stem"))?,
+            stem: convs.make((s.channels, w, same), "stem", &vb)?,
             stem_norm: candle_nn::group_norm(4, w, 1e-5, vb.pp("stem_norm"))?,
-            block1: Residual::new(w, "block1", &options, vb.clone())?,
-            down: conv2d_no_bias(w, 2 * w, 3, strided, options("down"), vb.pp("down"))?,
+            block1: Residual::new(w, "block1", &convs, &vb)?,
+            down: convs.make((w, 2 * w, strided), "down", &vb)?,
             down_norm: candle_nn::group_norm(4, 2 * w, 1e-5, vb.pp("down_norm"))?,
-            block2: Residual::new(2 * w, "block2", &options, vb.clone())?,
+            block2: Residual::new(2 * w, "block2", &convs, &vb)?,
             head: candle_nn::linear(2 * w, s.classes, vb.pp("head"))?,
         })
     }
@@ -361,11 +408,11 @@ impl Net {
         self.head.forward(&h.mean((2, 3))?)
     }
 
-    /// Every convolution with the input size it sees.
+    /// Every mucudnn convolution with the input size it sees (none with candle's).
     fn convs(&self, s: &Settings) -> Vec<(&Conv2d, usize)> {
         let full = s.image_size;
-        let half = (full + 1) / 2;
-        vec![
+        let half = full.div_ceil(2);
+        [
             (&self.stem, full),
             (&self.block1.conv1, full),
             (&self.block1.conv2, full),
@@ -373,6 +420,12 @@ impl Net {
             (&self.block2.conv1, half),
             (&self.block2.conv2, half),
         ]
+        .into_iter()
+        .filter_map(|(conv, size)| match conv {
+            Conv::Mucudnn(conv) => Some((conv, size)),
+            Conv::Candle(_) => None,
+        })
+        .collect()
     }
 }
 
@@ -484,7 +537,10 @@ struct EpochReport {
     train_loss: f64,
     test_loss: f64,
     test_accuracy: f64,
+    /// The epoch's wall time, evaluation included.
     seconds: f64,
+    /// Training images per second over all ranks (the steps alone, evaluation excluded).
+    images_per_s: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -510,7 +566,9 @@ fn failure(rank: usize) -> Result<Option<usize>, String> {
         .and_then(|(r, s)| Some((r.trim().parse::<usize>().ok()?, s.trim().parse().ok()?)));
     match parsed {
         Some((r, step)) => Ok((r == rank).then_some(step)),
-        None => Err(format!("MUCUDNN_TRAIN_FAIL_AT={text:?}: expected RANK:STEP")),
+        None => Err(format!(
+            "MUCUDNN_TRAIN_FAIL_AT={text:?}: expected RANK:STEP"
+        )),
     }
 }
 
@@ -560,10 +618,16 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
     let local = s.local_ranks;
     let ranks = processes * local;
     if s.batch < ranks {
-        return Err(format!("--batch {} is smaller than the {ranks} ranks", s.batch));
+        return Err(format!(
+            "--batch {} is smaller than the {ranks} ranks",
+            s.batch
+        ));
     }
     if s.train_size < s.batch {
-        return Err(format!("--train-size {} is below one batch of {}", s.train_size, s.batch));
+        return Err(format!(
+            "--train-size {} is below one batch of {}",
+            s.train_size, s.batch
+        ));
     }
     let fail_at: Vec<Option<usize>> = (0..local)
         .map(|l| failure(process * local + l))
@@ -630,7 +694,10 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
     let mut layers = Vec::new();
     for &n in &sizes {
         for (conv, hw) in net.convs(s) {
-            layers.push((conv.name().to_string(), conv.problem(n, hw, hw).map_err(msg)?));
+            layers.push((
+                conv.name().to_string(),
+                conv.problem(n, hw, hw).map_err(msg)?,
+            ));
         }
     }
     let timing = if device.is_cuda() {
@@ -638,14 +705,16 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
     } else {
         TimingSettings::CPU
     };
-    let tuning = net.stem.options().tuning(timing);
+    let tuning = Conv2dOptions::default().tuning(timing);
     let mut backend: Box<dyn Backend> = if device.is_cuda() {
         Box::new(mucudnn::backend::CudnnBackend::new(job.local_device()).map_err(msg)?)
     } else {
         Box::new(CpuBackend::new())
     };
     let share = {
-        let guard = cache.lock().map_err(|_| "the cache's mutex is poisoned".to_string())?;
+        let guard = cache
+            .lock()
+            .map_err(|_| "the cache's mutex is poisoned".to_string())?;
         let mut work = TuningWork {
             backend: backend.as_mut(),
             cache: &guard,
@@ -677,8 +746,12 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                     continue;
                 }
                 let (x, y) = test_set.batch(part, s, &device).map_err(msg)?;
-                let (loss, correct) = loss_and_correct(&net.forward(&x).map_err(msg)?, &y).map_err(msg)?;
-                mine.push([f64::from(loss.to_scalar::<f32>().map_err(msg)?), correct as f64]);
+                let (loss, correct) =
+                    loss_and_correct(&net.forward(&x).map_err(msg)?, &y).map_err(msg)?;
+                mine.push([
+                    f64::from(loss.to_scalar::<f32>().map_err(msg)?),
+                    correct as f64,
+                ]);
             }
             for theirs in ddp::gather_results(job, Ok(mine)).map_err(msg)? {
                 for pair in theirs {
@@ -707,7 +780,9 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
         let started = Instant::now();
         let order = epoch_order(s, epoch);
         let mut loss_sum = 0f64;
+        let mut step_seconds = 0f64;
         for batch in order.chunks(s.batch) {
+            let step_started = Instant::now();
             step += 1;
             let mut grads_local = Vec::with_capacity(local);
             let mut losses = Vec::with_capacity(local);
@@ -715,12 +790,17 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
             for (l, fail) in fail_at.iter().enumerate() {
                 if *fail == Some(step) {
                     let rank = process * local + l;
-                    let which = if local > 1 { format!(" (rank {rank})") } else { String::new() };
+                    let which = if local > 1 {
+                        format!(" (rank {rank})")
+                    } else {
+                        String::new()
+                    };
                     return Err(format!("injected failure before step {step}{which}"));
                 }
                 let part = shard(batch, process * local + l, ranks);
                 let (x, y) = train_set.batch(part, s, &device).map_err(msg)?;
-                let (loss, _) = loss_and_correct(&net.forward(&x).map_err(msg)?, &y).map_err(msg)?;
+                let (loss, _) =
+                    loss_and_correct(&net.forward(&x).map_err(msg)?, &y).map_err(msg)?;
                 let grads = loss.backward().map_err(msg)?;
                 let mut flat = Vec::with_capacity(parameter_count);
                 for t in &grad_tensors {
@@ -734,8 +814,8 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                 store = Some(grads);
             }
             let scale = 1.0 / batch.len() as f64;
-            let summed = ddp::sum_in_rank_order(job, &grads_local, parameter_count, scale)
-                .map_err(msg)?;
+            let summed =
+                ddp::sum_in_rank_order(job, &grads_local, parameter_count, scale).map_err(msg)?;
             let step_loss: f64 = ddp::gather_results(job, Ok(losses))
                 .map_err(msg)?
                 .into_iter()
@@ -751,6 +831,8 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                 at += n;
             }
             optimizer.step(&store).map_err(msg)?;
+            device.synchronize().map_err(msg)?;
+            step_seconds += step_started.elapsed().as_secs_f64();
             loss_sum += step_loss;
             step_losses.push(step_loss);
         }
@@ -762,15 +844,17 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
             test_loss,
             test_accuracy,
             seconds: started.elapsed().as_secs_f64(),
+            images_per_s: order.len() as f64 / step_seconds.max(1e-9),
         };
         if print {
             eprintln!(
                 "epoch {epoch}: train loss {:.4}, test loss {:.4}, held-out accuracy {:.1}% \
-                 (chance {:.1}%), {:.1} s",
+                 (chance {:.1}%), {:.0} images/s, {:.1} s",
                 report.train_loss,
                 report.test_loss,
                 100.0 * report.test_accuracy,
                 100.0 / s.classes as f64,
+                report.images_per_s,
                 report.seconds
             );
         }

@@ -37,6 +37,8 @@ if [ ${#need_packages[@]} -gt 0 ]; then
 fi
 command -v mpirun >/dev/null 2>&1 || skip "mpirun is still missing"
 
+# The protocol's unit tests (src/candle/ddp.rs), then the program.
+cargo test --locked --no-default-features --features candle,mpi --lib candle::ddp
 cargo build --locked --no-default-features --features candle,mpi --example candle_ddp
 bin=${CARGO_TARGET_DIR:-target}/debug/examples/candle_ddp
 work=$(mktemp -d)

@@ -263,9 +263,8 @@ where
             values.push(None);
             continue;
         }
-        let theirs: Result<T, String> = serde_json::from_slice(part).map_err(|e| {
-            DdpError::Collective(format!("rank {peer} sent a bad message: {e}"))
-        })?;
+        let theirs: Result<T, String> = serde_json::from_slice(part)
+            .map_err(|e| DdpError::Collective(format!("rank {peer} sent a bad message: {e}")))?;
         match theirs {
             Ok(value) => values.push(Some(value)),
             Err(reason) => return Err(DdpError::PeerFailed { rank: peer, reason }),
