@@ -131,7 +131,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
     if s.image_size < 8 || s.channels == 0 || s.width < 4 || s.width % 4 != 0 {
         return Err("images are at least 8x8 with a channel; --width is a multiple of 4".into());
     }
-    if !(s.noise.is_finite() && s.noise >= 0.0) || !(s.lr.is_finite() && s.lr > 0.0) {
+    if !(s.noise.is_finite() && s.noise >= 0.0 && s.lr.is_finite() && s.lr > 0.0) {
         return Err("--noise >= 0 and --lr > 0".into());
     }
     if !(s.momentum.is_finite() && (0.0..1.0).contains(&s.momentum)) {
