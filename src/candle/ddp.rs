@@ -28,6 +28,7 @@
 //! with [`DdpError::PeerFailed`]) instead of waiting for a peer that will never come.
 
 use crate::backend::Backend;
+use crate::exec::check_plan;
 use crate::profiler::Job;
 use crate::solver::{ConvOp, DeviceFingerprint, Plan};
 use crate::tune::{
@@ -201,7 +202,29 @@ impl TuningWork<'_> {
         Ok(plans)
     }
 
-    fn store_plans(&self, plans: &[Plan]) {
+    /// Stores the leader's plans in this rank's cache, each checked first: executable
+    /// ([`check_plan`]), for one of this rank's jobs, within its workspace limit. A bad plan
+    /// stores nothing and is this rank's error.
+    fn store_plans(&self, plans: &[Plan]) -> Result<(), DdpError> {
+        for plan in plans {
+            let refuse = |why: &str| {
+                DdpError::Tune(format!(
+                    "the leader's plan for {} {} {why}",
+                    plan.layer, plan.op
+                ))
+            };
+            check_plan(plan).map_err(|e| refuse(&format!("is not executable: {e}")))?;
+            if !self
+                .jobs
+                .iter()
+                .any(|job| job.problem == plan.problem && job.op == plan.op)
+            {
+                return Err(refuse("is for a problem this rank does not tune"));
+            }
+            if plan.workspace_bytes() > self.tuning.workspace_limit_bytes {
+                return Err(refuse("exceeds the workspace limit"));
+            }
+        }
         let key = PlanKey::reuse(
             self.tuning.policy,
             self.run().effective_candidates(self.backend.kinds()),
@@ -211,6 +234,7 @@ impl TuningWork<'_> {
             self.cache
                 .store_plan(self.backend.fingerprint(), plan, &key);
         }
+        Ok(())
     }
 }
 
@@ -399,7 +423,7 @@ pub fn share_plans(
     let everyone: Vec<Vec<Plan>> = gather_results(collective, plans)?;
     if leader != rank {
         if let Some(plans) = everyone.get(leader) {
-            work.store_plans(plans);
+            work.store_plans(plans)?;
         }
     }
     let mine = work.plans();
@@ -561,5 +585,37 @@ mod tests {
         assert_eq!(first.measured_by_rank.iter().sum::<usize>(), first.tasks);
         assert_eq!(first.plans_fnv1a.len(), 2);
         assert_eq!(first.plans_fnv1a[0], first.plans_fnv1a[1]);
+    }
+
+    #[test]
+    fn a_bad_plan_from_the_leader_is_refused() {
+        let cache = Cache::in_memory();
+        let mut backend = CpuBackend::new();
+        let problem = ConvProblem::new(4, 2, 6, 6, 3, 3, 3);
+        let mut work = TuningWork {
+            backend: &mut backend,
+            cache: &cache,
+            cache_identity: None,
+            tuning: LayerTuning {
+                policy: Policy::PowerOfTwo,
+                workspace_limit_bytes: 1 << 20,
+                timing: TimingSettings {
+                    warmup: 0,
+                    loops: 1,
+                    ..TimingSettings::CPU
+                },
+                candidates: CandidateSet::All,
+                engines: EngineOptions::default(),
+            },
+            jobs: jobs_for([("conv".to_string(), problem)]),
+        };
+        let good = work.plans().unwrap();
+        assert!(work.store_plans(&good).is_ok());
+        let mut short = good[0].clone();
+        short.micro_batches[0].size -= 1;
+        assert!(work.store_plans(&[short]).is_err());
+        let mut foreign = good[0].clone();
+        foreign.problem.k += 1;
+        assert!(work.store_plans(&[foreign]).is_err());
     }
 }
