@@ -10,13 +10,14 @@
 #                                                # (docs/candle.md); fills .gpu/candle_ddp/
 #   bash scripts/gpu/candle_ddp_check.sh run     # on the GPU machine, .gpu carried along
 #
-# With MPI at build time (`mpicc` found) the binary is built with `mpi` and `run` starts one
-# process per GPU with mpirun; without it, one process on GPU 0. Logs and summary.json go
+# With CANDLE_DDP_MPI=1 at build time the binary is built with `mpi` (it then needs Open MPI's
+# libmpi on the GPU machine too) and `run` starts one process per GPU with mpirun; by default,
+# one process on GPU 0. Logs and summary.json go
 # under $OUT when it is set; exits non-zero on any failure. About 2 minutes on one H100.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
-# The same features as candle_check.sh (one candle-cuda build serves both), plus MPI if here.
+# The same features as candle_check.sh (one candle-cuda build serves both), plus MPI if asked.
 FEATURES="candle-cuda,candle-core/cudnn"
 
 build() {
@@ -28,7 +29,7 @@ build() {
   mkdir -p .gpu/candle_ddp
   export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
   local features=$FEATURES
-  if command -v mpicc >/dev/null 2>&1; then features="$features,mpi"; fi
+  if [ "${CANDLE_DDP_MPI:-0}" = 1 ]; then features="$features,mpi"; fi
   cargo build --release --locked --no-default-features --features "$features" \
     --example candle_ddp
   cp "${CARGO_TARGET_DIR:-target}/release/examples/candle_ddp" .gpu/candle_ddp/candle_ddp
