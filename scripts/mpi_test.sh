@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# The MPI tests (issue 18), on the CPU: `mpirun -np 2` training must match the same run with 2
-# threads in one process bit for bit (losses and final parameters), given the same cache file
-# (so both run the same plans); with a cache file per process the tuning measurements are dealt
-# out over the processes (disjoint shares) and both run identical plans; a rank that fails at
-# step k must end the job, non-zero, with its message, within seconds.
+# The MPI tests (issue 25), on the CPU, of the data-parallel candle trainer
+# (examples/candle_ddp.rs, docs/training.md):
+# 1. `mpirun -np 2` equals one process computing the 2 ranks' shards in turn, bit for bit
+#    (every step's loss, the held-out losses, the final parameters), given the same cache file
+#    (so both run the same plans); the loss falls over 3 epochs and the held-out accuracy is
+#    well above chance.
+# 2. With a cache file per process the measuring is dealt out (about half each, disjoint) and
+#    both processes run identical plans; a second run measures nothing.
+# 3. A rank failing at step 3 ends the job, non-zero, with its message, within 30 s.
 #
 # Installs Debian's Open MPI (openmpi-bin, libopenmpi-dev) and libclang-dev (rsmpi's bindgen)
-# with apt-get when mpirun is missing and apt is usable (idempotent: nothing is installed twice),
-# builds `mucudnn` with `--features mpi`, and runs the checks. Exits 77 with "skipped: ..." when
-# MPI cannot be had. Run from anywhere: bash scripts/mpi_test.sh
+# with apt-get when missing and apt is usable (idempotent: nothing is installed twice), builds
+# the example with `--features candle,mpi`, and runs the checks. Exits 77 with "skipped: ..."
+# when MPI cannot be had. Run from anywhere: bash scripts/mpi_test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,46 +37,64 @@ if [ ${#need_packages[@]} -gt 0 ]; then
 fi
 command -v mpirun >/dev/null 2>&1 || skip "mpirun is still missing"
 
-cargo build --locked --features mpi --bin mucudnn
-bin=target/debug/mucudnn
+# The protocol's unit tests (src/candle/ddp.rs), then the program.
+cargo test --locked --no-default-features --features candle,mpi --lib candle::ddp
+cargo build --locked --no-default-features --features candle,mpi --example candle_ddp
+bin=${CARGO_TARGET_DIR:-target}/debug/examples/candle_ddp
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-mpirun_np2=(mpirun --allow-run-as-root --oversubscribe -np 2)
-args=(train --device cpu --batch 16 --train-size 320 --test-size 100 --image-size 16 --channels 1
-      --block-channels 8,16 --noise 0.3 --lr 0.05 --epochs 2 --json --quiet --check-sync
-      --cache "$work/cache.sqlite")
+# One candle thread per process in every run (two processes share the runner's two cores).
+export RAYON_NUM_THREADS=1
+mpirun_np2=(mpirun --allow-run-as-root --oversubscribe -np 2 -x RAYON_NUM_THREADS)
+args=(--batch 32 --train-size 512 --test-size 256 --image-size 16 --channels 1 --classes 4
+      --width 8 --noise 0.1 --lr 0.05 --momentum 0.9 --json)
 
-# 1. Same plans, same bits: threads first (they fill the cache), then two MPI processes.
-"$bin" "${args[@]}" --ranks 2 > "$work/threads.json"
-"${mpirun_np2[@]}" "$bin" "${args[@]}" > "$work/mpi.json"
-python3 - "$work/threads.json" "$work/mpi.json" <<'PY'
+# 1. Same plans, same bits: one process with the 2 ranks' shards in turn (it fills the cache),
+#    then two MPI processes on that cache; and one rank with the whole global batch, whose sums
+#    run in another order (close, not equal).
+"$bin" "${args[@]}" --epochs 3 --local-ranks 2 --cache "$work/cache.sqlite" > "$work/local.json"
+"${mpirun_np2[@]}" "$bin" "${args[@]}" --epochs 3 --cache "$work/cache.sqlite" > "$work/mpi.json"
+"$bin" "${args[@]}" --epochs 1 --cache "$work/cache.sqlite" > "$work/one.json" 2> /dev/null
+python3 - "$work/local.json" "$work/mpi.json" "$work/one.json" <<'PY'
 import json, sys
-threads, mpi = (json.load(open(p)) for p in sys.argv[1:])
+local, mpi, one = (json.load(open(p)) for p in sys.argv[1:])
+# One rank, global batch: the first epoch's step losses within 1e-6 relative of the 2 ranks'.
+steps = len(one["step_losses"])
+drift = max(abs(a - b) / abs(b) for a, b in zip(one["step_losses"], mpi["step_losses"][:steps]))
+assert one["ranks"] == 1 and drift <= 1e-6, f"1 rank vs 2: relative difference {drift}"
+print(f"1 rank with the global batch vs 2 ranks: step losses of epoch 1 within {drift:.1e} relative")
+assert local["ranks"] == mpi["ranks"] == 2 and (local["processes"], mpi["processes"]) == (1, 2)
 def bits(run):
-    return ([(e["train_loss"].hex(), e["test_loss"].hex(), e["train_accuracy"]) for e in run["epochs"]],
-            run["initial"]["loss"].hex(), run["summary"]["parameters_fnv1a"])
-assert threads["settings"]["ranks"] == mpi["settings"]["ranks"] == 2, "two ranks each"
-assert bits(threads) == bits(mpi), f"threads {bits(threads)} != mpirun {bits(mpi)}"
-print("mpirun -np 2 == 2 threads, bit for bit:", bits(mpi))
+    return ([x.hex() for x in run["step_losses"]],
+            [(e["train_loss"].hex(), e["test_loss"].hex(), e["test_accuracy"]) for e in run["epochs"]],
+            run["initial_test_loss"].hex(), run["parameters_fnv1a"])
+assert bits(local) == bits(mpi), f"one process {bits(local)} != mpirun {bits(mpi)}"
+epochs = mpi["epochs"]
+assert len(epochs) == 3
+losses = [e["train_loss"] for e in epochs]
+assert losses[2] < losses[0] and epochs[2]["test_loss"] < mpi["initial_test_loss"], losses
+chance = 1 / mpi["settings"]["classes"]
+accuracy = epochs[-1]["test_accuracy"]
+assert accuracy >= chance + 0.3, f"held-out accuracy {accuracy} vs chance {chance}"
+print(f"mpirun -np 2 == 2 ranks in one process, bit for bit ({len(mpi['step_losses'])} steps, "
+      f"parameters {mpi['parameters_fnv1a']}); train loss by epoch {[round(x, 4) for x in losses]}, "
+      f"held-out accuracy {accuracy:.3f} (chance {chance:.2f})")
 PY
 
 # 2. A cache file per process (as with a file per host): the measuring is dealt out over the
-#    two processes and shared, each measures a disjoint share, both end with identical plans;
-#    a second run finds both caches complete.
-per_rank=(train --device cpu --batch 16 --train-size 320 --test-size 100 --image-size 16 --channels 1
-          --block-channels 8,16 --noise 0.3 --lr 0.05 --epochs 1 --json --quiet --check-sync)
+#    two processes and shared; both end with identical plans; a second run measures nothing.
 for run in first second; do
   "${mpirun_np2[@]}" sh -c 'exec "$0" "$@" --cache "'"$work"'/rank-$OMPI_COMM_WORLD_RANK.sqlite"' \
-    "$bin" "${per_rank[@]}" > "$work/dealt-$run.json"
+    "$bin" "${args[@]}" --epochs 1 > "$work/dealt-$run.json"
 done
 python3 - "$work/dealt-first.json" "$work/dealt-second.json" <<'PY'
 import json, sys
 first, second = (json.load(open(p))["tuning"] for p in sys.argv[1:])
 shares = first["measured_by_rank"]
 assert first["tasks"] > 0 and len(shares) == 2, first
-# Each task is measured by exactly one process (deduplicated union dealt round-robin), so the
-# shares are disjoint and cover the tasks.
-assert all(n > 0 for n in shares) and sum(shares) == first["tasks"], first
+# Each task is measured by exactly one process (the deduplicated union dealt round-robin), so
+# the shares are disjoint, cover the tasks, and are about half each.
+assert sum(shares) == first["tasks"] and min(shares) >= first["tasks"] // 3, first
 assert len(set(first["plans_fnv1a"])) == 1, f"the ranks run different plans: {first}"
 assert second["tasks"] == 0 and second["measured_by_rank"] == [0, 0], second
 assert second["plans_fnv1a"] == first["plans_fnv1a"], (first, second)
@@ -80,11 +102,11 @@ print(f"a cache per process: {first['tasks']} tasks dealt as {shares}, identical
       f"({first['plans_fnv1a'][0]}); the second run measured nothing")
 PY
 
-# 3. A rank failing at step 3 ends the job with its message, non-zero, within seconds.
+# 3. A rank failing at step 3 ends the job with its message, non-zero, within 30 s.
 start=$(date +%s.%N)
 set +e
 MUCUDNN_TRAIN_FAIL_AT=1:3 timeout 120 "${mpirun_np2[@]}" -x MUCUDNN_TRAIN_FAIL_AT "$bin" "${args[@]}" \
-  > /dev/null 2> "$work/fail.txt"
+  --epochs 3 --cache "$work/cache.sqlite" > /dev/null 2> "$work/fail.txt"
 status=$?
 set -e
 elapsed=$(python3 -c "import time; print(f'{time.time() - $start:.2f}')")

@@ -4,8 +4,8 @@
 #   1. the Rust workspace: cargo test --workspace --locked, and the library core built alone
 #      (--no-default-features) with no CLI, plotting, TOML, signal or training crate;
 #   2. the candle layer on candle's CPU device (feature candle);
-#   3. the MPI tests (scripts/mpi_test.sh: Open MPI from Debian's packages, installed when
-#      missing, and a build with --features mpi);
+#   3. the MPI tests of the data-parallel candle trainer (scripts/mpi_test.sh: Open MPI from
+#      Debian's packages, installed when missing, and a build with --features candle,mpi);
 #   4. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
 #      description of an H100, with no GPU (the cuDNN and cuBLAS wheels and a stub libcuda,
 #      fetched and built once under the test cache folder);
@@ -41,7 +41,7 @@ echo "the core's dependency tree has none of clap, indicatif, plotters, ctrlc, t
 section "candle: cargo test --features candle --test candle_cpu"
 cargo test --locked --features candle --test candle_cpu
 
-section "MPI: scripts/mpi_test.sh (mpirun -np 2 training against 2 threads, a failing rank)"
+section "MPI: scripts/mpi_test.sh (candle_ddp: mpirun -np 2 against 2 ranks in one process, dealt tuning, a failing rank)"
 status=0
 bash scripts/mpi_test.sh || status=$?
 if [ "$status" -eq 77 ]; then

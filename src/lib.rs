@@ -24,6 +24,4 @@ pub mod profiler;
 pub mod report;
 #[cfg(feature = "cli")]
 pub mod report_files;
-#[cfg(feature = "train")]
-pub mod train;
 pub mod tune;

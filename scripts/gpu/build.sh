@@ -5,9 +5,6 @@
 #                                         tune/verify, profile check
 #   bash scripts/gpu/c_abi_check.sh run   the C ABI clients (C and PyTorch ctypes)
 #   bash .gpu/engines_vs_torch.sh         issue 8: executed plans (legacy + engines) vs PyTorch
-#   bash scripts/gpu/train_ops_check.sh   the training ops, NCCL and a tiny CNN (src/train/gpu)
-#   bash .gpu/train_check.sh              issue 7: the GPU replica's tests and mucudnn train
-#                                         --device cuda, fp32/fp16, 8/64 MiB, +-micro-batching
 #   bash .gpu/torch_check.sh              issue 15: the PyTorch package (pytest incl. CUDA
 #                                         tests, converted AlexNet/ResNet-50 vs PyTorch)
 set -euo pipefail
@@ -31,11 +28,8 @@ cp target/release/mucudnn .gpu/mucudnn
 cp "$(exe --lib)" .gpu/lib-tests
 cp "$(exe --test gpu_cudnn)" .gpu/gpu-tests
 cp "$(exe --test gpu_engines)" .gpu/gpu-engines
-cp "$(exe --test gpu_train_ops)" .gpu/train-ops-tests
-cp "$(exe --test gpu_train)" .gpu/train-tests
 cp scripts/gpu/check.sh scripts/gpu/torch_cases.py scripts/gpu/compare_profile.py .gpu/
 cp scripts/gpu/engines_vs_torch.sh scripts/gpu/torch_bench.py .gpu/
-cp scripts/gpu/train_check.sh scripts/gpu/train_libs.sh .gpu/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/
 bash scripts/gpu/c_abi_check.sh build
 du -sh .gpu

@@ -23,6 +23,9 @@
 
 #[cfg(feature = "candle-cuda")]
 mod cuda;
+pub mod ddp;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 use crate::backend::cpu::{self, AlignedWorkspace};
 use crate::backend::{CpuBackend, TimingSettings};
@@ -116,7 +119,8 @@ impl Conv2dOptions {
         self
     }
 
-    fn tuning(&self, timing: TimingSettings) -> LayerTuning {
+    /// How the layer tunes, with `timing` (`TimingSettings::CPU` or `::GPU`).
+    pub fn tuning(&self, timing: TimingSettings) -> LayerTuning {
         LayerTuning {
             policy: self.policy,
             workspace_limit_bytes: self.workspace_limit_bytes,
@@ -589,6 +593,13 @@ impl Conv2d {
 
     pub fn name(&self) -> &str {
         &self.core.name
+    }
+
+    /// The layer's convolution for an input of `n` images of `h x w` (what it tunes on
+    /// first sight of that shape), checked.
+    pub fn problem(&self, n: usize, h: usize, w: usize) -> candle_core::Result<ConvProblem> {
+        let c = self.core.template.c as usize;
+        self.core.problem(&[n, c, h, w])
     }
 
     /// The input shapes `(n, h, w)` tuned so far, in the order first seen, with where each

@@ -72,8 +72,6 @@ pub use foreign::{
     ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView, RawDeviceViewMut,
     TensorDescriptorInfo,
 };
-#[cfg(all(feature = "train", not(feature = "cudarc-linked")))]
-pub(crate) use gates::candidates;
 use gates::*;
 pub(crate) use gates::{cudnn, driver};
 pub use gates::{cudnn_version, library_status, probe, DeviceInfo, LibraryStatus, SystemInfo};
@@ -712,14 +710,6 @@ impl CudnnHandle {
         self.stream
             .synchronize()
             .map_err(drv_err("cuStreamSynchronize"))
-    }
-
-    /// The raw handle, for the training ops' FFI wall (`crate::train::gpu::ffi`), which calls
-    /// more of cuDNN on the same handle. Live as long as `self`; used by this thread only (the
-    /// type is not `Sync`).
-    #[cfg(feature = "train")]
-    pub(crate) fn raw(&self) -> dnn_sys::cudnnHandle_t {
-        self.raw
     }
 
     /// Makes the handle's context current on this thread (before any cuDNN call).

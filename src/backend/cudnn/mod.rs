@@ -139,10 +139,6 @@ pub use engine_search::{
     DEFAULT_MAX_CANDIDATES, MAX_VALUES_PER_KNOB,
 };
 pub use error::CudnnError;
-/// For the training ops' FFI wall (`crate::train::gpu::ffi`): the same gates, enum mappings
-/// and error conversions, so that both walls load and describe the libraries the same way.
-#[cfg(all(feature = "train", not(feature = "cudarc-linked")))]
-pub(crate) use ffi::candidates;
 /// One candle layer's cuDNN state on a GPU, run on candle's stream over its buffers.
 #[cfg(feature = "candle-cuda")]
 pub use ffi::CandleLayerDevice;
@@ -165,10 +161,6 @@ pub use ffi::{
     read_tensor_descriptor, save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard,
     DataTypeCode, DropInCallerContext, FilterDescriptorInfo, ForeignHandle, ForeignSession,
     ForeignWorkspace, RawDeviceView, RawDeviceViewMut, TensorDescriptorInfo,
-};
-#[cfg(feature = "train")]
-pub(crate) use ffi::{
-    cudnn as require_cudnn, driver as require_driver, driver_error, status_error, warn_drop,
 };
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
 /// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).

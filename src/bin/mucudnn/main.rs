@@ -5,7 +5,6 @@
 //! - `solve` (here): solve a saved profile.
 //! - `cache` (cache_cmd.rs): inspect, export, import and clear the tuning cache.
 //! - `report`, `explain` (report_cmd.rs): report files from a saved profile; why a split won.
-//! - `train` (train_cmd.rs): data-parallel training of a small CNN through the conv layer.
 
 /// Prints to stdout like `print!`, but a closed stdout (`mucudnn cache list | head -1`) is not
 /// a panic: printing stops and the command finishes its other work (see [`write_stdout`]).
@@ -27,7 +26,6 @@ macro_rules! outln {
 
 mod cache_cmd;
 mod report_cmd;
-mod train_cmd;
 mod tune;
 
 use anyhow::{Context, Result};
@@ -93,8 +91,6 @@ enum Command {
     Report(report_cmd::ReportArgs),
     /// Show, per micro-batch size, the best algorithm within each workspace limit.
     Explain(report_cmd::ExplainArgs),
-    /// Train a small CNN data-parallel, its convolutions through mucudnn's tuned layer.
-    Train(train_cmd::TrainArgs),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -285,7 +281,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Cache(args) => cache_cmd::run(&args),
         Command::Report(args) => report_cmd::report(&args),
         Command::Explain(args) => report_cmd::explain_command(&args),
-        Command::Train(args) => train_cmd::run(&args),
     }
 }
 

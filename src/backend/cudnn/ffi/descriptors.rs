@@ -35,12 +35,6 @@ impl TensorDescriptor {
         // cuDNN gate passed; `read_tensor_descriptor` only reads it.
         unsafe { foreign::read_tensor_descriptor(self.raw.cast()) }
     }
-
-    /// The raw descriptor, for the training ops' FFI wall; live as long as `self`.
-    #[cfg(feature = "train")]
-    pub(crate) fn raw(&self) -> dnn_sys::cudnnTensorDescriptor_t {
-        self.raw
-    }
 }
 
 impl Drop for TensorDescriptor {

@@ -221,19 +221,6 @@ impl DeviceBuffer {
             .map_err(drv_err("cuMemcpyHtoDAsync"))
     }
 
-    /// The allocation as cudarc holds it (`len * dtype size` bytes), for the training ops' FFI
-    /// wall, which reads and writes whole buffers on their stream.
-    #[cfg(feature = "train")]
-    pub(crate) fn cuda_bytes(&self) -> &CudaSlice<u8> {
-        &self.data
-    }
-
-    /// As [`Self::cuda_bytes`], for writing.
-    #[cfg(feature = "train")]
-    pub(crate) fn cuda_bytes_mut(&mut self) -> &mut CudaSlice<u8> {
-        &mut self.data
-    }
-
     /// Overwrites the buffer with [`host::random_values`] (non-zero) from `seed`.
     pub fn fill_random(&mut self, seed: u64) -> Result<(), CudnnError> {
         let values = host::random_values(self.dtype, self.len, seed);

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The data-parallel candle trainer on GPUs (issue 25; examples/candle_ddp.rs,
+# docs/training.md#on-gpus): one process per GPU trains the small ResNet with mucudnn's
+# convolutions, then the same program with candle's own conv2d (cuDNN through candle-core's
+# `cudnn` feature) in the same run. Checks that the loss falls and the held-out accuracy is
+# above chance for both; prints images/s of each and their ratio.
+#
+#   bash scripts/gpu/candle_ddp_check.sh build   # here (no GPU): nvcc and the CUDA 13 headers
+#                                                # and libraries as for candle_check.sh
+#                                                # (docs/candle.md); fills .gpu/candle_ddp/
+#   bash scripts/gpu/candle_ddp_check.sh run     # on the GPU machine, .gpu carried along
+#
+# With CANDLE_DDP_MPI=1 at build time the binary is built with `mpi` (it then needs Open MPI's
+# libmpi on the GPU machine too) and `run` starts one process per GPU with mpirun; by default,
+# one process on GPU 0. Logs and summary.json go
+# under $OUT when it is set; exits non-zero on any failure. About 2 minutes on one H100.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+# The same features as candle_check.sh (one candle-cuda build serves both), plus MPI if asked.
+FEATURES="candle-cuda,candle-core/cudnn"
+
+build() {
+  set -e
+  local exclude
+  exclude=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
+  mkdir -p .gpu/candle_ddp
+  export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+  local features=$FEATURES
+  if [ "${CANDLE_DDP_MPI:-0}" = 1 ]; then features="$features,mpi"; fi
+  cargo build --release --locked --no-default-features --features "$features" \
+    --example candle_ddp
+  cp "${CARGO_TARGET_DIR:-target}/release/examples/candle_ddp" .gpu/candle_ddp/candle_ddp
+  echo "$features" > .gpu/candle_ddp/features.txt
+  cp scripts/gpu/candle_ddp_check.sh .gpu/candle_ddp/
+  du -sh .gpu/candle_ddp
+  echo "now run on the GPU machine: bash scripts/gpu/candle_ddp_check.sh run   (carry .gpu)"
+}
+
+run() {
+  local out=${OUT:-/tmp/mucudnn-candle-ddp}
+  mkdir -p "$out"
+  local dirs="" d
+  for d in /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu \
+    $(python3 -c 'import nvidia, os; p = nvidia.__path__[0]
+for root, _, files in os.walk(p):
+    if any(f.startswith("lib") and ".so" in f for f in files): print(root)' 2>/dev/null); do
+    [ -d "$d" ] && dirs="$dirs:$d"
+  done
+  export LD_LIBRARY_PATH="${dirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export XDG_CACHE_HOME="$out/xdg"
+  local bin=./.gpu/candle_ddp/candle_ddp
+  [ -x "$bin" ] || { echo "FAIL: $bin is missing: run '... build' here first"; return 1; }
+  local gpus
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || gpus=0
+  [ "$gpus" -ge 1 ] || { echo "FAIL: no GPU"; return 1; }
+  local launch=("$bin")
+  if grep -q mpi .gpu/candle_ddp/features.txt && command -v mpirun >/dev/null 2>&1; then
+    launch=(mpirun --allow-run-as-root -np "$gpus" "$bin")
+  else
+    gpus=1
+  fi
+  local args=(--device cuda --batch $((64 * gpus)) --train-size 8192 --test-size 1024
+              --image-size 32 --channels 3 --classes 10 --width 32 --noise 0.1 --lr 0.05
+              --epochs 3 --json --cache "$out/cache.sqlite")
+  local status=0 conv
+  for conv in mucudnn candle; do
+    "${launch[@]}" "${args[@]}" --conv "$conv" > "$out/$conv.json" 2> "$out/$conv.log" || {
+      status=1; echo "FAIL: the $conv run ended with an error"; tail -n 20 "$out/$conv.log"; }
+    tail -n 4 "$out/$conv.log"
+  done
+  python3 - "$out" "$gpus" <<'PY' || status=1
+import json, os, sys
+out, gpus = sys.argv[1], int(sys.argv[2])
+runs = {}
+for conv in ("mucudnn", "candle"):
+    try:
+        runs[conv] = json.load(open(os.path.join(out, f"{conv}.json")))
+    except (OSError, ValueError) as e:
+        print(f"FAIL: {conv}: no report ({e})"); sys.exit(1)
+failed = False
+rows = []
+for conv, run in runs.items():
+    epochs = run["epochs"]
+    falls = epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    accuracy = epochs[-1]["test_accuracy"]
+    chance = 1 / run["settings"]["classes"]
+    ok = falls and accuracy > chance + 0.2
+    failed |= not ok
+    # The first epoch includes tuning's first sight of each shape: images/s of the last.
+    rows.append((conv, ok, epochs[0]["train_loss"], epochs[-1]["train_loss"], accuracy,
+                 epochs[-1]["images_per_s"]))
+summary = {"gpus": gpus, "runs": [dict(zip(("conv", "ok", "first_loss", "last_loss",
+           "accuracy", "images_per_s"), r)) for r in rows]}
+summary["mucudnn_vs_candle_images_per_s"] = rows[0][5] / rows[1][5]
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
+print(f"{'conv':8} {'ok':4} {'loss 1st':>9} {'loss last':>9} {'accuracy':>8} {'images/s':>9}")
+for conv, ok, first, last, accuracy, speed in rows:
+    print(f"{conv:8} {'yes' if ok else 'NO':4} {first:9.4f} {last:9.4f} {accuracy:8.3f} {speed:9.0f}")
+print(f"mucudnn / candle images/s: {summary['mucudnn_vs_candle_images_per_s']:.2f} on {gpus} GPU(s)")
+sys.exit(1 if failed else 0)
+PY
+  return $status
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) run ;;
+  *) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac
