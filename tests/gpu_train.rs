@@ -1,6 +1,6 @@
-//! Issue 7, the GPU half: the GPU replica in the common training loop. Run on the GPU machine
-//! with `MUCUDNN_GPU_TESTS=1` (`scripts/gpu/train_check.sh`); elsewhere each test says it
-//! was skipped and passes.
+//! Issue 7, the GPU half: the GPU replica in the common training loop. Every test needs a GPU
+//! and is `#[ignore]`d; the GPU acceptance (`scripts/gpu/accept.sh`) runs them with
+//! `--include-ignored`.
 //!
 //! World size 1 over NCCL (the all-reduce is still called): a few epochs of fp32 and of fp16
 //! training make the loss fall and the held-out accuracy rise far above chance, with the sync
@@ -15,14 +15,6 @@ use mucudnn::train::{
     TempCache, ThreadCollective, TrainConfig, TrainError, TrainEvent, TrainReport,
 };
 use std::sync::{Arc, OnceLock};
-
-fn gpu_enabled(test: &str) -> bool {
-    let on = std::env::var(GPU_TESTS_ENV).as_deref() == Ok("1");
-    if !on {
-        println!("{test}: skipped: set {GPU_TESTS_ENV}=1 on a machine with a GPU to run it");
-    }
-    on
-}
 
 /// The CI network of the CPU tests with three input channels (fp16 NHWC convolutions of a
 /// single channel are a corner of cuDNN's support): 3x16x16 -> conv 8 -> conv 16 -> linear
@@ -150,19 +142,15 @@ fn check_learning(precision: Precision, report: &TrainReport, min_accuracy: f64)
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_fp32_world_one_loss_falls_and_accuracy_rises() {
-    if !gpu_enabled("gpu_fp32_world_one_loss_falls_and_accuracy_rises") {
-        return;
-    }
     let report = train_on_gpu(Precision::Fp32, 4);
     check_learning(Precision::Fp32, &report, 0.6);
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_fp16_world_one_loss_falls_and_accuracy_rises() {
-    if !gpu_enabled("gpu_fp16_world_one_loss_falls_and_accuracy_rises") {
-        return;
-    }
     let report = train_on_gpu(Precision::Fp16, 4);
     check_learning(Precision::Fp16, &report, 0.5);
 }
@@ -187,10 +175,8 @@ fn relative_distance(a: &[f32], b: &[f32]) -> f64 {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_first_step_matches_the_cpu_replica() {
-    if !gpu_enabled("gpu_first_step_matches_the_cpu_replica") {
-        return;
-    }
     let seed = 3;
     // One batch: a generated set of 16 images.
     let batch = data(Split::Train, 16);
@@ -275,10 +261,8 @@ fn gpu_first_step_matches_the_cpu_replica() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_fp16_first_step_is_close_to_fp32() {
-    if !gpu_enabled("gpu_fp16_first_step_is_close_to_fp32") {
-        return;
-    }
     let b = data(Split::Train, 16);
     let mut losses = Vec::new();
     let mut updates = Vec::new();

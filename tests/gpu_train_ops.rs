@@ -1,6 +1,5 @@
-//! GPU acceptance of the training building blocks, run on the GPU machine with
-//! `MUCUDNN_GPU_TESTS=1` (`scripts/gpu/train_ops_check.sh`); elsewhere each test says it was
-//! skipped and passes.
+//! GPU acceptance of the training building blocks, every test needs a GPU and is
+//! `#[ignore]`d; the GPU acceptance (`scripts/gpu/accept.sh`) runs them with `--include-ignored`.
 //!
 //! Every op against its host reference on random data (fp32 and fp16, NCHW and NHWC, outputs
 //! pre-filled with garbage so that `beta = 0` is checked too): ReLU, max-pool forward and
@@ -15,14 +14,6 @@ use mucudnn::backend::cudnn::DeviceBuffer;
 use mucudnn::exec::cudnn::PreparedPlan;
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MathMode, MicroBatch, Plan};
 use mucudnn::train::gpu::*;
-
-fn gpu_enabled(test: &str) -> bool {
-    let on = std::env::var(GPU_TESTS_ENV).as_deref() == Ok("1");
-    if !on {
-        println!("{test}: skipped: set {GPU_TESTS_ENV}=1 on a machine with a GPU to run it");
-    }
-    on
-}
 
 fn gpu_ops() -> GpuOps {
     GpuOps::new(0).expect("GpuOps on device 0")
@@ -95,10 +86,8 @@ const CASES: [(DType, Layout); 3] = [
 ];
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_relu_matches_host() {
-    if !gpu_enabled("gpu_relu_matches_host") {
-        return;
-    }
     let ops = gpu_ops();
     for (dtype, layout) in CASES {
         let shape = TensorShape::new([2, 3, 5, 7], dtype, layout);
@@ -129,10 +118,8 @@ fn gpu_relu_matches_host() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_max_pool_matches_host() {
-    if !gpu_enabled("gpu_max_pool_matches_host") {
-        return;
-    }
     let ops = gpu_ops();
     for (dtype, layout) in CASES {
         for (window, stride) in [([2, 2], [2, 2]), ([3, 3], [2, 2])] {
@@ -173,10 +160,8 @@ fn gpu_max_pool_matches_host() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_softmax_matches_host() {
-    if !gpu_enabled("gpu_softmax_matches_host") {
-        return;
-    }
     let ops = gpu_ops();
     let (batch, classes) = (8, 10);
     for dtype in [DType::Fp32, DType::Fp16] {
@@ -202,10 +187,8 @@ fn gpu_softmax_matches_host() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_bias_matches_host() {
-    if !gpu_enabled("gpu_bias_matches_host") {
-        return;
-    }
     let ops = gpu_ops();
     for (dtype, layout) in CASES {
         let output = TensorShape::new([4, 6, 5, 5], dtype, layout);
@@ -255,10 +238,8 @@ fn gpu_bias_matches_host() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_linear_matches_host() {
-    if !gpu_enabled("gpu_linear_matches_host") {
-        return;
-    }
     println!("cuBLAS {:?}", cublas_version().unwrap());
     let ops = gpu_ops();
     let dims @ [batch, inputs, outputs] = [8, 50, 10];
@@ -320,10 +301,8 @@ fn gpu_linear_matches_host() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_sgd_step_matches_host() {
-    if !gpu_enabled("gpu_sgd_step_matches_host") {
-        return;
-    }
     let ops = gpu_ops();
     let len = 1000;
     for config in [
@@ -365,10 +344,8 @@ fn gpu_sgd_step_matches_host() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_transform_fp32_fp16_fp32() {
-    if !gpu_enabled("gpu_transform_fp32_fp16_fp32") {
-        return;
-    }
     let ops = gpu_ops();
     // Activations: fp32 NCHW -> fp16 NHWC -> fp32 NCHW.
     let nchw = TensorShape::new([2, 3, 4, 5], DType::Fp32, Layout::Nchw);
@@ -440,10 +417,8 @@ fn gpu_transform_fp32_fp16_fp32() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_nccl_world_size_one() {
-    if !gpu_enabled("gpu_nccl_world_size_one") {
-        return;
-    }
     let version = nccl_version().unwrap();
     println!("NCCL {version}");
     let ops = gpu_ops();
@@ -524,10 +499,8 @@ fn gpu_nccl_world_size_one() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_argument_errors_are_values() {
-    if !gpu_enabled("gpu_argument_errors_are_values") {
-        return;
-    }
     let ops = gpu_ops();
     let shape = TensorShape::new([2, 3, 4, 4], DType::Fp32, Layout::Nchw);
     let relu = Relu::new(shape).unwrap();
@@ -653,10 +626,8 @@ fn tiny_cnn_host(
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn gpu_tiny_cnn_training_steps_reduce_the_loss() {
-    if !gpu_enabled("gpu_tiny_cnn_training_steps_reduce_the_loss") {
-        return;
-    }
     let ops = gpu_ops();
     let net = TinyCnn::new(&ops);
     let id = NcclUniqueId::new().unwrap();

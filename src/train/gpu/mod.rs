@@ -130,5 +130,5 @@ pub use replica::{
 pub use scaler::{LossScaler, ScaleDecision};
 pub use trainer::{select_gpus, visible_gpus, GpuJob};
 
-/// Environment variable that enables the tests needing a GPU (`MUCUDNN_GPU_TESTS=1`).
+/// `MUCUDNN_GPU_TESTS=1`: a GPU is present (see [`crate::backend::cudnn::GPU_TESTS_ENV`]).
 pub use crate::backend::cudnn::GPU_TESTS_ENV;
