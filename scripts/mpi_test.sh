@@ -12,13 +12,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source scripts/lock.sh
+
 skip() { echo "skipped: $*"; exit 77; }
 
-need_packages=()
-command -v mpirun >/dev/null 2>&1 || need_packages+=(openmpi-bin)
-command -v mpicc >/dev/null 2>&1 || need_packages+=(libopenmpi-dev)
-ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_packages+=(libclang-dev)
-if [ ${#need_packages[@]} -gt 0 ]; then
+missing_packages() {
+  need_packages=()
+  command -v mpirun >/dev/null 2>&1 || need_packages+=(openmpi-bin)
+  command -v mpicc >/dev/null 2>&1 || need_packages+=(libopenmpi-dev)
+  ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 || need_packages+=(libclang-dev)
+}
+
+# Under a lock for the whole machine (apt's own lock makes a second apt-get fail, not wait): a
+# second test run waits for the first's install, then finds the packages there.
+install_packages() {
+  missing_packages
+  [ ${#need_packages[@]} -gt 0 ] || return 0
   command -v apt-get >/dev/null 2>&1 || skip "MPI is missing (${need_packages[*]}) and there is no apt-get"
   sudo=""
   if [ "$(id -u)" -ne 0 ]; then
@@ -26,17 +35,24 @@ if [ ${#need_packages[@]} -gt 0 ]; then
       skip "MPI is missing (${need_packages[*]}) and apt-get needs root"; fi
   fi
   echo "installing ${need_packages[*]} (apt-get)"
-  if ! { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+  # DPkg::Lock::Timeout: wait for an apt-get outside the test runs rather than fail at once.
+  if ! { $sudo apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
         "${need_packages[@]}" >/dev/null; }; then
     skip "apt-get could not install ${need_packages[*]}"
   fi
-fi
+}
+missing_packages
+[ ${#need_packages[@]} -eq 0 ] || with_lock "${TMPDIR:-/tmp}/mucudnn-apt.lock" install_packages
 command -v mpirun >/dev/null 2>&1 || skip "mpirun is still missing"
 
-cargo build --locked --features mpi --bin mucudnn
-bin=target/debug/mucudnn
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+cargo build --locked --features mpi --bin mucudnn
+# A copy of this run's own: another build in the same target dir (cargo test's binary has no
+# mpi feature) may replace target/debug/mucudnn while the checks run.
+bin=$work/mucudnn
+cp "${CARGO_TARGET_DIR:-target}/debug/mucudnn" "$bin"
 mpirun_np2=(mpirun --allow-run-as-root --oversubscribe -np 2)
 args=(train --device cpu --batch 16 --train-size 320 --test-size 100 --image-size 16 --channels 1
       --block-channels 8,16 --noise 0.3 --lr 0.05 --epochs 2 --json --quiet --check-sync
