@@ -4,10 +4,15 @@
 # steps of a tiny CNN; plus the unit tests of src/train/ with the real libraries loaded.
 #
 # Builds nothing: scripts/gpu/build.sh (here, with Rust) puts the test binaries into .gpu/.
-# With the device tool: command `bash scripts/gpu/train_ops_check.sh`, carry [".gpu"].
+# Run by `bash .gpu/accept.sh train` (docs/gpu.md).
 # Logs go under $OUT (default /tmp/mucudnn-train-ops); a summary is printed last.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+# From the repository root, whether run from scripts/gpu/ or from .gpu/ (build.sh copies it).
+here=$(cd "$(dirname "$0")" && pwd)
+case "$here" in
+  */.gpu) cd "$here/.." ;;
+  *) cd "$here/../.." ;;
+esac
 G=.gpu
 OUT=${OUT:-/tmp/mucudnn-train-ops}
 mkdir -p "$OUT"
@@ -23,11 +28,11 @@ done
 nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 
 # cuBLAS, NCCL and cuDNN by the names cudarc loads (the system's, else PyTorch's wheel).
-source scripts/gpu/train_libs.sh
+source scripts/gpu/libs.sh
 
-MUCUDNN_GPU_TESTS=1 $G/train-ops-tests --nocapture --test-threads=1 > "$OUT/train-ops-tests.txt" 2>&1
+$G/train-ops-tests --include-ignored --nocapture --test-threads=1 > "$OUT/train-ops-tests.txt" 2>&1
 status "training ops vs host references, NCCL world 1, tiny CNN steps (tests/gpu_train_ops.rs)" $?
-MUCUDNN_GPU_TESTS=1 $G/lib-tests train:: --nocapture --test-threads=1 > "$OUT/train-unit-tests.txt" 2>&1
+$G/lib-tests train:: --include-ignored --nocapture --test-threads=1 > "$OUT/train-unit-tests.txt" 2>&1
 status "src/train unit tests with the libraries present" $?
 
 cat "$OUT/gpu.txt" "$OUT/libraries.txt"
