@@ -9,12 +9,16 @@
 #   4. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
 #      description of an H100, with no GPU (the cuDNN and cuBLAS wheels and a stub libcuda,
 #      fetched and built once under the test cache folder);
-#   5. the Python package (python/): a virtualenv with torch, pytest and numpy from PyPI, made
-#      once under the test cache folder and reused, the package installed into it (which
-#      builds the library with cargo), then pytest.
+#   5. the Python package (python/): the wheel (scripts/build_wheel.sh, built once per run),
+#      installed into a fresh virtualenv with no cargo on PATH to run one tuned convolution
+#      (scripts/wheel_smoke.py); then pytest, with a virtualenv holding torch, pytest and numpy
+#      from PyPI (made once under the test cache folder and only read after) and the wheel
+#      installed into a folder of this run.
 #
 # The test cache folder is $MUCUDNN_TEST_CACHE, else $XDG_CACHE_HOME/mucudnn-test, else
-# ~/.cache/mucudnn-test (about 7 GB: torch from PyPI brings the CUDA runtime wheels).
+# ~/.cache/mucudnn-test (about 7 GB: torch from PyPI brings the CUDA runtime wheels; plus about
+# 8 GB of target/). Two runs may share it: each shared piece is made under a flock
+# (scripts/lock.sh) while the other run waits.
 #
 # Without network on first use, the cuDNN host tier says it was skipped. The Python tier is
 # skipped with a message outside CI; under CI=true that is a failure, and so is a pytest run
