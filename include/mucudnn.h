@@ -60,10 +60,18 @@
 #include <stdint.h>
 
 /**
- * The version of this header: 10000 * major + 100 * minor + patch (compare with
- * mucudnnGetVersion()).
+ * The version of this header: 10000 * major + 100 * minor + patch of mucudnn's one version
+ * (the crate's, the Python package's: Cargo.toml's `[workspace.package] version`; compare
+ * with mucudnnGetVersion()).
  */
 #define MUCUDNN_VERSION 100
+
+/**
+ * The version of the C ABI this header describes: raised when a function's signature or a
+ * struct's layout changes incompatibly, independent of the package version (compare with
+ * mucudnnGetAbiVersion()).
+ */
+#define MUCUDNN_ABI_VERSION 1
 
 /**
  * The mucudnnOptions_t layout this header describes.
@@ -316,9 +324,17 @@ extern "C" {
 
 /**
  * The library's version: 10000 * major + 100 * minor + patch (MUCUDNN_VERSION of the header it
- * was built with). Thread-safe; never fails.
+ * was built with), the same version as the crate's and the Python package's (0.1.0 is 100).
+ * Thread-safe; never fails.
  */
 uint32_t mucudnnGetVersion(void);
+
+/**
+ * The version of the C ABI the library implements (MUCUDNN_ABI_VERSION of the header it was
+ * built with); a program built against another ABI version should not call it. Thread-safe;
+ * never fails.
+ */
+uint32_t mucudnnGetAbiVersion(void);
 
 /**
  * What this build is, as one line of text: crate version, cargo features, the CUDA/cuDNN

@@ -9,6 +9,11 @@ Environment:
 - MUCUDNN_CARGO_PROFILE: cargo profile to build (default "release").
 - CARGO_TARGET_DIR: where cargo builds (default: the repository's target/).
 - MUCUDNN_PREBUILT_LIBRARY: use this libmucudnn.so instead of building one.
+- MUCUDNN_WHEEL_PLATFORM: the wheel's platform tag (scripts/build_wheel.sh sets
+  manylinux_2_28_x86_64 for a library it built and checked against glibc 2.28).
+
+The Rust workspace is the repository around this folder, or, in an sdist, its copy in rust/
+(scripts/build_wheel.sh makes both).
 """
 
 import os
@@ -17,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
 try:  # setuptools >= 70 ships bdist_wheel itself
@@ -26,7 +31,8 @@ except ImportError:  # pragma: no cover - older setuptools
     from wheel.bdist_wheel import bdist_wheel
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+# An sdist carries the workspace in rust/; a checkout has it one level up.
+ROOT = HERE / "rust" if (HERE / "rust" / "Cargo.toml").is_file() else HERE.parent
 LIBRARY = "libmucudnn.so"
 
 
@@ -80,7 +86,18 @@ class PlatformWheel(bdist_wheel):
 
     def get_tag(self):
         _, _, platform = super().get_tag()
-        return "py3", "none", platform
+        return "py3", "none", os.environ.get("MUCUDNN_WHEEL_PLATFORM") or platform
 
 
-setup(cmdclass={"build_py": BuildWithLibrary, "bdist_wheel": PlatformWheel})
+class BinaryDistribution(Distribution):
+    """Holds a platform binary: installed into platlib (the wheel's root), as auditwheel
+    requires, not into purelib."""
+
+    def has_ext_modules(self):
+        return True
+
+
+setup(
+    cmdclass={"build_py": BuildWithLibrary, "bdist_wheel": PlatformWheel},
+    distclass=BinaryDistribution,
+)

@@ -20,7 +20,7 @@ eval "$env_lines"
 lines=$(mktemp)
 trap 'rm -f "$lines"' EXIT
 MUCUDNN_CUDNN_HOST_TESTS=1 MUCUDNN_CUDNN_HOST_JSON="$lines" \
-  cargo test --locked --test cudnn_host -- --test-threads=2 >&2 2>&1
+  cargo test --locked --test cudnn_host -- --include-ignored --test-threads=2 >&2 2>&1
 tests=$?
 python3 - "$lines" <<'PY'
 import json, sys

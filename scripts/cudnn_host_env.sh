@@ -3,7 +3,8 @@
 # libcudnn and libcublas(Lt) from PyPI's runtime wheels, and a stub libcuda.so.1 built from
 # tests/stub_libcuda/stub_libcuda.c (test-only, never shipped). No GPU is needed.
 #
-# Everything is made once under the cache directory and reused:
+# Everything is made once under the cache directory and reused, under a lock (flock on
+# host/setup.lock: a second test run on the same cache waits, then reuses what the first made):
 #   ${MUCUDNN_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mucudnn-test}/host/
 #     wheels-cudnn<version>-cublas<version>/   pip install --target of the two wheels
 #     stub-<hash of the C file>/libcuda.so.1   the stub; bare/libcuda.so.1 lacks cuGetErrorName
@@ -32,7 +33,19 @@ _mucudnn_host_env() {
   cache=${MUCUDNN_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mucudnn-test}
   host="$cache/host"
   mkdir -p "$host" || { echo "cudnn_host_env: cannot create $host" >&2; return 1; }
+  # Two test runs sharing the cache: one fetches and builds, the other waits, then reuses.
+  # shellcheck source=lock.sh
+  source "$here/lock.sh" || return 1
+  with_lock "$host/setup.lock" _mucudnn_host_setup || return $?
 
+  MUCUDNN_HOST_STUB_DIR="$stub_dir"
+  MUCUDNN_HOST_CUDNN_DIR="$wheels/nvidia/cudnn/lib"
+  MUCUDNN_HOST_CUBLAS_DIR="$wheels/nvidia/cu13/lib"
+  MUCUDNN_HOST_LD_LIBRARY_PATH="$stub_dir:$MUCUDNN_HOST_CUDNN_DIR:$MUCUDNN_HOST_CUBLAS_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+# The shared set-up, under the lock; sets wheels and stub_dir (locals of _mucudnn_host_env).
+_mucudnn_host_setup() {
   # 1. cuDNN and cuBLAS (the wheels, pinned, once; else the PyTorch venv's).
   wheels="$host/wheels-cudnn$CUDNN_WHEEL_VERSION-cublas$CUBLAS_WHEEL_VERSION"
   if [ ! -e "$wheels/nvidia/cudnn/lib/libcudnn.so.9" ]; then
@@ -79,11 +92,6 @@ _mucudnn_host_env() {
       || { rm -rf "$tmp"; echo "cudnn_host_env: building the stub libcuda failed" >&2; return 1; }
     rm -rf "$stub_dir" && mv "$tmp" "$stub_dir"
   fi
-
-  MUCUDNN_HOST_STUB_DIR="$stub_dir"
-  MUCUDNN_HOST_CUDNN_DIR="$wheels/nvidia/cudnn/lib"
-  MUCUDNN_HOST_CUBLAS_DIR="$wheels/nvidia/cu13/lib"
-  MUCUDNN_HOST_LD_LIBRARY_PATH="$stub_dir:$MUCUDNN_HOST_CUDNN_DIR:$MUCUDNN_HOST_CUBLAS_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then

@@ -16,13 +16,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source scripts/lock.sh
+
 skip() { echo "skipped: $*"; exit 77; }
 
-need_packages=()
-command -v mpirun >/dev/null 2>&1 || need_packages+=(openmpi-bin)
-command -v mpicc >/dev/null 2>&1 || need_packages+=(libopenmpi-dev)
-ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || need_packages+=(libclang-dev)
-if [ ${#need_packages[@]} -gt 0 ]; then
+missing_packages() {
+  need_packages=()
+  command -v mpirun >/dev/null 2>&1 || need_packages+=(openmpi-bin)
+  command -v mpicc >/dev/null 2>&1 || need_packages+=(libopenmpi-dev)
+  # libclang itself: libclang-cpp.so.* (a C++ interface some images ship) is not what bindgen loads.
+  ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || need_packages+=(libclang-dev)
+}
+
+# Under a lock for the whole machine (apt's own lock makes a second apt-get fail, not wait): a
+# second test run waits for the first's install, then finds the packages there.
+install_packages() {
+  missing_packages
+  [ ${#need_packages[@]} -gt 0 ] || return 0
   command -v apt-get >/dev/null 2>&1 || skip "MPI is missing (${need_packages[*]}) and there is no apt-get"
   sudo=""
   if [ "$(id -u)" -ne 0 ]; then
@@ -30,19 +40,26 @@ if [ ${#need_packages[@]} -gt 0 ]; then
       skip "MPI is missing (${need_packages[*]}) and apt-get needs root"; fi
   fi
   echo "installing ${need_packages[*]} (apt-get)"
-  if ! { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+  # DPkg::Lock::Timeout: wait for an apt-get outside the test runs rather than fail at once.
+  if ! { $sudo apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
         "${need_packages[@]}" >/dev/null; }; then
     skip "apt-get could not install ${need_packages[*]}"
   fi
-fi
+}
+missing_packages
+[ ${#need_packages[@]} -eq 0 ] || with_lock "${TMPDIR:-/tmp}/mucudnn-apt.lock" install_packages
 command -v mpirun >/dev/null 2>&1 || skip "mpirun is still missing"
 
 # The protocol's unit tests (src/candle/ddp.rs), then the program.
 cargo test --locked --no-default-features --features candle,mpi --lib candle::ddp
 cargo build --locked --no-default-features --features candle,mpi --example candle_ddp
-bin=${CARGO_TARGET_DIR:-target}/debug/examples/candle_ddp
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# A copy of this run's own: another build in the same target dir may replace the example while
+# the checks run.
+bin=$work/candle_ddp
+cp "${CARGO_TARGET_DIR:-target}/debug/examples/candle_ddp" "$bin"
 # One candle thread per process in every run (two processes share the runner's two cores).
 export RAYON_NUM_THREADS=1
 mpirun_np2=(mpirun --allow-run-as-root --oversubscribe -np 2 -x RAYON_NUM_THREADS)

@@ -9,18 +9,23 @@
 #   4. the cuDNN host tier (docs/cudnn_host.md): the FFI wall against the real libcudnn on a
 #      description of an H100, with no GPU (the cuDNN and cuBLAS wheels and a stub libcuda,
 #      fetched and built once under the test cache folder);
-#   5. the Python package (python/): a virtualenv with torch, pytest and numpy from PyPI, made
-#      once under the test cache folder and reused, the package installed into it (which
-#      builds the library with cargo), then pytest.
+#   5. the Python package (python/): the wheel (scripts/build_wheel.sh, built once per run),
+#      installed into a fresh virtualenv with no cargo on PATH to run one tuned convolution
+#      (scripts/wheel_smoke.py); then pytest, with a virtualenv holding torch, pytest and numpy
+#      from PyPI (made once under the test cache folder and only read after) and the wheel
+#      installed into a folder of this run.
 #
 # The test cache folder is $MUCUDNN_TEST_CACHE, else $XDG_CACHE_HOME/mucudnn-test, else
-# ~/.cache/mucudnn-test (about 7 GB: torch from PyPI brings the CUDA runtime wheels).
+# ~/.cache/mucudnn-test (about 7 GB: torch from PyPI brings the CUDA runtime wheels; plus about
+# 8 GB of target/). Two runs may share it: each shared piece is made under a flock
+# (scripts/lock.sh) while the other run waits.
 #
 # Without network on first use, the cuDNN host tier says it was skipped. The Python tier is
 # skipped with a message outside CI; under CI=true that is a failure, and so is a pytest run
 # that collects no test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lock.sh
 
 section() { printf '\n== %s\n' "$*"; }
 in_ci() { [ "${CI:-}" = "true" ] || [ "${CI:-}" = "1" ]; }
@@ -56,7 +61,9 @@ host_env=$(bash scripts/cudnn_host_env.sh) || status=$?
 if [ "$status" -eq 0 ]; then
   # cuDNN prints tens of thousands of "Could not load symbol cu..." lines about the stub
   # libcuda's missing entry points (kernel launches, which the tier never makes): filtered.
-  (eval "$host_env" && MUCUDNN_CUDNN_HOST_TESTS=1 cargo test --locked --test cudnn_host) \
+  # Its tests are #[ignore]d (they need this environment): --include-ignored runs them.
+  (eval "$host_env" && MUCUDNN_CUDNN_HOST_TESTS=1 cargo test --locked --test cudnn_host -- \
+    --include-ignored) \
     2> >(grep -v '^Could not load symbol cu' >&2) || exit 1
 elif [ "$status" -eq 77 ]; then
   echo "skipped: the cuDNN host tier (its wheels could not be fetched)" >&2
@@ -65,39 +72,34 @@ else
   exit 1
 fi
 
-cache_dir="${MUCUDNN_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mucudnn-test}"
-venv="$cache_dir/venv"
-python_bin="${PYTHON:-python3}"
+# The shared virtualenv: venv, setup_venv (made once, under a lock), skip_or_fail.
+source scripts/test_venv.sh
 
-skip_or_fail() {
-  if in_ci; then
-    echo "error: $*" >&2
-    exit 1
-  fi
-  echo "skipped: $* (the Python tier needs network access once, to fetch torch from PyPI)" >&2
-  return 1
-}
+section "Python: the wheel (scripts/build_wheel.sh), built once for this run"
+run_dir=$(mktemp -d)
+trap 'rm -rf "$run_dir"' EXIT
+bash scripts/build_wheel.sh "$run_dir/dist"
+wheel=$(ls "$run_dir"/dist/mucudnn-*-py3-none-manylinux_2_28_x86_64.whl)
 
-setup_venv() {
-  if [ -x "$venv/bin/python" ] && [ -f "$venv/.mucudnn-ready" ]; then
-    return 0
-  fi
-  section "Python: making $venv (torch, pytest, numpy from PyPI; once)"
-  mkdir -p "$cache_dir"
-  rm -rf "$venv"
-  "$python_bin" -m venv "$venv" &&
-    "$venv/bin/python" -m pip install --quiet --upgrade pip "setuptools>=77" wheel &&
-    "$venv/bin/python" -m pip install --quiet "torch>=2.4" pytest numpy &&
-    touch "$venv/.mucudnn-ready"
-}
+section "Python: the wheel in a fresh virtualenv, no cargo on PATH, one tuned convolution"
+"$python_bin" -m venv "$run_dir/fresh"
+no_cargo_path="$run_dir/fresh/bin:/usr/local/bin:/usr/bin:/bin"
+if PATH=$no_cargo_path command -v cargo >/dev/null 2>&1; then
+  echo "error: cargo is on the PATH meant to lack it ($no_cargo_path)" >&2
+  exit 1
+fi
+PATH=$no_cargo_path "$run_dir/fresh/bin/python" -m pip install --quiet --no-index "$wheel"
+# From another folder, so that the installed package is imported, not python/mucudnn.
+(repo=$PWD && cd "$run_dir" && PATH=$no_cargo_path "$run_dir/fresh/bin/python" \
+  "$repo/scripts/wheel_smoke.py")
 
 if setup_venv || skip_or_fail "could not make the Python virtualenv at $venv"; then
-  section "Python: installing ./python into $venv"
-  "$venv/bin/python" -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
-  section "Python: pytest python/tests"
+  section "Python: the wheel beside $venv's torch (a folder of this run), pytest python/tests"
+  "$venv/bin/python" -m pip install --quiet --no-deps --no-index --target "$run_dir/site" "$wheel"
   status=0
   # From the repository root, so that the installed package is imported, not python/mucudnn.
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs python/tests || status=$?
+  PYTHONPATH="$run_dir/site${PYTHONPATH:+:$PYTHONPATH}" \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs python/tests || status=$?
   if [ "$status" -eq 5 ]; then
     echo "error: pytest collected no test" >&2
     exit 1

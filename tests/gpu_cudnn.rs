@@ -1,5 +1,5 @@
-//! GPU acceptance on cuDNN, run on the GPU machine with `MUCUDNN_GPU_TESTS=1` (elsewhere each
-//! test says it was skipped and passes): executing a micro-batched plan gives the undivided
+//! GPU acceptance on cuDNN. Every test needs a GPU and is `#[ignore]`d; the GPU acceptance
+//! (`scripts/gpu/accept.sh`) runs them with `--include-ignored`. Executing a micro-batched plan gives the undivided
 //! result (bitwise for forward and for deterministic backward-data algorithms, 1e-6 relative
 //! for backward-filter in fp32), every algorithm matches a float64 host reference, and, when
 //! `MUCUDNN_TORCH_DIR` holds cases written by `scripts/gpu/torch_cases.py`, PyTorch's
@@ -10,14 +10,6 @@ use mucudnn::backend::cudnn::{ConvDescriptors, CudnnHandle, DeviceBuffer};
 use mucudnn::exec::cudnn::PreparedPlan;
 use mucudnn::solver::{operand_roles, Operand};
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MathMode, MicroBatch, Plan};
-
-fn gpu_enabled(test: &str) -> bool {
-    let on = std::env::var("MUCUDNN_GPU_TESTS").as_deref() == Ok("1");
-    if !on {
-        println!("{test}: skipped: set MUCUDNN_GPU_TESTS=1 on a machine with a GPU to run it");
-    }
-    on
-}
 
 fn plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: u32) -> Plan {
     Plan {
@@ -182,10 +174,8 @@ fn check_problem(
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cudnn_plans_equal_undivided_and_the_host_reference() {
-    if !gpu_enabled("cudnn_plans_equal_undivided_and_the_host_reference") {
-        return;
-    }
     let handle = CudnnHandle::new(0).expect("a GPU");
     let base = ConvProblem {
         pad_h: 1,
@@ -287,14 +277,11 @@ struct TorchCase {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cudnn_plans_match_pytorch() {
-    if !gpu_enabled("cudnn_plans_match_pytorch") {
-        return;
-    }
-    let Ok(dir) = std::env::var("MUCUDNN_TORCH_DIR") else {
-        println!("cudnn_plans_match_pytorch: skipped: MUCUDNN_TORCH_DIR is not set (run scripts/gpu/torch_cases.py)");
-        return;
-    };
+    let dir = std::env::var("MUCUDNN_TORCH_DIR").expect(
+        "MUCUDNN_TORCH_DIR: the folder of PyTorch's cases (written by scripts/gpu/torch_cases.py)",
+    );
     let dir = std::path::PathBuf::from(dir);
     let cases: Vec<TorchCase> =
         serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
@@ -341,12 +328,10 @@ fn cudnn_plans_match_pytorch() {
 /// split plan [4, 4] (offset views; backward-filter accumulating with beta = 1) and match the
 /// float64 reference, and a plan mixing a legacy algorithm and an engine does too.
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn engine_candidates_from_the_profiler_execute_as_plans() {
     use mucudnn::backend::{Backend, CudnnBackend, EngineSearch, Selection, TimingSettings};
     use mucudnn::solver::{Algo, AlgoKind};
-    if !gpu_enabled("engine_candidates_from_the_profiler_execute_as_plans") {
-        return;
-    }
     let mut backend = CudnnBackend::new(0).expect("a GPU");
     assert!(
         backend.kinds().contains(&AlgoKind::Engine),

@@ -1,5 +1,5 @@
-//! GPU acceptance of the graph-API path (engine configurations), run on the GPU machine with
-//! `MUCUDNN_GPU_TESTS=1` (elsewhere each test says it was skipped and passes):
+//! GPU acceptance of the graph-API path (engine configurations). Every test needs a GPU and is
+//! `#[ignore]`d; the GPU acceptance (`scripts/gpu/accept.sh`) runs them with `--include-ignored`:
 //!
 //! - every enumerated configuration of every op that builds a plan computes the float64 host
 //!   reference's result, and the problem's math mode is honoured (no tensor cores under fma);
@@ -15,18 +15,10 @@
 use mucudnn::backend::cudnn::host::{reference_convolution, Reference};
 use mucudnn::backend::cudnn::{
     engine_configs, heuristic_plan_workspaces, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer,
-    EngineConfig, EnginePlan, EngineSearch, HeurMode, WorkspaceView, GPU_TESTS_ENV,
+    EngineConfig, EnginePlan, EngineSearch, HeurMode, WorkspaceView,
 };
 use mucudnn::solver::{operand_roles, Operand};
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MathMode};
-
-fn gpu_enabled(test: &str) -> bool {
-    let on = std::env::var(GPU_TESTS_ENV).as_deref() == Ok("1");
-    if !on {
-        println!("{test}: skipped: set {GPU_TESTS_ENV}=1 on a machine with a GPU to run it");
-    }
-    on
-}
 
 fn base() -> ConvProblem {
     ConvProblem {
@@ -178,10 +170,8 @@ fn run_whole(
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn engines_match_the_host_reference_for_every_op() {
-    if !gpu_enabled("engines_match_the_host_reference_for_every_op") {
-        return;
-    }
     let handle = CudnnHandle::new(0).expect("a GPU");
     let mut rows = Vec::new();
     let mut all_cases = cases();
@@ -306,10 +296,8 @@ fn run_micro_batched(
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn offset_micro_batches_match_the_whole_batch() {
-    if !gpu_enabled("offset_micro_batches_match_the_whole_batch") {
-        return;
-    }
     let handle = CudnnHandle::new(0).expect("a GPU");
     let mut rows = Vec::new();
     // 8 = 3 + 5 (odd offsets) and 1 + 2 + 5.
@@ -350,10 +338,8 @@ fn offset_micro_batches_match_the_whole_batch() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn beta_one_accumulates_and_beta_zero_overwrites() {
-    if !gpu_enabled("beta_one_accumulates_and_beta_zero_overwrites") {
-        return;
-    }
     let handle = CudnnHandle::new(0).expect("a GPU");
     let problem = ConvProblem {
         math: MathMode::Fma,
@@ -397,10 +383,8 @@ fn beta_one_accumulates_and_beta_zero_overwrites() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn configurations_rebuilt_from_their_names_are_cudnns() {
-    if !gpu_enabled("configurations_rebuilt_from_their_names_are_cudnns") {
-        return;
-    }
     let handle = CudnnHandle::new(0).expect("a GPU");
     let mut compared = 0;
     for (label, problem) in cases() {
@@ -445,10 +429,8 @@ fn configurations_rebuilt_from_their_names_are_cudnns() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn the_sweep_reaches_beyond_the_heuristics() {
-    if !gpu_enabled("the_sweep_reaches_beyond_the_heuristics") {
-        return;
-    }
     let handle = CudnnHandle::new(0).expect("a GPU");
     let problem = ConvProblem {
         layout: Layout::Nhwc,
@@ -510,10 +492,8 @@ fn the_sweep_reaches_beyond_the_heuristics() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn execute_checks_its_arguments() {
-    if !gpu_enabled("execute_checks_its_arguments") {
-        return;
-    }
     let handle = CudnnHandle::new(0).expect("a GPU");
     let problem = ConvProblem {
         math: MathMode::Fma,
@@ -661,10 +641,8 @@ fn execute_checks_its_arguments() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn odd_sample_sizes_declare_a_smaller_alignment() {
-    if !gpu_enabled("odd_sample_sizes_declare_a_smaller_alignment") {
-        return;
-    }
     let handle = CudnnHandle::new(0).expect("a GPU");
     // fp16 with 3 x 7 x 7 = 147 elements per sample: offsets are only 2-byte aligned.
     let problem = ConvProblem {

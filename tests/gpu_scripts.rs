@@ -1,7 +1,9 @@
-//! The one-call GPU acceptance cannot rot unseen (issue 17, fix 8): every repository file and
-//! test target that `scripts/gpu/*.sh` copy or run still exists, every `.gpu/` file the run
-//! scripts use is one `build.sh` puts there, and `build.sh` makes the git folder it writes
-//! its exclude line into. Runs in CI without a GPU.
+//! The GPU acceptance cannot rot unseen (issue 17, fix 8; issue 21, item 13): every repository
+//! file and test target that `scripts/gpu/*.sh` copy or run still exists, every `.gpu/` file
+//! the run scripts use is one `build.sh` puts there, `build.sh` makes the git folder it writes
+//! its exclude line into, every part `accept.sh` lists has its steps, fits a device call and is
+//! in docs/gpu.md, no test script masks a failing command, and only `libs.sh` chooses the
+//! libcudnn. Runs in CI without a GPU.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -54,7 +56,10 @@ fn paths_with_prefix(text: &str, prefixes: &[&str]) -> BTreeSet<String> {
 fn every_file_the_gpu_scripts_copy_or_run_exists() {
     let mut checked = 0;
     for (name, text) in scripts() {
-        for path in paths_with_prefix(&text, &["scripts/", "tests/", "examples/", "src/"]) {
+        for path in paths_with_prefix(
+            &text,
+            &["scripts/", "tests/", "examples/", "src/", "python/"],
+        ) {
             assert!(
                 root().join(&path).exists(),
                 "{name} names {path}, which is gone"
@@ -141,4 +146,131 @@ fn build_script_makes_the_git_info_folder() {
         .find(">> \"$exclude\"")
         .expect("the append");
     assert!(mkdir < append);
+}
+
+/// The parts `accept.sh` lists: (name, minutes).
+fn accept_parts() -> Vec<(String, u32)> {
+    let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
+    let start = accept.find("PARTS=\"").expect("PARTS=\"...\" in accept.sh") + 7;
+    let end = start + accept[start..].find('"').unwrap();
+    accept[start..end]
+        .lines()
+        .map(|line| {
+            let fields: Vec<&str> = line.split('|').collect();
+            assert_eq!(fields.len(), 3, "part line {line:?}: name|minutes|what");
+            let minutes = fields[1].parse().unwrap_or_else(|_| panic!("{line:?}"));
+            (fields[0].to_string(), minutes)
+        })
+        .collect()
+}
+
+#[test]
+fn every_accept_part_has_steps_fits_a_device_call_and_is_documented() {
+    let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
+    let build = std::fs::read_to_string(root().join("scripts/gpu/build.sh")).unwrap();
+    let docs = std::fs::read_to_string(root().join("docs/gpu.md")).unwrap();
+    assert!(
+        build.contains("scripts/gpu/accept.sh"),
+        "build.sh copies accept.sh"
+    );
+    let parts = accept_parts();
+    assert!(parts.len() >= 6, "{parts:?}");
+    // The priority order of the issue: the PyTorch package first, then the wall.
+    assert_eq!(parts[0].0, "torch");
+    for (name, minutes) in &parts {
+        // 10 minutes a device call, the machine's start included; each part's budget is 8.
+        assert!(*minutes <= 8, "part {name}: {minutes} minutes");
+        assert!(
+            accept.contains(&format!("\n  {name})\n")),
+            "accept.sh lists part {name} but has no `{name})` branch"
+        );
+        assert!(
+            docs.contains(&format!("accept.sh {name}`")),
+            "docs/gpu.md does not say when to run `bash .gpu/accept.sh {name}`"
+        );
+    }
+    // Every branch of the case is a listed part.
+    let case = &accept[accept.find("case \"$part\" in").expect("the parts' case")..];
+    let case = &case[..case.find("\nesac").unwrap()];
+    for line in case.lines().skip(1) {
+        if let Some(name) = line.strip_prefix("  ").and_then(|l| l.strip_suffix(')')) {
+            assert!(
+                parts.iter().any(|(p, _)| p == name),
+                "accept.sh has a branch {name}) that it does not list"
+            );
+        }
+    }
+    // A budget per part, and a step that runs out of it is a failure.
+    assert!(accept.contains("PART_BUDGET_S:-480"));
+    assert!(accept.contains("timeout --kill-after"));
+}
+
+/// The scripts the test runs and the GPU acceptance run, with their text.
+fn test_scripts() -> Vec<(String, String)> {
+    let mut all = scripts();
+    for entry in std::fs::read_dir(root().join("scripts")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "sh") {
+            let name = format!("scripts/{}", path.file_name().unwrap().to_string_lossy());
+            all.push((name, std::fs::read_to_string(&path).unwrap()));
+        }
+    }
+    all
+}
+
+#[test]
+fn no_script_masks_a_failing_command() {
+    let mut checked = 0;
+    for (name, text) in test_scripts() {
+        let code: Vec<&str> = text
+            .lines()
+            .map(|l| l.split(" # ").next().unwrap())
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .collect();
+        for (i, line) in code.iter().enumerate() {
+            for masked in ["|| true", "|| :", "||:", "|| exit 0"] {
+                assert!(
+                    !line.contains(masked),
+                    "{name}: `{}` hides a failure",
+                    line.trim()
+                );
+            }
+            // `set +e` only to read a status, which is then checked.
+            if line.trim() == "set +e" {
+                let rest = code[i + 1..].iter().take(8).copied().collect::<Vec<_>>();
+                assert!(
+                    rest.iter().any(|l| l.contains("=$?")),
+                    "{name}: `set +e` without reading the status after it"
+                );
+            }
+        }
+        // A command piped into tee fails the pipeline only under pipefail.
+        if code.iter().any(|l| l.contains("| tee ")) && name != "libs.sh" {
+            assert!(
+                text.contains("pipefail"),
+                "{name} pipes into tee without pipefail"
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked >= 10, "{checked} scripts");
+}
+
+#[test]
+fn only_libs_sh_puts_a_cudnn_folder_on_the_library_path() {
+    let libs = std::fs::read_to_string(root().join("scripts/gpu/libs.sh")).unwrap();
+    assert!(libs.contains("one_cudnn_check()"));
+    for (name, text) in scripts() {
+        if name == "libs.sh" {
+            continue;
+        }
+        for line in text.lines().filter(|l| l.contains("LD_LIBRARY_PATH")) {
+            assert!(
+                !line.contains("cudnn/lib") && !line.contains("TORCH_CUDNN"),
+                "{name} puts a cuDNN folder on LD_LIBRARY_PATH itself: {line}"
+            );
+        }
+    }
+    let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
+    assert!(accept.contains("source scripts/gpu/libs.sh") && accept.contains("one_cudnn_check"));
 }

@@ -10,8 +10,7 @@ algorithm that fits, chosen from measurements kept in a persistent tuning cache.
 
 from ._lib import MucudnnError, library_path
 from ._tuner import OPS, PreparedSet, Settings, Tuner, operand_extents, problem
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "MucudnnError",
@@ -19,6 +18,8 @@ __all__ = [
     "PreparedSet",
     "Settings",
     "Tuner",
+    "__version__",
+    "abi_version",
     "library_path",
     "operand_extents",
     "problem",
@@ -26,8 +27,17 @@ __all__ = [
 ]
 
 
-def version() -> int:
-    """The library's version number (10000 * major + 100 * minor + patch)."""
+def version() -> str:
+    """The loaded library's version, ``"major.minor.patch"`` (from ``mucudnnGetVersion``); it
+    equals ``__version__`` unless the package and its library come from different builds."""
     from . import _lib
 
-    return int(_lib.library().mucudnnGetVersion())
+    number = int(_lib.library().mucudnnGetVersion())
+    return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
+
+
+def abi_version() -> int:
+    """The version of the C ABI the loaded library implements (``mucudnnGetAbiVersion``)."""
+    from . import _lib
+
+    return int(_lib.library().mucudnnGetAbiVersion())

@@ -187,6 +187,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     out_s = c.POINTER(c.c_void_p)
     signatures = {
         "mucudnnGetVersion": (c.c_uint32, []),
+        "mucudnnGetAbiVersion": (c.c_uint32, []),
         "mucudnnGetLastError": (s, []),
         "mucudnnFreeString": (None, [p]),
         "mucudnnProbe": (c.c_int, [out_s]),

@@ -1,4 +1,4 @@
-"""CUDA tensors (run on the GPU machine by scripts/gpu/torch_check.sh; skipped without a GPU):
+"""CUDA tensors (run on the GPU machine by `bash .gpu/accept.sh torch`; skipped without a GPU):
 cuDNN plans (legacy algorithms and graph-API engines) against PyTorch's convolutions, on the
 current stream, with no host synchronisation after tuning, inside CUDA graphs."""
 

@@ -11,7 +11,12 @@
 # machine has no Rust toolchain; the header, the examples and this script come with the working
 # tree. Logs go under $OUT (default /tmp/mucudnn-c-abi); a summary is printed last.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+# From the repository root, whether run from scripts/gpu/ or from .gpu/ (build.sh copies it).
+here=$(cd "$(dirname "$0")" && pwd)
+case "$here" in
+  */.gpu) cd "$here/.." ;;
+  *) cd "$here/../.." ;;
+esac
 
 build() {
   set -e
@@ -20,8 +25,8 @@ build() {
   exclude=$(git rev-parse --git-path info/exclude)
   grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
   cargo build --release --locked --lib
-  cp target/release/libmucudnn.so .gpu/c_abi/libmucudnn.so
-  strip --strip-debug .gpu/c_abi/libmucudnn.so 2>/dev/null || true
+  cp "${CARGO_TARGET_DIR:-target}/release/libmucudnn.so" .gpu/c_abi/libmucudnn.so
+  strip --strip-debug .gpu/c_abi/libmucudnn.so
   du -sh .gpu/c_abi/libmucudnn.so
   echo "now run on the GPU machine: bash scripts/gpu/c_abi_check.sh run   (carry .gpu)"
 }
@@ -60,15 +65,20 @@ run() {
   cudart=$(first /usr/local/cuda/lib64/libcudart.so /usr/local/cuda-13*/lib64/libcudart.so \
     /usr/lib/x86_64-linux-gnu/libcudart.so "$site"/nvidia/cu13/lib/libcudart.so.13 \
     "$site"/nvidia/cuda_runtime/lib/libcudart.so.1*)
-  # The C client prefers the system cuDNN (its dependencies resolve through ldconfig), else
-  # PyTorch's; it links exactly that libcudnn.so.9, and mucudnn is pointed at the same file.
-  cudnn_h=$(first /usr/include/cudnn.h /usr/include/x86_64-linux-gnu/cudnn.h \
-    /usr/local/cuda/include/cudnn.h "$site"/nvidia/cudnn/include/cudnn.h)
-  case "$cudnn_h" in
-    "$site"/*) cudnn_lib=$(first "$site"/nvidia/cudnn/lib/libcudnn.so.9) ;;
-    *) cudnn_lib=$(first /usr/lib/x86_64-linux-gnu/libcudnn.so.9 /usr/local/cuda/lib64/libcudnn.so.9 \
-         /usr/lib64/libcudnn.so.9 "$site"/nvidia/cudnn/lib/libcudnn.so.9) ;;
-  esac
+  # One libcudnn (scripts/gpu/libs.sh: PyTorch's, linked by every name, else the system's):
+  # the C client links exactly that libcudnn.so.9, mucudnn loads the same file, and the
+  # header comes from the same build where it has one.
+  OUT="$out" source scripts/gpu/libs.sh
+  if [ -L "$out/lib-links/libcudnn.so" ]; then
+    cudnn_lib=$(readlink -f "$out/lib-links/libcudnn.so")
+    cudnn_h=$(first "$(dirname "$(dirname "$cudnn_lib")")/include/cudnn.h" /usr/include/cudnn.h \
+      /usr/include/x86_64-linux-gnu/cudnn.h /usr/local/cuda/include/cudnn.h)
+  else
+    cudnn_lib=$(first /usr/lib/x86_64-linux-gnu/libcudnn.so.9 /usr/local/cuda/lib64/libcudnn.so.9 \
+      /usr/lib64/libcudnn.so.9)
+    cudnn_h=$(first /usr/include/cudnn.h /usr/include/x86_64-linux-gnu/cudnn.h \
+      /usr/local/cuda/include/cudnn.h)
+  fi
   {
     echo "CUDA headers: ${cuda_inc:-not found}"
     echo "libcudart:    ${cudart:-not found}"
@@ -80,9 +90,10 @@ run() {
     local link_dir=$out/cudnn-link
     mkdir -p "$link_dir"
     ln -sf "$cudnn_lib" "$link_dir/libcudnn.so"
-    # PyTorch's cuDNN needs the other NVIDIA wheels' libraries too (cuBLAS, NVRTC, ...).
+    # PyTorch's cuDNN needs the other NVIDIA wheels' libraries too (cuBLAS, NVRTC, ...); never
+    # another cuDNN folder than the one chosen.
     local wheel_libs
-    wheel_libs=$(ls -d "$site"/nvidia/*/lib 2>/dev/null | tr '\n' ':')
+    wheel_libs=$(ls -d "$site"/nvidia/*/lib 2>/dev/null | grep -v '/nvidia/cudnn/lib$' | tr '\n' ':')
     cc -std=c11 -O2 -Wall -Wextra examples/c_client.c -I include -I "$cuda_inc" \
       -I "$(dirname "$cudnn_h")" -L "$lib_dir" -lmucudnn "$cudnn_lib" "$cudart" -lm \
       -Wl,-rpath,"$lib_dir" -Wl,-rpath,"$(dirname "$cudnn_lib")" -Wl,-rpath,"$(dirname "$cudart")" \

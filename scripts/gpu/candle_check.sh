@@ -10,12 +10,17 @@
 #                                            # fills .gpu/candle/ (ignored by git)
 #   bash scripts/gpu/candle_check.sh run     # on the GPU machine, with .gpu carried along
 #
-# With the device tool: command `bash scripts/gpu/candle_check.sh run`, carry [".gpu"]. The
+# On the GPU machine: `bash .gpu/accept.sh candle` (docs/gpu.md). The
 # test binary links libcuda, libcudnn, libcublas(Lt), libcurand, libnvrtc and libnccl (cudarc's
 # dynamic-linking, forced by candle-core's cuda feature); `run` puts the machine's copies (its
 # CUDA install or PyTorch's nvidia wheels) on LD_LIBRARY_PATH. Logs go under $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+# From the repository root, whether run from scripts/gpu/ or from .gpu/ (build.sh copies it).
+here=$(cd "$(dirname "$0")" && pwd)
+case "$here" in
+  */.gpu) cd "$here/.." ;;
+  *) cd "$here/../.." ;;
+esac
 
 # candle-core's `cudnn` feature makes candle's own conv2d run on cuDNN: the baseline.
 FEATURES="candle-cuda,candle-core/cudnn"
@@ -54,19 +59,21 @@ run() {
     $(python3 -c 'import nvidia, os; p = nvidia.__path__[0]
 for root, _, files in os.walk(p):
     if any(f.startswith("lib") and ".so" in f for f in files): print(root)' 2>/dev/null); do
+    case "$d" in */cudnn/*) continue ;; esac # cuDNN: libs.sh's one copy (accept.sh)
     [ -d "$d" ] && dirs="$dirs:$d"
   done
-  export LD_LIBRARY_PATH="${dirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export MUCUDNN_GPU_TESTS=1
+  # After what libs.sh put first (one libcudnn, linked by every name), never before it.
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}${dirs#:}"
   export XDG_CACHE_HOME="$out/xdg"
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+  cat "$out/gpu.txt"
   local status=0
-  ./.gpu/candle/candle-cuda-tests --test-threads=1 --nocapture 2>&1 | tee "$out/tests.txt" ||
+  ./.gpu/candle/candle-cuda-tests --include-ignored --test-threads=1 --nocapture 2>&1 | tee "$out/tests.txt" ||
     status=1
   ./.gpu/candle/candle_cnn --cuda 2>&1 | tee "$out/example.txt" || status=1
   echo "== summary"
-  grep -E "^test result|step time|FAILED|panicked" "$out/tests.txt" || true
-  tail -n 4 "$out/example.txt" || true
+  sed -n -E '/^test result|step time|FAILED|panicked/p' "$out/tests.txt"
+  tail -n 4 "$out/example.txt"
   return $status
 }
 

@@ -15,7 +15,12 @@
 # one process on GPU 0. Logs and summary.json go
 # under $OUT when it is set; exits non-zero on any failure. About 2 minutes on one H100.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+# From scripts/gpu/ here, or from .gpu/ there (build.sh copies this script): the repository root.
+here=$(cd "$(dirname "$0")" && pwd)
+case "$here" in
+  */.gpu) cd "$here/.." ;;
+  *) cd "$here/../.." ;;
+esac
 
 # The same features as candle_check.sh (one candle-cuda build serves both), plus MPI if asked.
 FEATURES="candle-cuda,candle-core/cudnn"
@@ -47,9 +52,11 @@ run() {
     $(python3 -c 'import nvidia, os; p = nvidia.__path__[0]
 for root, _, files in os.walk(p):
     if any(f.startswith("lib") and ".so" in f for f in files): print(root)' 2>/dev/null); do
+    case "$d" in */cudnn/*) continue ;; esac # cuDNN: libs.sh's one copy (accept.sh)
     [ -d "$d" ] && dirs="$dirs:$d"
   done
-  export LD_LIBRARY_PATH="${dirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # After what libs.sh put first (one libcudnn, linked by every name), never before it.
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}${dirs#:}"
   export XDG_CACHE_HOME="$out/xdg"
   local bin=./.gpu/candle_ddp/candle_ddp
   [ -x "$bin" ] || { echo "FAIL: $bin is missing: run '... build' here first"; return 1; }

@@ -9,7 +9,8 @@
 #   bash .gpu/engines_vs_torch.sh [alexnet] [resnet50] [tuning]   (default: all three)
 #
 # A device call is limited to 10 minutes: if all three do not fit, run them one per call.
-# MAX_CANDIDATES=N caps the engine configurations per (op, size) (default: no cap).
+# MAX_CANDIDATES=N caps the engine configurations per (op, size) (accept.sh: 8; unset: no cap).
+# Engines are compared with PyTorch timed in this same run, never with the legacy fixture.
 set -uo pipefail
 PARTS=${*:-alexnet resnet50 tuning}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -18,8 +19,8 @@ CAP=()
 G=${G:-.gpu}
 OUT=${OUT:-/tmp/mucudnn-gpu}
 mkdir -p "$OUT"
-TORCH_CUDNN=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cudnn/lib
-[ -d "$TORCH_CUDNN" ] && export LD_LIBRARY_PATH="$TORCH_CUDNN:${LD_LIBRARY_PATH:-}"
+# One libcudnn: scripts/gpu/libs.sh (accept.sh sources it before running this script).
+[ -n "${LD_LIBRARY_PATH:-}" ] || source "$(dirname "$0")/libs.sh"
 CACHE="$OUT/engines-cache.sqlite"
 rm -f "$CACHE"
 : > "$OUT/engines-rows.txt"
@@ -59,6 +60,7 @@ import json, os, sys
 out = sys.argv[1]
 targets = {("fp16", "8MiB"): 1.0, ("fp32", "256MiB"): 1.0, ("fp32", "64MiB"): 1.2}
 rows = [l.split() for l in open(os.path.join(out, "engines-rows.txt"))]
+failures = 0
 print(f'{"case":<32} {"mucudnn ms":>11} {"pytorch ms":>11} {"ratio":>7} {"target":>7} {"ws max":>9} {"pt extra max":>13} {"engines%":>9} {"tune s":>7}')
 for tag, rc in rows:
     model, dtype, layout, limit = tag.split("-")
@@ -67,7 +69,9 @@ for tag, rc in rows:
         torch = json.load(open(os.path.join(out, f"{model}-{dtype}-{layout}.torch.json")))
     except Exception as e:
         print(f"{tag:<32} FAILED (rc {rc}): {e}")
+        failures += 1
         continue
+    failures += rc != "0"
     ours = doc["measured"]["total_measured_ms"]
     theirs = sum(l["ms"] for l in torch["layers"])
     ratio = ours / theirs
@@ -87,4 +91,6 @@ for dtype in ("fp32", "fp16"):
               f'({t["sizes_measured"]} sizes, {t["engine_timings_pruned"]} engine timings pruned; target < 120 s)')
     except Exception as e:
         print(f"tuning time {dtype}: FAILED: {e}")
+        failures += 1
+sys.exit(1 if failures else 0)
 PY

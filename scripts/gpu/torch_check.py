@@ -11,7 +11,8 @@
    from ``torch.cuda.max_memory_allocated``; and the tuning time.
 
 usage: torch_check.py OUT_DIR [alexnet] [resnet50] [--batch-alexnet N] [--batch-resnet N]
-       [--max-candidates N]
+       [--max-candidates N] [--mode correctness|speed|both]   (run by .gpu/accept.sh torch and
+       torch-speed)
 Writes OUT_DIR/torch_check.json and prints a table last.
 """
 
@@ -197,6 +198,8 @@ def main():
     parser.add_argument("--batch-alexnet", type=int, default=256)
     parser.add_argument("--batch-resnet", type=int, default=64)
     parser.add_argument("--max-candidates", type=int, default=16)
+    parser.add_argument("--mode", choices=("correctness", "speed", "both"), default="both",
+                        help="accept.sh runs the two as separate parts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = str(args.out / "cache.sqlite")
@@ -205,6 +208,8 @@ def main():
     failures = 0
     for name in args.parts:
         for dtype, channels_last in ((torch.float32, False), (torch.float16, True)):
+            if args.mode == "speed":
+                break
             out_err, grad_err = correctness(name, dtype, channels_last, args.max_candidates, cache)
             # TF32 (fp32) and fp16 round differently from one algorithm to another.
             tolerance = 2e-2 if dtype == torch.float16 else 1e-2
@@ -214,6 +219,9 @@ def main():
                                               output_rel_err=out_err, grad_rel_err=grad_err, ok=ok))
             print(f"correctness {name} {dtype} cl={channels_last}: output {out_err:.2e}, "
                   f"grads {grad_err:.2e} -> {'ok' if ok else 'FAIL'}", flush=True)
+        if args.mode == "correctness":
+            (args.out / "torch_check.json").write_text(json.dumps(report, indent=1))
+            continue
         batch = args.batch_alexnet if name == "alexnet" else args.batch_resnet
         report["speed"] += speed(name, batch, torch.float16, True, ["8MiB", "64MiB"],
                                  args.max_candidates, cache)

@@ -99,9 +99,15 @@ pub const MUCUDNN_POLICY_POWER_OF_TWO: mucudnnPolicy_t = 1;
 /// Every size from 1 to the mini-batch size (slowest to tune).
 pub const MUCUDNN_POLICY_ALL: mucudnnPolicy_t = 2;
 
-/// The version of this header: 10000 * major + 100 * minor + patch (compare with
-/// mucudnnGetVersion()).
+/// The version of this header: 10000 * major + 100 * minor + patch of mucudnn's one version
+/// (the crate's, the Python package's: Cargo.toml's `[workspace.package] version`; compare
+/// with mucudnnGetVersion()).
 pub const MUCUDNN_VERSION: u32 = 100;
+
+/// The version of the C ABI this header describes: raised when a function's signature or a
+/// struct's layout changes incompatibly, independent of the package version (compare with
+/// mucudnnGetAbiVersion()).
+pub const MUCUDNN_ABI_VERSION: u32 = 1;
 
 /// The mucudnnOptions_t layout this header describes.
 pub const MUCUDNN_OPTIONS_VERSION: u32 = 1;
@@ -333,7 +339,8 @@ fn give_string(out: &mut *mut c_char, text: &str) {
 // Library information and errors
 
 /// The library's version: 10000 * major + 100 * minor + patch (MUCUDNN_VERSION of the header it
-/// was built with). Thread-safe; never fails.
+/// was built with), the same version as the crate's and the Python package's (0.1.0 is 100).
+/// Thread-safe; never fails.
 #[no_mangle]
 pub extern "C" fn mucudnnGetVersion() -> u32 {
     const fn parse(text: &str) -> u32 {
@@ -350,6 +357,14 @@ pub extern "C" fn mucudnnGetVersion() -> u32 {
         + parse(env!("CARGO_PKG_VERSION_MINOR")) * 100
         + parse(env!("CARGO_PKG_VERSION_PATCH"));
     VERSION
+}
+
+/// The version of the C ABI the library implements (MUCUDNN_ABI_VERSION of the header it was
+/// built with); a program built against another ABI version should not call it. Thread-safe;
+/// never fails.
+#[no_mangle]
+pub extern "C" fn mucudnnGetAbiVersion() -> u32 {
+    MUCUDNN_ABI_VERSION
 }
 
 /// What this build is, as one line of text: crate version, cargo features, the CUDA/cuDNN

@@ -40,6 +40,7 @@ fn version_and_build_info() {
     ]
     .map(|v| v.parse::<u32>().unwrap());
     assert_eq!(MUCUDNN_VERSION, major * 10_000 + minor * 100 + patch);
+    assert_eq!(mucudnnGetAbiVersion(), MUCUDNN_ABI_VERSION);
     // SAFETY: a static NUL-terminated string.
     let info = unsafe { CStr::from_ptr(mucudnnGetBuildInfo()) }
         .to_str()
