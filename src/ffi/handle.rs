@@ -24,7 +24,7 @@ use crate::solver::{operand_roles, steps, AlgoNames, BackendKind, Operand};
 use crate::solver::{
     solve_profile, ConvOp, ConvProblem, Mode, Profile, Solution, SolvedProblem, WdOptions,
 };
-use crate::tune::{profile_jobs, LayerTuning, ProfileRun, TuneError};
+use crate::tune::{keep_accurate_sizes_in, profile_jobs, LayerTuning, ProfileRun, TuneError};
 use mucudnn_cache::Cache;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
@@ -250,7 +250,11 @@ impl Handle {
         let mode = Mode::WorkspaceReuse {
             workspace_limit_bytes: tuning.workspace_limit_bytes,
         };
-        let mut solution = solve_profile(&profile, tuning.policy, mode, &WdOptions::default())?;
+        // The sizes a bf16 backward-filter plan may not use on cuDNN are left out of the
+        // solve only: the profile returned keeps every measurement.
+        let mut accurate = profile.clone();
+        keep_accurate_sizes_in(&mut accurate);
+        let mut solution = solve_profile(&accurate, tuning.policy, mode, &WdOptions::default())?;
         let solved = solution
             .problems
             .pop()

@@ -126,7 +126,8 @@ pub struct Solved {
 /// Solves a profile (interchange format v1) under JSON options; see [`parse_options`].
 pub fn solve_profile_json(profile: &str, options: Option<&str>) -> Result<Solved, FfiError> {
     let options = parse_options(options)?;
-    let profile = interchange::from_json_str(profile)?;
+    let mut profile = interchange::from_json_str(profile)?;
+    crate::tune::keep_accurate_sizes_in(&mut profile);
     let solution = solve_profile(&profile, options.policy, options.mode, &options.wd)?;
     let json = serde_json::to_string_pretty(&SolutionJson::new(&solution))
         .map_err(|e| FfiError::Internal(format!("writing the plan document: {e}")))?;

@@ -31,8 +31,8 @@ use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::solver::{
-    operand_roles, AlgoNames, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
-    Operand, Plan, Policy,
+    operand_roles, AlgoNames, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Operand,
+    Plan, Policy,
 };
 use crate::tune::{
     jobs_for, measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,

@@ -229,8 +229,12 @@ pub(crate) fn solve_and_print(
     print_json: bool,
     multiplicity: Option<&HashMap<String, u32>>,
 ) -> Result<Solution> {
+    // On cuDNN, a bf16 backward-filter plan has at most 4 micro-batches (the tune module's
+    // `min_micro_batch`): the rule applies to every plan this prints.
+    let mut accurate = profile.clone();
+    mucudnn::tune::keep_accurate_sizes_in(&mut accurate);
     let solution = solve_profile(
-        profile,
+        &accurate,
         settings.policy,
         settings.mode(),
         &settings.wd_options()?,
