@@ -170,3 +170,19 @@ def test_mucudnn_quiet_silences_the_lazy_line(monkeypatch, capsys, value):
     monkeypatch.setenv("MUCUDNN_QUIET", "0")
     conv(torch.randn(6, 3, 7, 7))
     assert len(lazy_lines(capsys.readouterr().err)) == 1
+
+
+def test_a_layer_sharing_a_failed_problem_keeps_its_own_fallback_setting(monkeypatch):
+    from mucudnn import MucudnnError, Tuner
+
+    def no_plan(self, layer, problem, settings):
+        raise MucudnnError(f"{layer}: no plan fits 0 B", "SOLVER_ERROR")
+
+    monkeypatch.setattr(Tuner, "tune", no_plan)
+    model = nn.Sequential(
+        mt.Conv2d(4, 4, 3, padding=1, cache=False, name="lenient"),
+        mt.Conv2d(4, 4, 3, padding=1, cache=False, name="strict", fallback=False),
+    )
+    with pytest.raises(RuntimeError, match="strict: tuning failed: lenient: no plan fits"):
+        mt.tune(model, torch.randn(2, 4, 6, 6), verbose=False)
+    assert model[0].plans[(2, 4, 6, 6)].fallback is not None

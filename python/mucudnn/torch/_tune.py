@@ -206,6 +206,10 @@ def tune(
             layer_started = time.perf_counter()
             if key in first:
                 name, earlier = first[key]
+                if earlier["plans"] is None and not layer._mucudnn.fallback:
+                    raise RuntimeError(
+                        f"{layer._mucudnn.name}: tuning failed: {earlier.get('fallback')}"
+                    )
                 result = dict(earlier, cached=0, measured=0, skipped=0,
                               peak_measuring_memory_bytes=0, same_as=name)
             else:
