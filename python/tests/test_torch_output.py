@@ -20,9 +20,10 @@ def table_rows(text):
     return [line for line in lines[header + 1 :] if not line.startswith("peak measuring memory")]
 
 
-def test_plans_print_as_a_table_with_algorithm_names(monkeypatch, capsys):
+def test_plans_print_as_a_table_with_algorithm_names(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("MUCUDNN_QUIET", "1")
-    conv = mt.Conv2d(3, 8, 3, padding=1, cache=False, name="net.table")
+    # A cache of its own: the in-memory one is shared by every test of the process.
+    conv = mt.Conv2d(3, 8, 3, padding=1, cache=str(tmp_path / "c.sqlite"), name="net.table")
     conv(torch.randn(4, 3, 12, 12))
     conv(torch.randn(2, 3, 8, 8))
     plans = conv.plans
@@ -107,10 +108,10 @@ def test_tune_returns_a_summary_whose_fields_mean_one_thing(tmp_path):
     assert second.peak_measuring_memory_bytes == 0
 
 
-def test_tune_progress_names_the_layer_whose_plans_a_layer_shares(capsys):
+def test_tune_progress_names_the_layer_whose_plans_a_layer_shares(capsys, tmp_path):
     model = mt.convert_(
         nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)),
-        cache=False,
+        cache=str(tmp_path / "c.sqlite"),
     )
     summary = mt.tune(model, torch.randn(2, 3, 8, 8))
     err = capsys.readouterr().err
@@ -125,9 +126,10 @@ def lazy_lines(err):
     return [line for line in err.splitlines() if "on first use" in line]
 
 
-def test_a_lazily_tuned_shape_prints_one_line_per_new_shape(monkeypatch, capsys):
+def test_a_lazily_tuned_shape_prints_one_line_per_new_shape(monkeypatch, capsys, tmp_path):
     monkeypatch.delenv("MUCUDNN_QUIET", raising=False)
-    conv = mt.Conv2d(3, 4, 3, padding=1, cache=False, name="net.lazy")
+    cache = str(tmp_path / "c.sqlite")  # its own: other tests' layers share the in-memory one
+    conv = mt.Conv2d(3, 4, 3, padding=1, cache=cache, name="net.lazy")
     x = torch.randn(2, 3, 6, 6, requires_grad=True)
     conv(x).sum().backward()
     conv(x).sum().backward()
@@ -148,7 +150,7 @@ def test_a_lazily_tuned_shape_prints_one_line_per_new_shape(monkeypatch, capsys)
     assert len(conv._mucudnn.reports) == 3
     assert lazy_lines(capsys.readouterr().err) == []
     # A second layer with the same problem says whose plans it runs.
-    twin = mt.Conv2d(3, 4, 3, padding=1, cache=False, name="net.twin")
+    twin = mt.Conv2d(3, 4, 3, padding=1, cache=cache, name="net.twin")
     twin(torch.randn(3, 3, 6, 6))
     lines = lazy_lines(capsys.readouterr().err)
     assert len(lines) == 1 and "net.twin" in lines[0] and "plans of net.lazy" in lines[0], lines
