@@ -139,8 +139,9 @@ def main() -> None:
 
     tuned = mt.tune(model, batch(0)[0], verbose=rank == 0)
     if rank == 0:
-        print(f"tuning: {tuned['seconds']:.2f} s for {tuned['layers']} layer shape(s) "
-              f"({tuned['tasks']} measuring task(s) dealt over {world} rank(s))")
+        print(f"tuning: {tuned.seconds:.2f} s for {tuned.layers} layer(s), {tuned.shapes} shape(s) "
+              f"({tuned.tasks_dealt} measuring task(s) dealt over {world} rank(s): "
+              f"{tuned.measured} measured here, {tuned.shared} shared, {tuned.cached} cached)")
 
     ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
@@ -179,9 +180,12 @@ def main() -> None:
                     "losses": losses,
                     "checksum": checksum(model),
                     "plans": plans,
-                    "tasks": tuned["tasks"],
-                    "measured_here": tuned["measured_here"],
-                    "tuning_seconds": tuned["seconds"],
+                    "tasks_dealt": tuned.tasks_dealt,
+                    "tasks_here": tuned.tasks_here,
+                    "measured": tuned.measured,
+                    "shared": tuned.shared,
+                    "cached": tuned.cached,
+                    "tuning_seconds": tuned.seconds,
                 },
                 indent=1,
             )

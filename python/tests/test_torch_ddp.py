@@ -31,11 +31,17 @@ def test_two_ranks_deal_out_tuning_and_train_identically(tmp_path):
     losses = first["losses"]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4, losses
     # Tuning: every task measured once, dealt out evenly, and the same plans everywhere.
-    tasks = first["tasks"]
-    assert tasks == second["tasks"] > 0
-    mine, theirs = set(first["measured_here"]), set(second["measured_here"])
+    tasks = first["tasks_dealt"]
+    assert tasks == second["tasks_dealt"] > 0
+    mine, theirs = set(first["tasks_here"]), set(second["tasks_here"])
     assert not mine & theirs
     assert len(mine) + len(theirs) == tasks
     assert abs(len(mine) - len(theirs)) <= 2
+    # The summary's counts: each rank measured its share and stored the other's; fresh caches
+    # held nothing before.
+    for me, other in ((first, second), (second, first)):
+        assert me["measured"] == len(me["tasks_here"]), me
+        assert me["shared"] == len(other["tasks_here"]), me
+        assert me["cached"] == 0, me
     assert first["plans"] == second["plans"]
     assert "step" in done.stdout and "tuning:" in done.stdout

@@ -215,7 +215,8 @@ def test_a_shape_without_a_plan_falls_back_to_pytorch_or_raises(monkeypatch, cap
     # tune() follows the same rule.
     model = mt.convert_(nn.Sequential(nn.Conv2d(3, 4, 3)), cache=False)
     summary = mt.tune(model, torch.randn(2, 3, 6, 6), verbose=False)
-    assert summary["layers"] == 1 and model[0].plans[(2, 3, 6, 6)].fallback
+    assert summary.layers == summary["layers"] == 1 and model[0].plans[(2, 3, 6, 6)].fallback
+    assert summary.fallbacks == 1
 
 
 def test_a_plan_cudnn_declines_to_prepare_falls_back_to_pytorch(monkeypatch, capsys):

@@ -81,7 +81,8 @@ class Conv2d(nn.Conv2d):
     ``max_candidates``, ``prune_margin``, ``verbose``, and ``fallback`` (default ``True``: an
     input shape that no candidate supports, or whose plans cannot fit the limit, runs PyTorch's
     own convolution, with a warning on stderr and the reason in :attr:`plans`; ``False``:
-    raise instead).
+    raise instead). An input shape tuned on first use (not by :func:`mucudnn.torch.tune`) prints
+    one line on stderr, unless the environment sets ``MUCUDNN_QUIET=1``.
 
     CPU tensors run mucudnn's CPU backend (fp32, fp16, bf16); CUDA tensors run cuDNN plans on
     the current stream with workspace from PyTorch's caching allocator. ``channels_last``
@@ -176,12 +177,16 @@ class Conv2d(nn.Conv2d):
         return self._mucudnn.name
 
     @property
-    def plans(self) -> Dict[Tuple[int, int, int, int], "_runtime.PlanReport"]:
-        """Per input shape (n, c, h, w) tuned so far: each op's split, candidates, predicted
-        time and workspace, and the tuning time (see :class:`PlanReport`). Where one input
-        shape was tuned for several problems (another weight, geometry or PyTorch switch), the
-        last one tuned."""
-        return {report.shape: report for report in self._mucudnn.reports.values()}
+    def plans(self) -> "_runtime.Plans":
+        """Per input shape (n, c, h, w) tuned so far, a mapping to :class:`PlanReport`: each
+        op's split, candidates, predicted time and workspace, where the plans came from and
+        the tuning time. Prints as a table (one row per shape and op) with the peak measuring
+        memory of the tuning. Where one input shape was tuned for several problems (another
+        weight, geometry or PyTorch switch), the last one tuned."""
+        config = self._mucudnn
+        return _runtime.Plans(
+            config.name, {report.shape: report for report in list(config.reports.values())}
+        )
 
     def extra_repr(self) -> str:
         s = self._mucudnn.settings

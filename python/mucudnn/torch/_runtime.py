@@ -15,12 +15,14 @@ problem (and the C ABI checks each operand's dims and extent against the plan ag
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,18 @@ def output_hw(
     return p, q
 
 
+def format_bytes(value: Optional[int]) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (powers of 1024, as sizes are given to ``workspace_limit``)."""
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{value} B"
+
+
 @dataclass
 class PlanReport:
     """How one input shape of a layer runs: per op, the split (``COUNTxSIZE@algo`` runs), the
@@ -82,6 +96,39 @@ class PlanReport:
     math: str = "default"
     #: Whether only deterministic candidates were used (PyTorch's determinism switches).
     deterministic: bool = False
+    #: Timings the tuning skipped because the candidate's workspace exceeded the limit.
+    skipped: int = 0
+    #: The most memory the tuning's measuring held at once (operands plus workspace; device
+    #: memory on a GPU, host memory on the CPU); 0 when nothing was measured.
+    peak_measuring_memory_bytes: int = 0
+    #: The layer whose plans this shape reuses (same problem, tuned first by that layer).
+    same_as: Optional[str] = None
+
+    @property
+    def source(self) -> str:
+        """Where the plans came from, in words: measured here, from the cache, or another
+        layer's."""
+        if self.same_as is not None:
+            return f"plans of {self.same_as}"
+        if self.measured == 0 and self.cached == 0:
+            return "plans cached"
+        return f"{self.measured} measured, {self.cached} cached"
+
+    def rows(self) -> List[Tuple[str, str, str, str, str]]:
+        """(op, split, predicted, workspace, source) per op; one row for a fallback."""
+        if self.fallback is not None:
+            return [("-", "PyTorch's convolution", "-", "-", f"no plan: {self.fallback}")]
+        source = f"{self.source}, {self.tuning_seconds:.2f} s"
+        return [
+            (
+                op,
+                info["split"],
+                f"{info['time_ms']:.3f} ms",
+                format_bytes(info["workspace_bytes"]),
+                source,
+            )
+            for op, info in self.ops.items()
+        ]
 
     def __str__(self) -> str:
         n, c, h, w = self.shape
@@ -93,7 +140,68 @@ class PlanReport:
                 f"  {op:<10} {info['split']:<40} predicted {info['time_ms']:9.3f} ms  "
                 f"workspace {info['workspace_bytes']} B"
             )
+        lines.append(
+            f"  {self.source} in {self.tuning_seconds:.2f} s, peak measuring memory "
+            f"{format_bytes(self.peak_measuring_memory_bytes)}"
+        )
         return "\n".join(lines)
+
+
+class Plans(Mapping):
+    """A layer's plans by input shape ``(n, c, h, w)`` (a read-only mapping to
+    :class:`PlanReport`) that prints as a table: one row per shape and op with the split
+    (micro-batch counts, sizes and algorithm names), the predicted time, the workspace and where
+    the plans came from, then the peak measuring memory of the tuning."""
+
+    def __init__(self, layer: str, reports: Dict[Tuple[int, int, int, int], PlanReport]):
+        self.layer = layer
+        self._reports = reports
+
+    def __getitem__(self, shape: Tuple[int, int, int, int]) -> PlanReport:
+        return self._reports[tuple(shape)]
+
+    def __iter__(self) -> Iterator[Tuple[int, int, int, int]]:
+        return iter(self._reports)
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+    @property
+    def peak_measuring_memory_bytes(self) -> int:
+        """The most memory any of these shapes' tuning held at once while measuring."""
+        return max((r.peak_measuring_memory_bytes for r in self._reports.values()), default=0)
+
+    def __str__(self) -> str:
+        if not self._reports:
+            return f"{self.layer}: no input shape tuned yet"
+        header = ("shape", "dtype", "op", "split", "predicted", "workspace", "plans from")
+        rows = []
+        for shape, report in self._reports.items():
+            first = True
+            for op, split, predicted, workspace, source in report.rows():
+                label = "x".join(map(str, shape)) if first else ""
+                kind = f"{report.dtype} {report.layout}" if first else ""
+                rows.append((label, kind, op, split, predicted, workspace, source if first else ""))
+                first = False
+        widths = [max(len(str(row[i])) for row in rows + [header]) for i in range(len(header))]
+        right = {4, 5}  # numbers align right
+
+        def line(row) -> str:
+            cells = [
+                str(v).rjust(widths[i]) if i in right else str(v).ljust(widths[i])
+                for i, v in enumerate(row)
+            ]
+            return "  ".join(cells).rstrip()
+
+        devices = sorted({r.device for r in self._reports.values()})
+        lines = [f"{self.layer} on {', '.join(devices)}:", line(header)]
+        lines.extend(line(row) for row in rows)
+        lines.append(
+            f"peak measuring memory {format_bytes(self.peak_measuring_memory_bytes)}"
+        )
+        return "\n".join(lines)
+
+    __repr__ = __str__
 
 
 def report_of(key: PlanKey, result: Dict[str, Any], seconds: float) -> PlanReport:
@@ -119,6 +227,9 @@ def report_of(key: PlanKey, result: Dict[str, Any], seconds: float) -> PlanRepor
         weight_shape=key[5],
         math=key[10],
         deterministic=key[11],
+        skipped=int(result.get("skipped", 0)),
+        peak_measuring_memory_bytes=int(result.get("peak_measuring_memory_bytes", 0)),
+        same_as=result.get("same_as"),
     )
 
 
@@ -170,6 +281,8 @@ class LayerConfig:
         self.lock = threading.Lock()
         self.owners = 0
         self.warned_float64 = False
+        #: Input shapes whose lazy tuning was announced on stderr (once per shape).
+        self.announced: set = set()
 
     def settings_for(self, key: PlanKey) -> Settings:
         return self.deterministic_settings if key[11] else self.settings
@@ -443,7 +556,49 @@ def plans_for(config: LayerConfig, key: PlanKey) -> Optional[Ready]:
             fall_back(config, key, str(e), time.perf_counter() - started)
             return None
         raise RuntimeError(f"{config.name}: tuning input shape {shape} failed: {e}") from e
-    return adopt_or_fall_back(config, key, result, time.perf_counter() - started)
+    if result.get("measured", 0) == 0 and result.get("cached", 0) == 0:
+        result = dict(result, same_as=_tuned_by_another(config, key))
+    ready = adopt_or_fall_back(config, key, result, time.perf_counter() - started)
+    _announce_lazy(config, key, time.perf_counter() - started)
+    return ready
+
+
+def quiet() -> bool:
+    """Whether the user asked for quiet (``MUCUDNN_QUIET=1``): no line per lazily tuned shape."""
+    return os.environ.get("MUCUDNN_QUIET", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _announce_lazy(config: LayerConfig, key: PlanKey, seconds: float) -> None:
+    """One line on stderr per new input shape a layer tunes on first use (not under
+    :func:`mucudnn.torch.tune`, which prints its own), unless :func:`quiet`."""
+    shape = key[4]
+    if quiet() or shape in config.announced:
+        return
+    config.announced.add(shape)
+    report = config.reports.get(key)
+    source = f", {report.source}" if report is not None and report.fallback is None else ""
+    print(
+        f"mucudnn: {config.name}: tuned input shape {'x'.join(map(str, shape))} "
+        f"({DTYPES[key[2]]} {key[3]}) on first use in {seconds:.2f} s{source}; call "
+        "mucudnn.torch.tune(model, example_inputs) ahead of training to tune before the first "
+        "step (MUCUDNN_QUIET=1 silences this)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _tuned_by_another(config: LayerConfig, key: PlanKey) -> Optional[str]:
+    """The name of another layer of this process with plans for the same problem and settings
+    (whose solved plans the cache just returned), if any."""
+    for other in list(_configs.values()):
+        if (
+            other is not config
+            and other.cache == config.cache
+            and other.settings_for(key) == config.settings_for(key)
+            and other.prepared.get(key) is not None
+        ):
+            return other.name
+    return None
 
 
 def adopt_or_fall_back(

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -32,6 +33,61 @@ from .._lib import MucudnnError
 from .._tuner import Settings
 from . import _runtime
 from ._layer import Conv2d
+
+
+@dataclass
+class TuneSummary:
+    """What :func:`tune` did on this rank. Measurement counts are (micro-batch size, candidate
+    kind) timings of one op of one problem."""
+
+    #: Converted layers the example inputs reached.
+    layers: int = 0
+    #: Distinct problems (input shape, weight, geometry, dtype, layout) among them; layers
+    #: with the same problem share one tuning and one set of plans.
+    shapes: int = 0
+    #: Measurements timed on this rank.
+    measured: int = 0
+    #: Measurements read from the cache, stored there before this call.
+    cached: int = 0
+    #: Measurements other ranks timed and this rank stored (``torch.distributed`` only).
+    shared: int = 0
+    #: Wall-clock seconds of the whole call.
+    seconds: float = 0.0
+    #: Ranks in the process group (1 without ``torch.distributed``).
+    world_size: int = 1
+    #: Shapes that run PyTorch's convolution (no plan; see each layer's ``plans``).
+    fallbacks: int = 0
+    #: Measuring tasks missing in this rank's group and dealt out over its ranks (0 alone).
+    tasks_dealt: int = 0
+    #: The ids of the tasks this rank measured of those.
+    tasks_here: List[str] = field(default_factory=list, repr=False)
+    #: The most memory one layer's tuning held at once while measuring (device memory on a
+    #: GPU, host memory on the CPU); None under ``torch.distributed``, whose dealt measuring
+    #: does not report it.
+    peak_measuring_memory_bytes: Optional[int] = 0
+
+    #: The keys of the dict ``tune`` returned before, for ``summary["layers"]`` and the like.
+    _OLD_KEYS = {"tasks": "tasks_dealt", "measured_here": "tasks_here"}
+
+    def __getitem__(self, key: str) -> Any:
+        name = self._OLD_KEYS.get(key, key)
+        if name.startswith("_") or name not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, name)
+
+    def __str__(self) -> str:
+        parts = [
+            f"{self.layers} layer(s), {self.shapes} shape(s) in {self.seconds:.2f} s",
+            f"{self.measured} measured, {self.cached} cached",
+        ]
+        if self.world_size > 1:
+            parts.append(f"{self.shared} shared by other ranks of {self.world_size}")
+        if self.fallbacks:
+            parts.append(f"{self.fallbacks} on PyTorch's convolution")
+        if self.peak_measuring_memory_bytes is not None:
+            peak = _runtime.format_bytes(self.peak_measuring_memory_bytes)
+            parts.append(f"peak measuring memory {peak}")
+        return "tuned " + "; ".join(parts)
 
 
 def _progress(message: str, verbose: bool) -> None:
@@ -83,17 +139,18 @@ def tune(
     *example_inputs: Any,
     verbose: bool = True,
     **example_kwargs: Any,
-) -> Dict[str, Any]:
+) -> TuneSummary:
     """Tunes every converted :class:`Conv2d` of ``model`` for the shapes it sees on
     ``example_inputs`` (one forward pass in eval mode without gradients, with PyTorch's own
     convolutions), so that training then only executes plans. Under an initialized
     ``torch.distributed`` process group (torchrun, DDP) the measuring is dealt out over the
     ranks and the measurements shared (see the module docs); call it on every rank with the
-    per-rank batch. Prints a line per layer on stderr unless ``verbose=False``.
+    per-rank batch. Prints a line per layer on stderr unless ``verbose=False``; a layer whose
+    problem an earlier layer tuned says whose plans it shares.
 
-    Returns a summary: ``seconds``, ``layers``, ``tasks`` (measuring tasks missing in the
-    group), ``measured_here`` (this rank's share: task ids), ``cached``/``measured`` counts of
-    the final tuning, and ``world_size``.
+    Returns a :class:`TuneSummary` (``layers``, ``shapes``, ``measured``, ``cached``,
+    ``shared``, ``seconds``, ...); ``summary["layers"]`` and the old keys ``"tasks"`` and
+    ``"measured_here"`` still read its fields.
     """
     started = time.perf_counter()
     seen = _discover(model, example_inputs, example_kwargs)
@@ -116,14 +173,12 @@ def tune(
         cache_key = "default" if config.cache is None else str(config.cache)
         group_key = (key[0], key[1], cache_key, config.settings_for(key))
         groups.setdefault(group_key, []).append((layer, key, problem))
-    summary: Dict[str, Any] = {
-        "layers": len(entries),
-        "tasks": 0,
-        "measured_here": [],
-        "cached": 0,
-        "measured": 0,
-        "world_size": world,
-    }
+    summary = TuneSummary(
+        layers=len({id(layer) for layer, _, _ in entries}),
+        shapes=sum(len({key for _, key, _ in members}) for members in groups.values()),
+        world_size=world,
+        peak_measuring_memory_bytes=0 if world == 1 else None,
+    )
     # Every rank must enter the same collectives in the same order: groups go in the model
     # order of their first layer, which is the same on every rank (cache paths and device
     # indices may differ between ranks; dicts keep insertion order).
@@ -140,29 +195,59 @@ def tune(
         tuner = _runtime.tuner_for(device_type, index, config.cache, config.verbose)
         if device_type == "cuda":
             torch.cuda.synchronize(index)
+        dealt = (0, 0)
         if world > 1:
-            _deal(tuner, settings, members, rank, world, summary, verbose)
+            dealt = _deal(tuner, settings, members, rank, world, summary, verbose)
         results = []
+        # The first layer to tune each problem; later layers with it share its result.
+        first: Dict[Any, Tuple[str, Dict[str, Any]]] = {}
+        cached = measured = 0
         for layer, key, problem in members:
             layer_started = time.perf_counter()
-            try:
-                result = tuner.tune(layer._mucudnn.name, problem, settings)
-            except MucudnnError as e:
-                if not (layer._mucudnn.fallback and e.status in _runtime.FALLBACK_STATUSES):
-                    raise RuntimeError(f"{layer._mucudnn.name}: tuning failed: {e}") from e
-                result = {"plans": None, "cached": 0, "measured": 0, "fallback": str(e)}
+            if key in first:
+                name, earlier = first[key]
+                if earlier["plans"] is None and not layer._mucudnn.fallback:
+                    raise RuntimeError(
+                        f"{layer._mucudnn.name}: tuning failed: {earlier.get('fallback')}"
+                    )
+                result = dict(earlier, cached=0, measured=0, skipped=0,
+                              peak_measuring_memory_bytes=0, same_as=name)
+            else:
+                try:
+                    result = tuner.tune(layer._mucudnn.name, problem, settings)
+                except MucudnnError as e:
+                    if not (layer._mucudnn.fallback and e.status in _runtime.FALLBACK_STATUSES):
+                        raise RuntimeError(f"{layer._mucudnn.name}: tuning failed: {e}") from e
+                    result = {"plans": None, "cached": 0, "measured": 0, "fallback": str(e)}
+                first[key] = (layer._mucudnn.name, result)
             seconds = time.perf_counter() - layer_started
-            summary["cached"] += result["cached"]
-            summary["measured"] += result["measured"]
+            cached += result["cached"]
+            measured += result["measured"]
+            if summary.peak_measuring_memory_bytes is not None:
+                summary.peak_measuring_memory_bytes = max(
+                    summary.peak_measuring_memory_bytes,
+                    int(result.get("peak_measuring_memory_bytes", 0)),
+                )
             results.append((layer, key, result, seconds))
             if world == 1:
                 _adopt(layer, key, result, seconds, verbose)
         if world > 1:
             _agree(tuner, results, rank, verbose)
-    summary["seconds"] = time.perf_counter() - started
+        # Dealt out, this rank's share and the other ranks' were stored before the final
+        # tuning, which reads them from the cache: count them as measured and shared.
+        mine, shared = dealt
+        summary.measured += measured + mine
+        summary.shared += shared
+        summary.cached += max(0, cached - mine - shared)
+    summary.fallbacks = sum(
+        1
+        for layer, key, _ in entries
+        if layer._mucudnn.reports.get(key) is not None
+        and layer._mucudnn.reports[key].fallback is not None
+    )
+    summary.seconds = time.perf_counter() - started
     _progress(
-        f"tuned {summary['layers']} layer shape(s) in {summary['seconds']:.2f} s"
-        + (f" on {world} ranks" if world > 1 else ""),
+        str(summary) + (f" on {world} ranks" if world > 1 else ""),
         verbose and rank == 0,
     )
     return summary
@@ -179,13 +264,16 @@ def _adopt(layer: Conv2d, key, result, seconds: float, verbose: bool) -> None:
     _progress(
         f"{layer._mucudnn.name} ({n}x{c}x{h}x{w} {report.dtype} {report.layout}): "
         + ", ".join(f"{op} {info['split']}" for op, info in report.ops.items())
-        + f" ({seconds:.2f} s, {report.measured} measured, {report.cached} cached)",
+        + f" ({seconds:.2f} s, {report.source})",
         verbose,
     )
 
 
-def _deal(tuner, settings: Settings, members, rank: int, world: int, summary, verbose) -> None:
-    """Steps 1 and 2 of the module docs for one group of layers."""
+def _deal(
+    tuner, settings: Settings, members, rank: int, world: int, summary: TuneSummary, verbose
+) -> Tuple[int, int]:
+    """Steps 1 and 2 of the module docs for one group of layers. Returns the tasks this rank
+    measured and those it stored from the other ranks."""
     layers = [{"layer": layer._mucudnn.name, "problem": problem} for layer, _, problem in members]
     fingerprint = tuner.fingerprint()
     missing = tuner.missing(layers, settings)
@@ -203,25 +291,29 @@ def _deal(tuner, settings: Settings, members, rank: int, world: int, summary, ve
         for task in everyone[r]["missing"]:
             union.setdefault(_task_id(task), task)
     tasks = list(union.values())
-    summary["tasks"] += len(tasks)
+    summary.tasks_dealt += len(tasks)
     if not any(info["missing"] for info in everyone):
-        return
+        return 0, 0
+    mine_count = shared = 0
     position = peers.index(rank)
     for between in (False, True):
         round_tasks = [t for t in tasks if (t.get("between") is not None) == between]
         mine = round_tasks[position :: len(peers)]
         started = time.perf_counter()
         measured = tuner.measure(mine, settings) if mine else {"fingerprint": fingerprint, "measured": []}
-        summary["measured_here"].extend(_task_id(t) for t in mine)
+        summary.tasks_here.extend(_task_id(t) for t in mine)
+        mine_count += len(mine)
         gathered = _all_gather(measured)
         for r in peers:
             if r != rank and gathered[r]["measured"]:
                 tuner.store(gathered[r])
+                shared += len(gathered[r]["measured"])
         _progress(
             f"rank {rank}: measured {len(mine)} of {len(round_tasks)} "
             f"{'between' if between else 'anchor'} task(s) in {time.perf_counter() - started:.2f} s",
             verbose,
         )
+    return mine_count, shared
 
 
 def _agree(tuner, results, rank: int, verbose: bool) -> None:
