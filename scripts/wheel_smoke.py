@@ -9,7 +9,7 @@ import array
 import sys
 
 import mucudnn
-from mucudnn import Settings, Tuner, problem
+from mucudnn import Settings, Tuner, operand_extents, problem
 
 N, C, H, W, K, R, S = 3, 2, 6, 5, 4, 3, 3
 PAD = 1
@@ -59,7 +59,9 @@ def main():
     out = array.array("f", [float("nan")] * len(expected))
     workspace = array.array("B", bytes(max(prepared.workspace) + 16))
     address = lambda a: a.buffer_info()[0]  # noqa: E731
-    tuner.execute(prepared.id, 0, address(x), address(w), address(out),
+    p, q = H + 2 * PAD - R + 1, W + 2 * PAD - S + 1
+    extents = operand_extents(0, (N, C, H, W), (K, C, R, S), (N, K, p, q), x.itemsize)
+    tuner.execute(prepared.id, 0, address(x), address(w), address(out), extents,
                   workspace=address(workspace), workspace_bytes=prepared.workspace[0])
     scale = max(abs(v) for v in expected)
     error = max(abs(a - b) for a, b in zip(out, expected)) / scale
