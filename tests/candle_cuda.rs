@@ -1,8 +1,9 @@
 //! `mucudnn::candle::Conv2d` on candle's CUDA device (feature `candle-cuda`): the checks of
 //! `tests/candle/checks.rs` on GPU 0, and the training step time of a small CNN against the
 //! same CNN with candle's own convolution (cuDNN when candle-core's `cudnn` feature is on, as
-//! `scripts/gpu/candle_check.sh` builds it). Every test needs a GPU and is `#[ignore]`d; the
-//! GPU acceptance runs them with `--include-ignored`.
+//! `scripts/gpu/candle_check.sh` builds it). Every test needs a GPU and is
+//! `#[ignore = "needs a GPU: ..."]`; the GPU acceptance (`accept.sh candle`) runs them with
+//! `--include-ignored`.
 
 #[path = "candle/checks.rs"]
 mod checks;
@@ -11,49 +12,39 @@ use candle_core::{DType, Device};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use std::time::Instant;
 
-/// GPU 0 (the tests are `#[ignore]`d, so this runs only where a GPU was asked for).
-fn gpu() -> Option<Device> {
-    Some(Device::new_cuda(0).expect("CUDA device 0"))
+/// GPU 0 (the tests are ignored unless asked for, so this runs only where a GPU is).
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("CUDA device 0")
 }
 
 #[test]
 #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cuda_forward_and_gradients_match_candle_conv2d() {
-    if let Some(dev) = gpu() {
-        checks::forward_and_gradients_match_candle_conv2d(&dev);
-    }
+    checks::forward_and_gradients_match_candle_conv2d(&gpu());
 }
 
 #[test]
 #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cuda_backward_matches_the_f64_reference_where_candle_gets_the_width_wrong() {
-    if let Some(dev) = gpu() {
-        checks::backward_matches_the_f64_reference_where_candle_gets_the_width_wrong(&dev);
-    }
+    checks::backward_matches_the_f64_reference_where_candle_gets_the_width_wrong(&gpu());
 }
 
 #[test]
 #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cuda_each_shape_is_tuned_once_and_a_second_layer_reads_the_shared_cache() {
-    if let Some(dev) = gpu() {
-        checks::each_shape_is_tuned_once_and_a_second_layer_reads_the_shared_cache(&dev);
-    }
+    checks::each_shape_is_tuned_once_and_a_second_layer_reads_the_shared_cache(&gpu());
 }
 
 #[test]
 #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cuda_errors_are_values_that_name_the_layer() {
-    if let Some(dev) = gpu() {
-        checks::errors_are_values_that_name_the_layer(&dev);
-    }
+    checks::errors_are_values_that_name_the_layer(&gpu());
 }
 
 #[test]
 #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cuda_a_small_cnn_trains_and_its_sgd_step_matches_candle_convs() {
-    if let Some(dev) = gpu() {
-        checks::a_small_cnn_trains_and_its_sgd_step_matches_candle_convs(&dev);
-    }
+    checks::a_small_cnn_trains_and_its_sgd_step_matches_candle_convs(&gpu());
 }
 
 /// Median training-step time (forward, backward, SGD) of the checks' CNN, mucudnn's layers
@@ -61,7 +52,7 @@ fn cuda_a_small_cnn_trains_and_its_sgd_step_matches_candle_convs() {
 #[test]
 #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cuda_step_time_against_candle_conv() {
-    let Some(dev) = gpu() else { return };
+    let dev = gpu();
     let cache = checks::shared_cache();
     let mut report = Vec::new();
     for (label, ours) in [("candle conv2d", None), ("mucudnn conv2d", Some(&cache))] {

@@ -4,7 +4,8 @@
 //! (`tests/fixtures/h100-device-description.json`) instead of a handle. See
 //! docs/cudnn_host.md.
 //!
-//! Every test is `#[ignore]`d (`cargo test` counts them as ignored); the tier runs them with
+//! Every test is `#[ignore = "needs the cuDNN host tier: ..."]` (`cargo test` counts them as
+//! ignored); the tier runs them with
 //! `--include-ignored` and `MUCUDNN_CUDNN_HOST_TESTS=1`, and a test asked for without that
 //! variable fails.
 //! `MUCUDNN_CUDNN_HOST_JSON=<file>` makes the zoo tests append one JSON object per (layer,
@@ -28,7 +29,7 @@ const CHILD: &str = "MUCUDNN_CUDNN_HOST_CHILD";
 /// The mini-batch of every checked problem; micro-batch graphs use 1, 2, 4, 8.
 const BATCH: i64 = 8;
 
-/// The tests are `#[ignore]`d; one that is asked for (`--include-ignored`) without the tier's
+/// The tests are `#[ignore = "needs the cuDNN host tier: ..."]`; one that is asked for (`--include-ignored`) without the tier's
 /// environment fails rather than passing without running.
 fn enabled(test: &str) -> bool {
     assert!(

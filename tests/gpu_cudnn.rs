@@ -1,4 +1,4 @@
-//! GPU acceptance on cuDNN. Every test needs a GPU and is `#[ignore]`d; the GPU acceptance
+//! GPU acceptance on cuDNN. Every test needs a GPU and is `#[ignore = "needs a GPU: ..."]`; the GPU acceptance
 //! (`scripts/gpu/accept.sh`) runs them with `--include-ignored`. Executing a micro-batched plan gives the undivided
 //! result (bitwise for forward and for deterministic backward-data algorithms, 1e-6 relative
 //! for backward-filter in fp32), every algorithm matches a float64 host reference, and, when

@@ -1,5 +1,5 @@
 //! GPU acceptance of the graph-API path (engine configurations). Every test needs a GPU and is
-//! `#[ignore]`d; the GPU acceptance (`scripts/gpu/accept.sh`) runs them with `--include-ignored`:
+//! `#[ignore = "needs a GPU: ..."]`; the GPU acceptance (`scripts/gpu/accept.sh`) runs them with `--include-ignored`:
 //!
 //! - every enumerated configuration of every op that builds a plan computes the float64 host
 //!   reference's result, and the problem's math mode is honoured (no tensor cores under fma);

@@ -177,11 +177,6 @@ pub use ffi::{RawWorkspace, StreamFence, StreamKey, StreamSession};
 pub use graph_params::Alignments;
 pub use shape::{operand_roles, ConvShapes, Operand};
 
-/// `MUCUDNN_GPU_TESTS=1` says a GPU is present, so that the few CPU tests of the behaviour
-/// without one step aside. The tests that need a GPU are `#[ignore]`d instead, and the GPU
-/// acceptance runs them with `--include-ignored` (docs/gpu.md).
-pub const GPU_TESTS_ENV: &str = "MUCUDNN_GPU_TESTS";
-
 #[cfg(test)]
 mod tests {
     #![forbid(unsafe_code)]
@@ -285,7 +280,8 @@ mod tests {
         ));
     }
 
-    // ---- tests that need a GPU: #[ignore]d, run on the GPU machine with --include-ignored
+    // ---- tests that need a GPU: #[ignore = "needs a GPU: ..."], run on the GPU machine by
+    // scripts/gpu/accept.sh (wall) with --include-ignored
 
     /// Host data for `problem`'s three tensors, rounded to its dtype.
     struct HostData {
