@@ -130,6 +130,21 @@ pub fn keep_accurate_sizes_in(profile: &mut Profile) {
     }
 }
 
+/// [`crate::solver::solve_profile`] under the rule: the profile's entries restricted by
+/// [`keep_accurate_sizes_in`] (on a copy, so the caller's profile keeps every measurement).
+/// Every path that solves a whole profile (the CLI, the C ABI's solve and its handle) goes
+/// through here.
+pub fn solve_accurately(
+    profile: &Profile,
+    policy: Policy,
+    mode: crate::solver::Mode,
+    wd: &crate::solver::WdOptions,
+) -> Result<crate::solver::Solution, SolveError> {
+    let mut accurate = profile.clone();
+    keep_accurate_sizes_in(&mut accurate);
+    crate::solver::solve_profile(&accurate, policy, mode, wd)
+}
+
 /// Whether `plan` obeys [`min_micro_batch`] on `device`. Plans cached before the rule existed
 /// may not: such a plan is a cache miss, and the layer is solved again.
 pub fn plan_obeys_accuracy_rule(device: &DeviceFingerprint, plan: &Plan) -> bool {
@@ -833,6 +848,20 @@ impl LayerTuning {
             .map(|(plans, _)| plans)
     }
 
+    /// A profiling run through `cache` with these settings (no interrupt; measuring within
+    /// the per-layer limit).
+    pub fn profile_run<'a>(&self, cache: &'a Cache) -> ProfileRun<'a> {
+        ProfileRun {
+            policy: self.policy,
+            timing: self.timing,
+            cache,
+            interrupt: None,
+            candidates: self.candidates,
+            engines: self.engines,
+            workspace_limit_bytes: Some(self.workspace_limit_bytes),
+        }
+    }
+
     /// As [`LayerTuning::tune`], also saying how many (size, kind) measurements came from the
     /// cache and how many were measured (both 0 when the solved plans were cached).
     pub fn tune_counted(
@@ -843,15 +872,7 @@ impl LayerTuning {
         problem: &ConvProblem,
     ) -> Result<([Plan; 3], CacheStats), TuneError> {
         let device: DeviceFingerprint = backend.fingerprint().clone();
-        let run = ProfileRun {
-            policy: self.policy,
-            timing: self.timing,
-            cache,
-            interrupt: None,
-            candidates: self.candidates,
-            engines: self.engines,
-            workspace_limit_bytes: Some(self.workspace_limit_bytes),
-        };
+        let run = self.profile_run(cache);
         let mut key = PlanKey::reuse(
             self.policy,
             run.effective_candidates(backend.kinds()),

@@ -147,15 +147,7 @@ pub struct TuningWork<'a> {
 
 impl TuningWork<'_> {
     fn run(&self) -> ProfileRun<'_> {
-        ProfileRun {
-            policy: self.tuning.policy,
-            timing: self.tuning.timing,
-            cache: self.cache,
-            interrupt: None,
-            candidates: self.tuning.candidates,
-            engines: self.tuning.engines,
-            workspace_limit_bytes: Some(self.tuning.workspace_limit_bytes),
-        }
+        self.tuning.profile_run(self.cache)
     }
 
     fn missing(&self) -> Result<Vec<MeasureTask>, DdpError> {
@@ -169,15 +161,7 @@ impl TuningWork<'_> {
     }
 
     fn measure(&mut self, tasks: &[&MeasureTask]) -> Result<Vec<MeasuredTask>, DdpError> {
-        let run = ProfileRun {
-            policy: self.tuning.policy,
-            timing: self.tuning.timing,
-            cache: self.cache,
-            interrupt: None,
-            candidates: self.tuning.candidates,
-            engines: self.tuning.engines,
-            workspace_limit_bytes: Some(self.tuning.workspace_limit_bytes),
-        };
+        let run = self.tuning.profile_run(self.cache);
         tasks
             .iter()
             .map(|task| measure_task(&mut *self.backend, task, &run).map_err(tune_error))
@@ -552,6 +536,31 @@ mod tests {
         assert_eq!(results[1], Err("tuning: boom".to_string()));
     }
 
+    /// One layer's tuning on the CPU backend, timed once per candidate, within 1 MiB.
+    fn cpu_work<'a>(
+        backend: &'a mut CpuBackend,
+        cache: &'a Cache,
+        problem: ConvProblem,
+    ) -> TuningWork<'a> {
+        TuningWork {
+            backend,
+            cache,
+            cache_identity: None,
+            tuning: LayerTuning {
+                policy: Policy::PowerOfTwo,
+                workspace_limit_bytes: 1 << 20,
+                timing: TimingSettings {
+                    warmup: 0,
+                    loops: 1,
+                    ..TimingSettings::CPU
+                },
+                candidates: CandidateSet::All,
+                engines: EngineOptions::default(),
+            },
+            jobs: jobs_for([("conv".to_string(), problem)]),
+        }
+    }
+
     #[test]
     fn tuning_is_dealt_out_and_every_rank_runs_the_leaders_plans() {
         let results = threads(2, |mut c| {
@@ -560,23 +569,7 @@ mod tests {
             let mut problem = ConvProblem::new(4, 2, 6, 6, 3, 3, 3);
             problem.pad_h = 1;
             problem.pad_w = 1;
-            let mut work = TuningWork {
-                backend: &mut backend,
-                cache: &cache,
-                cache_identity: None,
-                tuning: LayerTuning {
-                    policy: Policy::PowerOfTwo,
-                    workspace_limit_bytes: 1 << 20,
-                    timing: TimingSettings {
-                        warmup: 0,
-                        loops: 1,
-                        ..TimingSettings::CPU
-                    },
-                    candidates: CandidateSet::All,
-                    engines: EngineOptions::default(),
-                },
-                jobs: jobs_for([("conv".to_string(), problem)]),
-            };
+            let mut work = cpu_work(&mut backend, &cache, problem);
             let mut share = deal(&mut c, Ok(&mut work)).unwrap();
             share_plans(&mut c, &mut share, &mut work).unwrap();
             share
@@ -595,23 +588,7 @@ mod tests {
         let cache = Cache::in_memory();
         let mut backend = CpuBackend::new();
         let problem = ConvProblem::new(4, 2, 6, 6, 3, 3, 3);
-        let mut work = TuningWork {
-            backend: &mut backend,
-            cache: &cache,
-            cache_identity: None,
-            tuning: LayerTuning {
-                policy: Policy::PowerOfTwo,
-                workspace_limit_bytes: 1 << 20,
-                timing: TimingSettings {
-                    warmup: 0,
-                    loops: 1,
-                    ..TimingSettings::CPU
-                },
-                candidates: CandidateSet::All,
-                engines: EngineOptions::default(),
-            },
-            jobs: jobs_for([("conv".to_string(), problem)]),
-        };
+        let mut work = cpu_work(&mut backend, &cache, problem);
         let good = work.plans().unwrap();
         assert!(work.store_plans(&good).is_ok());
         let mut short = good[0].clone();

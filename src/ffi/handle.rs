@@ -21,10 +21,8 @@ use crate::exec::check_plan;
 use crate::profiler::Job;
 use crate::report::SolutionJson;
 use crate::solver::{operand_roles, steps, AlgoNames, BackendKind, Operand};
-use crate::solver::{
-    solve_profile, ConvOp, ConvProblem, Mode, Profile, Solution, SolvedProblem, WdOptions,
-};
-use crate::tune::{keep_accurate_sizes_in, profile_jobs, LayerTuning, ProfileRun, TuneError};
+use crate::solver::{ConvOp, ConvProblem, Mode, Profile, Solution, SolvedProblem, WdOptions};
+use crate::tune::{profile_jobs, solve_accurately, LayerTuning, TuneError};
 use mucudnn_cache::Cache;
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
@@ -214,15 +212,7 @@ impl Handle {
             let verbose = self.settings.verbose;
             // Through the cache: sizes measured before (by any process, on this device) are
             // read, the others measured and stored at once.
-            let run = ProfileRun {
-                policy: tuning.policy,
-                timing: tuning.timing,
-                cache: &self.cache,
-                interrupt: None,
-                candidates: tuning.candidates,
-                engines: tuning.engines,
-                workspace_limit_bytes: Some(tuning.workspace_limit_bytes),
-            };
+            let run = tuning.profile_run(&self.cache);
             let (profile, stats) = profile_jobs(&mut backend, &[job], &run, &mut |p, cached| {
                 if verbose {
                     eprintln!(
@@ -252,9 +242,7 @@ impl Handle {
         };
         // The sizes a bf16 backward-filter plan may not use on cuDNN are left out of the
         // solve only: the profile returned keeps every measurement.
-        let mut accurate = profile.clone();
-        keep_accurate_sizes_in(&mut accurate);
-        let mut solution = solve_profile(&accurate, tuning.policy, mode, &WdOptions::default())?;
+        let mut solution = solve_accurately(&profile, tuning.policy, mode, &WdOptions::default())?;
         let solved = solution
             .problems
             .pop()

@@ -4,7 +4,7 @@
 use super::error::{invalid, FfiError};
 use crate::report::SolutionJson;
 use crate::solver::units::parse_size;
-use crate::solver::{interchange, solve_profile, Mode, Policy, WdOptions, MAX_TIME_LIMIT_S};
+use crate::solver::{interchange, Mode, Policy, WdOptions, MAX_TIME_LIMIT_S};
 
 /// The keys an options document may have.
 const OPTION_KEYS: [&str; 4] = [
@@ -126,9 +126,9 @@ pub struct Solved {
 /// Solves a profile (interchange format v1) under JSON options; see [`parse_options`].
 pub fn solve_profile_json(profile: &str, options: Option<&str>) -> Result<Solved, FfiError> {
     let options = parse_options(options)?;
-    let mut profile = interchange::from_json_str(profile)?;
-    crate::tune::keep_accurate_sizes_in(&mut profile);
-    let solution = solve_profile(&profile, options.policy, options.mode, &options.wd)?;
+    let profile = interchange::from_json_str(profile)?;
+    let solution =
+        crate::tune::solve_accurately(&profile, options.policy, options.mode, &options.wd)?;
     let json = serde_json::to_string_pretty(&SolutionJson::new(&solution))
         .map_err(|e| FfiError::Internal(format!("writing the plan document: {e}")))?;
     let warning = (!solution.proven_optimal).then(|| {
@@ -145,6 +145,7 @@ pub fn solve_profile_json(profile: &str, options: Option<&str>) -> Result<Solved
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::solver::solve_profile;
 
     const H100: &str = include_str!("../../tests/fixtures/h100-alexnet-profile.json");
 

@@ -36,7 +36,7 @@ use crate::solver::{
 };
 use crate::tune::{
     jobs_for, measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,
-    MeasureTask, MeasuredTask, ProfileRun, TuneError,
+    MeasureTask, MeasuredTask, TuneError,
 };
 use mucudnn_cache::Cache;
 use serde::{Deserialize, Serialize};
@@ -247,19 +247,6 @@ pub struct Tuner {
 // under its mutex, and none of those `Rc`s leaves it.
 unsafe impl Send for PreparedSet {}
 
-/// A profiling run through `cache` with a layer's settings (no interrupt).
-fn profile_run<'a>(tuning: &LayerTuning, cache: &'a Cache) -> ProfileRun<'a> {
-    ProfileRun {
-        policy: tuning.policy,
-        timing: tuning.timing,
-        cache,
-        interrupt: None,
-        candidates: tuning.candidates,
-        engines: tuning.engines,
-        workspace_limit_bytes: Some(tuning.workspace_limit_bytes),
-    }
-}
-
 fn tune_error(e: TuneError) -> FfiError {
     match e {
         TuneError::Backend(e) => FfiError::from(e),
@@ -386,7 +373,7 @@ impl Tuner {
     ) -> Result<Vec<MeasureTask>, FfiError> {
         let jobs = jobs_for(layers.into_iter().map(|l| (l.layer, l.problem)));
         self.with_backend(|backend, cache| {
-            let run = profile_run(tuning, cache);
+            let run = tuning.profile_run(cache);
             missing_tasks(&jobs, &run, backend.fingerprint(), backend.kinds()).map_err(tune_error)
         })
     }
@@ -411,7 +398,7 @@ impl Tuner {
     ) -> Result<Vec<MeasuredTask>, FfiError> {
         let verbose = self.verbose;
         let measured = self.with_backend(|backend, cache| {
-            let run = profile_run(tuning, cache);
+            let run = tuning.profile_run(cache);
             let mut out = Vec::with_capacity(tasks.len());
             for (index, task) in tasks.iter().enumerate() {
                 let measured = measure_task(backend, task, &run).map_err(tune_error);

@@ -35,9 +35,7 @@ use mucudnn::report::{
     cudnn_version_string, describe_mode, optimality_warning, render_table, SolutionJson,
 };
 use mucudnn::solver::units::parse_size;
-use mucudnn::solver::{
-    interchange, solve_profile, CandidateSet, Mode, Policy, Profile, Solution, WdOptions,
-};
+use mucudnn::solver::{interchange, CandidateSet, Mode, Policy, Profile, Solution, WdOptions};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -231,10 +229,8 @@ pub(crate) fn solve_and_print(
 ) -> Result<Solution> {
     // On cuDNN, a bf16 backward-filter plan has at most 4 micro-batches (the tune module's
     // `min_micro_batch`): the rule applies to every plan this prints.
-    let mut accurate = profile.clone();
-    mucudnn::tune::keep_accurate_sizes_in(&mut accurate);
-    let solution = solve_profile(
-        &accurate,
+    let solution = mucudnn::tune::solve_accurately(
+        profile,
         settings.policy,
         settings.mode(),
         &settings.wd_options()?,
