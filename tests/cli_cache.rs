@@ -198,7 +198,7 @@ fn export_clear_import_and_inspection() {
     assert_eq!(listed.as_array().unwrap().len(), 30);
     let show: Value =
         serde_json::from_str(&ok(&mucudnn(&cache, &["cache", "show", "--json"]))).unwrap();
-    assert_eq!(show["schema_version"], 3);
+    assert_eq!(show["schema_version"], mucudnn::cache::SCHEMA_VERSION);
     assert_eq!(show["devices"][0]["entries"], 30);
 
     let exported = cache.with_file_name("exported.json");

@@ -17,7 +17,7 @@
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 /// The schema this build reads and writes.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 
 /// SQLite's `application_id` header field in every cache this build writes ("muCD"): a file
 /// is recognised as mucudnn's before anything is written to it.
@@ -167,6 +167,35 @@ CREATE TABLE IF NOT EXISTS skipped (
 ) WITHOUT ROWID;
 ";
 
+/// Version 4: shapes of 1, 2 or 3 spatial dimensions (issue 26). A shape gains the depth
+/// fields `d`, `t`, `pad_d`, `stride_d` and `dilation_d`, part of its uniqueness; the rows of
+/// older caches are 2-D and take the 2-D values (1, 1, 0, 1, 1), keeping their ids, so every
+/// measurement, plan and `seen` row stays attached to its shape. SQLite cannot change a
+/// table's UNIQUE constraint, so the table is rebuilt inside the migration's transaction
+/// (SQLite's documented procedure: foreign keys off around the transaction, checked with
+/// `foreign_key_check` before the commit).
+const V4: &str = "
+CREATE TABLE shapes_v4 (
+    id INTEGER PRIMARY KEY,
+    c INTEGER NOT NULL, d INTEGER NOT NULL DEFAULT 1, h INTEGER NOT NULL, w INTEGER NOT NULL,
+    k INTEGER NOT NULL, t INTEGER NOT NULL DEFAULT 1, r INTEGER NOT NULL, s INTEGER NOT NULL,
+    pad_d INTEGER NOT NULL DEFAULT 0, pad_h INTEGER NOT NULL, pad_w INTEGER NOT NULL,
+    stride_d INTEGER NOT NULL DEFAULT 1, stride_h INTEGER NOT NULL, stride_w INTEGER NOT NULL,
+    dilation_d INTEGER NOT NULL DEFAULT 1, dilation_h INTEGER NOT NULL,
+    dilation_w INTEGER NOT NULL,
+    groups INTEGER NOT NULL,
+    dtype TEXT NOT NULL, layout TEXT NOT NULL, math TEXT NOT NULL,
+    UNIQUE (c, d, h, w, k, t, r, s, pad_d, pad_h, pad_w, stride_d, stride_h, stride_w,
+            dilation_d, dilation_h, dilation_w, groups, dtype, layout, math)
+);
+INSERT INTO shapes_v4 (id, c, h, w, k, r, s, pad_h, pad_w, stride_h, stride_w, dilation_h,
+                       dilation_w, groups, dtype, layout, math)
+    SELECT id, c, h, w, k, r, s, pad_h, pad_w, stride_h, stride_w, dilation_h, dilation_w,
+           groups, dtype, layout, math FROM shapes;
+DROP TABLE shapes;
+ALTER TABLE shapes_v4 RENAME TO shapes;
+";
+
 /// Why a file cannot be used as a cache.
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
@@ -205,6 +234,20 @@ pub fn stored_version(conn: &Connection) -> rusqlite::Result<Option<i64>> {
 /// caller identifies files before opening them for writing, and this re-checks it inside the
 /// transaction, so no race can make a migration run on someone else's tables.
 pub fn migrate(conn: &mut Connection) -> Result<(), SchemaError> {
+    // Version 4 rebuilds `shapes`, which other tables reference: SQLite's procedure for that
+    // turns foreign keys off around the transaction (the pragma is a no-op inside one).
+    let foreign_keys: bool = conn.query_row("PRAGMA foreign_keys", [], |row| row.get(0))?;
+    if foreign_keys {
+        conn.pragma_update(None, "foreign_keys", "OFF")?;
+    }
+    let result = migrate_in_transaction(conn);
+    if foreign_keys {
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+    }
+    result
+}
+
+fn migrate_in_transaction(conn: &mut Connection) -> Result<(), SchemaError> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let found = match stored_version(&tx)? {
         Some(version) => version,
@@ -235,6 +278,21 @@ pub fn migrate(conn: &mut Connection) -> Result<(), SchemaError> {
     }
     if found < 3 {
         tx.execute_batch(V3)?;
+    }
+    if found < 4 {
+        tx.execute_batch(V4)?;
+        let dangling: i64 =
+            tx.query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |row| {
+                row.get(0)
+            })?;
+        if dangling > 0 {
+            return Err(SchemaError::Sqlite(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CONSTRAINT_FOREIGNKEY),
+                Some(format!(
+                    "{dangling} rows lost their shape while the shapes table was rebuilt"
+                )),
+            )));
+        }
     }
     tx.execute(
         "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
@@ -321,7 +379,7 @@ mod tests {
                 |r| r.get(0),
             )
             .unwrap();
-        assert_eq!(version, "3");
+        assert_eq!(version, SCHEMA_VERSION.to_string());
         let kept: i64 = conn
             .query_row("SELECT count(*) FROM measurements", [], |r| r.get(0))
             .unwrap();

@@ -113,20 +113,36 @@ fn ensure_device(conn: &Connection, device: &DeviceFingerprint) -> Result<i64> {
 }
 
 const SHAPE_COLUMNS: &str =
-    "c, h, w, k, r, s, pad_h, pad_w, stride_h, stride_w, dilation_h, dilation_w, groups, dtype, layout, math";
+    "c, d, h, w, k, t, r, s, pad_d, pad_h, pad_w, stride_d, stride_h, stride_w, \
+     dilation_d, dilation_h, dilation_w, groups, dtype, layout, math";
 
-fn shape_params(p: &ConvProblem) -> [Box<dyn rusqlite::ToSql>; 16] {
+/// `?1, ?2, ...` for every shape column.
+fn shape_placeholders() -> String {
+    (1..=SHAPE_PARAMS)
+        .map(|i| format!("?{i}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+const SHAPE_PARAMS: usize = 21;
+
+fn shape_params(p: &ConvProblem) -> [Box<dyn rusqlite::ToSql>; SHAPE_PARAMS] {
     [
         Box::new(p.c),
+        Box::new(p.d),
         Box::new(p.h),
         Box::new(p.w),
         Box::new(p.k),
+        Box::new(p.t),
         Box::new(p.r),
         Box::new(p.s),
+        Box::new(p.pad_d),
         Box::new(p.pad_h),
         Box::new(p.pad_w),
+        Box::new(p.stride_d),
         Box::new(p.stride_h),
         Box::new(p.stride_w),
+        Box::new(p.dilation_d),
         Box::new(p.dilation_h),
         Box::new(p.dilation_w),
         Box::new(p.groups),
@@ -138,7 +154,8 @@ fn shape_params(p: &ConvProblem) -> [Box<dyn rusqlite::ToSql>; 16] {
 
 fn shape_id(conn: &Connection, problem: &ConvProblem) -> Result<Option<i64>> {
     let sql = format!(
-        "SELECT id FROM shapes WHERE ({SHAPE_COLUMNS}) = (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)"
+        "SELECT id FROM shapes WHERE ({SHAPE_COLUMNS}) = ({})",
+        shape_placeholders()
     );
     let params = shape_params(problem);
     conn.prepare_cached(&sql)?
@@ -151,8 +168,8 @@ fn shape_id(conn: &Connection, problem: &ConvProblem) -> Result<Option<i64>> {
 
 fn ensure_shape(conn: &Connection, problem: &ConvProblem) -> Result<i64> {
     let sql = format!(
-        "INSERT INTO shapes ({SHAPE_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)
-         ON CONFLICT DO NOTHING"
+        "INSERT INTO shapes ({SHAPE_COLUMNS}) VALUES ({}) ON CONFLICT DO NOTHING",
+        shape_placeholders()
     );
     let params = shape_params(problem);
     conn.prepare_cached(&sql)?
@@ -609,21 +626,26 @@ fn read_problem(row: &rusqlite::Row<'_>, first: usize) -> Result<ConvProblem> {
     Ok(ConvProblem {
         n: int(0)?,
         c: int(1)?,
-        h: int(2)?,
-        w: int(3)?,
-        k: int(4)?,
-        r: int(5)?,
-        s: int(6)?,
-        pad_h: int(7)?,
-        pad_w: int(8)?,
-        stride_h: int(9)?,
-        stride_w: int(10)?,
-        dilation_h: int(11)?,
-        dilation_w: int(12)?,
-        groups: int(13)?,
-        dtype: text(14)?.parse::<DType>().map_err(|e| bad(14, e))?,
-        layout: text(15)?.parse::<Layout>().map_err(|e| bad(15, e))?,
-        math: text(16)?.parse::<MathMode>().map_err(|e| bad(16, e))?,
+        d: int(2)?,
+        h: int(3)?,
+        w: int(4)?,
+        k: int(5)?,
+        t: int(6)?,
+        r: int(7)?,
+        s: int(8)?,
+        pad_d: int(9)?,
+        pad_h: int(10)?,
+        pad_w: int(11)?,
+        stride_d: int(12)?,
+        stride_h: int(13)?,
+        stride_w: int(14)?,
+        dilation_d: int(15)?,
+        dilation_h: int(16)?,
+        dilation_w: int(17)?,
+        groups: int(18)?,
+        dtype: text(19)?.parse::<DType>().map_err(|e| bad(19, e))?,
+        layout: text(20)?.parse::<Layout>().map_err(|e| bad(20, e))?,
+        math: text(21)?.parse::<MathMode>().map_err(|e| bad(21, e))?,
     })
 }
 
@@ -642,9 +664,13 @@ fn seen_rows(conn: &Connection) -> Result<Vec<SeenRow>> {
     );
     let mut stmt = conn.prepare(&sql)?;
     let rows = stmt.query_map([], |row| {
-        let op_text: String = row.get(26)?;
+        let op_text: String = row.get(9 + 1 + SHAPE_PARAMS)?;
         let op = op_text.parse::<ConvOp>().map_err(|e| {
-            rusqlite::Error::FromSqlConversionFailure(26, rusqlite::types::Type::Text, e.into())
+            rusqlite::Error::FromSqlConversionFailure(
+                9 + 1 + SHAPE_PARAMS,
+                rusqlite::types::Type::Text,
+                e.into(),
+            )
         })?;
         Ok((
             row.get(0)?,

@@ -1204,3 +1204,76 @@ fn skipped_candidates_are_kept_apart_from_measurements() {
     assert_eq!(missing(None), [1]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A cache written by the release before 3-D shapes (schema 3: `mucudnn tune --network
+/// examples/networks/tiny.toml --batch 2 --device cpu` of 0.1.0 at 4075a30) opens under schema
+/// 4: its rows read back as 2-D problems with every measurement, and a 3-D problem whose other
+/// fields equal a 2-D one's is a separate shape.
+#[test]
+fn a_schema_3_cache_reads_as_2d_and_3d_shapes_are_separate() {
+    let dir = temp_dir("schema3");
+    let path = dir.join("cache.sqlite");
+    std::fs::copy(
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/fixtures/cache-schema3-tiny.sqlite"
+        ),
+        &path,
+    )
+    .unwrap();
+    let cache = Cache::open(&path).unwrap();
+    assert!(cache.warnings().is_empty(), "{:?}", cache.warnings());
+    let entries = cache.entries().unwrap();
+    assert!(!entries.is_empty());
+    let first = &entries[0];
+    assert_eq!(first.problem.spatial_dims(), 2);
+    assert_eq!((first.problem.d, first.problem.t), (1, 1));
+    assert!(first.sizes > 0, "{first:?}");
+    let device = first.device.clone();
+    let measured = cache
+        .measurements(&device, &first.problem, first.op, 1, AlgoKind::Legacy)
+        .expect("the 2-D rows survive the migration");
+    assert!(!measured.is_empty());
+    let exported = cache.export(Some(&device)).unwrap();
+    assert!(interchange::to_json_string(&exported[0]).contains(interchange::FORMAT_V1));
+
+    // The same fields with a depth: nothing cached yet, and storing it leaves the 2-D rows.
+    let deep = ConvProblem {
+        d: 4,
+        t: 3,
+        pad_d: 1,
+        ..first.problem
+    };
+    assert!(cache
+        .measurements(&device, &deep, first.op, 1, AlgoKind::Legacy)
+        .is_none());
+    cache.store_measurements(
+        &device,
+        "deep",
+        &deep,
+        first.op,
+        1,
+        AlgoKind::Legacy,
+        &[m(1, 0, 0.25, 0)],
+    );
+    let back = cache
+        .measurements(&device, &deep, first.op, 1, AlgoKind::Legacy)
+        .unwrap();
+    assert_eq!(back, vec![m(1, 0, 0.25, 0)]);
+    assert_eq!(
+        cache
+            .measurements(&device, &first.problem, first.op, 1, AlgoKind::Legacy)
+            .unwrap(),
+        measured
+    );
+    drop(cache);
+    let reopened = Cache::open(&path).unwrap();
+    let problems: Vec<ConvProblem> = reopened
+        .entries()
+        .unwrap()
+        .iter()
+        .map(|e| e.problem)
+        .collect();
+    assert!(problems.iter().any(|p| p.is_3d() && p.d == 4));
+    let _ = std::fs::remove_dir_all(&dir);
+}

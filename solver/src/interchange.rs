@@ -11,15 +11,27 @@ use crate::profile::{Measurement, OpProfile, Profile, ProfileError};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
-/// The `format` value of version 1.
+/// The `format` value of version 1 (2-D problems only).
 pub const FORMAT_V1: &str = "mucudnn-profile-v1";
+
+/// The `format` value of version 2: version 1 plus the depth keys of 3-D problems (`d`, `t`,
+/// `pad_d`, `stride_d`, `dilation_d`; absent means the 2-D value). A profile is written as v2
+/// only when it holds a 3-D problem, so that a v1 reader never reads a 3-D record as 2-D; both
+/// versions are read.
+pub const FORMAT_V2: &str = "mucudnn-profile-v2";
+
+fn known_format(format: &str) -> bool {
+    format == FORMAT_V1 || format == FORMAT_V2
+}
 
 /// Why a text is not a usable v1 profile.
 #[derive(Debug, thiserror::Error)]
 pub enum InterchangeError {
     #[error("not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
-    #[error("unsupported profile format {found:?} (this build reads \"{FORMAT_V1}\")")]
+    #[error(
+        "unsupported profile format {found:?} (this build reads \"{FORMAT_V1}\" and \"{FORMAT_V2}\")"
+    )]
     Format { found: String },
     /// `index` counts records from 1, as network files count lines.
     #[error("record {index}: {message}")]
@@ -74,15 +86,26 @@ struct Record {
     layout: Layout,
     n: i64,
     c: i64,
+    /// v2's depth keys: absent for a 2-D problem.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    d: i64,
     h: i64,
     w: i64,
     k: i64,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    t: i64,
     r: i64,
     s: i64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pad_d: i64,
     pad_h: i64,
     pad_w: i64,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    stride_d: i64,
     stride_h: i64,
     stride_w: i64,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    dilation_d: i64,
     dilation_h: i64,
     dilation_w: i64,
     groups: i64,
@@ -101,6 +124,18 @@ struct Record {
     time_ms: f64,
 }
 
+fn one() -> i64 {
+    1
+}
+
+fn is_one(v: &i64) -> bool {
+    *v == 1
+}
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
+}
+
 fn is_default_math(math: &MathMode) -> bool {
     *math == MathMode::Default
 }
@@ -110,15 +145,20 @@ impl Record {
         ConvProblem {
             n: self.n,
             c: self.c,
+            d: self.d,
             h: self.h,
             w: self.w,
             k: self.k,
+            t: self.t,
             r: self.r,
             s: self.s,
+            pad_d: self.pad_d,
             pad_h: self.pad_h,
             pad_w: self.pad_w,
+            stride_d: self.stride_d,
             stride_h: self.stride_h,
             stride_w: self.stride_w,
+            dilation_d: self.dilation_d,
             dilation_h: self.dilation_h,
             dilation_w: self.dilation_w,
             groups: self.groups,
@@ -131,18 +171,23 @@ impl Record {
 
 /// The first shape field in which two problems differ, as (name, a, b).
 fn first_difference(a: &ConvProblem, b: &ConvProblem) -> Option<(&'static str, String, String)> {
-    let fields: [(&'static str, i64, i64); 14] = [
+    let fields: [(&'static str, i64, i64); 19] = [
         ("n", a.n, b.n),
         ("c", a.c, b.c),
+        ("d", a.d, b.d),
         ("h", a.h, b.h),
         ("w", a.w, b.w),
         ("k", a.k, b.k),
+        ("t", a.t, b.t),
         ("r", a.r, b.r),
         ("s", a.s, b.s),
+        ("pad_d", a.pad_d, b.pad_d),
         ("pad_h", a.pad_h, b.pad_h),
         ("pad_w", a.pad_w, b.pad_w),
+        ("stride_d", a.stride_d, b.stride_d),
         ("stride_h", a.stride_h, b.stride_h),
         ("stride_w", a.stride_w, b.stride_w),
+        ("dilation_d", a.dilation_d, b.dilation_d),
         ("dilation_h", a.dilation_h, b.dilation_h),
         ("dilation_w", a.dilation_w, b.dilation_w),
         ("groups", a.groups, b.groups),
@@ -153,14 +198,14 @@ fn first_difference(a: &ConvProblem, b: &ConvProblem) -> Option<(&'static str, S
     (a.math != b.math).then(|| ("math", a.math.to_string(), b.math.to_string()))
 }
 
-/// Parses a v1 profile and validates it (shapes, sizes, times, duplicates).
+/// Parses a v1 or v2 profile and validates it (shapes, sizes, times, duplicates).
 pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
     let raw: RawProfile<Record> = match serde_json::from_str(text) {
         Ok(raw) => raw,
         // Read again record by record, for the error that names the format or the record.
         Err(_) => {
             let raw: RawProfile<serde_json::Value> = serde_json::from_str(text)?;
-            if raw.format != FORMAT_V1 {
+            if !known_format(&raw.format) {
                 return Err(InterchangeError::Format { found: raw.format });
             }
             let records = raw
@@ -185,7 +230,7 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
             }
         }
     };
-    if raw.format != FORMAT_V1 {
+    if !known_format(&raw.format) {
         return Err(InterchangeError::Format { found: raw.format });
     }
     let mut profile = Profile {
@@ -306,13 +351,15 @@ fn record_of(entry: &OpProfile, records: &[usize], error: &ProfileError) -> Opti
     }
 }
 
-/// Writes a profile in v1 format: header fields, then one record per line.
+/// Writes a profile in v1 format (v2 when it holds a 3-D problem): header fields, then one
+/// record per line.
 pub fn to_json_string(profile: &Profile) -> String {
     let mut out = String::from("{\n");
     let mut field = |key: &str, value: serde_json::Value| {
         out += &format!("\"{key}\": {value},\n");
     };
-    field("format", FORMAT_V1.into());
+    let three_d = profile.entries.iter().any(|e| e.problem.is_3d());
+    field("format", if three_d { FORMAT_V2 } else { FORMAT_V1 }.into());
     field("device", profile.device.clone().into());
     if let Some(version) = profile.cudnn_version {
         field("cudnn_version", version.into());
@@ -341,15 +388,20 @@ pub fn to_json_string(profile: &Profile) -> String {
                 layout: p.layout,
                 n: p.n,
                 c: p.c,
+                d: p.d,
                 h: p.h,
                 w: p.w,
                 k: p.k,
+                t: p.t,
                 r: p.r,
                 s: p.s,
+                pad_d: p.pad_d,
                 pad_h: p.pad_h,
                 pad_w: p.pad_w,
+                stride_d: p.stride_d,
                 stride_h: p.stride_h,
                 stride_w: p.stride_w,
+                dilation_d: p.dilation_d,
                 dilation_h: p.dilation_h,
                 dilation_w: p.dilation_w,
                 groups: p.groups,
@@ -390,6 +442,33 @@ mod tests {
         assert_eq!(p.entries.len(), 1);
         assert_eq!(p.entries[0].measurements[0].workspace_bytes, 10);
         assert_eq!(p.entries[0].problem.math, MathMode::Default);
+    }
+
+    #[test]
+    fn three_d_profiles_are_written_as_v2_and_2d_ones_stay_v1() {
+        let v1 = from_json_str(ONE).unwrap();
+        assert!(to_json_string(&v1).contains(FORMAT_V1));
+        let three = ONE
+            .replace("mucudnn-profile-v1", "mucudnn-profile-v2")
+            .replace(
+                r#""n": 4, "c": 2, "h": 5"#,
+                r#""n": 4, "c": 2, "d": 6, "t": 3, "pad_d": 1, "stride_d": 2, "h": 5"#,
+            );
+        let p = from_json_str(&three).unwrap();
+        let problem = p.entries[0].problem;
+        assert_eq!(
+            (problem.d, problem.t, problem.pad_d, problem.stride_d),
+            (6, 3, 1, 2)
+        );
+        assert_eq!(problem.dilation_d, 1);
+        let text = to_json_string(&p);
+        assert!(text.contains(FORMAT_V2), "{text}");
+        assert!(text.contains(r#""d":6"#), "{text}");
+        assert_eq!(from_json_str(&text).unwrap(), p);
+        let err = from_json_str(&ONE.replace("profile-v1", "profile-v9"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(FORMAT_V2), "{err}");
     }
 
     #[test]

@@ -17,11 +17,11 @@ use crate::problem::{ConvOp, ConvProblem};
 /// One of the three tensors of a convolution, named by its forward role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Operand {
-    /// `x` (forward, backward-filter) or `dx` (backward-data): `n x c x h x w`.
+    /// `x` (forward, backward-filter) or `dx` (backward-data): `n x c x (d x) h x w`.
     Input,
-    /// `w` (forward, backward-data) or `dw` (backward-filter): `k x c/groups x r x s`.
+    /// `w` (forward, backward-data) or `dw` (backward-filter): `k x c/groups x (t x) r x s`.
     Filter,
-    /// `y` (forward) or `dy` (backward-data, backward-filter): `n x k x p x q`.
+    /// `y` (forward) or `dy` (backward-data, backward-filter): `n x k x (o x) p x q`.
     Output,
 }
 
@@ -31,20 +31,22 @@ impl Operand {
         !matches!(self, Operand::Filter)
     }
 
-    /// Elements of one sample (`c*h*w` or `k*p*q`), or of the whole filter. Meaningful for a
-    /// validated problem.
+    /// The tensor's dims `[n, c, d, h, w]` (a filter's `[k, c/groups, t, r, s]`; `d = t = 1`
+    /// for a 2-D problem). Meaningful for a validated problem.
+    pub fn dims(self, problem: &ConvProblem) -> [i64; 5] {
+        match self {
+            Operand::Input => problem.input_dims(),
+            Operand::Output => problem.output_dims(),
+            Operand::Filter => problem.filter_dims(),
+        }
+    }
+
+    /// Elements of one sample (`c*d*h*w` or `k*o*p*q`), or of the whole filter. Meaningful for
+    /// a validated problem.
     pub fn elements_per_sample(self, problem: &ConvProblem) -> usize {
-        let (p, q) = problem.output_hw();
-        let dims = match self {
-            Operand::Input => [problem.c, problem.h, problem.w],
-            Operand::Output => [problem.k, p, q],
-            Operand::Filter => [
-                problem.k,
-                problem.c / problem.groups.max(1),
-                problem.r * problem.s,
-            ],
-        };
-        dims.iter().map(|&d| d.max(0) as usize).product()
+        let dims = self.dims(problem);
+        let skip = usize::from(self.is_batched());
+        dims[skip..].iter().map(|&d| d.max(0) as usize).product()
     }
 }
 

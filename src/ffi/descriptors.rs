@@ -129,13 +129,6 @@ pub fn problem_from_descriptors(
         )));
     }
     let problem = ConvProblem {
-        n,
-        c,
-        h,
-        w,
-        k,
-        r,
-        s,
         pad_h: i64::from(conv.pad[0]),
         pad_w: i64::from(conv.pad[1]),
         stride_h: i64::from(conv.stride[0]),
@@ -146,6 +139,7 @@ pub fn problem_from_descriptors(
         dtype,
         layout,
         math,
+        ..ConvProblem::new(n, c, h, w, k, r, s)
     };
     problem.validate().map_err(|e| {
         invalid(format!(
