@@ -9,11 +9,13 @@
 //! - [`algo`]: [`Algo`], a candidate: a legacy algorithm number or an engine configuration.
 //! - [`problem`]: [`ConvProblem`], [`ConvOp`], dtype, layout, math mode.
 //! - [`profile`]: [`Measurement`], [`OpProfile`], [`Profile`], [`Policy`].
-//! - [`interchange`]: the `mucudnn-profile-v1` JSON format.
+//! - [`interchange`]: the `mucudnn-profile-v1`/`-v2` JSON format.
 //! - [`operand`]: operand roles of each op, and the steps (micro-batches) a [`Plan`] runs.
 //! - [`wr`]: workspace reuse, dynamic programming per (layer, op), and Pareto fronts.
 //! - [`wd`]: workspace division, a MILP over all (layer, op) pairs.
 //! - [`solve`]: a whole profile under one mode, with the undivided baseline.
+//! - [`spatial`]: the geometry of splitting one convolution along its outermost spatial
+//!   dimension (chunks, halos, border padding).
 
 pub mod algo;
 pub mod device;
@@ -23,6 +25,7 @@ pub mod plan;
 pub mod problem;
 pub mod profile;
 pub mod solve;
+pub mod spatial;
 pub mod synthetic;
 pub mod units;
 pub mod wd;
