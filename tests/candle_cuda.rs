@@ -1,12 +1,15 @@
-//! `mucudnn::candle::Conv2d` on candle's CUDA device (feature `candle-cuda`): the checks of
-//! `tests/candle/checks.rs` on GPU 0, and the training step time of a small CNN against the
-//! same CNN with candle's own convolution (cuDNN when candle-core's `cudnn` feature is on, as
+//! `mucudnn::candle::Conv2d`, `Conv1d` and `ConvTranspose2d` on candle's CUDA device (feature
+//! `candle-cuda`): the checks of `tests/candle/checks.rs` and `tests/candle/layers.rs` on GPU
+//! 0, and the training step time of a small CNN against the same CNN with candle's own
+//! convolution (cuDNN when candle-core's `cudnn` feature is on, as
 //! `scripts/gpu/candle_check.sh` builds it). Every test needs a GPU and is
 //! `#[ignore = "needs a GPU: ..."]`; the GPU acceptance (`accept.sh candle`) runs them with
 //! `--include-ignored`.
 
 #[path = "candle/checks.rs"]
 mod checks;
+#[path = "candle/layers.rs"]
+mod layers;
 
 use candle_core::{DType, Device};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
@@ -45,6 +48,36 @@ fn cuda_errors_are_values_that_name_the_layer() {
 #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn cuda_a_small_cnn_trains_and_its_sgd_step_matches_candle_convs() {
     checks::a_small_cnn_trains_and_its_sgd_step_matches_candle_convs(&gpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_conv1d_forward_and_gradients_match_candle_conv1d() {
+    layers::conv1d_matches_candle_conv1d(&gpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_conv_transpose2d_forward_and_gradients_match_candle_conv_transpose2d() {
+    layers::conv_transpose2d_matches_candle_conv_transpose2d(&gpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_conv_transpose2d_shares_plans_with_its_convolution() {
+    layers::conv_transpose2d_shares_plans_with_its_convolution(&gpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_conv1d_and_conv_transpose2d_load_candle_nn_variables_and_train_alike() {
+    layers::var_builder_drop_ins_match_candle_nn(&gpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_conv1d_and_conv_transpose2d_errors_are_values_that_name_the_layer() {
+    layers::errors_are_values_that_name_the_layer(&gpu());
 }
 
 /// Median training-step time (forward, backward, SGD) of the checks' CNN, mucudnn's layers

@@ -2,8 +2,9 @@
 # mucudnn::candle on a GPU (issue 16): the CPU checks of tests/candle_cpu.rs on candle's CUDA
 # device (forward and gradients vs candle's conv2d for groups, depthwise, dilation, stride 2
 # and 1x1; the 9x8 stride-2 input gradient vs the f64 reference; tuning once per shape; errors;
-# a small CNN whose SGD step matches candle's), then the training step time against candle's
-# own cuDNN convolution, and the example with --cuda.
+# a small CNN whose SGD step matches candle's; Conv1d and ConvTranspose2d against candle's
+# conv1d and conv_transpose2d, tests/candle/layers.rs), then the training step time against
+# candle's own cuDNN convolution, and the example with --cuda.
 #
 #   bash scripts/gpu/candle_check.sh build   # here (no GPU): needs nvcc and the CUDA 13
 #                                            # headers and libraries (see docs/candle.md);

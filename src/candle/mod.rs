@@ -1,29 +1,38 @@
-//! mucudnn inside candle (feature `candle`): [`Conv2d`], a drop-in for `candle_nn::Conv2d`
-//! whose convolution is tuned by mucudnn and run from its plans.
+//! mucudnn inside candle (feature `candle`): [`Conv2d`], [`Conv1d`] and [`ConvTranspose2d`],
+//! drop-ins for candle_nn's layers of those names whose convolution is tuned by mucudnn and
+//! run from its plans.
 //!
-//! A model swaps its convolutions by changing one call: [`conv2d`] (and [`conv2d_no_bias`])
-//! take the same arguments as `candle_nn::conv2d` plus [`Conv2dOptions`], and load the same
-//! variables (`weight`, `bias`) from the `VarBuilder`, so checkpoints and optimizers see the
-//! same model.
+//! A model swaps its convolutions by changing one call: [`conv2d`], [`conv1d`] and
+//! [`conv_transpose2d`] (and their `_no_bias` forms) take the same arguments as candle_nn's
+//! functions plus [`ConvOptions`], and load the same variables (`weight`, `bias`) from the
+//! `VarBuilder`, so checkpoints and optimizers see the same model.
 //!
-//! Data flow: `forward` applies one candle `CustomOp2` to `(x, weight)`. On first sight of an
-//! input shape `(n, h, w)` it tunes the layer's three ops (forward, backward-data,
-//! backward-filter) through the shared SQLite cache ([`LayerTuning`]) and keeps the plans;
-//! later calls only execute them. Candle's autograd calls the op's `bwd`, which applies two
-//! more custom ops (backward-data on `(dy, weight)`, backward-filter on `(x, dy)`), each
-//! running its tuned plan. The input gradient always has the input's shape: it is computed
-//! from the layer's problem, not re-derived from the output's shape (candle's own backward
-//! gets the width wrong when `W + 2p - dilation * (k - 1) - 1` is not a multiple of the
-//! stride).
+//! Every layer is one 2-D convolution problem ([`ConvProblem`]) whose three ops run through
+//! three candle `CustomOp2`s over 4-D operands: forward on `(x, weight)`, backward-data on
+//! `(dy, weight)`, backward-filter on `(x, dy)`. On first sight of a problem's `(n, h, w)` a
+//! layer tunes the three ops through the shared SQLite cache ([`LayerTuning`]) and keeps the
+//! plans; later calls only execute them. [`Conv2d`] applies the forward op and its `bwd` the
+//! other two. [`Conv1d`] is the problem with unit height: its `N x C x L` input and
+//! `K x C/g x S` weight are viewed as `N x C x 1 x L` and `K x C/g x 1 x S` (reshapes of
+//! contiguous tensors, no copies). [`ConvTranspose2d`] is the problem whose input is the
+//! transposed layer's output (`layers.rs`): its forward applies the backward-data op with the
+//! layer's input as `dy`, and that op's `bwd` gives the input gradient as the forward op on the
+//! output gradient and the weight gradient as the backward-filter op with `x` and `dy`
+//! swapped, so it shares plans and measurements with the convolution it transposes. The input
+//! gradient of a convolution always has the input's shape: it is computed from the layer's
+//! problem, not re-derived from the output's shape (candle's own conv2d backward gets the
+//! width wrong when `W + 2p - dilation * (k - 1) - 1` is not a multiple of the stride).
 //!
 //! Devices: on candle's CPU device the plans run on mucudnn's CPU backend
 //! ([`execute_cpu`]); with `candle-cuda`, on candle's CUDA device they run as cuDNN plans on
 //! candle's stream over candle's buffers, with workspace allocated from candle's device
-//! (`cuda.rs`). Only f32 tensors are supported; anything else is an error naming the layer.
+//! (`cuda.rs`), for all three layers alike. Only f32 tensors are supported; anything else is an
+//! error naming the layer. candle has no 3-D convolution layer, so there is no `Conv3d` here.
 
 #[cfg(feature = "candle-cuda")]
 mod cuda;
 pub mod ddp;
+mod layers;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
@@ -39,14 +48,20 @@ use mucudnn_cache::Cache;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
+pub use layers::{
+    conv1d, conv1d_no_bias, conv_transpose2d, conv_transpose2d_no_bias, Conv1d, ConvTranspose2d,
+};
+
 /// A tuning cache shared by layers (and threads): every layer of a model should use one.
 pub type SharedCache = Arc<Mutex<Cache>>;
 
-/// mucudnn's settings for a layer, beside candle's [`Conv2dConfig`].
+/// mucudnn's settings for a layer, beside candle's config ([`Conv2dConfig`],
+/// `Conv1dConfig`, `ConvTranspose2dConfig`).
 #[derive(Clone)]
-pub struct Conv2dOptions {
+pub struct ConvOptions {
     /// The layer's name in messages and in the cache's plan records; `None`: the
-    /// `VarBuilder`'s prefix (e.g. `model.conv1`), else `conv2d`.
+    /// `VarBuilder`'s prefix (e.g. `model.conv1`), else the layer kind (`conv2d`, `conv1d`,
+    /// `conv_transpose2d`).
     pub name: Option<String>,
     /// The workspace a plan may use (per layer: micro-batches share one buffer).
     pub workspace_limit_bytes: u64,
@@ -61,9 +76,12 @@ pub struct Conv2dOptions {
     pub cache: Option<SharedCache>,
 }
 
-impl Default for Conv2dOptions {
+/// The options' name from before there were other layers than [`Conv2d`].
+pub type Conv2dOptions = ConvOptions;
+
+impl Default for ConvOptions {
     fn default() -> Self {
-        Conv2dOptions {
+        ConvOptions {
             name: None,
             workspace_limit_bytes: 64 << 20,
             policy: Policy::PowerOfTwo,
@@ -74,9 +92,9 @@ impl Default for Conv2dOptions {
     }
 }
 
-impl std::fmt::Debug for Conv2dOptions {
+impl std::fmt::Debug for ConvOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Conv2dOptions")
+        f.debug_struct("ConvOptions")
             .field("name", &self.name)
             .field("workspace_limit_bytes", &self.workspace_limit_bytes)
             .field("policy", &self.policy)
@@ -87,7 +105,7 @@ impl std::fmt::Debug for Conv2dOptions {
     }
 }
 
-impl Conv2dOptions {
+impl ConvOptions {
     pub fn with_name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
         self
@@ -165,18 +183,80 @@ struct State {
     cuda: Vec<cuda::DeviceState>,
 }
 
+/// Which candle layer a core serves: its kind in messages and its default name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LayerKind {
+    Conv1d,
+    Conv2d,
+    ConvTranspose2d,
+}
+
+impl LayerKind {
+    fn name(self) -> &'static str {
+        match self {
+            LayerKind::Conv1d => "conv1d",
+            LayerKind::Conv2d => "conv2d",
+            LayerKind::ConvTranspose2d => "conv_transpose2d",
+        }
+    }
+
+    /// The name of a layer given `options`: theirs, else the kind's.
+    fn layer_name(self, options: &ConvOptions) -> String {
+        options
+            .name
+            .clone()
+            .unwrap_or_else(|| self.name().to_string())
+    }
+
+    /// An error of the layer named `layer`: `mucudnn <kind> <layer>: <message>`.
+    fn error(self, layer: &str, message: impl std::fmt::Display) -> candle_core::Error {
+        candle_core::Error::Msg(format!("mucudnn {} {layer}: {message}", self.name()))
+    }
+}
+
 /// The immutable part of a layer, and its state.
 struct LayerCore {
+    kind: LayerKind,
     name: String,
     /// The problem at n = h = w = 1; an input shape fills those in.
     template: ConvProblem,
-    options: Conv2dOptions,
+    options: ConvOptions,
     state: Mutex<State>,
 }
 
 impl LayerCore {
+    /// The core of a `kind` layer running the convolution `template` (n = h = w = 1), checked
+    /// for everything but the spatial size (with an input just large enough for the filter).
+    fn new(
+        kind: LayerKind,
+        template: ConvProblem,
+        options: ConvOptions,
+    ) -> candle_core::Result<Arc<Self>> {
+        let name = kind.layer_name(&options);
+        let reach = |filter: i64, dilation: i64| dilation * (filter - 1) + 1;
+        ConvProblem {
+            h: reach(template.r, template.dilation_h),
+            w: reach(template.s, template.dilation_w),
+            ..template
+        }
+        .validate()
+        .map_err(|e| kind.error(&name, e))?;
+        Ok(Arc::new(LayerCore {
+            kind,
+            name,
+            template,
+            options,
+            state: Mutex::new(State {
+                cpu: None,
+                tunings: Vec::new(),
+                #[cfg(feature = "candle-cuda")]
+                cuda: Vec::new(),
+            }),
+        }))
+    }
+
     fn error(&self, message: impl std::fmt::Display) -> candle_core::Error {
-        candle_core::Error::Msg(format!("mucudnn conv2d {}: {message}", self.name))
+        self.kind.error(&self.name, message)
     }
 
     fn lock(&self) -> candle_core::Result<MutexGuard<'_, State>> {
@@ -436,6 +516,25 @@ impl CustomOp2 for BackwardDataOp {
         let out = cuda::run(core, &problem, ConvOp::BackwardData, (s2, l2), (s1, l1))?;
         Ok((out, Shape::from(self.input.to_vec())))
     }
+
+    /// Applied with gradients, this op is a transposed convolution's forward
+    /// ([`ConvTranspose2d`]): the gradient wrt `dy` (the transposed layer's input) is the
+    /// forward op on `grad`, and the gradient wrt `weight` the backward-filter op with `grad`
+    /// as the input and `dy` as the output gradient.
+    fn bwd(
+        &self,
+        dy: &Tensor,
+        weight: &Tensor,
+        _dx: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let core = &self.core;
+        let grad = operand(grad)?;
+        let d_dy = grad.apply_op2_no_bwd(&operand(weight)?, &ForwardOp { core: core.clone() })?;
+        let d_weight =
+            grad.apply_op2_no_bwd(&operand(dy)?, &BackwardFilterOp { core: core.clone() })?;
+        Ok((Some(d_dy), Some(d_weight)))
+    }
 }
 
 impl CustomOp2 for BackwardFilterOp {
@@ -507,71 +606,24 @@ impl Conv2d {
         weight: Tensor,
         bias: Option<Tensor>,
         cfg: Conv2dConfig,
-        options: Conv2dOptions,
+        options: ConvOptions,
     ) -> candle_core::Result<Self> {
-        let name = options.name.clone().unwrap_or_else(|| "conv2d".to_string());
-        let fail =
-            |message: String| candle_core::Error::Msg(format!("mucudnn conv2d {name}: {message}"));
-        let (k, c_per_group, r, s) = weight.dims4().map_err(|_| {
-            fail(format!(
-                "the weight must be 4-D, it is {:?}",
-                weight.shape()
-            ))
-        })?;
-        if weight.dtype() != DType::F32 {
-            return Err(fail(format!(
-                "the weight is {:?}; only f32 is supported",
-                weight.dtype()
-            )));
-        }
-        if let Some(bias) = &bias {
-            if bias.dims() != [k] || bias.dtype() != DType::F32 {
-                return Err(fail(format!(
-                    "the bias is {:?} {:?}, expected f32 [{k}]",
-                    bias.dtype(),
-                    bias.dims()
-                )));
-            }
-        }
+        let kind = LayerKind::Conv2d;
+        let name = kind.layer_name(&options);
+        let dims = check_parameters(kind, &name, &weight, 4, bias.as_ref(), 0)?;
+        let [k, c_per_group, r, s] = [dims[0], dims[1], dims[2], dims[3]].map(|d| d as i64);
         let [padding, stride, dilation, groups] =
             [cfg.padding, cfg.stride, cfg.dilation, cfg.groups].map(|v| v as i64);
-        let mut template = ConvProblem::new(
-            1,
-            c_per_group as i64 * groups,
-            1,
-            1,
-            k as i64,
-            r as i64,
-            s as i64,
-        );
+        let mut template = ConvProblem::new(1, c_per_group * groups, 1, 1, k, r, s);
         (template.pad_h, template.pad_w) = (padding, padding);
         (template.stride_h, template.stride_w) = (stride, stride);
         (template.dilation_h, template.dilation_w) = (dilation, dilation);
         template.groups = groups;
-        // Validate everything but the spatial size (an input large enough for the filter).
-        let reach = |k: i64| dilation * (k - 1) + 1;
-        ConvProblem {
-            h: reach(template.r),
-            w: reach(template.s),
-            ..template
-        }
-        .validate()
-        .map_err(|e| fail(e.to_string()))?;
         Ok(Conv2d {
             weight,
             bias,
             config: cfg,
-            core: Arc::new(LayerCore {
-                name,
-                template,
-                options,
-                state: Mutex::new(State {
-                    cpu: None,
-                    tunings: Vec::new(),
-                    #[cfg(feature = "candle-cuda")]
-                    cuda: Vec::new(),
-                }),
-            }),
+            core: LayerCore::new(kind, template, options)?,
         })
     }
 
@@ -587,7 +639,7 @@ impl Conv2d {
         &self.config
     }
 
-    pub fn options(&self) -> &Conv2dOptions {
+    pub fn options(&self) -> &ConvOptions {
         &self.core.options
     }
 
@@ -605,18 +657,69 @@ impl Conv2d {
     /// The input shapes `(n, h, w)` tuned so far, in the order first seen, with where each
     /// one's measurements came from (cached or measured). A shape is tuned once per device.
     pub fn tunings(&self) -> candle_core::Result<Vec<(ShapeKey, CacheStats)>> {
-        Ok(self.core.lock()?.tunings.clone())
+        self.core.tunings()
     }
 
     /// The host plans `[forward, backward-data, backward-filter]` tuned for an input of
     /// `n x h x w`, if that shape has been seen on the CPU.
     pub fn cpu_plans(&self, n: i64, h: i64, w: i64) -> candle_core::Result<Option<[Plan; 3]>> {
-        let state = self.core.lock()?;
+        self.core.cpu_plans((n, h, w))
+    }
+}
+
+impl LayerCore {
+    /// The problem shapes `(n, h, w)` tuned so far, with where their measurements came from.
+    fn tunings(&self) -> candle_core::Result<Vec<(ShapeKey, CacheStats)>> {
+        Ok(self.lock()?.tunings.clone())
+    }
+
+    /// The host plans of the problem shape `key`, if it has been seen on the CPU.
+    fn cpu_plans(&self, key: ShapeKey) -> candle_core::Result<Option<[Plan; 3]>> {
+        let state = self.lock()?;
         Ok(state
             .cpu
             .as_ref()
-            .and_then(|cpu| cpu.plans.get(&(n, h, w)).cloned()))
+            .and_then(|cpu| cpu.plans.get(&key).cloned()))
     }
+}
+
+/// The dims of a layer's `weight` (`rank`-D, f32), and its `bias` checked (f32, one value per
+/// weight dimension `bias_dim`'s entry), before the layer exists.
+fn check_parameters(
+    kind: LayerKind,
+    name: &str,
+    weight: &Tensor,
+    rank: usize,
+    bias: Option<&Tensor>,
+    bias_dim: usize,
+) -> candle_core::Result<Vec<usize>> {
+    let dims = weight.dims().to_vec();
+    if dims.len() != rank {
+        return Err(kind.error(
+            name,
+            format!("the weight must be {rank}-D, it is {:?}", weight.shape()),
+        ));
+    }
+    if weight.dtype() != DType::F32 {
+        return Err(kind.error(
+            name,
+            format!("the weight is {:?}; only f32 is supported", weight.dtype()),
+        ));
+    }
+    if let Some(bias) = bias {
+        let len = dims[bias_dim];
+        if bias.dims() != [len] || bias.dtype() != DType::F32 {
+            return Err(kind.error(
+                name,
+                format!(
+                    "the bias is {:?} {:?}, expected f32 [{len}]",
+                    bias.dtype(),
+                    bias.dims()
+                ),
+            ));
+        }
+    }
+    Ok(dims)
 }
 
 /// The base alignment, in bytes, the GPU path asks of every operand, as the PyTorch path does
@@ -665,18 +768,55 @@ impl Module for Conv2d {
     }
 }
 
-/// The layer's name: the options', else the `VarBuilder`'s prefix, else `conv2d`.
-fn named(options: Conv2dOptions, vb: &VarBuilder) -> Conv2dOptions {
+/// The layer's name: the options', else the `VarBuilder`'s prefix, else the kind's.
+fn named(kind: LayerKind, options: ConvOptions, vb: &VarBuilder) -> ConvOptions {
     if options.name.is_some() {
         return options;
     }
     let prefix = vb.prefix();
     let name = if prefix.is_empty() {
-        "conv2d".to_string()
+        kind.name().to_string()
     } else {
         prefix
     };
     options.with_name(name)
+}
+
+/// That `in_channels` and `out_channels` divide into `groups`, before loading a weight.
+fn check_groups(
+    kind: LayerKind,
+    options: &ConvOptions,
+    in_channels: usize,
+    out_channels: usize,
+    groups: usize,
+) -> candle_core::Result<()> {
+    if groups == 0 || in_channels % groups != 0 || out_channels % groups != 0 {
+        return Err(kind.error(
+            &kind.layer_name(options),
+            format!(
+                "{in_channels} input and {out_channels} output channels do not divide into \
+                 {groups} groups"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// candle_nn's bias of a convolution: `out` values uniform in `±1/sqrt(in)`.
+fn load_conv_bias(
+    in_channels: usize,
+    out_channels: usize,
+    vb: &VarBuilder,
+) -> candle_core::Result<Tensor> {
+    let bound = 1. / (in_channels as f64).sqrt();
+    vb.get_with_hints(
+        out_channels,
+        "bias",
+        candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        },
+    )
 }
 
 /// As `candle_nn::conv2d`: `weight` (`out x in/groups x k x k`, Kaiming-normal) and `bias`
@@ -686,20 +826,12 @@ pub fn conv2d(
     out_channels: usize,
     kernel_size: usize,
     cfg: Conv2dConfig,
-    options: Conv2dOptions,
+    options: ConvOptions,
     vb: VarBuilder,
 ) -> candle_core::Result<Conv2d> {
-    let options = named(options, &vb);
+    let options = named(LayerKind::Conv2d, options, &vb);
     let weight = load_weight(in_channels, out_channels, kernel_size, &cfg, &options, &vb)?;
-    let bound = 1. / (in_channels as f64).sqrt();
-    let bias = vb.get_with_hints(
-        out_channels,
-        "bias",
-        candle_nn::Init::Uniform {
-            lo: -bound,
-            up: bound,
-        },
-    )?;
+    let bias = load_conv_bias(in_channels, out_channels, &vb)?;
     Conv2d::new(weight, Some(bias), cfg, options)
 }
 
@@ -709,10 +841,10 @@ pub fn conv2d_no_bias(
     out_channels: usize,
     kernel_size: usize,
     cfg: Conv2dConfig,
-    options: Conv2dOptions,
+    options: ConvOptions,
     vb: VarBuilder,
 ) -> candle_core::Result<Conv2d> {
-    let options = named(options, &vb);
+    let options = named(LayerKind::Conv2d, options, &vb);
     let weight = load_weight(in_channels, out_channels, kernel_size, &cfg, &options, &vb)?;
     Conv2d::new(weight, None, cfg, options)
 }
@@ -722,17 +854,16 @@ fn load_weight(
     out_channels: usize,
     kernel_size: usize,
     cfg: &Conv2dConfig,
-    options: &Conv2dOptions,
+    options: &ConvOptions,
     vb: &VarBuilder,
 ) -> candle_core::Result<Tensor> {
-    if cfg.groups == 0 || in_channels % cfg.groups != 0 || out_channels % cfg.groups != 0 {
-        return Err(candle_core::Error::Msg(format!(
-            "mucudnn conv2d {}: {in_channels} input and {out_channels} output channels do not \
-             divide into {} groups",
-            options.name.as_deref().unwrap_or("conv2d"),
-            cfg.groups
-        )));
-    }
+    check_groups(
+        LayerKind::Conv2d,
+        options,
+        in_channels,
+        out_channels,
+        cfg.groups,
+    )?;
     vb.get_with_hints(
         (
             out_channels,

@@ -21,7 +21,7 @@ pub fn shared_cache() -> SharedCache {
 }
 
 /// Deterministic values in [-1, 1) (a 64-bit LCG), so failures reproduce.
-fn values(len: usize, seed: u64) -> Vec<f32> {
+pub fn values(len: usize, seed: u64) -> Vec<f32> {
     let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..len)
         .map(|_| {
@@ -37,12 +37,12 @@ pub fn tensor(dims: &[usize], seed: u64, dev: &Device) -> Result<Tensor> {
     Tensor::from_vec(values(dims.iter().product(), seed), dims, dev)
 }
 
-fn flat(t: &Tensor) -> Vec<f32> {
+pub fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
 /// Max |a - b| within `tol * max(1, max |b|)`.
-fn assert_close(what: &str, actual: &[f32], expected: &[f32], tol: f32) {
+pub fn assert_close(what: &str, actual: &[f32], expected: &[f32], tol: f32) {
     assert_eq!(actual.len(), expected.len(), "{what}: lengths");
     let scale = expected.iter().fold(1f32, |m, v| m.max(v.abs()));
     let worst = actual
@@ -56,7 +56,7 @@ fn assert_close(what: &str, actual: &[f32], expected: &[f32], tol: f32) {
     );
 }
 
-fn assert_close_f64(what: &str, actual: &[f32], expected: &[f64], tol: f32) {
+pub fn assert_close_f64(what: &str, actual: &[f32], expected: &[f64], tol: f32) {
     let expected: Vec<f32> = expected.iter().map(|&v| v as f32).collect();
     assert_close(what, actual, &expected, tol);
 }
