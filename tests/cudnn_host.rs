@@ -11,11 +11,13 @@
 //! `MUCUDNN_CUDNN_HOST_JSON=<file>` makes the zoo tests append one JSON object per (layer,
 //! dtype, layout, op) to `<file>` (what `scripts/cudnn_host_check.sh --json` prints).
 
+use mucudnn::backend::cudnn::graph_params::packed_strides;
 use mucudnn::backend::cudnn::{
     engine_configs_on_device, heuristic_plan_workspaces_on_device, plan_on_device, Alignments,
     ConvDescriptors, ConvShapes, CudnnError, DeviceDescription, EngineConfig, EngineSearch,
     HeurMode, Operand,
 };
+use mucudnn::ffi::problem_from_descriptors;
 use mucudnn::models::Model;
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout};
 use std::io::Write;
@@ -101,28 +103,59 @@ fn search(mode: HeurMode) -> EngineSearch {
 }
 
 /// Legacy descriptors against the wall's shapes: cuDNN's output dims (checked inside
-/// `ConvDescriptors::new`) and the strides cuDNN derived for every tensor.
+/// `ConvDescriptors::new`), the strides cuDNN derived for every tensor (4-D, or 5-D for a 3-D
+/// problem), and all four descriptors read back through the C ABI's readers (cuDNN's Nd
+/// getters) into the same problem.
 fn check_legacy(problem: &ConvProblem, failures: &mut Vec<String>) {
     let d = match ConvDescriptors::new(problem) {
         Ok(d) => d,
         Err(e) => return failures.push(format!("legacy descriptors: {e}")),
     };
     let shapes = ConvShapes::new(problem).unwrap();
+    let rank = 2 + problem.spatial_dims();
+    let mut infos = Vec::new();
     for (role, desc) in [(Operand::Input, d.input()), (Operand::Output, d.output())] {
         let info = match desc.info() {
             Ok(info) => info,
-            Err(e) => return failures.push(format!("cudnnGetTensor4dDescriptor: {e}")),
+            Err(e) => return failures.push(format!("cudnnGetTensorNdDescriptor: {e}")),
         };
         let dims = shapes.dims(role);
-        let expected = mucudnn::backend::cudnn::graph_params::packed_strides(
-            problem.layout,
-            dims.map(i64::from),
-        );
-        if info.dims != dims || info.strides.map(i64::from) != expected {
+        let wide: Vec<i64> = dims.iter().map(|&v| i64::from(v)).collect();
+        let expected = packed_strides(problem.layout, &wide);
+        let strides: Vec<i64> = info.strides.iter().map(|&v| i64::from(v)).collect();
+        if info.dims != dims || dims.len() != rank || strides[..] != expected[..] {
             failures.push(format!(
                 "{role:?}: cuDNN dims {:?} strides {:?}, the wall {dims:?} {expected:?}",
                 info.dims, info.strides
             ));
+        }
+        infos.push(info);
+    }
+    let (filter, conv) = match (d.filter().info(), d.convolution().info()) {
+        (Ok(f), Ok(c)) => (f, c),
+        (Err(e), _) | (_, Err(e)) => return failures.push(format!("read back: {e}")),
+    };
+    if filter.dims != shapes.filter || filter.layout != Some(problem.layout) {
+        failures.push(format!(
+            "filter: cuDNN dims {:?} layout {:?}, the wall {:?} {:?}",
+            filter.dims, filter.layout, shapes.filter, problem.layout
+        ));
+    }
+    if conv.pad != shapes.pad || conv.stride != shapes.stride || conv.dilation != shapes.dilation {
+        failures.push(format!(
+            "convolution: cuDNN pad {:?} stride {:?} dilation {:?}, the wall {:?} {:?} {:?}",
+            conv.pad, conv.stride, conv.dilation, shapes.pad, shapes.stride, shapes.dilation
+        ));
+    }
+    for op in ConvOp::ALL {
+        match problem_from_descriptors(op, &infos[0], &filter, &conv, &infos[1]) {
+            Ok(read) if read == *problem => {}
+            Ok(read) => failures.push(format!(
+                "{op}: the C ABI reads {} back, not {}",
+                read.describe(),
+                problem.describe()
+            )),
+            Err(e) => failures.push(format!("{op}: the C ABI's reading: {e}")),
         }
     }
 }
