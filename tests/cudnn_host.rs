@@ -244,7 +244,7 @@ fn json_line(layer: &str, problem: &ConvProblem, op: ConvOp, o: &Outcome) -> Str
         "{{\"layer\":\"{layer}\",\"dtype\":\"{}\",\"layout\":\"{}\",\"op\":\"{op}\",\
          \"mode_a\":{},\"mode_b\":{},\"fallback\":{},\"plans\":{},\"passed\":{}}}",
         problem.dtype,
-        layout_name(problem.layout),
+        problem.layout_name(),
         o.mode_a,
         o.mode_b,
         o.fallback,
@@ -278,7 +278,7 @@ fn check_layers(layers: Vec<(String, ConvProblem)>, micro_every: usize) {
                 failures.push(format!(
                     "{layer} {} {} {op}: {f}",
                     problem.dtype,
-                    layout_name(problem.layout)
+                    problem.layout_name()
                 ));
             }
             checked += 1;
@@ -351,6 +351,177 @@ fn odd_stem_layers() {
             .collect();
         check_layers(layers, 1);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 26: 3-D and 1-D convolutions
+
+/// The data configurations of 3-D (and 1-D) convolutions (issue 26's acceptance): fp16 NDHWC
+/// (channels last) and fp32 NCDHW.
+const CONFIGS_3D: [(DType, Layout); 2] = [(DType::Fp16, Layout::Nhwc), (DType::Fp32, Layout::Nchw)];
+
+/// The 3-D layers of issue 26's video models: torchvision's r3d_18 at batch 2 (16 frames of
+/// 112 x 112) and the Wan 2.1 VAE decoder at 480p, batch 1 (its causal convolutions pad time
+/// on one side, which reaches the convolution as an already padded input: `pad_d` 0).
+fn video_layers(dtype: DType, layout: Layout) -> Vec<(String, ConvProblem)> {
+    let at = |problem: ConvProblem| ConvProblem {
+        dtype,
+        layout,
+        ..problem
+    };
+    vec![
+        (
+            "r3d_18.stem".into(),
+            at(ConvProblem {
+                pad_d: 1,
+                pad_h: 3,
+                pad_w: 3,
+                stride_h: 2,
+                stride_w: 2,
+                ..ConvProblem::new_3d(2, 3, 16, 112, 112, 64, 3, 7, 7)
+            }),
+        ),
+        (
+            "r3d_18.layer1".into(),
+            at(ConvProblem {
+                pad_d: 1,
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new_3d(2, 64, 16, 56, 56, 64, 3, 3, 3)
+            }),
+        ),
+        (
+            "r3d_18.layer2.downsample".into(),
+            at(ConvProblem {
+                stride_d: 2,
+                stride_h: 2,
+                stride_w: 2,
+                ..ConvProblem::new_3d(2, 64, 16, 56, 56, 128, 1, 1, 1)
+            }),
+        ),
+        (
+            "wan21_vae.decoder.conv384".into(),
+            at(ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new_3d(1, 384, 7, 60, 104, 384, 3, 3, 3)
+            }),
+        ),
+        (
+            "wan21_vae.decoder.up192".into(),
+            at(ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new_3d(1, 192, 7, 240, 416, 192, 3, 3, 3)
+            }),
+        ),
+    ]
+}
+
+/// wav2vec 2.0's feature encoder (7 Conv1d layers of 512 channels, kernels 10, 3, 3, 3, 3, 2,
+/// 2, strides 5, 2, 2, 2, 2, 2, 2) on one second of 16 kHz audio at batch 8: 1-D problems,
+/// which cuDNN runs as 2-D with unit height.
+fn speech_layers(dtype: DType, layout: Layout) -> Vec<(String, ConvProblem)> {
+    let mut length = 16_000;
+    let mut channels = 1;
+    let mut layers = Vec::new();
+    for (index, (kernel, stride)) in [(10, 5), (3, 2), (3, 2), (3, 2), (3, 2), (2, 2), (2, 2)]
+        .into_iter()
+        .enumerate()
+    {
+        let problem = ConvProblem {
+            stride_w: stride,
+            dtype,
+            layout,
+            ..ConvProblem::new_1d(BATCH, channels, length, 512, kernel)
+        };
+        length = problem.output_dhw().2;
+        channels = 512;
+        layers.push((format!("wav2vec2.conv{index}"), problem));
+    }
+    layers
+}
+
+/// Issue 26's acceptance on the H100 description: every 3-D layer gets engine configurations
+/// in all three ops, fp16 NDHWC and fp32 NCDHW; its 5-D legacy descriptors match the wall's
+/// shapes and read back into the same problem; its micro-batch graphs finalize.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn video_3d_layers() {
+    if enabled("video_3d_layers") {
+        let layers: Vec<_> = CONFIGS_3D
+            .into_iter()
+            .flat_map(|(dtype, layout)| video_layers(dtype, layout))
+            .collect();
+        assert!(layers.iter().all(|(_, p)| p.is_3d()));
+        check_layers(layers, 1);
+    }
+}
+
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn speech_1d_layers() {
+    if enabled("speech_1d_layers") {
+        let layers: Vec<_> = CONFIGS_3D
+            .into_iter()
+            .flat_map(|(dtype, layout)| speech_layers(dtype, layout))
+            .collect();
+        assert_eq!(layers[6].1.output_dhw(), (1, 1, 49));
+        check_layers(layers, 1);
+    }
+}
+
+/// The 3-D checks can fail: a 5-D graph whose output is one frame too deep is refused
+/// (CUDNN_STATUS_BAD_PARAM); the descriptors of a 3-D problem really are 5-D, and a 3-D
+/// problem at the 2-D defaults in depth gets the 2-D (4-D) ones; other ranks are refused.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn three_d_negative_controls() {
+    if !enabled("three_d_negative_controls") {
+        return;
+    }
+    use mucudnn::backend::cudnn::{
+        broken_graph_on_device, BrokenGraph, ConvolutionDescriptor, FilterDescriptor,
+        TensorDescriptor,
+    };
+    let device = device();
+    let (_, layer1) = video_layers(DType::Fp16, Layout::Nhwc).remove(1);
+    for op in ConvOp::ALL {
+        match broken_graph_on_device(&device, &layer1, op, BrokenGraph::WrongOutputSize) {
+            Err(CudnnError::Backend { code, .. }) => assert_eq!(code, 2000, "{op}"),
+            other => panic!("{op}: a 5-D output one frame too deep gave {other:?}"),
+        }
+    }
+    let d = ConvDescriptors::new(&layer1).unwrap();
+    assert_eq!(d.input().dims(), [2, 64, 16, 56, 56]);
+    assert_eq!(d.filter().dims(), [64, 64, 3, 3, 3]);
+    assert_eq!(d.convolution().info().unwrap().pad, [1, 1, 1]);
+    let flat = ConvProblem::new_3d(2, 3, 1, 9, 9, 4, 1, 3, 3);
+    assert_eq!(ConvDescriptors::new(&flat).unwrap().input().dims().len(), 4);
+    // Another depth padding reads back as set: the getter reports the descriptor, not the
+    // problem.
+    let shapes = ConvShapes::new(&layer1).unwrap();
+    let padded_more = ConvShapes {
+        pad: [2, 1, 1].into(),
+        stride: [1, 2, 2].into(),
+        ..shapes
+    };
+    let info = ConvolutionDescriptor::new(&padded_more)
+        .unwrap()
+        .info()
+        .unwrap();
+    assert_eq!(
+        (info.pad, info.stride),
+        ([2, 1, 1].into(), [1, 2, 2].into())
+    );
+    // Descriptors of ranks other than 4 and 5 are refused before cuDNN is asked.
+    assert!(TensorDescriptor::new(DType::Fp32, Layout::Nchw, &[2, 3, 4]).is_err());
+    assert!(FilterDescriptor::new(DType::Fp32, Layout::Nchw, &[2, 3, 4, 5, 6, 7]).is_err());
+    let mixed = ConvShapes {
+        stride: [1, 1].into(),
+        ..shapes
+    };
+    assert!(ConvolutionDescriptor::new(&mixed).is_err());
 }
 
 // ---------------------------------------------------------------------------------------------
