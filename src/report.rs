@@ -66,7 +66,7 @@ impl SolutionJson {
                     PlanJson {
                         layer: plan.layer.clone(),
                         dtype: plan.problem.dtype.name(),
-                        layout: plan.problem.layout.name(),
+                        layout: plan.problem.layout_name(),
                         op: plan.op.name(),
                         n: plan.problem.n,
                         multiplicity: None,
@@ -222,7 +222,7 @@ pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u
                     escape_control(&plan.layer).into_owned()
                 },
                 plan.problem.dtype.to_string(),
-                plan.problem.layout.to_string(),
+                plan.problem.layout_name().to_string(),
                 plan.op.to_string(),
                 undivided.map_or("-".into(), ms),
                 ms(plan.time_ms()),
@@ -254,7 +254,8 @@ pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u
     for solved in &solution.problems {
         let key = format!(
             "{} {}",
-            solved.plan.problem.dtype, solved.plan.problem.layout
+            solved.plan.problem.dtype,
+            solved.plan.problem.layout_name()
         );
         match groups.iter_mut().find(|(k, _)| *k == key) {
             Some((_, members)) => members.push(solved),
@@ -404,7 +405,7 @@ pub fn verification_json(
         .map(|(solved, m)| VerifiedPlanJson {
             layer: solved.plan.layer.clone(),
             dtype: solved.plan.problem.dtype.name(),
-            layout: solved.plan.problem.layout.name(),
+            layout: solved.plan.problem.layout_name(),
             op: solved.plan.op.name(),
             predicted_ms: solved.plan.time_ms(),
             measured_ms: m.plan_ms,
