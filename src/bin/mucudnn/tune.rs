@@ -15,7 +15,8 @@ use mucudnn::network::read_network;
 use mucudnn::profiler::prune::DEFAULT_MARGIN;
 use mucudnn::profiler::Progress;
 use mucudnn::report::{
-    render_verification, verification_json, SolutionJson, TuneJson, TuningJson, VerificationJson,
+    layer_list_json, render_layer_list, render_verification, verification_json, SolutionJson,
+    TuneJson, TuningJson, VerificationJson,
 };
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::CandidateSet;
@@ -137,6 +138,10 @@ pub(crate) struct TuneArgs {
     source: LayerSource,
     #[command(flatten)]
     device: DeviceArgs,
+    /// Print the network's distinct layers (name, count, shape; as JSON with --json) and
+    /// exit: nothing is measured, no device or cache is opened.
+    #[arg(long)]
+    list: bool,
     /// Write the measurements in interchange format (for `mucudnn solve`).
     #[arg(long, value_name = "FILE")]
     save_profile: Option<PathBuf>,
@@ -337,6 +342,15 @@ fn check_before_measuring(args: &TuneArgs, device: &mut Device) -> Result<()> {
 
 pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     let (network, layers) = args.source.layers()?;
+    if args.list {
+        if args.settings.json {
+            let doc = layer_list_json(&network, &layers);
+            outln!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            out!("{}", render_layer_list(&layers));
+        }
+        return Ok(());
+    }
     args.settings.wd_options()?;
     let (mut device, cache, timing) = args
         .device
