@@ -300,13 +300,7 @@ fn check_layers(layers: Vec<(String, ConvProblem)>, micro_every: usize) {
 }
 
 fn zoo(model: Model) -> Vec<(String, ConvProblem)> {
-    let mut layers = Vec::new();
-    for (dtype, layout) in CONFIGS {
-        for layer in model.layers(BATCH, dtype, layout) {
-            layers.push((layer.name, layer.problem));
-        }
-    }
-    layers
+    zoo_in(model, BATCH, &CONFIGS)
 }
 
 #[test]
@@ -360,85 +354,25 @@ fn odd_stem_layers() {
 /// (channels last) and fp32 NCDHW.
 const CONFIGS_3D: [(DType, Layout); 2] = [(DType::Fp16, Layout::Nhwc), (DType::Fp32, Layout::Nchw)];
 
-/// The 3-D layers of issue 26's video models: torchvision's r3d_18 at batch 2 (16 frames of
-/// 112 x 112) and the Wan 2.1 VAE decoder at 480p, batch 1 (its causal convolutions pad time
-/// on one side, which reaches the convolution as an already padded input: `pad_d` 0).
-fn video_layers(dtype: DType, layout: Layout) -> Vec<(String, ConvProblem)> {
-    let at = |problem: ConvProblem| ConvProblem {
-        dtype,
-        layout,
-        ..problem
-    };
-    vec![
-        (
-            "r3d_18.stem".into(),
-            at(ConvProblem {
-                pad_d: 1,
-                pad_h: 3,
-                pad_w: 3,
-                stride_h: 2,
-                stride_w: 2,
-                ..ConvProblem::new_3d(2, 3, 16, 112, 112, 64, 3, 7, 7)
-            }),
-        ),
-        (
-            "r3d_18.layer1".into(),
-            at(ConvProblem {
-                pad_d: 1,
-                pad_h: 1,
-                pad_w: 1,
-                ..ConvProblem::new_3d(2, 64, 16, 56, 56, 64, 3, 3, 3)
-            }),
-        ),
-        (
-            "r3d_18.layer2.downsample".into(),
-            at(ConvProblem {
-                stride_d: 2,
-                stride_h: 2,
-                stride_w: 2,
-                ..ConvProblem::new_3d(2, 64, 16, 56, 56, 128, 1, 1, 1)
-            }),
-        ),
-        (
-            "wan21_vae.decoder.conv384".into(),
-            at(ConvProblem {
-                pad_h: 1,
-                pad_w: 1,
-                ..ConvProblem::new_3d(1, 384, 7, 60, 104, 384, 3, 3, 3)
-            }),
-        ),
-        (
-            "wan21_vae.decoder.up192".into(),
-            at(ConvProblem {
-                pad_h: 1,
-                pad_w: 1,
-                ..ConvProblem::new_3d(1, 192, 7, 240, 416, 192, 3, 3, 3)
-            }),
-        ),
-    ]
+/// Every distinct layer of a zoo `model` at batch `n` in each of `configs`.
+fn zoo_in(model: Model, n: i64, configs: &[(DType, Layout)]) -> Vec<(String, ConvProblem)> {
+    let mut layers = Vec::new();
+    for &(dtype, layout) in configs {
+        for layer in model.layers(n, dtype, layout) {
+            layers.push((layer.name, layer.problem));
+        }
+    }
+    layers
 }
 
-/// wav2vec 2.0's feature encoder (7 Conv1d layers of 512 channels, kernels 10, 3, 3, 3, 3, 2,
-/// 2, strides 5, 2, 2, 2, 2, 2, 2) on one second of 16 kHz audio at batch 8: 1-D problems,
-/// which cuDNN runs as 2-D with unit height.
-fn speech_layers(dtype: DType, layout: Layout) -> Vec<(String, ConvProblem)> {
-    let mut length = 16_000;
-    let mut channels = 1;
-    let mut layers = Vec::new();
-    for (index, (kernel, stride)) in [(10, 5), (3, 2), (3, 2), (3, 2), (3, 2), (2, 2), (2, 2)]
-        .into_iter()
-        .enumerate()
-    {
-        let problem = ConvProblem {
-            stride_w: stride,
-            dtype,
-            layout,
-            ..ConvProblem::new_1d(BATCH, channels, length, 512, kernel)
-        };
-        length = problem.output_dhw().2;
-        channels = 512;
-        layers.push((format!("wav2vec2.conv{index}"), problem));
-    }
+/// Issue 26's video models at their default inputs: torchvision's r3d_18 at batch 2 (a clip
+/// of 16 x 112 x 112) and the Wan 2.1 VAE decoder at 480p, batch 1 (17 frames of 480 x 832,
+/// decoded chunk by chunk; its causal convolutions pad time on one side, which reaches the
+/// convolution as an already padded input: `pad_d` 0). The decoder's upsamplers and
+/// attention are 2-D convolutions (frames folded into the batch) and are checked as such.
+fn video_layers() -> Vec<(String, ConvProblem)> {
+    let mut layers = zoo_in(Model::R3d18, 2, &CONFIGS_3D);
+    layers.extend(zoo_in(Model::WanVaeDecoder, 1, &CONFIGS_3D));
     layers
 }
 
@@ -449,24 +383,23 @@ fn speech_layers(dtype: DType, layout: Layout) -> Vec<(String, ConvProblem)> {
 #[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
 fn video_3d_layers() {
     if enabled("video_3d_layers") {
-        let layers: Vec<_> = CONFIGS_3D
-            .into_iter()
-            .flat_map(|(dtype, layout)| video_layers(dtype, layout))
-            .collect();
-        assert!(layers.iter().all(|(_, p)| p.is_3d()));
+        let layers = video_layers();
+        let three_d = layers.iter().filter(|(_, p)| p.is_3d()).count();
+        // r3d_18's 11 distinct Conv3d and the decoder's 3-D ones, in both configurations.
+        assert!(three_d >= 2 * (11 + 10), "{three_d} 3-D layers");
         check_layers(layers, 1);
     }
 }
 
+/// wav2vec 2.0's feature encoder (7 Conv1d layers of 512 channels on one second of 16 kHz
+/// audio) at batch 8: 1-D problems, which cuDNN runs as 2-D with unit height.
 #[test]
 #[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
 fn speech_1d_layers() {
     if enabled("speech_1d_layers") {
-        let layers: Vec<_> = CONFIGS_3D
-            .into_iter()
-            .flat_map(|(dtype, layout)| speech_layers(dtype, layout))
-            .collect();
-        assert_eq!(layers[6].1.output_dhw(), (1, 1, 49));
+        let layers = zoo_in(Model::Wav2Vec2Fe, BATCH, &CONFIGS_3D);
+        assert_eq!(layers.len(), 2 * 7);
+        assert!(layers.iter().all(|(_, p)| p.h == 1 && p.r == 1));
         check_layers(layers, 1);
     }
 }
@@ -485,7 +418,8 @@ fn three_d_negative_controls() {
         TensorDescriptor,
     };
     let device = device();
-    let (_, layer1) = video_layers(DType::Fp16, Layout::Nhwc).remove(1);
+    let (name, layer1) = zoo_in(Model::R3d18, 2, &[(DType::Fp16, Layout::Nhwc)]).remove(1);
+    assert_eq!(name, "r3d_18.layer1.0.conv1.0");
     for op in ConvOp::ALL {
         match broken_graph_on_device(&device, &layer1, op, BrokenGraph::WrongOutputSize) {
             Err(CudnnError::Backend { code, .. }) => assert_eq!(code, 2000, "{op}"),
