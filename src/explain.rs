@@ -12,7 +12,8 @@
 
 use crate::solver::units::format_bytes;
 use crate::solver::{
-    solve_wr, Algo, AlgoNames, Measurement, OpProfile, Plan, Policy, ProblemName, SolveError,
+    solve_wr, Algo, AlgoNames, ConvProblem, Measurement, OpProfile, Plan, Policy, ProblemName,
+    SolveError,
 };
 use std::fmt::Write as _;
 
@@ -55,6 +56,8 @@ pub struct LimitPlan {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Explanation {
     pub name: ProblemName,
+    /// The problem at the mini-batch size (its rank names the layout: `ndhwc` in 3-D).
+    pub problem: ConvProblem,
     /// Mini-batch size.
     pub n: i64,
     pub policy: Policy,
@@ -130,6 +133,7 @@ pub fn explain(
         .collect::<Result<Vec<_>, SolveError>>()?;
     Ok(Explanation {
         name: entry.name(),
+        problem: entry.problem,
         n: entry.n(),
         policy,
         limits,
@@ -217,13 +221,18 @@ fn compact_bytes(bytes: u64) -> String {
 pub fn render_explanation(explanation: &Explanation, names: AlgoNames) -> String {
     let op = explanation.name.op;
     let mut out = String::new();
+    let name = &explanation.name;
     let _ = writeln!(
         out,
-        "{}: mini-batch {}, policy {}",
-        crate::report::escape_control(&explanation.name.to_string()),
+        "{} {} {} {}: mini-batch {}, policy {}",
+        crate::report::escape_control(&name.layer),
+        name.dtype,
+        explanation.problem.layout_name(),
+        name.op,
         explanation.n,
         explanation.policy
     );
+    let _ = writeln!(out, "shape: {}", explanation.problem.describe());
     let _ = writeln!(
         out,
         "Fastest algorithm per micro-batch size within each workspace limit (time per call):"

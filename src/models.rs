@@ -9,8 +9,12 @@
 //!
 //! Shapes follow the reference implementations named on each variant; names are the module
 //! paths of those implementations (torchvision's `layer1.0.conv1`), prefixed with the model name.
+//!
+//! The 3-D and 1-D models (`r3d_18`, `wan21_vae_decoder`, `wav2vec2_fe`) also take a
+//! [`ModelSize`] ([`Model::layers_sized`]): another input (frames and pixels, samples) and a
+//! channel divisor, so that the same structure runs small on a CPU.
 
-use crate::solver::{ConvProblem, DType, Layout};
+use crate::solver::{ConvProblem, DType, Layout, ShapeError};
 use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
@@ -61,10 +65,87 @@ pub enum Model {
     /// argument of [`Model::layers`] is ignored** (see [`Model::fixed_batch`]); replacing it
     /// would merge those sweeps into one shape and no longer be DeepBench.
     DeepBench,
+    /// torchvision's video ResNet-18 (`torchvision.models.video.r3d_18`, `VideoResNet` with
+    /// `BasicStem`, `BasicBlock` and `Conv3DSimple`): the stem Conv3d 3 -> 64, kernel (3, 7, 7),
+    /// stride (1, 2, 2), padding (1, 3, 3); four stages of two basic blocks (64, 128, 256, 512
+    /// channels) whose 3x3x3 convolutions have padding 1, a stage's first block striding 2 in
+    /// time, height and width on its first 3x3x3, and a 1x1x1 stride-2 `downsample.0` where the
+    /// shape changes (stages 2-4). Default clip 16 x 112 x 112: 20 convolutions, 11 distinct.
+    R3d18,
+    /// The decoder of Wan 2.1's causal video VAE (diffusers' `AutoencoderKLWan`, base_dim 96,
+    /// z_dim 16, dim_mult (1, 2, 4, 4), num_res_blocks 2, temporal downsampling
+    /// (False, True, True)) as `AutoencoderKLWan.decode` runs it: `post_quant_conv` over the
+    /// whole latent, then the decoder once per latent frame ("chunk") with a feature cache.
+    /// Default video 17 frames of 480 x 832 (latent 5 x 60 x 104). See [`wan_vae_decoder`]
+    /// for the derivation.
+    WanVaeDecoder,
+    /// The feature encoder of wav2vec 2.0 (fairseq / transformers' `Wav2Vec2FeatureEncoder`,
+    /// `conv_layers.N.conv`): seven Conv1d layers of 512 channels, kernels 10, 3, 3, 3, 3, 2, 2,
+    /// strides 5, 2, 2, 2, 2, 2, 2, no padding, on one channel of raw audio; default 1 s at
+    /// 16 kHz (16000 samples). 1-D problems: 2-D with unit height.
+    Wav2Vec2Fe,
+}
+
+/// The input and width of a zoo model where the caller may choose them
+/// ([`Model::layers_sized`]; the CLI's `--input` and `--channel-divisor`). Only the 3-D and
+/// 1-D models take them; the 2-D models keep their reference input.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelSize {
+    /// The input's extents in the model's own terms ([`Model::input_form`]): `[D, H, W]` for
+    /// `r3d_18`, `[frames, height, width]` of the decoded video for `wan21_vae_decoder`,
+    /// `[samples]` for `wav2vec2_fe`. `None`: the model's default ([`Model::default_input`]).
+    pub input: Option<Vec<i64>>,
+    /// Every channel count inside the network is divided by this (the network's input and
+    /// output channels stay: 3 colours, 16 latent channels, 1 audio channel). It must divide
+    /// the model's base width exactly. 1: the reference width.
+    pub channel_divisor: i64,
+}
+
+impl Default for ModelSize {
+    fn default() -> Self {
+        ModelSize {
+            input: None,
+            channel_divisor: 1,
+        }
+    }
+}
+
+/// Why a [`ModelSize`] does not make the model.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    #[error(
+        "{model} has a fixed input and width: --input and --channel-divisor apply to {}",
+        sized_models()
+    )]
+    FixedSize { model: Model },
+    #[error("--input for {model}: {message} (expected {form}; default {default})")]
+    Input {
+        model: Model,
+        message: String,
+        form: &'static str,
+        default: String,
+    },
+    #[error("--channel-divisor {divisor} for {model}: it must be a positive divisor of the base width {base}")]
+    Divisor {
+        model: Model,
+        divisor: i64,
+        base: i64,
+    },
+    #[error("{layer}: {source}")]
+    Shape { layer: String, source: ShapeError },
+}
+
+fn sized_models() -> String {
+    Model::ALL
+        .iter()
+        .filter(|m| m.default_input().is_some())
+        .map(|m| m.name())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl Model {
-    pub const ALL: [Model; 7] = [
+    pub const ALL: [Model; 10] = [
         Model::AlexNet,
         Model::ResNet50,
         Model::Vgg16,
@@ -72,6 +153,9 @@ impl Model {
         Model::DenseNet121,
         Model::MobileNetV2,
         Model::DeepBench,
+        Model::R3d18,
+        Model::WanVaeDecoder,
+        Model::Wav2Vec2Fe,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +167,42 @@ impl Model {
             Model::DenseNet121 => "densenet121",
             Model::MobileNetV2 => "mobilenet_v2",
             Model::DeepBench => "deepbench",
+            Model::R3d18 => "r3d_18",
+            Model::WanVaeDecoder => "wan21_vae_decoder",
+            Model::Wav2Vec2Fe => "wav2vec2_fe",
+        }
+    }
+
+    /// The model's default input where [`ModelSize::input`] may change it (`None`: the input
+    /// is fixed).
+    pub fn default_input(self) -> Option<&'static [i64]> {
+        match self {
+            Model::R3d18 => Some(&[16, 112, 112]),
+            Model::WanVaeDecoder => Some(&[17, 480, 832]),
+            Model::Wav2Vec2Fe => Some(&[16000]),
+            _ => None,
+        }
+    }
+
+    /// How [`ModelSize::input`] is written for this model (for messages and help).
+    pub fn input_form(self) -> &'static str {
+        match self {
+            Model::R3d18 => "DEPTHxHEIGHTxWIDTH of the clip",
+            Model::WanVaeDecoder => {
+                "FRAMESxHEIGHTxWIDTH of the decoded video: frames 1 + 4k, height and width multiples of 8"
+            }
+            Model::Wav2Vec2Fe => "SAMPLES of audio",
+            _ => "nothing: the input is fixed",
+        }
+    }
+
+    /// The width [`ModelSize::channel_divisor`] divides (the narrowest base channel count).
+    fn base_width(self) -> i64 {
+        match self {
+            Model::R3d18 => 64,
+            Model::WanVaeDecoder => 96,
+            Model::Wav2Vec2Fe => 512,
+            _ => 1,
         }
     }
 
@@ -100,6 +220,15 @@ impl Model {
             Model::DeepBench => {
                 "DeepBench conv training set, 94 problems (90 distinct), their own batch sizes"
             }
+            Model::R3d18 => {
+                "torchvision video ResNet-18 (R3D), 20 Conv3d (11 distinct), 16x112x112 clip"
+            }
+            Model::WanVaeDecoder => {
+                "Wan 2.1 causal video VAE decoder (diffusers AutoencoderKLWan), chunked decode, 17x480x832"
+            }
+            Model::Wav2Vec2Fe => {
+                "wav2vec 2.0 feature encoder, 7 Conv1d (512 channels), 16000 samples"
+            }
         }
     }
 
@@ -110,8 +239,91 @@ impl Model {
     }
 
     /// The distinct conv layers at batch `n`, in network order (for [`Model::DeepBench`] `n` is
-    /// ignored: every problem keeps DeepBench's batch size).
+    /// ignored: every problem keeps DeepBench's batch size), at the model's default input.
     pub fn layers(self, n: i64, dtype: DType, layout: Layout) -> Vec<ModelLayer> {
+        // The default size is valid for every model (`every_model_is_valid_and_distinct`).
+        self.layers_sized(n, dtype, layout, &ModelSize::default())
+            .expect("a zoo model at its default size is valid")
+    }
+
+    /// [`Model::layers`] at another input and width ([`ModelSize`]). Every problem is validated
+    /// at batch size 1, so an input too small for the network is an error naming the layer; a
+    /// tensor too large at batch `n` is left to the caller's [`ConvProblem::validate`], as for
+    /// [`Model::layers`]. A 2-D model takes only the default size.
+    pub fn layers_sized(
+        self,
+        n: i64,
+        dtype: DType,
+        layout: Layout,
+        size: &ModelSize,
+    ) -> Result<Vec<ModelLayer>, ModelError> {
+        let Some(default_input) = self.default_input() else {
+            if *size != ModelSize::default() {
+                return Err(ModelError::FixedSize { model: self });
+            }
+            return Ok(self.layers_2d(n, dtype, layout));
+        };
+        let input = size.input.as_deref().unwrap_or(default_input);
+        let bad_input = |message: String| ModelError::Input {
+            model: self,
+            message,
+            form: self.input_form(),
+            default: default_input
+                .iter()
+                .map(i64::to_string)
+                .collect::<Vec<_>>()
+                .join("x"),
+        };
+        if input.len() != default_input.len() {
+            return Err(bad_input(format!(
+                "{} values given, {} wanted",
+                input.len(),
+                default_input.len()
+            )));
+        }
+        if let Some(&v) = input.iter().find(|&&v| v < 1) {
+            return Err(bad_input(format!("{v} is not a positive size")));
+        }
+        let divisor = size.channel_divisor;
+        let base = self.base_width();
+        if divisor < 1 || base % divisor != 0 {
+            return Err(ModelError::Divisor {
+                model: self,
+                divisor,
+                base,
+            });
+        }
+        let mut layers = match self {
+            Model::R3d18 => r3d_18(n, [input[0], input[1], input[2]], base / divisor),
+            Model::WanVaeDecoder => {
+                let [frames, height, width] = [input[0], input[1], input[2]];
+                if frames % 4 != 1 {
+                    return Err(bad_input(format!(
+                        "{frames} frames: the decoder makes 1 + 4k frames from 1 + k latent frames"
+                    )));
+                }
+                if height % 8 != 0 || width % 8 != 0 {
+                    return Err(bad_input(format!(
+                        "{height}x{width}: the latent is 8 times smaller, so both must be multiples of 8"
+                    )));
+                }
+                wan_vae_decoder(n, 1 + frames / 4, height / 8, width / 8, base / divisor)
+            }
+            Model::Wav2Vec2Fe => wav2vec2_feature_encoder(n, input[0], base / divisor),
+            _ => unreachable!("2-D models return above"),
+        };
+        for layer in &mut layers {
+            layer.name = format!("{}.{}", self.name(), layer.name);
+            layer.problem.dtype = dtype;
+            layer.problem.layout = layout;
+        }
+        dedup(&mut layers);
+        validate(&layers)?;
+        Ok(layers)
+    }
+
+    /// The 2-D models at their reference input.
+    fn layers_2d(self, n: i64, dtype: DType, layout: Layout) -> Vec<ModelLayer> {
         let spec = |name: &str, c, hw, k, rs, stride, pad| ModelLayer {
             name: format!("{}.{name}", self.name()),
             problem: ConvProblem {
@@ -384,10 +596,380 @@ impl Model {
                     },
                 )
                 .collect(),
+            Model::R3d18 | Model::WanVaeDecoder | Model::Wav2Vec2Fe => Vec::new(),
         };
         dedup(&mut layers);
         layers
     }
+}
+
+fn validate(layers: &[ModelLayer]) -> Result<(), ModelError> {
+    for layer in layers {
+        layer
+            .problem
+            .validate()
+            .map_err(|source| ModelError::Shape {
+                layer: layer.name.clone(),
+                source,
+            })?;
+    }
+    Ok(())
+}
+
+/// A 3-D layer: kernel `[t, r, s]`, the same stride and padding triples' form.
+#[allow(clippy::too_many_arguments)]
+fn conv3d(
+    name: String,
+    n: i64,
+    c: i64,
+    [d, h, w]: [i64; 3],
+    k: i64,
+    [t, r, s]: [i64; 3],
+    [stride_d, stride_h, stride_w]: [i64; 3],
+    [pad_d, pad_h, pad_w]: [i64; 3],
+    count: u32,
+) -> ModelLayer {
+    ModelLayer {
+        name,
+        problem: ConvProblem {
+            pad_d,
+            pad_h,
+            pad_w,
+            stride_d,
+            stride_h,
+            stride_w,
+            ..ConvProblem::new_3d(n, c, d, h, w, k, t, r, s)
+        },
+        count,
+    }
+}
+
+/// torchvision's `r3d_18` (`torchvision/models/video/resnet.py`): `VideoResNet(BasicBlock,
+/// [Conv3DSimple] * 4, [2, 2, 2, 2], BasicStem)`. `width` is the stem's output channels (64).
+/// Layer names are torchvision's module paths (`stem.0`, `layer2.0.conv1.0`,
+/// `layer2.0.downsample.0`). Output sizes follow from each problem, so any clip works.
+fn r3d_18(n: i64, clip: [i64; 3], width: i64) -> Vec<ModelLayer> {
+    let stem = conv3d(
+        "stem.0".into(),
+        n,
+        3,
+        clip,
+        width,
+        [3, 7, 7],
+        [1, 2, 2],
+        [1, 3, 3],
+        1,
+    );
+    let out = |layer: &ModelLayer| {
+        let (o, p, q) = layer.problem.output_dhw();
+        [o, p, q]
+    };
+    let mut size = out(&stem);
+    let mut all = vec![stem];
+    let mut in_channels = width;
+    for (stage, multiple) in [(1, 1), (2, 2), (3, 4), (4, 8)] {
+        let planes = width * multiple;
+        let stride = if stage == 1 { 1 } else { 2 };
+        for block in 0..2 {
+            let prefix = format!("layer{stage}.{block}");
+            let block_stride = if block == 0 { stride } else { 1 };
+            let block_in = if block == 0 { in_channels } else { planes };
+            // Conv3DSimple: kernel (3, 3, 3), padding 1, the block's stride on all three axes.
+            let conv1 = conv3d(
+                format!("{prefix}.conv1.0"),
+                n,
+                block_in,
+                size,
+                planes,
+                [3; 3],
+                [block_stride; 3],
+                [1; 3],
+                1,
+            );
+            let block_out = out(&conv1);
+            all.push(conv1);
+            all.push(conv3d(
+                format!("{prefix}.conv2.0"),
+                n,
+                planes,
+                block_out,
+                planes,
+                [3; 3],
+                [1; 3],
+                [1; 3],
+                1,
+            ));
+            // torchvision adds the projection where the stride or the channels change.
+            if block == 0 && (stride != 1 || in_channels != planes) {
+                all.push(conv3d(
+                    format!("{prefix}.downsample.0"),
+                    n,
+                    in_channels,
+                    size,
+                    planes,
+                    [1; 3],
+                    [stride; 3],
+                    [0; 3],
+                    1,
+                ));
+            }
+            size = block_out;
+        }
+        in_channels = planes;
+    }
+    all
+}
+
+/// The decoder of Wan 2.1's VAE as diffusers runs it, at `latent_frames` x `latent_h` x
+/// `latent_w` (the video is `1 + 4 (latent_frames - 1)` frames of 8x the size), with base width
+/// `base_dim` (96).
+///
+/// Derived from diffusers' `src/diffusers/models/autoencoders/autoencoder_kl_wan.py`
+/// (`AutoencoderKLWan`, `WanDecoder3d`, `WanUpBlock`, `WanResidualBlock`, `WanResample`,
+/// `WanMidBlock`, `WanAttentionBlock`, `WanCausalConv3d`; huggingface/diffusers at commit
+/// 022e259c), Wan 2.1's configuration (`base_dim = 96`, `z_dim = 16`, `dim_mult = [1, 2, 4, 4]`,
+/// `num_res_blocks = 2`, `attn_scales = []`, `temperal_downsample = [False, True, True]`, so the
+/// decoder's `temperal_upsample = [True, True, False]`; `is_residual = False`):
+///
+/// - `WanCausalConv3d(kernel 3, padding 1)` pads height and width by 1 on both sides and time
+///   by 2 frames *before* the input only (`_padding = (1, 1, 1, 1, 2, 0)`; Conv3d's own padding
+///   is 0). `_decode` runs `post_quant_conv` (1x1x1, z_dim -> z_dim) over the whole latent and
+///   then the decoder on one latent frame at a time, with a feature cache: each causal conv's
+///   input is its current `T` frames behind the cached last two frames of the previous chunk
+///   (zeros in the first chunk), so it is always `T + 2` frames with no padding. That is how the
+///   problems here are written: depth `T + 2`, `pad_d = 0`, kernel depth 3, output depth `T`.
+/// - Channels: `dims = [384, 384, 384, 192, 96]` (`base_dim * [4] + dim_mult[::-1]`).
+///   `conv_in` z_dim -> 384; the mid block: residual block, attention (`to_qkv` 1x1 Conv2d
+///   384 -> 1152, `proj` 1x1 Conv2d 384 -> 384, over the `b * T` frames), residual block. Up
+///   block `i` has `num_res_blocks + 1 = 3` residual blocks (conv1, conv2: 3x3x3; a 1x1x1
+///   `conv_shortcut` where channels change), the input of blocks 1-3 being half of `dims[i]`
+///   (the upsampler before halved it): 384 -> 384, 192 -> 384, 192 -> 192, 96 -> 96. Blocks 0
+///   and 1 end in `upsample3d`, block 2 in `upsample2d`: a nearest 2x upsample and a 3x3 Conv2d
+///   `dim -> dim / 2` over the `b * T` frames; `upsample3d` first runs `time_conv`, a causal
+///   (3, 1, 1) conv `dim -> 2 dim` whose output is read as twice the frames, except in the first
+///   chunk (`feat_cache` holds "Rep": no time conv, one frame stays one). `conv_out` 96 -> 3.
+/// - Frames per chunk: the first chunk has `T = 1` throughout (it decodes to 1 frame); every
+///   later chunk has `T = 1` at the latent size, 2 after the first `upsample3d`, 4 after the
+///   second (4 frames per latent frame: 1 + 4 (L - 1) frames in all).
+///
+/// Layers are named by their module paths under `decoder.`; a shape that occurs only in the
+/// first chunk is named `...@chunk0`. Counts are per decode: the later chunks' layers occur
+/// `L - 1` times each.
+fn wan_vae_decoder(
+    n: i64,
+    latent_frames: i64,
+    latent_h: i64,
+    latent_w: i64,
+    base_dim: i64,
+) -> Vec<ModelLayer> {
+    const Z_DIM: i64 = 16;
+    const OUT_CHANNELS: i64 = 3;
+    let dims = [4, 4, 4, 2, 1].map(|m| base_dim * m);
+    let later_chunks = u32::try_from(latent_frames - 1).unwrap_or(u32::MAX);
+    let mut all = vec![conv3d(
+        "post_quant_conv".into(),
+        n,
+        Z_DIM,
+        [latent_frames, latent_h, latent_w],
+        Z_DIM,
+        [1; 3],
+        [1; 3],
+        [0; 3],
+        1,
+    )];
+    // One decoder call on a chunk: `first` is the first chunk (no temporal upsampling).
+    let chunk = |first: bool, count: u32| {
+        let suffix = if first { "@chunk0" } else { "" };
+        let mut layers = Vec::new();
+        // A causal 3x3x3 (or (3, 1, 1)) conv over `frames` frames behind two cached ones.
+        let causal = |layers: &mut Vec<ModelLayer>,
+                      name: &str,
+                      c,
+                      k,
+                      frames,
+                      hw: [i64; 2],
+                      kernel_hw: i64| {
+            let pad = kernel_hw / 2;
+            layers.push(conv3d(
+                format!("decoder.{name}{suffix}"),
+                n,
+                c,
+                [frames + 2, hw[0], hw[1]],
+                k,
+                [3, kernel_hw, kernel_hw],
+                [1; 3],
+                [0, pad, pad],
+                count,
+            ));
+        };
+        // A 2-D conv over the chunk's frames folded into the batch.
+        let per_frame =
+            |layers: &mut Vec<ModelLayer>, name: &str, c, k, frames: i64, hw: [i64; 2], rs: i64| {
+                layers.push(ModelLayer {
+                    name: format!("decoder.{name}{suffix}"),
+                    problem: ConvProblem {
+                        pad_h: rs / 2,
+                        pad_w: rs / 2,
+                        ..ConvProblem::new(n * frames, c, hw[0], hw[1], k, rs, rs)
+                    },
+                    count,
+                });
+            };
+        let residual = |layers: &mut Vec<ModelLayer>, prefix: &str, c_in, c_out, frames, hw| {
+            causal(
+                layers,
+                &format!("{prefix}.conv1"),
+                c_in,
+                c_out,
+                frames,
+                hw,
+                3,
+            );
+            causal(
+                layers,
+                &format!("{prefix}.conv2"),
+                c_out,
+                c_out,
+                frames,
+                hw,
+                3,
+            );
+            if c_in != c_out {
+                // WanCausalConv3d(in, out, 1): no padding, so the chunk's own frames only.
+                layers.push(conv3d(
+                    format!("decoder.{prefix}.conv_shortcut{suffix}"),
+                    n,
+                    c_in,
+                    [frames, hw[0], hw[1]],
+                    c_out,
+                    [1; 3],
+                    [1; 3],
+                    [0; 3],
+                    count,
+                ));
+            }
+        };
+        let mut hw = [latent_h, latent_w];
+        let mut frames = 1;
+        causal(&mut layers, "conv_in", Z_DIM, dims[0], frames, hw, 3);
+        residual(
+            &mut layers,
+            "mid_block.resnets.0",
+            dims[0],
+            dims[0],
+            frames,
+            hw,
+        );
+        per_frame(
+            &mut layers,
+            "mid_block.attentions.0.to_qkv",
+            dims[0],
+            3 * dims[0],
+            frames,
+            hw,
+            1,
+        );
+        per_frame(
+            &mut layers,
+            "mid_block.attentions.0.proj",
+            dims[0],
+            dims[0],
+            frames,
+            hw,
+            1,
+        );
+        residual(
+            &mut layers,
+            "mid_block.resnets.1",
+            dims[0],
+            dims[0],
+            frames,
+            hw,
+        );
+        // (up block, temporal upsampling) for the three upsampling blocks; block 3 has none.
+        let temporal = [true, true, false];
+        for block in 0..4 {
+            let in_dim = if block == 0 { dims[0] } else { dims[block] / 2 };
+            let out_dim = dims[block + 1];
+            let mut c = in_dim;
+            for resnet in 0..3 {
+                let prefix = format!("up_blocks.{block}.resnets.{resnet}");
+                residual(&mut layers, &prefix, c, out_dim, frames, hw);
+                c = out_dim;
+            }
+            if block < 3 {
+                let prefix = format!("up_blocks.{block}.upsamplers.0");
+                if temporal[block] && !first {
+                    causal(
+                        &mut layers,
+                        &format!("{prefix}.time_conv"),
+                        out_dim,
+                        2 * out_dim,
+                        frames,
+                        hw,
+                        1,
+                    );
+                    frames *= 2;
+                }
+                hw = [hw[0] * 2, hw[1] * 2];
+                per_frame(
+                    &mut layers,
+                    &format!("{prefix}.resample.1"),
+                    out_dim,
+                    out_dim / 2,
+                    frames,
+                    hw,
+                    3,
+                );
+            }
+        }
+        causal(
+            &mut layers,
+            "conv_out",
+            dims[4],
+            OUT_CHANNELS,
+            frames,
+            hw,
+            3,
+        );
+        layers
+    };
+    // The later chunks first, so that shapes shared with the first chunk keep the plain name.
+    if later_chunks > 0 {
+        all.extend(chunk(false, later_chunks));
+    }
+    all.extend(chunk(true, 1));
+    all
+}
+
+/// wav2vec 2.0's feature encoder (fairseq's `ConvFeatureExtractionModel`, transformers'
+/// `Wav2Vec2FeatureEncoder` with `conv_dim = (512,) * 7`, `conv_kernel = (10, 3, 3, 3, 3, 2,
+/// 2)`, `conv_stride = (5, 2, 2, 2, 2, 2, 2)`, no padding) over `samples` samples of one
+/// channel; `width` is 512. Names are transformers' `feature_extractor.conv_layers.N.conv`.
+fn wav2vec2_feature_encoder(n: i64, samples: i64, width: i64) -> Vec<ModelLayer> {
+    let mut all = Vec::new();
+    let (mut channels, mut length) = (1, samples);
+    for (index, (kernel, stride)) in [(10, 5), (3, 2), (3, 2), (3, 2), (3, 2), (2, 2), (2, 2)]
+        .into_iter()
+        .enumerate()
+    {
+        let problem = ConvProblem {
+            stride_w: stride,
+            ..ConvProblem::new_1d(n, channels, length, width, kernel)
+        };
+        // Shorter than the kernel: validate() names the layer; stop deriving lengths there.
+        let next = (length - kernel) / stride + 1;
+        all.push(ModelLayer {
+            name: format!("feature_extractor.conv_layers.{index}.conv"),
+            problem,
+            count: 1,
+        });
+        if next < 1 {
+            break;
+        }
+        (channels, length) = (width, next);
+    }
+    all
 }
 
 /// DeepBench's `training_set` (baidu-research/DeepBench, `code/kernels/conv_problems.h`),
@@ -626,6 +1208,12 @@ mod tests {
                 (8, DType::Fp32, Layout::Nchw),
                 (3, DType::Bf16, Layout::Nhwc),
             ] {
+                // The decoder's 480p tensors exceed 2^31 elements from batch 3 on.
+                let n = if model == Model::WanVaeDecoder {
+                    n.min(2)
+                } else {
+                    n
+                };
                 let layers = model.layers(n, dtype, layout);
                 assert!(!layers.is_empty(), "{model}");
                 let mut names = std::collections::HashSet::new();
@@ -638,7 +1226,10 @@ mod tests {
                     assert!(names.insert(&layer.name), "{} twice", layer.name);
                     assert!(layer.count >= 1);
                     assert_eq!((layer.problem.dtype, layer.problem.layout), (dtype, layout));
-                    if !model.fixed_batch() {
+                    if model == Model::WanVaeDecoder {
+                        // Per-frame Conv2d layers fold the chunk's frames into the batch.
+                        assert_eq!(layer.problem.n % n, 0, "{}", layer.name);
+                    } else if !model.fixed_batch() {
                         assert_eq!(layer.problem.n, n, "{}", layer.name);
                     }
                     assert!(
@@ -667,8 +1258,12 @@ mod tests {
             (Model::DenseNet121, 120, 66),
             (Model::MobileNetV2, 52, 30),
             (Model::DeepBench, 94, 90),
+            (Model::R3d18, 20, 11),
+            // 1 + 4 later chunks x 38 convolutions + the first chunk's 36 (no time_conv).
+            (Model::WanVaeDecoder, 189, 25),
+            (Model::Wav2Vec2Fe, 7, 7),
         ] {
-            let layers = model.layers(32, DType::Fp32, Layout::Nchw);
+            let layers = model.layers(1, DType::Fp32, Layout::Nchw);
             let total: u32 = layers.iter().map(|l| l.count).sum();
             assert_eq!((total, layers.len()), (convolutions, distinct), "{model}");
             let counts = multiplicities(&layers);
@@ -841,6 +1436,315 @@ mod tests {
         );
         let batches: std::collections::BTreeSet<i64> = layers.iter().map(|l| l.problem.n).collect();
         assert_eq!(batches.into_iter().collect::<Vec<_>>(), [4, 8, 16, 32]);
+    }
+
+    /// (c, d, h, w, k, t, r, s, stride d/h/w, pad d/h/w) of a 3-D layer.
+    fn shape3(layer: &ModelLayer) -> [i64; 14] {
+        let p = &layer.problem;
+        [
+            p.c, p.d, p.h, p.w, p.k, p.t, p.r, p.s, p.stride_d, p.stride_h, p.stride_w, p.pad_d,
+            p.pad_h, p.pad_w,
+        ]
+    }
+
+    /// torchvision's r3d_18: 20 Conv3d (stem, 16 in the basic blocks, 3 downsamples), 11
+    /// distinct at the 16x112x112 clip.
+    #[test]
+    fn r3d_18_shapes() {
+        let layers = Model::R3d18.layers(2, DType::Fp16, Layout::Nhwc);
+        let stem = find(&layers, "r3d_18.stem.0");
+        assert_eq!(
+            shape3(stem),
+            [3, 16, 112, 112, 64, 3, 7, 7, 1, 2, 2, 1, 3, 3]
+        );
+        assert_eq!(stem.problem.output_dhw(), (16, 56, 56));
+        assert_eq!(stem.problem.layout_name(), "ndhwc");
+        // layer1's four 3x3x3 convolutions share one shape; no downsample in layer1.
+        let layer1 = find(&layers, "r3d_18.layer1.0.conv1.0");
+        assert_eq!(
+            (shape3(layer1), layer1.count),
+            ([64, 16, 56, 56, 64, 3, 3, 3, 1, 1, 1, 1, 1, 1], 4)
+        );
+        assert!(!layers
+            .iter()
+            .any(|l| l.name.contains("layer1.0.downsample")));
+        // Conv3DSimple strides all three axes; the downsample is 1x1x1 with stride 2.
+        let strided = find(&layers, "r3d_18.layer2.0.conv1.0");
+        assert_eq!(
+            shape3(strided),
+            [64, 16, 56, 56, 128, 3, 3, 3, 2, 2, 2, 1, 1, 1]
+        );
+        assert_eq!(strided.problem.output_dhw(), (8, 28, 28));
+        assert_eq!(find(&layers, "r3d_18.layer2.0.conv2.0").count, 3);
+        let projection = find(&layers, "r3d_18.layer4.0.downsample.0");
+        assert_eq!(
+            shape3(projection),
+            [256, 4, 14, 14, 512, 1, 1, 1, 2, 2, 2, 0, 0, 0]
+        );
+        assert_eq!(projection.problem.output_dhw(), (2, 7, 7));
+        let convs = layers.iter().filter(|l| l.problem.is_3d()).count();
+        assert_eq!(convs, layers.len());
+    }
+
+    /// The decoder's table at 480p x 17 frames (the derivation is on `wan_vae_decoder`).
+    #[test]
+    fn wan_vae_decoder_shapes() {
+        let layers = Model::WanVaeDecoder.layers(1, DType::Fp16, Layout::Nhwc);
+        let check = |name: &str, c, dhw: [i64; 3], k, kernel: [i64; 3], count| {
+            let layer = find(&layers, &format!("wan21_vae_decoder.{name}"));
+            let p = &layer.problem;
+            let pad = kernel[1] / 2;
+            assert_eq!(
+                (p.c, [p.d, p.h, p.w], p.k, [p.t, p.r, p.s], layer.count),
+                (c, dhw, k, kernel, count),
+                "{name}"
+            );
+            // Causal in time: never padded there; height and width keep their size.
+            assert_eq!((p.pad_d, p.pad_h, p.pad_w), (0, pad, pad), "{name}");
+            assert_eq!(
+                (p.stride_d, p.stride_h, p.stride_w, p.groups),
+                (1, 1, 1, 1),
+                "{name}"
+            );
+            let (o, q, r) = p.output_dhw();
+            assert_eq!((q, r), (dhw[1], dhw[2]), "{name}");
+            o
+        };
+        assert_eq!(
+            check("post_quant_conv", 16, [5, 60, 104], 16, [1, 1, 1], 1),
+            5
+        );
+        // Every chunk: one latent frame behind two cached (or zero) frames.
+        assert_eq!(
+            check("decoder.conv_in", 16, [3, 60, 104], 384, [3, 3, 3], 5),
+            1
+        );
+        check(
+            "decoder.mid_block.resnets.0.conv1",
+            384,
+            [3, 60, 104],
+            384,
+            [3, 3, 3],
+            50,
+        );
+        check(
+            "decoder.up_blocks.0.upsamplers.0.time_conv",
+            384,
+            [3, 60, 104],
+            768,
+            [3, 1, 1],
+            4,
+        );
+        check(
+            "decoder.up_blocks.1.resnets.0.conv1",
+            192,
+            [4, 120, 208],
+            384,
+            [3, 3, 3],
+            4,
+        );
+        check(
+            "decoder.up_blocks.1.resnets.0.conv1@chunk0",
+            192,
+            [3, 120, 208],
+            384,
+            [3, 3, 3],
+            1,
+        );
+        check(
+            "decoder.up_blocks.1.resnets.0.conv_shortcut",
+            192,
+            [2, 120, 208],
+            384,
+            [1, 1, 1],
+            4,
+        );
+        check(
+            "decoder.up_blocks.1.resnets.0.conv2",
+            384,
+            [4, 120, 208],
+            384,
+            [3, 3, 3],
+            20,
+        );
+        check(
+            "decoder.up_blocks.1.upsamplers.0.time_conv",
+            384,
+            [4, 120, 208],
+            768,
+            [3, 1, 1],
+            4,
+        );
+        check(
+            "decoder.up_blocks.2.resnets.0.conv1",
+            192,
+            [6, 240, 416],
+            192,
+            [3, 3, 3],
+            24,
+        );
+        check(
+            "decoder.up_blocks.3.resnets.0.conv1",
+            96,
+            [6, 480, 832],
+            96,
+            [3, 3, 3],
+            24,
+        );
+        check(
+            "decoder.up_blocks.3.resnets.0.conv1@chunk0",
+            96,
+            [3, 480, 832],
+            96,
+            [3, 3, 3],
+            6,
+        );
+        assert_eq!(
+            check("decoder.conv_out", 96, [6, 480, 832], 3, [3, 3, 3], 4),
+            4
+        );
+        check(
+            "decoder.conv_out@chunk0",
+            96,
+            [3, 480, 832],
+            3,
+            [3, 3, 3],
+            1,
+        );
+        // The first chunk's shortcut sees one frame: a 2-D problem.
+        let first = find(
+            &layers,
+            "wan21_vae_decoder.decoder.up_blocks.1.resnets.0.conv_shortcut@chunk0",
+        );
+        assert!(!first.problem.is_3d());
+        // Per-frame Conv2d: the chunk's frames are the batch.
+        let to_qkv = find(
+            &layers,
+            "wan21_vae_decoder.decoder.mid_block.attentions.0.to_qkv",
+        );
+        assert_eq!(
+            (to_qkv.problem.n, shape(to_qkv), to_qkv.count),
+            (1, [384, 60, 104, 1152, 1, 1, 1, 0, 1], 5)
+        );
+        let resample = find(
+            &layers,
+            "wan21_vae_decoder.decoder.up_blocks.2.upsamplers.0.resample.1",
+        );
+        assert_eq!(
+            (resample.problem.n, shape(resample), resample.count),
+            (4, [192, 480, 832, 96, 3, 3, 1, 1, 1], 4)
+        );
+        // 17 frames out: 1 from the first chunk, 4 from each later one (conv_out's depth).
+        let frames: i64 = layers
+            .iter()
+            .filter(|l| l.name.starts_with("wan21_vae_decoder.decoder.conv_out"))
+            .map(|l| l.problem.output_dhw().0 * i64::from(l.count))
+            .sum();
+        assert_eq!(frames, 17);
+    }
+
+    #[test]
+    fn wav2vec2_feature_encoder_shapes() {
+        let layers = Model::Wav2Vec2Fe.layers(4, DType::Fp32, Layout::Nchw);
+        let lengths: Vec<(i64, i64, i64, i64)> = layers
+            .iter()
+            .map(|l| {
+                let p = &l.problem;
+                assert_eq!((p.h, p.r, p.pad_w, p.k), (1, 1, 0, 512), "{}", l.name);
+                (p.c, p.w, p.s, p.stride_w)
+            })
+            .collect();
+        assert_eq!(
+            lengths,
+            [
+                (1, 16000, 10, 5),
+                (512, 3199, 3, 2),
+                (512, 1599, 3, 2),
+                (512, 799, 3, 2),
+                (512, 399, 3, 2),
+                (512, 199, 2, 2),
+                (512, 99, 2, 2)
+            ]
+        );
+        assert_eq!(layers[6].problem.output_hw(), (1, 49));
+        assert_eq!(
+            layers[0].name,
+            "wav2vec2_fe.feature_extractor.conv_layers.0.conv"
+        );
+    }
+
+    /// Reduced sizes: the structure stays, the numbers shrink; bad sizes are errors.
+    #[test]
+    fn sized_models() {
+        let size = |input: &[i64], divisor| ModelSize {
+            input: Some(input.to_vec()),
+            channel_divisor: divisor,
+        };
+        let small = Model::WanVaeDecoder
+            .layers_sized(1, DType::Fp32, Layout::Nchw, &size(&[5, 16, 16], 24))
+            .unwrap();
+        // Two latent frames of 2x2: one later chunk; base width 4 (dims 16, 16, 16, 8, 4).
+        assert_eq!(small.iter().map(|l| l.count).sum::<u32>(), 1 + 38 + 36);
+        let conv_in = find(&small, "wan21_vae_decoder.decoder.conv_in");
+        assert_eq!(shape3(conv_in)[..5], [16, 3, 2, 2, 16]);
+        let out = find(&small, "wan21_vae_decoder.decoder.conv_out");
+        assert_eq!(shape3(out)[..5], [4, 6, 16, 16, 3]);
+        // One frame: the first chunk only.
+        let one = Model::WanVaeDecoder
+            .layers_sized(1, DType::Fp32, Layout::Nchw, &size(&[1, 8, 8], 96))
+            .unwrap();
+        assert!(one
+            .iter()
+            .all(|l| l.count == 1 || l.name.ends_with("@chunk0")));
+        assert_eq!(one.iter().map(|l| l.count).sum::<u32>(), 1 + 36);
+        let r3d = Model::R3d18
+            .layers_sized(2, DType::Fp32, Layout::Nchw, &size(&[4, 16, 16], 16))
+            .unwrap();
+        assert_eq!(r3d.iter().map(|l| l.count).sum::<u32>(), 20);
+        let last = find(&r3d, "r3d_18.layer4.0.conv1.0");
+        assert_eq!(shape3(last)[..5], [16, 1, 2, 2, 32]);
+        let wav = Model::Wav2Vec2Fe
+            .layers_sized(1, DType::Fp32, Layout::Nchw, &size(&[400], 64))
+            .unwrap();
+        assert_eq!(wav[6].problem.output_hw(), (1, 1));
+        assert_eq!(wav[1].problem.c, 8);
+
+        let err = |model: Model, size: ModelSize| {
+            model
+                .layers_sized(1, DType::Fp32, Layout::Nchw, &size)
+                .unwrap_err()
+                .to_string()
+        };
+        let message = err(Model::WanVaeDecoder, size(&[16, 480, 832], 1));
+        assert!(
+            message.contains("16 frames") && message.contains("default 17x480x832"),
+            "{message}"
+        );
+        let message = err(Model::WanVaeDecoder, size(&[17, 100, 832], 1));
+        assert!(message.contains("multiples of 8"), "{message}");
+        let message = err(Model::R3d18, size(&[16, 112], 1));
+        assert!(message.contains("2 values given, 3 wanted"), "{message}");
+        let message = err(Model::R3d18, size(&[0, 112, 112], 1));
+        assert!(message.contains("0 is not a positive size"), "{message}");
+        let message = err(Model::R3d18, size(&[16, 112, 112], 3));
+        assert!(message.contains("base width 64"), "{message}");
+        let message = err(Model::Wav2Vec2Fe, size(&[100], 1));
+        assert!(
+            message.contains("conv_layers.4.conv") && message.contains("output width"),
+            "{message}"
+        );
+        let message = err(Model::ResNet50, size(&[224, 224], 1));
+        assert!(
+            message.contains("resnet50 has a fixed input")
+                && message.contains("r3d_18, wan21_vae_decoder, wav2vec2_fe"),
+            "{message}"
+        );
+        // The default size is accepted by every model.
+        for model in Model::ALL {
+            assert!(model
+                .layers_sized(2, DType::Fp32, Layout::Nchw, &ModelSize::default())
+                .is_ok());
+        }
     }
 
     #[test]

@@ -12,12 +12,16 @@
 //! name = "conv1"          # required, unique
 //! in_channels = 3         # required: C
 //! out_channels = 64       # required: K
-//! input = [224, 224]      # required: [H, W], or one number for a square input
-//! kernel = 7              # required: [R, S], or one number
-//! stride = 2              # [vertical, horizontal] or one number; default 1
-//! padding = 3             # [vertical, horizontal] or one number; default 0
-//! dilation = 1            # [vertical, horizontal] or one number; default 1
+//! input = [224, 224]      # required: [H, W] (2-D), [D, H, W] (3-D), [W] (1-D); one number
+//!                         # is a square 2-D input
+//! depth = 16              # optional: makes a 2-D `input` the frames of a 3-D one
+//! kernel = 7              # required: one value per axis ([T, R, S] in 3-D), or one number
+//! stride = 2              # one value per axis or one number; default 1
+//! padding = 3             # one value per axis or one number; default 0
+//! dilation = 1            # one value per axis or one number; default 1
 //! groups = 1              # default 1 (depthwise: groups = in_channels = out_channels)
+//! transposed = false      # a ConvTranspose layer: tuned as the convolution it is the
+//! output_padding = 0      # backward-data of (its output padding, default 0)
 //! count = 1               # how many layers of the network have this shape; default 1
 //! ```
 //!
@@ -159,16 +163,19 @@ impl fmt::Display for LayerRef {
 }
 
 const TOP_LEVEL_FIELDS: [&str; 2] = ["name", "layer"];
-const LAYER_FIELDS: [&str; 10] = [
+const LAYER_FIELDS: [&str; 13] = [
     "name",
     "in_channels",
     "out_channels",
     "input",
+    "depth",
     "kernel",
     "stride",
     "padding",
     "dilation",
     "groups",
+    "transposed",
+    "output_padding",
     "count",
 ];
 const REQUIRED_LAYER_FIELDS: [&str; 5] = ["name", "in_channels", "out_channels", "input", "kernel"];
@@ -180,16 +187,22 @@ struct LayerSpec {
     name: String,
     in_channels: Int,
     out_channels: Int,
-    input: Pair,
-    kernel: Pair,
+    input: Dims,
     #[serde(default)]
-    stride: Option<Pair>,
+    depth: Option<Int>,
+    kernel: Dims,
     #[serde(default)]
-    padding: Option<Pair>,
+    stride: Option<Dims>,
     #[serde(default)]
-    dilation: Option<Pair>,
+    padding: Option<Dims>,
+    #[serde(default)]
+    dilation: Option<Dims>,
     #[serde(default)]
     groups: Option<Int>,
+    #[serde(default)]
+    transposed: Option<bool>,
+    #[serde(default)]
+    output_padding: Option<Dims>,
     #[serde(default)]
     count: Option<Int>,
 }
@@ -220,40 +233,74 @@ impl<'de> Deserialize<'de> for Int {
     }
 }
 
-/// `[vertical, horizontal]`, written as one integer when both are equal.
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Pair(i64, i64);
+/// Per-axis values: one integer (the same on every axis of the layer) or an array of one to
+/// three integers, one per spatial axis (`[w]`, `[h, w]`, `[d, h, w]`).
+#[derive(Clone, Debug, PartialEq)]
+enum Dims {
+    Same(i64),
+    Axes(Vec<i64>),
+}
 
-impl<'de> Deserialize<'de> for Pair {
+impl<'de> Deserialize<'de> for Dims {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct PairVisitor;
-        impl<'de> Visitor<'de> for PairVisitor {
-            type Value = Pair;
+        struct DimsVisitor;
+        impl<'de> Visitor<'de> for DimsVisitor {
+            type Value = Dims;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("an integer or an array of two integers")
+                f.write_str("an integer or an array of one to three integers")
             }
-            fn visit_i64<E: de::Error>(self, value: i64) -> Result<Pair, E> {
-                Ok(Pair(value, value))
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<Dims, E> {
+                Ok(Dims::Same(value))
             }
-            fn visit_u64<E: de::Error>(self, value: u64) -> Result<Pair, E> {
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<Dims, E> {
                 i64::try_from(value)
-                    .map(|v| Pair(v, v))
+                    .map(Dims::Same)
                     .map_err(|_| E::custom(format!("{value} is too large")))
             }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Pair, A::Error> {
-                let Int(first) = seq
-                    .next_element()?
-                    .ok_or_else(|| de::Error::invalid_length(0, &self))?;
-                let Int(second) = seq
-                    .next_element()?
-                    .ok_or_else(|| de::Error::invalid_length(1, &self))?;
-                if seq.next_element::<de::IgnoredAny>()?.is_some() {
-                    return Err(de::Error::invalid_length(3, &self));
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Dims, A::Error> {
+                let mut values = Vec::new();
+                while let Some(Int(value)) = seq.next_element()? {
+                    if values.len() == 3 {
+                        return Err(de::Error::invalid_length(4, &self));
+                    }
+                    values.push(value);
                 }
-                Ok(Pair(first, second))
+                if values.is_empty() {
+                    return Err(de::Error::invalid_length(0, &self));
+                }
+                Ok(Dims::Axes(values))
             }
         }
-        deserializer.deserialize_any(PairVisitor)
+        deserializer.deserialize_any(DimsVisitor)
+    }
+}
+
+impl Dims {
+    /// `[d, h, w]` for a layer of `rank` spatial axes, the axes it lacks at `neutral`; an array
+    /// must have one value per axis.
+    fn axes(
+        &self,
+        field: &'static str,
+        rank: usize,
+        neutral: i64,
+    ) -> Result<[i64; 3], (&'static str, String)> {
+        let given: Vec<i64> = match self {
+            Dims::Same(value) => vec![*value; rank],
+            Dims::Axes(values) if values.len() == rank => values.clone(),
+            Dims::Axes(values) => {
+                return Err((
+                    field,
+                    format!(
+                        "{} values for a {rank}-D layer, which takes {rank} ({}) or one number",
+                        values.len(),
+                        ["[w]", "[h, w]", "[d, h, w]"][rank - 1]
+                    ),
+                ))
+            }
+        };
+        let mut all = [neutral; 3];
+        all[3 - rank..].copy_from_slice(&given);
+        Ok(all)
     }
 }
 
@@ -443,56 +490,139 @@ pub fn parse_network(
     })
 }
 
-/// The convolution a layer describes, or the field at fault and why.
+/// The convolution a layer describes, or the field at fault and why. A transposed layer is
+/// the convolution whose backward-data it is (docs/NETWORK_FORMAT.md, "Transposed layers").
 fn layer_problem(
     spec: &LayerSpec,
     batch: i64,
     dtype: DType,
     layout: Layout,
 ) -> Result<ConvProblem, (&'static str, String)> {
-    let one = Pair(1, 1);
-    let stride = spec.stride.unwrap_or(one);
-    let padding = spec.padding.unwrap_or(Pair(0, 0));
-    let dilation = spec.dilation.unwrap_or(one);
+    // The rank: the number of `input` values (one number is a square 2-D input), 3 with `depth`.
+    let (input, rank) = match (&spec.input, spec.depth) {
+        (Dims::Same(size), None) => ([1, *size, *size], 2),
+        (Dims::Axes(values), None) => {
+            let rank = values.len();
+            (spec.input.axes("input", rank, 1)?, rank)
+        }
+        (Dims::Same(_) | Dims::Axes(_), Some(Int(depth))) => {
+            if matches!(&spec.input, Dims::Axes(values) if values.len() != 2) {
+                return Err((
+                    "depth",
+                    "`depth` goes with a two-value `input` ([h, w]) or one number; \
+                     a three-value `input` already has the depth"
+                        .into(),
+                ));
+            }
+            let [_, h, w] = spec.input.axes("input", 2, 1)?;
+            ([depth, h, w], 3)
+        }
+    };
+    let kernel = spec.kernel.axes("kernel", rank, 1)?;
+    let same = |v: i64| Dims::Same(v);
+    let stride = spec
+        .stride
+        .clone()
+        .unwrap_or(same(1))
+        .axes("stride", rank, 1)?;
+    let padding = spec
+        .padding
+        .clone()
+        .unwrap_or(same(0))
+        .axes("padding", rank, 0)?;
+    let dilation = spec
+        .dilation
+        .clone()
+        .unwrap_or(same(1))
+        .axes("dilation", rank, 1)?;
+    let transposed = spec.transposed.unwrap_or(false);
+    let output_padding = match (&spec.output_padding, transposed) {
+        (None, _) => [0; 3],
+        (Some(dims), true) => dims.axes("output_padding", rank, 0)?,
+        (Some(_), false) => {
+            return Err((
+                "output_padding",
+                "only a transposed layer has an output padding: add `transposed = true`".into(),
+            ))
+        }
+    };
     let groups = spec.groups.map_or(1, |Int(g)| g);
     let (Int(in_channels), Int(out_channels)) = (spec.in_channels, spec.out_channels);
     // Field by field first, so that the message points at the line the user must change.
-    let positive = [
-        ("in_channels", in_channels, in_channels),
-        ("out_channels", out_channels, out_channels),
-        ("input", spec.input.0, spec.input.1),
-        ("kernel", spec.kernel.0, spec.kernel.1),
-        ("stride", stride.0, stride.1),
-        ("dilation", dilation.0, dilation.1),
-        ("groups", groups, groups),
+    let input_field = if spec.depth.is_some() && input[0] < 1 {
+        "depth"
+    } else {
+        "input"
+    };
+    let positive: [(&'static str, &[i64]); 7] = [
+        ("in_channels", &[in_channels]),
+        ("out_channels", &[out_channels]),
+        (input_field, &input),
+        ("kernel", &kernel),
+        ("stride", &stride),
+        ("dilation", &dilation),
+        ("groups", &[groups]),
     ];
-    for (field, a, b) in positive {
-        if a < 1 || b < 1 {
-            return Err((field, format!("must be positive, got {}", a.min(b))));
+    for (field, values) in positive {
+        if let Some(&value) = values.iter().find(|&&v| v < 1) {
+            return Err((field, format!("must be positive, got {value}")));
         }
     }
-    if padding.0 < 0 || padding.1 < 0 {
-        let value = padding.0.min(padding.1);
-        return Err(("padding", format!("must not be negative, got {value}")));
+    for (field, values) in [("padding", &padding), ("output_padding", &output_padding)] {
+        if let Some(&value) = values.iter().find(|&&v| v < 0) {
+            return Err((field, format!("must not be negative, got {value}")));
+        }
     }
+    // A transposed layer (PyTorch's ConvTransposeNd) maps to the convolution from its output
+    // to its input: C = out_channels, K = in_channels, spatial = its output size.
+    let (c, k, spatial) = if transposed {
+        let mut out = [0; 3];
+        for axis in 0..3 {
+            // PyTorch's rule: the output padding is smaller than the stride or the dilation.
+            if output_padding[axis] > 0 && output_padding[axis] >= stride[axis].max(dilation[axis])
+            {
+                return Err((
+                    "output_padding",
+                    format!(
+                        "{} must be smaller than the stride ({}) or the dilation ({})",
+                        output_padding[axis], stride[axis], dilation[axis]
+                    ),
+                ));
+            }
+            out[axis] = (input[axis] - 1)
+                .saturating_mul(stride[axis])
+                .saturating_sub(2 * padding[axis])
+                .saturating_add(dilation[axis].saturating_mul(kernel[axis] - 1))
+                .saturating_add(output_padding[axis] + 1);
+            if out[axis] < 1 {
+                return Err((
+                    "padding",
+                    format!(
+                        "the transposed output is {} on an axis: the padding is too large for the input and kernel",
+                        out[axis]
+                    ),
+                ));
+            }
+        }
+        (out_channels, in_channels, out)
+    } else {
+        (in_channels, out_channels, input)
+    };
     let problem = ConvProblem {
-        pad_h: padding.0,
-        pad_w: padding.1,
-        stride_h: stride.0,
-        stride_w: stride.1,
-        dilation_h: dilation.0,
-        dilation_w: dilation.1,
+        pad_d: padding[0],
+        pad_h: padding[1],
+        pad_w: padding[2],
+        stride_d: stride[0],
+        stride_h: stride[1],
+        stride_w: stride[2],
+        dilation_d: dilation[0],
+        dilation_h: dilation[1],
+        dilation_w: dilation[2],
         groups,
         dtype,
         layout,
-        ..ConvProblem::new(
-            batch,
-            in_channels,
-            spec.input.0,
-            spec.input.1,
-            out_channels,
-            spec.kernel.0,
-            spec.kernel.1,
+        ..ConvProblem::new_3d(
+            batch, c, spatial[0], spatial[1], spatial[2], k, kernel[0], kernel[1], kernel[2],
         )
     };
     problem.validate().map_err(|err| {
@@ -500,7 +630,7 @@ fn layer_problem(
             ShapeError::Groups { .. } => "groups",
             ShapeError::NotPositive { field, .. }
             | ShapeError::Negative { field, .. }
-            | ShapeError::FieldTooLarge { field, .. } => file_field(field),
+            | ShapeError::FieldTooLarge { field, .. } => file_field(field, transposed),
             // The filter (with its dilation) does not fit the padded input.
             ShapeError::EmptyOutput { .. } => "kernel",
             ShapeError::TooLarge { .. } => "input",
@@ -514,16 +644,18 @@ fn layer_problem(
     Ok(problem)
 }
 
-/// The file's name for a [`ConvProblem`] field.
-fn file_field(problem_field: &str) -> &'static str {
+/// The file's name for a [`ConvProblem`] field (a transposed layer's channels are swapped).
+fn file_field(problem_field: &str, transposed: bool) -> &'static str {
     match problem_field {
+        "c" if transposed => "out_channels",
+        "k" if transposed => "in_channels",
         "c" => "in_channels",
         "k" => "out_channels",
-        "h" | "w" => "input",
-        "r" | "s" => "kernel",
-        "stride_h" | "stride_w" => "stride",
-        "dilation_h" | "dilation_w" => "dilation",
-        "pad_h" | "pad_w" => "padding",
+        "d" | "h" | "w" => "input",
+        "t" | "r" | "s" => "kernel",
+        "stride_d" | "stride_h" | "stride_w" => "stride",
+        "dilation_d" | "dilation_h" | "dilation_w" => "dilation",
+        "pad_d" | "pad_h" | "pad_w" => "padding",
         "groups" => "groups",
         _ => "input",
     }
@@ -603,6 +735,7 @@ mod tests {
 
     const TINY: &str = include_str!("../examples/networks/tiny.toml");
     const VGG_BLOCK: &str = include_str!("../examples/networks/vgg-block.toml");
+    const TINY_3D: &str = include_str!("../examples/networks/tiny-3d.toml");
 
     fn parse(text: &str) -> Result<Network, NetworkError> {
         parse_network(text, 4, DType::Fp32, Layout::Nchw)
@@ -717,7 +850,8 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "line 6: unknown field `kernal` in layer 1 (expected one of `name`, `in_channels`, \
-             `out_channels`, `input`, `kernel`, `stride`, `padding`, `dilation`, `groups`, `count`)"
+             `out_channels`, `input`, `depth`, `kernel`, `stride`, `padding`, `dilation`, \
+             `groups`, `transposed`, `output_padding`, `count`)"
         );
         // The first unknown key in the file is reported, not the first alphabetically.
         let two = one_layer("zzz = 1\naaa = 2\n");
@@ -756,15 +890,22 @@ mod tests {
             &[
                 "field `stride`",
                 "1.5",
-                "an integer or an array of two integers",
+                "an integer or an array of one to three integers",
             ],
         );
-        let text = one_layer("padding = [1, 2, 3]\n");
+        let text = one_layer("padding = [1, 2, 3, 4]\n");
         check_error(
             &text,
             7,
-            &["field `padding`", "an integer or an array of two integers"],
+            &[
+                "field `padding`",
+                "an integer or an array of one to three integers",
+            ],
         );
+        let text = one_layer("padding = []\n");
+        check_error(&text, 7, &["field `padding`", "invalid length 0"]);
+        let text = one_layer("transposed = 1\n");
+        check_error(&text, 7, &["field `transposed`", "expected a boolean"]);
         let text = one_layer("").replace("kernel = 3", "kernel = [3]");
         check_error(&text, 6, &["field `kernel`"]);
         let text = one_layer("").replace("name = \"c\"", "name = 7");
@@ -840,6 +981,132 @@ mod tests {
         check_error(&blank, 2, &["field `name`", "whitespace"]);
         let empty = one_layer("").replace("name = \"c\"", "name = \"\"");
         check_error(&empty, 2, &["field `name`: must not be empty"]);
+    }
+
+    #[test]
+    fn tiny_3d_example() {
+        let net = parse_network(TINY_3D, 2, DType::Fp32, Layout::Nchw).unwrap();
+        let shapes: Vec<(&str, [i64; 5], [i64; 5])> = net
+            .layers
+            .iter()
+            .map(|l| {
+                (
+                    l.name.as_str(),
+                    l.problem.input_dims(),
+                    l.problem.filter_dims(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                ("tiny3d.conv1", [2, 3, 4, 8, 8], [4, 3, 3, 3, 3]),
+                ("tiny3d.causal", [2, 4, 6, 4, 4], [4, 4, 3, 3, 3]),
+                // Transposed: tuned as the conv from its 4x8x8 output back to its input.
+                ("tiny3d.up", [2, 2, 4, 8, 8], [4, 2, 1, 2, 2]),
+                ("tiny3d.audio", [2, 1, 1, 1, 40], [4, 1, 1, 1, 10]),
+            ]
+        );
+        assert_eq!(net.layers[1].problem.output_dhw(), (4, 4, 4));
+        assert_eq!(net.layers[2].problem.output_dhw(), (4, 4, 4));
+        // Small enough for the CPU in debug builds: at most ~100k MACs per sample.
+        for layer in &net.layers {
+            let p = &layer.problem;
+            let (o, q, r) = p.output_dhw();
+            let macs = o * q * r * p.k * (p.c / p.groups) * p.t * p.r * p.s;
+            assert!(macs <= 100_000, "{}: {macs}", layer.name);
+        }
+    }
+
+    /// 3-D layers: `input = [D, H, W]` or `depth`; per-axis values, single numbers repeated.
+    #[test]
+    fn three_d_layers() {
+        let text = "[[layer]]\nname = \"stem\"\nin_channels = 3\nout_channels = 64\n\
+                    input = [16, 112, 112]\nkernel = [3, 7, 7]\nstride = [1, 2, 2]\n\
+                    padding = [1, 3, 3]\n\
+                    [[layer]]\nname = \"b\"\nin_channels = 64\nout_channels = 64\n\
+                    depth = 16\ninput = 56\nkernel = 3\npadding = 1\ndilation = [2, 1, 1]\n";
+        let net = parse_network(text, 2, DType::Fp16, Layout::Nhwc).unwrap();
+        let stem = &net.layers[0].problem;
+        // The same problem as the zoo's r3d_18 stem.
+        let zoo = crate::models::Model::R3d18.layers(2, DType::Fp16, Layout::Nhwc);
+        assert_eq!(*stem, zoo[0].problem);
+        assert_eq!(stem.layout_name(), "ndhwc");
+        let b = &net.layers[1].problem;
+        assert_eq!((b.d, b.h, b.w, b.t, b.r, b.s), (16, 56, 56, 3, 3, 3));
+        assert_eq!((b.pad_d, b.pad_h, b.dilation_d, b.dilation_h), (1, 1, 2, 1));
+        assert_eq!(b.output_dhw(), (14, 56, 56));
+        // Arrays must match the rank (one number repeats); `depth` goes with a 2-D input only.
+        let cube = one_layer("").replace("input = 8", "input = [4, 8, 8]");
+        assert_eq!(parse(&cube).unwrap().layers[0].problem.t, 3);
+        let two_kernel = one_layer("")
+            .replace("input = 8", "input = [4, 8, 8]")
+            .replace("kernel = 3", "kernel = [3, 3]");
+        check_error(
+            &two_kernel,
+            6,
+            &["field `kernel`: 2 values for a 3-D layer, which takes 3 ([d, h, w])"],
+        );
+        let stride = one_layer("stride = [1, 2]\n").replace("input = 8", "input = [4, 8, 8]");
+        check_error(&stride, 7, &["field `stride`: 2 values for a 3-D layer"]);
+        let depth = one_layer("depth = 4\n").replace("input = 8", "input = [4, 8, 8]");
+        check_error(&depth, 7, &["field `depth`", "already has the depth"]);
+        check_error(
+            &one_layer("depth = 0\n"),
+            7,
+            &["field `depth`: must be positive, got 0"],
+        );
+        let deep = one_layer("depth = 2\n").replace("kernel = 3", "kernel = [3, 3, 3]");
+        check_error(&deep, 6, &["field `kernel`", "output depth size is 0"]);
+    }
+
+    /// 1-D layers are 2-D with unit height; transposed layers map to the convolution whose
+    /// backward-data they are.
+    #[test]
+    fn one_d_and_transposed_layers() {
+        let text = one_layer("stride = 5\n")
+            .replace("in_channels = 4", "in_channels = 1")
+            .replace("out_channels = 4", "out_channels = 512")
+            .replace("input = 8", "input = [16000]")
+            .replace("kernel = 3", "kernel = 10");
+        let net = parse(&text).unwrap();
+        let zoo = crate::models::Model::Wav2Vec2Fe.layers(4, DType::Fp32, Layout::Nchw);
+        assert_eq!(net.layers[0].problem, zoo[0].problem);
+        // ConvTranspose2d(8, 4, kernel 3, stride 2, padding 1, output_padding 1) on 5x6:
+        // out = (in - 1) * 2 - 2 + 2 + 1 + 1 = 2 * in.
+        let text = one_layer("stride = 2\npadding = 1\noutput_padding = 1\ntransposed = true\n")
+            .replace("in_channels = 4", "in_channels = 8")
+            .replace("input = 8", "input = [5, 6]");
+        let p = parse(&text).unwrap().layers[0].problem;
+        assert_eq!((p.c, p.k, p.h, p.w, p.r, p.s), (4, 8, 10, 12, 3, 3));
+        // The convolution maps the transposed layer's output back to its input.
+        assert_eq!(p.output_hw(), (5, 6));
+        // ConvTranspose3d with per-axis output padding and a temporal stride of 1.
+        let text = one_layer(
+            "stride = [1, 2, 2]\npadding = [1, 0, 0]\noutput_padding = [0, 1, 0]\ntransposed = true\n",
+        )
+        .replace("input = 8", "input = [4, 5, 5]");
+        let p = parse(&text).unwrap().layers[0].problem;
+        assert_eq!((p.d, p.h, p.w), (4, 12, 11));
+        assert_eq!(p.output_dhw(), (4, 5, 5));
+        check_error(
+            &one_layer("output_padding = 1\n"),
+            7,
+            &["field `output_padding`", "add `transposed = true`"],
+        );
+        check_error(
+            &one_layer("transposed = true\noutput_padding = 1\n"),
+            8,
+            &["field `output_padding`: 1 must be smaller than the stride (1) or the dilation (1)"],
+        );
+        check_error(
+            &one_layer("transposed = true\npadding = 5\n"),
+            8,
+            &["field `padding`", "transposed output is 0"],
+        );
+        let grouped = one_layer("transposed = true\ngroups = 3\n")
+            .replace("in_channels = 4", "in_channels = 6");
+        check_error(&grouped, 8, &["field `groups`", "divisible by groups (3)"]);
     }
 
     #[test]

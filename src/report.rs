@@ -1,9 +1,10 @@
 //! Presenting a [`Solution`]: the `--json` document that scripts read (its shape is a public
 //! contract, see docs/cli.md "JSON output") and the table people read.
 
+use crate::models::ModelLayer;
 pub use crate::solver::device::cudnn_version_string;
 use crate::solver::units::format_bytes;
-use crate::solver::{AlgoKind, Mode, Plan, Solution};
+use crate::solver::{AlgoKind, ConvProblem, Mode, Plan, Solution};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -66,7 +67,7 @@ impl SolutionJson {
                     PlanJson {
                         layer: plan.layer.clone(),
                         dtype: plan.problem.dtype.name(),
-                        layout: plan.problem.layout.name(),
+                        layout: plan.problem.layout_name(),
                         op: plan.op.name(),
                         n: plan.problem.n,
                         multiplicity: None,
@@ -222,7 +223,7 @@ pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u
                     escape_control(&plan.layer).into_owned()
                 },
                 plan.problem.dtype.to_string(),
-                plan.problem.layout.to_string(),
+                plan.problem.layout_name().to_string(),
                 plan.op.to_string(),
                 undivided.map_or("-".into(), ms),
                 ms(plan.time_ms()),
@@ -254,7 +255,8 @@ pub fn render_table(solution: &Solution, multiplicity: Option<&HashMap<String, u
     for solved in &solution.problems {
         let key = format!(
             "{} {}",
-            solved.plan.problem.dtype, solved.plan.problem.layout
+            solved.plan.problem.dtype,
+            solved.plan.problem.layout_name()
         );
         match groups.iter_mut().find(|(k, _)| *k == key) {
             Some((_, members)) => members.push(solved),
@@ -404,7 +406,7 @@ pub fn verification_json(
         .map(|(solved, m)| VerifiedPlanJson {
             layer: solved.plan.layer.clone(),
             dtype: solved.plan.problem.dtype.name(),
-            layout: solved.plan.problem.layout.name(),
+            layout: solved.plan.problem.layout_name(),
             op: solved.plan.op.name(),
             predicted_ms: solved.plan.time_ms(),
             measured_ms: m.plan_ms,
@@ -482,6 +484,82 @@ pub fn render_verification(
         out.push_str(line.trim_end());
         out.push('\n');
     }
+    out
+}
+
+/// `tune --list --json`: a network's distinct layers, nothing measured.
+#[derive(Debug, Serialize)]
+pub struct LayerListJson<'a> {
+    pub network: &'a str,
+    /// Convolutions in the network, counting multiplicity.
+    pub convolutions: u64,
+    pub layers: Vec<LayerJson<'a>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LayerJson<'a> {
+    pub layer: &'a str,
+    /// How many layers of the network share this shape.
+    pub count: u32,
+    /// The layout's name at the layer's rank (`ndhwc`).
+    pub layout: &'static str,
+    /// [`ConvProblem::describe`].
+    pub shape: String,
+    /// The problem as in profiles (depth fields only for a 3-D problem).
+    pub problem: &'a ConvProblem,
+}
+
+/// The `--list` document of a network's layers.
+pub fn layer_list_json<'a>(network: &'a str, layers: &'a [ModelLayer]) -> LayerListJson<'a> {
+    LayerListJson {
+        network,
+        convolutions: layers.iter().map(|l| u64::from(l.count)).sum(),
+        layers: layers
+            .iter()
+            .map(|l| LayerJson {
+                layer: &l.name,
+                count: l.count,
+                layout: l.problem.layout_name(),
+                shape: l.problem.describe(),
+                problem: &l.problem,
+            })
+            .collect(),
+    }
+}
+
+/// The `--list` table: one row per distinct layer (name, count, shape), then the totals.
+pub fn render_layer_list(layers: &[ModelLayer]) -> String {
+    let mut rows = vec![["layer".to_string(), "count".into(), "shape".into()]];
+    rows.extend(layers.iter().map(|l| {
+        [
+            escape_control(&l.name).into_owned(),
+            l.count.to_string(),
+            l.problem.describe(),
+        ]
+    }));
+    let mut widths = [0; 3];
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for row in &rows {
+        let mut line = String::new();
+        for (column, (cell, &width)) in row.iter().zip(&widths).enumerate() {
+            if column > 0 {
+                line.push_str("  ");
+            }
+            pad(&mut line, cell, width, column == 1);
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    let total: u64 = layers.iter().map(|l| u64::from(l.count)).sum();
+    out.push_str(&format!(
+        "{} distinct shapes of {total} convolutions\n",
+        layers.len()
+    ));
     out
 }
 

@@ -422,7 +422,68 @@ fn tune_errors_are_clear() {
             &[
                 "tune", "--model", "alexnet", "--batch", "4", "--layout", "chwn",
             ],
-            "[possible values: nchw, nhwc]",
+            "[possible values: nchw, nhwc, ncdhw, ndhwc, ncw, nwc]",
+        ),
+        // The 3-D and 1-D models' sizes: checked before any device opens.
+        (
+            &[
+                "tune", "--model", "resnet50", "--batch", "2", "--input", "224x224",
+            ],
+            "resnet50 has a fixed input and width",
+        ),
+        (
+            &[
+                "tune", "--model", "r3d_18", "--batch", "2", "--input", "16x0x112",
+            ],
+            "expected positive sizes separated by `x`",
+        ),
+        (
+            &[
+                "tune",
+                "--model",
+                "wan21_vae_decoder",
+                "--batch",
+                "1",
+                "--input",
+                "16x480x832",
+            ],
+            "--input for wan21_vae_decoder: 16 frames",
+        ),
+        (
+            &[
+                "tune",
+                "--model",
+                "wav2vec2_fe",
+                "--batch",
+                "1",
+                "--channel-divisor",
+                "3",
+            ],
+            "--channel-divisor 3 for wav2vec2_fe",
+        ),
+        (
+            &[
+                "tune",
+                "--model",
+                "wav2vec2_fe",
+                "--batch",
+                "1",
+                "--input",
+                "100",
+            ],
+            "wav2vec2_fe.feature_extractor.conv_layers.4.conv: output width size is 0",
+        ),
+        (
+            &[
+                "tune",
+                "--network",
+                "examples/networks/tiny.toml",
+                "--batch",
+                "1",
+                "--input",
+                "8",
+            ],
+            "cannot be used with",
         ),
         (
             &[
@@ -762,7 +823,14 @@ fn help_and_docs_agree_on_every_option() {
     let tune = options_in_help(&["tune"]);
     let find = |name: &str| &tune.iter().find(|(n, _)| n == name).unwrap().1;
     assert_eq!(find("dtype").values, ["fp32", "fp16", "bf16"]);
-    assert_eq!(find("layout").values, ["nchw", "nhwc"]);
+    assert_eq!(
+        find("layout").values,
+        ["nchw", "nhwc", "ncdhw", "ndhwc", "ncw", "nwc"]
+    );
+    assert!(find("model")
+        .values
+        .iter()
+        .any(|m| m == "wan21_vae_decoder"));
     assert_eq!(find("candidates").values, ["legacy", "engines", "all"]);
     assert_eq!(find("workspace-limit").default.as_deref(), Some("64MiB"));
     assert_eq!(find("device").values, ["auto", "cuda", "cpu"]);

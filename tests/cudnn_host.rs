@@ -11,11 +11,13 @@
 //! `MUCUDNN_CUDNN_HOST_JSON=<file>` makes the zoo tests append one JSON object per (layer,
 //! dtype, layout, op) to `<file>` (what `scripts/cudnn_host_check.sh --json` prints).
 
+use mucudnn::backend::cudnn::graph_params::packed_strides;
 use mucudnn::backend::cudnn::{
     engine_configs_on_device, heuristic_plan_workspaces_on_device, plan_on_device, Alignments,
     ConvDescriptors, ConvShapes, CudnnError, DeviceDescription, EngineConfig, EngineSearch,
     HeurMode, Operand,
 };
+use mucudnn::ffi::problem_from_descriptors;
 use mucudnn::models::Model;
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout};
 use std::io::Write;
@@ -101,28 +103,59 @@ fn search(mode: HeurMode) -> EngineSearch {
 }
 
 /// Legacy descriptors against the wall's shapes: cuDNN's output dims (checked inside
-/// `ConvDescriptors::new`) and the strides cuDNN derived for every tensor.
+/// `ConvDescriptors::new`), the strides cuDNN derived for every tensor (4-D, or 5-D for a 3-D
+/// problem), and all four descriptors read back through the C ABI's readers (cuDNN's Nd
+/// getters) into the same problem.
 fn check_legacy(problem: &ConvProblem, failures: &mut Vec<String>) {
     let d = match ConvDescriptors::new(problem) {
         Ok(d) => d,
         Err(e) => return failures.push(format!("legacy descriptors: {e}")),
     };
     let shapes = ConvShapes::new(problem).unwrap();
+    let rank = 2 + problem.spatial_dims();
+    let mut infos = Vec::new();
     for (role, desc) in [(Operand::Input, d.input()), (Operand::Output, d.output())] {
         let info = match desc.info() {
             Ok(info) => info,
-            Err(e) => return failures.push(format!("cudnnGetTensor4dDescriptor: {e}")),
+            Err(e) => return failures.push(format!("cudnnGetTensorNdDescriptor: {e}")),
         };
         let dims = shapes.dims(role);
-        let expected = mucudnn::backend::cudnn::graph_params::packed_strides(
-            problem.layout,
-            dims.map(i64::from),
-        );
-        if info.dims != dims || info.strides.map(i64::from) != expected {
+        let wide: Vec<i64> = dims.iter().map(|&v| i64::from(v)).collect();
+        let expected = packed_strides(problem.layout, &wide);
+        let strides: Vec<i64> = info.strides.iter().map(|&v| i64::from(v)).collect();
+        if info.dims != dims || dims.len() != rank || strides[..] != expected[..] {
             failures.push(format!(
                 "{role:?}: cuDNN dims {:?} strides {:?}, the wall {dims:?} {expected:?}",
                 info.dims, info.strides
             ));
+        }
+        infos.push(info);
+    }
+    let (filter, conv) = match (d.filter().info(), d.convolution().info()) {
+        (Ok(f), Ok(c)) => (f, c),
+        (Err(e), _) | (_, Err(e)) => return failures.push(format!("read back: {e}")),
+    };
+    if filter.dims != shapes.filter || filter.layout != Some(problem.layout) {
+        failures.push(format!(
+            "filter: cuDNN dims {:?} layout {:?}, the wall {:?} {:?}",
+            filter.dims, filter.layout, shapes.filter, problem.layout
+        ));
+    }
+    if conv.pad != shapes.pad || conv.stride != shapes.stride || conv.dilation != shapes.dilation {
+        failures.push(format!(
+            "convolution: cuDNN pad {:?} stride {:?} dilation {:?}, the wall {:?} {:?} {:?}",
+            conv.pad, conv.stride, conv.dilation, shapes.pad, shapes.stride, shapes.dilation
+        ));
+    }
+    for op in ConvOp::ALL {
+        match problem_from_descriptors(op, &infos[0], &filter, &conv, &infos[1]) {
+            Ok(read) if read == *problem => {}
+            Ok(read) => failures.push(format!(
+                "{op}: the C ABI reads {} back, not {}",
+                read.describe(),
+                problem.describe()
+            )),
+            Err(e) => failures.push(format!("{op}: the C ABI's reading: {e}")),
         }
     }
 }
@@ -211,7 +244,7 @@ fn json_line(layer: &str, problem: &ConvProblem, op: ConvOp, o: &Outcome) -> Str
         "{{\"layer\":\"{layer}\",\"dtype\":\"{}\",\"layout\":\"{}\",\"op\":\"{op}\",\
          \"mode_a\":{},\"mode_b\":{},\"fallback\":{},\"plans\":{},\"passed\":{}}}",
         problem.dtype,
-        layout_name(problem.layout),
+        problem.layout_name(),
         o.mode_a,
         o.mode_b,
         o.fallback,
@@ -245,7 +278,7 @@ fn check_layers(layers: Vec<(String, ConvProblem)>, micro_every: usize) {
                 failures.push(format!(
                     "{layer} {} {} {op}: {f}",
                     problem.dtype,
-                    layout_name(problem.layout)
+                    problem.layout_name()
                 ));
             }
             checked += 1;
@@ -267,13 +300,7 @@ fn check_layers(layers: Vec<(String, ConvProblem)>, micro_every: usize) {
 }
 
 fn zoo(model: Model) -> Vec<(String, ConvProblem)> {
-    let mut layers = Vec::new();
-    for (dtype, layout) in CONFIGS {
-        for layer in model.layers(BATCH, dtype, layout) {
-            layers.push((layer.name, layer.problem));
-        }
-    }
-    layers
+    zoo_in(model, BATCH, &CONFIGS)
 }
 
 #[test]
@@ -318,6 +345,117 @@ fn odd_stem_layers() {
             .collect();
         check_layers(layers, 1);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Issue 26: 3-D and 1-D convolutions
+
+/// The data configurations of 3-D (and 1-D) convolutions (issue 26's acceptance): fp16 NDHWC
+/// (channels last) and fp32 NCDHW.
+const CONFIGS_3D: [(DType, Layout); 2] = [(DType::Fp16, Layout::Nhwc), (DType::Fp32, Layout::Nchw)];
+
+/// Every distinct layer of a zoo `model` at batch `n` in each of `configs`.
+fn zoo_in(model: Model, n: i64, configs: &[(DType, Layout)]) -> Vec<(String, ConvProblem)> {
+    let mut layers = Vec::new();
+    for &(dtype, layout) in configs {
+        for layer in model.layers(n, dtype, layout) {
+            layers.push((layer.name, layer.problem));
+        }
+    }
+    layers
+}
+
+/// Issue 26's video models at their default inputs: torchvision's r3d_18 at batch 2 (a clip
+/// of 16 x 112 x 112) and the Wan 2.1 VAE decoder at 480p, batch 1 (17 frames of 480 x 832,
+/// decoded chunk by chunk; its causal convolutions pad time on one side, which reaches the
+/// convolution as an already padded input: `pad_d` 0). The decoder's upsamplers and
+/// attention are 2-D convolutions (frames folded into the batch) and are checked as such.
+fn video_layers() -> Vec<(String, ConvProblem)> {
+    let mut layers = zoo_in(Model::R3d18, 2, &CONFIGS_3D);
+    layers.extend(zoo_in(Model::WanVaeDecoder, 1, &CONFIGS_3D));
+    layers
+}
+
+/// Issue 26's acceptance on the H100 description: every 3-D layer gets engine configurations
+/// in all three ops, fp16 NDHWC and fp32 NCDHW; its 5-D legacy descriptors match the wall's
+/// shapes and read back into the same problem; its micro-batch graphs finalize.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn video_3d_layers() {
+    if enabled("video_3d_layers") {
+        let layers = video_layers();
+        let three_d = layers.iter().filter(|(_, p)| p.is_3d()).count();
+        // r3d_18's 11 distinct Conv3d and the decoder's 3-D ones, in both configurations.
+        assert!(three_d >= 2 * (11 + 10), "{three_d} 3-D layers");
+        check_layers(layers, 1);
+    }
+}
+
+/// wav2vec 2.0's feature encoder (7 Conv1d layers of 512 channels on one second of 16 kHz
+/// audio) at batch 8: 1-D problems, which cuDNN runs as 2-D with unit height.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn speech_1d_layers() {
+    if enabled("speech_1d_layers") {
+        let layers = zoo_in(Model::Wav2Vec2Fe, BATCH, &CONFIGS_3D);
+        assert_eq!(layers.len(), 2 * 7);
+        assert!(layers.iter().all(|(_, p)| p.h == 1 && p.r == 1));
+        check_layers(layers, 1);
+    }
+}
+
+/// The 3-D checks can fail: a 5-D graph whose output is one frame too deep is refused
+/// (CUDNN_STATUS_BAD_PARAM); the descriptors of a 3-D problem really are 5-D, and a 3-D
+/// problem at the 2-D defaults in depth gets the 2-D (4-D) ones; other ranks are refused.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn three_d_negative_controls() {
+    if !enabled("three_d_negative_controls") {
+        return;
+    }
+    use mucudnn::backend::cudnn::{
+        broken_graph_on_device, BrokenGraph, ConvolutionDescriptor, FilterDescriptor,
+        TensorDescriptor,
+    };
+    let device = device();
+    let (name, layer1) = zoo_in(Model::R3d18, 2, &[(DType::Fp16, Layout::Nhwc)]).remove(1);
+    assert_eq!(name, "r3d_18.layer1.0.conv1.0");
+    for op in ConvOp::ALL {
+        match broken_graph_on_device(&device, &layer1, op, BrokenGraph::WrongOutputSize) {
+            Err(CudnnError::Backend { code, .. }) => assert_eq!(code, 2000, "{op}"),
+            other => panic!("{op}: a 5-D output one frame too deep gave {other:?}"),
+        }
+    }
+    let d = ConvDescriptors::new(&layer1).unwrap();
+    assert_eq!(d.input().dims(), [2, 64, 16, 56, 56]);
+    assert_eq!(d.filter().dims(), [64, 64, 3, 3, 3]);
+    assert_eq!(d.convolution().info().unwrap().pad, [1, 1, 1]);
+    let flat = ConvProblem::new_3d(2, 3, 1, 9, 9, 4, 1, 3, 3);
+    assert_eq!(ConvDescriptors::new(&flat).unwrap().input().dims().len(), 4);
+    // Another depth padding reads back as set: the getter reports the descriptor, not the
+    // problem.
+    let shapes = ConvShapes::new(&layer1).unwrap();
+    let padded_more = ConvShapes {
+        pad: [2, 1, 1].into(),
+        stride: [1, 2, 2].into(),
+        ..shapes
+    };
+    let info = ConvolutionDescriptor::new(&padded_more)
+        .unwrap()
+        .info()
+        .unwrap();
+    assert_eq!(
+        (info.pad, info.stride),
+        ([2, 1, 1].into(), [1, 2, 2].into())
+    );
+    // Descriptors of ranks other than 4 and 5 are refused before cuDNN is asked.
+    assert!(TensorDescriptor::new(DType::Fp32, Layout::Nchw, &[2, 3, 4]).is_err());
+    assert!(FilterDescriptor::new(DType::Fp32, Layout::Nchw, &[2, 3, 4, 5, 6, 7]).is_err());
+    let mixed = ConvShapes {
+        stride: [1, 1].into(),
+        ..shapes
+    };
+    assert!(ConvolutionDescriptor::new(&mixed).is_err());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -46,7 +46,10 @@ pub fn parked_plans() -> usize {
     PARKED.load(Ordering::Relaxed)
 }
 
-/// What one distinct (micro-batch size, candidate) runs.
+/// What one distinct (micro-batch size, candidate) runs. A plan holds a few of them, made once,
+/// so the legacy variant (descriptors of up to 5-D tensors, about twice an engine's fields)
+/// stays inline.
+#[allow(clippy::large_enum_variant)]
 enum Kernel {
     Legacy {
         descriptors: ConvDescriptors,

@@ -28,6 +28,11 @@ mod handle;
 mod solve;
 mod tuner;
 
+/// The caller's descriptors (as the FFI wall reads them) to a problem: for the cuDNN host tier,
+/// which reads mucudnn's own legacy descriptors back through it.
+#[doc(hidden)]
+pub use descriptors::problem_from_descriptors;
+
 use crate::backend::cudnn::{library_status, probe, ForeignHandle};
 use crate::backend::TimingSettings;
 use crate::solver::{CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Plan, Policy};

@@ -180,7 +180,10 @@ pub(super) fn pareto_svg(
             .map_err(ChartError::Draw)?;
         let caption = format!(
             "{} {} {} {}",
-            entry.layer, entry.problem.dtype, entry.problem.layout, entry.op
+            entry.layer,
+            entry.problem.dtype,
+            entry.problem.layout_name(),
+            entry.op
         );
         let mut chart = ChartBuilder::on(&root)
             .caption(caption, ("sans-serif", 20))
@@ -315,7 +318,7 @@ pub(super) fn pareto_svg(
 pub(super) fn speedup_svg(solution: &Solution) -> Result<String, String> {
     let mixed = solution.problems.iter().any(|s| {
         let first = &solution.problems[0].plan.problem;
-        (s.plan.problem.dtype, s.plan.problem.layout) != (first.dtype, first.layout)
+        (s.plan.problem.dtype, s.plan.problem.layout_name()) != (first.dtype, first.layout_name())
     });
     let bars: Vec<(String, Option<f64>)> = solution
         .problems
@@ -325,7 +328,10 @@ pub(super) fn speedup_svg(solution: &Solution) -> Result<String, String> {
             let label = if mixed {
                 format!(
                     "{} {} {} {}",
-                    p.layer, p.problem.dtype, p.problem.layout, p.op
+                    p.layer,
+                    p.problem.dtype,
+                    p.problem.layout_name(),
+                    p.op
                 )
             } else {
                 format!("{} {}", p.layer, p.op)

@@ -294,7 +294,7 @@ fn render_markdown(input: &ReportInput<'_>, charts: &[(ProblemName, String)]) ->
         let mut cells = vec![
             md(&plan.layer),
             plan.problem.dtype.to_string(),
-            plan.problem.layout.to_string(),
+            plan.problem.layout_name().to_string(),
             plan.op.to_string(),
             plan.problem.n.to_string(),
         ];
@@ -318,7 +318,8 @@ fn render_markdown(input: &ReportInput<'_>, charts: &[(ProblemName, String)]) ->
     for solved in &solution.problems {
         let key = format!(
             "{} {}",
-            solved.plan.problem.dtype, solved.plan.problem.layout
+            solved.plan.problem.dtype,
+            solved.plan.problem.layout_name()
         );
         match groups.iter_mut().find(|(k, _)| *k == key) {
             Some((_, members)) => members.push(solved),

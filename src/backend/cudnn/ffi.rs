@@ -35,7 +35,7 @@
 
 use super::error::CudnnError;
 use super::host;
-use super::shape::{operand_roles, ConvShapes, Operand};
+use super::shape::{operand_roles, ConvShapes, Nd, Operand};
 use crate::solver::{ConvOp, ConvProblem, DType, Layout, MathMode};
 use cudarc::cudnn::{result as dnn, sys as dnn_sys};
 use cudarc::driver::{
@@ -103,16 +103,20 @@ const CUDNN_SYMBOLS: &[&str] = &[
     "cudnnSetStream",
     "cudnnCreateTensorDescriptor",
     "cudnnSetTensor4dDescriptor",
+    "cudnnSetTensorNdDescriptorEx",
     "cudnnDestroyTensorDescriptor",
     "cudnnCreateFilterDescriptor",
     "cudnnSetFilter4dDescriptor",
+    "cudnnSetFilterNdDescriptor",
     "cudnnDestroyFilterDescriptor",
     "cudnnCreateConvolutionDescriptor",
     "cudnnSetConvolution2dDescriptor",
+    "cudnnSetConvolutionNdDescriptor",
     "cudnnSetConvolutionGroupCount",
     "cudnnSetConvolutionMathType",
     "cudnnDestroyConvolutionDescriptor",
     "cudnnGetConvolution2dForwardOutputDim",
+    "cudnnGetConvolutionNdForwardOutputDim",
     "cudnnGetConvolutionForwardWorkspaceSize",
     "cudnnGetConvolutionBackwardDataWorkspaceSize",
     "cudnnGetConvolutionBackwardFilterWorkspaceSize",
@@ -124,9 +128,9 @@ const CUDNN_SYMBOLS: &[&str] = &[
     "cudnnFindConvolutionBackwardFilterAlgorithmEx",
     // Reading a C caller's handle and descriptors (`foreign`).
     "cudnnGetStream",
-    "cudnnGetTensor4dDescriptor",
-    "cudnnGetFilter4dDescriptor",
-    "cudnnGetConvolution2dDescriptor",
+    "cudnnGetTensorNdDescriptor",
+    "cudnnGetFilterNdDescriptor",
+    "cudnnGetConvolutionNdDescriptor",
     "cudnnGetConvolutionGroupCount",
     "cudnnGetConvolutionMathType",
     // The sub-library checks of the gate.

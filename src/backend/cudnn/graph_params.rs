@@ -7,7 +7,9 @@
 //! # The graph of one op
 //!
 //! Every op has the same three tensors, `x` (`[n, c, h, w]`), `w` (`[k, c / groups, r, s]`) and
-//! `y` (`[n, k, p, q]`); the op decides which one is written (see
+//! `y` (`[n, k, p, q]`), 5-D for a 3-D problem (`[n, c, d, h, w]`, `[k, c / groups, t, r, s]`,
+//! `[n, k, o, p, q]`, with a convolution of 3 spatial dims); the op decides which one is
+//! written (see
 //! [`operand_roles`](super::operand_roles)): forward writes `y`, backward-data writes `x`
 //! (dx from dy = `y`), backward-filter writes `w` (dw from `x` and dy = `y`).
 //! Groups are not an attribute of the backend API: cuDNN infers the group count from
@@ -33,7 +35,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::shape::{operand_roles, ConvShapes, Operand};
+use super::shape::{operand_roles, ConvShapes, Nd, Operand};
 use crate::solver::{ConvOp, DType, Layout};
 
 /// `CUDNN_ATTR_TENSOR_UNIQUE_ID` of the input `x` (dx in backward-data).
@@ -59,25 +61,34 @@ pub struct TensorParams {
     /// `CUDNN_ATTR_TENSOR_UNIQUE_ID`: the key of its pointer in the variant pack.
     pub uid: i64,
     /// `CUDNN_ATTR_TENSOR_DIMENSIONS`, in cuDNN's logical order (`[n, c, h, w]` /
-    /// `[k, c / groups, r, s]`) whatever the layout.
-    pub dims: [i64; 4],
+    /// `[k, c / groups, r, s]`, 5-D with the depth for a 3-D problem) whatever the layout.
+    pub dims: Nd<i64>,
     /// `CUDNN_ATTR_TENSOR_STRIDES` (in elements), packed in the problem's layout.
-    pub strides: [i64; 4],
+    pub strides: Nd<i64>,
     /// `CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT`.
     pub alignment: u64,
 }
 
-/// One `CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR` (2 spatial dims, cross-correlation, fp32 compute).
+/// One `CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR` (cross-correlation, fp32 compute); its
+/// `CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS` is the length of each array (2, or 3 with the depth
+/// first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvParams {
-    /// `CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS` `[pad_h, pad_w]`.
-    pub pre_paddings: [i64; 2],
+    /// `CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS` `[pad_h, pad_w]` / `[pad_d, pad_h, pad_w]`.
+    pub pre_paddings: Nd<i64>,
     /// `CUDNN_ATTR_CONVOLUTION_POST_PADDINGS`: symmetric padding, as the legacy API.
-    pub post_paddings: [i64; 2],
-    /// `CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES` `[stride_h, stride_w]`.
-    pub filter_strides: [i64; 2],
-    /// `CUDNN_ATTR_CONVOLUTION_DILATIONS` `[dilation_h, dilation_w]`.
-    pub dilations: [i64; 2],
+    pub post_paddings: Nd<i64>,
+    /// `CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES` `[stride_h, stride_w]` (depth first for 3-D).
+    pub filter_strides: Nd<i64>,
+    /// `CUDNN_ATTR_CONVOLUTION_DILATIONS` `[dilation_h, dilation_w]` (depth first for 3-D).
+    pub dilations: Nd<i64>,
+}
+
+impl ConvParams {
+    /// `CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS`: 2 or 3.
+    pub fn spatial_dims(&self) -> usize {
+        self.pre_paddings.len()
+    }
 }
 
 /// Everything the operation graph of one (problem at one batch size, op, alpha, beta) sets.
@@ -95,14 +106,27 @@ pub struct GraphParams {
     pub beta: f32,
 }
 
-/// Packed strides (in elements) of logical dims `[n, c, h, w]` in `layout`: NCHW keeps `w`
-/// fastest, NHWC keeps `c` fastest (filters: KCRS / KRSC).
-pub fn packed_strides(layout: Layout, dims: [i64; 4]) -> [i64; 4] {
-    let [_, c, h, w] = dims;
-    match layout {
-        Layout::Nchw => [c * h * w, h * w, w, 1],
-        Layout::Nhwc => [h * w * c, 1, w * c, c],
+/// Packed strides (in elements) of logical dims `[n, c, spatial...]` (`[n, c, h, w]` or
+/// `[n, c, d, h, w]`) in `layout`: NCHW / NCDHW keeps `w` fastest, NHWC / NDHWC keeps `c`
+/// fastest (filters: KCRS / KRSC, KCTRS / KTRSC). Fewer than 2 dims have no layout: packed
+/// from the last.
+pub fn packed_strides(layout: Layout, dims: &[i64]) -> Nd<i64> {
+    let rank = dims.len();
+    // Dimension indices from the fastest to the slowest.
+    let order: Vec<usize> = match layout {
+        Layout::Nhwc if rank > 2 => std::iter::once(1)
+            .chain((2..rank).rev())
+            .chain(std::iter::once(0))
+            .collect(),
+        _ => (0..rank).rev().collect(),
+    };
+    let mut strides = vec![0i64; rank];
+    let mut next = 1i64;
+    for i in order {
+        strides[i] = next;
+        next = next.saturating_mul(dims[i]);
     }
+    Nd::from_slice(&strides)
 }
 
 /// The largest power of two that divides `bytes`, capped at [`MAX_DECLARED_ALIGNMENT`].
@@ -227,7 +251,7 @@ impl GraphParams {
             TensorParams {
                 uid: uid(role),
                 dims,
-                strides: packed_strides(shapes.layout, dims),
+                strides: packed_strides(shapes.layout, &dims),
                 alignment: alignments.of(role),
             }
         };
@@ -299,18 +323,21 @@ mod tests {
     #[test]
     fn strides_for_nchw_and_nhwc() {
         assert_eq!(
-            packed_strides(Layout::Nchw, [8, 6, 9, 10]),
+            packed_strides(Layout::Nchw, &[8, 6, 9, 10]),
             [540, 90, 10, 1]
         );
-        assert_eq!(packed_strides(Layout::Nhwc, [8, 6, 9, 10]), [540, 1, 60, 6]);
+        assert_eq!(
+            packed_strides(Layout::Nhwc, &[8, 6, 9, 10]),
+            [540, 1, 60, 6]
+        );
         // Filters: KCRS and KRSC.
-        assert_eq!(packed_strides(Layout::Nchw, [4, 3, 3, 3]), [27, 9, 3, 1]);
-        assert_eq!(packed_strides(Layout::Nhwc, [4, 3, 3, 3]), [27, 1, 9, 3]);
+        assert_eq!(packed_strides(Layout::Nchw, &[4, 3, 3, 3]), [27, 9, 3, 1]);
+        assert_eq!(packed_strides(Layout::Nhwc, &[4, 3, 3, 3]), [27, 1, 9, 3]);
         // The batch stride is the per-sample element count in both layouts (micro-batches are
         // contiguous ranges), and the strides address every element exactly once.
         for layout in [Layout::Nchw, Layout::Nhwc] {
             let dims = [2, 3, 4, 5];
-            let strides = packed_strides(layout, dims);
+            let strides = packed_strides(layout, &dims);
             assert_eq!(strides[0], 60);
             let mut seen = [false; 120];
             for n in 0..2 {
@@ -343,9 +370,9 @@ mod tests {
                 assert_eq!(g.w.dims, [4, 3, 3, 3]); // c / groups
                 assert_eq!(g.y.dims, [3, 4, 5, 10]);
                 assert_eq!((g.x.uid, g.w.uid, g.y.uid), (UID_X, UID_W, UID_Y));
-                assert_eq!(g.x.strides, packed_strides(layout, g.x.dims));
-                assert_eq!(g.w.strides, packed_strides(layout, g.w.dims));
-                assert_eq!(g.y.strides, packed_strides(layout, g.y.dims));
+                assert_eq!(g.x.strides, packed_strides(layout, &g.x.dims));
+                assert_eq!(g.w.strides, packed_strides(layout, &g.w.dims));
+                assert_eq!(g.y.strides, packed_strides(layout, &g.y.dims));
                 assert_eq!(g.conv.pre_paddings, [1, 2]);
                 assert_eq!(g.conv.post_paddings, [1, 2]);
                 assert_eq!(g.conv.filter_strides, [2, 1]);
@@ -361,6 +388,101 @@ mod tests {
         // Unique ids are distinct and non-zero.
         const { assert!(UID_X != UID_W && UID_W != UID_Y && UID_X != UID_Y) };
         const { assert!(UID_X > 0 && UID_W > 0 && UID_Y > 0) };
+    }
+
+    #[test]
+    fn five_d_strides_for_ncdhw_and_ndhwc() {
+        // [n, c, d, h, w] = [2, 3, 4, 5, 6]: 360 elements per sample.
+        assert_eq!(
+            packed_strides(Layout::Nchw, &[2, 3, 4, 5, 6]),
+            [360, 120, 30, 6, 1]
+        );
+        assert_eq!(
+            packed_strides(Layout::Nhwc, &[2, 3, 4, 5, 6]),
+            [360, 1, 90, 18, 3]
+        );
+        // Filters: KCTRS and KTRSC.
+        assert_eq!(
+            packed_strides(Layout::Nhwc, &[8, 3, 2, 3, 3]),
+            [54, 1, 27, 9, 3]
+        );
+        // Every element addressed exactly once, the batch stride a whole sample.
+        for layout in [Layout::Nchw, Layout::Nhwc] {
+            let dims = [2i64, 3, 4, 5, 6];
+            let strides = packed_strides(layout, &dims);
+            assert_eq!(strides.len(), 5);
+            assert_eq!(strides[0], 360);
+            let mut seen = vec![false; 720];
+            for n in 0..2 {
+                for c in 0..3 {
+                    for d in 0..4 {
+                        for h in 0..5 {
+                            for w in 0..6 {
+                                let at = [n, c, d, h, w]
+                                    .iter()
+                                    .zip(strides.iter())
+                                    .map(|(i, s)| i * s)
+                                    .sum::<i64>();
+                                assert!(!seen[at as usize]);
+                                seen[at as usize] = true;
+                            }
+                        }
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s));
+        }
+    }
+
+    #[test]
+    fn three_d_graphs_have_5d_tensors_and_3_spatial_dims() {
+        // r3d_18's stem at batch 2: 3 x 16 x 112 x 112, 64 filters of 3 x 7 x 7, pad (1, 3, 3),
+        // stride (1, 2, 2): output 64 x 16 x 56 x 56.
+        let stem = ConvProblem {
+            pad_d: 1,
+            pad_h: 3,
+            pad_w: 3,
+            stride_h: 2,
+            stride_w: 2,
+            dtype: DType::Fp16,
+            layout: Layout::Nhwc,
+            ..ConvProblem::new_3d(2, 3, 16, 112, 112, 64, 3, 7, 7)
+        };
+        let shapes = ConvShapes::new(&stem).unwrap();
+        assert_eq!(shapes.spatial_dims(), 3);
+        for op in ConvOp::ALL {
+            let g = GraphParams::new(&shapes, op, 1.0, 0.0);
+            assert_eq!(g.x.dims, [2, 3, 16, 112, 112]);
+            assert_eq!(g.w.dims, [64, 3, 3, 7, 7]);
+            assert_eq!(g.y.dims, [2, 64, 16, 56, 56]);
+            assert_eq!(
+                g.x.strides,
+                [3 * 16 * 112 * 112, 1, 112 * 112 * 3, 112 * 3, 3]
+            );
+            assert_eq!(g.w.strides, [147 * 3, 1, 49 * 3, 7 * 3, 3]);
+            assert_eq!(g.conv.spatial_dims(), 3);
+            assert_eq!(g.conv.pre_paddings, [1, 3, 3]);
+            assert_eq!(g.conv.post_paddings, [1, 3, 3]);
+            assert_eq!(g.conv.filter_strides, [1, 2, 2]);
+            assert_eq!(g.conv.dilations, [1, 1, 1]);
+            // 3 x 16 x 112 x 112 halves: 1204224 bytes a sample, 16-aligned at every offset.
+            assert_eq!(g.alignments(), Alignments::MAX);
+        }
+        // A 1-D problem is the 2-D one with unit height: 4-D tensors, 2 spatial dims.
+        let speech = ConvProblem {
+            stride_w: 5,
+            ..ConvProblem::new_1d(4, 1, 16000, 512, 10)
+        };
+        let g = GraphParams::new(
+            &ConvShapes::new(&speech).unwrap(),
+            ConvOp::Forward,
+            1.0,
+            0.0,
+        );
+        assert_eq!(g.x.dims, [4, 1, 1, 16000]);
+        assert_eq!(g.y.dims, [4, 512, 1, 3199]);
+        assert_eq!(g.conv.spatial_dims(), 2);
+        assert_eq!(g.conv.filter_strides, [1, 5]);
     }
 
     #[test]

@@ -124,56 +124,78 @@ impl Reference {
     }
 }
 
-fn act_index(layout: Layout, [_, c, h, w]: [usize; 4], [ni, ci, hi, wi]: [usize; 4]) -> usize {
-    match layout {
-        Layout::Nchw => ((ni * c + ci) * h + hi) * w + wi,
-        Layout::Nhwc => ((ni * h + hi) * w + wi) * c + ci,
+/// `dims` as `[n, c, d, h, w]` (a 4-D `[n, c, h, w]` gets depth 1).
+fn five(dims: &[i32]) -> [usize; 5] {
+    let d = |i: usize| dims[i] as usize;
+    if dims.len() == 5 {
+        [d(0), d(1), d(2), d(3), d(4)]
+    } else {
+        [d(0), d(1), 1, d(2), d(3)]
     }
 }
 
-fn filter_index(layout: Layout, [_, c, r, s]: [usize; 4], [ki, ci, ri, si]: [usize; 4]) -> usize {
+/// `values` as `[depth, height, width]` (a 2-D problem's `[h, w]` gets the neutral `depth`).
+fn three(values: &[i32], depth: i64) -> [i64; 3] {
+    let v = |i: usize| i64::from(values[i]);
+    if values.len() == 3 {
+        [v(0), v(1), v(2)]
+    } else {
+        [depth, v(0), v(1)]
+    }
+}
+
+/// The element index of `[n, c, d, h, w]` (or a filter's `[k, c, t, r, s]`) in a packed tensor
+/// of `dims` in `layout` (NCDHW: `w` fastest; NDHWC: `c` fastest).
+fn index(layout: Layout, [_, c, d, h, w]: [usize; 5], [ni, ci, di, hi, wi]: [usize; 5]) -> usize {
     match layout {
-        Layout::Nchw => ((ki * c + ci) * r + ri) * s + si,
-        Layout::Nhwc => ((ki * r + ri) * s + si) * c + ci,
+        Layout::Nchw => (((ni * c + ci) * d + di) * h + hi) * w + wi,
+        Layout::Nhwc => (((ni * d + di) * h + hi) * w + wi) * c + ci,
     }
 }
 
 /// Calls `visit(x_index, w_index, y_index)` for every product of a cross-correlation
-/// (cuDNN's `CUDNN_CROSS_CORRELATION`): `y[n,k,p,q] += x[n, g*C/G + c, p*u - pad_h + r*dh,
-/// q*v - pad_w + s*dw] * w[k, c, r, s]` with `g = k / (K/G)`, skipping padding.
+/// (cuDNN's `CUDNN_CROSS_CORRELATION`): `y[n,k,o,p,q] += x[n, g*C/G + c, o*stride_d - pad_d +
+/// t*dilation_d, p*u - pad_h + r*dh, q*v - pad_w + s*dw] * w[k, c, t, r, s]` with
+/// `g = k / (K/G)`, skipping padding. A 2-D problem is the one with unit depth.
 fn for_each_product(shapes: &ConvShapes, mut visit: impl FnMut(usize, usize, usize)) {
-    let dims = |d: [i32; 4]| d.map(|v| v as usize);
-    let (xd, wd, yd) = (dims(shapes.input), dims(shapes.filter), dims(shapes.output));
-    let [n, _, h, w] = xd;
-    let [k, cg, r, s] = wd;
-    let [_, _, p, q] = yd;
+    let (xd, wd, yd) = (
+        five(&shapes.input),
+        five(&shapes.filter),
+        five(&shapes.output),
+    );
+    let [n, _, d, h, w] = xd;
+    let [k, cg, t, r, s] = wd;
+    let [_, _, o, p, q] = yd;
     let groups = shapes.groups as usize;
     let k_per_group = k / groups;
-    let [pad_h, pad_w] = shapes.pad.map(|v| v as i64);
-    let [u, v] = shapes.stride.map(|v| v as i64);
-    let [dh, dw] = shapes.dilation.map(|v| v as i64);
+    let pad = three(&shapes.pad, 0);
+    let stride = three(&shapes.stride, 1);
+    let dilation = three(&shapes.dilation, 1);
+    // The input coordinate of output `out` and filter tap `tap` on axis `axis`, if inside.
+    let at = |axis: usize, out: usize, tap: usize, size: usize| {
+        let i = out as i64 * stride[axis] - pad[axis] + tap as i64 * dilation[axis];
+        (0..size as i64).contains(&i).then_some(i as usize)
+    };
     let layout = shapes.layout;
     for ni in 0..n {
         for ki in 0..k {
             let c0 = (ki / k_per_group) * cg;
-            for pi in 0..p {
-                for qi in 0..q {
-                    let yi = act_index(layout, yd, [ni, ki, pi, qi]);
-                    for ci in 0..cg {
-                        for ri in 0..r {
-                            let hi = pi as i64 * u - pad_h + ri as i64 * dh;
-                            if hi < 0 || hi >= h as i64 {
-                                continue;
-                            }
-                            for si in 0..s {
-                                let wi = qi as i64 * v - pad_w + si as i64 * dw;
-                                if wi < 0 || wi >= w as i64 {
-                                    continue;
+            for oi in 0..o {
+                for pi in 0..p {
+                    for qi in 0..q {
+                        let yi = index(layout, yd, [ni, ki, oi, pi, qi]);
+                        for ci in 0..cg {
+                            for ti in 0..t {
+                                let Some(di) = at(0, oi, ti, d) else { continue };
+                                for ri in 0..r {
+                                    let Some(hi) = at(1, pi, ri, h) else { continue };
+                                    for si in 0..s {
+                                        let Some(wi) = at(2, qi, si, w) else { continue };
+                                        let xi = index(layout, xd, [ni, c0 + ci, di, hi, wi]);
+                                        let fi = index(layout, wd, [ki, ci, ti, ri, si]);
+                                        visit(xi, fi, yi);
+                                    }
                                 }
-                                let xi =
-                                    act_index(layout, xd, [ni, c0 + ci, hi as usize, wi as usize]);
-                                let fi = filter_index(layout, wd, [ki, ci, ri, si]);
-                                visit(xi, fi, yi);
                             }
                         }
                     }
@@ -185,7 +207,8 @@ fn for_each_product(shapes: &ConvShapes, mut visit: impl FnMut(usize, usize, usi
 
 /// Naive reference for `op` on host data in the problem's layout: `a` and `b` are the inputs in
 /// the order of [`super::shape::operand_roles`] (forward: x, w; backward-data: w, dy;
-/// backward-filter: x, dy). Cost is `n*k*p*q*c/g*r*s`: for small test problems only.
+/// backward-filter: x, dy), 2-D or 3-D. Cost is `n*k*o*p*q*c/g*t*r*s`: for small test
+/// problems only.
 pub fn reference_convolution(
     problem: &ConvProblem,
     op: ConvOp,
@@ -279,6 +302,29 @@ mod tests {
                 layout: Layout::Nhwc,
                 ..base
             },
+            // 3-D: strided, padded, dilated and grouped in depth too, both layouts.
+            ConvProblem {
+                pad_d: 1,
+                pad_h: 1,
+                stride_d: 2,
+                dilation_w: 2,
+                groups: 2,
+                ..ConvProblem::new_3d(2, 4, 5, 6, 7, 6, 3, 2, 2)
+            },
+            ConvProblem {
+                pad_d: 2,
+                dilation_d: 2,
+                stride_h: 2,
+                layout: Layout::Nhwc,
+                ..ConvProblem::new_3d(1, 3, 6, 5, 4, 2, 2, 3, 1)
+            },
+            // 1-D (unit height).
+            ConvProblem {
+                pad_w: 2,
+                stride_w: 3,
+                layout: Layout::Nhwc,
+                ..ConvProblem::new_1d(2, 3, 17, 4, 5)
+            },
         ]
     }
 
@@ -314,6 +360,69 @@ mod tests {
             let rounded: Vec<f32> = y.values.iter().map(|&v| v as f32).collect();
             assert!(y.max_relative_error(&rounded) < 1e-6);
         }
+    }
+
+    /// A 3-D convolution with a depth-1 filter (no depth padding, stride or dilation) is the
+    /// 2-D convolution of each depth slice: the depth axis of the 3-D reference, checked
+    /// against the 2-D one.
+    #[test]
+    fn three_d_reference_with_unit_filter_depth_is_2d_per_slice() {
+        let (n, c, d, h, w, k) = (2, 3, 4, 5, 6, 2);
+        let three_d = ConvProblem {
+            pad_h: 1,
+            stride_w: 2,
+            ..ConvProblem::new_3d(n, c, d, h, w, k, 1, 3, 2)
+        };
+        let two_d = ConvProblem {
+            pad_h: 1,
+            stride_w: 2,
+            ..ConvProblem::new(n, c, h, w, k, 3, 2)
+        };
+        let s3 = ConvShapes::new(&three_d).unwrap();
+        let s2 = ConvShapes::new(&two_d).unwrap();
+        assert_eq!(s3.input, [2, 3, 4, 5, 6]);
+        assert_eq!(s3.output.len(), 5);
+        let x = random_values(DType::Fp32, s3.elements(Operand::Input), 5);
+        let wt = random_values(DType::Fp32, s3.elements(Operand::Filter), 6);
+        let y = reference_convolution(&three_d, ConvOp::Forward, &x, &wt).unwrap();
+        let [_, _, o, p, q] = five(&s3.output);
+        assert_eq!(o, d as usize);
+        let (d, h, w, c, k) = (d as usize, h as usize, w as usize, c as usize, k as usize);
+        for slice in 0..d {
+            // NCDHW: depth slice `slice` of sample `ni`, channel `ci` is h*w contiguous values.
+            let mut x2 = Vec::new();
+            for ni in 0..n as usize {
+                for ci in 0..c {
+                    let at = ((ni * c + ci) * d + slice) * h * w;
+                    x2.extend_from_slice(&x[at..at + h * w]);
+                }
+            }
+            let y2 = reference_convolution(&two_d, ConvOp::Forward, &x2, &wt).unwrap();
+            assert_eq!(y2.values.len(), s2.elements(Operand::Output));
+            for ni in 0..n as usize {
+                for ki in 0..k {
+                    let at3 = ((ni * k + ki) * o + slice) * p * q;
+                    let at2 = (ni * k + ki) * p * q;
+                    assert_eq!(y.values[at3..at3 + p * q], y2.values[at2..at2 + p * q]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reference_3d_by_hand() {
+        // 1x1x2x2x2 input 1..8, one 2x1x1 filter of ones: sums over depth pairs.
+        let p = ConvProblem::new_3d(1, 1, 2, 2, 2, 1, 2, 1, 1);
+        let x: Vec<f32> = (1..=8).map(|v| v as f32).collect();
+        let y = reference_convolution(&p, ConvOp::Forward, &x, &[1.0, 1.0]).unwrap();
+        assert_eq!(y.values, vec![6.0, 8.0, 10.0, 12.0]);
+        // Depth padding 1 adds two output slices that see one input slice each.
+        let padded = ConvProblem { pad_d: 1, ..p };
+        let y = reference_convolution(&padded, ConvOp::Forward, &x, &[1.0, 1.0]).unwrap();
+        assert_eq!(
+            y.values,
+            vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 5.0, 6.0, 7.0, 8.0]
+        );
     }
 
     #[test]

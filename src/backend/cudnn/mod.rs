@@ -175,7 +175,7 @@ pub use ffi::{
 /// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
 pub use ffi::{RawWorkspace, StreamFence, StreamKey, StreamSession};
 pub use graph_params::Alignments;
-pub use shape::{operand_roles, ConvShapes, Operand};
+pub use shape::{operand_roles, ConvShapes, Nd, Operand};
 
 #[cfg(test)]
 mod tests {
@@ -250,8 +250,8 @@ mod tests {
             assert!(message.contains("LD_LIBRARY_PATH"), "{message}");
             assert!(message.contains("install cuDNN 9"), "{message}");
             let s = ConvShapes::new(&small_problem()).unwrap();
-            assert!(TensorDescriptor::new(DType::Fp32, Layout::Nchw, s.input).is_err());
-            assert!(FilterDescriptor::new(DType::Fp32, Layout::Nchw, s.filter).is_err());
+            assert!(TensorDescriptor::new(DType::Fp32, Layout::Nchw, &s.input).is_err());
+            assert!(FilterDescriptor::new(DType::Fp32, Layout::Nchw, &s.filter).is_err());
             assert!(ConvolutionDescriptor::new(&s).is_err());
         }
         if !libs.libcuda || !libs.libcudnn {

@@ -10,12 +10,13 @@ use mucudnn::backend::TimingSettings;
 use mucudnn::cache::Cache;
 use mucudnn::device::BackendKind;
 use mucudnn::exec::verify::{measure_solution, time_plan_cpu, time_plan_cuda};
-use mucudnn::models::{multiplicities, Model, ModelLayer};
+use mucudnn::models::{multiplicities, Model, ModelLayer, ModelSize};
 use mucudnn::network::read_network;
 use mucudnn::profiler::prune::DEFAULT_MARGIN;
 use mucudnn::profiler::Progress;
 use mucudnn::report::{
-    render_verification, verification_json, SolutionJson, TuneJson, TuningJson, VerificationJson,
+    layer_list_json, render_layer_list, render_verification, verification_json, SolutionJson,
+    TuneJson, TuningJson, VerificationJson,
 };
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::CandidateSet;
@@ -31,9 +32,23 @@ use std::time::Instant;
 #[derive(Args)]
 pub(crate) struct LayerSource {
     /// A network from the zoo: alexnet, resnet18, resnet50, vgg16, densenet121, mobilenet_v2,
-    /// deepbench.
+    /// deepbench (2-D); r3d_18, wan21_vae_decoder (3-D); wav2vec2_fe (1-D).
     #[arg(long, value_parser = one_of::<Model>(Model::ALL.map(Model::name)), conflicts_with = "network")]
     model: Option<Model>,
+    /// The input of a 3-D or 1-D zoo model: r3d_18's clip DxHxW (16x112x112),
+    /// wan21_vae_decoder's video FRAMESxHxW (17x480x832), wav2vec2_fe's SAMPLES (16000).
+    #[arg(long, value_name = "DIMS", value_parser = parse_dims, conflicts_with = "network")]
+    input: Option<InputDims>,
+    /// Divide the channels inside a 3-D or 1-D zoo model by N (a quick, small run of the same
+    /// structure; N divides the base width: 64 for r3d_18, 96 for wan21_vae_decoder, 512 for
+    /// wav2vec2_fe).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        conflicts_with = "network"
+    )]
+    channel_divisor: i64,
     /// A network file: a TOML list of conv layers (docs/NETWORK_FORMAT.md).
     #[arg(long, value_name = "FILE.toml")]
     network: Option<PathBuf>,
@@ -43,9 +58,27 @@ pub(crate) struct LayerSource {
     /// Element type of activations and filters.
     #[arg(long, default_value = "fp32", value_parser = one_of::<DType>(DType::NAMES.iter().copied()))]
     pub(crate) dtype: DType,
-    /// Memory layout of activations and filters.
-    #[arg(long, default_value = "nchw", value_parser = one_of::<Layout>(Layout::NAMES.iter().copied()))]
+    /// Memory layout of activations and filters: channels first (nchw; ncdhw and ncw are its
+    /// 3-D and 1-D names) or last (nhwc; ndhwc, nwc).
+    #[arg(long, default_value = "nchw", value_parser = one_of::<Layout>(Layout::ALL_NAMES.iter().copied()))]
     pub(crate) layout: Layout,
+}
+
+/// `--input`'s sizes (one value to clap, which would read a bare `Vec` as many).
+#[derive(Clone, Debug)]
+pub(crate) struct InputDims(Vec<i64>);
+
+/// `16x112x112`, `17x480x832`, `16000`: positive sizes separated by `x`.
+fn parse_dims(text: &str) -> Result<InputDims, String> {
+    text.split(['x', 'X'])
+        .map(|part| match part.trim().parse::<i64>() {
+            Ok(value) if value >= 1 => Ok(value),
+            _ => Err(format!(
+                "`{text}`: expected positive sizes separated by `x` (16x112x112)"
+            )),
+        })
+        .collect::<Result<Vec<i64>, String>>()
+        .map(InputDims)
 }
 
 impl LayerSource {
@@ -58,16 +91,23 @@ impl LayerSource {
             anyhow::ensure!(batch >= 1, "--batch must be at least 1, got {batch}");
             Ok(batch)
         };
+        let size = ModelSize {
+            input: self.input.as_ref().map(|dims| dims.0.clone()),
+            channel_divisor: self.channel_divisor,
+        };
         let (name, layers) = match (&self.model, &self.network) {
             (Some(model), None) if model.fixed_batch() => {
                 if self.batch.is_some() {
                     eprintln!("note: {model} fixes each layer's batch size; --batch is ignored");
                 }
-                (model.to_string(), model.layers(1, self.dtype, self.layout))
+                (
+                    model.to_string(),
+                    model.layers_sized(1, self.dtype, self.layout, &size)?,
+                )
             }
             (Some(model), None) => (
                 model.to_string(),
-                model.layers(batch(model.name())?, self.dtype, self.layout),
+                model.layers_sized(batch(model.name())?, self.dtype, self.layout, &size)?,
             ),
             (None, Some(path)) => {
                 let network =
@@ -98,6 +138,10 @@ pub(crate) struct TuneArgs {
     source: LayerSource,
     #[command(flatten)]
     device: DeviceArgs,
+    /// Print the network's distinct layers (name, count, shape; as JSON with --json) and
+    /// exit: nothing is measured, no device or cache is opened.
+    #[arg(long)]
+    list: bool,
     /// Write the measurements in interchange format (for `mucudnn solve`).
     #[arg(long, value_name = "FILE")]
     save_profile: Option<PathBuf>,
@@ -298,6 +342,15 @@ fn check_before_measuring(args: &TuneArgs, device: &mut Device) -> Result<()> {
 
 pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     let (network, layers) = args.source.layers()?;
+    if args.list {
+        if args.settings.json {
+            let doc = layer_list_json(&network, &layers);
+            outln!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            out!("{}", render_layer_list(&layers));
+        }
+        return Ok(());
+    }
     args.settings.wd_options()?;
     let (mut device, cache, timing) = args
         .device
@@ -317,7 +370,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
             layers.len(),
             args.source.batch.map_or("own batch sizes".to_string(), |b| format!("batch {b}")),
             args.source.dtype,
-            args.source.layout,
+            layout_names(&layers),
             jobs.len(),
             cache.location()
         );
@@ -449,6 +502,18 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
+}
+
+/// The layout's names at the ranks of these layers (`ndhwc`, `nhwc/ndhwc` for a mix).
+fn layout_names(layers: &[ModelLayer]) -> String {
+    let mut names: Vec<&str> = Vec::new();
+    for layer in layers {
+        let name = layer.problem.layout_name();
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names.join("/")
 }
 
 /// Executes the solution's plans and baselines and prints measured against predicted times.

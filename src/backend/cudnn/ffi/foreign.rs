@@ -22,8 +22,9 @@
 
 use super::{
     cudnn, driver, drv_err, invalid, legacy_call, math_mode_from_raw, raw_convolve,
-    raw_workspace_size, Algo, ConvDescriptors, CudnnError,
+    raw_workspace_size, Algo, ConvDescriptors, CudnnError, Nd,
 };
+use crate::backend::cudnn::shape::MAX_DIMS;
 use crate::solver::{ConvOp, DType, Layout, MathMode};
 use cudarc::cudnn::sys as dnn_sys;
 use cudarc::driver::sys as drv_sys;
@@ -95,38 +96,41 @@ impl std::fmt::Display for DataTypeCode {
     }
 }
 
-/// What a caller's 4-D tensor descriptor says (`cudnnGetTensor4dDescriptor`).
+/// What a caller's tensor descriptor says (`cudnnGetTensorNdDescriptor`): 4 dims for a 2-D
+/// convolution, 5 for a 3-D one (any count cuDNN reports, up to `CUDNN_DIM_MAX`, is kept for
+/// the C ABI's checks to judge).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TensorDescriptorInfo {
     pub data_type: DataTypeCode,
-    /// `[n, c, h, w]`.
-    pub dims: [i32; 4],
-    /// Element strides of `[n, c, h, w]`.
-    pub strides: [i32; 4],
+    /// `[n, c, h, w]` or `[n, c, d, h, w]`.
+    pub dims: Nd<i32>,
+    /// Element strides of the dims.
+    pub strides: Nd<i32>,
 }
 
-/// What a caller's 4-D filter descriptor says (`cudnnGetFilter4dDescriptor`).
+/// What a caller's filter descriptor says (`cudnnGetFilterNdDescriptor`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FilterDescriptorInfo {
     pub data_type: DataTypeCode,
-    /// `CUDNN_TENSOR_NCHW` (KCRS) or `CUDNN_TENSOR_NHWC` (KRSC); `None` for another format.
+    /// `CUDNN_TENSOR_NCHW` (KCRS / KCTRS) or `CUDNN_TENSOR_NHWC` (KRSC / KTRSC); `None` for
+    /// another format.
     pub layout: Option<Layout>,
     /// The `cudnnTensorFormat_t` number (2 is `CUDNN_TENSOR_NCHW_VECT_C`).
     pub format_code: u32,
-    /// `[k, c / groups, r, s]`.
-    pub dims: [i32; 4],
+    /// `[k, c / groups, r, s]` or `[k, c / groups, t, r, s]`.
+    pub dims: Nd<i32>,
 }
 
-/// What a caller's 2-D convolution descriptor says (`cudnnGetConvolution2dDescriptor`, group
-/// count, math type).
+/// What a caller's convolution descriptor says (`cudnnGetConvolutionNdDescriptor`, group
+/// count, math type): 2 spatial dims, or 3 (depth first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvolutionDescriptorInfo {
-    /// `[pad_h, pad_w]`.
-    pub pad: [i32; 2],
-    /// `[stride_h, stride_w]`.
-    pub stride: [i32; 2],
-    /// `[dilation_h, dilation_w]`.
-    pub dilation: [i32; 2],
+    /// `[pad_h, pad_w]` or `[pad_d, pad_h, pad_w]`.
+    pub pad: Nd<i32>,
+    /// `[stride_h, stride_w]` or `[stride_d, stride_h, stride_w]`.
+    pub stride: Nd<i32>,
+    /// `[dilation_h, dilation_w]` or `[dilation_d, dilation_h, dilation_w]`.
+    pub dilation: Nd<i32>,
     /// `CUDNN_CROSS_CORRELATION` (what deep learning calls convolution); false for
     /// `CUDNN_CONVOLUTION`, which flips the filter.
     pub cross_correlation: bool,
@@ -142,7 +146,26 @@ fn null_descriptor(call: &'static str, what: &str) -> CudnnError {
     invalid(call, format!("the {what} descriptor is NULL"))
 }
 
-/// Reads a caller's tensor descriptor.
+/// The first `count` of `values`, or an error when cuDNN reports a count outside
+/// `[0, values.len()]` (it never should: it was asked for at most that many).
+fn reported(
+    call: &'static str,
+    count: std::ffi::c_int,
+    values: &[std::ffi::c_int],
+) -> Result<Nd<i32>, CudnnError> {
+    match usize::try_from(count) {
+        Ok(n) if n <= values.len() => Ok(Nd::from_slice(&values[..n])),
+        _ => Err(invalid(
+            call,
+            format!(
+                "cuDNN reported {count} dims, at most {} expected",
+                values.len()
+            ),
+        )),
+    }
+}
+
+/// Reads a caller's tensor descriptor (4-D or 5-D; the count cuDNN reports is kept).
 ///
 /// # Safety
 ///
@@ -153,42 +176,41 @@ fn null_descriptor(call: &'static str, what: &str) -> CudnnError {
 pub unsafe fn read_tensor_descriptor(
     desc: *mut c_void,
 ) -> Result<TensorDescriptorInfo, CudnnError> {
-    const CALL: &str = "cudnnGetTensor4dDescriptor";
+    const CALL: &str = "cudnnGetTensorNdDescriptor";
     if desc.is_null() {
         return Err(null_descriptor(CALL, "tensor"));
     }
     cudnn()?;
     let mut data_type = u32::MAX;
-    let (mut dims, mut strides) = ([0 as std::ffi::c_int; 4], [0 as std::ffi::c_int; 4]);
-    let [n, c, h, w] = &mut dims;
-    let [ns, cs, hs, ws] = &mut strides;
+    let mut count: std::ffi::c_int = 0;
+    let (mut dims, mut strides) = (
+        [0 as std::ffi::c_int; MAX_DIMS],
+        [0 as std::ffi::c_int; MAX_DIMS],
+    );
     // SAFETY: `desc` is a live tensor descriptor (the caller's contract) and the cuDNN gate has
-    // passed. The outputs are distinct live locals; the data type is written as the C enum's
-    // 4 bytes into a u32, so an unknown value is just a number.
+    // passed. cuDNN writes at most `MAX_DIMS` (the requested count) dims and strides into the
+    // two arrays; the other outputs are distinct live locals, and the data type is written as
+    // the C enum's 4 bytes into a u32, so an unknown value is just a number.
     unsafe {
-        dnn_sys::cudnnGetTensor4dDescriptor(
+        dnn_sys::cudnnGetTensorNdDescriptor(
             desc.cast(),
+            MAX_DIMS as std::ffi::c_int,
             ptr::from_mut(&mut data_type).cast(),
-            n,
-            c,
-            h,
-            w,
-            ns,
-            cs,
-            hs,
-            ws,
+            &mut count,
+            dims.as_mut_ptr(),
+            strides.as_mut_ptr(),
         )
     }
     .result()
     .map_err(|e| super::status_error(CALL, e.0))?;
     Ok(TensorDescriptorInfo {
         data_type: DataTypeCode(data_type),
-        dims,
-        strides,
+        dims: reported(CALL, count, &dims)?,
+        strides: reported(CALL, count, &strides)?,
     })
 }
 
-/// Reads a caller's filter descriptor.
+/// Reads a caller's filter descriptor (4-D or 5-D; the count cuDNN reports is kept).
 ///
 /// # Safety
 ///
@@ -196,24 +218,24 @@ pub unsafe fn read_tensor_descriptor(
 pub unsafe fn read_filter_descriptor(
     desc: *mut c_void,
 ) -> Result<FilterDescriptorInfo, CudnnError> {
-    const CALL: &str = "cudnnGetFilter4dDescriptor";
+    const CALL: &str = "cudnnGetFilterNdDescriptor";
     if desc.is_null() {
         return Err(null_descriptor(CALL, "filter"));
     }
     cudnn()?;
     let (mut data_type, mut format) = (u32::MAX, u32::MAX);
-    let mut dims = [0 as std::ffi::c_int; 4];
-    let [k, c, r, s] = &mut dims;
-    // SAFETY: as in `read_tensor_descriptor`; both enums are written into u32 locals.
+    let mut count: std::ffi::c_int = 0;
+    let mut dims = [0 as std::ffi::c_int; MAX_DIMS];
+    // SAFETY: as in `read_tensor_descriptor`; at most `MAX_DIMS` dims are written into `dims`,
+    // and both enums are written into u32 locals.
     unsafe {
-        dnn_sys::cudnnGetFilter4dDescriptor(
+        dnn_sys::cudnnGetFilterNdDescriptor(
             desc.cast(),
+            MAX_DIMS as std::ffi::c_int,
             ptr::from_mut(&mut data_type).cast(),
             ptr::from_mut(&mut format).cast(),
-            k,
-            c,
-            r,
-            s,
+            &mut count,
+            dims.as_mut_ptr(),
         )
     }
     .result()
@@ -225,11 +247,12 @@ pub unsafe fn read_filter_descriptor(
         data_type: DataTypeCode(data_type),
         layout,
         format_code: format,
-        dims,
+        dims: reported(CALL, count, &dims)?,
     })
 }
 
-/// Reads a caller's convolution descriptor.
+/// Reads a caller's convolution descriptor (2 or 3 spatial dims; the count cuDNN reports is
+/// kept).
 ///
 /// # Safety
 ///
@@ -237,33 +260,42 @@ pub unsafe fn read_filter_descriptor(
 pub unsafe fn read_convolution_descriptor(
     desc: *mut c_void,
 ) -> Result<ConvolutionDescriptorInfo, CudnnError> {
-    const CALL: &str = "cudnnGetConvolution2dDescriptor";
+    const CALL: &str = "cudnnGetConvolutionNdDescriptor";
+    /// `CUDNN_DIM_MAX - 2`: the most spatial dims a convolution descriptor has.
+    const MAX_SPATIAL: usize = MAX_DIMS - 2;
     if desc.is_null() {
         return Err(null_descriptor(CALL, "convolution"));
     }
     cudnn()?;
     let desc: dnn_sys::cudnnConvolutionDescriptor_t = desc.cast();
-    let (mut pad, mut stride, mut dilation) = ([0; 2], [0; 2], [0; 2]);
+    let mut count: std::ffi::c_int = 0;
+    let (mut pad, mut stride, mut dilation) = (
+        [0 as std::ffi::c_int; MAX_SPATIAL],
+        [0 as std::ffi::c_int; MAX_SPATIAL],
+        [0 as std::ffi::c_int; MAX_SPATIAL],
+    );
     let (mut mode, mut compute_type) = (u32::MAX, u32::MAX);
-    let [pad_h, pad_w] = &mut pad;
-    let [u, v] = &mut stride;
-    let [dilation_h, dilation_w] = &mut dilation;
-    // SAFETY: as in `read_tensor_descriptor`; both enums are written into u32 locals.
+    // SAFETY: as in `read_tensor_descriptor`; at most `MAX_SPATIAL` (the requested length)
+    // values are written into each array, and both enums are written into u32 locals.
     unsafe {
-        dnn_sys::cudnnGetConvolution2dDescriptor(
+        dnn_sys::cudnnGetConvolutionNdDescriptor(
             desc,
-            pad_h,
-            pad_w,
-            u,
-            v,
-            dilation_h,
-            dilation_w,
+            MAX_SPATIAL as std::ffi::c_int,
+            &mut count,
+            pad.as_mut_ptr(),
+            stride.as_mut_ptr(),
+            dilation.as_mut_ptr(),
             ptr::from_mut(&mut mode).cast(),
             ptr::from_mut(&mut compute_type).cast(),
         )
     }
     .result()
     .map_err(|e| super::status_error(CALL, e.0))?;
+    let (pad, stride, dilation) = (
+        reported(CALL, count, &pad)?,
+        reported(CALL, count, &stride)?,
+        reported(CALL, count, &dilation)?,
+    );
     let mut groups: std::ffi::c_int = 0;
     // SAFETY: as above; one int output.
     unsafe { dnn_sys::cudnnGetConvolutionGroupCount(desc, &mut groups) }

@@ -1360,7 +1360,8 @@ fn finalize_plan(
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BrokenGraph {
-    /// The output tensor one row taller than the convolution produces.
+    /// The output tensor one larger in its first spatial dim than the convolution produces
+    /// (one row taller; one frame deeper in 3-D).
     WrongOutputSize,
     /// The input and output tensors swapped (dx and dy exchanged in backward-data).
     SwappedTensors,
