@@ -68,8 +68,6 @@ GEOMETRIES = {
 def cases():
     for kind in OURS:
         for geometry in GEOMETRIES:
-            if geometry == "channels_last" and SPATIAL[kind] == 1:
-                continue  # PyTorch has no 3-D memory format for 1-D layers
             yield kind, geometry
 
 
@@ -85,7 +83,11 @@ def make(kind, geometry, seed=0):
     theirs = THEIRS[kind](c, **kwargs)
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn((n, c) + spatial_sizes(spatial, sizes))
-    if channels_last:
+    if channels_last and spatial == 1:
+        # PyTorch has no 1-D memory format: channels innermost (N, L, C) seen as (N, C, L),
+        # which runs as NHWC at a unit height.
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif channels_last:
         fmt = torch.channels_last_3d if spatial == 3 else torch.channels_last
         x = x.contiguous(memory_format=fmt)
         ours = ours.to(memory_format=fmt)
@@ -115,8 +117,11 @@ def test_forward_and_gradients_match_torch_nn(kind, geometry):
         ys.append(layer(inp))
     assert ys[0].shape == ys[1].shape
     if geometry == "channels_last":  # the output keeps the input's memory format
-        fmt = torch.channels_last_3d if SPATIAL[kind] == 3 else torch.channels_last
-        assert ys[0].is_contiguous(memory_format=fmt) and not ys[0].is_contiguous()
+        if SPATIAL[kind] == 1:
+            assert ys[0].stride(1) == 1 and not ys[0].is_contiguous()
+        else:
+            fmt = torch.channels_last_3d if SPATIAL[kind] == 3 else torch.channels_last
+            assert ys[0].is_contiguous(memory_format=fmt) and not ys[0].is_contiguous()
     assert_close(ys[0], ys[1], f"{kind} {geometry} forward")
     grad = torch.randn_like(ys[1])
     for y in ys:
@@ -128,6 +133,8 @@ def test_forward_and_gradients_match_torch_nn(kind, geometry):
     else:
         assert theirs.bias is None
     assert_planned(ours)
+    if geometry == "channels_last":
+        assert all(r.layout in ("nhwc", "ndhwc") for r in ours.plans.values())
     # A transposed layer's three passes are one convolution problem's plan set.
     if kind.startswith("conv_transpose"):
         assert len(ours._mucudnn.prepared) == 1
@@ -190,7 +197,6 @@ OPCHECK_CASES = [
     (kind, geometry)
     for kind in OURS
     for geometry in ("plain", "groups", "stride2_odd", "no_bias", "channels_last", "causal")
-    if not (geometry == "channels_last" and SPATIAL[kind] == 1)
 ]
 
 

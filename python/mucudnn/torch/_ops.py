@@ -184,6 +184,8 @@ def _register(spatial: int) -> SimpleNamespace:
         # with x_conv = grad_y and dy_conv = x.
         input, weight = ctx.saved_tensors
         geometry = ctx.geometry
+        # In the input's memory format, as the forward ran: the same problem, one plan set.
+        grad = grad.contiguous(memory_format=_runtime.memory_format(input))
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_input = ops.conv(grad, weight, None, *geometry)
