@@ -155,6 +155,22 @@ def test_unbatched_inputs_and_output_size():
     assert_close(y, theirs(x, output_size=size), "output_size")
 
 
+def test_output_padding_beyond_the_stride_runs_pytorch(capfd):
+    # PyTorch allows output_padding < dilation even when it is not < stride; those output rows
+    # are outside the convolution problem, so PyTorch's transposed convolution runs (warned).
+    torch.manual_seed(4)
+    ours = mt.ConvTranspose2d(3, 2, 3, stride=1, dilation=2, output_padding=1, cache=False,
+                              fallback=False, name="nd.beyond")
+    theirs = nn.ConvTranspose2d(3, 2, 3, stride=1, dilation=2, output_padding=1)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 4, 5)
+    assert_close(ours(x), theirs(x), "output_padding >= stride")
+    ours(x)
+    err = capfd.readouterr().err
+    assert err.count("is not smaller than the stride") == 1
+    assert len(ours.plans) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # opcheck: every op the layers call, with the arguments they pass.
 

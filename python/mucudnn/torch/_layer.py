@@ -409,7 +409,7 @@ class _ConvTranspose(_MucudnnConv):
 
 def _warn_output_padding(layer: _MucudnnConv, output_padding, stride) -> None:
     config = layer._mucudnn
-    if not getattr(config, "warned_output_padding", False):
+    if not config.warned_output_padding:
         config.warned_output_padding = True
         print(
             f"mucudnn: warning: {config.name}: output_padding {list(output_padding)} is not "

@@ -340,6 +340,8 @@ class LayerConfig:
         self.lock = threading.Lock()
         self.owners = 0
         self.warned_float64 = False
+        #: A transposed layer whose output_padding is not below its stride said so once.
+        self.warned_output_padding = False
         #: Input shapes whose lazy tuning was announced on stderr (once per shape).
         self.announced: set = set()
 
