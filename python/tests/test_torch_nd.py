@@ -71,15 +71,18 @@ def cases():
             yield kind, geometry
 
 
-def make(kind, geometry, seed=0):
-    """Our layer, the reference torch.nn layer with its state, the input, and the F.pad spec."""
+def make(kind, geometry, seed=0, name=None):
+    """Our layer, the reference torch.nn layer with its state, the input, and the F.pad spec.
+    Layers of one (kind, geometry) share a name, so their configuration and plans, unless
+    ``name`` gives another."""
     n, c, sizes, kwargs, channels_last, pad = GEOMETRIES[geometry]
     spatial = SPATIAL[kind]
     kwargs = dict(kwargs)
     if kind.startswith("conv_transpose") and geometry == "stride2_odd":
         kwargs["output_padding"] = 1
     torch.manual_seed(seed)
-    ours = OURS[kind](c, cache=False, fallback=False, name=f"nd.{kind}.{geometry}", **kwargs)
+    ours = OURS[kind](c, cache=False, fallback=False, name=name or f"nd.{kind}.{geometry}",
+                        **kwargs)
     theirs = THEIRS[kind](c, **kwargs)
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn((n, c) + spatial_sizes(spatial, sizes))
@@ -465,7 +468,7 @@ def test_tune_and_plans_for_every_kind(capfd):
 
 
 def test_channels_last_3d_runs_as_ndhwc():
-    ours, theirs, x, _ = make("conv3d", "channels_last")
+    ours, theirs, x, _ = make("conv3d", "channels_last", name="nd.ndhwc")
     ours(x)
     (report,) = ours.plans.values()
     assert report.layout == "ndhwc"
