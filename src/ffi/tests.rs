@@ -459,9 +459,15 @@ fn argument_conversions() {
 /// A CPU tuner with a tiny 1x1 problem (2 x 2 x 3 x 3 input, 2 filters) prepared: the tuner,
 /// the plan set's id and the forward workspace bytes.
 fn prepared_tiny_tuner() -> (mucudnnTuner_t, u64, u64) {
+    prepared_tuner(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1))
+}
+
+/// A CPU tuner with `problem` tuned (as the layer "tiny") and prepared: the tuner, the plan
+/// set's id and the forward workspace bytes.
+fn prepared_tuner(problem: &ConvProblem) -> (mucudnnTuner_t, u64, u64) {
     let mut tuner: mucudnnTuner_t = null_mut();
     let options = c(r#"{"no_cache": true}"#);
-    let problem = serde_json::to_string(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1)).unwrap();
+    let problem = serde_json::to_string(problem).unwrap();
     let problem = c(&problem);
     let mut result: *mut c_char = null_mut();
     let (mut set, mut workspace) = (0u64, [0u64; 3]);
@@ -593,6 +599,63 @@ fn tuner_execute_checks_operands_against_the_plan() {
         assert!(last_error().contains("operand_dims is NULL"));
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }
+}
+
+/// A 3-D problem through the C ABI: tuned from JSON with its depth fields, executed over
+/// NCDHW host buffers with 15 dims (depth included), and refused when the same numbers are
+/// given as the 2-D reading (D = T = 1).
+#[test]
+fn tuner_executes_a_3d_problem_with_its_depth_dims() {
+    use mucudnnStatus_t as S;
+    // 1 x 1 x 3 x 2 x 2 input, one 2 x 1 x 1 filter: y[o, h, w] = w0 x[o] + w1 x[o + 1].
+    let problem = ConvProblem::new_3d(1, 1, 3, 2, 2, 1, 2, 1, 1);
+    let (tuner, set, workspace_bytes) = prepared_tuner(&problem);
+    let mut workspace = vec![0u32; (workspace_bytes as usize).div_ceil(4)];
+    let x: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    let w: Vec<f32> = vec![2.0, -1.0];
+    let mut y = vec![f32::NAN; 8];
+    let dims: [i64; 15] = [1, 1, 3, 2, 2, 1, 1, 2, 1, 1, 1, 1, 2, 2, 2];
+    let bytes: [u64; 3] = [12 * 4, 2 * 4, 8 * 4];
+    let mut execute = |y: &mut Vec<f32>, dims: &[i64; 15]| {
+        // SAFETY: x, w and y hold `bytes`; the refused call is refused before reading.
+        unsafe {
+            mucudnnTunerExecute(
+                tuner,
+                set,
+                MUCUDNN_OP_FORWARD,
+                1.0,
+                x.as_ptr().cast(),
+                w.as_ptr().cast(),
+                0.0,
+                y.as_mut_ptr().cast(),
+                dims.as_ptr(),
+                bytes.as_ptr(),
+                workspace.as_mut_ptr().cast(),
+                workspace_bytes,
+                null_mut(),
+            )
+        }
+    };
+    assert_eq!(
+        execute(&mut y, &dims),
+        S::MUCUDNN_STATUS_SUCCESS,
+        "{}",
+        last_error()
+    );
+    let expected: Vec<f32> = (0..8).map(|i| 2.0 * x[i] - x[i + 4]).collect();
+    assert_eq!(y, expected);
+    // The 2-D reading of the filter (T = 1): another shape, refused.
+    let mut flat = dims;
+    flat[7] = 1;
+    y.fill(-7.0);
+    assert_eq!(execute(&mut y, &flat), S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+    assert!(
+        last_error().contains("w is [1, 1, 1, 1, 1] but the plan is for [1, 1, 2, 1, 1]"),
+        "{}",
+        last_error()
+    );
+    assert!(y.iter().all(|&v| v == -7.0));
+    assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
 }
 
 /// A 3-D problem's operands are checked in all five dims, per op and role: depth (D) and
