@@ -158,6 +158,38 @@ def test_unbatched_inputs_and_output_size():
     assert_close(y, theirs(x, output_size=size), "output_size")
 
 
+@pytest.mark.parametrize("kind", ["conv1d", "conv3d"])
+def test_padding_same_with_even_kernels(kind):
+    # 'same' with an even kernel pads the extra element at the end of each dim, as PyTorch.
+    torch.manual_seed(6)
+    spatial = SPATIAL[kind]
+    kernel = (2, 3, 4)[-spatial:]
+    ours = OURS[kind](2, 3, kernel, padding="same", cache=False, fallback=False, name="nd.same")
+    theirs = THEIRS[kind](2, 3, kernel, padding="same")
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn((2, 2) + (4, 5, 6)[-spatial:])
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    ys = [ours(xs[0]), theirs(xs[1])]
+    assert_close(ys[0], ys[1], "same")
+    for y in ys:
+        y.pow(2).sum().backward()
+    assert_close(xs[0].grad, xs[1].grad, "same input gradient")
+    assert_close(ours.weight.grad, theirs.weight.grad, "same weight gradient")
+    assert_planned(ours)
+
+
+@pytest.mark.parametrize("kind", ["conv3d", "conv_transpose3d", "conv_transpose1d"])
+def test_double_backward_matches_torch_nn(kind):
+    ours, theirs, x, _ = make(kind, "stride2_odd", name=f"nd.double.{kind}")
+    results = []
+    for module in (ours, theirs):
+        xx = x.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(module(xx).pow(2).sum(), xx, create_graph=True)
+        results.append(torch.autograd.grad(gx.pow(2).sum(), [xx, module.weight]))
+    for mine, reference in zip(*results):
+        assert_close(mine, reference, f"{kind} double backward")
+
+
 def test_output_padding_beyond_the_stride_runs_pytorch(capfd):
     # PyTorch allows output_padding < dilation even when it is not < stride; those output rows
     # are outside the convolution problem, so PyTorch's transposed convolution runs (warned).
