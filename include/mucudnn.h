@@ -71,7 +71,7 @@
  * struct's layout changes incompatibly, independent of the package version (compare with
  * mucudnnGetAbiVersion()).
  */
-#define MUCUDNN_ABI_VERSION 1
+#define MUCUDNN_ABI_VERSION 2
 
 /**
  * The mucudnnOptions_t layout this header describes.
@@ -787,8 +787,9 @@ enum mucudnnStatus_t mucudnnTunerRelease(mucudnnTuner_t tuner,
  * memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's
  * workspace_bytes_out[op] bytes, 16-byte aligned (NULL with 0 bytes when none is needed).
  *
- * `operand_dims` (12 values) gives the dims of `a`, `b` and `out` in that order, each as
- * N, C, H, W (a filter as K, C/groups, R, S) whatever the layout, and `operand_bytes` (3
+ * `operand_dims` (15 values) gives the dims of `a`, `b` and `out` in that order, each as
+ * N, C, D, H, W (a filter as K, C/groups, T, R, S; D = T = 1 for a 2-D problem, and a 1-D one
+ * is 2-D with H = R = 1) whatever the layout, and `operand_bytes` (3
  * values) the bytes each buffer holds from its pointer on. They are checked against the
  * plan's problem before any pointer is read: dims other than the roles' in the prepared
  * problem, or a buffer smaller than its role's elements in the problem's dtype, is
@@ -799,7 +800,7 @@ enum mucudnnStatus_t mucudnnTunerRelease(mucudnnTuner_t tuner,
  *
  * `a`, `b` and `out` point to at least `operand_bytes[i]` bytes each (host memory on a CPU
  * tuner, device memory of its GPU otherwise), readable, `out` writable and overlapping
- * neither input; `operand_dims` is NULL (an error) or points to 12 readable int64_t and
+ * neither input; `operand_dims` is NULL (an error) or points to 15 readable int64_t and
  * `operand_bytes` is NULL (an error) or points to 3 readable uint64_t; `workspace` is NULL
  * with `workspace_bytes` 0, or `workspace_bytes` writable bytes of the same kind of memory;
  * on a GPU all of it stays allocated until the work queued on `stream` has finished, and

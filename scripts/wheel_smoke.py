@@ -44,6 +44,9 @@ def main():
           f"version {mucudnn.version()}, ABI {mucudnn.abi_version()}")
     if mucudnn.version() != mucudnn.__version__:
         sys.exit(f"the library says {mucudnn.version()}, the package {mucudnn.__version__}")
+    if mucudnn.abi_version() != mucudnn.__abi_version__:
+        sys.exit(f"the library's C ABI is {mucudnn.abi_version()}, the package calls "
+                 f"{mucudnn.__abi_version__}")
 
     tuner = Tuner(cache=False)
     spec = problem(n=N, c=C, h=H, w=W, k=K, r=R, s=S, padding=(PAD, PAD))

@@ -83,4 +83,23 @@ fn cargo_python_and_the_c_abi_have_one_version() {
         mucudnn::ffi::mucudnnGetAbiVersion(),
         mucudnn::ffi::MUCUDNN_ABI_VERSION
     );
+    let abi: u32 = header
+        .lines()
+        .find_map(|l| l.strip_prefix("#define MUCUDNN_ABI_VERSION "))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(abi, mucudnn::ffi::MUCUDNN_ABI_VERSION);
+    // The Python package calls the same ABI (and refuses a library of another).
+    let python_abi = read("python/mucudnn/_version.py");
+    let python_abi = python_abi
+        .lines()
+        .find_map(|l| l.strip_prefix("__abi_version__ = "))
+        .expect("python/mucudnn/_version.py: __abi_version__ = N");
+    assert_eq!(
+        python_abi.trim().parse::<u32>().unwrap(),
+        mucudnn::ffi::MUCUDNN_ABI_VERSION,
+        "python/mucudnn/_version.py's __abi_version__ against MUCUDNN_ABI_VERSION"
+    );
 }

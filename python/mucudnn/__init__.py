@@ -4,13 +4,14 @@ cuDNN's fast convolution algorithms need workspace that grows with the batch; un
 workspace limit mucudnn splits a mini-batch into micro-batches, each run with the fastest
 algorithm that fits, chosen from measurements kept in a persistent tuning cache.
 
-- :mod:`mucudnn.torch`: ``Conv2d`` (a drop-in ``torch.nn.Conv2d``), ``convert_`` and ``tune``.
+- :mod:`mucudnn.torch`: ``Conv1d``, ``Conv2d``, ``Conv3d`` and ``ConvTranspose1d/2d/3d``
+  (drop-ins for the ``torch.nn`` layers), ``convert_`` and ``tune``.
 - :class:`Tuner`: the layer API underneath (tune, share measurements, prepare, execute).
 """
 
 from ._lib import MucudnnError, library_path
 from ._tuner import OPS, PreparedSet, Settings, Tuner, operand_extents, problem
-from ._version import __version__
+from ._version import __abi_version__, __version__
 
 __all__ = [
     "MucudnnError",
@@ -18,6 +19,7 @@ __all__ = [
     "PreparedSet",
     "Settings",
     "Tuner",
+    "__abi_version__",
     "__version__",
     "abi_version",
     "library_path",

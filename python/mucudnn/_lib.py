@@ -217,6 +217,21 @@ def _declare(lib: ctypes.CDLL) -> None:
             setattr(lib, name, _loading_cudnn(function))
 
 
+def _check_abi(lib: ctypes.CDLL, path: Path) -> None:
+    """Refuses a library whose C ABI is not the one this package calls (its functions may read
+    other arguments: ABI 1 read 12 operand dims where this package passes 15)."""
+    from ._version import __abi_version__
+
+    found = int(lib.mucudnnGetAbiVersion())
+    if found != __abi_version__:
+        raise MucudnnError(
+            f"{path.resolve()} implements mucudnn's C ABI version {found}, but this package "
+            f"calls version {__abi_version__}: install the package and its library from one "
+            "build (or point MUCUDNN_LIBRARY at a matching library)",
+            "NOT_AVAILABLE",
+        )
+
+
 def library() -> ctypes.CDLL:
     """The loaded library (loaded on first use; see the module docs for which libcudnn)."""
     global _library, _library_path, _runtime_folder
@@ -230,6 +245,7 @@ def library() -> ctypes.CDLL:
                 folder = None  # no writable cache: mucudnn finds cuDNN by its own search
             lib = ctypes.CDLL(str(path))
             _declare(lib)
+            _check_abi(lib, path)
             _library, _library_path, _runtime_folder = lib, path, folder
         return _library
 

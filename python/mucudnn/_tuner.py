@@ -65,10 +65,22 @@ def problem(
     dtype: str = "fp32",
     layout: str = "nchw",
     math: str = "default",
+    d: Optional[int] = None,
+    t: Optional[int] = None,
 ) -> Dict[str, Any]:
     """A convolution problem as the C ABI reads it (docs/PROFILE_FORMAT.md, "problem");
-    ``math`` is cuDNN's math mode (``"default"``, or ``"fma"``: no tensor cores, no TF32)."""
-    return {
+    ``math`` is cuDNN's math mode (``"default"``, or ``"fma"``: no tensor cores, no TF32).
+
+    A 3-D problem gives the input depth ``d`` and the filter depth ``t``, and ``padding``,
+    ``stride`` and ``dilation`` as three values (depth, height, width); a 2-D one leaves ``d``
+    and ``t`` out and gives two. A 1-D problem is 2-D with ``h = r = 1``."""
+    spatial = 2 if d is None and t is None else 3
+    for name, value in (("padding", padding), ("stride", stride), ("dilation", dilation)):
+        if len(value) != spatial:
+            raise ValueError(
+                f"a {spatial}-D problem takes {spatial} {name} values, not {list(value)}"
+            )
+    doc = {
         "n": int(n),
         "c": int(c),
         "h": int(h),
@@ -76,36 +88,61 @@ def problem(
         "k": int(k),
         "r": int(r),
         "s": int(s),
-        "pad_h": int(padding[0]),
-        "pad_w": int(padding[1]),
-        "stride_h": int(stride[0]),
-        "stride_w": int(stride[1]),
-        "dilation_h": int(dilation[0]),
-        "dilation_w": int(dilation[1]),
+        "pad_h": int(padding[-2]),
+        "pad_w": int(padding[-1]),
+        "stride_h": int(stride[-2]),
+        "stride_w": int(stride[-1]),
+        "dilation_h": int(dilation[-2]),
+        "dilation_w": int(dilation[-1]),
         "groups": int(groups),
         "dtype": dtype,
         "layout": layout,
         "math": math,
     }
+    if spatial == 3:
+        doc.update(
+            d=int(1 if d is None else d),
+            t=int(1 if t is None else t),
+            pad_d=int(padding[0]),
+            stride_d=int(stride[0]),
+            dilation_d=int(dilation[0]),
+        )
+    return doc
 
 
-Dims = Tuple[int, int, int, int]
+#: An operand's dims: (N, C, H, W) or (N, C, D, H, W); a filter (K, C/groups[, T], R, S).
+Dims = Tuple[int, ...]
+
+
+def _five(shape: Sequence[int]) -> Tuple[int, int, int, int, int]:
+    """``shape`` as the C ABI's five dims: a 2-D (4-value) shape gains a unit depth."""
+    if len(shape) == 4:
+        return (int(shape[0]), int(shape[1]), 1, int(shape[2]), int(shape[3]))
+    if len(shape) == 5:
+        return tuple(int(v) for v in shape)  # type: ignore[return-value]
+    raise ValueError(f"an operand has 4 dims (2-D) or 5 (3-D), not {list(shape)}")
 
 
 def operand_extents(
     op: int, x: Sequence[int], w: Sequence[int], y: Sequence[int], itemsize: int
 ) -> Tuple[Any, Any]:
     """What :meth:`Tuner.execute` passes for ``op``'s operands ``a``, ``b``, ``out``: their
-    dims (N, C, H, W; a filter K, C/groups, R, S) as 12 ``int64`` and their bytes as 3
-    ``uint64``, from the input ``x``, filter ``w`` and output ``y`` dims (the C ABI checks them
-    against the plan before it reads a pointer). Build them once per shape: ctypes arrays are
-    slow to make and fast to pass."""
+    dims as 15 ``int64`` (N, C, D, H, W each; a filter K, C/groups, T, R, S; a 2-D shape of
+    four values gets D = T = 1) and their bytes as 3 ``uint64``, from the input ``x``, filter
+    ``w`` and output ``y`` dims (the C ABI checks them against the plan before it reads a
+    pointer). Build them once per shape: ctypes arrays are slow to make and fast to pass."""
     roles = {FORWARD: (x, w, y), BACKWARD_DATA: (w, y, x), BACKWARD_FILTER: (x, y, w)}[op]
-    dims = (ctypes.c_int64 * 12)(*(int(d) for shape in roles for d in shape))
-    nbytes = (ctypes.c_uint64 * 3)(
-        *(itemsize * shape[0] * shape[1] * shape[2] * shape[3] for shape in roles)
-    )
+    five = [_five(shape) for shape in roles]
+    dims = (ctypes.c_int64 * 15)(*(d for shape in five for d in shape))
+    nbytes = (ctypes.c_uint64 * 3)(*(itemsize * _product(shape) for shape in five))
     return dims, nbytes
+
+
+def _product(values: Sequence[int]) -> int:
+    result = 1
+    for v in values:
+        result *= v
+    return result
 
 
 @dataclass

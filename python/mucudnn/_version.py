@@ -3,3 +3,8 @@ version``) and the C library's (``mucudnnGetVersion``); tests/versions.rs checks
 agree, and pyproject.toml reads it from here."""
 
 __version__ = "0.1.0"
+
+#: The C ABI this package calls (``MUCUDNN_ABI_VERSION`` of include/mucudnn.h; tests/versions.rs
+#: checks that they agree). A library of another ABI version is refused when it is loaded: its
+#: functions may take other arguments (version 2: 15 operand dims in mucudnnTunerExecute).
+__abi_version__ = 2

@@ -55,7 +55,7 @@ def run_forward(tuner, prepared, x, w, out):
 def test_version_and_library():
     # The loaded library is the package's own build, and says its version as the package does.
     assert mucudnn.version() == mucudnn.__version__
-    assert mucudnn.abi_version() >= 1
+    assert mucudnn.abi_version() == mucudnn.__abi_version__ == 2
     assert mucudnn.library_path().name == "libmucudnn.so"
 
 
@@ -79,7 +79,7 @@ def test_tune_prepare_execute_matches_reference():
     # Operands of other shapes than the plan's are refused before a pointer is read.
     small = np.zeros((1, 4, 9, 8), dtype=np.float32)
     out[...] = 7.0
-    with pytest.raises(MucudnnError, match=r"x is \[1, 4, 9, 8\] but the plan is for \[3, 4, 9, 8\]"):
+    with pytest.raises(MucudnnError, match=r"x is \[1, 4, 1, 9, 8\] but the plan is for \[3, 4, 1, 9, 8\]"):
         run_forward(tuner, prepared, small, w, out)
     half = x.astype(np.float16)
     dims, _ = operand_extents(0, x.shape, w.shape, out.shape, 4)
@@ -172,3 +172,31 @@ def test_gpu_tuner_without_gpu_is_not_available():
         assert e.status == "NOT_AVAILABLE", e
     else:  # a machine with a GPU: nothing to check here
         pass
+
+
+def test_a_library_of_another_abi_version_is_refused(monkeypatch):
+    from mucudnn import _lib, _version
+
+    lib = _lib.library()
+    _lib._check_abi(lib, _lib.library_path())  # the loaded one is this package's
+    monkeypatch.setattr(_version, "__abi_version__", 1)
+    with pytest.raises(MucudnnError, match="C ABI version 2, but this package calls version 1"):
+        _lib._check_abi(lib, _lib.library_path())
+
+
+def test_operand_extents_give_five_dims_per_operand():
+    # 2-D shapes gain a unit depth; 3-D ones pass as they are; in the op's operand order.
+    dims, nbytes = operand_extents(1, (2, 3, 5, 6, 7), (4, 3, 3, 2, 2), (2, 4, 3, 5, 6), 2)
+    assert list(dims) == [4, 3, 3, 2, 2, 2, 4, 3, 5, 6, 2, 3, 5, 6, 7]
+    assert list(nbytes) == [2 * 4 * 3 * 12, 2 * 2 * 4 * 90, 2 * 2 * 3 * 210]
+    dims, _ = operand_extents(0, (2, 3, 5, 6), (4, 3, 2, 2), (2, 4, 4, 5), 4)
+    assert list(dims) == [2, 3, 1, 5, 6, 4, 3, 1, 2, 2, 2, 4, 1, 4, 5]
+    with pytest.raises(ValueError, match="4 dims .* or 5"):
+        operand_extents(0, (2, 3, 5), (4, 3, 2), (2, 4, 4), 4)
+    spec = problem(n=1, c=2, h=3, w=4, k=5, r=1, s=1, d=6, t=3, padding=(1, 0, 0),
+                   stride=(2, 1, 1), dilation=(1, 1, 1))
+    assert (spec["d"], spec["t"], spec["pad_d"], spec["stride_d"], spec["dilation_d"]) == (
+        6, 3, 1, 2, 1)
+    assert "d" not in problem(n=1, c=2, h=3, w=4, k=5, r=1, s=1)
+    with pytest.raises(ValueError, match="3-D problem takes 3 padding values"):
+        problem(n=1, c=2, h=3, w=4, k=5, r=1, s=1, d=2, t=1)

@@ -107,7 +107,7 @@ pub const MUCUDNN_VERSION: u32 = 100;
 /// The version of the C ABI this header describes: raised when a function's signature or a
 /// struct's layout changes incompatibly, independent of the package version (compare with
 /// mucudnnGetAbiVersion()).
-pub const MUCUDNN_ABI_VERSION: u32 = 1;
+pub const MUCUDNN_ABI_VERSION: u32 = 2;
 
 /// The mucudnnOptions_t layout this header describes.
 pub const MUCUDNN_OPTIONS_VERSION: u32 = 1;
@@ -1273,8 +1273,9 @@ pub extern "C" fn mucudnnTunerRelease(tuner: mucudnnTuner_t, plan_set: u64) -> m
 /// memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's
 /// workspace_bytes_out[op] bytes, 16-byte aligned (NULL with 0 bytes when none is needed).
 ///
-/// `operand_dims` (12 values) gives the dims of `a`, `b` and `out` in that order, each as
-/// N, C, H, W (a filter as K, C/groups, R, S) whatever the layout, and `operand_bytes` (3
+/// `operand_dims` (15 values) gives the dims of `a`, `b` and `out` in that order, each as
+/// N, C, D, H, W (a filter as K, C/groups, T, R, S; D = T = 1 for a 2-D problem, and a 1-D one
+/// is 2-D with H = R = 1) whatever the layout, and `operand_bytes` (3
 /// values) the bytes each buffer holds from its pointer on. They are checked against the
 /// plan's problem before any pointer is read: dims other than the roles' in the prepared
 /// problem, or a buffer smaller than its role's elements in the problem's dtype, is
@@ -1285,7 +1286,7 @@ pub extern "C" fn mucudnnTunerRelease(tuner: mucudnnTuner_t, plan_set: u64) -> m
 ///
 /// `a`, `b` and `out` point to at least `operand_bytes[i]` bytes each (host memory on a CPU
 /// tuner, device memory of its GPU otherwise), readable, `out` writable and overlapping
-/// neither input; `operand_dims` is NULL (an error) or points to 12 readable int64_t and
+/// neither input; `operand_dims` is NULL (an error) or points to 15 readable int64_t and
 /// `operand_bytes` is NULL (an error) or points to 3 readable uint64_t; `workspace` is NULL
 /// with `workspace_bytes` 0, or `workspace_bytes` writable bytes of the same kind of memory;
 /// on a GPU all of it stays allocated until the work queued on `stream` has finished, and
@@ -1315,20 +1316,15 @@ pub unsafe extern "C" fn mucudnnTunerExecute(
         if operand_bytes.is_null() {
             return Err(invalid("operand_bytes is NULL"));
         }
-        // SAFETY: non-null, and 12 and 3 readable values (this function's contract).
+        // SAFETY: non-null, and 15 and 3 readable values (this function's contract).
         let (dims, bytes) = unsafe {
             (
-                operand_dims.cast::<[i64; 12]>().read_unaligned(),
+                operand_dims.cast::<[i64; 15]>().read_unaligned(),
                 operand_bytes.cast::<[u64; 3]>().read_unaligned(),
             )
         };
         let operands: [tuner::OperandExtent; 3] = std::array::from_fn(|i| tuner::OperandExtent {
-            dims: [
-                dims[4 * i],
-                dims[4 * i + 1],
-                dims[4 * i + 2],
-                dims[4 * i + 3],
-            ],
+            dims: std::array::from_fn(|j| dims[5 * i + j]),
             bytes: bytes[i],
         });
         with_tuner(tuner, |t| {

@@ -506,9 +506,10 @@ fn tuner_execute_checks_operands_against_the_plan() {
     let x: Vec<f32> = (0..36).map(|i| i as f32).collect();
     let w: Vec<f32> = vec![1.0, 0.0, 0.5, 2.0]; // y0 = x0, y1 = 0.5 x0 + 2 x1
     let mut y = vec![f32::NAN; 36];
-    let dims: [i64; 12] = [2, 2, 3, 3, 2, 2, 1, 1, 2, 2, 3, 3];
+    // N, C, D, H, W per operand (a filter K, C/groups, T, R, S); D = T = 1 in 2-D.
+    let dims: [i64; 15] = [2, 2, 1, 3, 3, 2, 2, 1, 1, 1, 2, 2, 1, 3, 3];
     let bytes: [u64; 3] = [36 * 4, 4 * 4, 36 * 4];
-    let mut execute = |y: &mut Vec<f32>, dims: &[i64; 12], bytes: &[u64; 3]| {
+    let mut execute = |y: &mut Vec<f32>, dims: &[i64; 15], bytes: &[u64; 3]| {
         // SAFETY: x, w and y hold the byte counts `bytes` claims or more (the wrong-shape
         // calls below claim less or other dims, and must be refused before reading).
         unsafe {
@@ -540,20 +541,24 @@ fn tuner_execute_checks_operands_against_the_plan() {
     }
     // A weight of another shape (pruned to one filter), an input with a larger batch, an
     // output of another size, a buffer too small for its role: refused, nothing written.
-    let mut cases: Vec<([i64; 12], [u64; 3], &str)> = Vec::new();
+    let mut cases: Vec<([i64; 15], [u64; 3], &str)> = Vec::new();
     let mut pruned = dims;
-    pruned[4] = 1;
+    pruned[5] = 1;
     cases.push((
         pruned,
         bytes,
-        "w is [1, 2, 1, 1] but the plan is for [2, 2, 1, 1]",
+        "w is [1, 2, 1, 1, 1] but the plan is for [2, 2, 1, 1, 1]",
     ));
     let mut bigger = dims;
     bigger[0] = 4;
-    cases.push((bigger, bytes, "x is [4, 2, 3, 3]"));
+    cases.push((bigger, bytes, "x is [4, 2, 1, 3, 3]"));
     let mut strided = dims;
-    (strided[10], strided[11]) = (2, 2);
-    cases.push((strided, bytes, "y is [2, 2, 2, 2]"));
+    (strided[13], strided[14]) = (2, 2);
+    cases.push((strided, bytes, "y is [2, 2, 1, 2, 2]"));
+    // The same numbers as a 3-D operand (depth 3, unit height): another shape.
+    let mut deep = dims;
+    (deep[2], deep[3]) = (3, 1);
+    cases.push((deep, bytes, "x is [2, 2, 3, 1, 3]"));
     cases.push((dims, [36 * 2, 16, 36 * 4], "x holds 72 bytes"));
     cases.push((dims, [36 * 4, 16, 35 * 4], "y holds 140 bytes"));
     for (dims, bytes, message) in cases {
@@ -587,6 +592,65 @@ fn tuner_execute_checks_operands_against_the_plan() {
         assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
         assert!(last_error().contains("operand_dims is NULL"));
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
+    }
+}
+
+/// A 3-D problem's operands are checked in all five dims, per op and role: depth (D) and
+/// filter depth (T) count, the 2-D reading of the same numbers (D = T = 1) is refused, and the
+/// byte count includes the depth.
+#[test]
+fn check_operands_reads_the_depth_of_a_3d_problem() {
+    use crate::solver::{Algo, MicroBatch, Plan};
+    // 2 x 3 x 5 x 6 x 7 input, 4 filters of 3 x 3 x 2 x 2, depth padded and strided:
+    // output depth (5 + 2 - 3) / 2 + 1 = 3, height 6 - 2 + 1 = 5, width 7 - 2 + 1 = 6.
+    let mut problem = ConvProblem::new_3d(2, 3, 5, 6, 7, 4, 3, 2, 2);
+    (problem.pad_d, problem.stride_d) = (1, 2);
+    problem.validate().unwrap();
+    assert_eq!(problem.output_dims(), [2, 4, 3, 5, 6]);
+    let x = [2, 3, 5, 6, 7];
+    let w = [4, 3, 3, 2, 2];
+    let y = [2, 4, 3, 5, 6];
+    let bytes = |dims: [i64; 5]| dims.iter().product::<i64>() as u64 * 4;
+    let extent = |dims: [i64; 5]| tuner::OperandExtent {
+        dims,
+        bytes: bytes(dims),
+    };
+    for (op, roles) in [
+        (ConvOp::Forward, [x, w, y]),
+        (ConvOp::BackwardData, [w, y, x]),
+        (ConvOp::BackwardFilter, [x, y, w]),
+    ] {
+        let plan = Plan {
+            layer: "deep".into(),
+            problem,
+            op,
+            micro_batches: vec![MicroBatch {
+                size: 2,
+                algo: Algo::Legacy(0),
+                workspace_bytes: 0,
+                time_ms: 1.0,
+            }],
+        };
+        let operands = roles.map(extent);
+        tuner::check_operands(&plan, &operands).unwrap();
+        for role in 0..3 {
+            // The 2-D reading (depths folded to 1) of each operand, then a buffer one element
+            // short of its depth-including size: refused, naming the operand.
+            let mut flat = operands;
+            flat[role].dims[2] = 1;
+            let error = tuner::check_operands(&plan, &flat).unwrap_err().to_string();
+            assert!(error.contains("but the plan is for"), "{op}: {error}");
+            assert!(error.contains(&format!("{:?}", roles[role])), "{error}");
+            let mut short = operands;
+            short[role].bytes -= 4;
+            let error = tuner::check_operands(&plan, &short)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                error.contains(&format!("holds {} bytes", bytes(roles[role]) - 4)),
+                "{error}"
+            );
+        }
     }
 }
 

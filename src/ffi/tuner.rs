@@ -31,8 +31,8 @@ use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::solver::{
-    operand_roles, AlgoNames, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Operand,
-    Plan, Policy,
+    operand_roles, AlgoNames, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan,
+    Policy,
 };
 use crate::tune::{
     jobs_for, measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,
@@ -654,28 +654,13 @@ impl Drop for Tuner {
     }
 }
 
-/// What the caller says one operand of [`Tuner::execute`] is: its dims in NCHW order
-/// (`n, c, h, w`; a filter `k, c/groups, r, s`), whatever its layout, and the bytes its buffer
-/// holds from the pointer on.
+/// What the caller says one operand of [`Tuner::execute`] is: its dims in NCDHW order
+/// (`n, c, d, h, w`; a filter `k, c/groups, t, r, s`; `d = t = 1` for a 2-D problem),
+/// whatever its layout, and the bytes its buffer holds from the pointer on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OperandExtent {
-    pub dims: [i64; 4],
+    pub dims: [i64; 5],
     pub bytes: u64,
-}
-
-/// The dims of `role` in `problem` (NCHW order, whatever the layout).
-fn role_dims(problem: &ConvProblem, role: Operand) -> [i64; 4] {
-    let (p, q) = problem.output_hw();
-    match role {
-        Operand::Input => [problem.n, problem.c, problem.h, problem.w],
-        Operand::Filter => [
-            problem.k,
-            problem.c / problem.groups.max(1),
-            problem.r,
-            problem.s,
-        ],
-        Operand::Output => [problem.n, problem.k, p, q],
-    }
 }
 
 /// Checks the caller's operands against `plan`: each one's dims are exactly its role's in the
@@ -691,7 +676,7 @@ pub fn check_operands(plan: &Plan, operands: &[OperandExtent; 3]) -> Result<(), 
     };
     let element = problem.dtype.size_bytes() as u64;
     for ((role, name), given) in operand_roles(plan.op).into_iter().zip(names).zip(operands) {
-        let expected = role_dims(problem, role);
+        let expected = role.dims(problem);
         if given.dims != expected {
             return Err(invalid(format!(
                 "{} {}: {name} is {:?} but the plan is for {:?} (a plan runs only over the \

@@ -308,19 +308,20 @@ static void test_tuner_execute(void) {
         x[i] = (float)i;
         y[i] = -1.0f;
     }
-    int64_t dims[12] = {2, 2, 3, 3, 2, 2, 1, 1, 2, 2, 3, 3};
+    /* N, C, D, H, W per operand (a filter K, C/groups, T, R, S); D = T = 1 in 2-D. */
+    int64_t dims[15] = {2, 2, 1, 3, 3, 2, 2, 1, 1, 1, 2, 2, 1, 3, 3};
     uint64_t bytes[3] = {sizeof x, sizeof w, sizeof y};
     CHECK_STATUS(mucudnnTunerExecute(tuner, set, MUCUDNN_OP_FORWARD, 1.0f, x, w, 0.0f, y, dims,
                                      bytes, workspace, workspace_bytes[0], NULL),
                  MUCUDNN_STATUS_SUCCESS);
     CHECK(y[0] == 0.0f && y[9] == 0.5f * 0.0f + 2.0f * 9.0f && y[18 + 4] == 22.0f);
     /* A pruned weight (one filter) against the plan for two; a buffer too small for x. */
-    int64_t pruned[12] = {2, 2, 3, 3, 1, 2, 1, 1, 2, 2, 3, 3};
+    int64_t pruned[15] = {2, 2, 1, 3, 3, 1, 2, 1, 1, 1, 2, 2, 1, 3, 3};
     y[0] = -7.0f;
     CHECK_STATUS(mucudnnTunerExecute(tuner, set, MUCUDNN_OP_FORWARD, 1.0f, x, w, 0.0f, y, pruned,
                                      bytes, workspace, workspace_bytes[0], NULL),
                  MUCUDNN_STATUS_INVALID_ARGUMENT);
-    CHECK(contains(mucudnnGetLastError(), "c.tiny fwd: w is [1, 2, 1, 1]"));
+    CHECK(contains(mucudnnGetLastError(), "c.tiny fwd: w is [1, 2, 1, 1, 1]"));
     uint64_t small[3] = {sizeof x / 2, sizeof w, sizeof y};
     CHECK_STATUS(mucudnnTunerExecute(tuner, set, MUCUDNN_OP_FORWARD, 1.0f, x, w, 0.0f, y, dims,
                                      small, workspace, workspace_bytes[0], NULL),

@@ -1,36 +1,73 @@
-"""mucudnn for PyTorch: a drop-in ``Conv2d`` whose convolutions are micro-batched within a
-workspace limit, tuned once per device and shape through a persistent cache.
+"""mucudnn for PyTorch: drop-ins for ``torch.nn``'s convolution layers (1-D, 2-D, 3-D and
+transposed) whose convolutions are micro-batched within a workspace limit, tuned once per
+device and shape through a persistent cache.
 
 >>> import mucudnn.torch as mt
->>> model = mt.convert_(model, workspace_limit="64MiB")  # every nn.Conv2d, in place
+>>> model = mt.convert_(model, workspace_limit="64MiB")  # every nn.Conv*d, in place
 >>> mt.tune(model, example_batch)                          # optional; dealt over DDP ranks
 
-- :class:`Conv2d`: ``torch.nn.Conv2d`` plus keyword-only mucudnn options.
-- :func:`convert_`: swap every ``nn.Conv2d`` of a model (parameters shared).
+- :class:`Conv1d`, :class:`Conv2d`, :class:`Conv3d`, :class:`ConvTranspose1d`,
+  :class:`ConvTranspose2d`, :class:`ConvTranspose3d`: the ``torch.nn`` layers plus keyword-only
+  mucudnn options (same constructors and ``state_dict``). 1-D layers run as 2-D with a unit
+  height; a transposed layer runs its convolution problem's backward-data, so its three passes
+  share that problem's plans; ``channels_last_3d`` runs as NDHWC.
+- :func:`convert_`: swap the ``torch.nn`` layers of a model (parameters shared); ``kinds``
+  chooses which (``"conv1d"``, ``"conv2d"``, ``"conv3d"``, ``"conv_transpose1d"``,
+  ``"conv_transpose2d"``, ``"conv_transpose3d"``; default all).
 - :func:`tune`: tune ahead of the first step (returns a :class:`TuneSummary`); under
   ``torch.distributed`` the measuring is dealt out over the ranks and every rank runs
   identical plans. Without it each layer tunes a new input shape on first use and says so on
   stderr (``MUCUDNN_QUIET=1`` silences that line).
 - ``conv.plans``: a :class:`Plans` mapping of input shapes to :class:`PlanReport`, printed
   as a table.
-- The ops ``torch.ops.mucudnn.conv2d``, ``conv2d_backward_data`` and
-  ``conv2d_backward_filter`` (``torch.library.define``/``impl`` with fake and autograd
-  registrations; ``torch.compile`` compatible).
+- The ops ``torch.ops.mucudnn.conv2d``, ``conv2d_backward_data``, ``conv2d_backward_filter``,
+  ``conv_transpose2d`` and their ``3d`` twins (``torch.library.define``/``impl`` with fake and
+  autograd registrations; ``torch.compile`` compatible).
 """
 
-from ._layer import Conv2d, convert_, parse_size
-from ._ops import conv2d, conv2d_backward_data, conv2d_backward_filter
+from ._layer import (
+    KINDS,
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    convert_,
+    parse_size,
+)
+from ._ops import (
+    conv2d,
+    conv2d_backward_data,
+    conv2d_backward_filter,
+    conv3d,
+    conv3d_backward_data,
+    conv3d_backward_filter,
+    conv_transpose2d,
+    conv_transpose3d,
+)
 from ._runtime import PlanReport, Plans
 from ._tune import TuneSummary, tune
 
 __all__ = [
+    "Conv1d",
     "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "KINDS",
     "PlanReport",
     "Plans",
     "TuneSummary",
     "conv2d",
     "conv2d_backward_data",
     "conv2d_backward_filter",
+    "conv3d",
+    "conv3d_backward_data",
+    "conv3d_backward_filter",
+    "conv_transpose2d",
+    "conv_transpose3d",
     "convert_",
     "parse_size",
     "tune",

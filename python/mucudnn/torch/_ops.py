@@ -1,24 +1,34 @@
-"""The custom ops ``mucudnn::conv2d``, ``mucudnn::conv2d_backward_data`` and
-``mucudnn::conv2d_backward_filter`` (``torch.library.define`` and ``impl``), with fake (meta)
-implementations for ``torch.compile`` and autograd formulas (``register_autograd``), as
-torchvision registers its ops.
+"""The custom ops (``torch.library.define`` and ``impl``), with fake (meta) implementations for
+``torch.compile`` and autograd formulas (``register_autograd``), as torchvision registers its
+ops. For 2 and 3 spatial dims (4-D and 5-D tensors; 1-D layers run the 2-D ops with a unit
+height), from one code path:
+
+- ``mucudnn::conv2d`` / ``conv3d``: ``y = conv(input, weight) + bias``;
+- ``mucudnn::conv2d_backward_data`` / ``conv3d_backward_data``: the input gradient;
+- ``mucudnn::conv2d_backward_filter`` / ``conv3d_backward_filter``: the weight gradient;
+- ``mucudnn::conv_transpose2d`` / ``conv_transpose3d``: the transposed convolution, run as the
+  backward-data of its convolution problem; its gradients are the convolution ops (forward for
+  the input, backward-filter with the roles of x and dy swapped for the weight), so all three
+  share that problem's plans.
 
 Every op takes the geometry as arguments and the layer's configuration last, as a string of
 plain values (``_runtime.config_text``: name, tuning settings, cache), so a graph that holds
 these ops means the same thing in every process. The backward ops take the forward input and
 the weight (one of them only for its shape) and are linear in the others, so their own
-gradients are the three ops again: double backward works too. The fake (meta) implementations
+gradients are the ops again: double backward works too. The fake (meta) implementations
 check operand agreement as the real ones do, so a mismatch fails at trace time with the same
 message.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from types import SimpleNamespace
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
+from .._tuner import BACKWARD_DATA, BACKWARD_FILTER
 from . import _autocast, _runtime
 
 
@@ -30,30 +40,183 @@ def _empty_like_layout(input: Tensor, shape) -> Tensor:
 
 
 _ARGS = "int[] stride, int[] padding, int[] dilation, int groups, str config"
-torch.library.define(
-    "mucudnn::conv2d", f"(Tensor input, Tensor weight, Tensor? bias, {_ARGS}) -> Tensor"
-)
-torch.library.define(
-    "mucudnn::conv2d_backward_data",
-    f"(Tensor grad_output, Tensor input, Tensor weight, {_ARGS}) -> Tensor",
-)
-torch.library.define(
-    "mucudnn::conv2d_backward_filter",
-    f"(Tensor grad_output, Tensor input, Tensor weight, {_ARGS}) -> Tensor",
+_TRANSPOSED_ARGS = (
+    "int[] stride, int[] padding, int[] output_padding, int[] dilation, int groups, str config"
 )
 
-# torch.library's define/impl, not custom_op: the same schema, fake and autograd registration,
-# with about 5 us less dispatch per call (the per-call overhead, docs/pytorch.md).
-torch.library.impl("mucudnn::conv2d", ("cpu", "cuda"))(_runtime.forward_op)
-torch.library.impl("mucudnn::conv2d_backward_data", ("cpu", "cuda"))(_runtime.backward_data_op)
-torch.library.impl("mucudnn::conv2d_backward_filter", ("cpu", "cuda"))(
-    _runtime.backward_filter_op
-)
+#: Per spatial dims (2, 3): the ops' overloads, as the layers and the autograd formulas call them
+#: (``conv``, ``backward_data``, ``backward_filter``, ``transpose``).
+OPS: Dict[int, SimpleNamespace] = {}
 
-#: The ops' overloads, as the layer and the autograd formulas call them.
-conv2d_op = torch.ops.mucudnn.conv2d.default
-backward_data_op = torch.ops.mucudnn.conv2d_backward_data.default
-backward_filter_op = torch.ops.mucudnn.conv2d_backward_filter.default
+
+def _name_of(config: str) -> str:
+    return _runtime.config_for(config).name
+
+
+def _reduced_dims(spatial: int):
+    return (0,) + tuple(range(2, 2 + spatial))
+
+
+def _register(spatial: int) -> SimpleNamespace:
+    """Defines, implements and registers the four ops of ``spatial`` dims."""
+    conv_name = f"mucudnn::conv{spatial}d"
+    data_name = f"{conv_name}_backward_data"
+    filter_name = f"{conv_name}_backward_filter"
+    transpose_name = f"mucudnn::conv_transpose{spatial}d"
+    torch.library.define(conv_name, f"(Tensor input, Tensor weight, Tensor? bias, {_ARGS}) -> Tensor")
+    torch.library.define(
+        data_name, f"(Tensor grad_output, Tensor input, Tensor weight, {_ARGS}) -> Tensor"
+    )
+    torch.library.define(
+        filter_name, f"(Tensor grad_output, Tensor input, Tensor weight, {_ARGS}) -> Tensor"
+    )
+    torch.library.define(
+        transpose_name,
+        f"(Tensor input, Tensor weight, Tensor? bias, {_TRANSPOSED_ARGS}) -> Tensor",
+    )
+    # torch.library's define/impl, not custom_op: the same schema, fake and autograd
+    # registration, with about 5 us less dispatch per call (the per-call overhead,
+    # docs/pytorch.md).
+    devices = ("cpu", "cuda")
+    torch.library.impl(conv_name, devices)(_runtime.forward_op(spatial))
+    torch.library.impl(data_name, devices)(_runtime.backward_op(BACKWARD_DATA, spatial))
+    torch.library.impl(filter_name, devices)(_runtime.backward_op(BACKWARD_FILTER, spatial))
+    torch.library.impl(transpose_name, devices)(_runtime.transposed_op(spatial))
+
+    ops = SimpleNamespace(
+        conv=getattr(torch.ops.mucudnn, f"conv{spatial}d").default,
+        backward_data=getattr(torch.ops.mucudnn, f"conv{spatial}d_backward_data").default,
+        backward_filter=getattr(torch.ops.mucudnn, f"conv{spatial}d_backward_filter").default,
+        transpose=getattr(torch.ops.mucudnn, f"conv_transpose{spatial}d").default,
+    )
+
+    def check(config, input, weight, bias, stride, padding, dilation, groups, grad_output=None):
+        _runtime.check_operands(
+            _name_of(config), spatial, input, weight, bias, stride, padding, dilation, groups,
+            grad_output=grad_output,
+        )
+
+    @torch.library.register_fake(conv_name)
+    def _conv_fake(input, weight, bias, stride, padding, dilation, groups, config):
+        check(config, input, weight, bias, stride, padding, dilation, groups)
+        out = _runtime.output_size(input.shape[2:], weight.shape[2:], stride, padding, dilation)
+        return _empty_like_layout(input, (input.shape[0], weight.shape[0]) + out)
+
+    @torch.library.register_fake(data_name)
+    def _backward_data_fake(grad_output, input, weight, stride, padding, dilation, groups, config):
+        check(config, input, weight, None, stride, padding, dilation, groups, grad_output)
+        return _empty_like_layout(input, input.shape)
+
+    @torch.library.register_fake(filter_name)
+    def _backward_filter_fake(
+        grad_output, input, weight, stride, padding, dilation, groups, config
+    ):
+        check(config, input, weight, None, stride, padding, dilation, groups, grad_output)
+        return _empty_like_layout(input, weight.shape)
+
+    @torch.library.register_fake(transpose_name)
+    def _transpose_fake(
+        input, weight, bias, stride, padding, output_padding, dilation, groups, config
+    ):
+        shape = _runtime.check_transposed(
+            _name_of(config), spatial, input, weight, bias, stride, padding, output_padding,
+            dilation, groups,
+        )
+        return _empty_like_layout(input, shape)
+
+    def conv_setup(ctx, inputs, output):
+        input, weight, bias, stride, padding, dilation, groups, config = inputs
+        ctx.has_bias = bias is not None
+        ctx.geometry = (stride, padding, dilation, groups, config)
+        ctx.save_for_backward(input, weight)
+
+    def conv_backward(ctx, grad):
+        input, weight = ctx.saved_tensors
+        geometry = ctx.geometry
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = ops.backward_data(grad, input, weight, *geometry)
+        if ctx.needs_input_grad[1]:
+            grad_weight = ops.backward_filter(grad, input, weight, *geometry)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(dim=_reduced_dims(spatial))
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+    def backward_setup(ctx, inputs, output):
+        grad_output, input, weight = inputs[0], inputs[1], inputs[2]
+        ctx.geometry = tuple(inputs[3:])
+        ctx.save_for_backward(grad_output, input, weight)
+
+    def backward_data_backward(ctx, grad):
+        # dx = conv_transpose(dy, w) is linear in dy and in w:
+        # d/d(dy) applied to grad is conv(grad, w); d/dw is the filter gradient of (grad, dy).
+        grad_output, input, weight = ctx.saved_tensors
+        geometry = ctx.geometry
+        grad_grad_output = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_grad_output = ops.conv(grad, weight, None, *geometry)
+        if ctx.needs_input_grad[2]:
+            grad_weight = ops.backward_filter(grad_output, grad, weight, *geometry)
+        return grad_grad_output, None, grad_weight, None, None, None, None, None
+
+    def backward_filter_backward(ctx, grad):
+        # dw = correlate(x, dy) is linear in x and in dy:
+        # d/d(dy) applied to grad is conv(x, grad); d/dx is the data gradient of (dy, grad).
+        grad_output, input, weight = ctx.saved_tensors
+        geometry = ctx.geometry
+        grad_grad_output = grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_grad_output = ops.conv(input, grad, None, *geometry)
+        if ctx.needs_input_grad[1]:
+            grad_input = ops.backward_data(grad_output, input, grad, *geometry)
+        return grad_grad_output, grad_input, None, None, None, None, None, None
+
+    def transpose_setup(ctx, inputs, output):
+        input, weight, bias, stride, padding, _output_padding, dilation, groups, config = inputs
+        ctx.has_bias = bias is not None
+        # The convolution problem's geometry: output_padding only sized the output.
+        ctx.geometry = (stride, padding, dilation, groups, config)
+        ctx.save_for_backward(input, weight)
+
+    def transpose_backward(ctx, grad):
+        # y = conv_transpose(x, w) is the convolution's data gradient with dy = x: its input
+        # gradient is conv(grad_y, w), its weight gradient the convolution's filter gradient
+        # with x_conv = grad_y and dy_conv = x.
+        input, weight = ctx.saved_tensors
+        geometry = ctx.geometry
+        # In the input's memory format, as the forward ran: the same problem, one plan set.
+        grad = grad.contiguous(memory_format=_runtime.memory_format(input))
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = ops.conv(grad, weight, None, *geometry)
+        if ctx.needs_input_grad[1]:
+            grad_weight = ops.backward_filter(input, grad, weight, *geometry)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(dim=_reduced_dims(spatial))
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+    torch.library.register_autograd(conv_name, conv_backward, setup_context=conv_setup)
+    torch.library.register_autograd(
+        data_name, backward_data_backward, setup_context=backward_setup
+    )
+    torch.library.register_autograd(
+        filter_name, backward_filter_backward, setup_context=backward_setup
+    )
+    torch.library.register_autograd(
+        transpose_name, transpose_backward, setup_context=transpose_setup
+    )
+    # Under torch.autocast the ops run in the autocast dtype, as nn.Conv2d does (see _autocast).
+    _autocast.register([conv_name, data_name, filter_name, transpose_name])
+    return ops
+
+
+for _spatial in (2, 3):
+    OPS[_spatial] = _register(_spatial)
+
+#: The 2-D ops' overloads (the names earlier versions exported).
+conv2d_op = OPS[2].conv
+backward_data_op = OPS[2].backward_data
+backward_filter_op = OPS[2].backward_filter
 
 
 def conv2d(
@@ -67,8 +230,8 @@ def conv2d(
     config: str,
 ) -> Tensor:
     """``y = conv(input, weight) + bias``, tuned and executed by mucudnn (the op
-    ``torch.ops.mucudnn.conv2d``)."""
-    return conv2d_op(input, weight, bias, stride, padding, dilation, groups, config)
+    ``torch.ops.mucudnn.conv2d``; ``conv3d`` for 5-D tensors)."""
+    return OPS[2].conv(input, weight, bias, stride, padding, dilation, groups, config)
 
 
 def conv2d_backward_data(
@@ -82,7 +245,9 @@ def conv2d_backward_data(
     config: str,
 ) -> Tensor:
     """The gradient of ``conv2d`` with respect to its input (``input`` gives only the shape)."""
-    return backward_data_op(grad_output, input, weight, stride, padding, dilation, groups, config)
+    return OPS[2].backward_data(
+        grad_output, input, weight, stride, padding, dilation, groups, config
+    )
 
 
 def conv2d_backward_filter(
@@ -97,108 +262,55 @@ def conv2d_backward_filter(
 ) -> Tensor:
     """The gradient of ``conv2d`` with respect to its weight (``weight`` gives only the
     shape)."""
-    return backward_filter_op(
+    return OPS[2].backward_filter(
         grad_output, input, weight, stride, padding, dilation, groups, config
     )
 
 
-def _check(config, input, weight, bias, stride, padding, dilation, groups, grad_output=None):
-    name = _runtime.config_for(config).name
-    _runtime.check_operands(
-        name, input, weight, bias, stride, padding, dilation, groups, grad_output=grad_output
+def conv3d(input, weight, bias, stride, padding, dilation, groups, config) -> Tensor:
+    """:func:`conv2d` for 5-D tensors (the op ``torch.ops.mucudnn.conv3d``)."""
+    return OPS[3].conv(input, weight, bias, stride, padding, dilation, groups, config)
+
+
+def conv3d_backward_data(grad_output, input, weight, stride, padding, dilation, groups, config):
+    """:func:`conv2d_backward_data` for 5-D tensors."""
+    return OPS[3].backward_data(
+        grad_output, input, weight, stride, padding, dilation, groups, config
     )
 
 
-@torch.library.register_fake("mucudnn::conv2d")
-def _conv2d_fake(input, weight, bias, stride, padding, dilation, groups, config):
-    _check(config, input, weight, bias, stride, padding, dilation, groups)
-    n, _, h, w = input.shape
-    k, _, r, s = weight.shape
-    p, q = _runtime.output_hw(h, w, r, s, stride, padding, dilation)
-    return _empty_like_layout(input, (n, k, p, q))
-
-
-@torch.library.register_fake("mucudnn::conv2d_backward_data")
-def _backward_data_fake(grad_output, input, weight, stride, padding, dilation, groups, config):
-    _check(config, input, weight, None, stride, padding, dilation, groups, grad_output)
-    return _empty_like_layout(input, input.shape)
-
-
-@torch.library.register_fake("mucudnn::conv2d_backward_filter")
-def _backward_filter_fake(grad_output, input, weight, stride, padding, dilation, groups, config):
-    _check(config, input, weight, None, stride, padding, dilation, groups, grad_output)
-    return _empty_like_layout(input, weight.shape)
-
-
-def _geometry(ctx):
-    return ctx.stride, ctx.padding, ctx.dilation, ctx.groups, ctx.config
-
-
-def _conv2d_setup(ctx, inputs, output):
-    input, weight, bias, stride, padding, dilation, groups, config = inputs
-    ctx.has_bias = bias is not None
-    ctx.stride, ctx.padding, ctx.dilation, ctx.groups, ctx.config = (
-        stride, padding, dilation, groups, config
+def conv3d_backward_filter(
+    grad_output, input, weight, stride, padding, dilation, groups, config
+):
+    """:func:`conv2d_backward_filter` for 5-D tensors."""
+    return OPS[3].backward_filter(
+        grad_output, input, weight, stride, padding, dilation, groups, config
     )
-    ctx.save_for_backward(input, weight)
 
 
-def _conv2d_backward(ctx, grad):
-    input, weight = ctx.saved_tensors
-    geometry = _geometry(ctx)
-    grad_input = grad_weight = grad_bias = None
-    if ctx.needs_input_grad[0]:
-        grad_input = conv2d_backward_data(grad, input, weight, *geometry)
-    if ctx.needs_input_grad[1]:
-        grad_weight = conv2d_backward_filter(grad, input, weight, *geometry)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_bias = grad.sum(dim=(0, 2, 3))
-    return grad_input, grad_weight, grad_bias, None, None, None, None, None
+def conv_transpose2d(
+    input: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    stride: List[int],
+    padding: List[int],
+    output_padding: List[int],
+    dilation: List[int],
+    groups: int,
+    config: str,
+) -> Tensor:
+    """``F.conv_transpose2d`` (``weight``: ``Cin x Cout/groups x R x S``; ``output_padding``
+    smaller than the stride), tuned and executed by mucudnn as its convolution's backward-data
+    (the op ``torch.ops.mucudnn.conv_transpose2d``)."""
+    return OPS[2].transpose(
+        input, weight, bias, stride, padding, output_padding, dilation, groups, config
+    )
 
 
-def _backward_setup(ctx, inputs, output):
-    grad_output, input, weight = inputs[0], inputs[1], inputs[2]
-    ctx.stride, ctx.padding, ctx.dilation, ctx.groups, ctx.config = inputs[3:]
-    ctx.save_for_backward(grad_output, input, weight)
-
-
-def _backward_data_backward(ctx, grad):
-    # dx = conv_transpose(dy, w) is linear in dy and in w:
-    # d/d(dy) applied to grad is conv(grad, w); d/dw is the filter gradient of (grad, dy).
-    grad_output, input, weight = ctx.saved_tensors
-    geometry = _geometry(ctx)
-    grad_grad_output = grad_weight = None
-    if ctx.needs_input_grad[0]:
-        grad_grad_output = conv2d(grad, weight, None, *geometry)
-    if ctx.needs_input_grad[2]:
-        grad_weight = conv2d_backward_filter(grad_output, grad, weight, *geometry)
-    return grad_grad_output, None, grad_weight, None, None, None, None, None
-
-
-def _backward_filter_backward(ctx, grad):
-    # dw = correlate(x, dy) is linear in x and in dy:
-    # d/d(dy) applied to grad is conv(x, grad); d/dx is the data gradient of (dy, grad).
-    grad_output, input, weight = ctx.saved_tensors
-    geometry = _geometry(ctx)
-    grad_grad_output = grad_input = None
-    if ctx.needs_input_grad[0]:
-        grad_grad_output = conv2d(input, grad, None, *geometry)
-    if ctx.needs_input_grad[1]:
-        grad_input = conv2d_backward_data(grad_output, input, grad, *geometry)
-    return grad_grad_output, grad_input, None, None, None, None, None, None
-
-
-torch.library.register_autograd(
-    "mucudnn::conv2d", _conv2d_backward, setup_context=_conv2d_setup
-)
-torch.library.register_autograd(
-    "mucudnn::conv2d_backward_data", _backward_data_backward, setup_context=_backward_setup
-)
-torch.library.register_autograd(
-    "mucudnn::conv2d_backward_filter", _backward_filter_backward, setup_context=_backward_setup
-)
-
-# Under torch.autocast the ops run in the autocast dtype, as nn.Conv2d does (see _autocast).
-_autocast.register(
-    ["mucudnn::conv2d", "mucudnn::conv2d_backward_data", "mucudnn::conv2d_backward_filter"]
-)
+def conv_transpose3d(
+    input, weight, bias, stride, padding, output_padding, dilation, groups, config
+) -> Tensor:
+    """:func:`conv_transpose2d` for 5-D tensors."""
+    return OPS[3].transpose(
+        input, weight, bias, stride, padding, output_padding, dilation, groups, config
+    )

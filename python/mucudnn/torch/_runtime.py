@@ -10,6 +10,13 @@ geometry at each call (:func:`plan_key`: device, dtype, layout, input and weight
 padding, dilation, groups, and PyTorch's TF32 and determinism switches). Anything that changes
 makes another key, which is tuned through the cache; no plan ever runs over tensors of another
 problem (and the C ABI checks each operand's dims and extent against the plan again).
+
+One code path serves 2 and 3 spatial dims (4-D and 5-D tensors; ``spatial`` below); 1-D layers
+run as 2-D with a unit height (views of their tensors). A transposed convolution is the
+convolution problem whose input is the transposed layer's output (``n = N``, ``c = Cout``,
+``k = Cin``, the same kernel and geometry): its forward runs that problem's backward-data plan,
+its input gradient the forward plan and its weight gradient the backward-filter plan, so the
+three share one plan set (:func:`transposed_forward`).
 """
 
 from __future__ import annotations
@@ -40,26 +47,66 @@ PlanKey = Tuple[Any, ...]
 ShapeKey = PlanKey
 
 
+#: Spatial dims -> (PyTorch's channels-last memory format, the layout names of mucudnn).
+_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
+_LAYOUTS = {2: ("nchw", "nhwc"), 3: ("ncdhw", "ndhwc")}
+
+
 def is_channels_last(t: torch.Tensor) -> bool:
-    """Whether a 4-D tensor runs as NHWC: packed channels-last and not also plain contiguous
-    (a tensor with one channel or 1x1 pixels is both; it runs as NCHW)."""
-    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+    """Whether a 4-D (5-D) tensor runs as NHWC (NDHWC): packed ``channels_last``
+    (``channels_last_3d``) and not also plain contiguous (a tensor with one channel or one
+    pixel is both; it runs as NCHW)."""
+    last = _LAST.get(t.dim() - 2)
+    return last is not None and t.is_contiguous(memory_format=last) and not t.is_contiguous()
 
 
 def memory_format(t: torch.Tensor) -> torch.memory_format:
-    return torch.channels_last if is_channels_last(t) else torch.contiguous_format
+    return _LAST[t.dim() - 2] if is_channels_last(t) else torch.contiguous_format
+
+
+def layout_name(fmt: torch.memory_format, spatial: int) -> str:
+    """mucudnn's layout for a memory format at 2 or 3 spatial dims (``nhwc``, ``ndhwc``, ...)."""
+    return _LAYOUTS[spatial][fmt is _LAST[spatial]]
 
 
 def layout_of(t: torch.Tensor) -> str:
-    return "nhwc" if is_channels_last(t) else "nchw"
+    return layout_name(memory_format(t), t.dim() - 2)
+
+
+def output_size(
+    size: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> Tuple[int, ...]:
+    """A convolution's output spatial size, per dim (any number of spatial dims)."""
+    return tuple(
+        (i + 2 * p - d * (k - 1) - 1) // st + 1
+        for i, k, st, p, d in zip(size, kernel, stride, padding, dilation)
+    )
 
 
 def output_hw(
     h: int, w: int, r: int, s: int, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
 ) -> Tuple[int, int]:
-    p = (h + 2 * padding[0] - dilation[0] * (r - 1) - 1) // stride[0] + 1
-    q = (w + 2 * padding[1] - dilation[1] * (s - 1) - 1) // stride[1] + 1
+    p, q = output_size((h, w), (r, s), stride, padding, dilation)
     return p, q
+
+
+def transposed_size(
+    size: Sequence[int],
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    output_padding: Sequence[int],
+    dilation: Sequence[int],
+) -> Tuple[int, ...]:
+    """A transposed convolution's output spatial size (PyTorch's formula), per dim."""
+    return tuple(
+        (i - 1) * st - 2 * p + d * (k - 1) + op + 1
+        for i, k, st, p, op, d in zip(size, kernel, stride, padding, output_padding, dilation)
+    )
 
 
 def format_bytes(value: Optional[int]) -> str:
@@ -80,7 +127,10 @@ class PlanReport:
     candidates used, the predicted time and the workspace; how long tuning took and how many
     measurements came from the cache or were measured."""
 
-    shape: Tuple[int, int, int, int]
+    #: The convolution problem's input shape (n, c, h, w) or (n, c, d, h, w); for a
+    #: transposed layer that is the layer's output (see the module docs), for a 1-D layer the
+    #: 2-D shape with unit height.
+    shape: Tuple[int, ...]
     dtype: str
     layout: str
     device: str
@@ -90,8 +140,10 @@ class PlanReport:
     measured: int
     #: Why this shape runs PyTorch's convolution instead (no plan), else None.
     fallback: Optional[str] = None
-    #: The weight's shape (k, c/groups, r, s) the plans are for.
+    #: The weight's shape (k, c/groups, r, s), or (k, c/groups, t, r, s), the plans are for.
     weight_shape: Tuple[int, ...] = ()
+    #: The convolution problem's output shape (n, k, p, q) or (n, k, o, p, q).
+    output_shape: Tuple[int, ...] = ()
     #: cuDNN's math mode (``"fma"`` when ``torch.backends.cudnn.allow_tf32`` is off for fp32).
     math: str = "default"
     #: Whether only deterministic candidates were used (PyTorch's determinism switches).
@@ -131,8 +183,7 @@ class PlanReport:
         ]
 
     def __str__(self) -> str:
-        n, c, h, w = self.shape
-        lines = [f"{n}x{c}x{h}x{w} {self.dtype} {self.layout} on {self.device}:"]
+        lines = [f"{'x'.join(map(str, self.shape))} {self.dtype} {self.layout} on {self.device}:"]
         if self.fallback is not None:
             lines.append(f"  PyTorch's convolution (no mucudnn plan: {self.fallback})")
         for op, info in self.ops.items():
@@ -148,19 +199,20 @@ class PlanReport:
 
 
 class Plans(Mapping):
-    """A layer's plans by input shape ``(n, c, h, w)`` (a read-only mapping to
+    """A layer's plans by its input shape (``(n, c, h, w)`` for a Conv2d; ``(n, c, l)``,
+    ``(n, c, d, h, w)`` for the other ranks; a transposed layer's input too) (a read-only mapping to
     :class:`PlanReport`) that prints as a table: one row per shape and op with the split
     (micro-batch counts, sizes and algorithm names), the predicted time, the workspace and where
     the plans came from, then the peak measuring memory of the tuning."""
 
-    def __init__(self, layer: str, reports: Dict[Tuple[int, int, int, int], PlanReport]):
+    def __init__(self, layer: str, reports: Dict[Tuple[int, ...], PlanReport]):
         self.layer = layer
         self._reports = reports
 
-    def __getitem__(self, shape: Tuple[int, int, int, int]) -> PlanReport:
+    def __getitem__(self, shape: Tuple[int, ...]) -> PlanReport:
         return self._reports[tuple(shape)]
 
-    def __iter__(self) -> Iterator[Tuple[int, int, int, int]]:
+    def __iter__(self) -> Iterator[Tuple[int, ...]]:
         return iter(self._reports)
 
     def __len__(self) -> int:
@@ -204,6 +256,14 @@ class Plans(Mapping):
     __repr__ = __str__
 
 
+def output_shape_of(key: PlanKey) -> Tuple[int, ...]:
+    """The convolution problem's output shape ``(n, k, *spatial)`` of a plan key."""
+    x_shape, w_shape = key[4], key[5]
+    return (x_shape[0], w_shape[0]) + output_size(
+        x_shape[2:], w_shape[2:], key[6], key[7], key[8]
+    )
+
+
 def report_of(key: PlanKey, result: Dict[str, Any], seconds: float) -> PlanReport:
     device_type, index, dtype, layout, shape = key[:5]
     ops = {}
@@ -225,6 +285,7 @@ def report_of(key: PlanKey, result: Dict[str, Any], seconds: float) -> PlanRepor
         cached=int(result.get("cached", 0)),
         measured=int(result.get("measured", 0)),
         weight_shape=key[5],
+        output_shape=output_shape_of(key),
         math=key[10],
         deterministic=key[11],
         skipped=int(result.get("skipped", 0)),
@@ -244,9 +305,7 @@ class Ready:
         self.tuner = prepared.tuner
         self.id = prepared.id
         self.workspace = prepared.workspace
-        x_shape, w_shape = key[4], key[5]
-        p, q = output_hw(x_shape[2], x_shape[3], w_shape[2], w_shape[3], key[6], key[7], key[8])
-        y_shape = (x_shape[0], w_shape[0], p, q)
+        x_shape, w_shape, y_shape = key[4], key[5], output_shape_of(key)
         itemsize = key[2].itemsize
         self.extents = [
             _tuner.operand_extents(op, x_shape, w_shape, y_shape, itemsize)
@@ -281,6 +340,8 @@ class LayerConfig:
         self.lock = threading.Lock()
         self.owners = 0
         self.warned_float64 = False
+        #: A transposed layer whose output_padding is not below its stride said so once.
+        self.warned_output_padding = False
         #: Input shapes whose lazy tuning was announced on stderr (once per shape).
         self.announced: set = set()
 
@@ -429,11 +490,13 @@ def plan_key(
     dilation: Sequence[int],
     groups: int,
     layout: Optional[str] = None,
+    x_shape: Optional[Sequence[int]] = None,
 ) -> PlanKey:
-    """Everything that defines the plans of a convolution of ``x``, read now: the device,
-    dtype, layout and shapes, the geometry, and PyTorch's switches (``allow_tf32`` off maps
-    fp32 to cuDNN's FMA math; ``deterministic`` or ``use_deterministic_algorithms`` admits only
-    deterministic candidates)."""
+    """Everything that defines the plans of a convolution of ``x`` (its device and dtype; its
+    shape unless ``x_shape`` gives the problem's input shape, as for a transposed layer), read
+    now: the device, dtype, layout and shapes, the geometry, and PyTorch's switches
+    (``allow_tf32`` off maps fp32 to cuDNN's FMA math; ``deterministic`` or
+    ``use_deterministic_algorithms`` admits only deterministic candidates)."""
     device = x.device
     if device.type == "cuda":
         device_type, index = device_of(x)
@@ -444,8 +507,9 @@ def plan_key(
     deterministic = bool(
         _cudnn_flags.deterministic or torch.are_deterministic_algorithms_enabled()
     )
+    shape = tuple(x.shape if x_shape is None else (int(v) for v in x_shape))
     return (
-        device_type, index, dtype, layout or layout_of(x), tuple(x.shape), tuple(weight_shape),
+        device_type, index, dtype, layout or layout_of(x), shape, tuple(weight_shape),
         tuple(stride), tuple(padding), tuple(dilation), groups, math, deterministic,
     )
 
@@ -460,17 +524,20 @@ def signature(
     groups: int,
     fmt: torch.memory_format,
     grad_output: Optional[torch.Tensor] = None,
+    output_padding: Optional[Sequence[int]] = None,
 ) -> Tuple[Any, ...]:
     """Everything :func:`check_operands` and :func:`plan_key` read from one call, as a
     hashable tuple: shapes, dtypes and devices of every operand, the input's memory format,
-    the geometry and PyTorch's switches. Equal signatures pass the same checks and run the
-    same plans, so both are decided once per signature."""
+    the geometry (a transposed call's ``output_padding`` too) and PyTorch's switches. Equal
+    signatures pass the same checks and run the same plans, so both are decided once per
+    signature."""
     return (
         x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device,
         None if bias is None else (bias.shape, bias.dtype, bias.device),
         None if grad_output is None
         else (grad_output.shape, grad_output.dtype, grad_output.device),
         fmt, tuple(stride), tuple(padding), tuple(dilation), groups,
+        None if output_padding is None else tuple(output_padding),
         _cudnn_flags.allow_tf32, _cudnn_flags.deterministic,
         torch.are_deterministic_algorithms_enabled(),
     )
@@ -478,6 +545,7 @@ def signature(
 
 def checked_key(
     config: LayerConfig,
+    spatial: int,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -494,20 +562,23 @@ def checked_key(
     key = config.checked.get(call)
     if key is None:
         check_operands(
-            config.name, x, weight, bias, stride, padding, dilation, groups, grad_output
+            config.name, spatial, x, weight, bias, stride, padding, dilation, groups, grad_output
         )
-        layout = "nhwc" if fmt is torch.channels_last else "nchw"
+        layout = layout_name(fmt, spatial)
         key = plan_key(x, weight.shape, stride, padding, dilation, groups, layout)
         config.checked[call] = key
     return key
 
 
 def problem_of(key: PlanKey) -> Dict[str, Any]:
-    n, c, h, w = key[4]
-    k, _, r, s = key[5]
+    """The C ABI's problem (JSON object) of a plan key, 2-D or 3-D (depth fields)."""
+    x_shape, w_shape = key[4], key[5]
+    n, c, h, w = x_shape[0], x_shape[1], x_shape[-2], x_shape[-1]
+    k, r, s = w_shape[0], w_shape[-2], w_shape[-1]
+    depth = {} if len(x_shape) == 4 else {"d": x_shape[2], "t": w_shape[2]}
     return _tuner.problem(
         n=n, c=c, h=h, w=w, k=k, r=r, s=s, stride=key[6], padding=key[7], dilation=key[8],
-        groups=key[9], dtype=DTYPES[key[2]], layout=key[3], math=key[10],
+        groups=key[9], dtype=DTYPES[key[2]], layout=key[3], math=key[10], **depth,
     )
 
 
@@ -625,7 +696,8 @@ def fall_back(config: LayerConfig, key: PlanKey, reason: str, seconds: float) ->
             shape=shape, dtype=DTYPES[dtype], layout=layout,
             device=device_type if index < 0 else f"{device_type}:{index}", ops={},
             tuning_seconds=seconds, cached=0, measured=0, fallback=reason,
-            weight_shape=key[5], math=key[10], deterministic=key[11],
+            weight_shape=key[5], output_shape=output_shape_of(key), math=key[10],
+            deterministic=key[11],
         )
     print(
         f"mucudnn: warning: {config.name}: input shape {shape} ({DTYPES[dtype]} {layout}) runs "
@@ -684,36 +756,32 @@ def aligned(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
     return t
 
 
-def _pair(name: str, what: str, value: Any, least: int) -> None:
-    if len(value) != 2 or any(int(v) < least for v in value):
-        raise RuntimeError(f"{name}: {what} must be two numbers >= {least}, not {list(value)}")
-
-
-def check_operands(
-    name: str,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-    grad_output: Optional[torch.Tensor] = None,
-) -> None:
-    """Checks that the operands make one convolution before any pointer leaves Python: 4-D
-    tensors of one dtype on one device, a weight that fits the input's channels and groups, a
-    bias of ``k`` values, a positive output, and (backward) a ``grad_output`` of the output's
-    shape. A mismatch is a RuntimeError naming the layer."""
-    if x.dim() != 4 or weight.dim() != 4:
+def _geometry(name: str, what: str, value: Any, spatial: int, least: int) -> None:
+    if len(value) != spatial or any(int(v) < least for v in value):
         raise RuntimeError(
-            f"{name}: expected a 4-D input and weight, got {tuple(x.shape)} and "
+            f"{name}: {what} must be {spatial} numbers >= {least}, not {list(value)}"
+        )
+
+
+#: PyTorch's functional convolutions by spatial dims (float64 and the fallbacks run them).
+_CONV = {2: F.conv2d, 3: F.conv3d}
+_CONV_TRANSPOSE = {2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_CONV_INPUT = {2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
+_CONV_WEIGHT = {2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
+
+
+def _check_tensors(
+    name: str, spatial: int, x: torch.Tensor, operands: List[Tuple[str, torch.Tensor]]
+) -> None:
+    """Ranks, dtypes and devices: every operand a ``spatial + 2``-D tensor (a bias aside) of
+    ``x``'s dtype on ``x``'s device, and a dtype and device mucudnn runs."""
+    rank = spatial + 2
+    weight = operands[0][1]
+    if x.dim() != rank or weight.dim() != rank:
+        raise RuntimeError(
+            f"{name}: expected a {rank}-D input and weight, got {tuple(x.shape)} and "
             f"{tuple(weight.shape)}"
         )
-    operands = [("weight", weight)]
-    if bias is not None:
-        operands.append(("bias", bias))
-    if grad_output is not None:
-        operands.append(("grad_output", grad_output))
     for what, t in operands:
         if t.dtype != x.dtype:
             raise RuntimeError(
@@ -729,10 +797,34 @@ def check_operands(
             f"{name}: {x.dtype} is not supported (float32, float16 and bfloat16 run mucudnn's "
             "plans; float64 runs PyTorch's convolution)"
         )
-    _pair(name, "stride", stride, 1)
-    _pair(name, "padding", padding, 0)
-    _pair(name, "dilation", dilation, 1)
-    k, cg, r, s = weight.shape
+
+
+def check_operands(
+    name: str,
+    spatial: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    grad_output: Optional[torch.Tensor] = None,
+) -> None:
+    """Checks that the operands make one convolution of ``spatial`` (2 or 3) dims before any
+    pointer leaves Python: 4-D (5-D) tensors of one dtype on one device, a weight that fits the
+    input's channels and groups, a bias of ``k`` values, a positive output, and (backward) a
+    ``grad_output`` of the output's shape. A mismatch is a RuntimeError naming the layer."""
+    operands = [("weight", weight)]
+    if bias is not None:
+        operands.append(("bias", bias))
+    if grad_output is not None:
+        operands.append(("grad_output", grad_output))
+    _check_tensors(name, spatial, x, operands)
+    _geometry(name, "stride", stride, spatial, 1)
+    _geometry(name, "padding", padding, spatial, 0)
+    _geometry(name, "dilation", dilation, spatial, 1)
+    k, cg = weight.shape[0], weight.shape[1]
     if groups < 1 or k % groups or x.shape[1] != cg * groups:
         raise RuntimeError(
             f"{name}: a weight of shape {tuple(weight.shape)} with groups={groups} does not fit an "
@@ -741,17 +833,68 @@ def check_operands(
         )
     if bias is not None and tuple(bias.shape) != (k,):
         raise RuntimeError(f"{name}: the bias has shape {tuple(bias.shape)}, expected ({k},)")
-    p, q = output_hw(x.shape[2], x.shape[3], r, s, stride, padding, dilation)
-    if p <= 0 or q <= 0:
+    out = output_size(x.shape[2:], weight.shape[2:], stride, padding, dilation)
+    if any(v <= 0 for v in out):
         raise RuntimeError(
-            f"{name}: input {tuple(x.shape)} is too small for kernel {(r, s)} with padding "
-            f"{tuple(padding)} and dilation {tuple(dilation)} (output would be {p}x{q})"
+            f"{name}: input {tuple(x.shape)} is too small for kernel {tuple(weight.shape[2:])} "
+            f"with padding {tuple(padding)} and dilation {tuple(dilation)} (output would be "
+            f"{'x'.join(map(str, out))})"
         )
-    if grad_output is not None and tuple(grad_output.shape) != (x.shape[0], k, p, q):
+    if grad_output is not None and tuple(grad_output.shape) != (x.shape[0], k) + out:
         raise RuntimeError(
             f"{name}: grad_output has shape {tuple(grad_output.shape)}, the convolution's output "
-            f"is {(x.shape[0], k, p, q)}"
+            f"is {(x.shape[0], k) + out}"
         )
+
+
+def check_transposed(
+    name: str,
+    spatial: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    output_padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> Tuple[int, ...]:
+    """Checks a transposed convolution's operands as :func:`check_operands` does a
+    convolution's (the weight is ``Cin x Cout/groups x kernel``; ``output_padding`` is smaller
+    than the stride, so the output is exactly the convolution problem's input) and returns its
+    output shape."""
+    operands = [("weight", weight)]
+    if bias is not None:
+        operands.append(("bias", bias))
+    _check_tensors(name, spatial, x, operands)
+    _geometry(name, "stride", stride, spatial, 1)
+    _geometry(name, "padding", padding, spatial, 0)
+    _geometry(name, "output_padding", output_padding, spatial, 0)
+    _geometry(name, "dilation", dilation, spatial, 1)
+    if any(op >= st for op, st in zip(output_padding, stride)):
+        raise RuntimeError(
+            f"{name}: output_padding {list(output_padding)} must be smaller than the stride "
+            f"{list(stride)} in every dim (mucudnn runs a transposed convolution as its "
+            "convolution's backward-data)"
+        )
+    cin, cout_g = weight.shape[0], weight.shape[1]
+    if groups < 1 or cin % groups or x.shape[1] != cin:
+        raise RuntimeError(
+            f"{name}: a transposed weight of shape {tuple(weight.shape)} with groups={groups} "
+            f"does not fit an input of shape {tuple(x.shape)} (it needs {cin} input channels, "
+            "divisible by groups)"
+        )
+    cout = cout_g * groups
+    if bias is not None and tuple(bias.shape) != (cout,):
+        raise RuntimeError(f"{name}: the bias has shape {tuple(bias.shape)}, expected ({cout},)")
+    out = transposed_size(x.shape[2:], weight.shape[2:], stride, padding, output_padding, dilation)
+    if any(v <= 0 for v in out):
+        raise RuntimeError(
+            f"{name}: input {tuple(x.shape)} with kernel {tuple(weight.shape[2:])}, padding "
+            f"{tuple(padding)} and dilation {tuple(dilation)} gives no output (it would be "
+            f"{'x'.join(map(str, out))})"
+        )
+    return (x.shape[0], cout) + out
 
 
 def _warn_float64(config: LayerConfig) -> None:
@@ -764,8 +907,20 @@ def _warn_float64(config: LayerConfig) -> None:
         )
 
 
+def _bias_view(bias: torch.Tensor, spatial: int) -> torch.Tensor:
+    return bias.view((1, -1) + (1,) * spatial)
+
+
+def _ready(config: LayerConfig, key: PlanKey) -> Optional[Ready]:
+    ready = config.prepared.get(key, _MISSING)
+    if ready is _MISSING:
+        ready = plans_for(config, key)
+    return ready
+
+
 def forward(
     config_text: str,
+    spatial: int,
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
@@ -776,30 +931,26 @@ def forward(
 ) -> torch.Tensor:
     config = _configs.get(config_text) or config_for(config_text)
     fmt = memory_format(x)
-    key = checked_key(config, x, weight, bias, stride, padding, dilation, groups, fmt)
+    key = checked_key(config, spatial, x, weight, bias, stride, padding, dilation, groups, fmt)
     if x.dtype is torch.float64:
         _warn_float64(config)
-        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        return _CONV[spatial](x, weight, bias, stride, padding, dilation, groups)
     x = x.contiguous(memory_format=fmt)
     weight = weight.contiguous(memory_format=fmt)
-    n, c, h, w = x.shape
-    k, _, r, s = weight.shape
-    p, q = output_hw(h, w, r, s, stride, padding, dilation)
-    y = torch.empty((n, k, p, q), dtype=x.dtype, device=x.device, memory_format=fmt)
-    if y.numel() > 0 and c == 0:
+    shape = output_shape_of(key)
+    y = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    if y.numel() > 0 and x.shape[1] == 0:
         y.zero_()  # no input channels: the sum is empty (nn.Conv2d gives the bias)
     elif y.numel() > 0:
         x, weight = aligned(x, fmt), aligned(weight, fmt)
-        ready = config.prepared.get(key, _MISSING)
-        if ready is _MISSING:
-            ready = plans_for(config, key)
+        ready = _ready(config, key)
         if ready is None:
-            y = F.conv2d(x, weight, None, stride, padding, dilation, groups)
+            y = _CONV[spatial](x, weight, None, stride, padding, dilation, groups)
             y = y.contiguous(memory_format=fmt)
         else:
             run(config, ready, FORWARD, x, weight, y)
     if bias is not None:
-        y.add_(bias.view(1, -1, 1, 1))
+        y.add_(_bias_view(bias, spatial))
     return y
 
 
@@ -809,6 +960,7 @@ _MISSING = object()
 def _backward(
     op: int,
     config_text: str,
+    spatial: int,
     grad_output: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -823,15 +975,15 @@ def _backward(
     config = _configs.get(config_text) or config_for(config_text)
     fmt = memory_format(x)
     key = checked_key(
-        config, x, weight, None, stride, padding, dilation, groups, fmt, grad_output
+        config, spatial, x, weight, None, stride, padding, dilation, groups, fmt, grad_output
     )
     data = op == BACKWARD_DATA
     geometry = (stride, padding, dilation, groups)
     if x.dtype is torch.float64:
         _warn_float64(config)
         if data:
-            return torch.nn.grad.conv2d_input(x.shape, weight, grad_output, *geometry)
-        return torch.nn.grad.conv2d_weight(x, weight.shape, grad_output, *geometry)
+            return _CONV_INPUT[spatial](x.shape, weight, grad_output, *geometry)
+        return _CONV_WEIGHT[spatial](x, weight.shape, grad_output, *geometry)
     shape = x.shape if data else weight.shape
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     if x.numel() == 0 or weight.numel() == 0:
@@ -839,53 +991,130 @@ def _backward(
     grad_output = aligned(grad_output.contiguous(memory_format=fmt), fmt)
     # The operand the op reads besides dy: w for the data gradient, x for the filter's.
     other = aligned((weight if data else x).contiguous(memory_format=fmt), fmt)
-    ready = config.prepared.get(key, _MISSING)
-    if ready is _MISSING:
-        ready = plans_for(config, key)
+    ready = _ready(config, key)
     if ready is None:
         if data:
-            out = torch.nn.grad.conv2d_input(x.shape, other, grad_output, *geometry)
+            out = _CONV_INPUT[spatial](x.shape, other, grad_output, *geometry)
         else:
-            out = torch.nn.grad.conv2d_weight(other, weight.shape, grad_output, *geometry)
+            out = _CONV_WEIGHT[spatial](other, weight.shape, grad_output, *geometry)
         return out.contiguous(memory_format=fmt)
     run(config, ready, op, other, grad_output, out)
     return out
 
 
-def forward_op(x, weight, bias, stride, padding, dilation, groups, config_text: str):
-    """The op ``mucudnn::conv2d`` (arguments in its schema's order)."""
-    return forward(config_text, x, weight, bias, stride, padding, dilation, groups)
-
-
-def backward_data_op(grad_output, x, weight, stride, padding, dilation, groups, config_text):
-    return backward_data(config_text, grad_output, x, weight, stride, padding, dilation, groups)
-
-
-def backward_filter_op(grad_output, x, weight, stride, padding, dilation, groups, config_text):
-    return backward_filter(
-        config_text, grad_output, x, weight, stride, padding, dilation, groups
+def transposed_key(
+    config: LayerConfig,
+    spatial: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    output_padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+    fmt: torch.memory_format,
+) -> PlanKey:
+    """The plan key of a transposed convolution: its convolution problem's, whose input is the
+    transposed output (checked once per call signature, as :func:`checked_key`)."""
+    call = signature(
+        x, weight, bias, stride, padding, dilation, groups, fmt, output_padding=output_padding
     )
+    key = config.checked.get(call)
+    if key is None:
+        y_shape = check_transposed(
+            config.name, spatial, x, weight, bias, stride, padding, output_padding, dilation,
+            groups,
+        )
+        key = plan_key(
+            x, weight.shape, stride, padding, dilation, groups, layout_name(fmt, spatial),
+            x_shape=y_shape,
+        )
+        config.checked[call] = key
+    return key
 
 
-def backward_data(config_text: str, grad_output, x, weight, stride, padding, dilation, groups):
-    return _backward(
-        BACKWARD_DATA, config_text, grad_output, x, weight, stride, padding, dilation, groups
+def transposed_forward(
+    config_text: str,
+    spatial: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: List[int],
+    padding: List[int],
+    output_padding: List[int],
+    dilation: List[int],
+    groups: int,
+) -> torch.Tensor:
+    """``y = conv_transpose(x, weight) + bias``: the backward-data plan of the convolution
+    problem whose input is ``y`` and whose output gradient is ``x``."""
+    config = _configs.get(config_text) or config_for(config_text)
+    fmt = memory_format(x)
+    key = transposed_key(
+        config, spatial, x, weight, bias, stride, padding, output_padding, dilation, groups, fmt
     )
+    if x.dtype is torch.float64:
+        _warn_float64(config)
+        return _CONV_TRANSPOSE[spatial](
+            x, weight, bias, stride, padding, output_padding, groups, dilation
+        )
+    y = torch.empty(key[4], dtype=x.dtype, device=x.device, memory_format=fmt)
+    if y.numel() > 0 and (x.numel() == 0 or weight.numel() == 0):
+        y.zero_()  # no input channels or an empty batch: nothing to sum
+    elif y.numel() > 0:
+        x = aligned(x.contiguous(memory_format=fmt), fmt)
+        weight = aligned(weight.contiguous(memory_format=fmt), fmt)
+        ready = _ready(config, key)
+        if ready is None:
+            y = _CONV_TRANSPOSE[spatial](
+                x, weight, None, stride, padding, output_padding, groups, dilation
+            ).contiguous(memory_format=fmt)
+        else:
+            run(config, ready, BACKWARD_DATA, weight, x, y)
+    if bias is not None:
+        y.add_(_bias_view(bias, spatial))
+    return y
 
 
-def backward_filter(config_text: str, grad_output, x, weight, stride, padding, dilation, groups):
-    return _backward(
-        BACKWARD_FILTER, config_text, grad_output, x, weight, stride, padding, dilation, groups
-    )
+def forward_op(spatial: int):
+    """The op ``mucudnn::conv{spatial}d`` (arguments in its schema's order)."""
+
+    def op(x, weight, bias, stride, padding, dilation, groups, config_text: str):
+        return forward(config_text, spatial, x, weight, bias, stride, padding, dilation, groups)
+
+    return op
+
+
+def backward_op(kind: int, spatial: int):
+    """The op ``mucudnn::conv{spatial}d_backward_data`` (``kind`` BACKWARD_DATA) or
+    ``_backward_filter`` (BACKWARD_FILTER)."""
+
+    def op(grad_output, x, weight, stride, padding, dilation, groups, config_text: str):
+        return _backward(
+            kind, config_text, spatial, grad_output, x, weight, stride, padding, dilation, groups
+        )
+
+    return op
+
+
+def transposed_op(spatial: int):
+    """The op ``mucudnn::conv_transpose{spatial}d``."""
+
+    def op(x, weight, bias, stride, padding, output_padding, dilation, groups, config_text: str):
+        return transposed_forward(
+            config_text, spatial, x, weight, bias, stride, padding, output_padding, dilation,
+            groups,
+        )
+
+    return op
 
 
 @dataclass
 class Discovery:
     """Records, while active, the inputs each converted layer sees (for :func:`tune`)."""
 
-    seen: List[Tuple[Any, torch.Tensor, List[int], List[int], List[int], int]] = field(
-        default_factory=list
-    )
+    #: (layer, plan key) per call, in model order.
+    seen: List[Tuple[Any, PlanKey]] = field(default_factory=list)
 
 
 _discovery = threading.local()

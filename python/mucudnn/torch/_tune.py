@@ -32,7 +32,7 @@ from torch import nn
 from .._lib import MucudnnError
 from .._tuner import Settings
 from . import _runtime
-from ._layer import Conv2d
+from ._layer import _MucudnnConv as Conv
 
 
 @dataclass
@@ -140,7 +140,7 @@ def tune(
     verbose: bool = True,
     **example_kwargs: Any,
 ) -> TuneSummary:
-    """Tunes every converted :class:`Conv2d` of ``model`` for the shapes it sees on
+    """Tunes every converted layer (:class:`Conv2d`, :class:`Conv3d`, ...) of ``model`` for the shapes it sees on
     ``example_inputs`` (one forward pass in eval mode without gradients, with PyTorch's own
     convolutions), so that training then only executes plans. Under an initialized
     ``torch.distributed`` process group (torchrun, DDP) the measuring is dealt out over the
@@ -156,18 +156,17 @@ def tune(
     seen = _discover(model, example_inputs, example_kwargs)
     rank, world = _rank_info()
     # Distinct (layer config, input shape) pairs, in model order.
-    entries: List[Tuple[Conv2d, _runtime.ShapeKey, Dict[str, Any]]] = []
+    entries: List[Tuple[Conv, _runtime.ShapeKey, Dict[str, Any]]] = []
     keys = set()
-    for layer, x, stride, padding, dilation, groups in seen:
-        key = _runtime.plan_key(x, layer.weight.shape, stride, padding, dilation, groups)
+    for layer, key in seen:
         if (layer._mucudnn_config, key) in keys or key[2] not in _runtime.DTYPES:
             continue  # seen already, or float64 (PyTorch's convolution)
-        if x.shape[1] == 0 or 0 in key[4] or 0 in key[5]:
+        if 0 in key[4] or 0 in key[5]:
             continue  # nothing to tune: an empty convolution
         keys.add((layer._mucudnn_config, key))
         entries.append((layer, key, _runtime.problem_of(key)))
     # Group by (device, cache, settings): one tuner and one dealing per group.
-    groups: Dict[Tuple[Any, ...], List[Tuple[Conv2d, _runtime.ShapeKey, Dict[str, Any]]]] = {}
+    groups: Dict[Tuple[Any, ...], List[Tuple[Conv, _runtime.ShapeKey, Dict[str, Any]]]] = {}
     for layer, key, problem in entries:
         config = layer._mucudnn
         cache_key = "default" if config.cache is None else str(config.cache)
@@ -253,16 +252,16 @@ def tune(
     return summary
 
 
-def _adopt(layer: Conv2d, key, result, seconds: float, verbose: bool) -> None:
+def _adopt(layer: Conv, key, result, seconds: float, verbose: bool) -> None:
     if result["plans"] is None:
         _runtime.fall_back(layer._mucudnn, key, result.get("fallback", "no plan"), seconds)
         return
     if _runtime.adopt_or_fall_back(layer._mucudnn, key, result, seconds) is None:
         return
     report = layer._mucudnn.reports[key]
-    n, c, h, w = report.shape
+    shape = "x".join(map(str, layer._layer_shape(report)))
     _progress(
-        f"{layer._mucudnn.name} ({n}x{c}x{h}x{w} {report.dtype} {report.layout}): "
+        f"{layer._mucudnn.name} ({shape} {report.dtype} {report.layout}): "
         + ", ".join(f"{op} {info['split']}" for op, info in report.ops.items())
         + f" ({seconds:.2f} s, {report.source})",
         verbose,
