@@ -285,7 +285,10 @@ fn the_nd_part_runs_the_3d_benchmark() {
     let branch = &accept[accept.find("\n  nd)\n").expect("an nd) branch")..];
     let branch = &branch[..branch.find(";;").unwrap()];
     assert!(branch.contains("$G/nd_bench.py") && branch.contains("--mucudnn $G/mucudnn"));
-    assert!(build.contains("scripts/gpu/nd_bench.py"), "build.sh ships nd_bench.py");
+    assert!(
+        build.contains("scripts/gpu/nd_bench.py"),
+        "build.sh ships nd_bench.py"
+    );
     for needle in [
         "LIMITS = (\"256MiB\", \"1GiB\")",
         "torch.backends.cudnn.benchmark = True",
