@@ -108,17 +108,86 @@ fn max_relative(got: &[f32], want: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// 3-D (NCDHW / NDHWC) and 1-D (NCW / NWC) problems at batch 5: depth set apart from height
+/// (`t != r`, `pad_d != pad_h`), stride 2 with odd sizes, dilation, groups, depthwise.
+fn problems_3d_and_1d() -> Vec<ConvProblem> {
+    let ncdhw = ConvProblem::new_3d;
+    vec![
+        ConvProblem {
+            pad_d: 1,
+            pad_w: 1,
+            ..ncdhw(5, 3, 5, 4, 6, 4, 2, 3, 2)
+        },
+        ConvProblem {
+            pad_d: 1,
+            pad_h: 2,
+            pad_w: 1,
+            stride_d: 2,
+            stride_h: 2,
+            stride_w: 2,
+            ..ncdhw(5, 2, 7, 5, 7, 3, 3, 3, 3)
+        },
+        ConvProblem {
+            dilation_d: 2,
+            pad_h: 1,
+            ..ncdhw(5, 2, 7, 5, 6, 3, 2, 2, 2)
+        },
+        ConvProblem {
+            groups: 2,
+            pad_d: 1,
+            pad_h: 1,
+            stride_d: 2,
+            ..ncdhw(5, 4, 6, 4, 5, 6, 3, 2, 2)
+        },
+        // depthwise
+        ConvProblem {
+            groups: 4,
+            pad_d: 1,
+            pad_h: 1,
+            pad_w: 1,
+            stride_d: 2,
+            stride_w: 2,
+            ..ncdhw(5, 4, 5, 5, 5, 4, 3, 3, 3)
+        },
+        ConvProblem {
+            pad_w: 2,
+            stride_w: 2,
+            ..ConvProblem::new_1d(5, 3, 21, 4, 5)
+        },
+        ConvProblem {
+            groups: 3,
+            pad_w: 2,
+            dilation_w: 2,
+            ..ConvProblem::new_1d(5, 3, 15, 6, 3)
+        },
+    ]
+}
+
 #[test]
 fn micro_batched_equals_undivided_and_the_reference_for_every_op_layout_and_algo() {
+    check_micro_batched(problems());
+}
+
+/// A micro-batched 3-D (or 1-D) plan executes on the CPU as the undivided one does.
+#[test]
+fn micro_batched_3d_and_1d_plans_equal_undivided_and_the_reference() {
+    for problem in problems_3d_and_1d() {
+        let one_d = problem.h == 1 && problem.r == 1;
+        assert!(problem.is_3d() || one_d, "{}", problem.describe());
+    }
+    check_micro_batched(problems_3d_and_1d());
+}
+
+fn check_micro_batched(problems: Vec<ConvProblem>) {
     for layout in [Layout::Nchw, Layout::Nhwc] {
-        for (index, base) in problems().into_iter().enumerate() {
+        for (index, base) in problems.iter().copied().enumerate() {
             let problem = ConvProblem { layout, ..base };
             for op in ConvOp::ALL {
                 let (a, b, _) = operands(&problem, op, 10 + index as u64);
                 let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
                 let want = reference::conv_f64(&problem, op, &wide(&a), &wide(&b)).unwrap();
                 for algo in CpuAlgo::ALL {
-                    let what = format!("{layout} problem {index} {op} {}", algo.name());
+                    let what = format!("{} {op} {}", problem.describe(), algo.name());
                     let undivided = plan(problem, op, &[(5, algo)]);
                     let split = plan(problem, op, &[(2, algo), (2, algo), (1, algo)]);
                     let mut whole = vec![f32::NAN; want.len()];

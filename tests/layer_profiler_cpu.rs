@@ -214,6 +214,99 @@ fn profiler_measures_every_size_and_algorithm_with_cpu_workspaces() {
     }
 }
 
+/// The profiler measures a 3-D problem on the CPU backend like a 2-D one, with workspaces that
+/// count the depth.
+#[test]
+fn profiler_measures_a_3d_problem() {
+    let problem = ConvProblem {
+        pad_d: 1,
+        pad_h: 1,
+        pad_w: 1,
+        stride_d: 2,
+        ..ConvProblem::new_3d(3, 2, 5, 4, 4, 3, 3, 2, 3)
+    };
+    // The 2-D problem of one input depth slice and one filter depth tap.
+    let slice = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new(3, 2, 4, 4, 3, 2, 3)
+    };
+    for op in ConvOp::ALL {
+        let job = Job {
+            layer: "toy3d".into(),
+            problem,
+            op,
+        };
+        let profile = profile_job(
+            &mut CpuBackend::new(),
+            &job,
+            Policy::All,
+            &FAST,
+            &mut |_| {},
+        )
+        .unwrap();
+        profile.validate().unwrap();
+        assert_eq!(profile.problem, problem);
+        assert_eq!(profile.measurements.len(), 3 * CpuAlgo::ALL.len());
+        for m in &profile.measurements {
+            let algo = CpuAlgo::from_id(m.algo.legacy().unwrap()).unwrap();
+            assert_eq!(
+                m.workspace_bytes,
+                cpu::workspace_bytes(&problem.with_batch(m.micro), op, algo)
+            );
+            assert!(m.time_ms > 0.0);
+            if algo != CpuAlgo::Direct {
+                // Output depth 3 and filter depth 3: the im2col matrix is 9 times the slice's.
+                let flat = cpu::workspace_bytes(&slice.with_batch(m.micro), op, algo);
+                assert!(m.workspace_bytes > 3 * flat, "{op} {algo}: {m:?} vs {flat}");
+            }
+        }
+    }
+}
+
+/// Profile -> solve -> execute for a 3-D layer on the CPU, through a cache: the plans are for
+/// the 3-D problem, stay within the workspace limit and compute what the reference computes.
+#[test]
+fn a_3d_layer_tunes_and_its_plans_execute_on_the_cpu() {
+    use mucudnn::exec::{cpu_workspace_bytes, execute_cpu};
+    use mucudnn::tune::{EngineOptions, LayerTuning};
+    let problem = ConvProblem {
+        pad_d: 1,
+        pad_h: 1,
+        pad_w: 1,
+        layout: Layout::Nhwc,
+        ..ConvProblem::new_3d(4, 3, 4, 5, 5, 4, 3, 3, 2)
+    };
+    // Room for the batched im2col of two samples, not four.
+    let limit = cpu::workspace_bytes(&problem.with_batch(2), ConvOp::Forward, CpuAlgo::Im2colGemm);
+    let tuning = LayerTuning {
+        policy: Policy::All,
+        workspace_limit_bytes: limit,
+        timing: FAST,
+        candidates: CandidateSet::Legacy,
+        engines: EngineOptions::default(),
+    };
+    let cache = Cache::in_memory();
+    let plans = tuning
+        .tune(&mut CpuBackend::new(), &cache, "toy3d.conv", &problem)
+        .unwrap();
+    for (plan, op) in plans.iter().zip(ConvOp::ALL) {
+        assert_eq!((plan.problem, plan.op), (problem, op));
+        assert_eq!(plan.batch(), problem.n);
+        let workspace = cpu_workspace_bytes(plan);
+        assert!(workspace <= limit, "{op}: {workspace} > {limit}");
+        let [(_, la), (_, lb), (_, lo)] = cpu::buffer_lens(&problem, op).unwrap();
+        let dtype = mucudnn::solver::DType::Fp32;
+        let a = mucudnn::backend::cudnn::host::random_values(dtype, la, 1);
+        let b = mucudnn::backend::cudnn::host::random_values(dtype, lb, 2);
+        let mut out = vec![f32::NAN; lo];
+        let mut ws = cpu::AlignedWorkspace::new(workspace);
+        execute_cpu(plan, 1.0, &a, &b, 0.0, &mut out, ws.as_bytes_mut()).unwrap();
+        let want = reference::conv_f64(&problem, op, &wide(&a), &wide(&b)).unwrap();
+        assert_close(&out, &want, &format!("{op} {:?}", plan.micro_batches));
+    }
+}
+
 /// A CPU backend that claims to be another device.
 struct Renamed(CpuBackend, DeviceFingerprint);
 

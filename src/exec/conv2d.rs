@@ -94,7 +94,10 @@ fn sum_f64(values: &[f32]) -> f64 {
     (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) + tail
 }
 
-/// A 2-D convolution layer (fp32), cross-correlation as in cuDNN and PyTorch.
+/// A 2-D convolution layer (fp32), cross-correlation as in cuDNN and PyTorch. Its problems
+/// are 2-D by construction (4-D tensors, no depth settings); 1-D is height 1. For a 3-D
+/// convolution on the CPU, tune with [`LayerTuning`] and run the plans with
+/// [`execute_cpu`](super::execute_cpu), which take NCDHW / NDHWC problems.
 pub struct Conv2d {
     name: String,
     /// The problem at batch 1 and height/width 1; the input shape fills those in.

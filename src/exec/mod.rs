@@ -2,7 +2,8 @@
 //! buffers, each with its own algorithm, on one workspace.
 //!
 //! A micro-batch is a contiguous slice of every batched tensor (the batch is the outermost
-//! dimension in NCHW and NHWC), so execution is pointer (or slice) offsets, never copies.
+//! dimension in NCHW and NHWC, and in their 3-D and 1-D forms NCDHW / NDHWC / NCW / NWC), so
+//! execution is pointer (or slice) offsets, never copies; a 3-D plan executes like a 2-D one.
 //! Forward and backward-data write disjoint slices of their output, so every micro-batch uses
 //! the caller's `beta`. Backward-filter sums over the batch into one filter gradient: the first
 //! micro-batch uses the caller's `beta`, the later ones `beta = 1` (µ-cuDNN passed the caller's

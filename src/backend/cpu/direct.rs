@@ -6,12 +6,15 @@
 //! few dozen entries (valid tap ranges), which keep integer divisions out of the inner loops.
 //!
 //! Loop orders keep the innermost loop on the contiguous dimension of the layout: output
-//! rows (NCHW) or channels (NHWC). Two NHWC special cases: with one channel per group
+//! rows (NCHW) or channels (NHWC). Depth and height are walked together as *rows* (see
+//! [`Geom`]): a 3-D problem runs the same kernels as a 2-D one, with `(t, r)` filter rows in
+//! place of `r` and `(depth, height)` input and output rows in place of heights. Two NHWC special cases: with one channel per group
 //! (depthwise) the inner loop runs across filters instead of over a length-1 channel dot
 //! product, and backward filter accumulates a block of filters per sweep over `x`.
 
 use super::{
-    axpy_gather, axpy_scatter, dot_strided, store, store1, valid_range, Element, Geom, CHUNK,
+    axpy_gather, axpy_scatter, dot_strided, lin, store, store1, taps_of, valid_range, Element,
+    Geom, RowMap, CHUNK,
 };
 use crate::solver::Layout;
 
@@ -140,13 +143,6 @@ fn backward_data_nchw_gather<T: Element>(
         8.. => backward_data_nchw_blocked::<T, 8>(g, alpha, w, dy, beta, dx),
         _ => backward_data_nchw_blocked::<T, 4>(g, alpha, w, dy, beta, dx),
     }
-}
-
-/// `i * step - pad`: the input offset of tap `i` (step = dilation) for output 0, or of output
-/// `i` (step = stride) for tap 0.
-#[inline]
-fn lin(i: usize, step: usize, pad: usize) -> isize {
-    (i * step) as isize - pad as isize
 }
 
 /// Register block: output channels (forward), input channels (backward data) or filters
@@ -345,8 +341,8 @@ fn tile_tap<T: Element, const QB: usize>(
 }
 
 /// Forward NCHW: for each image, group, output row and block of `KB` filters, a strip of
-/// `QB` output columns x `KB` filters accumulates in registers over the taps (r, s) and,
-/// innermost, the channels, then is stored once. Each output's sum runs over (r, s, c) in
+/// `QB` output columns x `KB` filters accumulates in registers over the taps (t, r, s) and,
+/// innermost, the channels, then is stored once. Each output's sum runs over (t, r, s, c) in
 /// that order whatever the batch, so micro-batches are bit-identical.
 #[inline(always)]
 fn forward_nchw<T: Element, const QB: usize>(
@@ -357,28 +353,28 @@ fn forward_nchw<T: Element, const QB: usize>(
     beta: f32,
     y: &mut [T],
 ) {
-    let (hw, pq, rs) = (g.h * g.w, g.p * g.q, g.r * g.s);
+    let (plane, opq, taps) = (g.in_plane(), g.out_plane(), g.taps());
     let strips = strips(g.q, QB);
     let spans = strip_spans(&strips, g.s, g.w, g.sw, |s| lin(s, g.dw, g.pw));
+    let mut row_map = RowMap::read_by(g);
     for img in 0..g.n {
         for grp in 0..g.groups {
-            let xg = &x[(img * g.c + grp * g.cg) * hw..][..g.cg * hw];
+            let xg = &x[(img * g.c + grp * g.cg) * plane..][..g.cg * plane];
             // Output rows outside filter blocks: the input rows one output row reads then
             // stay in cache while every filter block uses them.
-            for p in 0..g.p {
-                let rows = valid_range(g.r, 0, g.h as isize, g.dh, lin(p, g.sh, g.ph));
+            for orow in 0..g.out_rows() {
+                let rows = row_map.get(orow);
                 for k0 in (grp * g.kg..(grp + 1) * g.kg).step_by(KB) {
                     let kn = KB.min((grp + 1) * g.kg - k0);
                     for (st, spans) in strips.iter().zip(spans.chunks_exact(g.s)) {
                         let mut acc = [[0f32; QB]; KB];
-                        for r in rows.clone() {
-                            let ih = p * g.sh + r * g.dh - g.ph;
+                        for &(frow, irow) in rows {
                             for (s, &(lo, hi, start)) in spans.iter().enumerate() {
                                 tile_tap(
                                     &mut acc,
                                     kn,
-                                    (w, k0 * g.cg * rs + r * g.s + s, rs, g.cg * rs),
-                                    (xg, ih * g.w + start, hw),
+                                    (w, k0 * g.cg * taps + frow * g.s + s, taps, g.cg * taps),
+                                    (xg, irow * g.w + start, plane),
                                     g.cg,
                                     (lo, hi),
                                     g.sw,
@@ -386,7 +382,7 @@ fn forward_nchw<T: Element, const QB: usize>(
                             }
                         }
                         for (j, a) in acc[..kn].iter().enumerate() {
-                            let yrow = &mut y[(img * g.k + k0 + j) * pq + p * g.q..][..g.q];
+                            let yrow = &mut y[(img * g.k + k0 + j) * opq + orow * g.q..][..g.q];
                             let out = &mut yrow[st.q0 + st.from..st.q0 + st.len];
                             store(out, &a[st.from..st.len], alpha, beta);
                         }
@@ -399,7 +395,8 @@ fn forward_nchw<T: Element, const QB: usize>(
 
 /// Backward data NCHW with unit column stride, as a gather: for each image, group, input row
 /// and block of `KB` input channels, a strip of `QB` columns accumulates in registers over
-/// the (r, p) row taps that reach the row, the column taps s and, innermost, the group's
+/// the (filter row, output row) pairs that reach the row, the column taps s and, innermost,
+/// the group's
 /// filters, then is stored once. Input column `wc` reads `dy` column `wc + pw - s * dw`
 /// through tap `s`.
 #[inline(always)]
@@ -412,32 +409,32 @@ fn backward_data_nchw_blocked<T: Element, const QB: usize>(
     dx: &mut [T],
 ) {
     debug_assert_eq!(g.sw, 1);
-    let (hw, pq, rs) = (g.h * g.w, g.p * g.q, g.r * g.s);
+    let (plane, opq, taps) = (g.in_plane(), g.out_plane(), g.taps());
     let strips = strips(g.w, QB);
     let spans = strip_spans(&strips, g.s, g.q, 1, |s| -lin(s, g.dw, g.pw));
-    let mut rows = Vec::with_capacity(g.r);
+    let mut row_map = RowMap::reading(g);
     for img in 0..g.n {
         for grp in 0..g.groups {
-            let dyg = &dy[(img * g.k + grp * g.kg) * pq..][..g.kg * pq];
+            let dyg = &dy[(img * g.k + grp * g.kg) * opq..][..g.kg * opq];
             // Input rows outside channel blocks, so that the dy rows they read stay in cache.
-            for h in 0..g.h {
-                taps_of(h, g.r, g.sh, g.dh, g.ph, g.p, &mut rows);
+            for irow in 0..g.in_rows() {
+                let rows = row_map.get(irow);
                 for c0 in (0..g.cg).step_by(KB) {
                     let cn = KB.min(g.cg - c0);
                     for (st, spans) in strips.iter().zip(spans.chunks_exact(g.s)) {
                         let mut acc = [[0f32; QB]; KB];
-                        for &(r, p) in &rows {
+                        for &(frow, orow) in rows {
                             for (s, &(lo, hi, start)) in spans.iter().enumerate() {
                                 tile_tap(
                                     &mut acc,
                                     cn,
                                     (
                                         w,
-                                        (grp * g.kg * g.cg + c0) * rs + r * g.s + s,
-                                        g.cg * rs,
-                                        rs,
+                                        (grp * g.kg * g.cg + c0) * taps + frow * g.s + s,
+                                        g.cg * taps,
+                                        taps,
                                     ),
-                                    (dyg, p * g.q + start, pq),
+                                    (dyg, orow * g.q + start, opq),
                                     g.kg,
                                     (lo, hi),
                                     1,
@@ -446,7 +443,7 @@ fn backward_data_nchw_blocked<T: Element, const QB: usize>(
                         }
                         for (j, a) in acc[..cn].iter().enumerate() {
                             let ci = grp * g.cg + c0 + j;
-                            let dxrow = &mut dx[(img * g.c + ci) * hw + h * g.w..][..g.w];
+                            let dxrow = &mut dx[(img * g.c + ci) * plane + irow * g.w..][..g.w];
                             let out = &mut dxrow[st.q0 + st.from..st.q0 + st.len];
                             store(out, &a[st.from..st.len], alpha, beta);
                         }
@@ -525,11 +522,24 @@ fn tile_dot<T: Element>(
         && xofs
             .iter()
             .all(|&o| o + (count - 1) * xstep + 7 * stride < x.len());
+    // The tile accumulates in a local copy, which LLVM keeps in registers over the loop
+    // (the caller's `acc` lives across loops over images and rows, and stays in memory).
     if fits && stride == 1 {
-        tile_dot_masked::<T, true>(acc, (dy, dofs, dstep), (x, xofs, xstep), count, hi, 1);
+        let mut tile = *acc;
+        tile_dot_masked::<T, true>(&mut tile, (dy, dofs, dstep), (x, xofs, xstep), count, hi, 1);
+        *acc = tile;
         return;
     } else if fits {
-        tile_dot_masked::<T, false>(acc, (dy, dofs, dstep), (x, xofs, xstep), count, hi, stride);
+        let mut tile = *acc;
+        tile_dot_masked::<T, false>(
+            &mut tile,
+            (dy, dofs, dstep),
+            (x, xofs, xstep),
+            count,
+            hi,
+            stride,
+        );
+        *acc = tile;
         return;
     }
     for m in 0..count {
@@ -555,8 +565,9 @@ fn tile_dot<T: Element>(
 
 /// Backward filter NCHW: for each block of `KB` filters, block of `CB` channels and tap, a
 /// tile of `KB x CB` dot products x eight output columns accumulates in registers over the
-/// images and, innermost, the output rows, and is reduced once at the end. Rows of missing
-/// filters or channels in a short block alias the first one's and are discarded.
+/// the runs of output rows (one per output depth), the images and, innermost, the output
+/// rows of a run, and is reduced once at the end. Rows of missing filters or channels in a short
+/// block alias the first one's and are discarded.
 #[inline(always)]
 fn backward_filter_nchw<T: Element>(
     g: &Geom,
@@ -566,51 +577,53 @@ fn backward_filter_nchw<T: Element>(
     beta: f32,
     dw: &mut [T],
 ) {
-    let (hw, pq, rs) = (g.h * g.w, g.p * g.q, g.r * g.s);
+    let (plane, opq, taps) = (g.in_plane(), g.out_plane(), g.taps());
+    let mut runs = Vec::with_capacity(g.o);
     for grp in 0..g.groups {
         for k0 in (grp * g.kg..(grp + 1) * g.kg).step_by(KB) {
             let kn = KB.min((grp + 1) * g.kg - k0);
             for c0 in (0..g.cg).step_by(CB) {
                 let cn = CB.min(g.cg - c0);
-                for r in 0..g.r {
-                    let ps = valid_range(g.p, 0, g.h as isize, g.sh, lin(r, g.dh, g.ph));
+                for frow in 0..g.filter_rows() {
+                    g.row_runs(frow, &mut runs);
                     for s in 0..g.s {
                         let off = lin(s, g.dw, g.pw);
                         let qs = valid_range(g.q, 0, g.w as isize, g.sw, off);
                         let mut acc = [[[0f32; 8]; CB]; KB];
-                        if !ps.is_empty() && !qs.is_empty() {
-                            let ih0 = ps.start * g.sh + r * g.dh - g.ph;
-                            for img in 0..g.n {
-                                let dofs = [0, 1, 2, 3].map(|j| {
-                                    (img * g.k + k0 + j.min(kn - 1)) * pq + ps.start * g.q
-                                });
-                                let xofs = [0, 1].map(|t| {
-                                    let ci = grp * g.cg + c0 + t.min(cn - 1);
-                                    (img * g.c + ci) * hw + ih0 * g.w
-                                });
-                                for q0 in qs.clone().step_by(8) {
-                                    let iw0 = ((q0 * g.sw) as isize + off) as usize;
-                                    let mut d = dofs;
-                                    d.iter_mut().for_each(|o| *o += q0);
-                                    let mut xo = xofs;
-                                    xo.iter_mut().for_each(|o| *o += iw0);
-                                    tile_dot(
-                                        &mut acc,
-                                        (dy, d, g.q),
-                                        (x, xo, g.sh * g.w),
-                                        ps.len(),
-                                        8.min(qs.end - q0),
-                                        g.sw,
-                                    );
+                        if !qs.is_empty() {
+                            for &(orow0, irow0, len) in &runs {
+                                for img in 0..g.n {
+                                    let dofs = [0, 1, 2, 3].map(|j| {
+                                        (img * g.k + k0 + j.min(kn - 1)) * opq + orow0 * g.q
+                                    });
+                                    let xofs = [0, 1].map(|t| {
+                                        let ci = grp * g.cg + c0 + t.min(cn - 1);
+                                        (img * g.c + ci) * plane + irow0 * g.w
+                                    });
+                                    for q0 in qs.clone().step_by(8) {
+                                        let iw0 = ((q0 * g.sw) as isize + off) as usize;
+                                        let mut d = dofs;
+                                        d.iter_mut().for_each(|o| *o += q0);
+                                        let mut xo = xofs;
+                                        xo.iter_mut().for_each(|o| *o += iw0);
+                                        tile_dot(
+                                            &mut acc,
+                                            (dy, d, g.q),
+                                            (x, xo, g.sh * g.w),
+                                            len,
+                                            8.min(qs.end - q0),
+                                            g.sw,
+                                        );
+                                    }
                                 }
                             }
                         }
-                        let tap = r * g.s + s;
+                        let tap = frow * g.s + s;
                         for (j, a) in acc[..kn].iter().enumerate() {
                             for (t, a) in a[..cn].iter().enumerate() {
                                 let sum = ((a[0] + a[4]) + (a[1] + a[5]))
                                     + ((a[2] + a[6]) + (a[3] + a[7]));
-                                let idx = ((k0 + j) * g.cg + c0 + t) * rs + tap;
+                                let idx = ((k0 + j) * g.cg + c0 + t) * taps + tap;
                                 store1(&mut dw[idx], sum, alpha, beta);
                             }
                         }
@@ -637,25 +650,33 @@ fn for_filters(k0: usize, len: usize, kg: usize, mut f: impl FnMut(usize, usize,
 
 #[inline(always)]
 fn forward_nhwc<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y: &mut [T]) {
-    let (rs, cg) = (g.r * g.s, g.cg);
+    let (taps, cg) = (g.taps(), g.cg);
+    let (in_rows, out_rows) = (g.in_rows(), g.out_rows());
+    let mut row_map = RowMap::read_by(g);
     let mut acc = [0f32; CHUNK];
     for img in 0..g.n {
-        for p in 0..g.p {
-            let rows = valid_range(g.r, 0, g.h as isize, g.dh, lin(p, g.sh, g.ph));
+        for orow in 0..out_rows {
+            let rows = row_map.get(orow);
             for q in 0..g.q {
                 let cols = valid_range(g.s, 0, g.w as isize, g.dw, lin(q, g.sw, g.pw));
-                let ybase = ((img * g.p + p) * g.q + q) * g.k;
+                let ybase = ((img * out_rows + orow) * g.q + q) * g.k;
                 for k0 in (0..g.k).step_by(CHUNK) {
                     let kn = CHUNK.min(g.k - k0);
                     let acc = &mut acc[..kn];
                     acc.fill(0.0);
-                    for r in rows.clone() {
-                        let ih = p * g.sh + r * g.dh - g.ph;
+                    for &(frow, irow) in rows {
                         for s in cols.clone() {
                             let iw = q * g.sw + s * g.dw - g.pw;
-                            let xpix = &x[((img * g.h + ih) * g.w + iw) * g.c..][..g.c];
-                            let tap = r * g.s + s;
-                            if cg == 1 {
+                            let xpix = &x[((img * in_rows + irow) * g.w + iw) * g.c..][..g.c];
+                            let tap = frow * g.s + s;
+                            if cg == 1 && g.kg == 1 {
+                                // Depthwise: filter `kk` reads channel `kk`.
+                                let xs = &xpix[k0..][..kn];
+                                let ws = &w[k0 * taps + tap..];
+                                for (j, (a, xv)) in acc.iter_mut().zip(xs).enumerate() {
+                                    *a += xv.to_f32() * ws[j * taps].to_f32();
+                                }
+                            } else if cg == 1 {
                                 // Depthwise-like: one multiply per filter, vectorised across
                                 // filters instead of a dot product of length 1.
                                 for_filters(
@@ -664,7 +685,7 @@ fn forward_nhwc<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y
                                     g.kg,
                                     #[inline(always)]
                                     |j, kk, grp| {
-                                        acc[j] += xpix[grp].to_f32() * w[kk * rs + tap].to_f32();
+                                        acc[j] += xpix[grp].to_f32() * w[kk * taps + tap].to_f32();
                                     },
                                 );
                             } else {
@@ -674,7 +695,7 @@ fn forward_nhwc<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y
                                     g.kg,
                                     #[inline(always)]
                                     |j, kk, grp| {
-                                        let wv = &w[(kk * rs + tap) * cg..][..cg];
+                                        let wv = &w[(kk * taps + tap) * cg..][..cg];
                                         acc[j] += dot_strided(&xpix[grp * cg..][..cg], wv, 1);
                                     },
                                 );
@@ -688,30 +709,6 @@ fn forward_nhwc<T: Element>(g: &Geom, alpha: f32, x: &[T], w: &[T], beta: f32, y
     }
 }
 
-/// The taps `(r, o)` through which input position `i` is read, `o` being the output position
-/// (`i = o * stride + r * dilation - pad`), written into `taps`.
-fn taps_of(
-    i: usize,
-    f_len: usize,
-    stride: usize,
-    dilation: usize,
-    pad: usize,
-    o_len: usize,
-    taps: &mut Vec<(usize, usize)>,
-) {
-    taps.clear();
-    for f in 0..f_len {
-        let t = (i + pad) as isize - (f * dilation) as isize;
-        if t < 0 {
-            break; // t only decreases with f
-        }
-        let t = t as usize;
-        if t % stride == 0 && t / stride < o_len {
-            taps.push((f, t / stride));
-        }
-    }
-}
-
 #[inline(always)]
 fn backward_data_nchw<T: Element>(
     g: &Geom,
@@ -721,7 +718,7 @@ fn backward_data_nchw<T: Element>(
     beta: f32,
     dx: &mut [T],
 ) {
-    let (pq, rs) = (g.p * g.q, g.r * g.s);
+    let (in_rows, opq, taps) = (g.in_rows(), g.out_plane(), g.taps());
     // Per chunk of input columns w0..w0 + wn and column tap s: the outputs qlo..qhi that read
     // inside the chunk through s, and the chunk-relative column the first of them reads.
     let mut spans = Vec::with_capacity(g.w.div_ceil(CHUNK) * g.s);
@@ -741,26 +738,26 @@ fn backward_data_nchw<T: Element>(
             });
         }
     }
-    let mut rows = Vec::with_capacity(g.r);
+    let mut row_map = RowMap::reading(g);
     let mut acc = [0f32; CHUNK];
     for img in 0..g.n {
         for ci in 0..g.c {
             let (grp, c) = (ci / g.cg, ci % g.cg);
-            for h in 0..g.h {
-                taps_of(h, g.r, g.sh, g.dh, g.ph, g.p, &mut rows);
-                let dxrow = &mut dx[((img * g.c + ci) * g.h + h) * g.w..][..g.w];
+            for irow in 0..in_rows {
+                let rows = row_map.get(irow);
+                let dxrow = &mut dx[((img * g.c + ci) * in_rows + irow) * g.w..][..g.w];
                 for (chunk, w0) in (0..g.w).step_by(CHUNK).enumerate() {
                     let wn = CHUNK.min(g.w - w0);
                     let spans = &spans[chunk * g.s..][..g.s];
                     let acc = &mut acc[..wn];
                     acc.fill(0.0);
                     for kk in grp * g.kg..(grp + 1) * g.kg {
-                        let dyk = &dy[(img * g.k + kk) * pq..][..pq];
-                        let wkc = &w[(kk * g.cg + c) * rs..][..rs];
-                        for &(r, p) in &rows {
-                            let dyrow = &dyk[p * g.q..][..g.q];
+                        let dyk = &dy[(img * g.k + kk) * opq..][..opq];
+                        let wkc = &w[(kk * g.cg + c) * taps..][..taps];
+                        for &(frow, orow) in rows {
+                            let dyrow = &dyk[orow * g.q..][..g.q];
                             for (&(qlo, qhi, start), &wv) in
-                                spans.iter().zip(&wkc[r * g.s..][..g.s])
+                                spans.iter().zip(&wkc[frow * g.s..][..g.s])
                             {
                                 if qlo < qhi {
                                     axpy_scatter(
@@ -789,29 +786,39 @@ fn backward_data_nhwc<T: Element>(
     beta: f32,
     dx: &mut [T],
 ) {
-    let rs = g.r * g.s;
-    let (mut rows, mut cols) = (Vec::with_capacity(g.r), Vec::with_capacity(g.s));
+    let (taps, in_rows, out_rows) = (g.taps(), g.in_rows(), g.out_rows());
+    let (mut row_map, mut cols) = (RowMap::reading(g), Vec::with_capacity(g.s));
     let mut acc = [0f32; CHUNK];
     for img in 0..g.n {
-        for h in 0..g.h {
-            taps_of(h, g.r, g.sh, g.dh, g.ph, g.p, &mut rows);
+        for irow in 0..in_rows {
+            let rows = row_map.get(irow);
             for x in 0..g.w {
-                taps_of(x, g.s, g.sw, g.dw, g.pw, g.q, &mut cols);
-                let dxbase = ((img * g.h + h) * g.w + x) * g.c;
+                cols.clear();
+                cols.extend(taps_of(x, g.s, g.sw, g.dw, g.pw, g.q));
+                let dxbase = ((img * in_rows + irow) * g.w + x) * g.c;
                 if g.cg == 1 {
                     // Depthwise-like: vectorise across channels; channel `ci` is group `ci`.
                     for c0 in (0..g.c).step_by(CHUNK) {
                         let cn = CHUNK.min(g.c - c0);
                         let acc = &mut acc[..cn];
                         acc.fill(0.0);
-                        for &(r, p) in &rows {
+                        for &(frow, orow) in rows {
                             for &(s, q) in &cols {
-                                let dyv = &dy[((img * g.p + p) * g.q + q) * g.k..][..g.k];
-                                let tap = r * g.s + s;
+                                let dyv = &dy[((img * out_rows + orow) * g.q + q) * g.k..][..g.k];
+                                let tap = frow * g.s + s;
+                                if g.kg == 1 {
+                                    // Depthwise: channel `ci` is read by filter `ci` alone.
+                                    let ws = &w[c0 * taps + tap..];
+                                    let ds = &dyv[c0..][..cn];
+                                    for (j, (a, d)) in acc.iter_mut().zip(ds).enumerate() {
+                                        *a += d.to_f32() * ws[j * taps].to_f32();
+                                    }
+                                    continue;
+                                }
                                 for (j, a) in acc.iter_mut().enumerate() {
                                     let grp = c0 + j;
                                     for kk in grp * g.kg..(grp + 1) * g.kg {
-                                        *a += dyv[kk].to_f32() * w[kk * rs + tap].to_f32();
+                                        *a += dyv[kk].to_f32() * w[kk * taps + tap].to_f32();
                                     }
                                 }
                             }
@@ -825,13 +832,13 @@ fn backward_data_nhwc<T: Element>(
                         let cn = CHUNK.min(g.cg - c0);
                         let acc = &mut acc[..cn];
                         acc.fill(0.0);
-                        for &(r, p) in &rows {
+                        for &(frow, orow) in rows {
                             for &(s, q) in &cols {
-                                let dyv =
-                                    &dy[((img * g.p + p) * g.q + q) * g.k + grp * g.kg..][..g.kg];
+                                let pix = (img * out_rows + orow) * g.q + q;
+                                let dyv = &dy[pix * g.k + grp * g.kg..][..g.kg];
                                 for (kl, d) in dyv.iter().enumerate() {
                                     let kk = grp * g.kg + kl;
-                                    let wrow = &w[((kk * g.r + r) * g.s + s) * g.cg + c0..][..cn];
+                                    let wrow = &w[(kk * taps + frow * g.s + s) * g.cg + c0..][..cn];
                                     axpy_gather(acc, d.to_f32(), wrow, 1);
                                 }
                             }
@@ -853,15 +860,24 @@ fn backward_filter_nhwc<T: Element>(
     beta: f32,
     dw: &mut [T],
 ) {
-    let rs = g.r * g.s;
+    let (taps, in_rows, out_rows) = (g.taps(), g.in_rows(), g.out_rows());
+    // The (output row, input row) pairs of a filter row, from its runs.
+    fn pairs(
+        runs: &[(usize, usize, usize)],
+        sh: usize,
+    ) -> impl Iterator<Item = (usize, usize)> + '_ {
+        runs.iter()
+            .flat_map(move |&(orow, irow, len)| (0..len).map(move |i| (orow + i, irow + i * sh)))
+    }
+    let mut runs = Vec::with_capacity(g.o);
     // Each (tap, block of filters) sweeps all of x, so accumulate as many filters per sweep as
     // a few KiB of stack allow.
     let mut acc = [0f32; 4 * CHUNK];
-    for r in 0..g.r {
-        let ps = valid_range(g.p, 0, g.h as isize, g.sh, lin(r, g.dh, g.ph));
+    for frow in 0..g.filter_rows() {
+        g.row_runs(frow, &mut runs);
         for s in 0..g.s {
             let qs = valid_range(g.q, 0, g.w as isize, g.sw, lin(s, g.dw, g.pw));
-            let tap = r * g.s + s;
+            let tap = frow * g.s + s;
             if g.cg == 1 {
                 // Depthwise-like: one multiply per filter, vectorised across filters.
                 for k0 in (0..g.k).step_by(acc.len()) {
@@ -869,12 +885,12 @@ fn backward_filter_nhwc<T: Element>(
                     let acc = &mut acc[..kn];
                     acc.fill(0.0);
                     for img in 0..g.n {
-                        for p in ps.clone() {
-                            let ih = p * g.sh + r * g.dh - g.ph;
+                        for (orow, irow) in pairs(&runs, g.sh) {
                             for q in qs.clone() {
                                 let iw = q * g.sw + s * g.dw - g.pw;
-                                let dyv = &dy[((img * g.p + p) * g.q + q) * g.k + k0..][..kn];
-                                let xpix = &x[((img * g.h + ih) * g.w + iw) * g.c..][..g.c];
+                                let pix = (img * out_rows + orow) * g.q + q;
+                                let dyv = &dy[pix * g.k + k0..][..kn];
+                                let xpix = &x[((img * in_rows + irow) * g.w + iw) * g.c..][..g.c];
                                 for_filters(
                                     k0,
                                     kn,
@@ -888,7 +904,7 @@ fn backward_filter_nhwc<T: Element>(
                         }
                     }
                     for (j, &v) in acc.iter().enumerate() {
-                        store1(&mut dw[(k0 + j) * rs + tap], v, alpha, beta);
+                        store1(&mut dw[(k0 + j) * taps + tap], v, alpha, beta);
                     }
                 }
                 continue;
@@ -903,12 +919,12 @@ fn backward_filter_nhwc<T: Element>(
                         let acc = &mut acc[..kn * cn];
                         acc.fill(0.0);
                         for img in 0..g.n {
-                            for p in ps.clone() {
-                                let ih = p * g.sh + r * g.dh - g.ph;
+                            for (orow, irow) in pairs(&runs, g.sh) {
                                 for q in qs.clone() {
                                     let iw = q * g.sw + s * g.dw - g.pw;
-                                    let dyv = &dy[((img * g.p + p) * g.q + q) * g.k + k0..][..kn];
-                                    let pix = ((img * g.h + ih) * g.w + iw) * g.c;
+                                    let opix = (img * out_rows + orow) * g.q + q;
+                                    let dyv = &dy[opix * g.k + k0..][..kn];
+                                    let pix = ((img * in_rows + irow) * g.w + iw) * g.c;
                                     let xv = &x[pix + grp * g.cg + c0..][..cn];
                                     for (a, d) in acc.chunks_exact_mut(cn).zip(dyv) {
                                         axpy_gather(a, d.to_f32(), xv, 1);
@@ -918,7 +934,12 @@ fn backward_filter_nhwc<T: Element>(
                         }
                         for (j, a) in acc.chunks_exact(cn).enumerate() {
                             let kk = k0 + j;
-                            store(&mut dw[(kk * rs + tap) * g.cg + c0..][..cn], a, alpha, beta);
+                            store(
+                                &mut dw[(kk * taps + tap) * g.cg + c0..][..cn],
+                                a,
+                                alpha,
+                                beta,
+                            );
                         }
                     }
                 }

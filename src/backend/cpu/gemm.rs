@@ -6,7 +6,8 @@
 //! in the workspace as `f32`, carved out as described by [`Parts`]:
 //!
 //! - `col`: the im2col matrix of a chunk for one group (`crs x nb*pq` for NCHW,
-//!   `nb*pq x crs` for NHWC; `crs = c/g * r * s`), or for backward data the GEMM result that
+//!   `nb*pq x crs` for NHWC; `crs = c/g * t * r * s` and `pq = o * p * q`, the output
+//!   positions of an image, depth included), or for backward data the GEMM result that
 //!   col2im gathers from;
 //! - `dy`: `dy` of a chunk and group repacked (and widened to f32) when it cannot be read in
 //!   place: for fp16/bf16, and for NCHW with more than one image per chunk (the batch stride
@@ -20,7 +21,7 @@
 //! falls in matrixmultiply's tiling (its edge tiles and interior tiles round `alpha * ab + beta
 //! * c` differently), which is what makes micro-batched results bit-identical.
 
-use super::{axpy_gather, store, valid_range, Element, Geom, CHUNK};
+use super::{axpy_gather, store, valid_range, Element, Geom, RowMap, CHUNK};
 use crate::solver::{ConvOp, DType, Layout};
 
 /// Sizes, in f32 elements, of the workspace parts (see the module docs). The single source of
@@ -38,8 +39,8 @@ impl Parts {
         let u = |v: usize| v as u64;
         let mul = |a: u64, b: u64| a.saturating_mul(b);
         let nb = if per_image { 1 } else { u(g.n) };
-        let rows = mul(nb, mul(u(g.p), u(g.q)));
-        let crs = mul(u(g.cg), mul(u(g.r), u(g.s)));
+        let rows = mul(nb, u(g.out_plane()));
+        let crs = mul(u(g.cg), u(g.taps()));
         let kg = u(g.kg);
         let widen = dtype != DType::Fp32;
         let pack_dy = widen || (g.layout == Layout::Nchw && !per_image);
@@ -204,7 +205,7 @@ fn filter_group<'a, T: Element>(
     grp: usize,
     filt: &'a mut [f32],
 ) -> &'a [f32] {
-    let len = g.kg * g.cg * g.r * g.s;
+    let len = g.kg * g.cg * g.taps();
     let src = &w[grp * len..][..len];
     match T::as_f32_slice(src) {
         Some(f) => f,
@@ -226,7 +227,7 @@ fn dy_operand<'a, T: Element>(
     grp: usize,
     dyp: &'a mut [f32],
 ) -> Mat<'a> {
-    let pq = g.p * g.q;
+    let pq = g.out_plane();
     let m = nb * pq;
     let in_place = if dyp.is_empty() {
         T::as_f32_slice(dy)
@@ -269,7 +270,7 @@ fn forward<T: Element>(
     y: &mut [T],
     s: Scratch,
 ) {
-    let (pq, crs, kg) = (g.p * g.q, g.cg * g.r * g.s, g.kg);
+    let (pq, crs, kg) = (g.out_plane(), g.cg * g.taps(), g.kg);
     let m = nb * pq;
     let Scratch { col, filt, out, .. } = s;
     for grp in 0..g.groups {
@@ -330,8 +331,8 @@ fn backward_data<T: Element>(
     dx: &mut [T],
     s: Scratch,
 ) {
-    let (crs, kg) = (g.cg * g.r * g.s, g.kg);
-    let m = nb * g.p * g.q;
+    let (crs, kg) = (g.cg * g.taps(), g.kg);
+    let m = nb * g.out_plane();
     let Scratch { col, dyp, filt, .. } = s;
     for grp in 0..g.groups {
         let wg = filter_group(g, w, grp, &mut *filt);
@@ -364,8 +365,8 @@ fn backward_filter<T: Element>(
     dw: &mut [T],
     s: Scratch,
 ) {
-    let (crs, kg) = (g.cg * g.r * g.s, g.kg);
-    let m = nb * g.p * g.q;
+    let (crs, kg) = (g.cg * g.taps(), g.kg);
+    let m = nb * g.out_plane();
     let Scratch {
         col, dyp, out: acc, ..
     } = s;
@@ -395,41 +396,48 @@ fn backward_filter<T: Element>(
                 }
             }
         }
-        // NCHW filters are k x (c/g, r, s) and NHWC filters k x (r, s, c/g): in both, the
+        // NCHW filters are k x (c/g, t, r, s) and NHWC filters k x (t, r, s, c/g): in both, the
         // group's block is contiguous and its columns are ordered like the im2col rows.
         store(&mut dw[grp * kg * crs..][..kg * crs], acc, alpha, beta);
     }
 }
 
-/// NCHW im2col of images `i0..i0 + nb`, group `grp`: `col[(c, r, s)][(image, p, q)]`.
+/// NCHW im2col of images `i0..i0 + nb`, group `grp`: `col[(c, t, r, s)][(image, o, p, q)]`.
 fn im2col_nchw<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, col: &mut [f32]) {
-    let (hw, pq) = (g.h * g.w, g.p * g.q);
+    let (plane, pq) = (g.in_plane(), g.out_plane());
     let ld = nb * pq;
     for c in 0..g.cg {
-        for r in 0..g.r {
+        for frow in 0..g.filter_rows() {
+            let (t, r) = (frow / g.r, frow % g.r);
             for s in 0..g.s {
-                let row = &mut col[((c * g.r + r) * g.s + s) * ld..][..ld];
+                let row = &mut col[((c * g.filter_rows() + frow) * g.s + s) * ld..][..ld];
                 let off = (s * g.dw) as isize - g.pw as isize;
                 let qs = valid_range(g.q, 0, g.w as isize, g.sw, off);
                 for il in 0..nb {
-                    let xp = &x[((i0 + il) * g.c + grp * g.cg + c) * hw..][..hw];
-                    for p in 0..g.p {
-                        let dst = &mut row[il * pq + p * g.q..][..g.q];
-                        let ih = (p * g.sh + r * g.dh) as isize - g.ph as isize;
-                        if ih < 0 || ih >= g.h as isize || qs.is_empty() {
-                            dst.fill(0.0);
-                            continue;
-                        }
-                        let xrow = &xp[ih as usize * g.w..][..g.w];
-                        dst[..qs.start].fill(0.0);
-                        dst[qs.end..].fill(0.0);
-                        let start = ((qs.start * g.sw) as isize + off) as usize;
-                        let dst = &mut dst[qs.clone()];
-                        if g.sw == 1 {
-                            T::load_slice(&xrow[start..start + dst.len()], dst);
-                        } else {
-                            for (d, v) in dst.iter_mut().zip(xrow[start..].iter().step_by(g.sw)) {
-                                *d = v.to_f32();
+                    let xp = &x[((i0 + il) * g.c + grp * g.cg + c) * plane..][..plane];
+                    for o in 0..g.o {
+                        let id = (o * g.sd + t * g.dd) as isize - g.pd as isize;
+                        let depth_in = (0..g.d as isize).contains(&id);
+                        for p in 0..g.p {
+                            let dst = &mut row[il * pq + (o * g.p + p) * g.q..][..g.q];
+                            let ih = (p * g.sh + r * g.dh) as isize - g.ph as isize;
+                            if !depth_in || ih < 0 || ih >= g.h as isize || qs.is_empty() {
+                                dst.fill(0.0);
+                                continue;
+                            }
+                            let irow = id as usize * g.h + ih as usize;
+                            let xrow = &xp[irow * g.w..][..g.w];
+                            dst[..qs.start].fill(0.0);
+                            dst[qs.end..].fill(0.0);
+                            let start = ((qs.start * g.sw) as isize + off) as usize;
+                            let dst = &mut dst[qs.clone()];
+                            if g.sw == 1 {
+                                T::load_slice(&xrow[start..start + dst.len()], dst);
+                            } else {
+                                for (d, v) in dst.iter_mut().zip(xrow[start..].iter().step_by(g.sw))
+                                {
+                                    *d = v.to_f32();
+                                }
                             }
                         }
                     }
@@ -439,29 +447,44 @@ fn im2col_nchw<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, 
     }
 }
 
-/// NHWC im2col of images `i0..i0 + nb`, group `grp`: `col[(image, p, q)][(r, s, c)]`.
+/// NHWC im2col of images `i0..i0 + nb`, group `grp`: `col[(image, o, p, q)][(t, r, s, c)]`.
 fn im2col_nhwc<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, col: &mut [f32]) {
-    let (cg, crs) = (g.cg, g.cg * g.r * g.s);
+    let (cg, crs) = (g.cg, g.cg * g.taps());
+    let in_rows = g.in_rows();
     for il in 0..nb {
-        for p in 0..g.p {
-            for q in 0..g.q {
-                let row = &mut col[((il * g.p + p) * g.q + q) * crs..][..crs];
-                for r in 0..g.r {
-                    let seg = &mut row[r * g.s * cg..][..g.s * cg];
-                    let ih = (p * g.sh + r * g.dh) as isize - g.ph as isize;
-                    if ih < 0 || ih >= g.h as isize {
-                        seg.fill(0.0);
-                        continue;
-                    }
-                    for s in 0..g.s {
-                        let dst = &mut seg[s * cg..][..cg];
-                        let iw = (q * g.sw + s * g.dw) as isize - g.pw as isize;
-                        if iw < 0 || iw >= g.w as isize {
-                            dst.fill(0.0);
+        for o in 0..g.o {
+            for p in 0..g.p {
+                for q in 0..g.q {
+                    let row = &mut col[(((il * g.o + o) * g.p + p) * g.q + q) * crs..][..crs];
+                    for (t, row) in row.chunks_exact_mut(g.r * g.s * cg).enumerate() {
+                        let id = (o * g.sd + t * g.dd) as isize - g.pd as isize;
+                        if id < 0 || id >= g.d as isize {
+                            row.fill(0.0);
                             continue;
                         }
-                        let pix = ((i0 + il) * g.h + ih as usize) * g.w + iw as usize;
-                        T::load_slice(&x[pix * g.c + grp * cg..][..cg], dst);
+                        for (r, seg) in row.chunks_exact_mut(g.s * cg).enumerate() {
+                            let ih = (p * g.sh + r * g.dh) as isize - g.ph as isize;
+                            if ih < 0 || ih >= g.h as isize {
+                                seg.fill(0.0);
+                                continue;
+                            }
+                            let irow = id as usize * g.h + ih as usize;
+                            for (s, dst) in seg.chunks_exact_mut(cg).enumerate() {
+                                let iw = (q * g.sw + s * g.dw) as isize - g.pw as isize;
+                                if iw < 0 || iw >= g.w as isize {
+                                    dst.fill(0.0);
+                                    continue;
+                                }
+                                let pix = ((i0 + il) * in_rows + irow) * g.w + iw as usize;
+                                let src = &x[pix * g.c + grp * cg..][..cg];
+                                if cg == 1 {
+                                    // (Depthwise: no call to a slice copy per element.)
+                                    dst[0] = src[0].to_f32();
+                                } else {
+                                    T::load_slice(src, dst);
+                                }
+                            }
+                        }
                     }
                 }
             }
@@ -482,31 +505,30 @@ fn col2im_nchw<T: Element>(
     beta: f32,
     dx: &mut [T],
 ) {
-    let pq = g.p * g.q;
+    let (pq, in_rows, filter_rows) = (g.out_plane(), g.in_rows(), g.filter_rows());
     let ld = nb * pq;
+    let mut row_map = RowMap::reading(g);
     let mut acc = [0f32; CHUNK];
     for il in 0..nb {
         for c in 0..g.cg {
-            for h in 0..g.h {
-                let dxrow = &mut dx[(((i0 + il) * g.c + grp * g.cg + c) * g.h + h) * g.w..][..g.w];
+            for irow in 0..in_rows {
+                let rows = row_map.get(irow);
+                let plane = ((i0 + il) * g.c + grp * g.cg + c) * in_rows;
+                let dxrow = &mut dx[(plane + irow) * g.w..][..g.w];
                 for w0 in (0..g.w).step_by(CHUNK) {
                     let wn = CHUNK.min(g.w - w0);
                     let acc = &mut acc[..wn];
                     acc.fill(0.0);
-                    for r in 0..g.r {
-                        let t = (h + g.ph) as isize - (r * g.dh) as isize;
-                        if t < 0 || t as usize % g.sh != 0 || t as usize / g.sh >= g.p {
-                            continue;
-                        }
-                        let p = t as usize / g.sh;
+                    for &(frow, orow) in rows {
                         for s in 0..g.s {
                             let off = (s * g.dw) as isize - g.pw as isize;
                             let qs = valid_range(g.q, w0 as isize, (w0 + wn) as isize, g.sw, off);
                             if qs.is_empty() {
                                 continue;
                             }
-                            let src =
-                                &col[((c * g.r + r) * g.s + s) * ld + il * pq + p * g.q..][..g.q];
+                            let src = &col[((c * filter_rows + frow) * g.s + s) * ld
+                                + il * pq
+                                + orow * g.q..][..g.q];
                             let start = ((qs.start * g.sw) as isize + off) as usize - w0;
                             super::axpy_scatter(&mut acc[start..], g.sw, 1.0, &src[qs]);
                         }
@@ -530,31 +552,29 @@ fn col2im_nhwc<T: Element>(
     beta: f32,
     dx: &mut [T],
 ) {
-    let crs = g.cg * g.r * g.s;
+    let crs = g.cg * g.taps();
+    let (in_rows, out_rows) = (g.in_rows(), g.out_rows());
+    let mut row_map = RowMap::reading(g);
     let mut acc = [0f32; CHUNK];
     for il in 0..nb {
-        for h in 0..g.h {
+        for irow in 0..in_rows {
+            let rows = row_map.get(irow);
             for x in 0..g.w {
-                let base = (((i0 + il) * g.h + h) * g.w + x) * g.c + grp * g.cg;
+                let base = (((i0 + il) * in_rows + irow) * g.w + x) * g.c + grp * g.cg;
                 for c0 in (0..g.cg).step_by(CHUNK) {
                     let cn = CHUNK.min(g.cg - c0);
                     let acc = &mut acc[..cn];
                     acc.fill(0.0);
-                    for r in 0..g.r {
-                        let t = (h + g.ph) as isize - (r * g.dh) as isize;
-                        if t < 0 || t as usize % g.sh != 0 || t as usize / g.sh >= g.p {
-                            continue;
-                        }
-                        let p = t as usize / g.sh;
+                    for &(frow, orow) in rows {
                         for s in 0..g.s {
                             let u = (x + g.pw) as isize - (s * g.dw) as isize;
                             if u < 0 || u as usize % g.sw != 0 || u as usize / g.sw >= g.q {
                                 continue;
                             }
                             let q = u as usize / g.sw;
-                            let src = &col
-                                [((il * g.p + p) * g.q + q) * crs + (r * g.s + s) * g.cg + c0..]
-                                [..cn];
+                            let src = &col[((il * out_rows + orow) * g.q + q) * crs
+                                + (frow * g.s + s) * g.cg
+                                + c0..][..cn];
                             axpy_gather(acc, 1.0, src, 1);
                         }
                     }

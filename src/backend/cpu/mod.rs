@@ -23,6 +23,12 @@
 //! |--------|----------------------|-------------|
 //! | NCHW   | `n x c x h x w`      | `k x c/g x r x s` |
 //! | NHWC   | `n x h x w x c`      | `k x r x s x c/g` |
+//! | NCDHW (`Layout::Nchw`, 3-D) | `n x c x d x h x w` | `k x c/g x t x r x s` |
+//! | NDHWC (`Layout::Nhwc`, 3-D) | `n x d x h x w x c` | `k x t x r x s x c/g` |
+//!
+//! Every algorithm runs 1-, 2- and 3-D problems: a 2-D problem is the 3-D one of depth 1
+//! (`d = t = 1`), a 1-D one the 2-D one of height 1 (NCW / NWC), and the kernels walk depth
+//! and height together as rows (see `Geom`), so there is one code path for all three.
 //!
 //! Determinism: every algorithm computes each image independently for the forward and
 //! backward-data passes (and with a fixed summation order), so running a batch in
@@ -230,19 +236,33 @@ pub enum CpuError {
 }
 
 /// Validated problem sizes as `usize`, plus derived quantities.
+///
+/// The kernels work on *rows*: a row is a run of `w` input (or `q` output) elements along the
+/// width, and the rows of one image and channel are its depth x height positions, `d * h` of
+/// them in the input (`o * p` in the output, `t * r` in a filter), numbered depth-major
+/// (`id * h + ih`). Width keeps its own loops and index ranges; how the rows of the three
+/// tensors meet (through depth and height padding, stride and dilation) is answered by
+/// [`Geom::rows_read_by`], [`Geom::rows_reading`] (tabulated by [`RowMap`]) and
+/// [`Geom::row_runs`]. A 2-D problem is
+/// the 3-D one with `d = t = o = 1`, where these are its rows of height.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Geom {
     pub n: usize,
     pub c: usize,
+    pub d: usize,
     pub h: usize,
     pub w: usize,
     pub k: usize,
+    pub t: usize,
     pub r: usize,
     pub s: usize,
+    pub pd: usize,
     pub ph: usize,
     pub pw: usize,
+    pub sd: usize,
     pub sh: usize,
     pub sw: usize,
+    pub dd: usize,
     pub dh: usize,
     pub dw: usize,
     pub groups: usize,
@@ -250,6 +270,8 @@ pub(crate) struct Geom {
     pub cg: usize,
     /// Filters per group.
     pub kg: usize,
+    /// Output depth.
+    pub o: usize,
     /// Output height.
     pub p: usize,
     /// Output width.
@@ -260,27 +282,33 @@ pub(crate) struct Geom {
 impl Geom {
     pub fn new(problem: &ConvProblem) -> Result<Geom, CpuError> {
         problem.validate()?;
-        let (p, q) = problem.output_hw();
+        let (o, p, q) = problem.output_dhw();
         // Bounding every field by 2^31 keeps all index arithmetic (at most sums of two products
-        // of two fields) inside isize/usize on 64-bit targets, even for absurd paddings or
-        // strides that `validate` accepts.
+        // of two fields, or of a field and a tensor's element count, which `validate` bounds
+        // by 2^31) inside isize/usize on 64-bit targets, even for absurd paddings or strides
+        // that `validate` accepts.
         let fields = [
             ("n", problem.n),
             ("c", problem.c),
+            ("d", problem.d),
             ("h", problem.h),
             ("w", problem.w),
             ("k", problem.k),
+            ("t", problem.t),
             ("r", problem.r),
             ("s", problem.s),
+            ("pad_d", problem.pad_d),
             ("pad_h", problem.pad_h),
             ("pad_w", problem.pad_w),
+            ("stride_d", problem.stride_d),
             ("stride_h", problem.stride_h),
             ("stride_w", problem.stride_w),
+            ("dilation_d", problem.dilation_d),
             ("dilation_h", problem.dilation_h),
             ("dilation_w", problem.dilation_w),
             ("groups", problem.groups),
         ];
-        let mut v = [0usize; 14];
+        let mut v = [0usize; 19];
         for (slot, (field, value)) in v.iter_mut().zip(fields) {
             // (On targets with a narrower usize every problem is refused.)
             if value > i64::from(i32::MAX) || usize::BITS < 64 {
@@ -288,44 +316,253 @@ impl Geom {
             }
             *slot = value as usize;
         }
-        let [n, c, h, w, k, r, s, ph, pw, sh, sw, dh, dw, groups] = v;
+        let [n, c, d, h, w, k, t, r, s, pd, ph, pw, sd, sh, sw, dd, dh, dw, groups] = v;
         Ok(Geom {
             n,
             c,
+            d,
             h,
             w,
             k,
+            t,
             r,
             s,
+            pd,
             ph,
             pw,
+            sd,
             sh,
             sw,
+            dd,
             dh,
             dw,
             groups,
             cg: c / groups,
             kg: k / groups,
+            o: o as usize,
             p: p as usize,
             q: q as usize,
             layout: problem.layout,
         })
     }
 
+    /// Rows of one input image and channel: `d * h`.
+    pub fn in_rows(&self) -> usize {
+        self.d * self.h
+    }
+
+    /// Rows of one output image and filter: `o * p`.
+    pub fn out_rows(&self) -> usize {
+        self.o * self.p
+    }
+
+    /// Rows of one filter and channel: `t * r`.
+    pub fn filter_rows(&self) -> usize {
+        self.t * self.r
+    }
+
+    /// Elements of one input image and channel: `d * h * w`.
+    pub fn in_plane(&self) -> usize {
+        self.in_rows() * self.w
+    }
+
+    /// Elements of one output image and filter: `o * p * q`.
+    pub fn out_plane(&self) -> usize {
+        self.out_rows() * self.q
+    }
+
+    /// Taps of one filter and channel: `t * r * s`.
+    pub fn taps(&self) -> usize {
+        self.filter_rows() * self.s
+    }
+
+    /// The rows output row `orow` reads: `(filter row, input row)` for every filter row whose
+    /// input row lies inside the input (not in the padding), in filter-row order.
+    pub fn rows_read_by(&self, orow: usize, out: &mut Vec<(usize, usize)>) {
+        out.clear();
+        let (o, p) = (orow / self.p, orow % self.p);
+        let depths = valid_range(
+            self.t,
+            0,
+            self.d as isize,
+            self.dd,
+            lin(o, self.sd, self.pd),
+        );
+        let heights = valid_range(
+            self.r,
+            0,
+            self.h as isize,
+            self.dh,
+            lin(p, self.sh, self.ph),
+        );
+        for t in depths {
+            let id = o * self.sd + t * self.dd - self.pd;
+            for r in heights.clone() {
+                let ih = p * self.sh + r * self.dh - self.ph;
+                out.push((t * self.r + r, id * self.h + ih));
+            }
+        }
+    }
+
+    /// The rows that read input row `irow`: `(filter row, output row)` for every filter row
+    /// through which an output row reads it, in filter-row order.
+    pub fn rows_reading(&self, irow: usize, out: &mut Vec<(usize, usize)>) {
+        out.clear();
+        let (id, ih) = (irow / self.h, irow % self.h);
+        for t in taps_of(id, self.t, self.sd, self.dd, self.pd, self.o) {
+            for r in taps_of(ih, self.r, self.sh, self.dh, self.ph, self.p) {
+                out.push((t.0 * self.r + r.0, t.1 * self.p + r.1));
+            }
+        }
+    }
+
+    /// The output rows that read inside the input through filter row `frow`, as runs
+    /// `(first output row, its input row, length)`: along a run the output row goes up by 1
+    /// and the input row by `sh` (one run per output depth).
+    pub fn row_runs(&self, frow: usize, out: &mut Vec<(usize, usize, usize)>) {
+        out.clear();
+        let (t, r) = (frow / self.r, frow % self.r);
+        let ps = valid_range(
+            self.p,
+            0,
+            self.h as isize,
+            self.sh,
+            lin(r, self.dh, self.ph),
+        );
+        if ps.is_empty() {
+            return;
+        }
+        for o in valid_range(
+            self.o,
+            0,
+            self.d as isize,
+            self.sd,
+            lin(t, self.dd, self.pd),
+        ) {
+            let id = o * self.sd + t * self.dd - self.pd;
+            let ih = ps.start * self.sh + r * self.dh - self.ph;
+            out.push((o * self.p + ps.start, id * self.h + ih, ps.len()));
+        }
+    }
+
     /// Elements of the input activation tensor (`x` / `dx`).
     pub fn x_len(&self) -> usize {
-        self.n * self.c * self.h * self.w
+        self.n * self.c * self.in_plane()
     }
 
     /// Elements of the filter tensor (`w` / `dw`).
     pub fn w_len(&self) -> usize {
-        self.k * self.cg * self.r * self.s
+        self.k * self.cg * self.taps()
     }
 
     /// Elements of the output activation tensor (`y` / `dy`).
     pub fn y_len(&self) -> usize {
-        self.n * self.k * self.p * self.q
+        self.n * self.k * self.out_plane()
     }
+}
+
+/// Pairs of rows that meet, per row of one tensor: [`Geom::rows_read_by`] per output row
+/// ([`RowMap::read_by`]) or [`Geom::rows_reading`] per input row ([`RowMap::reading`]).
+/// Tabulated once per call when the table is small (it holds one pair per output row and
+/// filter row that reads inside the input: a few thousand for real layers), so that kernels
+/// which revisit a row for every image, group or channel do not recompute it; past
+/// [`RowMap::LIMIT`] pairs each row is computed when asked for.
+pub(crate) struct RowMap<'a> {
+    geom: &'a Geom,
+    reading: bool,
+    /// Row `i`'s pairs are `pairs[starts[i]..starts[i + 1]]`; empty when not tabulated.
+    starts: Vec<usize>,
+    /// The table, or the last row computed.
+    pairs: Vec<(usize, usize)>,
+}
+
+impl<'a> RowMap<'a> {
+    /// Most pairs tabulated (small under test, so that both paths run).
+    const LIMIT: usize = if cfg!(test) { 40 } else { 1 << 16 };
+
+    /// `(filter row, input row)` pairs per output row.
+    pub fn read_by(geom: &'a Geom) -> Self {
+        Self::new(geom, false)
+    }
+
+    /// `(filter row, output row)` pairs per input row.
+    pub fn reading(geom: &'a Geom) -> Self {
+        Self::new(geom, true)
+    }
+
+    fn new(geom: &'a Geom, reading: bool) -> Self {
+        let mut map = RowMap {
+            geom,
+            reading,
+            starts: Vec::new(),
+            pairs: Vec::new(),
+        };
+        let rows = if reading {
+            geom.in_rows()
+        } else {
+            geom.out_rows()
+        };
+        let mut row_pairs = Vec::with_capacity(geom.filter_rows());
+        map.starts.push(0);
+        for row in 0..rows {
+            map.compute(row, &mut row_pairs);
+            if map.pairs.len() + row_pairs.len() > Self::LIMIT {
+                map.starts = Vec::new();
+                map.pairs = row_pairs;
+                return map;
+            }
+            map.pairs.extend_from_slice(&row_pairs);
+            map.starts.push(map.pairs.len());
+        }
+        map
+    }
+
+    fn compute(&self, row: usize, out: &mut Vec<(usize, usize)>) {
+        if self.reading {
+            self.geom.rows_reading(row, out);
+        } else {
+            self.geom.rows_read_by(row, out);
+        }
+    }
+
+    /// The pairs of row `row`.
+    pub fn get(&mut self, row: usize) -> &[(usize, usize)] {
+        if self.starts.is_empty() {
+            let mut pairs = std::mem::take(&mut self.pairs);
+            self.compute(row, &mut pairs);
+            self.pairs = pairs;
+            &self.pairs
+        } else {
+            &self.pairs[self.starts[row]..self.starts[row + 1]]
+        }
+    }
+}
+
+/// `i * step - pad`: the input offset of tap `i` (step = dilation) for output 0, or of output
+/// `i` (step = stride) for tap 0.
+#[inline]
+pub(crate) fn lin(i: usize, step: usize, pad: usize) -> isize {
+    (i * step) as isize - pad as isize
+}
+
+/// The taps `(f, o)` of one dimension through which input position `i` is read, `o` being the
+/// output position (`i = o * stride + f * dilation - pad`), in tap order.
+pub(crate) fn taps_of(
+    i: usize,
+    f_len: usize,
+    stride: usize,
+    dilation: usize,
+    pad: usize,
+    o_len: usize,
+) -> impl Iterator<Item = (usize, usize)> + Clone {
+    (0..f_len)
+        .map_while(move |f| {
+            // `i + pad - f * dilation` only decreases with f: stop at the first negative.
+            let u = (i + pad) as isize - (f * dilation) as isize;
+            (u >= 0).then_some((f, u as usize))
+        })
+        .filter(move |&(_, u)| u % stride == 0 && u / stride < o_len)
+        .map(move |(f, u)| (f, u / stride))
 }
 
 /// Expected lengths (in elements) of the three buffers of [`run`] for `op`, in argument order

@@ -1,7 +1,8 @@
 //! Naive `f64` reference convolution, the yardstick for every backend's tests.
 //!
-//! One seven-deep loop over (image, filter, output position, channel, tap) visits every
-//! multiply of the convolution exactly once; the three operations differ only in which
+//! One loop nest over (image, filter, output position, channel, tap), positions and taps
+//! having depth, height and width (depth 1 in 2-D), visits every multiply of the convolution
+//! exactly once; the three operations differ only in which
 //! tensor the product is added to. No tiling, no clever index ranges: obviously correct and
 //! slow. Inputs and the result are in the problem's layout (see [`super`]).
 
@@ -29,51 +30,41 @@ pub fn conv_f64(
         }
     }
     let nhwc = g.layout == Layout::Nhwc;
-    let xi = |n: usize, c: usize, h: usize, w: usize| {
+    // Element index of (image, channel, depth, height, width) in a tensor of `ch` channels and
+    // spatial size `sp`: NCDHW or NDHWC (NCHW / NHWC when the depth is 1).
+    let index = |sp: [usize; 3], ch: usize, [n, c, d, h, w]: [usize; 5]| {
         if nhwc {
-            ((n * g.h + h) * g.w + w) * g.c + c
+            (((n * sp[0] + d) * sp[1] + h) * sp[2] + w) * ch + c
         } else {
-            ((n * g.c + c) * g.h + h) * g.w + w
+            (((n * ch + c) * sp[0] + d) * sp[1] + h) * sp[2] + w
         }
     };
-    let wi = |k: usize, c: usize, r: usize, s: usize| {
-        if nhwc {
-            ((k * g.r + r) * g.s + s) * g.cg + c
-        } else {
-            ((k * g.cg + c) * g.r + r) * g.s + s
-        }
-    };
-    let yi = |n: usize, k: usize, p: usize, q: usize| {
-        if nhwc {
-            ((n * g.p + p) * g.q + q) * g.k + k
-        } else {
-            ((n * g.k + k) * g.p + p) * g.q + q
-        }
-    };
+    let (xs, fs, ys) = ([g.d, g.h, g.w], [g.t, g.r, g.s], [g.o, g.p, g.q]);
     let mut out = vec![0.0; lens[2].1];
     for n in 0..g.n {
         for k in 0..g.k {
             let grp = k / g.kg;
-            for p in 0..g.p {
-                for q in 0..g.q {
-                    for cl in 0..g.cg {
-                        let c = grp * g.cg + cl;
-                        for r in 0..g.r {
-                            for s in 0..g.s {
-                                let ih = (p * g.sh + r * g.dh) as i64 - g.ph as i64;
-                                let iw = (q * g.sw + s * g.dw) as i64 - g.pw as i64;
-                                if ih < 0 || iw < 0 || ih >= g.h as i64 || iw >= g.w as i64 {
-                                    continue;
-                                }
-                                let x = xi(n, c, ih as usize, iw as usize);
-                                let w = wi(k, cl, r, s);
-                                let y = yi(n, k, p, q);
-                                match op {
-                                    ConvOp::Forward => out[y] += a[x] * b[w],
-                                    ConvOp::BackwardData => out[x] += a[w] * b[y],
-                                    ConvOp::BackwardFilter => out[w] += a[x] * b[y],
-                                }
-                            }
+            for (o, p, q) in grid(ys) {
+                for cl in 0..g.cg {
+                    let c = grp * g.cg + cl;
+                    for (t, r, s) in grid(fs) {
+                        let id = (o * g.sd + t * g.dd) as i64 - g.pd as i64;
+                        let ih = (p * g.sh + r * g.dh) as i64 - g.ph as i64;
+                        let iw = (q * g.sw + s * g.dw) as i64 - g.pw as i64;
+                        if [(id, g.d), (ih, g.h), (iw, g.w)]
+                            .iter()
+                            .any(|&(i, len)| i < 0 || i >= len as i64)
+                        {
+                            continue;
+                        }
+                        let (id, ih, iw) = (id as usize, ih as usize, iw as usize);
+                        let x = index(xs, g.c, [n, c, id, ih, iw]);
+                        let w = index(fs, g.cg, [k, cl, t, r, s]);
+                        let y = index(ys, g.k, [n, k, o, p, q]);
+                        match op {
+                            ConvOp::Forward => out[y] += a[x] * b[w],
+                            ConvOp::BackwardData => out[x] += a[w] * b[y],
+                            ConvOp::BackwardFilter => out[w] += a[x] * b[y],
                         }
                     }
                 }
@@ -81,4 +72,10 @@ pub fn conv_f64(
         }
     }
     Ok(out)
+}
+
+/// Every `(i, j, l)` below `dims`, in row-major order.
+fn grid(dims: [usize; 3]) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..dims[0])
+        .flat_map(move |i| (0..dims[1]).flat_map(move |j| (0..dims[2]).map(move |l| (i, j, l))))
 }

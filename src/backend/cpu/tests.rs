@@ -105,6 +105,111 @@ fn shapes() -> Vec<ConvProblem> {
     ]
 }
 
+/// 3-D shapes (NCDHW fp32; tests vary the layout and dtype) covering what [`shapes`] covers
+/// for 2-D, with depth and height set apart (`t != r`, `pad_d != pad_h`, different strides and
+/// dilations) so that mixing up the two axes cannot pass.
+fn shapes_3d() -> Vec<ConvProblem> {
+    let ncdhw = ConvProblem::new_3d;
+    vec![
+        ConvProblem {
+            pad_d: 1,
+            pad_w: 1,
+            ..ncdhw(2, 3, 5, 4, 6, 4, 2, 3, 2)
+        },
+        // stride 2 everywhere, odd sizes
+        ConvProblem {
+            pad_d: 1,
+            pad_h: 2,
+            pad_w: 1,
+            stride_d: 2,
+            stride_h: 2,
+            stride_w: 2,
+            ..ncdhw(3, 2, 7, 5, 9, 3, 3, 3, 3)
+        },
+        // dilation 2 in depth and width, not height
+        ConvProblem {
+            pad_d: 2,
+            pad_h: 1,
+            dilation_d: 2,
+            dilation_w: 2,
+            ..ncdhw(2, 2, 7, 5, 8, 3, 3, 2, 2)
+        },
+        // groups, stride in depth only
+        ConvProblem {
+            groups: 2,
+            pad_d: 1,
+            pad_h: 1,
+            pad_w: 1,
+            stride_d: 2,
+            ..ncdhw(2, 4, 6, 5, 5, 6, 2, 2, 3)
+        },
+        // depthwise, stride 2 in height and width
+        ConvProblem {
+            groups: 4,
+            pad_d: 1,
+            pad_h: 1,
+            pad_w: 1,
+            stride_h: 2,
+            stride_w: 2,
+            ..ncdhw(2, 4, 5, 7, 6, 4, 3, 3, 3)
+        },
+        // 1x1x1
+        ncdhw(4, 8, 3, 2, 4, 5, 1, 1, 1),
+        // filter deeper than the input, depth stride larger than the filter
+        ConvProblem {
+            pad_d: 2,
+            pad_h: 1,
+            stride_d: 3,
+            stride_w: 2,
+            dilation_h: 2,
+            ..ncdhw(1, 2, 3, 5, 5, 3, 5, 2, 2)
+        },
+        // channel multiplier: c/g = 1 with 4 filters per group, k beyond the stack chunks
+        ConvProblem {
+            groups: 3,
+            pad_d: 1,
+            pad_w: 1,
+            stride_d: 2,
+            ..ncdhw(2, 3, 5, 3, 4, 12, 3, 2, 2)
+        },
+        // c/g * t * r * s = 288 > 256
+        ConvProblem {
+            pad_d: 1,
+            pad_h: 1,
+            pad_w: 2,
+            ..ncdhw(2, 8, 3, 3, 5, 2, 3, 3, 4)
+        },
+    ]
+}
+
+/// 1-D shapes (`h = r = 1`, NCW fp32): padding, stride 2 with odd length, dilation, groups,
+/// depthwise.
+fn shapes_1d() -> Vec<ConvProblem> {
+    let ncw = ConvProblem::new_1d;
+    vec![
+        ConvProblem {
+            pad_w: 1,
+            ..ncw(2, 3, 11, 4, 3)
+        },
+        ConvProblem {
+            pad_w: 2,
+            stride_w: 2,
+            dilation_w: 2,
+            ..ncw(3, 4, 13, 6, 3)
+        },
+        ConvProblem {
+            groups: 2,
+            stride_w: 3,
+            ..ncw(2, 4, 17, 6, 4)
+        },
+        ConvProblem {
+            groups: 5,
+            pad_w: 3,
+            ..ncw(2, 5, 9, 10, 7)
+        },
+    ]
+}
+
 fn with(problem: ConvProblem, layout: Layout, dtype: DType) -> ConvProblem {
     ConvProblem {
         layout,
@@ -220,6 +325,68 @@ fn fp16_and_bf16_roughly_match_reference() {
     check_against_reference::<bf16>(DType::Bf16, 1.6e-2, shapes);
 }
 
+#[test]
+fn fp32_3d_matches_reference_for_every_op_algo_and_layout() {
+    check_against_reference::<f32>(DType::Fp32, 1e-5, &shapes_3d());
+}
+
+#[test]
+fn fp16_and_bf16_3d_roughly_match_reference() {
+    let shapes = &shapes_3d()[..5];
+    check_against_reference::<f16>(DType::Fp16, 2e-3, shapes);
+    check_against_reference::<bf16>(DType::Bf16, 1.6e-2, shapes);
+}
+
+#[test]
+fn conv1d_matches_reference_in_every_dtype() {
+    let shapes = shapes_1d();
+    check_against_reference::<f32>(DType::Fp32, 1e-5, &shapes);
+    check_against_reference::<f16>(DType::Fp16, 2e-3, &shapes);
+    check_against_reference::<bf16>(DType::Bf16, 1.6e-2, &shapes);
+}
+
+/// A convolution along depth alone (`h = w = r = s = 1`) is the 1-D convolution along width
+/// of the same data: NCDHW with unit height and width has the memory order of NCW, and NDHWC
+/// that of NWC. Checks the kernels' depth arithmetic (and the reference's) against their
+/// width arithmetic, which the 2-D tests pin down.
+#[test]
+fn depth_alone_is_a_1d_convolution() {
+    let mut rng = Rng::new(5);
+    let one_d = ConvProblem {
+        groups: 2,
+        pad_w: 2,
+        stride_w: 2,
+        dilation_w: 2,
+        ..ConvProblem::new_1d(2, 4, 9, 6, 3)
+    };
+    let depth = ConvProblem {
+        groups: 2,
+        pad_d: 2,
+        stride_d: 2,
+        dilation_d: 2,
+        ..ConvProblem::new_3d(2, 4, 9, 1, 1, 6, 3, 1, 1)
+    };
+    for layout in [Layout::Nchw, Layout::Nhwc] {
+        let (one_d, depth) = (
+            with(one_d, layout, DType::Fp32),
+            with(depth, layout, DType::Fp32),
+        );
+        for op in ConvOp::ALL {
+            assert_eq!(lens(&one_d, op), lens(&depth, op));
+            let [la, lb, lo] = lens(&depth, op);
+            let (a, b): (Vec<f32>, Vec<f32>) = (rng.vec(la), rng.vec(lb));
+            let want = conv_f64(&one_d, op, &widen(&a), &widen(&b)).unwrap();
+            assert_eq!(conv_f64(&depth, op, &widen(&a), &widen(&b)).unwrap(), want);
+            for algo in CpuAlgo::ALL {
+                let mut out = vec![f32::NAN; lo];
+                run_exact(&depth, op, algo, 1.0, &a, &b, 0.0, &mut out).unwrap();
+                let what = format!("{} {op} {algo}", depth.describe());
+                assert_close(&out, &want, 1e-5, &what);
+            }
+        }
+    }
+}
+
 /// Runs `op` on micro-batches of the given sizes, slicing the batched tensors as an executor
 /// would; for backward filter the first micro-batch uses `beta` and the rest accumulate.
 #[allow(clippy::too_many_arguments)]
@@ -293,6 +460,9 @@ fn micro_batches_reproduce_the_whole_batch() {
         pad_w: 3,
         ..nchw(4, 8, 5, 4, 16, 5, 7)
     });
+    // 3-D and 1-D: every depth/height/width feature of their shape lists.
+    cases.extend([0usize, 1, 2, 3, 4, 7, 8].map(|i| shapes_3d()[i].with_batch(4)));
+    cases.extend([1usize, 3].map(|i| shapes_1d()[i].with_batch(4)));
     for base in cases {
         for layout in [Layout::Nchw, Layout::Nhwc] {
             let problem = with(base, layout, DType::Fp32);
@@ -353,7 +523,7 @@ fn micro_batches_reproduce_the_whole_batch() {
 
 #[test]
 fn workspace_sizes_follow_the_algorithm() {
-    for base in shapes() {
+    for base in shapes().into_iter().chain(shapes_3d()).chain(shapes_1d()) {
         for layout in [Layout::Nchw, Layout::Nhwc] {
             for dtype in [DType::Fp32, DType::Fp16] {
                 let p = with(base, layout, dtype);
@@ -389,6 +559,18 @@ fn workspace_sizes_follow_the_algorithm() {
     assert_eq!(
         workspace_bytes(&p, ConvOp::Forward, CpuAlgo::Im2colGemmPerImage),
         4 * (18 * 18 + 18 * 4)
+    );
+    // 3-D: fp32 NCDHW forward of 2x3x5x4x6 * 4x3x2x3x2 (pad_d = pad_w = 1) -> 2x4x6x2x7
+    // (opq = 84, crs = 36): the depth is in both the rows and the columns of the im2col matrix.
+    let p3 = shapes_3d()[0];
+    assert_eq!(p3.output_dims(), [2, 4, 6, 2, 7]);
+    assert_eq!(
+        workspace_bytes(&p3, ConvOp::Forward, CpuAlgo::Im2colGemm),
+        4 * (2 * 84 * 36 + 2 * 84 * 4)
+    );
+    assert_eq!(
+        workspace_bytes(&p3, ConvOp::Forward, CpuAlgo::Im2colGemmPerImage),
+        4 * (84 * 36 + 84 * 4)
     );
     assert_eq!(
         workspace_bytes(
@@ -613,6 +795,28 @@ fn reference_is_a_convolution() {
     // Backward filter with dy = 1 sums each tap's window of x.
     let dw = conv_f64(&p, ConvOp::BackwardFilter, &x, &[1.0; 4]).unwrap();
     assert_eq!(dw, [12.0, 16.0, 24.0, 28.0]);
+}
+
+#[test]
+fn reference_is_a_3d_convolution() {
+    // 1 image, 1 channel, 3x2x2 input, 2x2x2 filter of ones, depth padding 1: each output is
+    // the sum of a 2x2x2 window, of which the padding contributes nothing.
+    let p = ConvProblem {
+        pad_d: 1,
+        ..ConvProblem::new_3d(1, 1, 3, 2, 2, 1, 2, 2, 2)
+    };
+    assert_eq!(p.output_dims(), [1, 1, 4, 1, 1]);
+    let x: Vec<f64> = (1..=12).map(f64::from).collect();
+    let y = conv_f64(&p, ConvOp::Forward, &x, &[1.0; 8]).unwrap();
+    // Depth slices sum to 10, 26 and 42.
+    assert_eq!(y, [10.0, 36.0, 68.0, 42.0]);
+    // Every input lies in two windows (the depth padding makes each slice read twice).
+    let dx = conv_f64(&p, ConvOp::BackwardData, &[1.0; 8], &[1.0; 4]).unwrap();
+    assert_eq!(dx, [2.0; 12]);
+    // Tap (t, r, s) sums x at height r and width s over the depths it reads: all three
+    // slices for both t (t = 0 reads -1..=2, t = 1 reads 0..=3).
+    let dw = conv_f64(&p, ConvOp::BackwardFilter, &x, &[1.0; 4]).unwrap();
+    assert_eq!(dw, [15.0, 18.0, 21.0, 24.0, 15.0, 18.0, 21.0, 24.0]);
 }
 
 #[test]
