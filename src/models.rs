@@ -1685,6 +1685,12 @@ mod tests {
             .unwrap();
         // Two latent frames of 2x2: one later chunk; base width 4 (dims 16, 16, 16, 8, 4).
         assert_eq!(small.iter().map(|l| l.count).sum::<u32>(), 1 + 38 + 36);
+        // At 16 channels conv_in (16 -> 16) has the mid block's shape: merged, 24 distinct.
+        assert_eq!(small.len(), 24);
+        assert_eq!(
+            find(&small, "wan21_vae_decoder.decoder.conv_in").count,
+            2 + 20
+        );
         let conv_in = find(&small, "wan21_vae_decoder.decoder.conv_in");
         assert_eq!(shape3(conv_in)[..5], [16, 3, 2, 2, 16]);
         let out = find(&small, "wan21_vae_decoder.decoder.conv_out");

@@ -274,3 +274,31 @@ fn only_libs_sh_puts_a_cudnn_folder_on_the_library_path() {
     let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
     assert!(accept.contains("source scripts/gpu/libs.sh") && accept.contains("one_cudnn_check"));
 }
+
+/// The `nd` part (issue 26) runs nd_bench.py, which build.sh ships, and the script measures
+/// what docs/gpu.md says: both limits against cudnn.benchmark, time and both memory figures.
+#[test]
+fn the_nd_part_runs_the_3d_benchmark() {
+    let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
+    let build = std::fs::read_to_string(root().join("scripts/gpu/build.sh")).unwrap();
+    let bench = std::fs::read_to_string(root().join("scripts/gpu/nd_bench.py")).unwrap();
+    let branch = &accept[accept.find("\n  nd)\n").expect("an nd) branch")..];
+    let branch = &branch[..branch.find(";;").unwrap()];
+    assert!(branch.contains("$G/nd_bench.py") && branch.contains("--mucudnn $G/mucudnn"));
+    assert!(
+        build.contains("scripts/gpu/nd_bench.py"),
+        "build.sh ships nd_bench.py"
+    );
+    for needle in [
+        "LIMITS = (\"256MiB\", \"1GiB\")",
+        "torch.backends.cudnn.benchmark = True",
+        "torch.cuda.mem_get_info",
+        "torch.cuda.max_memory_allocated",
+        "\"wan21_vae_decoder\", 1, args.dtype_name, \"ndhwc\"",
+        "args.r3d_width, args.r3d_batch, args.r3d_clip = 64, 8, (16, 112, 112)",
+        "torchvision.models.video",
+        "--smoke",
+    ] {
+        assert!(bench.contains(needle), "nd_bench.py lacks {needle:?}");
+    }
+}
