@@ -660,11 +660,12 @@ enum mucudnnStatus_t mucudnnTunerGetFingerprint(mucudnnTuner_t tuner,
 
 /**
  * Tunes one layer through the cache: measures what the cache lacks (every candidate at every
- * micro-batch size the policy allows, for the three ops) and solves each op under the
- * per-layer workspace limit. A candidate whose workspace at a size exceeds the limit is not
+ * micro-batch size the policy allows, for the three ops, or the settings' "ops") and solves
+ * each op under the per-layer workspace limit. A candidate whose workspace at a size exceeds the limit is not
  * timed (nor its workspace allocated), only recorded in the cache as skipped; a later tune
  * under a larger limit times exactly those. Everything measuring allocated is freed before the
- * call returns. `*result_json_out` gets {"plans": [fwd, bwd_data, bwd_filter], "splits":
+ * call returns. `*result_json_out` gets {"plans": [fwd, bwd_data, bwd_filter] (those of the
+ * settings' "ops", in this order), "splits":
  * [...], "cached": N, "measured": N, "skipped": N, "peak_measuring_memory_bytes": N,
  * "largest_workspace_bytes": N} (skipped: candidate timings not taken for their workspace;
  * the peak: the most operand and workspace memory measuring held at once, device memory on a
@@ -680,8 +681,12 @@ enum mucudnnStatus_t mucudnnTunerGetFingerprint(mucudnnTuner_t tuner,
  * `settings_json`: NULL for the defaults, or an object with any of "policy" ("undivided",
  * "power-of-two" (default), "all"), "workspace_limit" (bytes or "64MiB"; default 64 MiB;
  * null for none), "candidates" ("legacy", "engines", "all" (default); the CPU has only its
- * own algorithms), "max_candidates" (engine configurations timed per size; null for all) and
- * "prune_margin" (default 1.5; null to time every configuration at every size).
+ * own algorithms), "max_candidates" (engine configurations timed per size; null for all),
+ * "prune_margin" (default 1.5; null to time every configuration at every size),
+ * "deterministic" (true: deterministic candidates only) and "ops" (the ops to tune: a
+ * non-empty array of "fwd", "bwd_data", "bwd_filter"; absent or null: all three; e.g.
+ * ["fwd"] for inference, which measures and solves nothing for the backward ops; an empty
+ * array or an unknown name is MUCUDNN_STATUS_INVALID_ARGUMENT).
  *
  * # Safety
  *
@@ -700,7 +705,8 @@ enum mucudnnStatus_t mucudnnTunerTune(mucudnnTuner_t tuner,
  * "problem", "op", "micro", "kind", "between"}, the anchor sizes of every layer first, then
  * the sizes between them ("between" names their anchors). Deal the tasks out over the ranks
  * of a job, measure each share (anchors before the sizes between), share the results with
- * mucudnnTunerStore, and tuning then measures nothing. Settings as for mucudnnTunerTune.
+ * mucudnnTunerStore, and tuning then measures nothing. Settings as for mucudnnTunerTune:
+ * only the tasks of its "ops" are listed.
  *
  * # Safety
  *
@@ -718,7 +724,8 @@ enum mucudnnStatus_t mucudnnTunerMissing(mucudnnTuner_t tuner,
  * "workspace_bytes"}], "skipped": [{"micro", "algo", "workspace_bytes"}]}]}, the document
  * mucudnnTunerStore takes on another rank ("skipped", present when not empty: candidates over
  * the workspace limit, not timed). Settings as for mucudnnTunerTune (they decide timing,
- * pruning, the engine bound and the workspace limit measuring stays within).
+ * pruning, the engine bound and the workspace limit measuring stays within; a task of an op
+ * not in its "ops" is left out: not measured, not returned).
  *
  * # Safety
  *
@@ -747,11 +754,13 @@ enum mucudnnStatus_t mucudnnTunerStore(mucudnnTuner_t tuner,
                                        uint64_t *stored_out);
 
 /**
- * Prepares the three plans of one input shape for execution: `plans_json` is the array of
- * mucudnnTunerTune's "plans" (one plan per op, of one problem). On a GPU this builds the
- * descriptors and engine execution plans once. `*plan_set_out` gets the set's id (for
- * mucudnnTunerExecute and mucudnnTunerRelease) and `workspace_bytes_out[0..3]` the workspace
- * bytes each op needs, in MUCUDNN_OP_* order (the caller provides that workspace).
+ * Prepares the plans of one input shape for execution: `plans_json` is the array of
+ * mucudnnTunerTune's "plans" (at most one plan per op, at least one, all of one problem; a
+ * set prepared with fewer than three runs only those ops, and executing another is
+ * MUCUDNN_STATUS_INVALID_ARGUMENT). On a GPU this builds the descriptors and engine execution
+ * plans once. `*plan_set_out` gets the set's id (for mucudnnTunerExecute and
+ * mucudnnTunerRelease) and `workspace_bytes_out[0..3]` the workspace bytes each op needs, in
+ * MUCUDNN_OP_* order (0 for an op not prepared; the caller provides that workspace).
  * MUCUDNN_STATUS_PLAN_NOT_SUPPORTED when cuDNN will not build one of the micro-batches here
  * (nothing is prepared; the message names the op, the micro-batch, its offset and candidate):
  * a caller falls back to another convolution for this shape rather than fail.

@@ -871,6 +871,22 @@ impl LayerTuning {
         layer: &str,
         problem: &ConvProblem,
     ) -> Result<([Plan; 3], CacheStats), TuneError> {
+        let (plans, stats) = self.tune_ops_counted(backend, cache, layer, problem, &ConvOp::ALL)?;
+        let plans: [Plan; 3] = plans.try_into().expect("three ops");
+        Ok((plans, stats))
+    }
+
+    /// As [`LayerTuning::tune_counted`] for `ops` only (e.g. just the forward, for inference):
+    /// the plans of those ops in that order, nothing measured or solved for the others. Cached
+    /// plans are returned when the cache has every op asked for.
+    pub fn tune_ops_counted(
+        &self,
+        backend: &mut dyn Backend,
+        cache: &Cache,
+        layer: &str,
+        problem: &ConvProblem,
+        ops: &[ConvOp],
+    ) -> Result<(Vec<Plan>, CacheStats), TuneError> {
         let device: DeviceFingerprint = backend.fingerprint().clone();
         let run = self.profile_run(cache);
         let mut key = PlanKey::reuse(
@@ -881,23 +897,26 @@ impl LayerTuning {
         if self.engines.deterministic {
             key.context = DETERMINISTIC_CONTEXT.to_string();
         }
-        let cached: Vec<Plan> = ConvOp::ALL
+        let cached: Vec<Plan> = ops
             .iter()
             .filter_map(|&op| cache.plan(&device, problem, op, &key))
             .filter(|plan| plan_obeys_accuracy_rule(&device, plan))
             .collect();
-        if let Ok(plans) = <[Plan; 3]>::try_from(cached) {
-            let plans = plans.map(|plan| Plan {
-                layer: layer.to_string(),
-                ..plan
-            });
+        if cached.len() == ops.len() {
+            let plans = cached
+                .into_iter()
+                .map(|plan| Plan {
+                    layer: layer.to_string(),
+                    ..plan
+                })
+                .collect();
             return Ok((plans, CacheStats::default()));
         }
         let mut stats = CacheStats::default();
-        let mut plans = Vec::with_capacity(3);
-        // The three ops share the operands; nothing measuring made outlives the tune.
+        let mut plans = Vec::with_capacity(ops.len());
+        // The ops share the operands; nothing measuring made outlives the tune.
         with_release(backend, &mut stats, |backend, stats| {
-            for op in ConvOp::ALL {
+            for &op in ops {
                 let job = Job {
                     layer: layer.to_string(),
                     problem: *problem,
@@ -914,7 +933,6 @@ impl LayerTuning {
             }
             Ok(())
         })?;
-        let plans: [Plan; 3] = plans.try_into().expect("three ops");
         Ok((plans, stats))
     }
 }

@@ -25,8 +25,10 @@ class Settings:
     """How a layer tunes: micro-batch ``policy``, per-layer ``workspace_limit`` (bytes, or
     ``None`` for none), ``candidates`` (``"legacy"``, ``"engines"``, ``"all"``), an optional
     bound on engine configurations timed per size, the pruning margin (``None``: time
-    every configuration at every size), and ``deterministic`` (plans from candidates the
-    backend marks deterministic only; cached apart from the others)."""
+    every configuration at every size), ``deterministic`` (plans from candidates the
+    backend marks deterministic only; cached apart from the others) and ``ops`` (the ops to
+    tune, measure and return, names of :data:`OPS`; ``None``: all three; e.g. ``("fwd",)``
+    for inference)."""
 
     policy: str = "power-of-two"
     workspace_limit: Optional[int] = 64 << 20
@@ -34,9 +36,10 @@ class Settings:
     max_candidates: Optional[int] = None
     prune_margin: Optional[float] = 1.5
     deterministic: bool = False
+    ops: Optional[Tuple[str, ...]] = None
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
+        doc: Dict[str, Any] = {
             "policy": self.policy,
             "workspace_limit": self.workspace_limit,
             "candidates": self.candidates,
@@ -44,6 +47,9 @@ class Settings:
             "prune_margin": self.prune_margin,
             "deterministic": self.deterministic,
         }
+        if self.ops is not None:
+            doc["ops"] = list(self.ops)
+        return doc
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -147,14 +153,19 @@ def _product(values: Sequence[int]) -> int:
 
 @dataclass
 class PreparedSet:
-    """The three plans of one input shape, prepared on a tuner."""
+    """The plans of one input shape (one per op, for one to three ops), prepared on a tuner."""
 
     tuner: "Tuner"
     id: int
-    #: Workspace bytes each op needs, in :data:`OPS` order.
+    #: Workspace bytes each op needs, in :data:`OPS` order (0 for an op not prepared).
     workspace: Tuple[int, int, int]
-    #: The plans as mucudnn returned them, in :data:`OPS` order.
+    #: The plans as mucudnn returned them, in :data:`OPS` order (only the prepared ops').
     plans: List[Dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ops(self) -> Tuple[str, ...]:
+        """The names of the ops this set runs, in :data:`OPS` order."""
+        return tuple(plan["op"] for plan in self.plans)
 
     def release(self) -> None:
         self.tuner.release(self.id)
@@ -216,7 +227,8 @@ class Tuner:
 
     def tune(self, layer: str, problem: Dict[str, Any], settings: Settings) -> Dict[str, Any]:
         """Tunes one layer through the cache: ``{"plans": [...], "splits": [...], "cached": n,
-        "measured": n}`` (each split a plan's ``COUNTxSIZE@algo`` runs)."""
+        "measured": n}`` (each split a plan's ``COUNTxSIZE@algo`` runs; the plans of
+        ``settings.ops``, all three by default, in :data:`OPS` order)."""
         return _lib.call_json(
             "mucudnnTunerTune",
             self._handle,
@@ -266,7 +278,7 @@ class Tuner:
             tuner=self,
             id=plan_set.value,
             workspace=(workspace[0], workspace[1], workspace[2]),
-            plans=[by_op[op] for op in OPS],
+            plans=[by_op[op] for op in OPS if op in by_op],
         )
 
     def release(self, plan_set: int) -> None:

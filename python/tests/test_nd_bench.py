@@ -45,6 +45,8 @@ def test_nd_bench_smoke(tmp_path):
     for row in vae["rows"]:
         assert row["total_ms"] > 0 and row["max_rel_err"] <= 1e-3
         assert len(row["layers"]) == 24
+        # Inference (no_grad) tunes the forward op alone.
+        assert row["tuned_ops"] == ([] if row["variant"] == "pytorch" else ["fwd"])
     r3d = report["r3d"]
     assert [r["variant"] for r in r3d["rows"]] == ["pytorch", "256MiB", "1GiB"]
     assert all(r["step_ms"] > 0 and r["loss_rel_err"] <= 1e-3 for r in r3d["rows"])

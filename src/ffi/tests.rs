@@ -763,3 +763,249 @@ fn a_tuner_releases_its_measuring_state_after_each_tune() {
         crate::backend::MemoryUse::default()
     );
 }
+
+/// A CPU tuner over an in-memory cache, for the settings' `ops` tests.
+fn memory_tuner() -> tuner::Tuner {
+    tuner::Tuner::new(
+        tuner::TunerDevice::Cpu,
+        Some(mucudnn_cache::Cache::in_memory().quiet()),
+        None,
+        false,
+    )
+    .unwrap()
+}
+
+fn settings(text: &str) -> tuner::Settings {
+    tuner::parse_settings(text, tuner::TunerDevice::Cpu).unwrap()
+}
+
+/// Inference tuning: `"ops": ["fwd"]` measures, solves and returns the forward alone; the
+/// backward ops stay missing until asked for, and all three are then cached plans.
+#[test]
+fn tuner_settings_ops_tune_only_those_ops() {
+    let mut tuner = memory_tuner();
+    let problem = ConvProblem::new(2, 2, 3, 3, 2, 1, 1);
+    let named = |layer: &str| {
+        vec![tuner::NamedProblem {
+            layer: layer.into(),
+            problem,
+        }]
+    };
+    // Old settings (no `ops`) mean all three.
+    assert_eq!(settings("{}").ops, ConvOp::ALL.to_vec());
+    assert_eq!(settings(r#"{"ops": null}"#).ops, ConvOp::ALL.to_vec());
+    let fwd = settings(r#"{"ops": ["fwd"]}"#);
+    let all = settings("{}");
+    let before = tuner.missing(named("tiny"), &all).unwrap();
+    assert!(ConvOp::ALL
+        .iter()
+        .all(|op| before.iter().any(|t| t.op == *op)));
+    let result = tuner.tune("tiny", &problem, &fwd).unwrap();
+    assert_eq!(result.plans.len(), 1);
+    assert_eq!(result.plans[0].op, ConvOp::Forward);
+    assert_eq!(result.splits.len(), 1);
+    assert!(result.measured > 0);
+    // Nothing of the backward ops was measured: they are all still missing, the forward not.
+    let after = tuner.missing(named("tiny"), &all).unwrap();
+    assert!(after.iter().all(|t| t.op != ConvOp::Forward));
+    let backward: Vec<_> = before
+        .iter()
+        .filter(|t| t.op != ConvOp::Forward)
+        .cloned()
+        .collect();
+    assert_eq!(after, backward);
+    assert!(tuner.missing(named("tiny"), &fwd).unwrap().is_empty());
+    // The forward again: its plan is cached.
+    let again = tuner.tune("tiny", &problem, &fwd).unwrap();
+    assert_eq!((again.cached, again.measured), (0, 0));
+    assert_eq!(again.plans, result.plans);
+    // The backward ops, named in any order, come in op order; the forward is not re-measured.
+    let backward = settings(r#"{"ops": ["bwd_filter", "bwd_data"]}"#);
+    let result = tuner.tune("tiny", &problem, &backward).unwrap();
+    let ops: Vec<ConvOp> = result.plans.iter().map(|p| p.op).collect();
+    assert_eq!(ops, vec![ConvOp::BackwardData, ConvOp::BackwardFilter]);
+    assert!(result.measured > 0);
+    // Now all three plans are cached.
+    let full = tuner.tune("tiny", &problem, &all).unwrap();
+    assert_eq!((full.cached, full.measured), (0, 0));
+    assert_eq!(full.plans.len(), 3);
+    assert!(tuner.missing(named("tiny"), &all).unwrap().is_empty());
+}
+
+/// `mucudnnTunerMeasure` measures only the tasks of the settings' ops; the others are left
+/// out of its result and stay missing.
+#[test]
+fn tuner_measure_leaves_out_tasks_of_other_ops() {
+    let mut tuner = memory_tuner();
+    let problem = ConvProblem::new(2, 2, 3, 3, 2, 1, 1);
+    let layers = vec![tuner::NamedProblem {
+        layer: "tiny".into(),
+        problem,
+    }];
+    let all = settings("{}");
+    let tasks = tuner.missing(layers.clone(), &all).unwrap();
+    let data = settings(r#"{"ops": ["bwd_data"]}"#);
+    let measured = tuner.measure(&tasks, &data).unwrap();
+    assert!(!measured.is_empty());
+    assert!(measured.iter().all(|m| m.task.op == ConvOp::BackwardData));
+    assert_eq!(
+        measured.len(),
+        tasks
+            .iter()
+            .filter(|t| t.op == ConvOp::BackwardData)
+            .count()
+    );
+    let left = tuner.missing(layers, &all).unwrap();
+    assert!(left.iter().all(|t| t.op != ConvOp::BackwardData));
+    assert!(left.iter().any(|t| t.op == ConvOp::Forward));
+    assert!(left.iter().any(|t| t.op == ConvOp::BackwardFilter));
+}
+
+/// Bad `ops`: an empty array, an unknown name, a non-array, a non-string: INVALID_ARGUMENT
+/// through the C ABI, with a message that says what to give.
+#[test]
+fn tuner_settings_ops_errors() {
+    use mucudnnStatus_t as S;
+    let mut tuner: mucudnnTuner_t = null_mut();
+    let problem = c(&serde_json::to_string(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1)).unwrap());
+    // SAFETY: live outputs and NUL-terminated strings.
+    unsafe {
+        assert_eq!(
+            mucudnnTunerCreate(
+                &mut tuner,
+                MUCUDNN_DEVICE_CPU,
+                c(r#"{"no_cache": true}"#).as_ptr()
+            ),
+            S::MUCUDNN_STATUS_SUCCESS
+        );
+        for (text, message) in [
+            (r#"{"ops": []}"#, "settings: ops is empty"),
+            (r#"{"ops": ["fwd", "bwd"]}"#, "unknown op `bwd`"),
+            (r#"{"ops": "fwd"}"#, "give an array of op names"),
+            (r#"{"ops": [1]}"#, "1 is not an op name"),
+        ] {
+            let mut result: *mut c_char = null_mut();
+            let status = mucudnnTunerTune(
+                tuner,
+                c("tiny").as_ptr(),
+                problem.as_ptr(),
+                c(text).as_ptr(),
+                &mut result,
+            );
+            assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT, "{text}");
+            assert!(last_error().contains(message), "{text}: {}", last_error());
+            assert!(
+                last_error().contains("fwd, bwd_data, bwd_filter"),
+                "{}",
+                last_error()
+            );
+            let mut tasks: *mut c_char = null_mut();
+            let layers = c(r#"[]"#);
+            let status = mucudnnTunerMissing(tuner, layers.as_ptr(), c(text).as_ptr(), &mut tasks);
+            assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT, "{text}");
+            let status = mucudnnTunerMeasure(tuner, layers.as_ptr(), c(text).as_ptr(), &mut tasks);
+            assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT, "{text}");
+        }
+        // Each op at most once is no error: a repeated name is the same op.
+        let mut result: *mut c_char = null_mut();
+        let status = mucudnnTunerTune(
+            tuner,
+            c("tiny").as_ptr(),
+            problem.as_ptr(),
+            c(r#"{"ops": ["fwd", "fwd"]}"#).as_ptr(),
+            &mut result,
+        );
+        assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+        let doc: serde_json::Value = serde_json::from_str(&take(result)).unwrap();
+        assert_eq!(doc["plans"].as_array().unwrap().len(), 1);
+        assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
+    }
+}
+
+/// A plan set prepared from the forward plan alone runs the forward; the other ops are
+/// refused (no workspace reported for them), and an empty plan list is refused.
+#[test]
+fn tuner_prepares_and_runs_a_forward_only_set() {
+    use mucudnnStatus_t as S;
+    let mut tuner: mucudnnTuner_t = null_mut();
+    let problem = c(&serde_json::to_string(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1)).unwrap());
+    let (mut set, mut workspace) = (0u64, [7u64; 3]);
+    // SAFETY: live outputs, NUL-terminated strings, and x, w, y of the dims and bytes given.
+    unsafe {
+        assert_eq!(
+            mucudnnTunerCreate(
+                &mut tuner,
+                MUCUDNN_DEVICE_CPU,
+                c(r#"{"no_cache": true}"#).as_ptr()
+            ),
+            S::MUCUDNN_STATUS_SUCCESS
+        );
+        let mut result: *mut c_char = null_mut();
+        let status = mucudnnTunerTune(
+            tuner,
+            c("tiny").as_ptr(),
+            problem.as_ptr(),
+            c(r#"{"ops": ["fwd"]}"#).as_ptr(),
+            &mut result,
+        );
+        assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+        let doc: serde_json::Value = serde_json::from_str(&take(result)).unwrap();
+        let status = mucudnnTunerPrepare(tuner, c("[]").as_ptr(), &mut set, workspace.as_mut_ptr());
+        assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        assert!(last_error().contains("not none"), "{}", last_error());
+        let plans = c(&doc["plans"].to_string());
+        let status = mucudnnTunerPrepare(tuner, plans.as_ptr(), &mut set, workspace.as_mut_ptr());
+        assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+        assert_eq!((workspace[1], workspace[2]), (0, 0));
+        let mut host = vec![0u32; (workspace[0] as usize).div_ceil(4)];
+        let x: Vec<f32> = (0..36).map(|i| i as f32).collect();
+        let w: Vec<f32> = vec![1.0, 0.0, 0.5, 2.0];
+        let mut y = vec![f32::NAN; 36];
+        let dims: [i64; 15] = [2, 2, 1, 3, 3, 2, 2, 1, 1, 1, 2, 2, 1, 3, 3];
+        let bytes: [u64; 3] = [36 * 4, 4 * 4, 36 * 4];
+        let status = mucudnnTunerExecute(
+            tuner,
+            set,
+            MUCUDNN_OP_FORWARD,
+            1.0,
+            x.as_ptr().cast(),
+            w.as_ptr().cast(),
+            0.0,
+            y.as_mut_ptr().cast(),
+            dims.as_ptr(),
+            bytes.as_ptr(),
+            host.as_mut_ptr().cast(),
+            workspace[0],
+            null_mut(),
+        );
+        assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+        assert_eq!(y[9], 0.5 * x[0] + 2.0 * x[9]);
+        // Backward-data: w, dy -> dx (same dims reordered); refused, nothing written.
+        let data_dims: [i64; 15] = [2, 2, 1, 1, 1, 2, 2, 1, 3, 3, 2, 2, 1, 3, 3];
+        let data_bytes: [u64; 3] = [16, 36 * 4, 36 * 4];
+        let mut dx = vec![-7.0f32; 36];
+        let status = mucudnnTunerExecute(
+            tuner,
+            set,
+            MUCUDNN_OP_BACKWARD_DATA,
+            1.0,
+            w.as_ptr().cast(),
+            y.as_ptr().cast(),
+            0.0,
+            dx.as_mut_ptr().cast(),
+            data_dims.as_ptr(),
+            data_bytes.as_ptr(),
+            null_mut(),
+            0,
+            null_mut(),
+        );
+        assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains(&format!("plan set {set} holds no bwd_data plan")),
+            "{}",
+            last_error()
+        );
+        assert!(dx.iter().all(|&v| v == -7.0));
+        assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
+    }
+}

@@ -56,18 +56,20 @@ pub enum TunerDevice {
 /// How a tuner tunes one layer: a JSON object with any of `policy` (`"undivided"`,
 /// `"power-of-two"`, `"all"`), `workspace_limit` (bytes, `"64MiB"`, or `null` for none),
 /// `candidates` (`"legacy"`, `"engines"`, `"all"`), `max_candidates` (a number or `null`),
-/// `prune_margin` (a factor > 1, or `null` to time every configuration) and `deterministic`
-/// (`true`: plans from deterministic candidates only, cached apart). Missing keys take the
-/// defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5, false); unknown keys
-/// are errors.
-pub fn parse_settings(text: &str, device: TunerDevice) -> Result<LayerTuning, FfiError> {
-    const KEYS: [&str; 6] = [
+/// `prune_margin` (a factor > 1, or `null` to time every configuration), `deterministic`
+/// (`true`: plans from deterministic candidates only, cached apart) and `ops` (the ops to
+/// tune, measure and return: a non-empty array of `"fwd"`, `"bwd_data"`, `"bwd_filter"`; e.g.
+/// `["fwd"]` for inference). Missing keys take the defaults of `mucudnn tune` (power-of-two,
+/// 64 MiB, all, no bound, 1.5, false) and all three ops; unknown keys are errors.
+pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiError> {
+    const KEYS: [&str; 7] = [
         "policy",
         "workspace_limit",
         "candidates",
         "max_candidates",
         "prune_margin",
         "deterministic",
+        "ops",
     ];
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| invalid(format!("settings are not JSON: {e}")))?;
@@ -150,7 +152,49 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<LayerTuning, Ff
             )))
         }
     }
-    Ok(tuning)
+    let ops = match object.get("ops") {
+        None | Some(serde_json::Value::Null) => ConvOp::ALL.to_vec(),
+        Some(value) => parse_ops(value)?,
+    };
+    Ok(Settings { tuning, ops })
+}
+
+/// The `ops` of a settings object: a non-empty array of op names, each at most once, kept in
+/// `fwd`, `bwd_data`, `bwd_filter` order.
+fn parse_ops(value: &serde_json::Value) -> Result<Vec<ConvOp>, FfiError> {
+    let names = ConvOp::NAMES.join(", ");
+    let items = value.as_array().ok_or_else(|| {
+        invalid(format!(
+            "settings: ops is {value}; give an array of op names ({names})"
+        ))
+    })?;
+    if items.is_empty() {
+        return Err(invalid(format!(
+            "settings: ops is empty; give at least one of {names} (or leave ops out for all three)"
+        )));
+    }
+    let mut wanted = [false; 3];
+    for item in items {
+        let op: ConvOp = item
+            .as_str()
+            .ok_or_else(|| invalid(format!("settings: ops: {item} is not an op name ({names})")))?
+            .parse()
+            .map_err(|e: String| invalid(format!("settings: ops: {e}")))?;
+        wanted[op_index(op)] = true;
+    }
+    Ok(ConvOp::ALL
+        .into_iter()
+        .filter(|&op| wanted[op_index(op)])
+        .collect())
+}
+
+/// What a tuning call's settings JSON says ([`parse_settings`]): how each op tunes, and which
+/// ops to tune.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    pub tuning: LayerTuning,
+    /// The ops to tune, measure and return, in [`ConvOp::ALL`] order (never empty).
+    pub ops: Vec<ConvOp>,
 }
 
 /// A layer to tune, by name: one entry of `mucudnnTunerMissing`'s document.
@@ -163,7 +207,8 @@ pub struct NamedProblem {
 /// What `mucudnnTunerTune` returns.
 #[derive(Clone, Debug, Serialize)]
 pub struct TuneResult {
-    /// `[forward, backward-data, backward-filter]`.
+    /// The plans of the settings' ops, in `[forward, backward-data, backward-filter]` order
+    /// (all three unless the settings name fewer).
     pub plans: Vec<Plan>,
     /// Each plan's micro-batches as `COUNTxSIZE@ALGO` runs with the algorithms' names
     /// (`4x8@im2col-batched`, `1x64@IMPLICIT_PRECOMP_GEMM`; [`Plan::split_string`]), in the
@@ -184,18 +229,19 @@ pub struct TuneResult {
     pub largest_workspace_bytes: u64,
 }
 
-/// The three plans of one input shape, ready to run.
+/// The plans of one input shape, ready to run: each op's, or `None` for an op not prepared
+/// (a set prepared for inference holds only the forward's).
 enum PreparedSet {
-    Cpu { plans: [Plan; 3] },
-    Cuda { plans: [PreparedPlan; 3] },
+    Cpu { plans: [Option<Plan>; 3] },
+    Cuda { plans: [Option<PreparedPlan>; 3] },
 }
 
 impl PreparedSet {
-    fn plan(&self, op: ConvOp) -> &Plan {
+    fn plan(&self, op: ConvOp) -> Option<&Plan> {
         let index = op_index(op);
         match self {
-            PreparedSet::Cpu { plans } => &plans[index],
-            PreparedSet::Cuda { plans } => plans[index].plan(),
+            PreparedSet::Cpu { plans } => plans[index].as_ref(),
+            PreparedSet::Cuda { plans } => plans[index].as_ref().map(PreparedPlan::plan),
         }
     }
 }
@@ -329,34 +375,38 @@ impl Tuner {
         self.with_backend(|backend, _| Ok(backend.fingerprint().clone()))
     }
 
-    /// Tunes one layer's problem through the cache.
+    /// Tunes one layer's problem through the cache: the settings' ops only.
     pub fn tune(
         &mut self,
         layer: &str,
         problem: &ConvProblem,
-        tuning: &LayerTuning,
+        settings: &Settings,
     ) -> Result<TuneResult, FfiError> {
         problem
             .validate()
             .map_err(|e| invalid(format!("{layer}: {e}")))?;
         let verbose = self.verbose;
         let tuned = self.with_backend(|backend, cache| {
-            tuning
-                .tune_counted(backend, cache, layer, problem)
+            settings
+                .tuning
+                .tune_ops_counted(backend, cache, layer, problem, &settings.ops)
                 .map_err(tune_error)
         });
         self.end_measuring();
-        let (plans, stats): ([Plan; 3], CacheStats) = tuned?;
+        let (plans, stats): (Vec<Plan>, CacheStats) = tuned?;
         if verbose {
+            let ops: Vec<&str> = settings.ops.iter().map(|op| op.name()).collect();
             eprintln!(
-                "mucudnn: tuned {layer} ({} measurement(s) cached, {} measured)",
-                stats.cached, stats.measured
+                "mucudnn: tuned {layer} {} ({} measurement(s) cached, {} measured)",
+                ops.join("+"),
+                stats.cached,
+                stats.measured
             );
         }
         let names = AlgoNames::new(self.fingerprint()?.backend);
         Ok(TuneResult {
             splits: plans.iter().map(|plan| plan.split_string(names)).collect(),
-            plans: plans.to_vec(),
+            plans,
             cached: stats.cached,
             measured: stats.measured,
             skipped: stats.skipped,
@@ -365,15 +415,17 @@ impl Tuner {
         })
     }
 
-    /// The tasks the cache lacks to tune `layers`, anchors first (see [`missing_tasks`]).
+    /// The tasks the cache lacks to tune the settings' ops of `layers`, anchors first (see
+    /// [`missing_tasks`]).
     pub fn missing(
         &mut self,
         layers: Vec<NamedProblem>,
-        tuning: &LayerTuning,
+        settings: &Settings,
     ) -> Result<Vec<MeasureTask>, FfiError> {
-        let jobs = jobs_for(layers.into_iter().map(|l| (l.layer, l.problem)));
+        let mut jobs = jobs_for(layers.into_iter().map(|l| (l.layer, l.problem)));
+        jobs.retain(|job| settings.ops.contains(&job.op));
         self.with_backend(|backend, cache| {
-            let run = tuning.profile_run(cache);
+            let run = settings.tuning.profile_run(cache);
             missing_tasks(&jobs, &run, backend.fingerprint(), backend.kinds()).map_err(tune_error)
         })
     }
@@ -390,15 +442,20 @@ impl Tuner {
         }
     }
 
-    /// Measures `tasks` in order, storing each in the cache; returns the measurements.
+    /// Measures `tasks` of the settings' ops in order (a task of another op is left out, not
+    /// measured nor returned), storing each in the cache; returns the measurements.
     pub fn measure(
         &mut self,
         tasks: &[MeasureTask],
-        tuning: &LayerTuning,
+        settings: &Settings,
     ) -> Result<Vec<MeasuredTask>, FfiError> {
         let verbose = self.verbose;
+        let tasks: Vec<&MeasureTask> = tasks
+            .iter()
+            .filter(|task| settings.ops.contains(&task.op))
+            .collect();
         let measured = self.with_backend(|backend, cache| {
-            let run = tuning.profile_run(cache);
+            let run = settings.tuning.profile_run(cache);
             let mut out = Vec::with_capacity(tasks.len());
             for (index, task) in tasks.iter().enumerate() {
                 let measured = measure_task(backend, task, &run).map_err(tune_error);
@@ -457,9 +514,10 @@ impl Tuner {
         })
     }
 
-    /// Prepares the three plans of one input shape (forward, backward-data, backward-filter,
-    /// in any order) for execution. Returns the id and the workspace bytes each op needs, in
-    /// `[forward, backward-data, backward-filter]` order.
+    /// Prepares the plans of one input shape for execution: one plan per op for one, two or
+    /// all three of forward, backward-data and backward-filter (in any order; an inference
+    /// caller prepares the forward's alone). Returns the id and the workspace bytes each op
+    /// needs, in `[forward, backward-data, backward-filter]` order (0 for an op not prepared).
     pub fn prepare(&mut self, plans: Vec<Plan>) -> Result<(u64, [u64; 3]), FfiError> {
         let mut by_op: [Option<Plan>; 3] = [None, None, None];
         for plan in plans {
@@ -470,18 +528,18 @@ impl Tuner {
             }
             *slot = Some(plan);
         }
-        let [Some(fwd), Some(bwd_data), Some(bwd_filter)] = by_op else {
+        let given: Vec<&Plan> = by_op.iter().flatten().collect();
+        let Some(first) = given.first() else {
             return Err(invalid(
-                "prepare takes exactly three plans: fwd, bwd_data and bwd_filter",
+                "prepare takes one plan per op to prepare (fwd, bwd_data, bwd_filter), not none",
             ));
         };
-        let plans = [fwd, bwd_data, bwd_filter];
-        if plans.iter().any(|p| p.problem != plans[0].problem) {
-            return Err(invalid("the three plans are for different problems"));
+        if given.iter().any(|p| p.problem != first.problem) {
+            return Err(invalid("the plans are for different problems"));
         }
         let (set, workspace) = match &mut self.state {
             DeviceState::Cpu { .. } => {
-                for plan in &plans {
+                for plan in by_op.iter().flatten() {
                     if let Some(mb) = plan
                         .micro_batches
                         .iter()
@@ -493,19 +551,23 @@ impl Tuner {
                         )));
                     }
                 }
-                let workspace = plans.each_ref().map(cpu_workspace_bytes);
-                (PreparedSet::Cpu { plans }, workspace)
+                let workspace = by_op
+                    .each_ref()
+                    .map(|plan| plan.as_ref().map_or(0, cpu_workspace_bytes));
+                (PreparedSet::Cpu { plans: by_op }, workspace)
             }
             DeviceState::Cuda(cuda) => {
                 let exec = &cuda.exec;
                 let _context = save_current_context()?;
-                let [a, b, c] = plans;
-                let prepared = [
-                    PreparedPlan::new(exec, a).map_err(exec_error)?,
-                    PreparedPlan::new(exec, b).map_err(exec_error)?,
-                    PreparedPlan::new(exec, c).map_err(exec_error)?,
-                ];
-                let workspace = prepared.each_ref().map(PreparedPlan::workspace_bytes);
+                let mut prepared: [Option<PreparedPlan>; 3] = [None, None, None];
+                for (slot, plan) in prepared.iter_mut().zip(by_op) {
+                    if let Some(plan) = plan {
+                        *slot = Some(PreparedPlan::new(exec, plan).map_err(exec_error)?);
+                    }
+                }
+                let workspace = prepared
+                    .each_ref()
+                    .map(|plan| plan.as_ref().map_or(0, PreparedPlan::workspace_bytes));
                 (PreparedSet::Cuda { plans: prepared }, workspace)
             }
         };
@@ -570,7 +632,12 @@ impl Tuner {
             .get(id as usize)
             .and_then(Option::as_ref)
             .ok_or_else(|| invalid(format!("plan set {id} is not prepared (or was released)")))?;
-        let plan = set.plan(op);
+        let plan = set.plan(op).ok_or_else(|| {
+            invalid(format!(
+                "plan set {id} holds no {op} plan (it was prepared without that op; tune and \
+                 prepare {op} too)"
+            ))
+        })?;
         let problem = plan.problem;
         if !alpha.is_finite() || !beta.is_finite() {
             return Err(invalid(format!(
@@ -593,7 +660,7 @@ impl Tuner {
         }
         match (set, &mut self.state) {
             (PreparedSet::Cpu { plans }, DeviceState::Cpu { .. }) => {
-                let plan = &plans[op_index(op)];
+                let plan = plans[op_index(op)].as_ref().expect("checked above");
                 // SAFETY: this function's contract for the CPU.
                 unsafe {
                     execute_host(
@@ -609,7 +676,7 @@ impl Tuner {
                 }
             }
             (PreparedSet::Cuda { plans }, DeviceState::Cuda(cuda)) => {
-                let prepared = &plans[op_index(op)];
+                let prepared = plans[op_index(op)].as_ref().expect("checked above");
                 let exec = &cuda.exec;
                 let dtype = problem.dtype;
                 let layer = &prepared.plan().layer;

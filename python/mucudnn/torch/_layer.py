@@ -327,7 +327,10 @@ class _Conv(_MucudnnConv):
             y = torch_conv(x, weight, self.bias, stride, padding, dilation, groups)
         else:
             xs, ws, st, pa, di = args
-            y = ops.conv(xs, ws, self.bias, list(st), list(pa), list(di), groups, self._mucudnn_config)
+            y = _with_backward_hint(
+                xs, ws, ops.conv, xs, ws, self.bias, list(st), list(pa), list(di), groups,
+                self._mucudnn_config,
+            )
             if spatial == 1:
                 y = y.squeeze(2)
         return y.squeeze(0) if unbatched else y
@@ -401,10 +404,29 @@ class _ConvTranspose(_MucudnnConv):
                 y = pytorch()
             else:
                 st, pa, op, di = (list(g) for g in geometry)
-                y = ops.transpose(x, w, self.bias, st, pa, op, di, groups, self._mucudnn_config)
+                y = _with_backward_hint(
+                    x, w, ops.transpose, x, w, self.bias, st, pa, op, di, groups,
+                    self._mucudnn_config,
+                )
                 if spatial == 1:
                     y = y.squeeze(2)
         return y.squeeze(0) if unbatched else y
+
+
+def _with_backward_hint(x: torch.Tensor, weight: torch.Tensor, op, *args) -> torch.Tensor:
+    """``op(*args)``, telling the runtime whether a backward may follow (gradients on and
+    ``x`` or ``weight`` requiring one): a shape first seen without one tunes only the op its
+    forward runs (inference). Not while torch.compile traces: a compiled graph's ops decide
+    from their tensors (``_runtime.backward_expected``)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    _runtime.expect_backward(
+        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    )
+    try:
+        return op(*args)
+    finally:
+        _runtime.expect_backward(None)
 
 
 def _warn_output_padding(layer: _MucudnnConv, output_padding, stride) -> None:

@@ -17,6 +17,12 @@ convolution problem whose input is the transposed layer's output (``n = N``, ``c
 ``k = Cin``, the same kernel and geometry): its forward runs that problem's backward-data plan,
 its input gradient the forward plan and its weight gradient the backward-filter plan, so the
 three share one plan set (:func:`transposed_forward`).
+
+A key's plan set holds the ops tuned so far (:attr:`Ready.has`). A forward that no backward
+will follow (gradients off, or neither the input nor the weight requires one;
+:func:`backward_expected`) tunes and prepares only the op it runs: inference measures a third
+of what training does. A backward that finds its op missing tunes the missing ops then,
+prepares them with the others, and runs (:func:`plans_for`).
 """
 
 from __future__ import annotations
@@ -121,6 +127,11 @@ def format_bytes(value: Optional[int]) -> str:
     return f"{value} B"
 
 
+#: The ops' names by their numbers (FORWARD, BACKWARD_DATA, BACKWARD_FILTER).
+OP_NAMES = _tuner.OPS
+ALL_OPS = (FORWARD, BACKWARD_DATA, BACKWARD_FILTER)
+
+
 @dataclass
 class PlanReport:
     """How one input shape of a layer runs: per op, the split (``COUNTxSIZE@algo`` runs), the
@@ -134,6 +145,8 @@ class PlanReport:
     dtype: str
     layout: str
     device: str
+    #: Per op tuned so far (``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``; inference tunes only
+    #: the op the layer's forward runs): its split, algorithms, predicted time, workspace.
     ops: Dict[str, Dict[str, Any]]
     tuning_seconds: float
     cached: int
@@ -155,6 +168,12 @@ class PlanReport:
     peak_measuring_memory_bytes: int = 0
     #: The layer whose plans this shape reuses (same problem, tuned first by that layer).
     same_as: Optional[str] = None
+
+    @property
+    def tuned_ops(self) -> Tuple[str, ...]:
+        """The names of the ops this shape has plans for, in ``fwd, bwd_data, bwd_filter``
+        order (all three after training saw it; the forward's op alone after inference)."""
+        return tuple(op for op in OP_NAMES if op in self.ops)
 
     @property
     def source(self) -> str:
@@ -191,6 +210,9 @@ class PlanReport:
                 f"  {op:<10} {info['split']:<40} predicted {info['time_ms']:9.3f} ms  "
                 f"workspace {info['workspace_bytes']} B"
             )
+        untuned = [op for op in OP_NAMES if op not in self.ops]
+        if self.fallback is None and untuned:
+            lines.append(f"  {', '.join(untuned)} not tuned (no backward yet)")
         lines.append(
             f"  {self.source} in {self.tuning_seconds:.2f} s, peak measuring memory "
             f"{format_bytes(self.peak_measuring_memory_bytes)}"
@@ -264,9 +286,19 @@ def output_shape_of(key: PlanKey) -> Tuple[int, ...]:
     )
 
 
-def report_of(key: PlanKey, result: Dict[str, Any], seconds: float) -> PlanReport:
+def report_of(
+    key: PlanKey,
+    result: Dict[str, Any],
+    seconds: float,
+    earlier: Optional[PlanReport] = None,
+) -> PlanReport:
+    """The report of ``key``'s plans in ``result``; with ``earlier`` (the report of the ops the
+    key had before, e.g. the forward's when a backward tunes the others) the two are merged:
+    every op's row, the tuning times and counts summed."""
     device_type, index, dtype, layout, shape = key[:5]
-    ops = {}
+    ops: Dict[str, Dict[str, Any]] = {}
+    if earlier is not None and earlier.fallback is None:
+        ops.update(earlier.ops)
     for plan, split in zip(result["plans"], result["splits"]):
         micro = plan["micro_batches"]
         ops[plan["op"]] = {
@@ -275,7 +307,8 @@ def report_of(key: PlanKey, result: Dict[str, Any], seconds: float) -> PlanRepor
             "time_ms": sum(m["time_ms"] for m in micro),
             "workspace_bytes": max((m["workspace_bytes"] for m in micro), default=0),
         }
-    return PlanReport(
+    ops = {op: ops[op] for op in OP_NAMES if op in ops}
+    report = PlanReport(
         shape=shape,
         dtype=DTYPES[dtype],
         layout=layout,
@@ -292,19 +325,34 @@ def report_of(key: PlanKey, result: Dict[str, Any], seconds: float) -> PlanRepor
         peak_measuring_memory_bytes=int(result.get("peak_measuring_memory_bytes", 0)),
         same_as=result.get("same_as"),
     )
+    if earlier is not None and earlier.fallback is None:
+        report.tuning_seconds += earlier.tuning_seconds
+        report.cached += earlier.cached
+        report.measured += earlier.measured
+        report.skipped += earlier.skipped
+        report.peak_measuring_memory_bytes = max(
+            report.peak_measuring_memory_bytes, earlier.peak_measuring_memory_bytes
+        )
+        if report.same_as != earlier.same_as:
+            report.same_as = None
+    return report
 
 
 class Ready:
-    """A prepared plan set and what running it needs: the operand extents of each op (ctypes
-    arrays, made once from the key's shapes) and, on the CPU, the workspace."""
+    """A prepared plan set and what running it needs: which ops it holds (``has[op]``), the
+    operand extents of each op (ctypes arrays, made once from the key's shapes) and, on the
+    CPU, the workspace."""
 
-    __slots__ = ("prepared", "tuner", "id", "workspace", "extents", "host_workspace")
+    __slots__ = ("prepared", "tuner", "id", "workspace", "extents", "host_workspace", "has")
 
     def __init__(self, prepared: PreparedSet, key: PlanKey):
         self.prepared = prepared
         self.tuner = prepared.tuner
         self.id = prepared.id
         self.workspace = prepared.workspace
+        names = prepared.ops
+        #: Per op number: whether the set holds its plan.
+        self.has = tuple(name in names for name in OP_NAMES)
         x_shape, w_shape, y_shape = key[4], key[5], output_shape_of(key)
         itemsize = key[2].itemsize
         self.extents = [
@@ -359,13 +407,24 @@ class LayerConfig:
                 pass
 
     def adopt(self, key: PlanKey, result: Dict[str, Any], seconds: float) -> Ready:
-        """Prepares plans tuned elsewhere (or just now) for ``key``."""
+        """Prepares plans tuned elsewhere (or just now) for ``key``: ``result``'s plans, and
+        those of the other ops ``key`` had prepared before (one set holds every op tuned so
+        far; ``result``'s replace the earlier plans of its ops)."""
         tuner = tuner_for(key[0], key[1], self.cache, self.verbose)
-        ready = Ready(tuner.prepare(result["plans"]), key)
+        earlier = self.prepared.get(key)
+        plans = list(result["plans"])
+        earlier_report = None
+        if earlier is not None:
+            given = {plan["op"] for plan in plans}
+            kept = [p for p in earlier.prepared.plans if p["op"] not in given]
+            if kept:
+                plans = kept + plans
+                earlier_report = self.reports.get(key)
+        ready = Ready(tuner.prepare(plans), key)
         with self.lock:
             old = self.prepared.pop(key, None)
             self.prepared[key] = ready
-            self.reports[key] = report_of(key, result, seconds)
+            self.reports[key] = report_of(key, result, seconds, earlier_report)
         if old is not None:
             old.release()
         return ready
@@ -381,6 +440,7 @@ def config_text(name: str, settings: Settings, cache: Any, verbose: bool, fallba
         cache = str(cache)
     settings_dict = settings.to_dict()
     settings_dict.pop("deterministic")  # read from PyTorch's switches at each call
+    settings_dict.pop("ops", None)  # decided per call: whether a backward may follow
     return json.dumps(
         {
             "cache": cache,
@@ -589,18 +649,31 @@ _warned_distributed = False
 FALLBACK_STATUSES = ("SOLVER_ERROR", "NOT_SUPPORTED")
 
 
-def plans_for(config: LayerConfig, key: PlanKey) -> Optional[Ready]:
-    """The prepared plans of ``key``: tuned through the cache on first sight; ``None`` when the
-    problem runs PyTorch's convolution instead (no plan, with ``fallback``)."""
-    if key in config.prepared:
-        return config.prepared[key]
+def plans_for(
+    config: LayerConfig, key: PlanKey, ops: Sequence[int] = ALL_OPS
+) -> Optional[Ready]:
+    """The prepared plans of ``key`` holding at least ``ops`` (op numbers): the ops it lacks
+    are tuned through the cache (on first sight, or when a backward follows an inference
+    forward) and prepared with those it had; ``None`` when the problem runs PyTorch's
+    convolution instead (no plan, with ``fallback``)."""
+    earlier = config.prepared.get(key, _MISSING)
+    if earlier is None:
+        return None
+    missing = [op for op in ops if earlier is _MISSING or not earlier.has[op]]
+    if not missing:
+        return earlier
     device_type, index = key[0], key[1]
     shape = key[4]
     if device_type == "cuda":
         if torch.cuda.is_current_stream_capturing():
+            what = (
+                f"input shape {shape} was not tuned" if earlier is _MISSING
+                else f"input shape {shape} has no {', '.join(OP_NAMES[op] for op in missing)} "
+                "plan (its forward was tuned for inference)"
+            )
             raise RuntimeError(
-                f"{config.name}: input shape {shape} was not tuned before CUDA graph "
-                "capture; run the model once (or mucudnn.torch.tune(model, example)) before "
+                f"{config.name}: {what} before CUDA graph capture; run the model once (a "
+                "training step, to capture one) or mucudnn.torch.tune(model, example) before "
                 "capturing"
             )
         torch.cuda.synchronize(index)  # measure on a quiet GPU
@@ -619,9 +692,12 @@ def plans_for(config: LayerConfig, key: PlanKey) -> Optional[Ready]:
             file=sys.stderr,
         )
     tuner = tuner_for(device_type, index, config.cache, config.verbose)
+    settings = config.settings_for(key)
+    if len(missing) < len(ALL_OPS):
+        settings = replace(settings, ops=tuple(OP_NAMES[op] for op in missing))
     started = time.perf_counter()
     try:
-        result = tuner.tune(config.name, problem_of(key), config.settings_for(key))
+        result = tuner.tune(config.name, problem_of(key), settings)
     except MucudnnError as e:
         if config.fallback and e.status in FALLBACK_STATUSES:
             fall_back(config, key, str(e), time.perf_counter() - started)
@@ -911,10 +987,46 @@ def _bias_view(bias: torch.Tensor, spatial: int) -> torch.Tensor:
     return bias.view((1, -1) + (1,) * spatial)
 
 
-def _ready(config: LayerConfig, key: PlanKey) -> Optional[Ready]:
+#: Per thread: what the layer calling an op said of its backward (see :func:`expect_backward`).
+_backward_hint = threading.local()
+
+
+def expect_backward(value: Optional[bool]) -> None:
+    """Set by a converted layer around its op call: whether a backward may follow (gradients
+    on, and its input or weight requires one); ``None`` after the call. Read only when a key
+    is tuned; the op itself cannot tell (autograd runs it with gradients off either way)."""
+    _backward_hint.value = value
+
+
+def backward_expected(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a backward may follow a forward over ``x`` and ``weight``, so its first call
+    tunes all three ops rather than the forward's alone. The calling layer's word when it gave
+    one (:func:`expect_backward`); else (a direct op call, a compiled graph) inference mode, or
+    gradients on in the op (autograd found nothing requiring one), means no; otherwise whether
+    ``x`` or ``weight`` requires a gradient (under ``torch.no_grad`` a direct call cannot be
+    told apart from autograd's, so it tunes all three: the old behaviour)."""
+    hint = getattr(_backward_hint, "value", None)
+    if hint is not None:
+        return bool(hint)
+    if torch.is_inference_mode_enabled() or torch.is_grad_enabled():
+        return False
+    return bool(x.requires_grad or weight.requires_grad)
+
+
+def _ready(
+    config: LayerConfig,
+    key: PlanKey,
+    op: int,
+    x: Optional[torch.Tensor] = None,
+    weight: Optional[torch.Tensor] = None,
+) -> Optional[Ready]:
+    """The prepared plans of ``key`` that run ``op``. A forward (``x`` and ``weight`` given)
+    that finds none tunes ``op`` alone when no backward is expected, else all three ops; a
+    backward (no tensors) tunes every op the key lacks."""
     ready = config.prepared.get(key, _MISSING)
-    if ready is _MISSING:
-        ready = plans_for(config, key)
+    if ready is _MISSING or (ready is not None and not ready.has[op]):
+        inference = x is not None and weight is not None and not backward_expected(x, weight)
+        ready = plans_for(config, key, (op,) if inference else ALL_OPS)
     return ready
 
 
@@ -935,6 +1047,7 @@ def forward(
     if x.dtype is torch.float64:
         _warn_float64(config)
         return _CONV[spatial](x, weight, bias, stride, padding, dilation, groups)
+    given = (x, weight)  # the caller's: a copy made here never requires a gradient
     x = x.contiguous(memory_format=fmt)
     weight = weight.contiguous(memory_format=fmt)
     shape = output_shape_of(key)
@@ -943,7 +1056,7 @@ def forward(
         y.zero_()  # no input channels: the sum is empty (nn.Conv2d gives the bias)
     elif y.numel() > 0:
         x, weight = aligned(x, fmt), aligned(weight, fmt)
-        ready = _ready(config, key)
+        ready = _ready(config, key, FORWARD, *given)
         if ready is None:
             y = _CONV[spatial](x, weight, None, stride, padding, dilation, groups)
             y = y.contiguous(memory_format=fmt)
@@ -991,7 +1104,7 @@ def _backward(
     grad_output = aligned(grad_output.contiguous(memory_format=fmt), fmt)
     # The operand the op reads besides dy: w for the data gradient, x for the filter's.
     other = aligned((weight if data else x).contiguous(memory_format=fmt), fmt)
-    ready = _ready(config, key)
+    ready = _ready(config, key, op)
     if ready is None:
         if data:
             out = _CONV_INPUT[spatial](x.shape, other, grad_output, *geometry)
@@ -1059,12 +1172,13 @@ def transposed_forward(
             x, weight, bias, stride, padding, output_padding, groups, dilation
         )
     y = torch.empty(key[4], dtype=x.dtype, device=x.device, memory_format=fmt)
+    given = (x, weight)
     if y.numel() > 0 and (x.numel() == 0 or weight.numel() == 0):
         y.zero_()  # no input channels or an empty batch: nothing to sum
     elif y.numel() > 0:
         x = aligned(x.contiguous(memory_format=fmt), fmt)
         weight = aligned(weight.contiguous(memory_format=fmt), fmt)
-        ready = _ready(config, key)
+        ready = _ready(config, key, BACKWARD_DATA, *given)
         if ready is None:
             y = _CONV_TRANSPOSE[spatial](
                 x, weight, None, stride, padding, output_padding, groups, dilation

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -134,10 +134,25 @@ def _task_id(task: Dict[str, Any]) -> str:
     )
 
 
+#: What ``tune(..., ops=...)`` accepts.
+TUNE_OPS = ("all", "forward")
+
+
+def _layer_settings(layer: Conv, key, ops: str) -> Settings:
+    """The settings ``layer`` tunes ``key`` with under ``tune(..., ops=ops)``: all three ops, or
+    for ``"forward"`` only the op its forward runs (a convolution's fwd, a transposed
+    convolution's bwd_data)."""
+    settings = layer._mucudnn.settings_for(key)
+    if ops == "forward":
+        settings = replace(settings, ops=("bwd_data",) if layer.transposed else ("fwd",))
+    return settings
+
+
 def tune(
     model: nn.Module,
     *example_inputs: Any,
     verbose: bool = True,
+    ops: str = "all",
     **example_kwargs: Any,
 ) -> TuneSummary:
     """Tunes every converted layer (:class:`Conv2d`, :class:`Conv3d`, ...) of ``model`` for the shapes it sees on
@@ -148,10 +163,20 @@ def tune(
     per-rank batch. Prints a line per layer on stderr unless ``verbose=False``; a layer whose
     problem an earlier layer tuned says whose plans it shares.
 
+    ``ops="all"`` (the default) tunes the three ops of every layer, for training;
+    ``ops="forward"`` tunes only the op each layer's forward runs (a convolution's ``fwd``, a
+    transposed convolution's ``bwd_data``), for inference: a third of the measuring. A
+    backward after it tunes the missing ops on its first call.
+
     Returns a :class:`TuneSummary` (``layers``, ``shapes``, ``measured``, ``cached``,
     ``shared``, ``seconds``, ...); ``summary["layers"]`` and the old keys ``"tasks"`` and
     ``"measured_here"`` still read its fields.
     """
+    if ops not in TUNE_OPS:
+        raise ValueError(
+            f"mucudnn.torch.tune: ops is {ops!r}; give \"all\" (training: the three ops) or "
+            "\"forward\" (inference: the op each layer's forward runs)"
+        )
     started = time.perf_counter()
     seen = _discover(model, example_inputs, example_kwargs)
     rank, world = _rank_info()
@@ -170,7 +195,7 @@ def tune(
     for layer, key, problem in entries:
         config = layer._mucudnn
         cache_key = "default" if config.cache is None else str(config.cache)
-        group_key = (key[0], key[1], cache_key, config.settings_for(key))
+        group_key = (key[0], key[1], cache_key, _layer_settings(layer, key, ops))
         groups.setdefault(group_key, []).append((layer, key, problem))
     summary = TuneSummary(
         layers=len({id(layer) for layer, _, _ in entries}),
