@@ -331,9 +331,18 @@ impl ConvProblem {
         self.spatial_dims() == 3
     }
 
-    /// The layout's name at this problem's rank (`ncdhw` for a 3-D NCHW-family problem).
+    /// Whether this reads as a 1-D problem: 2-D with unit height, unit filter height and no
+    /// height padding (the key does not tell it apart from such a 2-D problem, which is the
+    /// same convolution; only names differ).
+    pub fn is_1d(&self) -> bool {
+        !self.is_3d() && self.h == 1 && self.r == 1 && self.pad_h == 0
+    }
+
+    /// The layout's name at this problem's rank (`ncdhw` for a 3-D NCHW-family problem, `nwc`
+    /// for a 1-D channels-last one).
     pub fn layout_name(&self) -> &'static str {
-        self.layout.name_for_rank(self.spatial_dims())
+        let rank = if self.is_1d() { 1 } else { self.spatial_dims() };
+        self.layout.name_for_rank(rank)
     }
 
     /// Input dims `[n, c, d, h, w]`.
@@ -481,8 +490,11 @@ impl ConvProblem {
     pub fn describe(&self) -> String {
         let dims = |v: &[i64]| v.iter().map(i64::to_string).collect::<Vec<_>>().join("x");
         let three = self.is_3d();
+        let one = self.is_1d();
         let pick = |a: [i64; 5]| {
-            if three {
+            if one {
+                vec![a[0], a[1], a[4]]
+            } else if three {
                 a.to_vec()
             } else {
                 vec![a[0], a[1], a[3], a[4]]
@@ -494,7 +506,13 @@ impl ConvProblem {
             dims(&pick(self.filter_dims()))
         );
         let tuple = |d: i64, h: i64, w: i64, neutral: i64| {
-            let all: Vec<i64> = if three { vec![d, h, w] } else { vec![h, w] };
+            let all: Vec<i64> = if one {
+                vec![w]
+            } else if three {
+                vec![d, h, w]
+            } else {
+                vec![h, w]
+            };
             if all.iter().all(|&v| v == neutral) {
                 None
             } else if all.iter().all(|&v| v == all[0]) {
@@ -649,8 +667,15 @@ mod tests {
             Err(ShapeError::Negative { field: "pad_d", .. })
         ));
         // 1-D is 2-D with unit height; 2-D is 3-D with unit depth.
-        let one = ConvProblem::new_1d(4, 512, 16000, 512, 10);
+        let one = ConvProblem {
+            stride_w: 5,
+            layout: Layout::Nhwc,
+            ..ConvProblem::new_1d(4, 512, 16000, 512, 10)
+        };
         assert_eq!(one.spatial_dims(), 2);
+        assert!(one.is_1d());
+        assert_eq!(one.describe(), "4x512x16000 * 512x512x10 stride 5 fp32 nwc");
+        let one = ConvProblem::new_1d(4, 512, 16000, 512, 10);
         assert_eq!(one.output_dims(), [4, 512, 1, 1, 15991]);
         let flat = ConvProblem::new_3d(2, 3, 1, 8, 8, 4, 1, 3, 3);
         assert_eq!(flat, ConvProblem::new(2, 3, 8, 8, 4, 3, 3));
