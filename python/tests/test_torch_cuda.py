@@ -112,3 +112,41 @@ def test_untuned_shape_inside_capture_is_a_clear_error():
     with pytest.raises(RuntimeError, match="not tuned before CUDA graph capture"):
         with torch.cuda.graph(graph):
             ours(x)
+
+
+ND_LAYERS = {
+    # name: (mucudnn class, torch class, input shape, constructor keywords)
+    "conv1d-s2": (mt.Conv1d, torch.nn.Conv1d, (8, 16, 101), dict(out_channels=32, kernel_size=5, stride=2, padding=2)),
+    "conv3d": (mt.Conv3d, torch.nn.Conv3d, (2, 16, 9, 14, 14), dict(out_channels=32, kernel_size=3, padding=1)),
+    "conv3d-s2-g2-causal": (
+        mt.Conv3d, torch.nn.Conv3d, (2, 16, 9, 15, 15),
+        dict(out_channels=16, kernel_size=3, stride=2, padding=(0, 1, 1), groups=2),
+    ),
+    "convT1d": (mt.ConvTranspose1d, torch.nn.ConvTranspose1d, (4, 16, 50), dict(out_channels=8, kernel_size=4, stride=2, padding=1)),
+    "convT2d": (mt.ConvTranspose2d, torch.nn.ConvTranspose2d, (4, 16, 15, 15), dict(out_channels=8, kernel_size=3, stride=2, output_padding=1)),
+    "convT3d": (mt.ConvTranspose3d, torch.nn.ConvTranspose3d, (2, 16, 5, 8, 8), dict(out_channels=8, kernel_size=(3, 4, 4), stride=(1, 2, 2), padding=(1, 1, 1))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ND_LAYERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("candidates", ["legacy", "engines"])
+def test_nd_layers_match_pytorch(name, dtype, candidates):
+    """Conv1d, Conv3d and the transposed layers on the GPU (issue 26): outputs and gradients
+    against torch.nn; fp16 runs 3-D tensors channels_last_3d (NDHWC)."""
+    ours_class, torch_class, shape, kwargs = ND_LAYERS[name]
+    torch.manual_seed(0)
+    ours = ours_class(
+        shape[1], cache=False, fallback=False, candidates=candidates, workspace_limit="8MiB",
+        max_candidates=8, **kwargs,
+    ).cuda().to(dtype)
+    reference = torch_class(shape[1], **kwargs).cuda().to(dtype)
+    reference.load_state_dict(ours.state_dict())
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    if dtype == torch.float16 and len(shape) == 5:
+        ours = ours.to(memory_format=torch.channels_last_3d)
+        reference = reference.to(memory_format=torch.channels_last_3d)
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    compare(ours, reference, x, 2e-2 if dtype == torch.float16 else 1e-2)
+    report = next(iter(ours.plans.values()))
+    assert report.fallback is None, report.fallback
