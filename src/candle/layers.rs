@@ -27,17 +27,7 @@ pub struct Conv1d {
     core: Arc<LayerCore>,
 }
 
-impl std::fmt::Debug for Conv1d {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Conv1d")
-            .field("name", &self.core.name)
-            .field("weight", &self.weight.shape())
-            .field("bias", &self.bias.as_ref().map(|b| b.shape().clone()))
-            .field("config", &self.config)
-            .field("options", &self.core.options)
-            .finish()
-    }
-}
+layer_common!(Conv1d, Conv1dConfig);
 
 impl Conv1d {
     /// A layer over `weight` (`out x in/groups x k`, f32) and an optional `bias` (`out`), as
@@ -64,26 +54,6 @@ impl Conv1d {
             config: cfg,
             core: LayerCore::new(kind, template, options)?,
         })
-    }
-
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.bias.as_ref()
-    }
-
-    pub fn config(&self) -> &Conv1dConfig {
-        &self.config
-    }
-
-    pub fn options(&self) -> &ConvOptions {
-        &self.core.options
-    }
-
-    pub fn name(&self) -> &str {
-        &self.core.name
     }
 
     /// The layer's convolution for an input of `n` sequences of length `l` (the 2-D problem
@@ -148,17 +118,7 @@ pub struct ConvTranspose2d {
     core: Arc<LayerCore>,
 }
 
-impl std::fmt::Debug for ConvTranspose2d {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ConvTranspose2d")
-            .field("name", &self.core.name)
-            .field("weight", &self.weight.shape())
-            .field("bias", &self.bias.as_ref().map(|b| b.shape().clone()))
-            .field("config", &self.config)
-            .field("options", &self.core.options)
-            .finish()
-    }
-}
+layer_common!(ConvTranspose2d, ConvTranspose2dConfig);
 
 impl ConvTranspose2d {
     /// A layer over `weight` (`in x out x kh x kw`, f32) and an optional `bias` (`out`), as
@@ -194,26 +154,6 @@ impl ConvTranspose2d {
             config: cfg,
             core,
         })
-    }
-
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.bias.as_ref()
-    }
-
-    pub fn config(&self) -> &ConvTranspose2dConfig {
-        &self.config
-    }
-
-    pub fn options(&self) -> &ConvOptions {
-        &self.core.options
-    }
-
-    pub fn name(&self) -> &str {
-        &self.core.name
     }
 
     /// The input of the transposed convolution for this layer's input of `n` images of

@@ -29,6 +29,46 @@
 //! (`cuda.rs`), for all three layers alike. Only f32 tensors are supported; anything else is an
 //! error naming the layer. candle has no 3-D convolution layer, so there is no `Conv3d` here.
 
+/// The parts every layer type (fields `weight`, `bias`, `config`, `core`) shares: its `Debug`
+/// and the accessors `weight`, `bias`, `config`, `options` and `name`.
+macro_rules! layer_common {
+    ($layer:ident, $config:ty) => {
+        impl std::fmt::Debug for $layer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($layer))
+                    .field("name", &self.core.name)
+                    .field("weight", &self.weight.shape())
+                    .field("bias", &self.bias.as_ref().map(|b| b.shape().clone()))
+                    .field("config", &self.config)
+                    .field("options", &self.core.options)
+                    .finish()
+            }
+        }
+
+        impl $layer {
+            pub fn weight(&self) -> &Tensor {
+                &self.weight
+            }
+
+            pub fn bias(&self) -> Option<&Tensor> {
+                self.bias.as_ref()
+            }
+
+            pub fn config(&self) -> &$config {
+                &self.config
+            }
+
+            pub fn options(&self) -> &ConvOptions {
+                &self.core.options
+            }
+
+            pub fn name(&self) -> &str {
+                &self.core.name
+            }
+        }
+    };
+}
+
 #[cfg(feature = "candle-cuda")]
 mod cuda;
 pub mod ddp;
@@ -587,17 +627,7 @@ pub struct Conv2d {
     core: Arc<LayerCore>,
 }
 
-impl std::fmt::Debug for Conv2d {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Conv2d")
-            .field("name", &self.core.name)
-            .field("weight", &self.weight.shape())
-            .field("bias", &self.bias.as_ref().map(|b| b.shape().clone()))
-            .field("config", &self.config)
-            .field("options", &self.core.options)
-            .finish()
-    }
-}
+layer_common!(Conv2d, Conv2dConfig);
 
 impl Conv2d {
     /// A layer over `weight` (`out x in/groups x kh x kw`, f32) and an optional `bias` (`out`),
@@ -625,26 +655,6 @@ impl Conv2d {
             config: cfg,
             core: LayerCore::new(kind, template, options)?,
         })
-    }
-
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.bias.as_ref()
-    }
-
-    pub fn config(&self) -> &Conv2dConfig {
-        &self.config
-    }
-
-    pub fn options(&self) -> &ConvOptions {
-        &self.core.options
-    }
-
-    pub fn name(&self) -> &str {
-        &self.core.name
     }
 
     /// The layer's convolution for an input of `n` images of `h x w` (what it tunes on
