@@ -67,18 +67,26 @@ pub struct Explanation {
     pub rows: Vec<MicroRow>,
     /// One per limit.
     pub plans: Vec<LimitPlan>,
+    /// The smallest micro-batch size a plan may use (`crate::tune::min_micro_batch`: above 1
+    /// for a bf16 backward-filter on cuDNN); the rows show every size, the plans obey it.
+    pub min_micro: i64,
 }
 
 /// Explains `entry` under `policy` at each limit (sorted, duplicates dropped); with no limits,
-/// at [`default_limits`].
+/// at [`default_limits`]. The plans use no micro-batch below `min_micro`
+/// (`crate::tune::min_micro_batch` of the device that measured the entry; 1 for none), as
+/// tuning's plans do.
 ///
 /// Errors: an invalid profile entry, or one with no micro-batch size the policy allows.
 pub fn explain(
     entry: &OpProfile,
     policy: Policy,
     limits: &[u64],
+    min_micro: i64,
 ) -> Result<Explanation, SolveError> {
     entry.validate()?;
+    let mut accurate = entry.clone();
+    accurate.measurements.retain(|m| m.micro >= min_micro);
     let allowed: Vec<&Measurement> = entry.allowed(policy).collect();
     if allowed.is_empty() {
         return Err(SolveError::NoSizes {
@@ -111,7 +119,7 @@ pub fn explain(
         .iter()
         .map(|&limit_bytes| {
             let undivided_ms = best_within(&allowed, entry.n(), limit_bytes).map(|c| c.time_ms);
-            match solve_wr(entry, policy, limit_bytes) {
+            match solve_wr(&accurate, policy, limit_bytes) {
                 Ok(plan) => Ok(LimitPlan {
                     limit_bytes,
                     plan: Some(plan),
@@ -139,6 +147,7 @@ pub fn explain(
         limits,
         rows,
         plans,
+        min_micro,
     })
 }
 
@@ -233,6 +242,14 @@ pub fn render_explanation(explanation: &Explanation, names: AlgoNames) -> String
         explanation.policy
     );
     let _ = writeln!(out, "shape: {}", explanation.problem.describe());
+    if explanation.min_micro > 1 {
+        let _ = writeln!(
+            out,
+            "plans use micro-batches of at least {} (bf16 backward-filter on cuDNN: at most 4 \
+             partial sums of the weight gradient)",
+            explanation.min_micro
+        );
+    }
     let _ = writeln!(
         out,
         "Fastest algorithm per micro-batch size within each workspace limit (time per call):"
@@ -385,7 +402,7 @@ mod tests {
         let profile = fixture();
         let conv2 = entry(&profile, "alexnet.conv2", DType::Fp32, ConvOp::Forward);
         let limits = [UNLIMITED, 64 << 20, 0, 64 << 20];
-        let explanation = explain(conv2, Policy::PowerOfTwo, &limits).unwrap();
+        let explanation = explain(conv2, Policy::PowerOfTwo, &limits, 1).unwrap();
         assert_eq!(explanation.limits, [0, 64 << 20, UNLIMITED]);
         let sizes: Vec<i64> = explanation.rows.iter().map(|r| r.micro).collect();
         assert_eq!(sizes, [1, 2, 4, 8, 16, 32, 64, 128, 256]);
@@ -443,7 +460,7 @@ mod tests {
                     });
                     assert!(changes, "{} {limit}", entry.name());
                 }
-                let explanation = explain(entry, policy, &[]).unwrap();
+                let explanation = explain(entry, policy, &[], 1).unwrap();
                 assert_eq!(explanation.limits, limits);
                 check_consistent(entry, &explanation);
             }
@@ -482,7 +499,7 @@ mod tests {
             ],
             skipped: Vec::new(),
         };
-        let explanation = explain(&entry, Policy::PowerOfTwo, &[50, 100, 300]).unwrap();
+        let explanation = explain(&entry, Policy::PowerOfTwo, &[50, 100, 300], 1).unwrap();
         check_consistent(&entry, &explanation);
         assert_eq!(
             explanation.rows[0].best,
@@ -520,6 +537,18 @@ mod tests {
             default_limits(&entry, Policy::PowerOfTwo),
             [100, 200, 300, UNLIMITED]
         );
+
+        // Under the bf16 rule (micro-batches of at least 2 here) the rows still show size 1,
+        // and the plans use none: at 100 B nothing fits, at 300 B two micro-batches of 2.
+        let ruled = explain(&entry, Policy::PowerOfTwo, &[100, 300], 2).unwrap();
+        assert_eq!(ruled.rows[0].micro, 1);
+        assert_eq!(ruled.plans[0].plan, None);
+        assert_eq!(ruled.plans[0].min_workspace_bytes, Some(200));
+        let plan = ruled.plans[1].plan.as_ref().unwrap();
+        assert_eq!(plan.split_string(cpu), "2x2@direct");
+        let text = render_explanation(&ruled, cpu);
+        assert!(text.contains("micro-batches of at least 2"), "{text}");
+        assert!(!render_explanation(&explanation, cpu).contains("at least"));
     }
 
     #[test]
@@ -532,15 +561,15 @@ mod tests {
             skipped: Vec::new(),
         };
         assert!(matches!(
-            explain(&entry, Policy::All, &[]),
+            explain(&entry, Policy::All, &[], 1),
             Err(SolveError::Profile(_))
         ));
         // Only a size the policy does not allow.
         entry.measurements.push(measurement(3, 0, 1.0, 0));
         assert!(matches!(
-            explain(&entry, Policy::PowerOfTwo, &[]),
+            explain(&entry, Policy::PowerOfTwo, &[], 1),
             Err(SolveError::NoSizes { .. })
         ));
-        assert!(explain(&entry, Policy::All, &[]).is_ok());
+        assert!(explain(&entry, Policy::All, &[], 1).is_ok());
     }
 }

@@ -81,11 +81,12 @@ fn parse_limit(text: &str) -> Result<u64, String> {
 
 /// The entry to explain, from the saved profile or measured (through the cache) now, and how
 /// its algorithms are named.
-fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames)> {
+fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames, i64)> {
     // The (layer, dtype, layout, op) asked for: a profile may hold the layer in several.
     let (dtype, layout) = (args.source.dtype, args.source.layout);
-    let find = |profile: Profile| -> Result<(OpProfile, AlgoNames)> {
+    let find = |profile: Profile| -> Result<(OpProfile, AlgoNames, i64)> {
         let names = profile.algo_names();
+        let device = profile.fingerprint.clone();
         // What the profile has instead: this layer's (dtype, layout, op)s, else its layers.
         let mut others: Vec<String> = profile
             .entries
@@ -114,7 +115,14 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames)> {
                     others.join(", ")
                 )
             })
-            .map(|entry| (entry, names))
+            .map(|entry| {
+                // The accuracy rule of the device that measured it (none for a profile that
+                // does not say: nothing says it came from cuDNN).
+                let min = device.as_ref().map_or(1, |d| {
+                    mucudnn::tune::min_micro_batch(d, &entry.problem, entry.op)
+                });
+                (entry, names, min)
+            })
     };
     if let Some(path) = &args.profile {
         return find(read_profile(path)?);
@@ -153,13 +161,13 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames)> {
 }
 
 pub(crate) fn explain_command(args: &ExplainArgs) -> Result<()> {
-    let (entry, names) = entry(args)?;
+    let (entry, names, min_micro) = entry(args)?;
     let limits = if args.limits.is_empty() {
         default_limits(&entry, args.policy)
     } else {
         args.limits.clone()
     };
-    let explanation = explain(&entry, args.policy, &limits)?;
+    let explanation = explain(&entry, args.policy, &limits, min_micro)?;
     out!("{}", render_explanation(&explanation, names));
     Ok(())
 }
