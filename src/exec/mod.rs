@@ -17,6 +17,7 @@
 
 pub mod conv2d;
 pub mod cudnn;
+pub mod spatial;
 pub mod teardown;
 pub mod verify;
 

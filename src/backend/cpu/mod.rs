@@ -58,6 +58,7 @@ pub mod reference;
 #[cfg(test)]
 mod tests;
 
+use crate::solver::spatial::{split_axis, Axis, AxisGeometry, Chunk};
 use crate::solver::{ConvOp, ConvProblem, DType, Layout, ShapeError};
 use std::fmt;
 
@@ -231,6 +232,8 @@ pub enum CpuError {
          start ({needed} aligned bytes needed); allocate it with `AlignedWorkspace`"
     )]
     WorkspaceMisaligned { needed: u64, provided: u64 },
+    #[error("not a spatial chunk of this problem: {0}")]
+    BadChunk(String),
     #[error("element type is {buffer} but the problem's dtype is {problem}")]
     DTypeMismatch { problem: DType, buffer: DType },
 }
@@ -445,6 +448,16 @@ impl Geom {
         }
     }
 
+    /// The three buffers' lengths for `op`, in [`run`]'s argument order, with their names.
+    pub fn buffer_lens(&self, op: ConvOp) -> [(&'static str, usize); 3] {
+        let (x, w, y) = (self.x_len(), self.w_len(), self.y_len());
+        match op {
+            ConvOp::Forward => [("x", x), ("w", w), ("y", y)],
+            ConvOp::BackwardData => [("w", w), ("dy", y), ("dx", x)],
+            ConvOp::BackwardFilter => [("x", x), ("dy", y), ("dw", w)],
+        }
+    }
+
     /// Elements of the input activation tensor (`x` / `dx`).
     pub fn x_len(&self) -> usize {
         self.n * self.c * self.in_plane()
@@ -571,13 +584,105 @@ pub fn buffer_lens(
     problem: &ConvProblem,
     op: ConvOp,
 ) -> Result<[(&'static str, usize); 3], CpuError> {
-    let g = Geom::new(problem)?;
-    let (x, w, y) = (g.x_len(), g.w_len(), g.y_len());
-    Ok(match op {
-        ConvOp::Forward => [("x", x), ("w", w), ("y", y)],
-        ConvOp::BackwardData => [("w", w), ("dy", y), ("dx", x)],
-        ConvOp::BackwardFilter => [("x", x), ("dy", y), ("dw", w)],
-    })
+    Ok(Geom::new(problem)?.buffer_lens(op))
+}
+
+/// The sizes of one call of a spatial split (issue 24): `problem` with the split axis's input
+/// extent `chunk.input.len`, padding `chunk.pad_before` before it and `chunk.pad_after` after
+/// it, and `chunk.output.len` output rows. [`CpuError::BadChunk`] when the chunk does not fit
+/// `problem` (not a chunk of [`crate::solver::spatial::chunks`] for it) or has no call.
+fn chunk_geom(problem: &ConvProblem, chunk: &Chunk) -> Result<Geom, CpuError> {
+    let axis = split_axis(problem);
+    let geometry = AxisGeometry::of(problem, axis);
+    let (rows, before, after) = (chunk.input.len, chunk.pad_before, chunk.pad_after);
+    let consistent = chunk.has_call()
+        && before >= 0
+        && after >= 0
+        && chunk.input.first >= 0
+        && chunk.input.end() <= geometry.input
+        && (rows + before + after - geometry.span()).div_euclid(geometry.stride) + 1
+            == chunk.output.len;
+    if !consistent {
+        return Err(CpuError::BadChunk(format!("{chunk:?}")));
+    }
+    // A problem with symmetric padding max(before, after) validates the other sizes and has
+    // at least the chunk's output rows; then the axis gets the chunk's own padding before it
+    // and output extent (the kernels find a window's end from the output extent, so the
+    // padding after needs no field of its own).
+    let pad = before.max(after);
+    let mut sub = *problem;
+    match axis {
+        Axis::D => (sub.d, sub.pad_d) = (rows, pad),
+        Axis::H => (sub.h, sub.pad_h) = (rows, pad),
+        Axis::W => (sub.w, sub.pad_w) = (rows, pad),
+    }
+    let mut g = Geom::new(&sub)?;
+    let (before, out) = (before as usize, chunk.output.len as usize);
+    match axis {
+        Axis::D => (g.pd, g.o) = (before, out),
+        Axis::H => (g.ph, g.p) = (before, out),
+        Axis::W => (g.pw, g.q) = (before, out),
+    }
+    Ok(g)
+}
+
+/// Expected lengths of the three buffers of [`run_chunk`]: as [`buffer_lens`] for the chunk's
+/// slabs (`chunk.input.len` rows of `x`/`dx`, `chunk.output.len` rows of `y`/`dy` along the
+/// split axis, packed in the problem's layout).
+pub fn chunk_buffer_lens(
+    problem: &ConvProblem,
+    op: ConvOp,
+    chunk: &Chunk,
+) -> Result<[(&'static str, usize); 3], CpuError> {
+    Ok(chunk_geom(problem, chunk)?.buffer_lens(op))
+}
+
+/// The workspace [`run_chunk`] needs for `algo` on one chunk (0 for a chunk without a call).
+pub fn chunk_workspace_bytes(
+    problem: &ConvProblem,
+    op: ConvOp,
+    algo: CpuAlgo,
+    chunk: &Chunk,
+) -> u64 {
+    match chunk_geom(problem, chunk) {
+        Ok(g) => workspace_floats(&g, problem.dtype, op, algo).saturating_mul(4),
+        Err(_) => 0,
+    }
+}
+
+/// Runs one chunk of a spatial split (issue 24) of `problem` along
+/// [`split_axis`]`(problem)`: the convolution of the chunk's slabs, with the chunk's
+/// asymmetric padding along the axis (the other axes as in `problem`). The buffers are packed
+/// slabs ([`chunk_buffer_lens`]): the `chunk.input` rows of `x`/`dx` and the `chunk.output`
+/// rows of `y`/`dy`; the filter is whole. Otherwise as [`run`]. Each output element is the sum
+/// of the same products in the same order as in the unsplit op, so forward and backward-data
+/// chunks reproduce it bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn run_chunk<T: Element>(
+    problem: &ConvProblem,
+    op: ConvOp,
+    algo: CpuAlgo,
+    chunk: &Chunk,
+    alpha: f32,
+    a: &[T],
+    b: &[T],
+    beta: f32,
+    out: &mut [T],
+    workspace: &mut [u8],
+) -> Result<(), CpuError> {
+    let g = chunk_geom(problem, chunk)?;
+    run_geom(
+        &g,
+        problem.dtype,
+        op,
+        algo,
+        alpha,
+        a,
+        b,
+        beta,
+        out,
+        workspace,
+    )
 }
 
 /// Exact workspace, in bytes, that [`run`] needs for `algo` on `problem` (whose `n` is the
@@ -639,14 +744,43 @@ pub fn run<T: Element>(
     out: &mut [T],
     workspace: &mut [u8],
 ) -> Result<(), CpuError> {
-    if T::DTYPE != problem.dtype {
+    let g = Geom::new(problem)?;
+    run_geom(
+        &g,
+        problem.dtype,
+        op,
+        algo,
+        alpha,
+        a,
+        b,
+        beta,
+        out,
+        workspace,
+    )
+}
+
+/// [`run`] on validated sizes (the whole problem's, or a spatial chunk's from
+/// [`Geom::chunk`]).
+#[allow(clippy::too_many_arguments)]
+fn run_geom<T: Element>(
+    g: &Geom,
+    dtype: DType,
+    op: ConvOp,
+    algo: CpuAlgo,
+    alpha: f32,
+    a: &[T],
+    b: &[T],
+    beta: f32,
+    out: &mut [T],
+    workspace: &mut [u8],
+) -> Result<(), CpuError> {
+    if T::DTYPE != dtype {
         return Err(CpuError::DTypeMismatch {
-            problem: problem.dtype,
+            problem: dtype,
             buffer: T::DTYPE,
         });
     }
-    let g = Geom::new(problem)?;
-    let lens = buffer_lens(problem, op)?;
+    let lens = g.buffer_lens(op);
     for ((buffer, expected), actual) in lens.into_iter().zip([a.len(), b.len(), out.len()]) {
         if expected != actual {
             return Err(CpuError::BufferLength {
@@ -656,7 +790,7 @@ pub fn run<T: Element>(
             });
         }
     }
-    let floats = workspace_floats(&g, problem.dtype, op, algo);
+    let floats = workspace_floats(g, dtype, op, algo);
     let needed = floats.saturating_mul(4);
     let provided = workspace.len() as u64;
     if provided < needed {
@@ -670,17 +804,15 @@ pub fn run<T: Element>(
     let ws = &mut ws[..floats];
 
     match (algo, op) {
-        (CpuAlgo::Direct, ConvOp::Forward) => direct::forward(&g, alpha, a, b, beta, out),
-        (CpuAlgo::Direct, ConvOp::BackwardData) => {
-            direct::backward_data(&g, alpha, a, b, beta, out)
-        }
+        (CpuAlgo::Direct, ConvOp::Forward) => direct::forward(g, alpha, a, b, beta, out),
+        (CpuAlgo::Direct, ConvOp::BackwardData) => direct::backward_data(g, alpha, a, b, beta, out),
         (CpuAlgo::Direct, ConvOp::BackwardFilter) => {
-            direct::backward_filter(&g, alpha, a, b, beta, out)
+            direct::backward_filter(g, alpha, a, b, beta, out)
         }
         (CpuAlgo::Im2colGemm | CpuAlgo::Im2colGemmPerImage, _) => {
             let per_image = algo == CpuAlgo::Im2colGemmPerImage;
-            let parts = gemm::Parts::new(&g, problem.dtype, op, per_image);
-            gemm::run(&g, &parts, op, per_image, alpha, a, b, beta, out, ws)
+            let parts = gemm::Parts::new(g, dtype, op, per_image);
+            gemm::run(g, &parts, op, per_image, alpha, a, b, beta, out, ws)
         }
     }
     Ok(())
