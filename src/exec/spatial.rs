@@ -600,6 +600,80 @@ mod tests {
         }
     }
 
+    /// fp16 and bf16: forward and backward-data chunks equal the unsplit op bitwise;
+    /// backward-filter sums its chunks in fp32 and rounds once, so it is within a few units
+    /// in the last place of the unsplit op (which also rounds once).
+    #[test]
+    fn half_precision_chunks_reproduce_the_unsplit_op() {
+        fn check<T: Element + PartialEq + std::fmt::Debug>(dtype: DType, ulp: f32) {
+            for layout in [Layout::Nchw, Layout::Nhwc] {
+                let problem = ConvProblem {
+                    pad_h: 1,
+                    pad_w: 1,
+                    stride_h: 2,
+                    dtype,
+                    layout,
+                    ..ConvProblem::new(2, 4, 15, 7, 4, 3, 3)
+                };
+                for op in ConvOp::ALL {
+                    let [(_, la), (_, lb), (_, lo)] = cpu::buffer_lens(&problem, op).unwrap();
+                    let half = |v: Vec<f32>| -> Vec<T> { v.into_iter().map(T::from_f32).collect() };
+                    let (a, b) = (half(data(la, 6)), half(data(lb, 7)));
+                    for algo in CpuAlgo::ALL {
+                        let mut whole = vec![T::from_f32(0.0); lo];
+                        let mut ws =
+                            AlignedWorkspace::new(cpu::workspace_bytes(&problem, op, algo));
+                        cpu::run(
+                            &problem,
+                            op,
+                            algo,
+                            1.0,
+                            &a,
+                            &b,
+                            0.0,
+                            &mut whole,
+                            ws.as_bytes_mut(),
+                        )
+                        .unwrap();
+                        let steps: Vec<SpatialStep> = uneven(extent(&problem, op), 3)
+                            .into_iter()
+                            .map(|size| SpatialStep { size, algo })
+                            .collect();
+                        let bytes = spatial_cpu_workspace_bytes(&problem, op, &steps).unwrap();
+                        let mut ws = AlignedWorkspace::new(bytes);
+                        let mut split = vec![T::from_f32(f32::NAN); lo];
+                        execute_spatial_cpu(
+                            &problem,
+                            op,
+                            &steps,
+                            1.0,
+                            &a,
+                            &b,
+                            0.0,
+                            &mut split,
+                            ws.as_bytes_mut(),
+                        )
+                        .unwrap();
+                        let what = format!("{} {op} {algo}", problem.describe());
+                        if op == ConvOp::BackwardFilter {
+                            for (s, w) in split.iter().zip(&whole) {
+                                let (s, w) = (s.to_f32(), w.to_f32());
+                                assert!(
+                                    (s - w).abs() <= 4.0 * ulp * w.abs().max(1.0),
+                                    "{what}: {s} vs {w}"
+                                );
+                            }
+                        } else {
+                            assert_eq!(split, whole, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+        check::<half::f16>(DType::Fp16, 1.0 / 1024.0);
+        check::<half::bf16>(DType::Bf16, 1.0 / 128.0);
+    }
+
     #[test]
     fn bad_chunkings_are_errors() {
         let problem = ConvProblem {
