@@ -491,6 +491,7 @@ mod tests {
             layer: "toy".into(),
             problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
             op: ConvOp::BackwardFilter,
+            split: crate::solver::SplitDim::Batch,
             measurements: vec![
                 measurement(1, 0, 1.0, 100),
                 measurement(2, 0, 1.5, 200),
@@ -557,6 +558,7 @@ mod tests {
             layer: "toy".into(),
             problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
             op: ConvOp::Forward,
+            split: crate::solver::SplitDim::Batch,
             measurements: vec![],
             skipped: Vec::new(),
         };

@@ -384,6 +384,7 @@ fn profile_job_cached(
         layer: job.layer.clone(),
         problem: job.problem,
         op: job.op,
+        split: crate::solver::SplitDim::Batch,
         measurements: by_size.into_values().flatten().collect(),
         skipped,
     })
@@ -583,6 +584,7 @@ where
             layer: job.layer.clone(),
             problem: job.problem,
             op: job.op,
+            split: crate::solver::SplitDim::Batch,
             measurements,
             skipped,
         });
@@ -962,6 +964,7 @@ mod tests {
             layer: "resnet50.layer1.0.conv2".into(),
             problem,
             op,
+            split: crate::solver::SplitDim::Batch,
             measurements: (1..=n)
                 .map(|m| Measurement {
                     micro: m,

@@ -17,6 +17,7 @@ fn plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: u32) -> Plan {
         layer: "gpu-test".into(),
         problem,
         op,
+        split: mucudnn::solver::SplitDim::Batch,
         micro_batches: sizes
             .iter()
             .map(|&size| MicroBatch {

@@ -48,6 +48,7 @@ fn plan(handle: &CudnnHandle) -> Plan {
         layer: "teardown".into(),
         problem,
         op: ConvOp::Forward,
+        split: mucudnn::solver::SplitDim::Batch,
         micro_batches: (0..4)
             .map(|i| MicroBatch {
                 size: 16,

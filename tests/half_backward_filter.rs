@@ -36,6 +36,7 @@ fn plan(problem: ConvProblem, k: i64, algo: CpuAlgo) -> Plan {
         layer: "half-dw".into(),
         problem,
         op: ConvOp::BackwardFilter,
+        split: mucudnn::solver::SplitDim::Batch,
         micro_batches: (0..k)
             .map(|_| MicroBatch {
                 size: problem.n / k,

@@ -119,6 +119,7 @@ fn a_bf16_backward_filter_plan_cached_before_the_rule_is_solved_again() {
         layer: "l".into(),
         problem,
         op: ConvOp::BackwardFilter,
+        split: mucudnn::solver::SplitDim::Batch,
         measurements: (1..=16)
             .map(|micro| Measurement {
                 micro,

@@ -585,6 +585,7 @@ impl Cache {
             layer: layer.to_string(),
             problem: *problem,
             op,
+            split: mucudnn_solver::SplitDim::Batch,
             measurements,
             skipped: Vec::new(),
         })

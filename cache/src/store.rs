@@ -770,6 +770,7 @@ pub(crate) fn export(
                 layer,
                 problem,
                 op,
+                split: mucudnn_solver::SplitDim::Batch,
                 measurements,
                 // The interchange format carries timed measurements only.
                 skipped: Vec::new(),

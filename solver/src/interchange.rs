@@ -1,13 +1,15 @@
-//! Profile interchange format v1 (`mucudnn-profile-v1`, see docs/PROFILE_FORMAT.md): JSON text
-//! in, [`Profile`] out, and back. Pure string conversion; reading files is the caller's job.
+//! Profile interchange format v1 (`mucudnn-profile-v1`, see docs/PROFILE_FORMAT.md), with v2's
+//! depth keys and v3's `split` key: JSON text in, [`Profile`] out, and back. Pure string
+//! conversion; reading files is the caller's job.
 //!
-//! Records sharing (`layer`, `dtype`, `layout`, `op`) form one tuning problem; their shape fields
+//! Records sharing (`layer`, `dtype`, `layout`, `op`, `split`) form one tuning problem; their shape fields
 //! must agree. Errors name records counting from 1. Unknown keys are ignored, as the format requires. Entries keep the order in which
 //! their first record appears.
 
 use crate::algo::{Algo, EngineName};
 use crate::problem::{ConvOp, ConvProblem, DType, Layout, MathMode};
 use crate::profile::{Measurement, OpProfile, Profile, ProfileError};
+use crate::spatial::SplitDim;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
@@ -20,8 +22,14 @@ pub const FORMAT_V1: &str = "mucudnn-profile-v1";
 /// versions are read.
 pub const FORMAT_V2: &str = "mucudnn-profile-v2";
 
+/// The `format` value of version 3: version 2 plus the `split` key (`batch`, the default when
+/// absent, or `spatial`: `micro` is then a chunk's rows along the op's output's outermost
+/// spatial axis). Written only when a profile holds a spatial entry, so that an older reader
+/// never reads chunk sizes as micro-batch sizes; v1, v2 and v3 are read.
+pub const FORMAT_V3: &str = "mucudnn-profile-v3";
+
 fn known_format(format: &str) -> bool {
-    format == FORMAT_V1 || format == FORMAT_V2
+    format == FORMAT_V1 || format == FORMAT_V2 || format == FORMAT_V3
 }
 
 /// Why a text is not a usable v1 profile.
@@ -113,6 +121,9 @@ struct Record {
     #[serde(default, skip_serializing_if = "is_default_math")]
     math: MathMode,
     op: ConvOp,
+    /// v3's split key: absent for a batch split.
+    #[serde(default, skip_serializing_if = "SplitDim::is_batch")]
+    split: SplitDim,
     /// A legacy algorithm number; absent for an engine configuration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     algo: Option<u32>,
@@ -198,7 +209,7 @@ fn first_difference(a: &ConvProblem, b: &ConvProblem) -> Option<(&'static str, S
     (a.math != b.math).then(|| ("math", a.math.to_string(), b.math.to_string()))
 }
 
-/// Parses a v1 or v2 profile and validates it (shapes, sizes, times, duplicates).
+/// Parses a v1, v2 or v3 profile and validates it (shapes, sizes, times, duplicates).
 pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
     let raw: RawProfile<Record> = match serde_json::from_str(text) {
         Ok(raw) => raw,
@@ -247,18 +258,25 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
         },
         entries: Vec::new(),
     };
-    let mut index_of: HashMap<(String, DType, Layout, ConvOp), usize> = HashMap::new();
+    let mut index_of: HashMap<(String, DType, Layout, ConvOp, SplitDim), usize> = HashMap::new();
     // Per entry, the number (from 1) of the record behind each measurement.
     let mut records_of: Vec<Vec<usize>> = Vec::new();
     for (index, record) in raw.records.into_iter().enumerate() {
         let index = index + 1;
         let problem = record.problem();
-        let key = (record.layer.clone(), record.dtype, record.layout, record.op);
+        let key = (
+            record.layer.clone(),
+            record.dtype,
+            record.layout,
+            record.op,
+            record.split,
+        );
         let slot = *index_of.entry(key).or_insert_with(|| {
             profile.entries.push(OpProfile {
                 layer: record.layer.clone(),
                 problem,
                 op: record.op,
+                split: record.split,
                 measurements: Vec::new(),
                 skipped: Vec::new(),
             });
@@ -351,15 +369,23 @@ fn record_of(entry: &OpProfile, records: &[usize], error: &ProfileError) -> Opti
     }
 }
 
-/// Writes a profile in v1 format (v2 when it holds a 3-D problem): header fields, then one
-/// record per line.
+/// Writes a profile in v1 format (v3 when it holds a spatial entry, else v2 when it holds a
+/// 3-D problem): header fields, then one record per line.
 pub fn to_json_string(profile: &Profile) -> String {
     let mut out = String::from("{\n");
     let mut field = |key: &str, value: serde_json::Value| {
         out += &format!("\"{key}\": {value},\n");
     };
+    let spatial = profile.entries.iter().any(|e| e.split == SplitDim::Spatial);
     let three_d = profile.entries.iter().any(|e| e.problem.is_3d());
-    field("format", if three_d { FORMAT_V2 } else { FORMAT_V1 }.into());
+    let format = if spatial {
+        FORMAT_V3
+    } else if three_d {
+        FORMAT_V2
+    } else {
+        FORMAT_V1
+    };
+    field("format", format.into());
     field("device", profile.device.clone().into());
     if let Some(version) = profile.cudnn_version {
         field("cudnn_version", version.into());
@@ -407,6 +433,7 @@ pub fn to_json_string(profile: &Profile) -> String {
                 groups: p.groups,
                 math: p.math,
                 op: entry.op,
+                split: entry.split,
                 algo: m.algo.legacy(),
                 engine: m.algo.engine().map(|name| name.as_str().to_string()),
                 micro: m.micro,
@@ -469,6 +496,61 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains(FORMAT_V2), "{err}");
+    }
+
+    #[test]
+    fn spatial_entries_are_written_as_v3_and_old_files_read_as_batch() {
+        // A v1 file (no split key) reads as batch, and is written back as v1.
+        let v1 = from_json_str(ONE).unwrap();
+        assert_eq!(v1.entries[0].split, SplitDim::Batch);
+        let text = to_json_string(&v1);
+        assert!(
+            text.contains(FORMAT_V1) && !text.contains("split"),
+            "{text}"
+        );
+        // A 3-D batch profile stays v2.
+        let mut three = v1.clone();
+        three.entries[0].problem.d = 6;
+        three.entries[0].problem.t = 3;
+        let text = to_json_string(&three);
+        assert!(
+            text.contains(FORMAT_V2) && !text.contains("split"),
+            "{text}"
+        );
+
+        // The same op split both ways: two entries, written as v3, read back equal.
+        let mut spatial = v1.entries[0].clone();
+        spatial.split = SplitDim::Spatial;
+        spatial.measurements[0].micro = 3; // 3 output rows of a 5x5 input, 3x3 filter
+        let mut both = v1.clone();
+        both.entries.push(spatial);
+        both.validate().unwrap();
+        let text = to_json_string(&both);
+        assert!(text.contains(FORMAT_V3), "{text}");
+        assert_eq!(text.matches(r#""split":"spatial""#).count(), 1, "{text}");
+        let back = from_json_str(&text).unwrap();
+        assert_eq!(back, both);
+        assert_eq!(back.entries[1].split, SplitDim::Spatial);
+        // A 3-D profile with a spatial entry is v3 too.
+        let mut both_3d = both.clone();
+        for entry in &mut both_3d.entries {
+            entry.problem.d = 6;
+            entry.problem.t = 3;
+        }
+        let text = to_json_string(&both_3d);
+        assert!(text.contains(FORMAT_V3), "{text}");
+        assert_eq!(from_json_str(&text).unwrap(), both_3d);
+
+        // Chunk sizes are checked against the extent along the axis, not the batch.
+        let too_big = ONE
+            .replace("profile-v1", "profile-v3")
+            .replace(r#""op": "fwd""#, r#""op": "fwd", "split": "spatial""#);
+        let err = from_json_str(&too_big).unwrap_err().to_string();
+        assert!(err.contains("outside 1..=3"), "{err}");
+        let bad = ONE
+            .replace("profile-v1", "profile-v3")
+            .replace(r#""op": "fwd""#, r#""op": "fwd", "split": "rows""#);
+        assert!(from_json_str(&bad).is_err());
     }
 
     #[test]

@@ -41,6 +41,7 @@ pub use profile::{
     RefusedRecord, Skipped,
 };
 pub use solve::{solve_profile, Mode, Solution, SolvedProblem};
+pub use spatial::SplitDim;
 pub use wd::{solve_wd, solve_wd_by, WdChoice, WdOptions, MAX_TIME_LIMIT_S};
 pub use wr::{pareto_front, solve_wr, ParetoPoint};
 

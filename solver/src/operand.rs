@@ -150,6 +150,7 @@ mod tests {
             layer: "l".into(),
             problem: ConvProblem::new(batch as i64, 3, 8, 8, 4, 3, 3),
             op: ConvOp::Forward,
+            split: crate::SplitDim::Batch,
             micro_batches: sizes
                 .iter()
                 .map(|&size| MicroBatch {

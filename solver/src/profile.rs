@@ -9,6 +9,7 @@
 use crate::algo::{Algo, AlgoNames, CandidateSet};
 use crate::device::{BackendKind, DeviceFingerprint};
 use crate::problem::{ConvOp, ConvProblem, DType, Layout, ShapeError};
+use crate::spatial::SplitDim;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::fmt;
@@ -16,7 +17,8 @@ use std::fmt;
 /// One algorithm timed at one micro-batch size.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Measurement {
-    /// Micro-batch size, `1..=problem.n`.
+    /// Micro-batch size, `1..=problem.n`; for a spatial entry ([`OpProfile::split`]) a chunk's
+    /// rows along the split axis, `1..=` the op's extent there ([`SplitDim::extent`]).
     pub micro: i64,
     /// The candidate: cuDNN's legacy algorithm number for the op (or the CPU backend's own
     /// number), or a graph-API engine configuration.
@@ -47,6 +49,10 @@ pub struct OpProfile {
     /// The convolution at the full mini-batch size (`problem.n`).
     pub problem: ConvProblem,
     pub op: ConvOp,
+    /// What the sizes split: micro-batches of samples, or chunks of rows along the op's
+    /// output's outermost spatial axis. Absent in data written before spatial splits: batch.
+    #[serde(default, skip_serializing_if = "SplitDim::is_batch")]
+    pub split: SplitDim,
     pub measurements: Vec<Measurement>,
     /// Candidates not timed because their workspace exceeded the measuring limit: known
     /// workspace, no time. Only a record of what is left to measure; solving ignores it.
@@ -138,13 +144,16 @@ impl std::str::FromStr for Policy {
     }
 }
 
-/// The identity of a tuning problem in messages: `alexnet.conv2 fp32 nchw fwd`.
+/// The identity of a tuning problem in messages: `alexnet.conv2 fp32 nchw fwd`, with
+/// ` spatial` appended for a spatial split (measurements of one op split two ways are two
+/// entries).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ProblemName {
     pub layer: String,
     pub dtype: DType,
     pub layout: Layout,
     pub op: ConvOp,
+    pub split: SplitDim,
 }
 
 impl fmt::Display for ProblemName {
@@ -153,7 +162,11 @@ impl fmt::Display for ProblemName {
             f,
             "{} {} {} {}",
             self.layer, self.dtype, self.layout, self.op
-        )
+        )?;
+        if self.split == SplitDim::Spatial {
+            f.write_str(" spatial")?;
+        }
+        Ok(())
     }
 }
 
@@ -169,6 +182,7 @@ pub enum ProfileError {
         name: ProblemName,
         source: ShapeError,
     },
+    /// `n` is the entry's extent ([`OpProfile::extent`]).
     #[error("{name}: micro-batch size {micro} is outside 1..={n}")]
     MicroOutOfRange {
         name: ProblemName,
@@ -203,12 +217,20 @@ impl OpProfile {
             dtype: self.problem.dtype,
             layout: self.problem.layout,
             op: self.op,
+            split: self.split,
         }
     }
 
     /// Mini-batch size.
     pub fn n(&self) -> i64 {
         self.problem.n
+    }
+
+    /// What the sizes of a plan for this entry sum to: [`OpProfile::n`] for a batch entry, the
+    /// op's rows along the split axis for a spatial one ([`SplitDim::extent`]). The solvers
+    /// split this as they split a mini-batch.
+    pub fn extent(&self) -> i64 {
+        self.split.extent(&self.problem, self.op)
     }
 
     /// Checks the shape and every measurement.
@@ -223,13 +245,14 @@ impl OpProfile {
         if self.measurements.is_empty() {
             return Err(ProfileError::NoMeasurements { name: name() });
         }
+        let extent = self.extent();
         let mut seen = HashSet::with_capacity(self.measurements.len());
         for m in &self.measurements {
-            if m.micro < 1 || m.micro > self.problem.n {
+            if m.micro < 1 || m.micro > extent {
                 return Err(ProfileError::MicroOutOfRange {
                     name: name(),
                     micro: m.micro,
-                    n: self.problem.n,
+                    n: extent,
                 });
             }
             if !(m.time_ms.is_finite() && m.time_ms > 0.0) {
@@ -250,11 +273,11 @@ impl OpProfile {
         }
         // A skipped candidate is one not timed: never also a measurement, never twice.
         for skipped in &self.skipped {
-            if skipped.micro < 1 || skipped.micro > self.problem.n {
+            if skipped.micro < 1 || skipped.micro > extent {
                 return Err(ProfileError::MicroOutOfRange {
                     name: name(),
                     micro: skipped.micro,
-                    n: self.problem.n,
+                    n: extent,
                 });
             }
             if !seen.insert((skipped.micro, skipped.algo)) {
@@ -270,7 +293,7 @@ impl OpProfile {
 
     /// The measurements a policy may use, at sizes that are in the profile.
     pub fn allowed(&self, policy: Policy) -> impl Iterator<Item = &Measurement> + '_ {
-        let n = self.problem.n;
+        let n = self.extent();
         self.measurements
             .iter()
             .filter(move |m| policy.allows(m.micro, n))
@@ -545,6 +568,7 @@ mod tests {
             layer: "l".into(),
             problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
             op: ConvOp::Forward,
+            split: crate::SplitDim::Batch,
             measurements,
             skipped: Vec::new(),
         }
@@ -585,6 +609,63 @@ mod tests {
         profile.merge(&timed).unwrap();
         assert!(profile.entries[0].skipped.is_empty());
         assert_eq!(profile.entries[0].measurements.len(), 2);
+    }
+
+    /// A spatial entry's sizes are chunks along the split axis: validated against the op's
+    /// extent there, solved like micro-batches, and the plan records the split. One op split
+    /// both ways is two entries.
+    #[test]
+    fn spatial_entries_are_chunks_along_the_axis() {
+        // Batch 1, 9 x 5 input, 3x3 filter: 7 output rows (forward), 9 input rows (bwd-data).
+        let spatial = |op, measurements| OpProfile {
+            layer: "l".into(),
+            problem: ConvProblem::new(1, 1, 9, 5, 1, 3, 3),
+            op,
+            split: SplitDim::Spatial,
+            measurements,
+            skipped: Vec::new(),
+        };
+        let forward = spatial(
+            ConvOp::Forward,
+            vec![m(7, 0, 3.0), m(4, 1, 1.0), m(3, 1, 0.5)],
+        );
+        assert_eq!(forward.extent(), 7);
+        assert_eq!(forward.n(), 1);
+        forward.validate().unwrap();
+        assert!(matches!(
+            spatial(ConvOp::Forward, vec![m(8, 0, 1.0)]).validate(),
+            Err(ProfileError::MicroOutOfRange { micro: 8, n: 7, .. })
+        ));
+        spatial(ConvOp::BackwardData, vec![m(9, 0, 1.0)])
+            .validate()
+            .unwrap();
+        let plan = crate::solve_wr(&forward, Policy::All, u64::MAX).unwrap();
+        assert_eq!(plan.split, SplitDim::Spatial);
+        assert_eq!(plan.batch(), 7);
+        assert_eq!(plan.extent(), 7);
+        assert_eq!(plan.time_ms(), 1.5);
+        assert_eq!(forward.name().to_string(), "l fp32 nchw fwd spatial");
+
+        let batch = OpProfile {
+            split: SplitDim::Batch,
+            measurements: vec![m(1, 0, 1.0)],
+            ..forward.clone()
+        };
+        let plan = crate::solve_wr(&batch, Policy::All, u64::MAX).unwrap();
+        assert_eq!(plan.split, SplitDim::Batch);
+        let both = Profile {
+            entries: vec![batch.clone(), forward.clone()],
+            ..Default::default()
+        };
+        both.validate().unwrap();
+        let twice = Profile {
+            entries: vec![forward.clone(), forward],
+            ..Default::default()
+        };
+        assert!(matches!(
+            twice.validate(),
+            Err(ProfileError::DuplicateProblem { .. })
+        ));
     }
 
     fn m(micro: i64, algo: u32, time_ms: f64) -> Measurement {

@@ -41,6 +41,52 @@ pub enum SplitDim {
     Spatial,
 }
 
+impl SplitDim {
+    pub const ALL: [SplitDim; 2] = [SplitDim::Batch, SplitDim::Spatial];
+
+    /// `batch` or `spatial`, as serde and the cache write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            SplitDim::Batch => "batch",
+            SplitDim::Spatial => "spatial",
+        }
+    }
+
+    /// Whether this is the batch split (serde skips the field then).
+    pub fn is_batch(&self) -> bool {
+        *self == SplitDim::Batch
+    }
+
+    /// What the sizes of a split of `op` on `problem` sum to: `problem.n` for the batch; for a
+    /// spatial split, the rows of the op's output along [`split_axis`]
+    /// ([`AxisGeometry::extent`]).
+    pub fn extent(self, problem: &ConvProblem, op: ConvOp) -> i64 {
+        match self {
+            SplitDim::Batch => problem.n,
+            SplitDim::Spatial => AxisGeometry::of(problem, split_axis(problem)).extent(op),
+        }
+    }
+}
+
+impl fmt::Display for SplitDim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for SplitDim {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "batch" => Ok(SplitDim::Batch),
+            "spatial" => Ok(SplitDim::Spatial),
+            other => Err(format!(
+                "unknown split dimension {other:?} (batch or spatial)"
+            )),
+        }
+    }
+}
+
 /// A spatial axis of the problem key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Axis {

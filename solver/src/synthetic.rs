@@ -55,6 +55,7 @@ pub fn random_entry(rng: &mut Rng, n: i64, algos: u32, policy: Policy) -> OpProf
         layer: format!("synthetic{}", rng.below(1000)),
         problem: ConvProblem::new(n, 8, 8, 8, 8, 3, 3),
         op: ConvOp::Forward,
+        split: crate::SplitDim::Batch,
         measurements,
         skipped: Vec::new(),
     }

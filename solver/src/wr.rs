@@ -42,7 +42,7 @@ struct Cand {
 impl Candidates {
     fn new(profile: &OpProfile, policy: Policy) -> Result<Self, SolveError> {
         profile.validate()?;
-        let n = profile.n();
+        let n = profile.extent();
         let mut by_size: Vec<(i64, Vec<Cand>)> = Vec::new();
         let mut measurements: Vec<_> = profile.allowed(policy).collect();
         measurements.sort_by(|a, b| {
@@ -178,6 +178,7 @@ impl Dp {
             layer: profile.layer.clone(),
             problem: profile.problem,
             op: profile.op,
+            split: profile.split,
             micro_batches,
         }
     }
@@ -216,7 +217,7 @@ pub fn solve_wr(
 /// The smallest limit at which the sizes `policy` allows can make up the mini-batch, counting
 /// the workspaces of measured and skipped candidates alike.
 fn smallest_limit_with_skipped(profile: &OpProfile, policy: Policy) -> Option<u64> {
-    let n = profile.n();
+    let n = profile.extent();
     let mut least: std::collections::BTreeMap<i64, u64> = std::collections::BTreeMap::new();
     let workspaces = profile
         .measurements

@@ -257,6 +257,7 @@ fn skipped_candidates_name_the_smallest_limit_but_never_make_a_plan() {
         layer: "l".into(),
         problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
         op: ConvOp::Forward,
+        split: mucudnn_solver::SplitDim::Batch,
         measurements: vec![m(1, 0, 10)],
         skipped: vec![s(2, 1, 300), s(4, 1, 200), s(4, 2, 900)],
     };

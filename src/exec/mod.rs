@@ -22,7 +22,7 @@ pub mod teardown;
 pub mod verify;
 
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
-use crate::solver::{operand_roles, steps, Algo, ConvOp, DType, Plan};
+use crate::solver::{operand_roles, steps, Algo, ConvOp, DType, Plan, SplitDim};
 
 /// Why a plan could not be executed.
 #[derive(Debug, thiserror::Error)]
@@ -69,14 +69,22 @@ pub enum ExecError {
     },
 }
 
-/// Checks that a plan can be executed at all: a valid problem, positive micro-batch sizes
-/// that add up to the mini-batch.
+/// Checks that a plan can be executed by the batch executors at all: a batch plan (a spatial
+/// plan runs through [`spatial`]), a valid problem, positive micro-batch sizes that add up to
+/// the mini-batch.
 pub fn check_plan(plan: &Plan) -> Result<(), ExecError> {
     let invalid = |reason: String| ExecError::InvalidPlan {
         layer: plan.layer.clone(),
         op: plan.op,
         reason,
     };
+    if plan.split != SplitDim::Batch {
+        return Err(invalid(format!(
+            "it splits along {} ({} plan): the batch executor runs batch plans only; spatial plans run through exec::spatial",
+            crate::solver::spatial::split_axis(&plan.problem),
+            plan.split
+        )));
+    }
     plan.problem
         .validate()
         .map_err(|e| invalid(e.to_string()))?;

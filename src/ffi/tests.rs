@@ -687,6 +687,7 @@ fn check_operands_reads_the_depth_of_a_3d_problem() {
             layer: "deep".into(),
             problem,
             op,
+            split: crate::solver::SplitDim::Batch,
             micro_batches: vec![MicroBatch {
                 size: 2,
                 algo: Algo::Legacy(0),

@@ -67,6 +67,7 @@ pub fn profile_job(
         layer: job.layer.clone(),
         problem: job.problem,
         op: job.op,
+        split: crate::solver::SplitDim::Batch,
         measurements,
         skipped: Vec::new(),
     })
@@ -108,6 +109,7 @@ where
             layer: job.layer.clone(),
             problem: job.problem,
             op: job.op,
+            split: crate::solver::SplitDim::Batch,
             measurements,
             skipped: Vec::new(),
         },

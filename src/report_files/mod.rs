@@ -125,6 +125,7 @@ fn problem_name(plan: &Plan) -> ProblemName {
         dtype: plan.problem.dtype,
         layout: plan.problem.layout,
         op: plan.op,
+        split: plan.split,
     }
 }
 

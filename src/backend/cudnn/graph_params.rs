@@ -626,6 +626,7 @@ mod tests {
                         layer: "l".into(),
                         problem: problem.with_batch(n),
                         op: ConvOp::Forward,
+                        split: crate::solver::SplitDim::Batch,
                         micro_batches: sizes
                             .iter()
                             .map(|&size| MicroBatch {
