@@ -35,7 +35,7 @@ pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
     AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement, OpProfile, Plan,
-    Policy, Profile, Skipped,
+    Policy, Profile, Skipped, SplitDim,
 };
 use open::{Identity, OpenError};
 use rusqlite::Connection;
@@ -417,11 +417,34 @@ impl Cache {
         micro: i64,
         kind: AlgoKind,
     ) -> Option<Vec<Measurement>> {
+        self.measurements_along(device, problem, op, SplitDim::Batch, micro, kind)
+    }
+
+    /// As [`Cache::measurements`] for `split`: a spatial `micro` is a chunk's rows along the
+    /// split axis. Rows of one split never answer a lookup of the other.
+    pub fn measurements_along(
+        &self,
+        device: &DeviceFingerprint,
+        problem: &ConvProblem,
+        op: ConvOp,
+        split: SplitDim,
+        micro: i64,
+        kind: AlgoKind,
+    ) -> Option<Vec<Measurement>> {
         let mut skipped = 0;
         let found = self
             .read(
                 "measurements",
-                store::measurements(&self.conn, device, problem, op, micro, kind, &mut skipped),
+                store::measurements(
+                    &self.conn,
+                    device,
+                    problem,
+                    op,
+                    split,
+                    micro,
+                    kind,
+                    &mut skipped,
+                ),
             )
             .flatten();
         self.skipped_rows(skipped);
@@ -461,6 +484,33 @@ impl Cache {
         measurements: &[Measurement],
         skipped: &[Skipped],
     ) {
+        self.store_measured_along(
+            device,
+            layer,
+            problem,
+            op,
+            SplitDim::Batch,
+            micro,
+            kind,
+            measurements,
+            skipped,
+        );
+    }
+
+    /// As [`Cache::store_measured`] for `split`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_measured_along(
+        &self,
+        device: &DeviceFingerprint,
+        layer: &str,
+        problem: &ConvProblem,
+        op: ConvOp,
+        split: SplitDim,
+        micro: i64,
+        kind: AlgoKind,
+        measurements: &[Measurement],
+        skipped: &[Skipped],
+    ) {
         self.write("measurements", |conn| {
             store::store_measurements(
                 conn,
@@ -468,6 +518,7 @@ impl Cache {
                 layer,
                 problem,
                 op,
+                split,
                 micro,
                 kind,
                 measurements,
@@ -487,10 +538,23 @@ impl Cache {
         micro: i64,
         kind: AlgoKind,
     ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
-        let measurements = self.measurements(device, problem, op, micro, kind)?;
+        self.measured_along(device, problem, op, SplitDim::Batch, micro, kind)
+    }
+
+    /// As [`Cache::measured`] for `split`.
+    pub fn measured_along(
+        &self,
+        device: &DeviceFingerprint,
+        problem: &ConvProblem,
+        op: ConvOp,
+        split: SplitDim,
+        micro: i64,
+        kind: AlgoKind,
+    ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
+        let measurements = self.measurements_along(device, problem, op, split, micro, kind)?;
         let skipped = self.read(
             "skipped",
-            store::skipped(&self.conn, device, problem, op, micro, kind),
+            store::skipped(&self.conn, device, problem, op, split, micro, kind),
         )?;
         Some((measurements, skipped))
     }
@@ -507,11 +571,26 @@ impl Cache {
         sizes: &[i64],
         limit: Option<u64>,
     ) -> Vec<i64> {
-        let missing = self.missing_sizes(device, problem, op, kind, sizes);
+        self.missing_sizes_within_along(device, problem, op, SplitDim::Batch, kind, sizes, limit)
+    }
+
+    /// As [`Cache::missing_sizes_within`] for `split`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn missing_sizes_within_along(
+        &self,
+        device: &DeviceFingerprint,
+        problem: &ConvProblem,
+        op: ConvOp,
+        split: SplitDim,
+        kind: AlgoKind,
+        sizes: &[i64],
+        limit: Option<u64>,
+    ) -> Vec<i64> {
+        let missing = self.missing_sizes_along(device, problem, op, split, kind, sizes);
         let incomplete = self
             .read(
                 "skipped sizes",
-                store::sizes_skipped_within(&self.conn, device, problem, op, kind, limit),
+                store::sizes_skipped_within(&self.conn, device, problem, op, split, kind, limit),
             )
             // A failed read is a miss.
             .unwrap_or_else(|| sizes.to_vec());
@@ -532,9 +611,22 @@ impl Cache {
         kind: AlgoKind,
         sizes: &[i64],
     ) -> Vec<i64> {
+        self.missing_sizes_along(device, problem, op, SplitDim::Batch, kind, sizes)
+    }
+
+    /// As [`Cache::missing_sizes`] for `split`.
+    pub fn missing_sizes_along(
+        &self,
+        device: &DeviceFingerprint,
+        problem: &ConvProblem,
+        op: ConvOp,
+        split: SplitDim,
+        kind: AlgoKind,
+        sizes: &[i64],
+    ) -> Vec<i64> {
         self.read(
             "measured sizes",
-            store::measured_sizes(&self.conn, device, problem, op, kind),
+            store::measured_sizes(&self.conn, device, problem, op, split, kind),
         )
         .map(|measured| {
             sizes
@@ -558,10 +650,35 @@ impl Cache {
         policy: Policy,
         candidates: CandidateSet,
     ) -> Option<OpProfile> {
-        let sizes = policy.sizes(problem.n);
+        self.op_profile_along(
+            device,
+            layer,
+            problem,
+            op,
+            SplitDim::Batch,
+            policy,
+            candidates,
+        )
+    }
+
+    /// As [`Cache::op_profile`] for `split`: the policy's sizes of the split's extent
+    /// ([`SplitDim::extent`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn op_profile_along(
+        &self,
+        device: &DeviceFingerprint,
+        layer: &str,
+        problem: &ConvProblem,
+        op: ConvOp,
+        split: SplitDim,
+        policy: Policy,
+        candidates: CandidateSet,
+    ) -> Option<OpProfile> {
+        let extent = split.extent(problem, op);
+        let sizes = policy.sizes(extent);
         for &kind in candidates.kinds() {
             if !self
-                .missing_sizes(device, problem, op, kind, &sizes)
+                .missing_sizes_along(device, problem, op, split, kind, &sizes)
                 .is_empty()
             {
                 return None;
@@ -570,13 +687,21 @@ impl Cache {
         let mut skipped = 0;
         let measurements = self.read(
             "profile",
-            store::measurements_up_to(&self.conn, device, problem, op, candidates, &mut skipped),
+            store::measurements_up_to(
+                &self.conn,
+                device,
+                problem,
+                op,
+                split,
+                candidates,
+                &mut skipped,
+            ),
         );
         self.skipped_rows(skipped);
         let measurements = measurements?;
         let measurements = measurements
             .into_iter()
-            .filter(|m| policy.allows(m.micro, problem.n))
+            .filter(|m| policy.allows(m.micro, extent))
             .collect();
         self.write("seen", |conn| {
             store::mark_seen(conn, device, layer, problem, op)
@@ -585,7 +710,7 @@ impl Cache {
             layer: layer.to_string(),
             problem: *problem,
             op,
-            split: mucudnn_solver::SplitDim::Batch,
+            split,
             measurements,
             skipped: Vec::new(),
         })
@@ -631,7 +756,7 @@ impl Cache {
     /// Imports a profile. Its fingerprint (or, for a profile without one, its device name and
     /// cuDNN version) must be `local`'s unless `force`, in which case the measurements are
     /// stored as `local`'s. All or nothing: every record must pass
-    /// [`RecordCheck::batch`](mucudnn_solver::RecordCheck::batch) for `local` (even when
+    /// [`RecordCheck::batch_split`](mucudnn_solver::RecordCheck::batch_split) for `local` (even when
     /// forced), else the first bad one is named by its index and nothing is stored. Returns
     /// the number of measurements stored.
     pub fn import(
@@ -649,11 +774,16 @@ impl Cache {
             device: local,
             memory_bytes: None,
         };
-        check.batch(profile.entries.iter().flat_map(|entry| {
-            entry
-                .measurements
-                .iter()
-                .map(move |m| (entry.layer.as_str(), &entry.problem, entry.op, m))
+        check.batch_split(profile.entries.iter().flat_map(|entry| {
+            entry.measurements.iter().map(move |m| {
+                (
+                    entry.layer.as_str(),
+                    &entry.problem,
+                    entry.op,
+                    entry.split,
+                    m,
+                )
+            })
         }))?;
         Ok(store::import(&self.conn, profile, local)?)
     }

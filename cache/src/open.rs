@@ -187,10 +187,15 @@ pub(crate) fn open_read_only(path: &Path) -> rusqlite::Result<Connection> {
     // immutable, so that no `-wal` or `-shm` file is left next to it.
     if wal_mode_without_wal(path) {
         let uri = format!("file:{}?immutable=1", uri_path(path));
-        if let Ok(conn) = Connection::open_with_flags(uri, flags | OpenFlags::SQLITE_OPEN_URI) {
-            if probe(&conn).is_ok() {
-                return Ok(conn);
-            }
+        let immutable = Connection::open_with_flags(uri, flags | OpenFlags::SQLITE_OPEN_URI)
+            .and_then(|conn| probe(&conn).map(|_| conn));
+        match immutable {
+            Ok(conn) => return Ok(conn),
+            // Still no WAL: no writer came between, the file itself cannot be read (damaged).
+            // Opening it normally would only leave `-wal` and `-shm` files beside it.
+            Err(e) if wal_mode_without_wal(path) => return Err(e),
+            // A writer may have started a WAL meanwhile: read it the ordinary way.
+            Err(_) => {}
         }
     }
     let conn = Connection::open_with_flags(path, flags)?;
@@ -435,17 +440,17 @@ const SALVAGE_TABLES: &[(&str, &str, Probe)] = &[
     ("shapes", "id", Probe::Rowid),
     (
         "measured_sizes",
-        "device_id, shape_id, op, micro, kind",
+        "device_id, shape_id, op, split, micro, kind",
         Probe::DeviceShape,
     ),
     (
         "measurements",
-        "device_id, shape_id, op, micro, algo, engine",
+        "device_id, shape_id, op, split, micro, algo, engine",
         Probe::DeviceShape,
     ),
     (
         "skipped",
-        "device_id, shape_id, op, micro, algo, engine",
+        "device_id, shape_id, op, split, micro, algo, engine",
         Probe::DeviceShape,
     ),
     ("seen", "device_id, layer, shape_id, n, op", Probe::None),

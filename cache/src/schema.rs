@@ -7,7 +7,9 @@
 //! not ours). Every file written is marked with [`APPLICATION_ID`] in its SQLite header.
 //!
 //! Layout: a measurement belongs to a device, a convolution *shape* (every problem field except
-//! the batch size), an op and the micro-batch size it was timed at: a micro-batch of 32 costs
+//! the batch size), an op, a split (`batch`, or `spatial`: the size is then a chunk's rows along
+//! the output's outermost spatial axis, at the problem's batch) and the micro-batch size it was
+//! timed at: a micro-batch of 32 costs
 //! the same whether it is part of a batch of 64 or 256, so one measurement serves every
 //! mini-batch. `measured_sizes` records that a (device, shape, op, micro) was measured, so an
 //! algorithm-free size is told apart from one never measured. `seen` remembers the named
@@ -17,7 +19,7 @@
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 /// The schema this build reads and writes.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// SQLite's `application_id` header field in every cache this build writes ("muCD"): a file
 /// is recognised as mucudnn's before anything is written to it.
@@ -196,6 +198,59 @@ DROP TABLE shapes;
 ALTER TABLE shapes_v4 RENAME TO shapes;
 ";
 
+/// Version 5: the split dimension (issue 24). Measurements, measured sizes and skipped
+/// candidates gain `split` ('batch' or 'spatial') in their key: a spatial row's `micro` is a
+/// chunk's rows along the op's output's outermost spatial axis, not a number of samples, so it
+/// never answers a batch lookup. Older rows are batch rows. SQLite cannot change a primary
+/// key, so the three tables are rebuilt, rows copied.
+const V5: &str = "
+CREATE TABLE measured_sizes_v5 (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    op TEXT NOT NULL,
+    split TEXT NOT NULL DEFAULT 'batch',
+    micro INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    measured_at INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, op, split, micro, kind)
+) WITHOUT ROWID;
+INSERT INTO measured_sizes_v5 (device_id, shape_id, op, micro, kind, measured_at)
+    SELECT device_id, shape_id, op, micro, kind, measured_at FROM measured_sizes;
+DROP TABLE measured_sizes;
+ALTER TABLE measured_sizes_v5 RENAME TO measured_sizes;
+CREATE TABLE measurements_v5 (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    op TEXT NOT NULL,
+    split TEXT NOT NULL DEFAULT 'batch',
+    micro INTEGER NOT NULL,
+    algo INTEGER NOT NULL,
+    engine TEXT NOT NULL,
+    time_ms REAL NOT NULL,
+    workspace_bytes INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, op, split, micro, algo, engine)
+) WITHOUT ROWID;
+INSERT INTO measurements_v5 (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes)
+    SELECT device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes FROM measurements;
+DROP TABLE measurements;
+ALTER TABLE measurements_v5 RENAME TO measurements;
+CREATE TABLE skipped_v5 (
+    device_id INTEGER NOT NULL REFERENCES devices(id),
+    shape_id INTEGER NOT NULL REFERENCES shapes(id),
+    op TEXT NOT NULL,
+    split TEXT NOT NULL DEFAULT 'batch',
+    micro INTEGER NOT NULL,
+    algo INTEGER NOT NULL,
+    engine TEXT NOT NULL,
+    workspace_bytes INTEGER NOT NULL,
+    PRIMARY KEY (device_id, shape_id, op, split, micro, algo, engine)
+) WITHOUT ROWID;
+INSERT INTO skipped_v5 (device_id, shape_id, op, micro, algo, engine, workspace_bytes)
+    SELECT device_id, shape_id, op, micro, algo, engine, workspace_bytes FROM skipped;
+DROP TABLE skipped;
+ALTER TABLE skipped_v5 RENAME TO skipped;
+";
+
 /// Why a file cannot be used as a cache.
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
@@ -294,6 +349,9 @@ fn migrate_in_transaction(conn: &mut Connection) -> Result<(), SchemaError> {
             )));
         }
     }
+    if found < 5 {
+        tx.execute_batch(V5)?;
+    }
     tx.execute(
         "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
          ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -387,6 +445,73 @@ mod tests {
             .query_row("SELECT count(*) FROM skipped", [], |r| r.get(0))
             .unwrap();
         assert_eq!((kept, skipped), (1, 0));
+    }
+
+    #[test]
+    fn version_4_rows_become_batch_rows() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        for sql in [V1, V2, V3, V4] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.execute_batch(
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             INSERT INTO meta VALUES ('schema_version', '4');
+             INSERT INTO devices VALUES (1, 'cpu', 'cpu', NULL, NULL, NULL, NULL, 'cpu');
+             INSERT INTO shapes (id, c, h, w, k, r, s, pad_h, pad_w, stride_h, stride_w,
+                                 dilation_h, dilation_w, groups, dtype, layout, math)
+                 VALUES (1, 8, 9, 9, 8, 3, 3, 0, 0, 1, 1, 1, 1, 1, 'fp32', 'nchw', 'default');
+             INSERT INTO measured_sizes VALUES (1, 1, 'fwd', 4, 'legacy', 100);
+             INSERT INTO measurements VALUES (1, 1, 'fwd', 4, 6, '', 0.5, 1024);
+             INSERT INTO skipped VALUES (1, 1, 'fwd', 4, 7, '', 4096);",
+        )
+        .unwrap();
+        migrate(&mut conn).unwrap();
+        let stored_version = stored_version(&conn).unwrap();
+        assert_eq!(stored_version, Some(SCHEMA_VERSION));
+        let measurement: (String, i64, i64, String, f64, i64) = conn
+            .query_row(
+                "SELECT split, micro, algo, engine, time_ms, workspace_bytes FROM measurements",
+                [],
+                |r| {
+                    Ok((
+                        r.get(0)?,
+                        r.get(1)?,
+                        r.get(2)?,
+                        r.get(3)?,
+                        r.get(4)?,
+                        r.get(5)?,
+                    ))
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            measurement,
+            ("batch".into(), 4, 6, String::new(), 0.5, 1024)
+        );
+        let size: (String, i64, String) = conn
+            .query_row("SELECT split, micro, kind FROM measured_sizes", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .unwrap();
+        assert_eq!(size, ("batch".into(), 4, "legacy".into()));
+        let skipped: (String, i64, i64) = conn
+            .query_row(
+                "SELECT split, algo, workspace_bytes FROM skipped",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!(skipped, ("batch".into(), 7, 4096));
+        // The split is part of the key: a spatial row of the same size is another row.
+        conn.execute(
+            "INSERT INTO measurements VALUES (1, 1, 'fwd', 'spatial', 4, 6, '', 0.25, 0)",
+            [],
+        )
+        .unwrap();
+        let rows: i64 = conn
+            .query_row("SELECT count(*) FROM measurements", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(rows, 2);
     }
 
     #[test]

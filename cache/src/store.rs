@@ -5,7 +5,7 @@
 use mucudnn_solver::{
     Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
     EngineName, Layout, MathMode, Measurement, Mode, OpProfile, Plan, Policy, Profile, RecordCheck,
-    Skipped,
+    Skipped, SplitDim,
 };
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -248,6 +248,7 @@ fn usable_rows(
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
+    split: SplitDim,
     skipped: &mut usize,
 ) -> Result<Vec<Measurement>> {
     let check = RecordCheck {
@@ -257,7 +258,7 @@ fn usable_rows(
     let mut usable = Vec::new();
     for row in rows {
         match row? {
-            Ok(m) if check.record(problem, op, &m).is_ok() => usable.push(m),
+            Ok(m) if check.record_split(problem, op, split, &m).is_ok() => usable.push(m),
             _ => *skipped += 1,
         }
     }
@@ -278,7 +279,9 @@ fn usable_plan(plan: &Plan, device: &DeviceFingerprint) -> bool {
             time_ms: mb.time_ms,
             workspace_bytes: mb.workspace_bytes,
         };
-        check.record(&plan.problem, plan.op, &m).is_ok()
+        check
+            .record_split(&plan.problem, plan.op, plan.split, &m)
+            .is_ok()
     })
 }
 
@@ -296,6 +299,7 @@ pub(crate) fn measurements(
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
+    split: SplitDim,
     micro: i64,
     kind: AlgoKind,
     skipped: &mut usize,
@@ -304,22 +308,22 @@ pub(crate) fn measurements(
         return Ok(None);
     };
     let measured: Option<i64> = conn
-        .prepare_cached("SELECT 1 FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND kind = ?5")?
-        .query_row(params![d, s, op.name(), micro, kind.name()], |row| row.get(0))
+        .prepare_cached("SELECT 1 FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND kind = ?5 AND split = ?6")?
+        .query_row(params![d, s, op.name(), micro, kind.name(), split.name()], |row| row.get(0))
         .optional()?;
     if measured.is_none() {
         return Ok(None);
     }
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT micro, algo, engine, time_ms, workspace_bytes FROM measurements
-         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND {}
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND split = ?5 AND {}
          ORDER BY algo, engine",
         kind_condition(kind)
     ))?;
-    let rows = stmt.query_map(params![d, s, op.name(), micro], |row| {
+    let rows = stmt.query_map(params![d, s, op.name(), micro, split.name()], |row| {
         Ok(read_measurement(row))
     })?;
-    usable_rows(rows, device, problem, op, skipped).map(Some)
+    usable_rows(rows, device, problem, op, split, skipped).map(Some)
 }
 
 /// The candidates of `kind` skipped for their workspace at micro-batch `micro` (empty when
@@ -329,6 +333,7 @@ pub(crate) fn skipped(
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
+    split: SplitDim,
     micro: i64,
     kind: AlgoKind,
 ) -> Result<Vec<Skipped>> {
@@ -337,11 +342,11 @@ pub(crate) fn skipped(
     };
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT micro, algo, engine, workspace_bytes FROM skipped
-         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND {}
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND split = ?5 AND {}
          ORDER BY algo, engine",
         kind_condition(kind)
     ))?;
-    let rows = stmt.query_map(params![d, s, op.name(), micro], read_skipped)?;
+    let rows = stmt.query_map(params![d, s, op.name(), micro, split.name()], read_skipped)?;
     rows.collect()
 }
 
@@ -352,6 +357,7 @@ pub(crate) fn sizes_skipped_within(
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
+    split: SplitDim,
     kind: AlgoKind,
     limit: Option<u64>,
 ) -> Result<Vec<i64>> {
@@ -360,27 +366,35 @@ pub(crate) fn sizes_skipped_within(
     };
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT DISTINCT micro FROM skipped
-         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND workspace_bytes <= ?4 AND {}",
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND workspace_bytes <= ?4 AND split = ?5 AND {}",
         kind_condition(kind)
     ))?;
     let rows = stmt.query_map(
-        params![d, s, op.name(), clamp(limit.unwrap_or(u64::MAX))],
+        params![
+            d,
+            s,
+            op.name(),
+            clamp(limit.unwrap_or(u64::MAX)),
+            split.name()
+        ],
         |row| row.get(0),
     )?;
     rows.collect()
 }
 
-/// Every usable cached measurement of `problem`'s shape and `op` at micro-batch sizes up to
-/// `problem.n`, of the kinds in `candidates` (see [`usable_rows`]).
+/// Every usable cached measurement of `problem`'s shape, `op` and `split` at sizes up to the
+/// split's extent (`problem.n` for the batch), of the kinds in `candidates` (see
+/// [`usable_rows`]).
 pub(crate) fn measurements_up_to(
     conn: &Connection,
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
+    split: SplitDim,
     candidates: CandidateSet,
     skipped: &mut usize,
 ) -> Result<Vec<Measurement>> {
-    let n = problem.n;
+    let n = split.extent(problem, op);
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
@@ -391,11 +405,14 @@ pub(crate) fn measurements_up_to(
     };
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT micro, algo, engine, time_ms, workspace_bytes FROM measurements
-         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND {condition}
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND split = ?5
+           AND {condition}
          ORDER BY micro, algo, engine"
     ))?;
-    let rows = stmt.query_map(params![d, s, op.name(), n], |row| Ok(read_measurement(row)))?;
-    usable_rows(rows, device, problem, op, skipped)
+    let rows = stmt.query_map(params![d, s, op.name(), n, split.name()], |row| {
+        Ok(read_measurement(row))
+    })?;
+    usable_rows(rows, device, problem, op, split, skipped)
 }
 
 /// The micro-batch sizes at which `kind`'s candidates were measured.
@@ -404,15 +421,18 @@ pub(crate) fn measured_sizes(
     device: &DeviceFingerprint,
     problem: &ConvProblem,
     op: ConvOp,
+    split: SplitDim,
     kind: AlgoKind,
 ) -> Result<Vec<i64>> {
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
     let mut stmt = conn.prepare_cached(
-        "SELECT micro FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND kind = ?4",
+        "SELECT micro FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND kind = ?4 AND split = ?5",
     )?;
-    let rows = stmt.query_map(params![d, s, op.name(), kind.name()], |row| row.get(0))?;
+    let rows = stmt.query_map(params![d, s, op.name(), kind.name(), split.name()], |row| {
+        row.get(0)
+    })?;
     rows.collect()
 }
 
@@ -424,6 +444,7 @@ fn insert_measurements(
     d: i64,
     s: i64,
     op: ConvOp,
+    split: SplitDim,
     micro: i64,
     kind: AlgoKind,
     measurements: &[Measurement],
@@ -432,15 +453,15 @@ fn insert_measurements(
     for table in ["measurements", "skipped"] {
         // The table name is one of these two constants, never input.
         conn.prepare_cached(&format!(
-            "DELETE FROM {table} WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND {}",
+            "DELETE FROM {table} WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND split = ?5 AND {}",
             kind_condition(kind)
         ))?
-        .execute(params![d, s, op.name(), micro])?;
+        .execute(params![d, s, op.name(), micro, split.name()])?;
     }
     let timed: HashSet<Algo> = measurements.iter().map(|m| m.algo).collect();
     let mut insert_skipped = conn.prepare_cached(
-        "INSERT INTO skipped (device_id, shape_id, op, micro, algo, engine, workspace_bytes)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+        "INSERT INTO skipped (device_id, shape_id, op, micro, algo, engine, workspace_bytes, split)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
          ON CONFLICT DO UPDATE SET workspace_bytes = excluded.workspace_bytes",
     )?;
     for x in skipped
@@ -455,12 +476,13 @@ fn insert_measurements(
             micro,
             algo,
             engine,
-            clamp(x.workspace_bytes)
+            clamp(x.workspace_bytes),
+            split.name()
         ])?;
     }
     let mut insert = conn.prepare_cached(
-        "INSERT INTO measurements (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+        "INSERT INTO measurements (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes, split)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
          ON CONFLICT DO UPDATE SET time_ms = excluded.time_ms, workspace_bytes = excluded.workspace_bytes",
     )?;
     let mut stored = 0;
@@ -477,15 +499,16 @@ fn insert_measurements(
             algo,
             engine,
             m.time_ms,
-            clamp(m.workspace_bytes)
+            clamp(m.workspace_bytes),
+            split.name()
         ])?;
         stored += 1;
     }
     conn.prepare_cached(
-        "INSERT INTO measured_sizes (device_id, shape_id, op, micro, kind, measured_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+        "INSERT INTO measured_sizes (device_id, shape_id, op, micro, kind, measured_at, split) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
          ON CONFLICT DO UPDATE SET measured_at = excluded.measured_at",
     )?
-    .execute(params![d, s, op.name(), micro, kind.name(), now()])?;
+    .execute(params![d, s, op.name(), micro, kind.name(), now(), split.name()])?;
     Ok(stored)
 }
 
@@ -513,6 +536,7 @@ pub(crate) fn store_measurements(
     layer: &str,
     problem: &ConvProblem,
     op: ConvOp,
+    split: SplitDim,
     micro: i64,
     kind: AlgoKind,
     measurements: &[Measurement],
@@ -521,7 +545,7 @@ pub(crate) fn store_measurements(
     let tx = begin(conn)?;
     let d = ensure_device(&tx, device)?;
     let s = ensure_shape(&tx, problem)?;
-    insert_measurements(&tx, d, s, op, micro, kind, measurements, skipped)?;
+    insert_measurements(&tx, d, s, op, split, micro, kind, measurements, skipped)?;
     insert_seen(&tx, d, s, layer, problem, op)?;
     tx.commit()
 }
@@ -693,10 +717,10 @@ pub(crate) fn entries(conn: &Connection) -> Result<Vec<EntrySummary>> {
         };
         out.push(EntrySummary {
             sizes: count(
-                "SELECT COUNT(DISTINCT micro) FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4",
+                "SELECT COUNT(DISTINCT micro) FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND split = 'batch'",
             )? as usize,
             measurements: count(
-                "SELECT COUNT(*) FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4",
+                "SELECT COUNT(*) FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND split = 'batch'",
             )? as usize,
             plans: count("SELECT COUNT(*) FROM plans WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND n = ?4")?
                 as usize,
@@ -751,30 +775,41 @@ pub(crate) fn export(
             fingerprint: Some(device.clone()),
             entries: Vec::new(),
         };
-        // The (layer, dtype, layout, op) names given out so far.
-        let mut used: HashSet<(String, DType, Layout, ConvOp)> = HashSet::new();
+        // The (layer, dtype, layout, op, split) names given out so far.
+        let mut used: HashSet<(String, DType, Layout, ConvOp, SplitDim)> = HashSet::new();
         for (layer, problem, op) in list {
-            let measurements =
-                measurements_up_to(conn, &device, &problem, op, CandidateSet::All, skipped)?;
-            if measurements.is_empty() {
-                continue;
+            for split in SplitDim::ALL {
+                let measurements = measurements_up_to(
+                    conn,
+                    &device,
+                    &problem,
+                    op,
+                    split,
+                    CandidateSet::All,
+                    skipped,
+                )?;
+                if measurements.is_empty() {
+                    continue;
+                }
+                let layer = (1..)
+                    .map(|nth| match nth {
+                        1 => layer.clone(),
+                        nth => format!("{layer}#{nth}"),
+                    })
+                    .find(|name| {
+                        used.insert((name.clone(), problem.dtype, problem.layout, op, split))
+                    })
+                    .unwrap_or_else(|| layer.clone());
+                profile.entries.push(OpProfile {
+                    layer,
+                    problem,
+                    op,
+                    split,
+                    measurements,
+                    // The interchange format carries timed measurements only.
+                    skipped: Vec::new(),
+                });
             }
-            let layer = (1..)
-                .map(|nth| match nth {
-                    1 => layer.clone(),
-                    nth => format!("{layer}#{nth}"),
-                })
-                .find(|name| used.insert((name.clone(), problem.dtype, problem.layout, op)))
-                .unwrap_or(layer);
-            profile.entries.push(OpProfile {
-                layer,
-                problem,
-                op,
-                split: mucudnn_solver::SplitDim::Batch,
-                measurements,
-                // The interchange format carries timed measurements only.
-                skipped: Vec::new(),
-            });
         }
         if !profile.entries.is_empty() {
             profiles.push(profile);
@@ -802,7 +837,17 @@ pub(crate) fn import(
         }
         for ((micro, kind), measurements) in by_size {
             // An imported size is complete: the interchange format has no skipped candidates.
-            stored += insert_measurements(&tx, d, s, entry.op, micro, kind, &measurements, &[])?;
+            stored += insert_measurements(
+                &tx,
+                d,
+                s,
+                entry.op,
+                entry.split,
+                micro,
+                kind,
+                &measurements,
+                &[],
+            )?;
         }
         insert_seen(&tx, d, s, &entry.layer, &entry.problem, entry.op)?;
     }

@@ -6,7 +6,7 @@
 use mucudnn_cache::{Access, Cache, Location, PlanKey, READ_ONLY_ENV};
 use mucudnn_solver::{
     interchange, solve_profile, Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem,
-    DeviceFingerprint, EngineName, Measurement, Mode, Policy, Profile, WdOptions,
+    DeviceFingerprint, EngineName, Measurement, Mode, Policy, Profile, SplitDim, WdOptions,
 };
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1276,4 +1276,128 @@ fn a_schema_3_cache_reads_as_2d_and_3d_shapes_are_separate() {
         .collect();
     assert!(problems.iter().any(|p| p.is_3d() && p.d == 4));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Spatial measurements (chunk sizes along the split axis) and batch measurements of one shape
+/// and op are separate rows: neither answers the other's lookups, a spatial profile solves to a
+/// spatial plan, and export -> import keeps the split (a v3 file).
+#[test]
+fn spatial_measurements_never_answer_batch_lookups() {
+    let cache = Cache::in_memory();
+    let device = h100();
+    // Batch 2, 9 x 5 input, 3x3 filter: 7 output rows along h.
+    let problem = ConvProblem::new(2, 1, 9, 5, 1, 3, 3);
+    let op = ConvOp::Forward;
+    let (batch, spatial) = (SplitDim::Batch, SplitDim::Spatial);
+    cache.store_measured_along(
+        &device,
+        "l",
+        &problem,
+        op,
+        spatial,
+        2,
+        AlgoKind::Legacy,
+        &[m(2, 0, 0.5, 0)],
+        &[],
+    );
+    assert!(cache
+        .measurements(&device, &problem, op, 2, AlgoKind::Legacy)
+        .is_none());
+    assert_eq!(
+        cache.missing_sizes(&device, &problem, op, AlgoKind::Legacy, &[1, 2]),
+        [1, 2]
+    );
+    assert_eq!(
+        cache
+            .measurements_along(&device, &problem, op, spatial, 2, AlgoKind::Legacy)
+            .unwrap(),
+        [m(2, 0, 0.5, 0)]
+    );
+    cache.store_measurements(
+        &device,
+        "l",
+        &problem,
+        op,
+        2,
+        AlgoKind::Legacy,
+        &[m(2, 1, 3.0, 0)],
+    );
+    // Each split still reads its own row at size 2.
+    assert_eq!(
+        cache
+            .measurements_along(&device, &problem, op, spatial, 2, AlgoKind::Legacy)
+            .unwrap(),
+        [m(2, 0, 0.5, 0)]
+    );
+    assert_eq!(
+        cache
+            .measurements_along(&device, &problem, op, batch, 2, AlgoKind::Legacy)
+            .unwrap(),
+        [m(2, 1, 3.0, 0)]
+    );
+    // A spatial chunk larger than the batch (7 rows > 2 samples) is a valid spatial row.
+    for micro in [1, 4, 7] {
+        cache.store_measured_along(
+            &device,
+            "l",
+            &problem,
+            op,
+            spatial,
+            micro,
+            AlgoKind::Legacy,
+            &[m(micro, 0, micro as f64 * 0.25, 0)],
+            &[],
+        );
+    }
+    assert!(cache
+        .op_profile(
+            &device,
+            "l",
+            &problem,
+            op,
+            Policy::PowerOfTwo,
+            CandidateSet::Legacy
+        )
+        .is_none());
+    let entry = cache
+        .op_profile_along(
+            &device,
+            "l",
+            &problem,
+            op,
+            spatial,
+            Policy::PowerOfTwo,
+            CandidateSet::Legacy,
+        )
+        .unwrap();
+    assert_eq!(entry.split, spatial);
+    assert_eq!(entry.measurements.len(), 4); // 1, 2, 4 and 7 rows
+    let plan = mucudnn_solver::solve_wr(&entry, Policy::PowerOfTwo, 0).unwrap();
+    assert_eq!((plan.split, plan.batch()), (spatial, 7));
+
+    // Export carries both entries (v3); importing into an empty cache keeps them apart.
+    let exported = cache.export(Some(&device)).unwrap();
+    let text = interchange::to_json_string(&exported[0]);
+    assert!(text.contains(interchange::FORMAT_V3), "{text}");
+    let splits: Vec<SplitDim> = exported[0].entries.iter().map(|e| e.split).collect();
+    assert_eq!(splits, [batch, spatial]);
+    let other = Cache::in_memory();
+    other
+        .import(&interchange::from_json_str(&text).unwrap(), &device, false)
+        .unwrap();
+    assert_eq!(
+        other
+            .measurements(&device, &problem, op, 2, AlgoKind::Legacy)
+            .unwrap(),
+        [m(2, 1, 3.0, 0)]
+    );
+    assert_eq!(
+        other
+            .measurements_along(&device, &problem, op, spatial, 7, AlgoKind::Legacy)
+            .unwrap(),
+        [m(7, 0, 1.75, 0)]
+    );
+    assert!(other
+        .measurements(&device, &problem, op, 7, AlgoKind::Legacy)
+        .is_none());
 }

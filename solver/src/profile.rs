@@ -467,13 +467,26 @@ impl RecordCheck<'_> {
         }
     }
 
-    /// One measurement of `op` on `problem` (its full mini-batch).
+    /// One measurement of `op` on `problem` (its full mini-batch), a batch measurement.
     pub fn record(
         &self,
         problem: &ConvProblem,
         op: ConvOp,
         m: &Measurement,
     ) -> Result<(), RecordError> {
+        self.record_split(problem, op, SplitDim::Batch, m)
+    }
+
+    /// One measurement of `op` on `problem` split along `split`: its size is within
+    /// [`SplitDim::extent`] (the mini-batch for a batch measurement).
+    pub fn record_split(
+        &self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        split: SplitDim,
+        m: &Measurement,
+    ) -> Result<(), RecordError> {
+        let extent = split.extent(problem, op);
         if !m.algo.belongs_to(self.device.backend, op) {
             return Err(RecordError::UnknownCandidate {
                 op,
@@ -481,10 +494,10 @@ impl RecordCheck<'_> {
                 backend: self.device.backend,
             });
         }
-        if m.micro < 1 || m.micro > problem.n {
+        if m.micro < 1 || m.micro > extent {
             return Err(RecordError::Micro {
                 micro: m.micro,
-                n: problem.n,
+                n: extent,
             });
         }
         if !(m.time_ms.is_finite() && m.time_ms > 0.0) {
@@ -512,12 +525,24 @@ impl RecordCheck<'_> {
         &self,
         records: impl IntoIterator<Item = (&'r str, &'r ConvProblem, ConvOp, &'r Measurement)>,
     ) -> Result<usize, RefusedRecord> {
+        self.batch_split(
+            records
+                .into_iter()
+                .map(|(layer, problem, op, m)| (layer, problem, op, SplitDim::Batch, m)),
+        )
+    }
+
+    /// As [`RecordCheck::batch`], each record with its split ([`RecordCheck::record_split`]).
+    pub fn batch_split<'r>(
+        &self,
+        records: impl IntoIterator<Item = (&'r str, &'r ConvProblem, ConvOp, SplitDim, &'r Measurement)>,
+    ) -> Result<usize, RefusedRecord> {
         let mut count = 0;
-        for (index, (layer, problem, op, m)) in records.into_iter().enumerate() {
+        for (index, (layer, problem, op, split, m)) in records.into_iter().enumerate() {
             let checked = problem
                 .validate()
                 .map_err(RecordError::from)
-                .and_then(|()| self.record(problem, op, m));
+                .and_then(|()| self.record_split(problem, op, split, m));
             if let Err(source) = checked {
                 return Err(RefusedRecord {
                     index,
