@@ -7,7 +7,7 @@
 //! [`ConvProblem`] and which op its forward applies.
 
 use super::{
-    check_groups, check_parameters, load_conv_bias, named, operand, BackwardDataOp, ConvOptions,
+    check_parameters, load_conv_bias, load_weight, named, operand, BackwardDataOp, ConvOptions,
     ForwardOp, LayerCore, LayerKind, ShapeKey,
 };
 use crate::solver::{ConvProblem, Plan};
@@ -246,7 +246,15 @@ pub fn conv1d(
     vb: VarBuilder,
 ) -> candle_core::Result<Conv1d> {
     let options = named(LayerKind::Conv1d, options, &vb);
-    let weight = load_conv1d_weight(in_channels, out_channels, kernel_size, &cfg, &options, &vb)?;
+    let weight = load_weight(
+        LayerKind::Conv1d,
+        in_channels,
+        out_channels,
+        cfg.groups,
+        &[kernel_size],
+        &options,
+        &vb,
+    )?;
     let bias = load_conv_bias(in_channels, out_channels, &vb)?;
     Conv1d::new(weight, Some(bias), cfg, options)
 }
@@ -261,30 +269,16 @@ pub fn conv1d_no_bias(
     vb: VarBuilder,
 ) -> candle_core::Result<Conv1d> {
     let options = named(LayerKind::Conv1d, options, &vb);
-    let weight = load_conv1d_weight(in_channels, out_channels, kernel_size, &cfg, &options, &vb)?;
-    Conv1d::new(weight, None, cfg, options)
-}
-
-fn load_conv1d_weight(
-    in_channels: usize,
-    out_channels: usize,
-    kernel_size: usize,
-    cfg: &Conv1dConfig,
-    options: &ConvOptions,
-    vb: &VarBuilder,
-) -> candle_core::Result<Tensor> {
-    check_groups(
+    let weight = load_weight(
         LayerKind::Conv1d,
-        options,
         in_channels,
         out_channels,
         cfg.groups,
+        &[kernel_size],
+        &options,
+        &vb,
     )?;
-    vb.get_with_hints(
-        (out_channels, in_channels / cfg.groups, kernel_size),
-        "weight",
-        candle_nn::init::DEFAULT_KAIMING_NORMAL,
-    )
+    Conv1d::new(weight, None, cfg, options)
 }
 
 /// As `candle_nn::conv_transpose2d`: `weight` (`in x out x k x k`) and `bias` (`out`), both

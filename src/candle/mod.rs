@@ -840,7 +840,15 @@ pub fn conv2d(
     vb: VarBuilder,
 ) -> candle_core::Result<Conv2d> {
     let options = named(LayerKind::Conv2d, options, &vb);
-    let weight = load_weight(in_channels, out_channels, kernel_size, &cfg, &options, &vb)?;
+    let weight = load_weight(
+        LayerKind::Conv2d,
+        in_channels,
+        out_channels,
+        cfg.groups,
+        &[kernel_size, kernel_size],
+        &options,
+        &vb,
+    )?;
     let bias = load_conv_bias(in_channels, out_channels, &vb)?;
     Conv2d::new(weight, Some(bias), cfg, options)
 }
@@ -855,35 +863,33 @@ pub fn conv2d_no_bias(
     vb: VarBuilder,
 ) -> candle_core::Result<Conv2d> {
     let options = named(LayerKind::Conv2d, options, &vb);
-    let weight = load_weight(in_channels, out_channels, kernel_size, &cfg, &options, &vb)?;
-    Conv2d::new(weight, None, cfg, options)
-}
-
-fn load_weight(
-    in_channels: usize,
-    out_channels: usize,
-    kernel_size: usize,
-    cfg: &Conv2dConfig,
-    options: &ConvOptions,
-    vb: &VarBuilder,
-) -> candle_core::Result<Tensor> {
-    check_groups(
+    let weight = load_weight(
         LayerKind::Conv2d,
-        options,
         in_channels,
         out_channels,
         cfg.groups,
+        &[kernel_size, kernel_size],
+        &options,
+        &vb,
     )?;
-    vb.get_with_hints(
-        (
-            out_channels,
-            in_channels / cfg.groups,
-            kernel_size,
-            kernel_size,
-        ),
-        "weight",
-        candle_nn::init::DEFAULT_KAIMING_NORMAL,
-    )
+    Conv2d::new(weight, None, cfg, options)
+}
+
+/// A convolution's `weight` (`out x in/groups x kernel...`, Kaiming-normal) from `vb`, after
+/// checking the channels against `groups`: candle_nn's loading for every rank.
+fn load_weight(
+    kind: LayerKind,
+    in_channels: usize,
+    out_channels: usize,
+    groups: usize,
+    kernel: &[usize],
+    options: &ConvOptions,
+    vb: &VarBuilder,
+) -> candle_core::Result<Tensor> {
+    check_groups(kind, options, in_channels, out_channels, groups)?;
+    let mut dims = vec![out_channels, in_channels / groups];
+    dims.extend_from_slice(kernel);
+    vb.get_with_hints(dims, "weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)
 }
 
 #[cfg(test)]

@@ -167,22 +167,10 @@ pub fn execute_cpu<T: Element>(
     }
     let roles = operand_roles(plan.op);
     let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
-    // Half-precision backward-filter over several micro-batches: each micro-batch's gradient
-    // is written once in the dtype (beta = 0) and summed in fp32, and `dw` is rounded once at
-    // the end, instead of rounding the running sum k times through beta = 1 (issue 21,
-    // item 10: docs/pytorch.md has the measured errors). The two buffers are made before the
-    // loop, which still allocates nothing.
-    let mut half_sum = (plan.op == ConvOp::BackwardFilter
-        && T::DTYPE != DType::Fp32
-        && plan.micro_batches.len() > 1)
-        .then(|| {
-            let sum: Vec<f32> = if beta == 0.0 {
-                vec![0.0; out.len()]
-            } else {
-                out.iter().map(|v| beta * v.to_f32()).collect()
-            };
-            (sum, vec![T::from_f32(0.0); out.len()])
-        });
+    // Half-precision backward-filter over several micro-batches: summed in fp32 ([`HalfSum`]).
+    let mut half_sum = (plan.op == ConvOp::BackwardFilter && plan.micro_batches.len() > 1)
+        .then(|| HalfSum::new(out, beta))
+        .flatten();
     for step in steps(plan, beta) {
         let algo = step
             .algo
@@ -195,14 +183,20 @@ pub fn execute_cpu<T: Element>(
         };
         let micro = plan.problem.with_batch(step.size as i64);
         let (ra, rb, ro) = (slice(0), slice(1), slice(2));
-        if let Some((sum, partial)) = &mut half_sum {
+        if let Some(half) = &mut half_sum {
             cpu::run(
-                &micro, plan.op, algo, alpha, &a[ra], &b[rb], 0.0, partial, workspace,
+                &micro,
+                plan.op,
+                algo,
+                alpha,
+                &a[ra],
+                &b[rb],
+                0.0,
+                &mut half.partial,
+                workspace,
             )
             .map_err(cpu_error)?;
-            for (s, p) in sum.iter_mut().zip(partial.iter()) {
-                *s += p.to_f32();
-            }
+            half.accumulate();
             continue;
         }
         cpu::run(
@@ -218,10 +212,46 @@ pub fn execute_cpu<T: Element>(
         )
         .map_err(cpu_error)?;
     }
-    if let Some((sum, _)) = half_sum {
-        for (o, s) in out.iter_mut().zip(sum) {
+    if let Some(half) = half_sum {
+        half.finish(out);
+    }
+    Ok(())
+}
+
+/// A half-precision backward-filter run as several calls (micro-batches or spatial chunks):
+/// each call writes its gradient once in the dtype (beta = 0) into `partial`, the partials are
+/// summed in fp32 (starting from `beta * out`), and `dw` is rounded once at the end, instead of
+/// rounding the running sum once per call through beta = 1 (issue 21, item 10: docs/pytorch.md
+/// has the measured errors). Both buffers are made before the calls, which allocate nothing.
+pub(crate) struct HalfSum<T> {
+    sum: Vec<f32>,
+    pub(crate) partial: Vec<T>,
+}
+
+impl<T: Element> HalfSum<T> {
+    /// `None` for fp32, which accumulates in place through beta = 1.
+    pub(crate) fn new(out: &[T], beta: f32) -> Option<Self> {
+        (T::DTYPE != DType::Fp32).then(|| HalfSum {
+            sum: if beta == 0.0 {
+                vec![0.0; out.len()]
+            } else {
+                out.iter().map(|v| beta * v.to_f32()).collect()
+            },
+            partial: vec![T::from_f32(0.0); out.len()],
+        })
+    }
+
+    /// Adds the last call's `partial` to the fp32 sum.
+    pub(crate) fn accumulate(&mut self) {
+        for (s, p) in self.sum.iter_mut().zip(&self.partial) {
+            *s += p.to_f32();
+        }
+    }
+
+    /// Rounds the sum into `out`, once.
+    pub(crate) fn finish(self, out: &mut [T]) {
+        for (o, s) in out.iter_mut().zip(self.sum) {
             *o = T::from_f32(s);
         }
     }
-    Ok(())
 }

@@ -16,10 +16,10 @@
 //! allocated once per execution. The CPU kernels take packed tensors only; strided views
 //! without staging (as cuDNN descriptors with the full strides allow) are not done here.
 
-use super::ExecError;
+use super::{ExecError, HalfSum};
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
 use crate::solver::spatial::{self, split_axis, Axis, AxisGeometry, Chunk, Rows};
-use crate::solver::{ConvOp, ConvProblem, DType, Layout};
+use crate::solver::{ConvOp, ConvProblem, Layout};
 
 /// One chunk of a spatial split as the executor takes it: its size along the split axis (rows
 /// of `y`/`dy` for forward and backward-filter, of `dx` for backward-data) and its algorithm.
@@ -307,14 +307,7 @@ pub fn execute_spatial_cpu<T: Element>(
             let calls = chunks.iter().filter(|c| c.has_call()).count();
             // Half precision over several calls: summed in fp32, rounded once (as in
             // `execute_cpu`).
-            let mut half_sum = (T::DTYPE != DType::Fp32 && calls > 1).then(|| {
-                let sum: Vec<f32> = if beta == 0.0 {
-                    vec![0.0; out.len()]
-                } else {
-                    out.iter().map(|v| beta * v.to_f32()).collect()
-                };
-                (sum, vec![T::from_f32(0.0); out.len()])
-            });
+            let mut half_sum = (calls > 1).then(|| HalfSum::new(out, beta)).flatten();
             let mut call_beta = beta;
             for (chunk, step) in chunks.iter().zip(steps) {
                 if !chunk.has_call() {
@@ -336,14 +329,21 @@ pub fn execute_spatial_cpu<T: Element>(
                         slab
                     }
                 };
-                if let Some((sum, partial)) = &mut half_sum {
+                if let Some(half) = &mut half_sum {
                     cpu::run_chunk(
-                        problem, op, step.algo, chunk, alpha, x, dy, 0.0, partial, workspace,
+                        problem,
+                        op,
+                        step.algo,
+                        chunk,
+                        alpha,
+                        x,
+                        dy,
+                        0.0,
+                        &mut half.partial,
+                        workspace,
                     )
                     .map_err(cpu_error)?;
-                    for (s, p) in sum.iter_mut().zip(partial.iter()) {
-                        *s += p.to_f32();
-                    }
+                    half.accumulate();
                     continue;
                 }
                 cpu::run_chunk(
@@ -352,10 +352,8 @@ pub fn execute_spatial_cpu<T: Element>(
                 .map_err(cpu_error)?;
                 call_beta = 1.0;
             }
-            if let Some((sum, _)) = half_sum {
-                for (o, s) in out.iter_mut().zip(sum) {
-                    *o = T::from_f32(s);
-                }
+            if let Some(half) = half_sum {
+                half.finish(out);
             } else if calls == 0 {
                 // Every window lies in the padding: the gradient is zero.
                 for v in out.iter_mut() {
@@ -372,6 +370,7 @@ mod tests {
     use super::*;
     use crate::backend::cpu::reference::conv_f64;
     use crate::backend::cpu::AlignedWorkspace;
+    use crate::solver::DType;
     use proptest::prelude::*;
 
     fn data(len: usize, seed: u64) -> Vec<f32> {
