@@ -104,9 +104,6 @@ macro_rules! names {
 
 names!(DType, "dtype", DType::Fp32 => "fp32", DType::Fp16 => "fp16", DType::Bf16 => "bf16");
 impl Layout {
-    /// The two layouts' names (2-D), in declaration order.
-    pub const NAMES: &'static [&'static str] = &["nchw", "nhwc"];
-
     /// Every name a layout is written with, the rank-specific ones included (the command line's
     /// and network files' allowed values).
     pub const ALL_NAMES: &'static [&'static str] =
@@ -117,18 +114,6 @@ impl Layout {
         match self {
             Layout::Nchw => "nchw",
             Layout::Nhwc => "nhwc",
-        }
-    }
-
-    /// Parses a layout name of any rank (`ncdhw` is [`Layout::Nchw`], `nwc` is [`Layout::Nhwc`]).
-    pub fn parse_any(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "nchw" | "ncdhw" | "ncw" => Ok(Layout::Nchw),
-            "nhwc" | "ndhwc" | "nwc" => Ok(Layout::Nhwc),
-            _ => Err(format!(
-                "unknown layout `{s}` (expected one of: {})",
-                Self::ALL_NAMES.join(", ")
-            )),
         }
     }
 
@@ -150,10 +135,18 @@ impl fmt::Display for Layout {
     }
 }
 
+/// Parses a layout name of any rank (`ncdhw` is [`Layout::Nchw`], `nwc` is [`Layout::Nhwc`]).
 impl FromStr for Layout {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Layout::parse_any(s)
+        match s.to_ascii_lowercase().as_str() {
+            "nchw" | "ncdhw" | "ncw" => Ok(Layout::Nchw),
+            "nhwc" | "ndhwc" | "nwc" => Ok(Layout::Nhwc),
+            _ => Err(format!(
+                "unknown layout `{s}` (expected one of: {})",
+                Layout::ALL_NAMES.join(", ")
+            )),
+        }
     }
 }
 names!(MathMode, "math mode",
