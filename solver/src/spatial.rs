@@ -318,6 +318,26 @@ pub fn chunks(geometry: &AxisGeometry, op: ConvOp, sizes: &[i64]) -> Option<Vec<
     (first == geometry.extent(op)).then_some(out)
 }
 
+/// Where a chunk of `len` rows is timed (issue 24: a boundary chunk and an interior chunk of one
+/// size can differ): at the start of the axis (the padding before it), in the middle and at
+/// the end (the padding after it), the distinct ones in that order. A measurement of the size
+/// is the slowest of them, its workspace the largest, so a plan's time and workspace hold
+/// wherever the chunk lands. Chunks without a call (all padding) are left out; empty when
+/// `len` is outside `1..=extent` or no position has a call.
+pub fn timing_chunks(geometry: &AxisGeometry, op: ConvOp, len: i64) -> Vec<Chunk> {
+    let extent = geometry.extent(op);
+    if len < 1 || len > extent {
+        return Vec::new();
+    }
+    let mut firsts = vec![0, (extent - len) / 2, extent - len];
+    firsts.dedup();
+    firsts
+        .into_iter()
+        .filter_map(|first| chunk(geometry, op, first, len))
+        .filter(Chunk::has_call)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,7 +13,7 @@ pub mod cudnn_timing;
 use crate::device::DeviceFingerprint;
 use crate::solver::units::format_bytes;
 use crate::solver::{
-    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Operand, Skipped,
+    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Operand, Skipped, SplitDim,
 };
 use std::collections::BTreeSet;
 
@@ -62,6 +62,9 @@ pub enum BackendError {
     MixedDevices { first: String, other: String },
     #[error("{backend} has no graph-API engine configurations; tune with --candidates legacy (or all, which then measures the legacy algorithms only)")]
     NoEngines { backend: String },
+    /// The backend cannot time or run spatial chunks (issue 24) of this kind of candidate.
+    #[error("{backend} cannot time {kind} candidates on spatial chunks")]
+    NoSpatial { backend: String, kind: AlgoKind },
     #[error("{0}")]
     Invalid(String),
     /// The buffers a problem needs cannot fit: refused before anything is allocated, or an
@@ -315,6 +318,32 @@ pub trait Backend {
         true
     }
 
+    /// Times `kind`'s candidates of `op` on chunks of `size` rows of a spatial split (issue 24):
+    /// rows along [`split_axis`](crate::solver::spatial::split_axis) of the op's output (`dx`
+    /// for backward-data), `problem.n` the whole batch. Each candidate is timed on the chunks
+    /// [`timing_chunks`](crate::solver::spatial::timing_chunks) gives (at the start, middle and
+    /// end of the axis, with the offsets and padding a plan runs them with); its time is the
+    /// slowest, its workspace the largest. Measurements carry `size` as their `micro`.
+    /// Candidates over `select`'s limit are skipped as in [`Backend::measure`]. The default:
+    /// [`BackendError::NoSpatial`].
+    #[allow(clippy::too_many_arguments)]
+    fn measure_spatial(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        size: i64,
+        kind: AlgoKind,
+        timing: &TimingSettings,
+        search: &EngineSearch,
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
+        let _ = (problem, op, size, timing, search, select);
+        Err(BackendError::NoSpatial {
+            backend: self.fingerprint().name.clone(),
+            kind,
+        })
+    }
+
     /// Times the graph-API engine configurations of `op` at micro-batch size `micro`, as
     /// `search` bounds them and `select` selects them. Backends without engines say so.
     fn measure_engines(
@@ -349,6 +378,49 @@ pub fn measure_kind(
         AlgoKind::Legacy => backend.measure(problem, op, micro, timing, select),
         AlgoKind::Engine => backend.measure_engines(problem, op, micro, timing, search, select),
     }
+}
+
+/// [`measure_kind`] for a size of `split`: a micro-batch size, or a chunk size of a spatial
+/// split ([`Backend::measure_spatial`]).
+#[allow(clippy::too_many_arguments)]
+pub fn measure_split(
+    backend: &mut dyn Backend,
+    split: SplitDim,
+    kind: AlgoKind,
+    problem: &ConvProblem,
+    op: ConvOp,
+    size: i64,
+    timing: &TimingSettings,
+    search: &EngineSearch,
+    select: &Selection,
+) -> Result<Measured, BackendError> {
+    match split {
+        SplitDim::Batch => measure_kind(backend, kind, problem, op, size, timing, search, select),
+        SplitDim::Spatial => {
+            check_chunk_args(problem, op, size)?;
+            backend.measure_spatial(problem, op, size, kind, timing, search, select)
+        }
+    }
+}
+
+/// The checks every [`Backend::measure_spatial`] needs first: a valid problem and
+/// `1 <= size <=` the op's extent along the split axis.
+pub(crate) fn check_chunk_args(
+    problem: &ConvProblem,
+    op: ConvOp,
+    size: i64,
+) -> Result<(), BackendError> {
+    problem
+        .validate()
+        .map_err(|e| BackendError::Invalid(e.to_string()))?;
+    let extent = SplitDim::Spatial.extent(problem, op);
+    if size < 1 || size > extent {
+        return Err(BackendError::Invalid(format!(
+            "chunk of {size} rows outside 1..={extent} along {}",
+            crate::solver::spatial::split_axis(problem)
+        )));
+    }
+    Ok(())
 }
 
 /// The checks every [`Backend::measure`] makes first: a valid problem and `1 <= micro <= n`.
