@@ -6,13 +6,13 @@
 //! interrupted run keeps its work. A layer's solved plans are cached too.
 
 use crate::backend::{
-    measure_kind, Backend, BackendError, EngineSearch, Measured, MemoryUse, Selection,
+    measure_split, Backend, BackendError, EngineSearch, Measured, MemoryUse, Selection,
     TimingSettings,
 };
 use crate::profiler::{measure_sizes_parallel, prune, same_model, Job, Progress};
 use crate::solver::{
     solve_wr, Algo, AlgoKind, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
-    Measurement, OpProfile, Plan, Policy, Profile, RecordCheck, Skipped, SolveError,
+    Measurement, OpProfile, Plan, Policy, Profile, RecordCheck, Skipped, SolveError, SplitDim,
 };
 use mucudnn_cache::{Cache, PlanKey};
 use serde::{Deserialize, Serialize};
@@ -101,11 +101,23 @@ pub const BF16_BACKWARD_FILTER_MAX_MICRO_BATCHES: i64 = 4;
 /// and the undivided size N always stays, so the rule only removes candidates: it never makes
 /// a plan slower than the best undivided one.
 pub fn min_micro_batch(device: &DeviceFingerprint, problem: &ConvProblem, op: ConvOp) -> i64 {
+    min_split_size(device, problem, op, SplitDim::Batch)
+}
+
+/// [`min_micro_batch`] for a split: a spatial bf16 backward-filter on cuDNN sums its chunks in
+/// `dw` as micro-batches do, so its chunks are at least a quarter of the extent along the axis.
+pub fn min_split_size(
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+    split: SplitDim,
+) -> i64 {
     let restricted = device.backend == BackendKind::Cuda
         && problem.dtype == DType::Bf16
         && op == ConvOp::BackwardFilter;
     if restricted {
-        (problem.n + BF16_BACKWARD_FILTER_MAX_MICRO_BATCHES - 1)
+        let extent = split.extent(problem, op);
+        (extent + BF16_BACKWARD_FILTER_MAX_MICRO_BATCHES - 1)
             / BF16_BACKWARD_FILTER_MAX_MICRO_BATCHES
     } else {
         1
@@ -116,7 +128,7 @@ pub fn min_micro_batch(device: &DeviceFingerprint, problem: &ConvProblem, op: Co
 /// unaware of devices) picks only plans that keep `dw`'s error within the rule; a workspace
 /// limit it then calls infeasible names the smallest limit that works under the rule.
 pub fn keep_accurate_sizes(device: &DeviceFingerprint, profile: &mut OpProfile) {
-    let min = min_micro_batch(device, &profile.problem, profile.op);
+    let min = min_split_size(device, &profile.problem, profile.op, profile.split);
     profile.measurements.retain(|m| m.micro >= min);
 }
 
@@ -148,7 +160,7 @@ pub fn solve_accurately(
 /// Whether `plan` obeys [`min_micro_batch`] on `device`. Plans cached before the rule existed
 /// may not: such a plan is a cache miss, and the layer is solved again.
 pub fn plan_obeys_accuracy_rule(device: &DeviceFingerprint, plan: &Plan) -> bool {
-    let min = min_micro_batch(device, &plan.problem, plan.op);
+    let min = min_split_size(device, &plan.problem, plan.op, plan.split);
     plan.micro_batches.iter().all(|mb| mb.size >= min)
 }
 
@@ -282,13 +294,16 @@ fn size_through_cache(
     layer: &str,
     problem: &ConvProblem,
     op: ConvOp,
+    split: SplitDim,
     micro: i64,
     kind: AlgoKind,
     search: &EngineSearch,
     stats: &mut CacheStats,
 ) -> Result<(Measured, bool), TuneError> {
     let device = backend.fingerprint().clone();
-    let cached = run.cache.measured(&device, problem, op, micro, kind);
+    let cached = run
+        .cache
+        .measured_along(&device, problem, op, split, micro, kind);
     let Some(select) = run.selection(cached.as_ref()) else {
         let (measurements, skipped) = cached.unwrap_or_default();
         stats.cached += 1;
@@ -305,8 +320,9 @@ fn size_through_cache(
             measured: stats.measured,
         });
     }
-    let found = measure_kind(
+    let found = measure_split(
         backend,
+        split,
         kind,
         problem,
         op,
@@ -318,11 +334,12 @@ fn size_through_cache(
     stats.pruned += search.skip.len();
     stats.skipped += found.skipped.len();
     let merged = merge_measured(cached, &select, found);
-    run.cache.store_measured(
+    run.cache.store_measured_along(
         &device,
         layer,
         problem,
         op,
+        split,
         micro,
         kind,
         &merged.measurements,
@@ -347,7 +364,7 @@ fn profile_job_cached(
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
     let device = backend.fingerprint().clone();
     let kinds = run.kinds(backend.kinds(), &device.name)?;
-    let sizes = run.policy.sizes(job.problem.n);
+    let sizes = job.sizes(run.policy);
     let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
     let mut skipped = Vec::new();
     for (index, step) in prune::measure_order(&sizes).into_iter().enumerate() {
@@ -361,6 +378,7 @@ fn profile_job_cached(
                 &job.layer,
                 &job.problem,
                 job.op,
+                job.split,
                 micro,
                 kind,
                 &search,
@@ -384,7 +402,7 @@ fn profile_job_cached(
         layer: job.layer.clone(),
         problem: job.problem,
         op: job.op,
-        split: crate::solver::SplitDim::Batch,
+        split: job.split,
         measurements: by_size.into_values().flatten().collect(),
         skipped,
     })
@@ -472,7 +490,7 @@ where
     let mut stats = CacheStats::default();
     let mut entries = Vec::with_capacity(jobs.len());
     for job in jobs {
-        let sizes = run.policy.sizes(job.problem.n);
+        let sizes = job.sizes(run.policy);
         let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
         let mut measured_sizes: BTreeSet<i64> = BTreeSet::new();
         let mut skipped = Vec::new();
@@ -483,9 +501,14 @@ where
             let mut partial: BTreeMap<i64, (Vec<Measurement>, Vec<Skipped>)> = BTreeMap::new();
             let mut selections: BTreeMap<i64, Selection> = BTreeMap::new();
             for &micro in &sizes {
-                let cached = run
-                    .cache
-                    .measured(fingerprint, &job.problem, job.op, micro, kind);
+                let cached = run.cache.measured_along(
+                    fingerprint,
+                    &job.problem,
+                    job.op,
+                    job.split,
+                    micro,
+                    kind,
+                );
                 match run.selection(cached.as_ref()) {
                     None => {
                         let (found, skips) = cached.unwrap_or_default();
@@ -550,11 +573,12 @@ where
                     stats.skipped += found.skipped.len();
                     let select = selections.get(&micro).cloned().unwrap_or_default();
                     let found = merge_measured(partial.remove(&micro), &select, found);
-                    run.cache.store_measured(
+                    run.cache.store_measured_along(
                         fingerprint,
                         &job.layer,
                         &job.problem,
                         job.op,
+                        job.split,
                         micro,
                         kind,
                         &found.measurements,
@@ -584,7 +608,7 @@ where
             layer: job.layer.clone(),
             problem: job.problem,
             op: job.op,
-            split: crate::solver::SplitDim::Batch,
+            split: job.split,
             measurements,
             skipped,
         });
@@ -598,13 +622,7 @@ where
 pub fn jobs_for(layers: impl IntoIterator<Item = (String, ConvProblem)>) -> Vec<Job> {
     layers
         .into_iter()
-        .flat_map(|(layer, problem)| {
-            ConvOp::ALL.map(|op| Job {
-                layer: layer.clone(),
-                problem,
-                op,
-            })
-        })
+        .flat_map(|(layer, problem)| ConvOp::ALL.map(|op| Job::batch(layer.clone(), problem, op)))
         .collect()
 }
 
@@ -618,6 +636,10 @@ pub struct MeasureTask {
     /// The problem at the full mini-batch size.
     pub problem: ConvProblem,
     pub op: ConvOp,
+    /// What `micro` splits: a micro-batch size, or a chunk's rows along the split axis
+    /// (issue 24). Batch when absent (tasks from before the split).
+    #[serde(default, skip_serializing_if = "SplitDim::is_batch")]
+    pub split: SplitDim,
     pub micro: i64,
     pub kind: AlgoKind,
     /// For a size between two anchors (see [`prune::measure_order`]): the anchors, whose
@@ -653,14 +675,15 @@ pub fn missing_tasks(
         job.problem
             .validate()
             .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
-        let sizes = run.policy.sizes(job.problem.n);
+        let sizes = job.sizes(run.policy);
         let missing: BTreeMap<AlgoKind, Vec<i64>> = kinds
             .iter()
             .map(|&kind| {
-                let missing = run.cache.missing_sizes_within(
+                let missing = run.cache.missing_sizes_within_along(
                     fingerprint,
                     &job.problem,
                     job.op,
+                    job.split,
                     kind,
                     &sizes,
                     run.workspace_limit_bytes,
@@ -677,6 +700,7 @@ pub fn missing_tasks(
                     layer: job.layer.clone(),
                     problem: job.problem,
                     op: job.op,
+                    split: job.split,
                     micro: step.micro,
                     kind,
                     between: step.between,
@@ -716,10 +740,14 @@ pub fn measure_task(
     let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
     if let Some((lower, upper)) = task.between {
         for size in [lower, upper] {
-            if let Some(found) =
-                run.cache
-                    .measurements(&device, &task.problem, task.op, size, task.kind)
-            {
+            if let Some(found) = run.cache.measurements_along(
+                &device,
+                &task.problem,
+                task.op,
+                task.split,
+                size,
+                task.kind,
+            ) {
                 by_size.insert(size, found);
             }
         }
@@ -735,6 +763,7 @@ pub fn measure_task(
         &task.layer,
         &task.problem,
         task.op,
+        task.split,
         task.micro,
         task.kind,
         &search,
@@ -781,8 +810,9 @@ pub fn store_measured(
             ))
         };
         t.problem.validate().map_err(|e| bad(e.to_string()))?;
-        if t.micro < 1 || t.micro > t.problem.n {
-            return Err(bad(format!("outside 1..={}", t.problem.n)));
+        let extent = t.split.extent(&t.problem, t.op);
+        if t.micro < 1 || t.micro > extent {
+            return Err(bad(format!("outside 1..={extent} ({} split)", t.split)));
         }
         if let Some(x) = m.measurements.iter().find(|x| x.micro != t.micro) {
             return Err(bad(format!("a measurement is at micro-batch {}", x.micro)));
@@ -803,20 +833,22 @@ pub fn store_measured(
         }
     }
     let records = measured.iter().flat_map(|m| {
-        m.measurements
-            .iter()
-            .map(move |x| (m.task.layer.as_str(), &m.task.problem, m.task.op, x))
+        m.measurements.iter().map(move |x| {
+            let t = &m.task;
+            (t.layer.as_str(), &t.problem, t.op, t.split, x)
+        })
     });
     check
-        .batch(records)
+        .batch_split(records)
         .map_err(|refused| invalid(format!("measurement {refused}")))?;
     for m in measured {
         let t = &m.task;
-        cache.store_measured(
+        cache.store_measured_along(
             check.device,
             &t.layer,
             &t.problem,
             t.op,
+            t.split,
             t.micro,
             t.kind,
             &m.measurements,
@@ -824,6 +856,79 @@ pub fn store_measured(
         );
     }
     Ok(measured.len())
+}
+
+/// Which dimension a layer's plans may split (issue 24).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SplitSetting {
+    /// Micro-batches only (µ-cuDNN).
+    Batch,
+    /// Chunks along the outermost spatial dimension only.
+    Spatial,
+    /// Micro-batches, and also chunks where [`SplitSetting::considers_spatial`] predicts a
+    /// gain; the faster plan under the limit is kept.
+    #[default]
+    Auto,
+}
+
+/// `auto` considers a spatial split only up to this batch size: above it, micro-batches
+/// already give the solver sizes to choose from.
+pub const SPATIAL_AUTO_MAX_BATCH: i64 = 4;
+
+impl SplitSetting {
+    pub const ALL: [SplitSetting; 3] = [
+        SplitSetting::Batch,
+        SplitSetting::Spatial,
+        SplitSetting::Auto,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SplitSetting::Batch => "batch",
+            SplitSetting::Spatial => "spatial",
+            SplitSetting::Auto => "auto",
+        }
+    }
+
+    /// Whether `auto` looks at a spatial split of `problem` at all: a batch of at most
+    /// [`SPATIAL_AUTO_MAX_BATCH`] and at least two rows along the split axis. It then tunes the
+    /// spatial split only when the batch profile shows workspace pressure (a candidate
+    /// skipped for its workspace at the limit): without it, splitting can only add calls.
+    pub fn auto_looks_at(problem: &ConvProblem) -> bool {
+        problem.n <= SPATIAL_AUTO_MAX_BATCH
+            && ConvOp::ALL
+                .iter()
+                .all(|&op| SplitDim::Spatial.extent(problem, op) >= 2)
+    }
+
+    /// The plan-cache context part of this setting for `problem`: empty where the plans are
+    /// those of `batch` (so plans cached before the setting existed still serve), else
+    /// `split=<name>`.
+    pub fn context(self, problem: &ConvProblem) -> &'static str {
+        match self {
+            SplitSetting::Batch => "",
+            SplitSetting::Auto if !Self::auto_looks_at(problem) => "",
+            SplitSetting::Auto => "split=auto",
+            SplitSetting::Spatial => "split=spatial",
+        }
+    }
+}
+
+impl std::fmt::Display for SplitSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for SplitSetting {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        SplitSetting::ALL
+            .into_iter()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| format!("unknown split {s:?} (batch, spatial or auto)"))
+    }
 }
 
 /// How a single layer tunes itself: per-layer workspace limit (WR), since it sees only itself.
@@ -834,6 +939,8 @@ pub struct LayerTuning {
     pub timing: TimingSettings,
     pub candidates: CandidateSet,
     pub engines: EngineOptions,
+    /// Which dimension plans may split (default `auto`).
+    pub split: SplitSetting,
 }
 
 impl LayerTuning {
@@ -896,9 +1003,7 @@ impl LayerTuning {
             run.effective_candidates(backend.kinds()),
             self.workspace_limit_bytes,
         );
-        if self.engines.deterministic {
-            key.context = DETERMINISTIC_CONTEXT.to_string();
-        }
+        key.context = self.plan_context(problem);
         let cached: Vec<Plan> = ops
             .iter()
             .filter_map(|&op| cache.plan(&device, problem, op, &key))
@@ -919,23 +1024,167 @@ impl LayerTuning {
         // The ops share the operands; nothing measuring made outlives the tune.
         with_release(backend, &mut stats, |backend, stats| {
             for &op in ops {
-                let job = Job {
-                    layer: layer.to_string(),
-                    problem: *problem,
-                    op,
-                };
-                let mut profile = profile_job_cached(backend, &job, &run, stats, &mut |_, _| {})?;
-                if self.engines.deterministic {
-                    keep_deterministic(backend, &mut profile);
-                }
-                keep_accurate_sizes(&device, &mut profile);
-                let plan = solve_wr(&profile, self.policy, self.workspace_limit_bytes)?;
+                let plan = self.tune_op(backend, &run, layer, problem, op, stats)?;
                 cache.store_plan(&device, &plan, &key);
                 plans.push(plan);
             }
             Ok(())
         })?;
         Ok((plans, stats))
+    }
+
+    /// The jobs this tuning needs measured for `ops` of `problem` on `device` (a backend
+    /// offering `offered`), for the tuner task API, which deals them out before tuning: the
+    /// batch split's, or the spatial split's; for `auto` the batch split's, and the spatial
+    /// split's of an op whose batch sizes are all in the cache and show workspace pressure
+    /// there (as [`LayerTuning::tune`] decides), so asking again after the batch tasks are
+    /// stored deals out the chunks too.
+    pub fn jobs(
+        &self,
+        cache: &Cache,
+        device: &DeviceFingerprint,
+        offered: &[AlgoKind],
+        layer: &str,
+        problem: &ConvProblem,
+        ops: &[ConvOp],
+    ) -> Vec<Job> {
+        let job = |op, split| Job {
+            layer: layer.to_string(),
+            problem: *problem,
+            op,
+            split,
+        };
+        let mut jobs = Vec::new();
+        for &op in ops {
+            match self.split {
+                SplitSetting::Batch => jobs.push(job(op, SplitDim::Batch)),
+                SplitSetting::Spatial => jobs.push(job(op, SplitDim::Spatial)),
+                SplitSetting::Auto => {
+                    jobs.push(job(op, SplitDim::Batch));
+                    if SplitSetting::auto_looks_at(problem)
+                        && self.cached_pressure(cache, device, offered, problem, op)
+                    {
+                        jobs.push(job(op, SplitDim::Spatial));
+                    }
+                }
+            }
+        }
+        jobs
+    }
+
+    /// Whether the cache holds every batch size of `op` on `problem` this tuning measures,
+    /// and one of them skipped a candidate over the limit.
+    fn cached_pressure(
+        &self,
+        cache: &Cache,
+        device: &DeviceFingerprint,
+        offered: &[AlgoKind],
+        problem: &ConvProblem,
+        op: ConvOp,
+    ) -> bool {
+        let run = self.profile_run(cache);
+        let mut pressure = false;
+        for kind in run.offered_kinds(offered) {
+            for micro in self.policy.sizes(problem.n) {
+                match cache.measured_along(device, problem, op, SplitDim::Batch, micro, kind) {
+                    None => return false,
+                    Some((_, skipped)) => {
+                        pressure |= skipped
+                            .iter()
+                            .any(|s| s.workspace_bytes > self.workspace_limit_bytes);
+                    }
+                }
+            }
+        }
+        pressure
+    }
+
+    /// The plan-cache context of this tuning's plans of `problem`: determinism and the split
+    /// setting ([`SplitSetting::context`]), `;`-separated; empty for plain batch plans.
+    pub fn plan_context(&self, problem: &ConvProblem) -> String {
+        let parts = [
+            if self.engines.deterministic {
+                DETERMINISTIC_CONTEXT
+            } else {
+                ""
+            },
+            self.split.context(problem),
+        ];
+        parts
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .collect::<Vec<_>>()
+            .join(";")
+    }
+
+    /// One split's profile of `op` through the cache, restricted as plans must be
+    /// (deterministic candidates, the accuracy rule), and its plan at the limit.
+    fn solve_split(
+        &self,
+        backend: &mut dyn Backend,
+        run: &ProfileRun<'_>,
+        job: &Job,
+        stats: &mut CacheStats,
+    ) -> Result<(OpProfile, Plan), TuneError> {
+        let device = backend.fingerprint().clone();
+        let mut profile = profile_job_cached(backend, job, run, stats, &mut |_, _| {})?;
+        if self.engines.deterministic {
+            keep_deterministic(backend, &mut profile);
+        }
+        keep_accurate_sizes(&device, &mut profile);
+        let plan = solve_wr(&profile, self.policy, self.workspace_limit_bytes)?;
+        Ok((profile, plan))
+    }
+
+    /// The plan of one op under [`LayerTuning::split`]: `batch` and `spatial` solve that split;
+    /// `auto` solves the batch split, and where [`SplitSetting::auto_looks_at`] the problem and
+    /// the batch profile skipped a candidate for its workspace (or no batch plan fits the
+    /// limit), also the spatial split, keeping the faster plan. A spatial split the backend
+    /// cannot measure, or that does not fit either, leaves `auto` with the batch outcome.
+    fn tune_op(
+        &self,
+        backend: &mut dyn Backend,
+        run: &ProfileRun<'_>,
+        layer: &str,
+        problem: &ConvProblem,
+        op: ConvOp,
+        stats: &mut CacheStats,
+    ) -> Result<Plan, TuneError> {
+        let job = |split| Job {
+            layer: layer.to_string(),
+            problem: *problem,
+            op,
+            split,
+        };
+        match self.split {
+            SplitSetting::Batch => Ok(self
+                .solve_split(backend, run, &job(SplitDim::Batch), stats)?
+                .1),
+            SplitSetting::Spatial => Ok(self
+                .solve_split(backend, run, &job(SplitDim::Spatial), stats)?
+                .1),
+            SplitSetting::Auto => {
+                let batch = self.solve_split(backend, run, &job(SplitDim::Batch), stats);
+                let pressure = match &batch {
+                    Ok((profile, _)) => !profile.skipped.is_empty(),
+                    Err(TuneError::Solve(_)) => true,
+                    Err(_) => false,
+                };
+                if !(pressure && SplitSetting::auto_looks_at(problem)) {
+                    return batch.map(|(_, plan)| plan);
+                }
+                let spatial = self.solve_split(backend, run, &job(SplitDim::Spatial), stats);
+                match (batch, spatial) {
+                    (Ok((_, b)), Ok((_, s))) => Ok(if s.time_ms() < b.time_ms() { s } else { b }),
+                    (Err(_), Ok((_, s))) => Ok(s),
+                    (batch, Err(TuneError::Interrupted { measured })) => {
+                        let _ = batch;
+                        Err(TuneError::Interrupted { measured })
+                    }
+                    (batch, Err(_)) => batch.map(|(_, plan)| plan),
+                }
+            }
+        }
     }
 }
 

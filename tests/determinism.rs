@@ -57,6 +57,7 @@ fn tuning(deterministic: bool) -> LayerTuning {
             deterministic,
             ..EngineOptions::default()
         },
+        split: mucudnn::tune::SplitSetting::Batch,
     }
 }
 

@@ -58,6 +58,7 @@ fn tuning() -> LayerTuning {
         },
         candidates: CandidateSet::Legacy,
         engines: EngineOptions::default(),
+        split: mucudnn::tune::SplitSetting::Batch,
     }
 }
 

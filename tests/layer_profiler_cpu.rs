@@ -166,11 +166,7 @@ fn profiler_measures_every_size_and_algorithm_with_cpu_workspaces() {
         ..ConvProblem::new(3, 2, 6, 6, 4, 3, 3)
     };
     for op in ConvOp::ALL {
-        let job = Job {
-            layer: "toy".into(),
-            problem,
-            op,
-        };
+        let job = Job::batch("toy", problem, op);
         let mut seen = 0;
         let profile = profile_job(&mut CpuBackend::new(), &job, Policy::All, &FAST, &mut |p| {
             seen += 1;
@@ -232,11 +228,7 @@ fn profiler_measures_a_3d_problem() {
         ..ConvProblem::new(3, 2, 4, 4, 3, 2, 3)
     };
     for op in ConvOp::ALL {
-        let job = Job {
-            layer: "toy3d".into(),
-            problem,
-            op,
-        };
+        let job = Job::batch("toy3d", problem, op);
         let profile = profile_job(
             &mut CpuBackend::new(),
             &job,
@@ -285,6 +277,7 @@ fn a_3d_layer_tunes_and_its_plans_execute_on_the_cpu() {
         timing: FAST,
         candidates: CandidateSet::Legacy,
         engines: EngineOptions::default(),
+        split: mucudnn::tune::SplitSetting::Batch,
     };
     let cache = Cache::in_memory();
     let plans = tuning
@@ -328,11 +321,11 @@ impl Backend for Renamed {
 
 #[test]
 fn parallel_profiling_refuses_different_device_models() {
-    let job = Job {
-        layer: "toy".into(),
-        problem: ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
-        op: ConvOp::Forward,
-    };
+    let job = Job::batch(
+        "toy",
+        ConvProblem::new(4, 2, 5, 5, 2, 3, 3),
+        ConvOp::Forward,
+    );
     let make = |device: usize| {
         let mut fingerprint = mucudnn::device::cpu_fingerprint();
         fingerprint.name = format!("model {device}");

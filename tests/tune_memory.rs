@@ -91,6 +91,7 @@ fn tuning(limit: u64) -> LayerTuning {
         timing: FAST,
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
+        split: Default::default(),
     }
 }
 

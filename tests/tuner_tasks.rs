@@ -89,6 +89,7 @@ fn shares_measured_by_two_ranks_complete_both_caches() {
         timing: FAST,
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
+        split: mucudnn::tune::SplitSetting::Batch,
     };
     let problem = jobs[0].problem;
     let (plans0, stats0) = tuning

@@ -4,7 +4,7 @@
 
 use crate::algo::AlgoNames;
 use crate::plan::Plan;
-use crate::profile::{Policy, Profile};
+use crate::profile::{OpProfile, Policy, Profile};
 use crate::wd::{self, solve_wd_by, WdOptions};
 use crate::wr::{pareto_front, solve_wr, undivided};
 use crate::SolveError;
@@ -46,7 +46,8 @@ pub struct SolvedProblem {
 pub struct Solution {
     pub mode: Mode,
     pub policy: Policy,
-    /// In profile order.
+    /// One per tuning problem (layer, problem, op), in profile order of its first entry; a
+    /// problem profiled along both the batch and a spatial axis has one plan, of either split.
     pub problems: Vec<SolvedProblem>,
     /// False only in WD mode when the MILP solver stopped before proving optimality.
     pub proven_optimal: bool,
@@ -92,13 +93,32 @@ pub fn solve_profile(
         Mode::WorkspaceReuse {
             workspace_limit_bytes,
         } => {
-            let problems = profile
-                .entries
-                .iter()
-                .map(|entry| {
+            let problems = groups(profile)
+                .into_iter()
+                .map(|group| {
+                    // The faster split's plan; an infeasible split gives way to the other.
+                    let mut best: Option<Plan> = None;
+                    let mut first_error = None;
+                    for entry in &group {
+                        match solve_wr(entry, policy, workspace_limit_bytes) {
+                            Ok(plan) => {
+                                if best.as_ref().is_none_or(|b| plan.time_ms() < b.time_ms()) {
+                                    best = Some(plan);
+                                }
+                            }
+                            Err(e) => {
+                                first_error.get_or_insert(e);
+                            }
+                        }
+                    }
+                    let plan = match (best, first_error) {
+                        (Some(plan), _) => plan,
+                        (None, Some(e)) => return Err(e),
+                        (None, None) => unreachable!("a group has an entry"),
+                    };
                     Ok(SolvedProblem {
-                        plan: solve_wr(entry, policy, workspace_limit_bytes)?,
-                        undivided: undivided(entry, workspace_limit_bytes)?,
+                        plan,
+                        undivided: undivided(group[0], workspace_limit_bytes)?,
                     })
                 })
                 .collect::<Result<Vec<_>, SolveError>>()?;
@@ -125,10 +145,25 @@ pub fn solve_profile(
                 wd_options,
                 started + (deadline - started) / 4,
             )?;
-            let fronts = profile
-                .entries
-                .iter()
-                .map(|entry| pareto_front(entry, policy))
+            // One front per tuning problem: the points of its splits together.
+            let fronts = groups(profile)
+                .into_iter()
+                .map(|group| {
+                    let mut points = Vec::new();
+                    let mut first_error = None;
+                    for entry in group {
+                        match pareto_front(entry, policy) {
+                            Ok(front) => points.extend(front),
+                            Err(e) => {
+                                first_error.get_or_insert(e);
+                            }
+                        }
+                    }
+                    match first_error {
+                        Some(e) if points.is_empty() => Err(e),
+                        _ => Ok(points),
+                    }
+                })
                 .collect::<Result<Vec<_>, SolveError>>()?;
             let choice = solve_wd_by(&fronts, total_workspace_bytes, wd_options, deadline)?;
             let problems = fronts
@@ -152,6 +187,27 @@ pub fn solve_profile(
     }
 }
 
+/// The profile's entries by tuning problem (layer, problem, op), in the order of each one's
+/// first entry: a problem tuned along both dimensions (issue 24) has a batch and a spatial
+/// entry, solved as one problem whose plans are those of either split. The batch entry comes
+/// first (the undivided baseline is taken from it: the whole mini-batch in one call).
+fn groups(profile: &Profile) -> Vec<Vec<&OpProfile>> {
+    let mut groups: Vec<Vec<&OpProfile>> = Vec::new();
+    for entry in &profile.entries {
+        let same = |other: &&OpProfile| {
+            other.layer == entry.layer && other.problem == entry.problem && other.op == entry.op
+        };
+        match groups.iter_mut().find(|g| same(&g[0])) {
+            Some(group) => group.push(entry),
+            None => groups.push(vec![entry]),
+        }
+    }
+    for group in &mut groups {
+        group.sort_by_key(|e| e.split);
+    }
+    groups
+}
+
 /// The WD optimum over undivided plans only, or `None` if some problem has no measurement at
 /// the full mini-batch or the budget cannot hold any undivided assignment.
 fn undivided_wd(
@@ -161,8 +217,8 @@ fn undivided_wd(
     deadline: Instant,
 ) -> Result<Option<Vec<Plan>>, SolveError> {
     let mut fronts = Vec::with_capacity(profile.entries.len());
-    for entry in &profile.entries {
-        match pareto_front(entry, Policy::Undivided) {
+    for group in groups(profile) {
+        match pareto_front(group[0], Policy::Undivided) {
             Ok(front) => fronts.push(front),
             Err(SolveError::NoSizes { .. } | SolveError::Infeasible { .. }) => return Ok(None),
             Err(other) => return Err(other),
@@ -178,5 +234,107 @@ fn undivided_wd(
         )),
         Err(SolveError::BudgetTooSmall { .. }) => Ok(None),
         Err(other) => Err(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Algo, ConvOp, ConvProblem, Measurement, SplitDim};
+
+    /// One (layer, op) along the batch (batch 2) and along `h` (8 rows): the batch split's
+    /// fast algorithm needs 100 bytes at every size, the chunks' needs 10 bytes a row.
+    fn profile() -> Profile {
+        let mut problem = ConvProblem::new(2, 4, 8, 8, 4, 3, 3);
+        (problem.pad_h, problem.pad_w) = (1, 1);
+        let m = |micro, algo, time_ms, workspace_bytes| Measurement {
+            micro,
+            algo: Algo::Legacy(algo),
+            time_ms,
+            workspace_bytes,
+        };
+        let batch = OpProfile {
+            layer: "l".into(),
+            problem,
+            op: ConvOp::Forward,
+            split: SplitDim::Batch,
+            measurements: vec![
+                m(1, 0, 5.0, 0),
+                m(1, 1, 1.0, 100),
+                m(2, 0, 10.0, 0),
+                m(2, 1, 2.0, 100),
+            ],
+            skipped: Vec::new(),
+        };
+        let spatial = OpProfile {
+            split: SplitDim::Spatial,
+            measurements: [1, 2, 4, 8]
+                .into_iter()
+                .flat_map(|rows| {
+                    let share = rows as f64 / 8.0;
+                    [
+                        m(rows, 0, 10.0 * share + 0.01, 0),
+                        m(rows, 1, 2.0 * share + 0.01, 10 * rows as u64),
+                    ]
+                })
+                .collect(),
+            ..batch.clone()
+        };
+        // The spatial entry first: the order of the entries does not matter.
+        Profile {
+            device: "test".into(),
+            cudnn_version: None,
+            math: None,
+            timing: None,
+            fingerprint: None,
+            entries: vec![spatial, batch],
+        }
+    }
+
+    #[test]
+    fn a_problem_profiled_along_both_splits_is_solved_once_with_the_faster_split() {
+        let profile = profile();
+        let wr = |limit| {
+            solve_profile(
+                &profile,
+                Policy::PowerOfTwo,
+                Mode::WorkspaceReuse {
+                    workspace_limit_bytes: limit,
+                },
+                &WdOptions::default(),
+            )
+            .unwrap()
+        };
+        // 100 bytes: the batch split's fast algorithm fits, undivided (2 ms); the chunks'
+        // whole image needs 80 bytes and takes 2.01 ms.
+        let roomy = wr(100);
+        assert_eq!(roomy.problems.len(), 1);
+        assert_eq!(roomy.problems[0].plan.split, SplitDim::Batch);
+        assert_eq!(roomy.problems[0].plan.time_ms(), 2.0);
+        // 40 bytes: only chunks of up to 4 rows run the fast algorithm (2 x 1.01 ms).
+        let tight = wr(40);
+        assert_eq!(tight.problems.len(), 1);
+        let plan = &tight.problems[0].plan;
+        assert_eq!(plan.split, SplitDim::Spatial);
+        assert_eq!(plan.micro_batches.iter().map(|m| m.size).sum::<i64>(), 8);
+        assert!((plan.time_ms() - 2.02).abs() < 1e-9, "{plan:?}");
+        // The baseline is the batch entry's undivided plan within the limit: 10 ms.
+        assert_eq!(
+            tight.problems[0].undivided.as_ref().unwrap().time_ms(),
+            10.0
+        );
+        // Workspace division over one front holding both splits' points.
+        let wd = solve_profile(
+            &profile,
+            Policy::PowerOfTwo,
+            Mode::WorkspaceDivision {
+                total_workspace_bytes: 40,
+            },
+            &WdOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(wd.problems.len(), 1);
+        assert_eq!(wd.problems[0].plan.split, SplitDim::Spatial);
+        assert!((wd.problems[0].plan.time_ms() - 2.02).abs() < 1e-9);
     }
 }

@@ -8,8 +8,9 @@ use super::{
 };
 use crate::backend::cudnn::host::random_values;
 use crate::device::DeviceFingerprint;
+use crate::solver::spatial::{split_axis, timing_chunks, AxisGeometry, Chunk};
 use crate::solver::Operand;
-use crate::solver::{Algo, ConvOp, ConvProblem, DType, Measurement, Skipped};
+use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, DType, Measurement, Skipped};
 use half::{bf16, f16};
 use std::time::Instant;
 
@@ -117,6 +118,106 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// Makes the workspace at least `bytes` long (the smaller one freed first, never two at
+    /// once). `false` when it cannot be had: the algorithm is then unsupported at this size,
+    /// as cuDNN's are (left out, not an abort).
+    fn ensure_workspace(&mut self, bytes: u64) -> bool {
+        if (self.workspace.len() as u64) >= bytes {
+            return true;
+        }
+        self.workspace = AlignedWorkspace::default();
+        self.account();
+        let fits = super::available_host_memory().is_none_or(|a| bytes <= a);
+        match fits.then(|| AlignedWorkspace::try_new(bytes)).flatten() {
+            Some(workspace) => {
+                self.workspace = workspace;
+                self.memory.largest_workspace_bytes =
+                    self.memory.largest_workspace_bytes.max(bytes);
+                self.account();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Every CPU algorithm `select` asks for at one size (`micro`: a micro-batch or a chunk
+    /// size): its workspace by `workspace_of`, skipped over the limit, else timed by `time`
+    /// on the full-batch operands and the workspace.
+    fn measure_each(
+        &mut self,
+        problem: &ConvProblem,
+        micro: i64,
+        select: &Selection,
+        workspace_of: impl Fn(CpuAlgo) -> u64,
+        mut time: impl FnMut(&mut Operands, CpuAlgo, &mut [u8]) -> Result<f64, BackendError>,
+    ) -> Result<Measured, BackendError> {
+        self.operands(problem)?;
+        let mut measurements = Vec::with_capacity(CpuAlgo::ALL.len());
+        let mut skipped = Vec::new();
+        for algo in CpuAlgo::ALL {
+            let workspace_bytes = workspace_of(algo);
+            match select.decide(&Algo::Legacy(algo.id()), workspace_bytes) {
+                Decision::Leave => continue,
+                Decision::Skip => {
+                    skipped.push(Skipped {
+                        micro,
+                        algo: Algo::Legacy(algo.id()),
+                        workspace_bytes,
+                    });
+                    continue;
+                }
+                Decision::Time => {}
+            }
+            if !self.ensure_workspace(workspace_bytes) {
+                continue;
+            }
+            let mut workspace = std::mem::take(&mut self.workspace);
+            let time_ms = time(self.operands(problem)?, algo, workspace.as_bytes_mut());
+            self.workspace = workspace;
+            measurements.push(Measurement {
+                micro,
+                algo: Algo::Legacy(algo.id()),
+                time_ms: time_ms?.max(1e-6),
+                workspace_bytes,
+            });
+        }
+        Ok(Measured {
+            measurements,
+            skipped,
+        })
+    }
+}
+
+/// Times one algorithm on one spatial chunk (issue 24): the chunk's packed slabs
+/// ([`cpu::chunk_buffer_lens`]) are the leading elements of the full-batch buffers (the CPU
+/// kernels take packed slabs; the executor stages them when they are not contiguous, a copy
+/// not timed here).
+fn time_chunk<T: Element>(
+    problem: &ConvProblem,
+    op: ConvOp,
+    chunk: &Chunk,
+    algo: CpuAlgo,
+    buffers: &mut [Vec<T>; 3],
+    workspace: &mut [u8],
+    timing: &TimingSettings,
+) -> Result<f64, BackendError> {
+    let [(_, la), (_, lb), (_, lo)] = cpu::chunk_buffer_lens(problem, op, chunk)?;
+    let [x, w, y] = buffers;
+    let (a, b, out): (&[T], &[T], &mut [T]) = match op {
+        ConvOp::Forward => (&x[..la], &w[..lb], &mut y[..lo]),
+        ConvOp::BackwardData => (&w[..la], &y[..lb], &mut x[..lo]),
+        ConvOp::BackwardFilter => (&x[..la], &y[..lb], &mut w[..lo]),
+    };
+    median_time(timing, |iterations| -> Result<f64, BackendError> {
+        let start = Instant::now();
+        for _ in 0..iterations {
+            cpu::run_chunk(problem, op, algo, chunk, 1.0, a, b, 0.0, out, workspace)?;
+        }
+        Ok(start.elapsed().as_secs_f64() * 1e3)
+    })
+}
+
 /// Host bytes the CPU backend holds for `problem`'s operands at their peak: the three
 /// full-batch tensors in its dtype, plus the f32 staging of the largest while it is made.
 fn operand_host_bytes(problem: &ConvProblem) -> u128 {
@@ -217,85 +318,71 @@ impl Backend for CpuBackend {
         select: &Selection,
     ) -> Result<Measured, BackendError> {
         check_measure_args(problem, micro)?;
-        self.operands(problem)?;
-        let mut measurements = Vec::with_capacity(CpuAlgo::ALL.len());
-        let mut skipped = Vec::new();
-        for algo in CpuAlgo::ALL {
-            let workspace_bytes = cpu::workspace_bytes(&problem.with_batch(micro), op, algo);
-            match select.decide(&Algo::Legacy(algo.id()), workspace_bytes) {
-                Decision::Leave => continue,
-                Decision::Skip => {
-                    skipped.push(Skipped {
-                        micro,
-                        algo: Algo::Legacy(algo.id()),
-                        workspace_bytes,
-                    });
-                    continue;
-                }
-                Decision::Time => {}
-            }
-            if (self.workspace.len() as u64) < workspace_bytes {
-                // Free the smaller one first: never two workspaces at once.
-                self.workspace = AlignedWorkspace::default();
-                self.account();
-                // A workspace that cannot be had makes the algorithm unsupported at this size,
-                // as cuDNN's are: left out, not an abort.
-                let fits = super::available_host_memory().is_none_or(|a| workspace_bytes <= a);
-                match fits
-                    .then(|| AlignedWorkspace::try_new(workspace_bytes))
-                    .flatten()
-                {
-                    Some(workspace) => {
-                        self.workspace = workspace;
-                        self.memory.largest_workspace_bytes =
-                            self.memory.largest_workspace_bytes.max(workspace_bytes);
-                        self.account();
-                    }
-                    None => continue,
-                }
-            }
-            let mut workspace = std::mem::take(&mut self.workspace);
-            let time_ms = match self.operands(problem)? {
-                Operands::F32(b) => time_algo(
-                    problem,
-                    op,
-                    micro,
-                    algo,
-                    b,
-                    workspace.as_bytes_mut(),
-                    timing,
-                ),
-                Operands::F16(b) => time_algo(
-                    problem,
-                    op,
-                    micro,
-                    algo,
-                    b,
-                    workspace.as_bytes_mut(),
-                    timing,
-                ),
-                Operands::Bf16(b) => time_algo(
-                    problem,
-                    op,
-                    micro,
-                    algo,
-                    b,
-                    workspace.as_bytes_mut(),
-                    timing,
-                ),
-            };
-            self.workspace = workspace;
-            measurements.push(Measurement {
-                micro,
-                algo: Algo::Legacy(algo.id()),
-                time_ms: time_ms?.max(1e-6),
-                workspace_bytes,
+        self.measure_each(
+            problem,
+            micro,
+            select,
+            |algo| cpu::workspace_bytes(&problem.with_batch(micro), op, algo),
+            |operands, algo, workspace| match operands {
+                Operands::F32(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
+                Operands::F16(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
+                Operands::Bf16(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
+            },
+        )
+    }
+
+    /// Each CPU algorithm on chunks of `size` rows (issue 24), at the start, middle and end of
+    /// the split axis ([`timing_chunks`]): the slowest time, the largest workspace. A size
+    /// whose chunks have no call (every window in the padding) costs only the zero fill: it
+    /// is recorded at the clock's resolution with no workspace.
+    fn measure_spatial(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        size: i64,
+        kind: AlgoKind,
+        timing: &TimingSettings,
+        _search: &super::EngineSearch,
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
+        if kind != AlgoKind::Legacy {
+            return Err(BackendError::NoSpatial {
+                backend: self.fingerprint.name.clone(),
+                kind,
             });
         }
-        Ok(Measured {
-            measurements,
-            skipped,
-        })
+        super::check_chunk_args(problem, op, size)?;
+        let chunks = timing_chunks(&AxisGeometry::of(problem, split_axis(problem)), op, size);
+        self.measure_each(
+            problem,
+            size,
+            select,
+            |algo| {
+                chunks
+                    .iter()
+                    .map(|c| cpu::chunk_workspace_bytes(problem, op, algo, c))
+                    .max()
+                    .unwrap_or(0)
+            },
+            |operands, algo, workspace| {
+                let mut slowest = 0.0f64;
+                for chunk in &chunks {
+                    let time = match operands {
+                        Operands::F32(b) => {
+                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
+                        }
+                        Operands::F16(b) => {
+                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
+                        }
+                        Operands::Bf16(b) => {
+                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
+                        }
+                    }?;
+                    slowest = slowest.max(time);
+                }
+                Ok(slowest)
+            },
+        )
     }
 
     fn release(&mut self) {

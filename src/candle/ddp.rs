@@ -556,6 +556,7 @@ mod tests {
                 },
                 candidates: CandidateSet::All,
                 engines: EngineOptions::default(),
+                split: crate::tune::SplitSetting::Batch,
             },
             jobs: jobs_for([("conv".to_string(), problem)]),
         }

@@ -80,7 +80,7 @@ use crate::backend::cpu::{self, AlignedWorkspace};
 use crate::backend::{CpuBackend, TimingSettings};
 use crate::exec::{cpu_workspace_bytes, execute_cpu};
 use crate::solver::{CandidateSet, ConvOp, ConvProblem, Plan, Policy};
-use crate::tune::{CacheStats, EngineOptions, LayerTuning};
+use crate::tune::{CacheStats, EngineOptions, LayerTuning, SplitSetting};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Module, Shape, Tensor};
 use candle_nn::{Conv2dConfig, VarBuilder};
@@ -111,6 +111,9 @@ pub struct ConvOptions {
     pub candidates: CandidateSet,
     /// How engine configurations are searched on a GPU.
     pub engines: EngineOptions,
+    /// Which dimension plans may split: the batch, the outermost spatial dimension, or `auto`
+    /// (the default: spatial chunks at a batch of at most 4 under workspace pressure).
+    pub split: SplitSetting,
     /// The cache tuning reads and fills; `None`: the user's cache file
     /// (`mucudnn_cache::default_path`), opened once per process.
     pub cache: Option<SharedCache>,
@@ -127,6 +130,7 @@ impl Default for ConvOptions {
             policy: Policy::PowerOfTwo,
             candidates: CandidateSet::All,
             engines: EngineOptions::default(),
+            split: SplitSetting::Auto,
             cache: None,
         }
     }
@@ -140,6 +144,7 @@ impl std::fmt::Debug for ConvOptions {
             .field("policy", &self.policy)
             .field("candidates", &self.candidates)
             .field("engines", &self.engines)
+            .field("split", &self.split)
             .field("cache", &self.cache.as_ref().map(|_| "shared"))
             .finish()
     }
@@ -171,6 +176,11 @@ impl ConvOptions {
         self
     }
 
+    pub fn with_split(mut self, split: SplitSetting) -> Self {
+        self.split = split;
+        self
+    }
+
     /// Tune through `cache` (clone the `Arc` into every layer of a model).
     pub fn with_cache(mut self, cache: SharedCache) -> Self {
         self.cache = Some(cache);
@@ -185,6 +195,7 @@ impl ConvOptions {
             timing,
             candidates: self.candidates,
             engines: self.engines,
+            split: self.split,
         }
     }
 }

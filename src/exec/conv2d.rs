@@ -28,7 +28,7 @@ use super::{cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::backend::cpu::AlignedWorkspace;
 use crate::backend::{CpuBackend, TimingSettings};
 use crate::solver::{CandidateSet, ConvOp, ConvProblem, Layout, Plan, Policy, ShapeError};
-use crate::tune::{EngineOptions, LayerTuning, TuneError};
+use crate::tune::{EngineOptions, LayerTuning, SplitSetting, TuneError};
 use mucudnn_cache::Cache;
 use std::collections::HashMap;
 
@@ -130,6 +130,7 @@ impl Conv2d {
                 timing: TimingSettings::CPU,
                 candidates: CandidateSet::All,
                 engines: EngineOptions::default(),
+                split: SplitSetting::Auto,
             },
             backend: CpuBackend::new(),
             cache: None,

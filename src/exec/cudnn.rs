@@ -19,7 +19,7 @@
 //! destroyed, and one that ran under CUDA graph capture is parked until the process exits.
 
 use super::teardown::{Disposal, Fence, Teardown};
-use super::{check_plan, ExecError};
+use super::{check_batch_plan, ExecError};
 use crate::backend::cudnn::{
     Alignments, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig,
     EnginePlan, RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamFence, StreamKey,
@@ -115,7 +115,7 @@ impl PreparedPlan {
     /// (the caller runs this convolution another way); other failures are
     /// [`ExecError::Cudnn`] or [`ExecError::InvalidPlan`].
     pub fn new(handle: &CudnnHandle, plan: Plan) -> Result<Self, ExecError> {
-        check_plan(&plan)?;
+        check_batch_plan(&plan)?;
         let error = |source: CudnnError| ExecError::Cudnn {
             layer: plan.layer.clone(),
             op: plan.op,

@@ -69,22 +69,14 @@ pub enum ExecError {
     },
 }
 
-/// Checks that a plan can be executed by the batch executors at all: a batch plan (a spatial
-/// plan runs through [`spatial`]), a valid problem, positive micro-batch sizes that add up to
-/// the mini-batch.
+/// Checks that a plan can be executed at all: a valid problem, positive sizes that add up to
+/// the mini-batch (a batch plan) or to the op's extent along the split axis (a spatial plan).
 pub fn check_plan(plan: &Plan) -> Result<(), ExecError> {
     let invalid = |reason: String| ExecError::InvalidPlan {
         layer: plan.layer.clone(),
         op: plan.op,
         reason,
     };
-    if plan.split != SplitDim::Batch {
-        return Err(invalid(format!(
-            "it splits along {} ({} plan): the batch executor runs batch plans only; spatial plans run through exec::spatial",
-            crate::solver::spatial::split_axis(&plan.problem),
-            plan.split
-        )));
-    }
     plan.problem
         .validate()
         .map_err(|e| invalid(e.to_string()))?;
@@ -94,18 +86,51 @@ pub fn check_plan(plan: &Plan) -> Result<(), ExecError> {
     if let Some(mb) = plan.micro_batches.iter().find(|m| m.size < 1) {
         return Err(invalid(format!("micro-batch size {}", mb.size)));
     }
-    if plan.batch() != plan.problem.n {
-        return Err(invalid(format!(
-            "micro-batches add up to {}, not the mini-batch {}",
-            plan.batch(),
-            plan.problem.n
-        )));
+    let extent = plan.split.extent(&plan.problem, plan.op);
+    if plan.extent() != extent {
+        return Err(invalid(match plan.split {
+            SplitDim::Batch => format!(
+                "micro-batches add up to {}, not the mini-batch {}",
+                plan.extent(),
+                plan.problem.n
+            ),
+            SplitDim::Spatial => format!(
+                "chunks add up to {} rows, not the {extent} rows along {}",
+                plan.extent(),
+                crate::solver::spatial::split_axis(&plan.problem)
+            ),
+        }));
     }
     Ok(())
 }
 
-/// The workspace the CPU backend needs to run `plan`: the largest micro-batch's.
+/// [`check_plan`] for an executor that runs batch plans only (the cuDNN executors until they
+/// run spatial chunks): a spatial plan is refused, naming its axis.
+pub fn check_batch_plan(plan: &Plan) -> Result<(), ExecError> {
+    if plan.split != SplitDim::Batch {
+        return Err(ExecError::InvalidPlan {
+            layer: plan.layer.clone(),
+            op: plan.op,
+            reason: format!(
+                "it splits along {} (a spatial plan), which this executor does not run",
+                crate::solver::spatial::split_axis(&plan.problem)
+            ),
+        });
+    }
+    check_plan(plan)
+}
+
+/// The workspace the CPU backend needs to run `plan`: the largest micro-batch's (or chunk's;
+/// 0 for a plan that cannot run).
 pub fn cpu_workspace_bytes(plan: &Plan) -> u64 {
+    if plan.split == SplitDim::Spatial {
+        return spatial_steps(plan)
+            .ok()
+            .and_then(|steps| {
+                spatial::spatial_cpu_workspace_bytes(&plan.problem, plan.op, &steps).ok()
+            })
+            .unwrap_or(0);
+    }
     steps(plan, 0.0)
         .filter_map(|s| {
             s.algo.legacy().and_then(CpuAlgo::from_id).map(|algo| {
@@ -116,9 +141,30 @@ pub fn cpu_workspace_bytes(plan: &Plan) -> u64 {
         .unwrap_or(0)
 }
 
+/// A spatial plan's chunks as [`spatial::execute_spatial_cpu`] takes them (CPU algorithms).
+fn spatial_steps(plan: &Plan) -> Result<Vec<spatial::SpatialStep>, ExecError> {
+    plan.micro_batches
+        .iter()
+        .map(|mb| {
+            let algo = mb.algo.legacy().and_then(CpuAlgo::from_id).ok_or_else(|| {
+                ExecError::InvalidPlan {
+                    layer: plan.layer.clone(),
+                    op: plan.op,
+                    reason: format!("algo {} is not a CPU algorithm", mb.algo),
+                }
+            })?;
+            Ok(spatial::SpatialStep {
+                size: mb.size,
+                algo,
+            })
+        })
+        .collect()
+}
+
 /// Runs `plan` on the CPU: `out = alpha * op(a, b) + beta * out` over the whole mini-batch,
-/// micro-batch by micro-batch. Buffers are as for [`cpu::run`] at the full batch; `workspace`
-/// holds at least [`cpu_workspace_bytes`], 4-byte aligned.
+/// micro-batch by micro-batch, or chunk by chunk along the split axis for a spatial plan
+/// ([`spatial::execute_spatial_cpu`]). Buffers are as for [`cpu::run`] at the full batch;
+/// `workspace` holds at least [`cpu_workspace_bytes`], 4-byte aligned.
 #[allow(clippy::too_many_arguments)]
 pub fn execute_cpu<T: Element>(
     plan: &Plan,
@@ -130,6 +176,34 @@ pub fn execute_cpu<T: Element>(
     workspace: &mut [u8],
 ) -> Result<(), ExecError> {
     check_plan(plan)?;
+    if plan.split == SplitDim::Spatial {
+        let steps = spatial_steps(plan)?;
+        return spatial::execute_spatial_cpu(
+            &plan.problem,
+            plan.op,
+            &steps,
+            alpha,
+            a,
+            b,
+            beta,
+            out,
+            workspace,
+        )
+        .map_err(|e| match e {
+            // Name the plan's layer, as the batch path does.
+            ExecError::InvalidPlan { op, reason, .. } => ExecError::InvalidPlan {
+                layer: plan.layer.clone(),
+                op,
+                reason,
+            },
+            ExecError::Cpu { op, source, .. } => ExecError::Cpu {
+                layer: plan.layer.clone(),
+                op,
+                source,
+            },
+            other => other,
+        });
+    }
     let cpu_error = |source| ExecError::Cpu {
         layer: plan.layer.clone(),
         op: plan.op,

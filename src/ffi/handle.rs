@@ -17,7 +17,7 @@ use crate::backend::cudnn::{
     RawDeviceViewMut,
 };
 use crate::backend::CudnnBackend;
-use crate::exec::check_plan;
+use crate::exec::check_batch_plan;
 use crate::profiler::Job;
 use crate::report::SolutionJson;
 use crate::solver::{operand_roles, steps, AlgoNames, BackendKind, Operand};
@@ -204,11 +204,7 @@ impl Handle {
             // thread gets its own context back when the guard drops.
             let _context = save_current_context()?;
             let mut backend = CudnnBackend::new(self.foreign.ordinal())?;
-            let job = Job {
-                layer: layer.to_string(),
-                problem: *problem,
-                op,
-            };
+            let job = Job::batch(layer, *problem, op);
             let verbose = self.settings.verbose;
             // Through the cache: sizes measured before (by any process, on this device) are
             // read, the others measured and stored at once.
@@ -293,7 +289,7 @@ impl Handle {
     /// Descriptors per micro-batch size, and the workspace cuDNN asks for on the caller's handle.
     fn prepare_plan(&self, solved: SolvedProblem, profile: Profile) -> Result<Prepared, FfiError> {
         let plan = &solved.plan;
-        check_plan(plan).map_err(|e| FfiError::Internal(e.to_string()))?;
+        check_batch_plan(plan).map_err(|e| FfiError::Internal(e.to_string()))?;
         let session = self.foreign.activate()?;
         let mut descriptors: Vec<ConvDescriptors> = Vec::new();
         let mut sizes: Vec<i64> = Vec::new();

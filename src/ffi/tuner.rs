@@ -35,8 +35,8 @@ use crate::solver::{
     Policy,
 };
 use crate::tune::{
-    jobs_for, measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,
-    MeasureTask, MeasuredTask, TuneError,
+    measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,
+    MeasureTask, MeasuredTask, SplitSetting, TuneError,
 };
 use mucudnn_cache::Cache;
 use serde::{Deserialize, Serialize};
@@ -62,7 +62,7 @@ pub enum TunerDevice {
 /// `["fwd"]` for inference). Missing keys take the defaults of `mucudnn tune` (power-of-two,
 /// 64 MiB, all, no bound, 1.5, false) and all three ops; unknown keys are errors.
 pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiError> {
-    const KEYS: [&str; 7] = [
+    const KEYS: [&str; 8] = [
         "policy",
         "workspace_limit",
         "candidates",
@@ -70,6 +70,7 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
         "prune_margin",
         "deterministic",
         "ops",
+        "split",
     ];
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| invalid(format!("settings are not JSON: {e}")))?;
@@ -100,11 +101,17 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
         },
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
+        split: SplitSetting::Auto,
     };
     if let Some(policy) = text_of("policy")? {
         tuning.policy = policy
             .parse()
             .map_err(|e: String| invalid(format!("settings: policy: {e}")))?;
+    }
+    if let Some(split) = text_of("split")? {
+        tuning.split = split
+            .parse()
+            .map_err(|e: String| invalid(format!("settings: split: {e}")))?;
     }
     if let Some(candidates) = text_of("candidates")? {
         tuning.candidates = candidates
@@ -422,9 +429,20 @@ impl Tuner {
         layers: Vec<NamedProblem>,
         settings: &Settings,
     ) -> Result<Vec<MeasureTask>, FfiError> {
-        let mut jobs = jobs_for(layers.into_iter().map(|l| (l.layer, l.problem)));
-        jobs.retain(|job| settings.ops.contains(&job.op));
         self.with_backend(|backend, cache| {
+            let jobs: Vec<_> = layers
+                .iter()
+                .flat_map(|l| {
+                    settings.tuning.jobs(
+                        cache,
+                        backend.fingerprint(),
+                        backend.kinds(),
+                        &l.layer,
+                        &l.problem,
+                        &settings.ops,
+                    )
+                })
+                .collect();
             let run = settings.tuning.profile_run(cache);
             missing_tasks(&jobs, &run, backend.fingerprint(), backend.kinds()).map_err(tune_error)
         })

@@ -7,11 +7,11 @@
 pub mod prune;
 
 use crate::backend::{
-    measure_kind, Backend, BackendError, EngineSearch, Measured, MemoryUse, Selection,
+    measure_split, Backend, BackendError, EngineSearch, Measured, MemoryUse, Selection,
     TimingSettings,
 };
 use crate::device::DeviceFingerprint;
-use crate::solver::{AlgoKind, ConvOp, ConvProblem, OpProfile, Policy};
+use crate::solver::{AlgoKind, ConvOp, ConvProblem, OpProfile, Policy, SplitDim};
 
 /// One tuning problem to measure.
 #[derive(Clone, Debug, PartialEq)]
@@ -19,6 +19,25 @@ pub struct Job {
     pub layer: String,
     pub problem: ConvProblem,
     pub op: ConvOp,
+    /// What the sizes split: micro-batches, or chunks along the split axis (issue 24).
+    pub split: SplitDim,
+}
+
+impl Job {
+    /// A job that splits the batch.
+    pub fn batch(layer: impl Into<String>, problem: ConvProblem, op: ConvOp) -> Job {
+        Job {
+            layer: layer.into(),
+            problem,
+            op,
+            split: SplitDim::Batch,
+        }
+    }
+
+    /// The sizes `policy` allows: of the batch, or of the op's extent along the split axis.
+    pub fn sizes(&self, policy: Policy) -> Vec<i64> {
+        policy.sizes(self.split.extent(&self.problem, self.op))
+    }
 }
 
 /// Reported after each measured micro-batch size.
@@ -43,10 +62,20 @@ pub fn profile_job(
     job.problem
         .validate()
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
-    let sizes = policy.sizes(job.problem.n);
+    let sizes = job.sizes(policy);
     let mut measurements = Vec::new();
     for (index, &micro) in sizes.iter().enumerate() {
-        let found = backend.measure(&job.problem, job.op, micro, timing, &Selection::ALL);
+        let found = measure_split(
+            backend,
+            job.split,
+            AlgoKind::Legacy,
+            &job.problem,
+            job.op,
+            micro,
+            timing,
+            &EngineSearch::default(),
+            &Selection::ALL,
+        );
         let found = match found {
             Ok(found) => found,
             Err(e) => {
@@ -67,7 +96,7 @@ pub fn profile_job(
         layer: job.layer.clone(),
         problem: job.problem,
         op: job.op,
-        split: crate::solver::SplitDim::Batch,
+        split: job.split,
         measurements,
         skipped: Vec::new(),
     })
@@ -88,7 +117,7 @@ where
     B: Backend,
     F: Fn(usize) -> Result<B, BackendError> + Sync,
 {
-    let sizes = policy.sizes(job.problem.n);
+    let sizes = job.sizes(policy);
     let (fingerprint, by_size, _) = measure_sizes_parallel(
         &make,
         devices,
@@ -109,7 +138,7 @@ where
             layer: job.layer.clone(),
             problem: job.problem,
             op: job.op,
-            split: crate::solver::SplitDim::Batch,
+            split: job.split,
             measurements,
             skipped: Vec::new(),
         },
@@ -152,8 +181,9 @@ where
                     let mut backend = make(device)?;
                     let mut measured = Vec::new();
                     for &micro in sizes.iter().skip(device).step_by(devices) {
-                        let found = measure_kind(
+                        let found = measure_split(
                             &mut backend,
+                            job.split,
                             kind,
                             &job.problem,
                             job.op,

@@ -140,11 +140,7 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames, i64)> {
             )
         })?;
     let (mut device, cache, timing) = args.device.open(true)?;
-    let job = Job {
-        layer: layer.name.clone(),
-        problem: layer.problem,
-        op: args.op,
-    };
+    let job = Job::batch(layer.name.clone(), layer.problem, args.op);
     let (candidates, engines) = args.device.candidates();
     let run = ProfileRun {
         policy: args.policy,

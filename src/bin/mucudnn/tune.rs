@@ -13,6 +13,7 @@ use mucudnn::exec::verify::{measure_solution, time_plan_cpu, time_plan_cuda};
 use mucudnn::models::{multiplicities, Model, ModelLayer, ModelSize};
 use mucudnn::network::read_network;
 use mucudnn::profiler::prune::DEFAULT_MARGIN;
+use mucudnn::profiler::Job;
 use mucudnn::profiler::Progress;
 use mucudnn::report::{
     layer_list_json, render_layer_list, render_verification, verification_json, SolutionJson,
@@ -21,7 +22,11 @@ use mucudnn::report::{
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::CandidateSet;
 use mucudnn::solver::{interchange, DType, Layout, Mode, Plan, Solution};
-use mucudnn::tune::{jobs_for, profile_jobs, profile_jobs_parallel, EngineOptions, ProfileRun};
+use mucudnn::solver::{Profile, SplitDim};
+use mucudnn::tune::{
+    jobs_for, profile_jobs, profile_jobs_parallel, CacheStats, EngineOptions, ProfileRun,
+    SplitSetting,
+};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -155,6 +160,12 @@ pub(crate) struct TuneArgs {
     /// No progress output.
     #[arg(long)]
     quiet: bool,
+    /// Which dimension plans split: the batch (micro-batches), the outermost spatial dimension
+    /// of each convolution's output (chunks along d, h or w), or auto: the batch, and also
+    /// chunks for a layer of batch at most 4 whose batch sizes skipped a candidate for its
+    /// workspace (the faster plan is kept).
+    #[arg(long, default_value = "auto", value_parser = one_of::<SplitSetting>(SplitSetting::ALL.map(SplitSetting::name)))]
+    split: SplitSetting,
     #[command(flatten)]
     settings: SolveSettings,
 }
@@ -356,22 +367,28 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         .device
         .open_checked(args.quiet, |device| check_before_measuring(args, device))?;
     let fingerprint = device.backend().fingerprint().clone();
-    let jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
+    let mut jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
+    if args.split == SplitSetting::Spatial {
+        for job in &mut jobs {
+            job.split = SplitDim::Spatial;
+        }
+    }
     let policy = args.settings.policy;
-    let total_sizes: usize = jobs
-        .iter()
-        .map(|job| policy.sizes(job.problem.n).len())
-        .sum();
+    let total_sizes: usize = jobs.iter().map(|job| job.sizes(policy).len()).sum();
     if !args.quiet {
         let convolutions: u32 = layers.iter().map(|l| l.count).sum();
         eprintln!(
             "tuning {network} ({} distinct conv shapes of {convolutions} layers, {}, {} {}) on {fingerprint}: \
-             {} (layer, op) x micro-batch sizes = {total_sizes} measurements; cache: {}",
+             {} (layer, op) x {} sizes = {total_sizes} measurements; cache: {}",
             layers.len(),
             args.source.batch.map_or("own batch sizes".to_string(), |b| format!("batch {b}")),
             args.source.dtype,
             layout_names(&layers),
             jobs.len(),
+            match args.split {
+                SplitSetting::Spatial => "chunk",
+                _ => "micro-batch",
+            },
             cache.location()
         );
     }
@@ -406,24 +423,49 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         Device::Cuda(_) => CudnnBackend::device_count().unwrap_or(1),
         Device::Cpu(_) => 1,
     };
-    let result = if gpus > 1 {
-        if !args.quiet {
-            eprintln!("profiling on {gpus} GPUs in parallel");
+    if gpus > 1 && !args.quiet {
+        eprintln!("profiling on {gpus} GPUs in parallel");
+    }
+    let mut profile_these = |jobs: &[Job], step: &mut dyn FnMut(Progress<'_>, bool)| {
+        if gpus > 1 {
+            profile_jobs_parallel(
+                CudnnBackend::new,
+                gpus,
+                &fingerprint,
+                device.backend().kinds(),
+                jobs,
+                &run,
+                step,
+            )
+        } else {
+            profile_jobs(device.backend(), jobs, &run, step)
         }
-        profile_jobs_parallel(
-            CudnnBackend::new,
-            gpus,
-            &fingerprint,
-            device.backend().kinds(),
-            &jobs,
-            &run,
-            &mut step,
-        )
-    } else {
-        profile_jobs(device.backend(), &jobs, &run, &mut step)
     };
+    let result = profile_these(&jobs, &mut step);
     reporter.finish();
-    let (profile, stats) = result?;
+    let (mut profile, mut stats) = result?;
+    // `auto`: chunks for the small-batch layers whose batch sizes felt the limit.
+    let spatial_jobs = spatial_candidates(args.split, &profile);
+    if !spatial_jobs.is_empty() {
+        let sizes: usize = spatial_jobs.iter().map(|job| job.sizes(policy).len()).sum();
+        if !args.quiet {
+            eprintln!(
+                "{} (layer, op) of batch <= {} skipped candidates over the limit: also profiling chunks along {} ({sizes} sizes)",
+                spatial_jobs.len(),
+                mucudnn::tune::SPATIAL_AUTO_MAX_BATCH,
+                axis_names(&spatial_jobs)
+            );
+        }
+        let mut chunks = Reporter::new(sizes as u64, args.quiet);
+        let mut step = |p: Progress<'_>, from_cache: bool| {
+            chunks.step(&p.job.layer, p.job.op.name(), p.done == p.total, from_cache);
+        };
+        let result = profile_these(&spatial_jobs, &mut step);
+        chunks.finish();
+        let (more, more_stats) = result?;
+        profile.entries.extend(more.entries);
+        stats = add_stats(stats, more_stats);
+    }
     let tuning_seconds = reporter.started.elapsed().as_secs_f64();
     if !args.quiet {
         if stats.measured == 0 {
@@ -502,6 +544,52 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
+}
+
+/// The spatial jobs `auto` adds after the batch profile: each (layer, op) whose problem
+/// [`SplitSetting::auto_looks_at`] and whose batch sizes skipped a candidate over the limit.
+fn spatial_candidates(split: SplitSetting, profile: &Profile) -> Vec<Job> {
+    if split != SplitSetting::Auto {
+        return Vec::new();
+    }
+    profile
+        .entries
+        .iter()
+        .filter(|e| {
+            e.split == SplitDim::Batch
+                && !e.skipped.is_empty()
+                && SplitSetting::auto_looks_at(&e.problem)
+        })
+        .map(|e| Job {
+            layer: e.layer.clone(),
+            problem: e.problem,
+            op: e.op,
+            split: SplitDim::Spatial,
+        })
+        .collect()
+}
+
+/// The split axes of these jobs (`h`, `d/h` for a mix).
+fn axis_names(jobs: &[Job]) -> String {
+    let mut names: Vec<&str> = Vec::new();
+    for job in jobs {
+        let name = mucudnn::solver::spatial::split_axis(&job.problem).name();
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names.join("/")
+}
+
+/// Two runs' statistics together.
+fn add_stats(a: CacheStats, b: CacheStats) -> CacheStats {
+    CacheStats {
+        cached: a.cached + b.cached,
+        measured: a.measured + b.measured,
+        pruned: a.pruned + b.pruned,
+        skipped: a.skipped + b.skipped,
+        memory: a.memory.max(b.memory),
+    }
 }
 
 /// The layout's names at the ranks of these layers (`ndhwc`, `nhwc/ndhwc` for a mix).

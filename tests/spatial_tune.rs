@@ -1,0 +1,300 @@
+//! Issue 24 on the CPU backend: the tuner's `split` setting (`batch`, `spatial`, `auto`), spatial
+//! plans solved from chunk measurements and executed by `execute_cpu`, equal to the unsplit op.
+
+use mucudnn::backend::cpu::{self, AlignedWorkspace, CpuAlgo};
+use mucudnn::backend::{
+    Backend, BackendError, CpuBackend, EngineSearch, Measured, MemoryUse, Selection, TimingSettings,
+};
+use mucudnn::cache::Cache;
+use mucudnn::device::DeviceFingerprint;
+use mucudnn::exec::{cpu_workspace_bytes, execute_cpu};
+use mucudnn::solver::{AlgoKind, CandidateSet, ConvOp, ConvProblem, Plan, Policy, SplitDim};
+use mucudnn::tune::{EngineOptions, LayerTuning, SplitSetting};
+
+const FAST: TimingSettings = TimingSettings {
+    warmup: 0,
+    loops: 1,
+    iterations: 1,
+    long_call_ms: 1.0,
+};
+
+/// Batch 1, 3x3 with padding 1: the batched im2col of the whole image needs 20,736 bytes
+/// (4 channels x 9 taps x 144 outputs x 4 bytes), 1,728 per output row.
+fn problem(n: i64) -> ConvProblem {
+    let mut p = ConvProblem::new(n, 4, 12, 12, 4, 3, 3);
+    (p.pad_h, p.pad_w) = (1, 1);
+    p
+}
+
+/// Room for the im2col of 4 output rows, not of the whole image.
+const LIMIT: u64 = 4 * 1728;
+
+/// The real CPU backend (real workspaces, real chunks) with each time replaced by a
+/// deterministic one: the share of the op's work the size does, faster with more workspace,
+/// plus a fixed cost per call. So splitting pays exactly when it buys a faster algorithm.
+struct Scripted {
+    inner: CpuBackend,
+    spatial_calls: usize,
+}
+
+impl Scripted {
+    fn new() -> Self {
+        Scripted {
+            inner: CpuBackend::new(),
+            spatial_calls: 0,
+        }
+    }
+
+    fn script(found: &mut Measured, share: impl Fn(i64) -> f64) {
+        for m in &mut found.measurements {
+            m.time_ms = share(m.micro) / (1.0 + m.workspace_bytes as f64 / 1024.0) + 0.01;
+        }
+    }
+}
+
+impl Backend for Scripted {
+    fn fingerprint(&self) -> &DeviceFingerprint {
+        self.inner.fingerprint()
+    }
+
+    fn measure(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        timing: &TimingSettings,
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
+        let mut found = self.inner.measure(problem, op, micro, timing, select)?;
+        Self::script(&mut found, |m| m as f64 / problem.n as f64);
+        Ok(found)
+    }
+
+    fn measure_spatial(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        size: i64,
+        kind: AlgoKind,
+        timing: &TimingSettings,
+        search: &EngineSearch,
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
+        self.spatial_calls += 1;
+        let mut found = self
+            .inner
+            .measure_spatial(problem, op, size, kind, timing, search, select)?;
+        let extent = SplitDim::Spatial.extent(problem, op) as f64;
+        Self::script(&mut found, |s| s as f64 / extent);
+        Ok(found)
+    }
+
+    fn release(&mut self) {
+        self.inner.release();
+    }
+
+    fn memory(&self) -> MemoryUse {
+        self.inner.memory()
+    }
+}
+
+fn tuning(split: SplitSetting, limit: u64) -> LayerTuning {
+    LayerTuning {
+        policy: Policy::All,
+        workspace_limit_bytes: limit,
+        timing: FAST,
+        candidates: CandidateSet::Legacy,
+        engines: EngineOptions::default(),
+        split,
+    }
+}
+
+fn data(len: usize, seed: u32) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let v = (i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8;
+            (v % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
+
+/// `plan` executed by `execute_cpu` against the unsplit op run with each of the plan's
+/// algorithms, with `beta = 0.5` over a non-zero output: for forward and backward-data every
+/// element equals bit for bit the unsplit op of one of the plan's algorithms (the chunk's);
+/// backward-filter (a sum over chunks) within rounding of each.
+fn check_against_unsplit(plan: &Plan) {
+    let p = &plan.problem;
+    let [(_, la), (_, lb), (_, lo)] = cpu::buffer_lens(p, plan.op).unwrap();
+    let (a, b) = (data(la, 1), data(lb, 2));
+    let start = data(lo, 3);
+    let mut got = start.clone();
+    let mut ws = AlignedWorkspace::new(cpu_workspace_bytes(plan));
+    execute_cpu(plan, 1.0, &a, &b, 0.5, &mut got, ws.as_bytes_mut()).unwrap();
+    let mut algos: Vec<CpuAlgo> = plan
+        .micro_batches
+        .iter()
+        .map(|mb| CpuAlgo::from_id(mb.algo.legacy().unwrap()).unwrap())
+        .collect();
+    algos.dedup();
+    let unsplit: Vec<Vec<f32>> = algos
+        .iter()
+        .map(|&algo| {
+            let mut out = start.clone();
+            let mut ws = AlignedWorkspace::new(cpu::workspace_bytes(p, plan.op, algo));
+            cpu::run(
+                p,
+                plan.op,
+                algo,
+                1.0,
+                &a,
+                &b,
+                0.5,
+                &mut out,
+                ws.as_bytes_mut(),
+            )
+            .unwrap();
+            out
+        })
+        .collect();
+    for (i, g) in got.iter().enumerate() {
+        let matches = unsplit.iter().any(|e| {
+            if plan.op == ConvOp::BackwardFilter {
+                (g - e[i]).abs() <= 1e-4 * (1.0 + e[i].abs())
+            } else {
+                g.to_bits() == e[i].to_bits()
+            }
+        });
+        assert!(
+            matches,
+            "{} [{i}]: {g} vs {:?}",
+            plan.op,
+            unsplit.iter().map(|e| e[i]).collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn forced_spatial_plans_fit_the_limit_and_equal_the_unsplit_op() {
+    let problem = problem(1);
+    let cache = Cache::in_memory();
+    let plans = tuning(SplitSetting::Spatial, LIMIT)
+        .tune(&mut CpuBackend::new(), &cache, "toy", &problem)
+        .unwrap();
+    for plan in &plans {
+        assert_eq!(plan.split, SplitDim::Spatial, "{}", plan.op);
+        assert_eq!(plan.extent(), 12, "{}", plan.op);
+        assert!(plan.workspace_bytes() <= LIMIT, "{}", plan.op);
+        check_against_unsplit(plan);
+    }
+}
+
+#[test]
+fn auto_splits_along_h_at_batch_1_when_the_limit_excludes_the_faster_algorithm() {
+    let problem = problem(1);
+    let cache = Cache::in_memory();
+    let mut backend = Scripted::new();
+    let plans = tuning(SplitSetting::Auto, LIMIT)
+        .tune(&mut backend, &cache, "toy", &problem)
+        .unwrap();
+    assert!(backend.spatial_calls > 0);
+    let forward = &plans[0];
+    assert_eq!(forward.split, SplitDim::Spatial, "{forward:?}");
+    assert!(forward.micro_batches.len() >= 3, "{forward:?}");
+    assert!(forward.workspace_bytes() <= LIMIT);
+    let names = mucudnn::solver::AlgoNames::new(mucudnn::solver::BackendKind::Cpu);
+    assert!(
+        forward.split_string(names).ends_with("along h"),
+        "{}",
+        forward.split_string(names)
+    );
+    for plan in &plans {
+        check_against_unsplit(plan);
+    }
+    // The same tuning again: the plans come from the cache, nothing is measured.
+    let mut again = Scripted::new();
+    let (cached, stats) = tuning(SplitSetting::Auto, LIMIT)
+        .tune_counted(&mut again, &cache, "toy", &problem)
+        .unwrap();
+    assert_eq!(cached, plans);
+    assert_eq!((stats.measured, again.spatial_calls), (0, 0));
+    // `batch` is keyed apart: it gets a batch plan, not the cached spatial one.
+    let batch = tuning(SplitSetting::Batch, LIMIT)
+        .tune(&mut Scripted::new(), &cache, "toy", &problem)
+        .unwrap();
+    assert!(batch.iter().all(|p| p.split == SplitDim::Batch));
+}
+
+#[test]
+fn auto_does_not_measure_chunks_without_workspace_pressure_or_at_a_large_batch() {
+    // Every candidate fits: nothing to gain from chunks.
+    let mut backend = Scripted::new();
+    let plans = tuning(SplitSetting::Auto, 1 << 30)
+        .tune(&mut backend, &Cache::in_memory(), "toy", &problem(1))
+        .unwrap();
+    assert_eq!(backend.spatial_calls, 0);
+    assert!(plans.iter().all(|p| p.split == SplitDim::Batch));
+    // Batch 8 under the same pressure: micro-batches only.
+    let mut backend = Scripted::new();
+    let plans = tuning(SplitSetting::Auto, LIMIT)
+        .tune(&mut backend, &Cache::in_memory(), "toy", &problem(8))
+        .unwrap();
+    assert_eq!(backend.spatial_calls, 0);
+    assert!(plans.iter().all(|p| p.split == SplitDim::Batch));
+}
+
+/// A backend that cannot time chunks: `auto` keeps its batch plans, `spatial` says why.
+struct BatchOnly(CpuBackend);
+
+impl Backend for BatchOnly {
+    fn fingerprint(&self) -> &DeviceFingerprint {
+        self.0.fingerprint()
+    }
+
+    fn measure(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        timing: &TimingSettings,
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
+        self.0.measure(problem, op, micro, timing, select)
+    }
+}
+
+#[test]
+fn a_backend_without_chunks_leaves_auto_with_batch_plans_and_refuses_spatial() {
+    let problem = problem(1);
+    let plans = tuning(SplitSetting::Auto, LIMIT)
+        .tune(
+            &mut BatchOnly(CpuBackend::new()),
+            &Cache::in_memory(),
+            "toy",
+            &problem,
+        )
+        .unwrap();
+    assert!(plans.iter().all(|p| p.split == SplitDim::Batch));
+    let error = tuning(SplitSetting::Spatial, LIMIT)
+        .tune(
+            &mut BatchOnly(CpuBackend::new()),
+            &Cache::in_memory(),
+            "toy",
+            &problem,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("cannot time legacy candidates on spatial chunks"),
+        "{error}"
+    );
+}
+
+#[test]
+fn split_settings_parse_and_name_themselves() {
+    for setting in SplitSetting::ALL {
+        assert_eq!(setting.name().parse::<SplitSetting>(), Ok(setting));
+    }
+    assert_eq!(SplitSetting::default(), SplitSetting::Auto);
+    let error = "sideways".parse::<SplitSetting>().unwrap_err();
+    assert!(error.contains("batch, spatial or auto"), "{error}");
+}
