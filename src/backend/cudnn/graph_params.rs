@@ -390,13 +390,8 @@ impl ChunkShapes {
             detail,
         };
         let axis = split_axis(problem);
-        let spatial = full.spatial_dims();
-        let index = match axis {
-            Axis::D => 0,
-            Axis::H => spatial - 2,
-            Axis::W => spatial - 1,
-        };
-        let dim = 2 + index;
+        let dim = split_dim_index(problem);
+        let index = dim - 2;
         let geometry = AxisGeometry::of(problem, axis);
         let (x_rows, y_rows) = (i64::from(full.input[dim]), i64::from(full.output[dim]));
         let (input, output) = (chunk.input, chunk.output);
@@ -516,6 +511,17 @@ impl ChunkShapes {
         let mut pad = self.full.pad.map(i64::from);
         pad[self.dim - 2] = self.chunk.pad_after;
         pad
+    }
+}
+
+/// The index of the split axis ([`split_axis`]) in the tensors' dims `[n, c, spatial...]`: 2
+/// for `D` of a 3-D problem or `H` of a 2-D one, 3 for `W` of a 1-D one (4-D tensors).
+pub fn split_dim_index(problem: &ConvProblem) -> usize {
+    let spatial = problem.spatial_dims();
+    2 + match split_axis(problem) {
+        Axis::D => 0,
+        Axis::H => spatial - 2,
+        Axis::W => spatial - 1,
     }
 }
 
