@@ -780,3 +780,101 @@ pub fn check_spatial_plan(plan: &Plan) -> Result<Vec<Chunk>, ExecError> {
         ))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::solver::{ConvProblem, MicroBatch};
+
+    /// What a spatial plan's calls and blank-row scalings write covers the op's output rows
+    /// exactly once (forward and backward-data), so every element of the result is either one
+    /// call's or `beta * out`; chunkings that do not add up are refused.
+    #[test]
+    fn chunk_calls_and_blank_rows_tile_the_output() {
+        let problems = [
+            ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new(1, 2, 23, 5, 3, 3, 3)
+            },
+            ConvProblem {
+                stride_h: 3,
+                ..ConvProblem::new(1, 2, 40, 4, 3, 1, 1)
+            },
+            ConvProblem {
+                pad_h: 5,
+                stride_h: 2,
+                dilation_h: 2,
+                ..ConvProblem::new(2, 2, 17, 4, 3, 3, 1)
+            },
+            ConvProblem {
+                pad_d: 1,
+                stride_d: 2,
+                ..ConvProblem::new_3d(1, 2, 25, 3, 3, 2, 3, 1, 1)
+            },
+        ];
+        let plan_of = |problem: ConvProblem, op, sizes: &[i64]| Plan {
+            layer: "l".into(),
+            problem,
+            op,
+            split: SplitDim::Spatial,
+            micro_batches: sizes
+                .iter()
+                .map(|&size| MicroBatch {
+                    size,
+                    algo: Algo::Legacy(0),
+                    workspace_bytes: 0,
+                    time_ms: 1.0,
+                })
+                .collect(),
+        };
+        let mut blanks = 0;
+        for problem in problems {
+            for op in [ConvOp::Forward, ConvOp::BackwardData] {
+                let extent = SplitDim::Spatial.extent(&problem, op);
+                let mut seven = vec![1, 3, 2, 1, 2, 1];
+                seven.push(extent - seven.iter().sum::<i64>());
+                for sizes in [vec![extent], vec![extent / 3, extent - extent / 3], seven] {
+                    let plan = plan_of(problem, op, &sizes);
+                    let list = check_spatial_plan(&plan).unwrap();
+                    let mut written = vec![0u32; extent as usize];
+                    let mut first = 0;
+                    for (chunk, &size) in list.iter().zip(&sizes) {
+                        let mut mark = |rows: Rows| {
+                            for r in rows.first..rows.end() {
+                                written[r as usize] += 1;
+                            }
+                        };
+                        for rows in blank_rows(op, chunk, first, size) {
+                            blanks += 1;
+                            mark(rows);
+                        }
+                        if chunk.has_call() {
+                            let view = ChunkShapes::new(&problem, chunk).unwrap();
+                            let role = operand_roles(op)[2];
+                            let rows = Rows {
+                                first: view.first_row(role),
+                                len: i64::from(view.shapes.dims(role)[view.dim]),
+                            };
+                            // A call writes inside its own chunk's rows.
+                            assert!(rows.first >= first && rows.end() <= first + size);
+                            mark(rows);
+                        }
+                        first += size;
+                    }
+                    assert!(
+                        written.iter().all(|&w| w == 1),
+                        "{} {op} {sizes:?}: {written:?}",
+                        problem.describe()
+                    );
+                }
+                let mut wrong = plan_of(problem, op, &[extent - 1]);
+                assert!(check_spatial_plan(&wrong).is_err());
+                wrong.micro_batches[0].size = 0;
+                assert!(check_spatial_plan(&wrong).is_err());
+            }
+        }
+        // The 1x1 stride-3 backward-data leaves rows no window reaches.
+        assert!(blanks > 0);
+    }
+}
