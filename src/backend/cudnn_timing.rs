@@ -568,7 +568,7 @@ impl Backend for CudnnBackend {
         }
         let mut found = Measured::default();
         for (config, name) in configs.iter().zip(names) {
-            if search.skip.contains(&name) || !select.wants(&Algo::Engine(name.clone())) {
+            if search.skip.contains(&name) || !select.wants(&Algo::Engine(name)) {
                 continue;
             }
             match self.time_engine_chunks(op, &chunks, config, alignments, timing, select)? {

@@ -92,6 +92,14 @@ struct SpatialSteps {
     steps: Vec<ChunkStep>,
 }
 
+/// What a prepared plan runs, in order.
+enum PlanSteps {
+    /// A batch plan: the kernel of each micro-batch.
+    Batch(Vec<usize>),
+    /// A spatial plan's chunks (boxed: most plans split the batch).
+    Spatial(Box<SpatialSteps>),
+}
+
 /// One cuDNN call of a plan's execution.
 enum Action {
     /// Kernel `kernel` on the `[a, b, out]` element ranges `(offset, len)` with `beta`.
@@ -122,9 +130,7 @@ pub struct PreparedPlan {
     /// Distinct (size, candidate, alignment) kernels (no alignment for a legacy algorithm),
     /// and the kernel of each micro-batch in plan order.
     kernels: Vec<(i64, Algo, Option<Alignments>, Kernel)>,
-    kernel_of: Vec<usize>,
-    /// A spatial plan's chunks (`kernel_of` is then empty).
-    spatial: Option<SpatialSteps>,
+    steps: PlanSteps,
     workspace_bytes: u64,
     /// Fences of the caller streams it ran on, and whether it ran under capture (boxed: cold
     /// state, kept out of the plan's own size).
@@ -280,8 +286,7 @@ impl PreparedPlan {
         Ok(PreparedPlan {
             plan,
             kernels,
-            kernel_of,
-            spatial: None,
+            steps: PlanSteps::Batch(kernel_of),
             workspace_bytes,
             teardown: Box::default(),
         })
@@ -395,12 +400,11 @@ impl PreparedPlan {
         Ok(PreparedPlan {
             plan,
             kernels,
-            kernel_of: Vec::new(),
-            spatial: Some(SpatialSteps {
+            steps: PlanSteps::Spatial(Box::new(SpatialSteps {
                 full,
                 dim,
                 steps: chunk_steps,
-            }),
+            })),
             workspace_bytes,
             teardown: Box::default(),
         })
@@ -484,17 +488,20 @@ impl PreparedPlan {
     /// caller's `beta`, later ones 1, as micro-batches; no call at all scales `dw`).
     fn actions(&self, beta: f32) -> Vec<Action> {
         let plan = &self.plan;
-        let Some(spatial) = &self.spatial else {
-            let roles = operand_roles(plan.op);
-            let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
-            return steps(plan, beta)
-                .zip(&self.kernel_of)
-                .map(|(step, &kernel)| Action::Call {
-                    ranges: [0, 1, 2].map(|i| step.range(roles[i], per_sample[i])),
-                    kernel,
-                    beta: step.beta,
-                })
-                .collect();
+        let spatial = match &self.steps {
+            PlanSteps::Spatial(spatial) => spatial,
+            PlanSteps::Batch(kernel_of) => {
+                let roles = operand_roles(plan.op);
+                let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
+                return steps(plan, beta)
+                    .zip(kernel_of)
+                    .map(|(step, &kernel)| Action::Call {
+                        ranges: [0, 1, 2].map(|i| step.range(roles[i], per_sample[i])),
+                        kernel,
+                        beta: step.beta,
+                    })
+                    .collect();
+            }
         };
         let out_role = operand_roles(plan.op)[2];
         let mut actions = Vec::new();
