@@ -13,9 +13,10 @@
 
 use mucudnn::backend::cudnn::graph_params::packed_strides;
 use mucudnn::backend::cudnn::{
-    engine_configs_on_device, heuristic_plan_workspaces_on_device, plan_on_device, Alignments,
-    ConvDescriptors, ConvShapes, CudnnError, DeviceDescription, EngineConfig, EngineSearch,
-    HeurMode, Operand,
+    engine_configs_for_chunk_on_device, engine_configs_on_device,
+    heuristic_plan_workspaces_on_device, plan_for_chunk_on_device, plan_on_device, Alignments,
+    ChunkShapes, ConvDescriptors, ConvShapes, CudnnError, DeviceDescription, EngineConfig,
+    EngineSearch, HeurMode, Operand, TensorDescriptor,
 };
 use mucudnn::ffi::problem_from_descriptors;
 use mucudnn::models::Model;
@@ -652,6 +653,161 @@ fn every_micro_batch_builds_at_its_offset() {
     assert!(
         !failures.is_empty(),
         "the old rule should time configurations that fail at sample 4"
+    );
+}
+
+/// Issue 24: zoo-like problems split along their outermost spatial axis (2-D 3x3 pad 1 fp16
+/// NHWC, 3-D 3x3x3 pad 1 fp16 NDHWC, a stride-2 2-D layer), in uneven chunkings of 2, 3 and 7
+/// chunks, every op. Every chunk's graph (views of the full tensors: the chunk's rows, the full
+/// strides; the split axis padded only at the border, so boundary chunks pad one side only)
+/// finalizes with the alignment of any row offset (what `CudnnBackend::measure_spatial`
+/// declares), heuristics offer configurations for it, and those configurations build at the
+/// chunk's real offset with its real beta (backward-filter: 1 after the first call). A chunk
+/// whose padding does not make its output rows is refused (the negative control).
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn spatial_chunks_build_with_asymmetric_padding() {
+    use mucudnn::solver::spatial::{chunks, split_axis, AxisGeometry};
+    enabled("spatial_chunks_build_with_asymmetric_padding");
+    let device = device();
+    let fp16 = |p: ConvProblem| ConvProblem {
+        dtype: DType::Fp16,
+        layout: Layout::Nhwc,
+        ..p
+    };
+    let problems = [
+        (
+            "2-D 3x3 pad 1",
+            fp16(ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new(1, 64, 40, 48, 64, 3, 3)
+            }),
+        ),
+        (
+            "3-D 3x3x3 pad 1",
+            fp16(ConvProblem {
+                pad_d: 1,
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new_3d(1, 32, 17, 24, 24, 32, 3, 3, 3)
+            }),
+        ),
+        (
+            "2-D 3x3 pad 1 stride 2",
+            fp16(ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                stride_h: 2,
+                stride_w: 2,
+                ..ConvProblem::new(1, 64, 41, 40, 64, 3, 3)
+            }),
+        ),
+    ];
+    let all_modes = EngineSearch {
+        max_candidates: usize::MAX,
+        ..EngineSearch::default()
+    };
+    let (mut graphs, mut asymmetric, mut built) = (0, 0, 0);
+    let mut failures = Vec::new();
+    for (name, problem) in problems {
+        let geometry = AxisGeometry::of(&problem, split_axis(&problem));
+        for op in ConvOp::ALL {
+            let extent = geometry.extent(op);
+            // Uneven chunkings of 2, 3 and 7 chunks.
+            let two = vec![extent / 3, extent - extent / 3];
+            let three = vec![2, extent / 2, extent - 2 - extent / 2];
+            let mut seven = vec![1, 3, 2, 4, 1, 2];
+            seven.push(extent - seven.iter().sum::<i64>());
+            for sizes in [two, three, seven] {
+                let parts = chunks(&geometry, op, &sizes)
+                    .unwrap_or_else(|| panic!("{name} {op}: {sizes:?} of {extent}"));
+                let mut calls = 0;
+                for chunk in parts.iter().filter(|c| c.has_call()) {
+                    let view = ChunkShapes::new(&problem, chunk).unwrap();
+                    let what = format!("{name} {op} {sizes:?} {chunk:?}");
+                    if !view.is_symmetric() {
+                        asymmetric += 1;
+                    }
+                    let timed = view.any_row_alignments();
+                    let configs = match engine_configs_for_chunk_on_device(
+                        &device, &view, op, &all_modes, timed,
+                    ) {
+                        Ok(configs) => configs,
+                        Err(e) => {
+                            failures.push(format!("{what}: no graph or heuristics: {e}"));
+                            continue;
+                        }
+                    };
+                    graphs += 1;
+                    if configs.is_empty() {
+                        failures.push(format!("{what}: no configuration"));
+                    }
+                    let beta = if op == ConvOp::BackwardFilter && calls > 0 {
+                        1.0
+                    } else {
+                        0.0
+                    };
+                    calls += 1;
+                    // The first few, to keep the tier short; each at the chunk's own offset.
+                    for config in configs.iter().take(4) {
+                        match plan_for_chunk_on_device(
+                            &device,
+                            &view,
+                            op,
+                            config,
+                            beta,
+                            view.alignments(),
+                        ) {
+                            Ok(_) => built += 1,
+                            Err(e) if e.is_not_supported() => {}
+                            Err(e) => failures.push(format!("{what}: {config}: {e}")),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "{graphs} chunk graphs ({asymmetric} with one-sided padding), {built} plans built at \
+         their offsets"
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(asymmetric > 0 && built > graphs);
+    // Negative control: one more row of padding after the chunk than its output rows need.
+    let (_, problem) = problems[0];
+    let geometry = AxisGeometry::of(&problem, split_axis(&problem));
+    let parts = chunks(&geometry, ConvOp::Forward, &[13, 27]).unwrap();
+    let mut view = ChunkShapes::new(&problem, &parts[0]).unwrap();
+    view.chunk.pad_after += 2;
+    let refused = engine_configs_for_chunk_on_device(
+        &device,
+        &view,
+        ConvOp::Forward,
+        &all_modes,
+        Alignments::MAX,
+    );
+    assert!(refused.is_err(), "{refused:?}");
+    // A strided legacy descriptor (what rows no call writes are scaled through) reads back
+    // with the full tensor's strides.
+    let rows = ChunkShapes::new(&problem, &parts[1]).unwrap();
+    let desc = TensorDescriptor::strided(
+        problem.dtype,
+        &rows.dims(Operand::Output),
+        &rows.strides(Operand::Output),
+    )
+    .unwrap();
+    let info = desc.info().unwrap();
+    assert_eq!(
+        info.dims.iter().map(|&d| i64::from(d)).collect::<Vec<_>>(),
+        rows.dims(Operand::Output).to_vec()
+    );
+    assert_eq!(
+        info.strides
+            .iter()
+            .map(|&d| i64::from(d))
+            .collect::<Vec<_>>(),
+        rows.strides(Operand::Output).to_vec()
     );
 }
 

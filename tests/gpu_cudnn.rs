@@ -10,7 +10,7 @@ use mucudnn::backend::cudnn::host::{reference_convolution, Reference};
 use mucudnn::backend::cudnn::{ConvDescriptors, CudnnHandle, DeviceBuffer};
 use mucudnn::exec::cudnn::PreparedPlan;
 use mucudnn::solver::{operand_roles, Operand};
-use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MathMode, MicroBatch, Plan};
+use mucudnn::solver::{Algo, ConvOp, ConvProblem, DType, Layout, MathMode, MicroBatch, Plan};
 
 fn plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: u32) -> Plan {
     Plan {
@@ -577,4 +577,212 @@ fn check_engine_candidates(cases: &[(&str, ConvProblem)]) -> Vec<String> {
         }
     }
     rows
+}
+
+/// A spatial plan (issue 24): chunks of `sizes` rows along the split axis, all with `algo`.
+fn spatial_plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: Algo) -> Plan {
+    Plan {
+        split: mucudnn::solver::SplitDim::Spatial,
+        micro_batches: sizes
+            .iter()
+            .map(|&size| MicroBatch {
+                size,
+                algo,
+                workspace_bytes: 0,
+                time_ms: 1.0,
+            })
+            .collect(),
+        ..plan(problem, op, &[problem.n], 0)
+    }
+}
+
+/// Uneven chunkings of `extent` rows into 2, 3 and 7 chunks (`extent` >= 10).
+fn uneven_chunkings(extent: i64) -> [Vec<i64>; 3] {
+    let mut seven = vec![1, 3, 2, 1, 2, 1];
+    seven.push(extent - seven.iter().sum::<i64>());
+    [
+        vec![extent / 3, extent - extent / 3],
+        vec![2, extent / 2, extent - 2 - extent / 2],
+        seven,
+    ]
+}
+
+/// Issue 24 on the GPU: spatial plans of 2, 3 and 7 uneven chunks (views of the full tensors
+/// at pointer offsets, one-sided padding at the borders) equal the undivided run of the same
+/// engine configuration, bitwise for forward and backward-data when cuDNN's notes call the
+/// engine deterministic (each output element is computed by one call in both), and match the
+/// float64 host reference in every op (backward-filter sums its chunks with beta = 1). The
+/// configurations are those `CudnnBackend::measure_spatial` times at the whole extent. Cases:
+/// 2-D fp16 NHWC 3x3 pad 1, 3-D fp16 NDHWC 3x3x3 pad 1 stride 2, 2-D fp32 NCHW dilation 2
+/// stride 2 with padding larger than the halo, and a 1x1 stride-3 layer whose backward-data
+/// leaves rows no window reaches (written as zeros over the garbage the output starts with).
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn spatial_plans_equal_undivided_and_the_host_reference() {
+    use mucudnn::backend::cudnn::{EngineConfig, EnginePlan};
+    use mucudnn::backend::{Backend, CudnnBackend, EngineSearch, Selection, TimingSettings};
+    use mucudnn::solver::spatial::SplitDim;
+    use mucudnn::solver::AlgoKind;
+    let fp16 = |p: ConvProblem| ConvProblem {
+        dtype: DType::Fp16,
+        layout: Layout::Nhwc,
+        math: MathMode::TensorOp,
+        ..p
+    };
+    let cases = [
+        (
+            "2d fp16 nhwc 3x3 pad 1",
+            fp16(ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new(1, 16, 23, 20, 32, 3, 3)
+            }),
+        ),
+        (
+            "3d fp16 ndhwc 3x3x3 pad 1 stride 2",
+            fp16(ConvProblem {
+                pad_d: 1,
+                pad_h: 1,
+                pad_w: 1,
+                stride_d: 2,
+                stride_h: 2,
+                stride_w: 2,
+                ..ConvProblem::new_3d(1, 8, 25, 10, 10, 16, 3, 3, 3)
+            }),
+        ),
+        (
+            "2d fp32 nchw dilation 2 stride 2 pad 3",
+            ConvProblem {
+                pad_h: 3,
+                pad_w: 1,
+                stride_h: 2,
+                dilation_h: 2,
+                math: MathMode::Fma,
+                ..ConvProblem::new(2, 8, 31, 17, 8, 3, 3)
+            },
+        ),
+        (
+            "2d fp32 nchw 1x1 stride 3",
+            ConvProblem {
+                stride_h: 3,
+                stride_w: 3,
+                math: MathMode::Fma,
+                ..ConvProblem::new(1, 8, 40, 12, 8, 1, 1)
+            },
+        ),
+    ];
+    let mut backend = CudnnBackend::new(0).expect("a GPU");
+    assert!(
+        backend.kinds().contains(&AlgoKind::Engine),
+        "the loaded cuDNN has no graph API"
+    );
+    let quick = TimingSettings {
+        warmup: 1,
+        loops: 1,
+        iterations: 1,
+        long_call_ms: 1000.0,
+    };
+    let search = EngineSearch {
+        max_candidates: Some(3),
+        ..Default::default()
+    };
+    let mut rows = Vec::new();
+    for (label, problem) in cases {
+        let d = ConvDescriptors::new(&problem).expect("descriptors");
+        let len = |role| d.shapes().elements(role);
+        let handle = backend.handle();
+        let inputs = [Operand::Input, Operand::Filter, Operand::Output]
+            .map(|role| handle.alloc_random(problem.dtype, len(role), 7).unwrap());
+        let host: Vec<Vec<f32>> = inputs.iter().map(|b| b.download().unwrap()).collect();
+        for op in ConvOp::ALL {
+            let extent = SplitDim::Spatial.extent(&problem, op);
+            let measured = backend
+                .measure_spatial(
+                    &problem,
+                    op,
+                    extent,
+                    AlgoKind::Engine,
+                    &quick,
+                    &search,
+                    &Selection::ALL,
+                )
+                .expect("spatial measurement")
+                .measurements;
+            assert!(!measured.is_empty(), "{label} {op}: no engine ran");
+            // A middle chunk size is measured too (start, middle and end positions).
+            let middle = backend
+                .measure_spatial(
+                    &problem,
+                    op,
+                    extent / 2,
+                    AlgoKind::Engine,
+                    &quick,
+                    &search,
+                    &Selection::ALL,
+                )
+                .expect("spatial measurement of a chunk size");
+            assert!(
+                middle.measurements.iter().all(|m| m.micro == extent / 2),
+                "{label} {op}"
+            );
+            let roles = operand_roles(op);
+            let index = |role: Operand| match role {
+                Operand::Input => 0,
+                Operand::Filter => 1,
+                Operand::Output => 2,
+            };
+            let (ia, ib) = (index(roles[0]), index(roles[1]));
+            let want = reference_convolution(&problem, op, &host[ia], &host[ib]).expect("ref");
+            let handle = backend.handle();
+            for m in &measured {
+                let Algo::Engine(name) = m.algo else {
+                    panic!("{label} {op}: {} is not an engine", m.algo)
+                };
+                let config = EngineConfig::from_name(name).unwrap();
+                let deterministic = EnginePlan::new(handle, &problem, op, &config, 1.0, 0.0)
+                    .map(|p| !p.notes().nondeterministic)
+                    .unwrap_or(false);
+                let whole_plan = spatial_plan(problem, op, &[extent], m.algo);
+                let Some(whole) = run(handle, &whole_plan, &inputs[ia], &inputs[ib], len(roles[2]))
+                else {
+                    panic!("{label} {op} {}: the one-chunk plan did not run", m.algo);
+                };
+                let error = want.max_relative_error(&whole);
+                assert!(
+                    error <= tolerance(&problem),
+                    "{label} {op} {}: whole error {error:.2e}",
+                    m.algo
+                );
+                let mut ran = 0;
+                for sizes in uneven_chunkings(extent) {
+                    let p = spatial_plan(problem, op, &sizes, m.algo);
+                    // A configuration need not build at every chunk shape: `run` says so.
+                    let Some(parts) = run(handle, &p, &inputs[ia], &inputs[ib], len(roles[2]))
+                    else {
+                        continue;
+                    };
+                    ran += 1;
+                    let split_error = want.max_relative_error(&parts);
+                    assert!(
+                        split_error <= tolerance(&problem),
+                        "{label} {op} {} {sizes:?}: error {split_error:.2e}",
+                        m.algo
+                    );
+                    let bitwise = whole
+                        .iter()
+                        .zip(&parts)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    if op != ConvOp::BackwardFilter && deterministic {
+                        assert!(bitwise, "{label} {op} {} {sizes:?}: not bitwise", m.algo);
+                    }
+                    rows.push(format!(
+                        "{label} {op} {} {sizes:?}: error {split_error:.1e}, bitwise {bitwise}",
+                        m.algo
+                    ));
+                }
+                assert!(ran > 0, "{label} {op} {}: no chunking ran", m.algo);
+            }
+        }
+    }
+    println!("\n{}", rows.join("\n"));
 }

@@ -2,20 +2,23 @@
 //! random device data, at a micro-batch offset inside a full-batch buffer: the least-aligned
 //! offset the executor can run that size at ([`timing_offset`]), and engine configurations
 //! declare the alignment that holds at every offset, so what is timed can run wherever a plan
-//! puts it (issue 21, item 8).
+//! puts it (issue 21, item 8). Spatial chunks (issue 24, [`Backend::measure_spatial`]) are
+//! timed the same way: engine configurations on views of the full operands at the start,
+//! middle and end of the split axis, declaring the alignment of every row offset.
 
 use super::cudnn::{
-    algo_count, engine_configs_with_alignments, graph_api_status, legacy_deterministic, probe,
-    Alignments, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig,
-    EnginePlan, Workspace,
+    algo_count, engine_configs_for_chunk, engine_configs_with_alignments, graph_api_status,
+    legacy_deterministic, probe, Alignments, ChunkShapes, ConvDescriptors, ConvShapes, CudnnError,
+    CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan, Workspace,
 };
 use super::{
-    check_measure_args, median_time, Backend, BackendError, Decision, EngineSearch, Measured,
-    MemoryUse, Selection, TimingSettings,
+    check_chunk_args, check_measure_args, median_time, Backend, BackendError, Decision,
+    EngineSearch, Measured, MemoryUse, Selection, TimingSettings,
 };
 use crate::device::{BackendKind, DeviceFingerprint};
+use crate::solver::spatial::{split_axis, timing_chunks, AxisGeometry};
 use crate::solver::{operand_roles, timing_offset, Operand, Step};
-use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, Measurement, Skipped};
+use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Skipped};
 
 /// Full-batch random operands of one problem, indexed by [`Operand`].
 struct Operands {
@@ -274,6 +277,95 @@ impl CudnnBackend {
     }
 }
 
+impl CudnnBackend {
+    /// Runs `run` on the `(a, b, out)` views of one spatial chunk of the full operands, at the
+    /// offsets the chunk runs at (see [`ChunkShapes::range`]), and the workspace.
+    fn time_chunk_views<R>(
+        &mut self,
+        op: ConvOp,
+        chunk: &ChunkShapes,
+        run: impl FnOnce(
+            &CudnnHandle,
+            &super::cudnn::DeviceView<'_>,
+            &super::cudnn::DeviceView<'_>,
+            &mut super::cudnn::DeviceViewMut<'_>,
+            &mut super::cudnn::WorkspaceView<'_>,
+        ) -> Result<R, CudnnError>,
+    ) -> Result<R, CudnnError> {
+        let [ra, rb, ro] = operand_roles(op).map(|role| chunk.range(role));
+        let handle = &self.handle;
+        let (a, b, out) = self.operands.as_mut().expect("ensured").for_op(op);
+        let (a, b, mut out) = (
+            a.view(ra.0, ra.1)?,
+            b.view(rb.0, rb.1)?,
+            out.view_mut(ro.0, ro.1)?,
+        );
+        let mut workspace = self.workspace.as_mut().expect("ensured").view();
+        run(handle, &a, &b, &mut out, &mut workspace)
+    }
+
+    /// Times one engine configuration on the timing chunks of a spatial size: every chunk's
+    /// plan is built first (declaring `alignments`, and for backward-filter also with beta 1,
+    /// which later chunks use), so a configuration that cannot run at one position is
+    /// unsupported for the size; then each is timed at its own offsets. The time is the
+    /// slowest chunk's, the workspace the largest.
+    fn time_engine_chunks(
+        &mut self,
+        op: ConvOp,
+        chunks: &[ChunkShapes],
+        config: &EngineConfig,
+        alignments: Alignments,
+        timing: &TimingSettings,
+        select: &Selection,
+    ) -> Result<EngineOutcome, CudnnError> {
+        let skip = |e: &CudnnError| e.is_not_supported() || e.is_out_of_memory();
+        let mut plans = Vec::with_capacity(chunks.len());
+        let mut bytes = 0;
+        for chunk in chunks {
+            let betas: &[f32] = if op == ConvOp::BackwardFilter {
+                &[0.0, 1.0]
+            } else {
+                &[0.0]
+            };
+            for &beta in betas {
+                match EnginePlan::for_chunk(&self.handle, chunk, op, config, 1.0, beta, alignments)
+                {
+                    Ok(plan) => {
+                        bytes = bytes.max(plan.workspace_bytes());
+                        if beta == 0.0 {
+                            plans.push(plan);
+                        }
+                    }
+                    Err(e) if skip(&e) => return Ok(EngineOutcome::Unsupported),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        if select.decide(&Algo::Engine(config.name()), bytes) == Decision::Skip {
+            return Ok(EngineOutcome::Skipped(bytes));
+        }
+        match self.ensure_workspace(bytes) {
+            Ok(()) => {}
+            Err(e) if e.is_out_of_memory() => return Ok(EngineOutcome::Unsupported),
+            Err(e) => return Err(e),
+        }
+        let mut slowest = 0.0f64;
+        for (chunk, plan) in chunks.iter().zip(&plans) {
+            let timed = self.time_chunk_views(op, chunk, |handle, a, b, out, workspace| {
+                time_calls(handle, timing, || {
+                    plan.execute(handle, a, b, out, workspace)
+                })
+            });
+            match timed {
+                Ok(ms) => slowest = slowest.max(ms),
+                Err(e) if skip(&e) => return Ok(EngineOutcome::Unsupported),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(EngineOutcome::Timed(slowest, bytes))
+    }
+}
+
 /// The median time of one `call` per [`TimingSettings`], with CUDA events on `handle`'s stream.
 fn time_calls(
     handle: &CudnnHandle,
@@ -402,6 +494,93 @@ impl Backend for CudnnBackend {
                 EngineOutcome::Timed(time_ms, workspace_bytes) => {
                     found.measurements.push(Measurement {
                         micro,
+                        algo: Algo::Engine(name),
+                        time_ms: time_ms.max(1e-6),
+                        workspace_bytes,
+                    })
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Engine configurations only (issue 24): each chunk of
+    /// [`timing_chunks`] runs as views of the full operands at its real offsets, with its own
+    /// pre/post padding along the split axis ([`ChunkShapes`]); the tensors declare what
+    /// holds at every row offset ([`ChunkShapes::any_row_alignments`]), so what is timed
+    /// builds wherever a plan puts the chunk. Configurations come from cuDNN's heuristics at
+    /// each timing position (their union, in that order, capped at `search.max_candidates`).
+    /// Legacy algorithms are [`BackendError::NoSpatial`]: a legacy descriptor pads both sides
+    /// of an axis alike, and a chunk at the border of a padded axis pads one side only, so
+    /// they are left out of spatial plans (see docs/gpu.md).
+    fn measure_spatial(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        size: i64,
+        kind: AlgoKind,
+        timing: &TimingSettings,
+        search: &EngineSearch,
+        select: &Selection,
+    ) -> Result<Measured, BackendError> {
+        check_chunk_args(problem, op, size)?;
+        if kind == AlgoKind::Legacy {
+            return Err(BackendError::NoSpatial {
+                backend: self.fingerprint.name.clone(),
+                kind,
+            });
+        }
+        graph_api_status()?;
+        if self.operands.as_ref().is_none_or(|o| o.problem != *problem) {
+            self.check_fits(problem)?;
+        }
+        self.ensure_operands(problem)?;
+        let geometry = AxisGeometry::of(problem, split_axis(problem));
+        let chunks = timing_chunks(&geometry, op, size)
+            .iter()
+            .map(|chunk| ChunkShapes::new(problem, chunk))
+            .collect::<Result<Vec<_>, _>>()?;
+        let Some(first) = chunks.first() else {
+            return Ok(Measured::default());
+        };
+        // The least alignment of any row offset (every position of a size has the same).
+        let alignments = first.any_row_alignments();
+        let heuristics = super::cudnn::EngineSearch {
+            max_candidates: search.max_candidates.unwrap_or(usize::MAX),
+            ..Default::default()
+        };
+        let mut names: Vec<EngineName> = Vec::new();
+        let mut configs: Vec<EngineConfig> = Vec::new();
+        for chunk in &chunks {
+            let found =
+                match engine_configs_for_chunk(&self.handle, chunk, op, &heuristics, alignments) {
+                    Ok(found) => found,
+                    Err(e) if e.is_not_supported() => Vec::new(),
+                    Err(e) => return Err(e.into()),
+                };
+            for config in found {
+                let name = config.name();
+                if configs.len() < heuristics.max_candidates && !names.contains(&name) {
+                    names.push(name);
+                    configs.push(config);
+                }
+            }
+        }
+        let mut found = Measured::default();
+        for (config, name) in configs.iter().zip(names) {
+            if search.skip.contains(&name) || !select.wants(&Algo::Engine(name)) {
+                continue;
+            }
+            match self.time_engine_chunks(op, &chunks, config, alignments, timing, select)? {
+                EngineOutcome::Unsupported => {}
+                EngineOutcome::Skipped(workspace_bytes) => found.skipped.push(Skipped {
+                    micro: size,
+                    algo: Algo::Engine(name),
+                    workspace_bytes,
+                }),
+                EngineOutcome::Timed(time_ms, workspace_bytes) => {
+                    found.measurements.push(Measurement {
+                        micro: size,
                         algo: Algo::Engine(name),
                         time_ms: time_ms.max(1e-6),
                         workspace_bytes,

@@ -14,18 +14,28 @@
 //! `(alpha, beta) = (1, 0)` and, for backward-filter's accumulating micro-batches, `(1, 1)` are
 //! built up front; a caller's other alpha or beta builds its plan on first use and keeps it.
 //!
+//! A spatial plan (issue 24) runs its chunks the same way: each chunk's execution plan is built
+//! once for its views of the full tensors (`ChunkShapes`: the chunk's rows, the full strides, a
+//! pointer offset, the split axis padded only at the tensor's border), then one call per chunk.
+//! Forward and backward-data chunks write their rows with the caller's `beta`; rows no call
+//! writes get `beta * out` (`cudnnSetTensor` / `cudnnScaleTensor` on a strided view);
+//! backward-filter's first call uses the caller's `beta`, later ones 1. Engine configurations
+//! only: legacy descriptors pad both sides of an axis alike.
+//!
 //! Teardown on a caller's stream (issue 21, item 9) is decided in [`super::teardown`]: a
 //! prepared plan waits for the CUDA events of its last calls before its cuDNN objects are
 //! destroyed, and one that ran under CUDA graph capture is parked until the process exits.
 
 use super::teardown::{Disposal, Fence, Teardown};
 use super::{check_batch_plan, ExecError};
+use crate::backend::cudnn::graph_params::{rows_view, split_dim_index, GraphParams};
 use crate::backend::cudnn::{
-    Alignments, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer, EngineConfig,
-    EnginePlan, RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamFence, StreamKey,
-    StreamSession, Workspace,
+    Alignments, ChunkShapes, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer,
+    EngineConfig, EnginePlan, Operand, RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamFence,
+    StreamKey, StreamSession, Workspace,
 };
-use crate::solver::{operand_roles, steps, Algo, ConvOp, ConvProblem, Plan};
+use crate::solver::spatial::{chunks, split_axis, AxisGeometry, Chunk, Rows};
+use crate::solver::{operand_roles, steps, Algo, ConvOp, Plan, SplitDim};
 use std::cell::RefCell;
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -56,13 +66,54 @@ enum Kernel {
         algo: u32,
     },
     Engine {
-        /// The problem at the micro-batch size.
-        problem: ConvProblem,
+        /// The graph at alpha 1, beta 0: the problem at the micro-batch size (or a spatial
+        /// chunk's views), its tensors declaring the alignment of the offset it runs at.
+        params: GraphParams,
         config: EngineConfig,
-        /// What its tensors declare: the alignment of its micro-batches' offset.
-        alignments: Alignments,
         /// Built plans, one per (alpha, beta) used so far.
         plans: RefCell<Vec<EnginePlan>>,
+    },
+}
+
+/// One chunk of a spatial plan (issue 24): its call, if it has one, and the rows of the op's
+/// output that no call writes (`beta * out` there: zeros in the full op).
+struct ChunkStep {
+    /// The chunk's views and the index of its kernel.
+    call: Option<(ChunkShapes, usize)>,
+    /// Rows of `y` (forward) or `dx` (backward-data) along the split axis that no call writes.
+    blank: Vec<Rows>,
+}
+
+/// A spatial plan's chunks, in plan order.
+struct SpatialSteps {
+    /// The full problem's shapes and the split axis's index in the tensors' dims.
+    full: ConvShapes,
+    dim: usize,
+    steps: Vec<ChunkStep>,
+}
+
+/// What a prepared plan runs, in order.
+enum PlanSteps {
+    /// A batch plan: the kernel of each micro-batch.
+    Batch(Vec<usize>),
+    /// A spatial plan's chunks (boxed: most plans split the batch).
+    Spatial(Box<SpatialSteps>),
+}
+
+/// One cuDNN call of a plan's execution.
+enum Action {
+    /// Kernel `kernel` on the `[a, b, out]` element ranges `(offset, len)` with `beta`.
+    Call {
+        ranges: [(usize, usize); 3],
+        kernel: usize,
+        beta: f32,
+    },
+    /// `out = value * out` on a strided view of the output buffer (rows no call writes).
+    Scale {
+        range: (usize, usize),
+        dims: crate::backend::cudnn::Nd<i64>,
+        strides: crate::backend::cudnn::Nd<i64>,
+        value: f32,
     },
 }
 
@@ -79,7 +130,7 @@ pub struct PreparedPlan {
     /// Distinct (size, candidate, alignment) kernels (no alignment for a legacy algorithm),
     /// and the kernel of each micro-batch in plan order.
     kernels: Vec<(i64, Algo, Option<Alignments>, Kernel)>,
-    kernel_of: Vec<usize>,
+    steps: PlanSteps,
     workspace_bytes: u64,
     /// Fences of the caller streams it ran on, and whether it ran under capture (boxed: cold
     /// state, kept out of the plan's own size).
@@ -115,6 +166,9 @@ impl PreparedPlan {
     /// (the caller runs this convolution another way); other failures are
     /// [`ExecError::Cudnn`] or [`ExecError::InvalidPlan`].
     pub fn new(handle: &CudnnHandle, plan: Plan) -> Result<Self, ExecError> {
+        if plan.split == SplitDim::Spatial {
+            return Self::new_spatial(handle, plan);
+        }
         check_batch_plan(&plan)?;
         let error = |source: CudnnError| ExecError::Cudnn {
             layer: plan.layer.clone(),
@@ -197,19 +251,19 @@ impl PreparedPlan {
                         Algo::Engine(name) => {
                             let config = EngineConfig::from_name(name)
                                 .map_err(|e| invalid(e.to_string()))?;
-                            let alignments = alignments.unwrap_or(Alignments::MAX);
-                            let build = |beta: f32| {
-                                EnginePlan::with_alignments(
-                                    handle, &problem, plan.op, &config, 1.0, beta, alignments,
-                                )
-                                .map_err(declined(index, this_first))
-                            };
-                            let built = build(0.0)?;
+                            let params = GraphParams::with_alignments(
+                                &ConvShapes::new(&problem).map_err(error)?,
+                                plan.op,
+                                1.0,
+                                0.0,
+                                alignments.unwrap_or(Alignments::MAX),
+                            );
+                            let built = EnginePlan::from_params(handle, &params, &config)
+                                .map_err(declined(index, this_first))?;
                             workspace_bytes = workspace_bytes.max(built.workspace_bytes());
                             Kernel::Engine {
-                                problem,
+                                params,
                                 config,
-                                alignments,
                                 plans: RefCell::new(vec![built]),
                             }
                         }
@@ -224,34 +278,133 @@ impl PreparedPlan {
         // its beta = 1 plan exists too.
         if plan.op == ConvOp::BackwardFilter {
             for (index, &k) in kernel_of.iter().enumerate().skip(1) {
-                if let Kernel::Engine {
-                    problem,
-                    config,
-                    alignments,
-                    plans,
-                } = &kernels[k].3
-                {
-                    if !plans.borrow().iter().any(|p| p.beta() == 1.0) {
-                        let p = EnginePlan::with_alignments(
-                            handle,
-                            problem,
-                            plan.op,
-                            config,
-                            1.0,
-                            1.0,
-                            *alignments,
-                        )
-                        .map_err(declined(index, firsts[index]))?;
-                        workspace_bytes = workspace_bytes.max(p.workspace_bytes());
-                        plans.borrow_mut().push(p);
-                    }
-                }
+                let bytes = accumulating_plan(handle, &kernels[k].3)
+                    .map_err(declined(index, firsts[index]))?;
+                workspace_bytes = workspace_bytes.max(bytes);
             }
         }
         Ok(PreparedPlan {
             plan,
             kernels,
-            kernel_of,
+            steps: PlanSteps::Batch(kernel_of),
+            workspace_bytes,
+            teardown: Box::default(),
+        })
+    }
+
+    /// [`Self::new`] for a spatial plan (issue 24): each chunk's execution plan is built once
+    /// for its views of the full tensors ([`ChunkShapes`]: its rows, the full strides, its own
+    /// padding along the split axis), its tensors declaring the alignment of the offsets it
+    /// runs at; chunks with the same views, paddings, alignment and candidate share one.
+    /// Engine configurations only: a legacy algorithm's descriptors pad both sides of an axis
+    /// alike, so a chunk with a legacy algorithm is [`ExecError::Unsupported`].
+    fn new_spatial(handle: &CudnnHandle, plan: Plan) -> Result<Self, ExecError> {
+        let chunk_list = check_spatial_plan(&plan)?;
+        let error = |source: CudnnError| ExecError::Cudnn {
+            layer: plan.layer.clone(),
+            op: plan.op,
+            source,
+        };
+        let unsupported = |index: usize, first: i64, reason: String| {
+            let mb = &plan.micro_batches[index];
+            ExecError::Unsupported {
+                layer: plan.layer.clone(),
+                op: plan.op,
+                index,
+                size: mb.size,
+                first: first as usize,
+                algo: mb.algo,
+                reason: format!(
+                    "(a chunk of {} rows at row {first} along {}) {reason}",
+                    mb.size,
+                    split_axis(&plan.problem)
+                ),
+            }
+        };
+        let declined = |index: usize, first: i64| {
+            move |source: CudnnError| {
+                if source.is_not_supported() {
+                    unsupported(index, first, source.to_string())
+                } else {
+                    error(source)
+                }
+            }
+        };
+        let full = ConvShapes::new(&plan.problem).map_err(error)?;
+        let mut kernels: Vec<(i64, Algo, Option<Alignments>, Kernel)> = Vec::new();
+        let mut chunk_steps = Vec::with_capacity(chunk_list.len());
+        let mut workspace_bytes = 0;
+        let dim = split_dim_index(&plan.problem);
+        let mut calls = 0usize;
+        let mut first = 0i64;
+        for (index, (chunk, mb)) in chunk_list.iter().zip(&plan.micro_batches).enumerate() {
+            let this_first = first;
+            first += mb.size;
+            let blank = blank_rows(plan.op, chunk, this_first, mb.size);
+            if !chunk.has_call() {
+                chunk_steps.push(ChunkStep { call: None, blank });
+                continue;
+            }
+            let view = ChunkShapes::new(&plan.problem, chunk).map_err(error)?;
+            let Algo::Engine(name) = &mb.algo else {
+                return Err(unsupported(
+                    index,
+                    this_first,
+                    "legacy algorithms do not run spatial chunks (their descriptors pad both \
+                     sides of an axis alike); tune the spatial split with engine candidates"
+                        .into(),
+                ));
+            };
+            let params = GraphParams::for_chunk(&view, plan.op, 1.0, 0.0, view.alignments());
+            let known = kernels.iter().position(|(_, algo, _, kernel)| {
+                *algo == mb.algo
+                    && matches!(kernel, Kernel::Engine { params: p, .. } if *p == params)
+            });
+            let k = match known {
+                Some(k) => k,
+                None => {
+                    let config =
+                        EngineConfig::from_name(*name).map_err(|e| ExecError::InvalidPlan {
+                            layer: plan.layer.clone(),
+                            op: plan.op,
+                            reason: e.to_string(),
+                        })?;
+                    let built = EnginePlan::from_params(handle, &params, &config)
+                        .map_err(declined(index, this_first))?;
+                    workspace_bytes = workspace_bytes.max(built.workspace_bytes());
+                    kernels.push((
+                        mb.size,
+                        mb.algo,
+                        Some(params.alignments()),
+                        Kernel::Engine {
+                            params,
+                            config,
+                            plans: RefCell::new(vec![built]),
+                        },
+                    ));
+                    kernels.len() - 1
+                }
+            };
+            // Backward-filter's calls after the first accumulate (beta = 1).
+            if plan.op == ConvOp::BackwardFilter && calls > 0 {
+                let bytes = accumulating_plan(handle, &kernels[k].3)
+                    .map_err(declined(index, this_first))?;
+                workspace_bytes = workspace_bytes.max(bytes);
+            }
+            calls += 1;
+            chunk_steps.push(ChunkStep {
+                call: Some((view, k)),
+                blank,
+            });
+        }
+        Ok(PreparedPlan {
+            plan,
+            kernels,
+            steps: PlanSteps::Spatial(Box::new(SpatialSteps {
+                full,
+                dim,
+                steps: chunk_steps,
+            })),
             workspace_bytes,
             teardown: Box::default(),
         })
@@ -290,48 +443,117 @@ impl PreparedPlan {
         workspace: &mut Workspace,
     ) -> Result<(), ExecError> {
         let op = self.plan.op;
-        self.each_step(beta, |[ra, rb, ro], k, step_beta| {
-            let a = a.view(ra.0, ra.1)?;
-            let b = b.view(rb.0, rb.1)?;
-            let mut out = out.view_mut(ro.0, ro.1)?;
-            let mut workspace = workspace.view();
-            match &self.kernels[k].3 {
-                Kernel::Legacy { descriptors, algo } => handle.convolve(
-                    descriptors,
-                    op,
-                    *algo,
-                    alpha,
-                    &a,
-                    &b,
-                    step_beta,
-                    &mut out,
-                    &mut workspace,
-                ),
-                Kernel::Engine { plans, .. } => {
-                    let index = self.engine_plan(handle, k, alpha, step_beta)?;
-                    let plans = plans.borrow();
-                    plans[index].execute(handle, &a, &b, &mut out, &mut workspace)
+        self.each_action(beta, |action| match action {
+            Action::Scale {
+                range,
+                dims,
+                strides,
+                value,
+            } => handle.scale_view(&mut out.view_mut(range.0, range.1)?, &dims, &strides, value),
+            Action::Call {
+                ranges: [ra, rb, ro],
+                kernel,
+                beta: step_beta,
+            } => {
+                let a = a.view(ra.0, ra.1)?;
+                let b = b.view(rb.0, rb.1)?;
+                let mut out = out.view_mut(ro.0, ro.1)?;
+                let mut workspace = workspace.view();
+                match &self.kernels[kernel].3 {
+                    Kernel::Legacy { descriptors, algo } => handle.convolve(
+                        descriptors,
+                        op,
+                        *algo,
+                        alpha,
+                        &a,
+                        &b,
+                        step_beta,
+                        &mut out,
+                        &mut workspace,
+                    ),
+                    Kernel::Engine { plans, .. } => {
+                        let index = self.engine_plan(handle, kernel, alpha, step_beta)?;
+                        let plans = plans.borrow();
+                        plans[index].execute(handle, &a, &b, &mut out, &mut workspace)
+                    }
                 }
             }
         })
     }
 
-    /// Runs `run(ranges, kernel, beta)` for every micro-batch in plan order, with the element
-    /// ranges `(offset, len)` of its `[a, b, out]` operands (see [`crate::solver::steps`]); the
-    /// first error stops it, tagged with the layer and op.
-    fn each_step(
+    /// The calls of one execution in order, for a caller's `beta`: per micro-batch (see
+    /// [`crate::solver::steps`]) the element ranges `(offset, len)` of its `[a, b, out]`
+    /// operands in the full buffers; for a spatial plan per chunk the `beta * out` of the rows
+    /// no call writes, then its call on its views (backward-filter: the first call with the
+    /// caller's `beta`, later ones 1, as micro-batches; no call at all scales `dw`).
+    fn actions(&self, beta: f32) -> Vec<Action> {
+        let plan = &self.plan;
+        let spatial = match &self.steps {
+            PlanSteps::Spatial(spatial) => spatial,
+            PlanSteps::Batch(kernel_of) => {
+                let roles = operand_roles(plan.op);
+                let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
+                return steps(plan, beta)
+                    .zip(kernel_of)
+                    .map(|(step, &kernel)| Action::Call {
+                        ranges: [0, 1, 2].map(|i| step.range(roles[i], per_sample[i])),
+                        kernel,
+                        beta: step.beta,
+                    })
+                    .collect();
+            }
+        };
+        let out_role = operand_roles(plan.op)[2];
+        let mut actions = Vec::new();
+        let mut calls = 0;
+        for step in &spatial.steps {
+            if beta != 1.0 {
+                for &rows in &step.blank {
+                    let (dims, strides, offset, span) =
+                        rows_view(&spatial.full, out_role, spatial.dim, rows);
+                    actions.push(Action::Scale {
+                        range: (offset, span),
+                        dims,
+                        strides,
+                        value: beta,
+                    });
+                }
+            }
+            if let Some((view, kernel)) = &step.call {
+                let accumulate = plan.op == ConvOp::BackwardFilter && calls > 0;
+                actions.push(Action::Call {
+                    ranges: operand_roles(plan.op).map(|role| view.range(role)),
+                    kernel: *kernel,
+                    beta: if accumulate { 1.0 } else { beta },
+                });
+                calls += 1;
+            }
+        }
+        if calls == 0 && plan.op == ConvOp::BackwardFilter && beta != 1.0 {
+            let dims = spatial.full.dims(Operand::Filter).map(i64::from);
+            let strides =
+                crate::backend::cudnn::graph_params::packed_strides(spatial.full.layout, &dims);
+            actions.push(Action::Scale {
+                range: (0, spatial.full.elements(Operand::Filter)),
+                dims,
+                strides,
+                value: beta,
+            });
+        }
+        actions
+    }
+
+    /// Runs `run` on every action of an execution in order; the first error stops it, tagged
+    /// with the layer and op.
+    fn each_action(
         &self,
         beta: f32,
-        mut run: impl FnMut([(usize, usize); 3], usize, f32) -> Result<(), CudnnError>,
+        mut run: impl FnMut(Action) -> Result<(), CudnnError>,
     ) -> Result<(), ExecError> {
-        let plan = &self.plan;
-        let roles = operand_roles(plan.op);
-        let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
-        for (step, &k) in steps(plan, beta).zip(&self.kernel_of) {
-            let ranges = [0, 1, 2].map(|i| step.range(roles[i], per_sample[i]));
-            run(ranges, k, step.beta).map_err(|source| ExecError::Cudnn {
-                layer: plan.layer.clone(),
-                op: plan.op,
+        for action in self.actions(beta) {
+            run(action).map_err(|source| ExecError::Cudnn {
+                layer: self.plan.layer.clone(),
+                op: self.plan.op,
                 source,
             })?;
         }
@@ -348,9 +570,8 @@ impl PreparedPlan {
         beta: f32,
     ) -> Result<usize, CudnnError> {
         let Kernel::Engine {
-            problem,
+            params,
             config,
-            alignments,
             plans,
         } = &self.kernels[k].3
         else {
@@ -363,14 +584,14 @@ impl PreparedPlan {
         if let Some(index) = found {
             return Ok(index);
         }
-        let p = EnginePlan::with_alignments(
+        let p = EnginePlan::from_params(
             handle,
-            problem,
-            self.plan.op,
+            &GraphParams {
+                alpha,
+                beta,
+                ..*params
+            },
             config,
-            alpha,
-            beta,
-            *alignments,
         )?;
         plans.borrow_mut().push(p);
         Ok(plans.borrow().len() - 1)
@@ -432,28 +653,216 @@ impl PreparedPlan {
         workspace: &mut RawWorkspace<'_>,
     ) -> Result<(), ExecError> {
         let op = self.plan.op;
-        self.each_step(beta, |[ra, rb, ro], k, step_beta| {
-            let a = a.slice(ra.0, ra.1)?;
-            let b = b.slice(rb.0, rb.1)?;
-            let mut out = out.slice_mut(ro.0, ro.1)?;
-            match &self.kernels[k].3 {
-                Kernel::Legacy { descriptors, algo } => session.convolve(
-                    descriptors,
-                    op,
-                    *algo,
-                    alpha,
-                    &a,
-                    &b,
-                    step_beta,
-                    &mut out,
-                    workspace,
-                ),
-                Kernel::Engine { plans, .. } => {
-                    let index = self.engine_plan(session.handle(), k, alpha, step_beta)?;
-                    let plans = plans.borrow();
-                    session.execute_engine(&plans[index], &a, &b, &mut out, workspace)
+        self.each_action(beta, |action| match action {
+            Action::Scale {
+                range,
+                dims,
+                strides,
+                value,
+            } => session.scale_view(
+                &mut out.slice_mut(range.0, range.1)?,
+                &dims,
+                &strides,
+                value,
+            ),
+            Action::Call {
+                ranges: [ra, rb, ro],
+                kernel,
+                beta: step_beta,
+            } => {
+                let a = a.slice(ra.0, ra.1)?;
+                let b = b.slice(rb.0, rb.1)?;
+                let mut out = out.slice_mut(ro.0, ro.1)?;
+                match &self.kernels[kernel].3 {
+                    Kernel::Legacy { descriptors, algo } => session.convolve(
+                        descriptors,
+                        op,
+                        *algo,
+                        alpha,
+                        &a,
+                        &b,
+                        step_beta,
+                        &mut out,
+                        workspace,
+                    ),
+                    Kernel::Engine { plans, .. } => {
+                        let index = self.engine_plan(session.handle(), kernel, alpha, step_beta)?;
+                        let plans = plans.borrow();
+                        session.execute_engine(&plans[index], &a, &b, &mut out, workspace)
+                    }
                 }
             }
         })
+    }
+}
+
+/// Makes sure engine kernel `kernel` has its accumulating (beta = 1) plan, for
+/// backward-filter's later micro-batches or chunks; returns its workspace bytes (0 for a
+/// legacy kernel, whose beta is a call argument).
+fn accumulating_plan(handle: &CudnnHandle, kernel: &Kernel) -> Result<u64, CudnnError> {
+    let Kernel::Engine {
+        params,
+        config,
+        plans,
+    } = kernel
+    else {
+        return Ok(0);
+    };
+    if let Some(p) = plans.borrow().iter().find(|p| p.beta() == 1.0) {
+        return Ok(p.workspace_bytes());
+    }
+    let p = EnginePlan::from_params(
+        handle,
+        &GraphParams {
+            beta: 1.0,
+            ..*params
+        },
+        config,
+    )?;
+    let bytes = p.workspace_bytes();
+    plans.borrow_mut().push(p);
+    Ok(bytes)
+}
+
+/// The rows of the op's output, of a chunk covering rows `[first, first + size)` of it, that
+/// its call does not write (zeros in the full op, `beta * out` in a plan's result): forward's
+/// chunks without a call, backward-data's rows no window reaches. Backward-filter's output is
+/// the filter: none.
+fn blank_rows(op: ConvOp, chunk: &Chunk, first: i64, size: i64) -> Vec<Rows> {
+    if op == ConvOp::BackwardFilter {
+        return Vec::new();
+    }
+    [
+        Rows {
+            first,
+            len: chunk.zero_before,
+        },
+        Rows {
+            first: first + size - chunk.zero_after,
+            len: chunk.zero_after,
+        },
+    ]
+    .into_iter()
+    .filter(|rows| rows.len > 0)
+    .collect()
+}
+
+/// The checks a spatial plan needs before the cuDNN executor prepares it: a spatial plan that
+/// [`check_plan`](super::check_plan) accepts (a valid problem, positive chunk sizes adding up
+/// to the op's extent along the split axis). Returns its chunks.
+pub fn check_spatial_plan(plan: &Plan) -> Result<Vec<Chunk>, ExecError> {
+    let invalid = |reason: String| ExecError::InvalidPlan {
+        layer: plan.layer.clone(),
+        op: plan.op,
+        reason,
+    };
+    if plan.split != SplitDim::Spatial {
+        return Err(invalid(format!(
+            "a {} plan is not a spatial plan",
+            plan.split
+        )));
+    }
+    super::check_plan(plan)?;
+    let geometry = AxisGeometry::of(&plan.problem, split_axis(&plan.problem));
+    let sizes: Vec<i64> = plan.micro_batches.iter().map(|m| m.size).collect();
+    chunks(&geometry, plan.op, &sizes)
+        .ok_or_else(|| invalid(format!("chunk sizes {sizes:?} do not fit the problem")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::solver::{ConvProblem, MicroBatch};
+
+    /// What a spatial plan's calls and blank-row scalings write covers the op's output rows
+    /// exactly once (forward and backward-data), so every element of the result is either one
+    /// call's or `beta * out`; chunkings that do not add up are refused.
+    #[test]
+    fn chunk_calls_and_blank_rows_tile_the_output() {
+        let problems = [
+            ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new(1, 2, 23, 5, 3, 3, 3)
+            },
+            ConvProblem {
+                stride_h: 3,
+                ..ConvProblem::new(1, 2, 40, 4, 3, 1, 1)
+            },
+            ConvProblem {
+                pad_h: 5,
+                stride_h: 2,
+                dilation_h: 2,
+                ..ConvProblem::new(2, 2, 17, 4, 3, 3, 1)
+            },
+            ConvProblem {
+                pad_d: 1,
+                stride_d: 2,
+                ..ConvProblem::new_3d(1, 2, 25, 3, 3, 2, 3, 1, 1)
+            },
+        ];
+        let plan_of = |problem: ConvProblem, op, sizes: &[i64]| Plan {
+            layer: "l".into(),
+            problem,
+            op,
+            split: SplitDim::Spatial,
+            micro_batches: sizes
+                .iter()
+                .map(|&size| MicroBatch {
+                    size,
+                    algo: Algo::Legacy(0),
+                    workspace_bytes: 0,
+                    time_ms: 1.0,
+                })
+                .collect(),
+        };
+        let mut blanks = 0;
+        for problem in problems {
+            for op in [ConvOp::Forward, ConvOp::BackwardData] {
+                let extent = SplitDim::Spatial.extent(&problem, op);
+                let mut seven = vec![1, 3, 2, 1, 2, 1];
+                seven.push(extent - seven.iter().sum::<i64>());
+                for sizes in [vec![extent], vec![extent / 3, extent - extent / 3], seven] {
+                    let plan = plan_of(problem, op, &sizes);
+                    let list = check_spatial_plan(&plan).unwrap();
+                    let mut written = vec![0u32; extent as usize];
+                    let mut first = 0;
+                    for (chunk, &size) in list.iter().zip(&sizes) {
+                        let mut mark = |rows: Rows| {
+                            for r in rows.first..rows.end() {
+                                written[r as usize] += 1;
+                            }
+                        };
+                        for rows in blank_rows(op, chunk, first, size) {
+                            blanks += 1;
+                            mark(rows);
+                        }
+                        if chunk.has_call() {
+                            let view = ChunkShapes::new(&problem, chunk).unwrap();
+                            let role = operand_roles(op)[2];
+                            let rows = Rows {
+                                first: view.first_row(role),
+                                len: i64::from(view.shapes.dims(role)[view.dim]),
+                            };
+                            // A call writes inside its own chunk's rows.
+                            assert!(rows.first >= first && rows.end() <= first + size);
+                            mark(rows);
+                        }
+                        first += size;
+                    }
+                    assert!(
+                        written.iter().all(|&w| w == 1),
+                        "{} {op} {sizes:?}: {written:?}",
+                        problem.describe()
+                    );
+                }
+                let mut wrong = plan_of(problem, op, &[extent - 1]);
+                assert!(check_spatial_plan(&wrong).is_err());
+                wrong.micro_batches[0].size = 0;
+                assert!(check_spatial_plan(&wrong).is_err());
+            }
+        }
+        // The 1x1 stride-3 backward-data leaves rows no window reaches.
+        assert!(blanks > 0);
     }
 }

@@ -76,10 +76,11 @@ use gates::*;
 pub(crate) use gates::{cudnn, driver};
 pub use gates::{cudnn_version, library_status, probe, DeviceInfo, LibraryStatus, SystemInfo};
 pub use graph::{
-    broken_graph_on_device, engine_configs, engine_configs_on_device,
-    engine_configs_with_alignments, graph_api_status, heuristic_plan_workspaces,
-    heuristic_plan_workspaces_on_device, plan_on_device, BrokenGraph, DeviceDescription,
-    DevicePlan, EnginePlan, DEVICE_DESCRIPTION_MIN_VERSION,
+    broken_graph_on_device, engine_configs, engine_configs_for_chunk,
+    engine_configs_for_chunk_on_device, engine_configs_on_device, engine_configs_with_alignments,
+    graph_api_status, heuristic_plan_workspaces, heuristic_plan_workspaces_on_device,
+    plan_for_chunk_on_device, plan_on_device, BrokenGraph, DeviceDescription, DevicePlan,
+    EnginePlan, DEVICE_DESCRIPTION_MIN_VERSION,
 };
 use memory::{buffer_bytes, ViewParts};
 pub use memory::{DeviceBuffer, DeviceView, DeviceViewMut, GpuTimer, Workspace, WorkspaceView};
@@ -104,6 +105,9 @@ const CUDNN_SYMBOLS: &[&str] = &[
     "cudnnCreateTensorDescriptor",
     "cudnnSetTensor4dDescriptor",
     "cudnnSetTensorNdDescriptorEx",
+    "cudnnSetTensorNdDescriptor",
+    "cudnnSetTensor",
+    "cudnnScaleTensor",
     "cudnnDestroyTensorDescriptor",
     "cudnnCreateFilterDescriptor",
     "cudnnSetFilter4dDescriptor",
@@ -450,15 +454,18 @@ unsafe fn raw_workspace_size(
 }
 
 /// Checks that the operands `[a, b, out]` of `op`, given as (name, dtype, element count), have
-/// the dtype and exact element count that `shapes` (the descriptors' problem) has for their
-/// roles.
-fn check_operand_shapes(
+/// `shapes`' dtype and exactly the `expected` element counts (in `[a, b, out]` order): the
+/// descriptors' element counts, or what a spatial chunk's views span.
+fn check_operand_spans(
     call: &'static str,
     shapes: &ConvShapes,
+    expected: [usize; 3],
     op: ConvOp,
     operands: [(&'static str, DType, usize); 3],
 ) -> Result<(), CudnnError> {
-    for ((name, dtype, len), role) in operands.into_iter().zip(operand_roles(op)) {
+    for (((name, dtype, len), role), expected) in
+        operands.into_iter().zip(operand_roles(op)).zip(expected)
+    {
         if dtype != shapes.dtype {
             return Err(invalid(
                 call,
@@ -468,7 +475,6 @@ fn check_operand_shapes(
                 ),
             ));
         }
-        let expected = shapes.elements(role);
         if len != expected {
             return Err(invalid(
                 call,
@@ -509,9 +515,10 @@ fn legacy_call(
     workspace: (u64, u64),
 ) -> Result<(Algo, CallPointers), CudnnError> {
     let which = Algo::checked(call, op, algo)?;
-    check_operand_shapes(
+    check_operand_spans(
         call,
         &d.shapes,
+        d.operand_spans(op),
         op,
         operands.map(|(name, dtype, len, _)| (name, dtype, len)),
     )?;
@@ -618,6 +625,57 @@ unsafe fn raw_convolve(
         }
     };
     result.map_err(|e| status_error(execute_call(op), e.0).for_op_algo(op, Some(algo)))
+}
+
+/// Checks a strided view (`dims`, `strides`, in elements) of `len` elements of `dtype` for
+/// [`raw_fill`]: the view spans exactly what the descriptor reaches. Returns its descriptor.
+fn fill_descriptor(
+    call: &'static str,
+    dtype: DType,
+    len: usize,
+    dims: &[i64],
+    strides: &[i64],
+) -> Result<TensorDescriptor, CudnnError> {
+    let span = crate::backend::cudnn::graph_params::span_of(dims, strides);
+    if len != span {
+        return Err(invalid(
+            call,
+            format!("the view has {len} elements, dims {dims:?} strides {strides:?} span {span}"),
+        ));
+    }
+    TensorDescriptor::strided(dtype, dims, strides)
+}
+
+/// `out = value * out` over the strided view `desc` describes (`cudnnScaleTensor`), or
+/// `out = 0` when `value` is 0 (`cudnnSetTensor`: what cuDNN's `beta = 0` means, the old
+/// values not read, so NaN never survives), queued on the handle's stream.
+///
+/// # Safety
+///
+/// `raw` is a live handle used by this thread alone with its device's context current; `out`
+/// points to device memory of that device, writable, holding every element `desc` reaches,
+/// allocated until the queued work has finished.
+unsafe fn raw_fill(
+    raw: dnn_sys::cudnnHandle_t,
+    desc: &TensorDescriptor,
+    out: u64,
+    value: f32,
+) -> Result<(), CudnnError> {
+    let out = out as *mut c_void;
+    if value == 0.0 {
+        // Zero bits are zero in every data type; 8 bytes cover the largest element.
+        let zero = 0u64;
+        // SAFETY: this function's contract; `zero` outlives the call, which reads it.
+        unsafe { dnn_sys::cudnnSetTensor(raw, desc.raw, out, (&raw const zero).cast()) }
+            .result()
+            .map_err(|e| status_error("cudnnSetTensor", e.0))
+    } else {
+        // SAFETY: this function's contract; the scale is a host float (float, half, bfloat16
+        // data), read during the call.
+        unsafe { dnn_sys::cudnnScaleTensor(raw, desc.raw, out, (&raw const value).cast()) }
+            .result()
+            .map_err(|e| status_error("cudnnScaleTensor", e.0))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -790,13 +848,15 @@ impl CudnnHandle {
         &self,
         call: &'static str,
         shapes: &ConvShapes,
+        expected: [usize; 3],
         op: ConvOp,
         operands: [(&'static str, &ViewParts<'_>); 3],
         workspace: &WorkspaceView<'_>,
     ) -> Result<(), CudnnError> {
-        check_operand_shapes(
+        check_operand_spans(
             call,
             shapes,
+            expected,
             op,
             operands.map(|(name, view)| (name, view.dtype, view.len)),
         )?;
@@ -857,6 +917,7 @@ impl CudnnHandle {
         self.check_operands(
             CALL,
             &d.shapes,
+            d.operand_spans(op),
             op,
             [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
             workspace,
@@ -891,6 +952,32 @@ impl CudnnHandle {
         unsafe { raw_convolve(self.raw, d, op, algo, which, alpha, beta, pointers) }
     }
 
+    /// `out = value * out` over a strided view of `out`'s buffer (`dims` and `strides` in
+    /// elements; `out` spans exactly what they reach), on the handle's stream: the rows of a
+    /// spatial plan that no chunk writes get `beta * out` this way (`value = 0` writes zeros).
+    pub fn scale_view(
+        &self,
+        out: &mut DeviceViewMut<'_>,
+        dims: &[i64],
+        strides: &[i64],
+        value: f32,
+    ) -> Result<(), CudnnError> {
+        const CALL: &str = "CudnnHandle::scale_view";
+        let parts = out.parts();
+        if *parts.stream != *self.stream {
+            return Err(invalid(
+                CALL,
+                "the view was allocated on another stream or device".to_string(),
+            ));
+        }
+        let desc = fill_descriptor(CALL, parts.dtype, parts.len, dims, strides)?;
+        self.bind()?;
+        // SAFETY: the handle is live, used by this thread alone (not `Sync`), its context
+        // bound; the view borrows a live buffer on the handle's stream (checked) and spans
+        // exactly what the descriptor reaches (checked); borrowed mutably, so nothing aliases.
+        unsafe { raw_fill(self.raw, &desc, parts.ptr, value) }
+    }
+
     /// cuDNN's own benchmark of every legacy algorithm of `op` (`cudnnFind*AlgorithmEx`),
     /// fastest first. It runs each algorithm on the given buffers (overwriting `out`) and
     /// blocks until done; algorithms that need more than the workspace view are reported
@@ -909,6 +996,7 @@ impl CudnnHandle {
         self.check_operands(
             CALL,
             &d.shapes,
+            d.operand_spans(op),
             op,
             [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
             workspace,

@@ -35,8 +35,10 @@
 
 #![forbid(unsafe_code)]
 
+use super::error::CudnnError;
 use super::shape::{operand_roles, ConvShapes, Nd, Operand};
-use crate::solver::{ConvOp, DType, Layout};
+use crate::solver::spatial::{split_axis, Axis, AxisGeometry, Chunk, Rows};
+use crate::solver::{ConvOp, ConvProblem, DType, Layout};
 
 /// `CUDNN_ATTR_TENSOR_UNIQUE_ID` of the input `x` (dx in backward-data).
 pub const UID_X: i64 = 1;
@@ -273,6 +275,36 @@ impl GraphParams {
         }
     }
 
+    /// The descriptor values of a spatial chunk's call ([`ChunkShapes`]): `x` and `y` as views
+    /// (the chunk's rows, the full tensors' strides), the split axis padded by the chunk's
+    /// `pad_before` / `pad_after`, the tensors declaring `alignments` (e.g.
+    /// [`ChunkShapes::alignments`] where the chunk runs).
+    pub fn for_chunk(
+        chunk: &ChunkShapes,
+        op: ConvOp,
+        alpha: f32,
+        beta: f32,
+        alignments: Alignments,
+    ) -> Self {
+        let mut params = Self::with_alignments(&chunk.shapes, op, alpha, beta, alignments);
+        for role in [Operand::Input, Operand::Output] {
+            let t = match role {
+                Operand::Input => &mut params.x,
+                _ => &mut params.y,
+            };
+            t.strides = chunk.strides(role);
+        }
+        params.conv.pre_paddings = chunk.pre_paddings();
+        params.conv.post_paddings = chunk.post_paddings();
+        params
+    }
+
+    /// Elements each of `op`'s `[a, b, out]` views must span (a chunk's views: more than its
+    /// element count, see [`span_of`]).
+    pub fn operand_spans(&self) -> [usize; 3] {
+        operand_roles(self.op).map(|role| self.tensor(role).span())
+    }
+
     /// The tensor that plays `role`.
     pub fn tensor(&self, role: Operand) -> &TensorParams {
         match role {
@@ -300,6 +332,213 @@ impl GraphParams {
     pub fn operand_alignments(&self) -> [u64; 3] {
         operand_roles(self.op).map(|role| self.tensor(role).alignment)
     }
+}
+
+/// Elements a strided view must cover, from its first element to its last one inclusive:
+/// `1 + sum((dims[i] - 1) * strides[i])` (0 for an empty tensor). Equal to the element count for
+/// packed strides; for a chunk of a larger tensor (its dims, the tensor's strides) it is what
+/// the view of the tensor's buffer spans.
+pub fn span_of(dims: &[i64], strides: &[i64]) -> usize {
+    if dims.iter().any(|&d| d <= 0) {
+        return 0;
+    }
+    let last: i64 = dims
+        .iter()
+        .zip(strides)
+        .map(|(&d, &s)| (d - 1).saturating_mul(s))
+        .fold(0i64, i64::saturating_add);
+    usize::try_from(last.saturating_add(1)).unwrap_or(usize::MAX)
+}
+
+impl TensorParams {
+    /// Elements a view of this tensor covers ([`span_of`] its dims and strides).
+    pub fn span(&self) -> usize {
+        span_of(&self.dims, &self.strides)
+    }
+}
+
+/// One spatial chunk (issue 24, [`crate::solver::spatial`]) as cuDNN runs it: *views* of the
+/// full tensors, no copies. `x` and `y` (dx and dy in backward-data) have the chunk's rows along
+/// the split axis and the full tensor's strides, and start at a pointer offset (`x` at row
+/// `chunk.input.first`, `y` at row `chunk.output.first`); the filter is whole. The convolution
+/// pads the split axis by `chunk.pad_before` / `chunk.pad_after` and the other axes as the
+/// problem does.
+///
+/// Pure arithmetic, so the values the FFI wall sets for a chunk are tested without cuDNN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkShapes {
+    /// The whole problem (batch and other axes whole).
+    pub full: ConvShapes,
+    /// The chunk as cuDNN's sizes: `x` and `y` with the chunk's rows along the split axis, the
+    /// split axis's `pad` = `chunk.pad_before` (a legacy descriptor's symmetric padding, right
+    /// only when [`Self::is_symmetric`]).
+    pub shapes: ConvShapes,
+    /// The split axis's index in the tensors' dims (`[n, c, spatial...]`: 2 for `D` of a 3-D
+    /// problem or `H` of a 2-D one, 3 for `W` of a 1-D one).
+    pub dim: usize,
+    pub chunk: Chunk,
+}
+
+impl ChunkShapes {
+    /// The views of `chunk` (of `op` on `problem`, from [`crate::solver::spatial::chunks`]).
+    /// Errors: an invalid problem, a chunk without a call ([`Chunk::has_call`]: nothing for
+    /// cuDNN to run) or whose rows leave the tensors or do not make a convolution.
+    pub fn new(problem: &ConvProblem, chunk: &Chunk) -> Result<Self, CudnnError> {
+        let full = ConvShapes::new(problem)?;
+        let bad = |detail: String| CudnnError::InvalidArgument {
+            call: "ChunkShapes::new",
+            detail,
+        };
+        let axis = split_axis(problem);
+        let dim = split_dim_index(problem);
+        let index = dim - 2;
+        let geometry = AxisGeometry::of(problem, axis);
+        let (x_rows, y_rows) = (i64::from(full.input[dim]), i64::from(full.output[dim]));
+        let (input, output) = (chunk.input, chunk.output);
+        if !chunk.has_call()
+            || input.first < 0
+            || input.end() > x_rows
+            || output.first < 0
+            || output.end() > y_rows
+            || chunk.pad_before < 0
+            || chunk.pad_after < 0
+        {
+            return Err(bad(format!(
+                "{chunk:?} is not a chunk of {}",
+                problem.describe()
+            )));
+        }
+        let rows = input.len + chunk.pad_before + chunk.pad_after - geometry.span();
+        if rows < 0 || rows / geometry.stride + 1 != output.len {
+            return Err(bad(format!(
+                "{chunk:?}: {} input rows padded {}+{} do not make {} output rows along {axis}",
+                input.len, chunk.pad_before, chunk.pad_after, output.len
+            )));
+        }
+        let mut shapes = full;
+        // Both fit: they are at most the full tensor's rows.
+        shapes.input[dim] = input.len as i32;
+        shapes.output[dim] = output.len as i32;
+        shapes.pad[index] = chunk.pad_before as i32;
+        Ok(ChunkShapes {
+            full,
+            shapes,
+            dim,
+            chunk: *chunk,
+        })
+    }
+
+    /// Whether a legacy descriptor (one padding per axis) describes the chunk exactly.
+    pub fn is_symmetric(&self) -> bool {
+        self.chunk.pad_before == self.chunk.pad_after
+    }
+
+    /// The view's dims of `role` in cuDNN's logical order (the filter whole).
+    pub fn dims(&self, role: Operand) -> Nd<i64> {
+        self.shapes.dims(role).map(i64::from)
+    }
+
+    /// The full tensor's packed strides (in elements) of `role`.
+    pub fn strides(&self, role: Operand) -> Nd<i64> {
+        packed_strides(self.full.layout, &self.full.dims(role).map(i64::from))
+    }
+
+    /// The first row of `role` the view starts at (0 for the filter).
+    pub fn first_row(&self, role: Operand) -> i64 {
+        match role {
+            Operand::Input => self.chunk.input.first,
+            Operand::Output => self.chunk.output.first,
+            Operand::Filter => 0,
+        }
+    }
+
+    /// The element offset of the view of `role` in the full tensor's buffer.
+    pub fn offset(&self, role: Operand) -> usize {
+        (self.first_row(role) * self.strides(role)[self.dim]) as usize
+    }
+
+    /// Elements the view of `role` spans from its offset ([`span_of`]).
+    pub fn span(&self, role: Operand) -> usize {
+        span_of(&self.dims(role), &self.strides(role))
+    }
+
+    /// `(offset, span)` in elements: the range of the full tensor's buffer the view of `role`
+    /// covers (what `DeviceBuffer::view` takes).
+    pub fn range(&self, role: Operand) -> (usize, usize) {
+        (self.offset(role), self.span(role))
+    }
+
+    /// The view's byte offset into the full tensor of `role`.
+    pub fn byte_offset(&self, role: Operand) -> u64 {
+        self.offset(role) as u64 * self.full.dtype.size_bytes() as u64
+    }
+
+    /// The alignments of the views at their offsets in buffers allocated by CUDA (16 at
+    /// offset 0): what a plan running this chunk where it lies can declare.
+    pub fn alignments(&self) -> Alignments {
+        Alignments {
+            x: alignment_of_bytes(self.byte_offset(Operand::Input)),
+            w: MAX_DECLARED_ALIGNMENT,
+            y: alignment_of_bytes(self.byte_offset(Operand::Output)),
+        }
+    }
+
+    /// Alignments that hold at every row offset (a row's bytes' power of two, the least of
+    /// [`Self::alignments`] over all positions): what a measurement declares, since a plan
+    /// may put a chunk of its size at any row.
+    pub fn any_row_alignments(&self) -> Alignments {
+        let row_bytes = |role: Operand| {
+            self.strides(role)[self.dim] as u64 * self.full.dtype.size_bytes() as u64
+        };
+        Alignments {
+            x: alignment_of_bytes(row_bytes(Operand::Input)),
+            w: MAX_DECLARED_ALIGNMENT,
+            y: alignment_of_bytes(row_bytes(Operand::Output)),
+        }
+    }
+
+    /// `CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS`: the problem's, with `pad_before` on the split
+    /// axis.
+    pub fn pre_paddings(&self) -> Nd<i64> {
+        let mut pad = self.full.pad.map(i64::from);
+        pad[self.dim - 2] = self.chunk.pad_before;
+        pad
+    }
+
+    /// `CUDNN_ATTR_CONVOLUTION_POST_PADDINGS`: the problem's, with `pad_after` on the split
+    /// axis.
+    pub fn post_paddings(&self) -> Nd<i64> {
+        let mut pad = self.full.pad.map(i64::from);
+        pad[self.dim - 2] = self.chunk.pad_after;
+        pad
+    }
+}
+
+/// The index of the split axis ([`split_axis`]) in the tensors' dims `[n, c, spatial...]`: 2
+/// for `D` of a 3-D problem or `H` of a 2-D one, 3 for `W` of a 1-D one (4-D tensors).
+pub fn split_dim_index(problem: &ConvProblem) -> usize {
+    let spatial = problem.spatial_dims();
+    2 + match split_axis(problem) {
+        Axis::D => 0,
+        Axis::H => spatial - 2,
+        Axis::W => spatial - 1,
+    }
+}
+
+/// The rows `rows` of the op's output tensor `role` (`y` for forward, `dx` for backward-data)
+/// as a view of the full tensor: `(dims, strides, offset, span)` in elements. What the executor
+/// scales by `beta` where no chunk's call writes ([`Chunk::zero_before`]).
+pub fn rows_view(
+    full: &ConvShapes,
+    role: Operand,
+    dim: usize,
+    rows: Rows,
+) -> (Nd<i64>, Nd<i64>, usize, usize) {
+    let mut dims = full.dims(role).map(i64::from);
+    let strides = packed_strides(full.layout, &dims);
+    dims[dim] = rows.len;
+    let offset = (rows.first * strides[dim]) as usize;
+    (dims, strides, offset, span_of(&dims, &strides))
 }
 
 #[cfg(test)]
@@ -664,5 +903,189 @@ mod tests {
         assert_eq!(Alignments::at_sample(&conv1, 8).x, 16);
         assert_eq!(Alignments::at_sample(&conv1, 4).x, 8);
         assert_eq!(Alignments::any_sample(&conv1).x, 2);
+    }
+
+    /// Issue 24: a spatial chunk's descriptor values: views of the full tensors (the chunk's
+    /// rows, the full strides, a pointer offset), the split axis padded only at the border.
+    #[test]
+    fn chunk_views_of_a_2d_nhwc_problem() {
+        use crate::solver::spatial::{chunks, split_axis, AxisGeometry};
+        // 2 x 8 x 12 x 10 fp16 NHWC, 16 filters 3x3 pad 1: y is 2 x 16 x 12 x 10.
+        let p = ConvProblem {
+            pad_h: 1,
+            pad_w: 1,
+            dtype: DType::Fp16,
+            layout: Layout::Nhwc,
+            ..ConvProblem::new(2, 8, 12, 10, 16, 3, 3)
+        };
+        let g = AxisGeometry::of(&p, split_axis(&p));
+        let parts = chunks(&g, ConvOp::Forward, &[3, 4, 5]).unwrap();
+        let views: Vec<ChunkShapes> = parts
+            .iter()
+            .map(|c| ChunkShapes::new(&p, c).unwrap())
+            .collect();
+        let [first, middle, last] = [views[0], views[1], views[2]];
+        assert_eq!(first.dim, 2);
+        // Rows [0, 3) of y read x rows [0, 4): padded before only.
+        assert_eq!(first.dims(Operand::Input), [2, 8, 4, 10]);
+        assert_eq!(first.dims(Operand::Output), [2, 16, 3, 10]);
+        assert_eq!(first.dims(Operand::Filter), [16, 8, 3, 3]);
+        assert_eq!(first.pre_paddings(), [1, 1]);
+        assert_eq!(first.post_paddings(), [0, 1]);
+        assert!(!first.is_symmetric());
+        // The full tensors' NHWC strides: [h*w*c, 1, w*c, c].
+        assert_eq!(first.strides(Operand::Input), [960, 1, 80, 8]);
+        assert_eq!(first.strides(Operand::Output), [1920, 1, 160, 16]);
+        assert_eq!(
+            (first.offset(Operand::Input), first.offset(Operand::Output)),
+            (0, 0)
+        );
+        // Rows [3, 7) of y read x rows [2, 8): no padding, offsets of 2 and 3 rows.
+        assert_eq!(middle.dims(Operand::Input), [2, 8, 6, 10]);
+        assert_eq!(middle.pre_paddings(), [0, 1]);
+        assert_eq!(middle.post_paddings(), [0, 1]);
+        assert!(middle.is_symmetric());
+        assert_eq!(middle.offset(Operand::Input), 2 * 80);
+        assert_eq!(middle.offset(Operand::Output), 3 * 160);
+        assert_eq!(middle.byte_offset(Operand::Input), 320);
+        assert_eq!(middle.byte_offset(Operand::Output), 960);
+        // Span: one sample's whole stride plus the rows of the last sample.
+        assert_eq!(middle.span(Operand::Input), 960 + 6 * 80);
+        assert_eq!(middle.span(Operand::Filter), 16 * 8 * 9);
+        // Rows [7, 12) read x rows [6, 12): padded after only.
+        assert_eq!(last.pre_paddings(), [0, 1]);
+        assert_eq!(last.post_paddings(), [1, 1]);
+        assert_eq!(last.range(Operand::Output), (7 * 160, 1920 + 5 * 160));
+        for v in &views {
+            let full = v.full;
+            for role in [Operand::Input, Operand::Output, Operand::Filter] {
+                // A view never leaves its tensor, and its span is the brute-force reach.
+                let (offset, span) = v.range(role);
+                assert!(offset + span <= full.elements(role), "{role:?} {v:?}");
+                let dims = v.dims(role);
+                let strides = v.strides(role);
+                let mut reach = 0i64;
+                for (d, s) in dims.iter().zip(strides.iter()) {
+                    reach += (d - 1) * s;
+                }
+                assert_eq!(span as i64, reach + 1);
+            }
+            let g = GraphParams::for_chunk(v, ConvOp::Forward, 1.0, 0.0, v.alignments());
+            assert_eq!(g.x.dims, v.dims(Operand::Input));
+            assert_eq!(g.x.strides, v.strides(Operand::Input));
+            assert_eq!(g.y.strides, v.strides(Operand::Output));
+            assert_eq!(g.w.strides, packed_strides(Layout::Nhwc, &g.w.dims));
+            assert_eq!(g.conv.pre_paddings, v.pre_paddings());
+            assert_eq!(g.conv.post_paddings, v.post_paddings());
+            assert_eq!(
+                g.operand_spans(),
+                [
+                    v.span(Operand::Input),
+                    v.span(Operand::Filter),
+                    v.span(Operand::Output)
+                ]
+            );
+        }
+        // Alignment from the byte offset: x at 2 rows = 320 bytes (16), y at 3 rows = 960 (16);
+        // any row: 160 and 320 bytes a row, both 16.
+        assert_eq!(middle.alignments(), Alignments::MAX);
+        assert_eq!(middle.any_row_alignments(), Alignments::MAX);
+        // A row of 3 channels x 5 columns in fp16 is 30 bytes: 2-aligned at odd rows.
+        let odd = ConvProblem { c: 3, w: 5, ..p };
+        let g = AxisGeometry::of(&odd, split_axis(&odd));
+        let c = chunks(&g, ConvOp::Forward, &[3, 4, 5]).unwrap();
+        let v = ChunkShapes::new(&odd, &c[1]).unwrap();
+        assert_eq!(v.byte_offset(Operand::Input), 2 * 30);
+        assert_eq!(v.alignments().x, 4);
+        assert_eq!(v.any_row_alignments().x, 2);
+        // A packed chunk is the whole tensor: span = elements.
+        let whole = chunks(
+            &AxisGeometry::of(&p, split_axis(&p)),
+            ConvOp::Forward,
+            &[12],
+        )
+        .unwrap();
+        let v = ChunkShapes::new(&p, &whole[0]).unwrap();
+        assert_eq!(v.shapes, ConvShapes::new(&p).unwrap());
+        assert_eq!(v.span(Operand::Input), v.full.elements(Operand::Input));
+        assert_eq!(
+            GraphParams::for_chunk(&v, ConvOp::Forward, 1.0, 0.0, Alignments::MAX),
+            GraphParams::with_alignments(&v.full, ConvOp::Forward, 1.0, 0.0, Alignments::MAX)
+        );
+    }
+
+    #[test]
+    fn chunk_views_of_3d_1d_and_backward_data() {
+        use crate::solver::spatial::{chunks, split_axis, AxisGeometry};
+        // 3-D, NDHWC, 3x3x3 pad 1 stride 2: D = 9 -> 5 output frames, split along D (dim 2).
+        let p3 = ConvProblem {
+            pad_d: 1,
+            pad_h: 1,
+            pad_w: 1,
+            stride_d: 2,
+            stride_h: 2,
+            stride_w: 2,
+            dtype: DType::Fp16,
+            layout: Layout::Nhwc,
+            ..ConvProblem::new_3d(1, 4, 9, 6, 6, 8, 3, 3, 3)
+        };
+        let g = AxisGeometry::of(&p3, split_axis(&p3));
+        let c = chunks(&g, ConvOp::Forward, &[2, 3]).unwrap();
+        let v = ChunkShapes::new(&p3, &c[1]).unwrap();
+        assert_eq!(v.dim, 2);
+        // Output frames [2, 5) read input frames 3..=8, padded after by 1.
+        assert_eq!(v.dims(Operand::Input), [1, 4, 6, 6, 6]);
+        assert_eq!(v.dims(Operand::Output), [1, 8, 3, 3, 3]);
+        assert_eq!(v.pre_paddings(), [0, 1, 1]);
+        assert_eq!(v.post_paddings(), [1, 1, 1]);
+        assert_eq!(v.strides(Operand::Input), [4 * 9 * 36, 1, 144, 24, 4]);
+        assert_eq!(v.offset(Operand::Input), 3 * 144);
+        assert_eq!(v.offset(Operand::Output), 2 * 72);
+        // Backward-data chunks dx rows: the view of dx is chunk.input, of dy chunk.output.
+        let bd = chunks(&g, ConvOp::BackwardData, &[4, 5]).unwrap();
+        let v = ChunkShapes::new(&p3, &bd[1]).unwrap();
+        assert_eq!(v.first_row(Operand::Input), bd[1].input.first);
+        assert_eq!(v.first_row(Operand::Output), bd[1].output.first);
+        assert_eq!(v.dims(Operand::Input)[2], bd[1].input.len);
+        assert_eq!(v.dims(Operand::Output)[2], bd[1].output.len);
+        let params = GraphParams::for_chunk(&v, ConvOp::BackwardData, 1.0, 0.0, v.alignments());
+        assert_eq!(params.conv.pre_paddings[0], bd[1].pad_before);
+        assert_eq!(params.conv.post_paddings[0], bd[1].pad_after);
+        // 1-D: the split runs along W, the last dim.
+        let p1 = ConvProblem {
+            pad_w: 2,
+            ..ConvProblem::new_1d(2, 3, 40, 5, 5)
+        };
+        let g = AxisGeometry::of(&p1, split_axis(&p1));
+        let c = chunks(&g, ConvOp::Forward, &[7, 13, 20]).unwrap();
+        let v = ChunkShapes::new(&p1, &c[1]).unwrap();
+        assert_eq!(v.dim, 3);
+        assert_eq!(v.dims(Operand::Input), [2, 3, 1, 17]);
+        assert_eq!(v.offset(Operand::Input), 5);
+        assert_eq!(v.pre_paddings(), [0, 0]);
+        assert_eq!(v.post_paddings(), [0, 0]);
+        // Not chunks: no call, rows outside the tensor, rows that do not make the output.
+        let mut bad = c[1];
+        bad.output.len += 1;
+        assert!(ChunkShapes::new(&p1, &bad).is_err());
+        let mut bad = c[2];
+        bad.input.len += 1;
+        assert!(ChunkShapes::new(&p1, &bad).is_err());
+        let mut none = c[0];
+        none.input.len = 0;
+        assert!(ChunkShapes::new(&p1, &none).is_err());
+    }
+
+    #[test]
+    fn rows_views_tile_the_output() {
+        // NCHW 2 x 3 x 5 x 4: rows [1, 3) of H are two 4-element runs per channel.
+        let s = ConvShapes::new(&ConvProblem::new(2, 3, 5, 4, 6, 1, 1)).unwrap();
+        let (dims, strides, offset, span) =
+            rows_view(&s, Operand::Output, 2, Rows { first: 1, len: 2 });
+        assert_eq!(dims, [2, 6, 2, 4]);
+        assert_eq!(strides, [120, 20, 4, 1]);
+        assert_eq!(offset, 4);
+        assert_eq!(span, 120 + 5 * 20 + 2 * 4);
+        assert_eq!(span_of(&[2, 0, 3], &[1, 1, 1]), 0);
     }
 }

@@ -165,6 +165,10 @@ pub use ffi::{
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
 /// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
 pub use ffi::{engine_configs, engine_configs_with_alignments, graph_api_status, EnginePlan};
+/// One spatial chunk's call (issue 24): configurations and plans on views of the full tensors.
+pub use ffi::{
+    engine_configs_for_chunk, engine_configs_for_chunk_on_device, plan_for_chunk_on_device,
+};
 /// The graph API on a device description instead of a GPU (cuDNN >= 9.8): operation graphs,
 /// heuristics and execution plans (which report their workspace but cannot run). The host
 /// test tier (`tests/cudnn_host.rs`) uses it with the H100 description.
@@ -174,7 +178,7 @@ pub use ffi::{
 };
 /// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
 pub use ffi::{RawWorkspace, StreamFence, StreamKey, StreamSession};
-pub use graph_params::Alignments;
+pub use graph_params::{Alignments, ChunkShapes};
 pub use shape::{operand_roles, ConvShapes, Nd, Operand};
 
 #[cfg(test)]

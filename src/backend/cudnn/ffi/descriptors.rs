@@ -70,6 +70,50 @@ impl TensorDescriptor {
         Ok(desc)
     }
 
+    /// A strided view's descriptor (`cudnnSetTensorNdDescriptor`): `dims` (4 or 5) with
+    /// explicit `strides` in elements, e.g. a spatial chunk's rows of a full tensor.
+    pub fn strided(dtype: DType, dims: &[i64], strides: &[i64]) -> Result<Self, CudnnError> {
+        const CALL: &str = "TensorDescriptor::strided";
+        let ints = |values: &[i64]| -> Result<Vec<i32>, CudnnError> {
+            values
+                .iter()
+                .map(|&v| {
+                    i32::try_from(v)
+                        .map_err(|_| invalid(CALL, format!("{v} does not fit cuDNN's int")))
+                })
+                .collect()
+        };
+        let (dims, strides) = (ints(dims)?, ints(strides)?);
+        let count = nb_dims(CALL, &dims)?;
+        if strides.len() != dims.len() {
+            return Err(invalid(
+                CALL,
+                format!("{} strides for {} dims", strides.len(), dims.len()),
+            ));
+        }
+        cudnn()?;
+        let raw =
+            dnn::create_tensor_descriptor().map_err(dnn_err("cudnnCreateTensorDescriptor"))?;
+        let desc = TensorDescriptor {
+            raw,
+            dims: Nd::from_slice(&dims),
+        };
+        // SAFETY: `raw` is a live descriptor owned by `desc`; `dims` and `strides` hold
+        // `count` ints each and outlive the call, which copies them.
+        unsafe {
+            dnn_sys::cudnnSetTensorNdDescriptor(
+                desc.raw,
+                data_type(dtype),
+                count,
+                dims.as_ptr(),
+                strides.as_ptr(),
+            )
+        }
+        .result()
+        .map_err(dnn_err("cudnnSetTensorNdDescriptor"))?;
+        Ok(desc)
+    }
+
     pub fn dims(&self) -> &[i32] {
         &self.dims
     }
@@ -333,6 +377,11 @@ impl ConvDescriptors {
 
     pub fn shapes(&self) -> &ConvShapes {
         &self.shapes
+    }
+
+    /// Elements each of `op`'s `[a, b, out]` views must hold (the descriptors' element counts).
+    pub fn operand_spans(&self, op: ConvOp) -> [usize; 3] {
+        operand_roles(op).map(|role| self.shapes.elements(role))
     }
 
     pub fn input(&self) -> &TensorDescriptor {

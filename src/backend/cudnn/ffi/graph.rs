@@ -51,7 +51,8 @@ use crate::backend::cudnn::engine_search::{
     knob_combinations, EngineNotes, EngineSearch, HeurMode, KnobRange,
 };
 use crate::backend::cudnn::graph_params::{
-    is_aligned, operand_uids, Alignments, GraphParams, TensorParams, WORKSPACE_ALIGNMENT,
+    is_aligned, operand_uids, Alignments, ChunkShapes, GraphParams, TensorParams,
+    WORKSPACE_ALIGNMENT,
 };
 use crate::backend::cudnn::shape::ConvShapes;
 use crate::solver::{ConvOp, ConvProblem, MathMode};
@@ -1236,12 +1237,47 @@ fn configs_for(
     search: &EngineSearch,
     alignments: Alignments,
 ) -> Result<Vec<EngineConfig>, CudnnError> {
+    let params = GraphParams::with_alignments(shapes, op, 1.0, 0.0, alignments);
+    configs_of(target, &params, search)
+}
+
+/// As [`engine_configs_with_alignments`], for one spatial chunk's call (issue 24): the views
+/// and paddings of `chunk` ([`GraphParams::for_chunk`]), tensors declaring `alignments`.
+pub fn engine_configs_for_chunk(
+    handle: &CudnnHandle,
+    chunk: &ChunkShapes,
+    op: ConvOp,
+    search: &EngineSearch,
+    alignments: Alignments,
+) -> Result<Vec<EngineConfig>, CudnnError> {
+    let params = GraphParams::for_chunk(chunk, op, 1.0, 0.0, alignments);
+    configs_of(Target::Handle(handle), &params, search)
+}
+
+/// As [`engine_configs_for_chunk`], on a device description instead of a GPU.
+pub fn engine_configs_for_chunk_on_device(
+    device: &DeviceDescription,
+    chunk: &ChunkShapes,
+    op: ConvOp,
+    search: &EngineSearch,
+    alignments: Alignments,
+) -> Result<Vec<EngineConfig>, CudnnError> {
+    let params = GraphParams::for_chunk(chunk, op, 1.0, 0.0, alignments);
+    configs_of(Target::Device(device), &params, search)
+}
+
+/// The configurations of the graph `params` describes (see [`engine_configs`]).
+fn configs_of(
+    target: Target<'_>,
+    params: &GraphParams,
+    search: &EngineSearch,
+) -> Result<Vec<EngineConfig>, CudnnError> {
     let api = graph_api()?;
     if search.max_candidates == 0 {
         return Ok(Vec::new());
     }
-    let params = GraphParams::with_alignments(shapes, op, 1.0, 0.0, alignments);
-    let graph = OperationGraph::new(api, target, &params).map_err(|e| e.for_engine(op, None))?;
+    let (op, shapes) = (params.op, &params.shapes);
+    let graph = OperationGraph::new(api, target, params).map_err(|e| e.for_engine(op, None))?;
     let mut found = Found {
         list: Vec::new(),
         seen: HashSet::new(),
@@ -1409,15 +1445,27 @@ pub fn plan_on_device(
     alignments: Alignments,
 ) -> Result<DevicePlan, CudnnError> {
     let shapes = ConvShapes::new(problem)?;
-    let built = build_plan(
-        Target::Device(device),
-        &shapes,
-        op,
-        config,
-        1.0,
-        beta,
+    let params = GraphParams::with_alignments(&shapes, op, 1.0, beta, alignments);
+    let built = build_plan(Target::Device(device), &params, config)?;
+    Ok(DevicePlan {
+        config: config.clone(),
+        workspace_bytes: built.workspace_bytes,
+        notes: built.engine.notes,
         alignments,
-    )?;
+    })
+}
+
+/// As [`plan_on_device`], for one spatial chunk's call ([`GraphParams::for_chunk`]).
+pub fn plan_for_chunk_on_device(
+    device: &DeviceDescription,
+    chunk: &ChunkShapes,
+    op: ConvOp,
+    config: &EngineConfig,
+    beta: f32,
+    alignments: Alignments,
+) -> Result<DevicePlan, CudnnError> {
+    let params = GraphParams::for_chunk(chunk, op, 1.0, beta, alignments);
+    let built = build_plan(Target::Device(device), &params, config)?;
     Ok(DevicePlan {
         config: config.clone(),
         workspace_bytes: built.workspace_bytes,
@@ -1436,13 +1484,10 @@ struct BuiltPlan {
 
 fn build_plan(
     target: Target<'_>,
-    shapes: &ConvShapes,
-    op: ConvOp,
+    params: &GraphParams,
     config: &EngineConfig,
-    alpha: f32,
-    beta: f32,
-    alignments: Alignments,
 ) -> Result<BuiltPlan, CudnnError> {
+    let (op, alpha, beta) = (params.op, params.alpha, params.beta);
     if !alpha.is_finite() || !beta.is_finite() {
         return Err(invalid(
             "EnginePlan::new",
@@ -1452,8 +1497,7 @@ fn build_plan(
     let api = graph_api()?;
     let name = config.to_string();
     let tag = |e: CudnnError| e.for_engine(op, Some(&name));
-    let params = GraphParams::with_alignments(shapes, op, alpha, beta, alignments);
-    let graph = OperationGraph::new(api, target, &params).map_err(tag)?;
+    let graph = OperationGraph::new(api, target, params).map_err(tag)?;
     let engine = configure(api, &graph, config).map_err(tag)?;
     let (plan, workspace_bytes) = finalize_plan(api, &graph, &engine.cfg).map_err(tag)?;
     Ok(BuiltPlan {
@@ -1531,15 +1575,36 @@ impl EnginePlan {
         alignments: Alignments,
     ) -> Result<Self, CudnnError> {
         let shapes = ConvShapes::new(problem)?;
-        let built = build_plan(
-            Target::Handle(handle),
-            &shapes,
-            op,
-            config,
-            alpha,
-            beta,
-            alignments,
-        )?;
+        let params = GraphParams::with_alignments(&shapes, op, alpha, beta, alignments);
+        Self::from_params(handle, &params, config)
+    }
+
+    /// The execution plan of `config` for one spatial chunk's call (issue 24): `x` and `y`
+    /// are views of the full tensors ([`ChunkShapes`]: the chunk's rows, the full strides),
+    /// the split axis padded by the chunk's own paddings, the tensors declaring `alignments`
+    /// (at least what holds where the chunk runs: [`ChunkShapes::alignments`]). Executed on
+    /// views of [`ChunkShapes::range`]. Errors as [`Self::new`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn for_chunk(
+        handle: &CudnnHandle,
+        chunk: &ChunkShapes,
+        op: ConvOp,
+        config: &EngineConfig,
+        alpha: f32,
+        beta: f32,
+        alignments: Alignments,
+    ) -> Result<Self, CudnnError> {
+        let params = GraphParams::for_chunk(chunk, op, alpha, beta, alignments);
+        Self::from_params(handle, &params, config)
+    }
+
+    /// The plan of `config` for the graph `params` describes.
+    pub fn from_params(
+        handle: &CudnnHandle,
+        params: &GraphParams,
+        config: &EngineConfig,
+    ) -> Result<Self, CudnnError> {
+        let built = build_plan(Target::Handle(handle), params, config)?;
         Ok(EnginePlan {
             plan: built.plan,
             engine: built.engine,
@@ -1559,9 +1624,21 @@ impl EnginePlan {
         self.graph.params.op
     }
 
-    /// The problem's shapes at the plan's batch size (what views are checked against).
+    /// The problem's shapes at the plan's batch size (a chunk's: its rows along the split
+    /// axis).
     pub fn shapes(&self) -> &ConvShapes {
         &self.graph.params.shapes
+    }
+
+    /// The descriptor values the plan was built from.
+    pub fn params(&self) -> &GraphParams {
+        &self.graph.params
+    }
+
+    /// Elements each `[a, b, out]` view must span: the element counts at the plan's batch
+    /// size, or a chunk's view spans ([`GraphParams::operand_spans`]).
+    pub fn operand_spans(&self) -> [usize; 3] {
+        self.graph.params.operand_spans()
     }
 
     /// The batch size the plan runs (its micro-batch size).
@@ -1633,6 +1710,7 @@ impl EnginePlan {
         handle.check_operands(
             CALL,
             self.shapes(),
+            self.operand_spans(),
             op,
             [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
             workspace,

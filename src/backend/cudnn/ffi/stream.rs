@@ -23,9 +23,9 @@
 //! decision itself is plain Rust in `exec/teardown.rs`.
 
 use super::{
-    check_operand_shapes, dnn_err, invalid, legacy_call, raw_convolve, save_current_context,
-    ConvDescriptors, CudnnError, CudnnHandle, CurrentContextGuard, EnginePlan, RawDeviceView,
-    RawDeviceViewMut,
+    check_operand_spans, dnn_err, fill_descriptor, invalid, legacy_call, raw_convolve, raw_fill,
+    save_current_context, ConvDescriptors, CudnnError, CudnnHandle, CurrentContextGuard,
+    EnginePlan, RawDeviceView, RawDeviceViewMut,
 };
 use super::{drv, drv_err, drv_sys, Arc, CudaContext};
 use crate::solver::ConvOp;
@@ -292,6 +292,28 @@ impl StreamSession<'_> {
         unsafe { raw_convolve(self.handle.raw, d, op, algo, which, alpha, beta, pointers) }
     }
 
+    /// As [`CudnnHandle::scale_view`], on the session's stream and a caller's pointer.
+    pub fn scale_view(
+        &self,
+        out: &mut RawDeviceViewMut<'_>,
+        dims: &[i64],
+        strides: &[i64],
+        value: f32,
+    ) -> Result<(), CudnnError> {
+        let desc = fill_descriptor(
+            "StreamSession::scale_view",
+            out.dtype(),
+            out.len(),
+            dims,
+            strides,
+        )?;
+        // SAFETY (the contract of `raw_fill`): the handle is live, used by this thread alone
+        // (the session borrows it), its context bound and its stream the caller's; `out` is
+        // writable device memory valid while the queued work runs (the raw view's contract)
+        // spanning exactly what the descriptor reaches (checked).
+        unsafe { raw_fill(self.handle.raw, &desc, out.address(), value) }
+    }
+
     /// Queues an engine execution plan built on this session's handle, computing
     /// `out = alpha * op(a, b) + beta * out` with the plan's alpha and beta. Checked first: the
     /// plan's handle, every operand's dtype and element count at the plan's batch size, the
@@ -315,9 +337,10 @@ impl StreamSession<'_> {
                 ),
             ));
         }
-        check_operand_shapes(
+        check_operand_spans(
             CALL,
             plan.shapes(),
+            plan.operand_spans(),
             op,
             [
                 ("a", a.dtype(), a.len()),
