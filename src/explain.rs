@@ -10,10 +10,11 @@
 //! Nothing here decides anything new: the cells are what `wr` reads, and the plans are
 //! [`solve_wr`]'s.
 
+use crate::solver::spatial::split_axis;
 use crate::solver::units::format_bytes;
 use crate::solver::{
     solve_wr, Algo, AlgoNames, ConvProblem, Measurement, OpProfile, Plan, Policy, ProblemName,
-    SolveError,
+    SolveError, SplitDim,
 };
 use std::fmt::Write as _;
 
@@ -58,7 +59,8 @@ pub struct Explanation {
     pub name: ProblemName,
     /// The problem at the mini-batch size (its rank names the layout: `ndhwc` in 3-D).
     pub problem: ConvProblem,
-    /// Mini-batch size.
+    /// What the sizes split: the mini-batch size, or for a spatial entry (issue 24) the op's
+    /// rows along the split axis ([`OpProfile::extent`]).
     pub n: i64,
     pub policy: Policy,
     /// Ascending and distinct; [`UNLIMITED`] means no limit.
@@ -118,7 +120,8 @@ pub fn explain(
     let plans = limits
         .iter()
         .map(|&limit_bytes| {
-            let undivided_ms = best_within(&allowed, entry.n(), limit_bytes).map(|c| c.time_ms);
+            let undivided_ms =
+                best_within(&allowed, entry.extent(), limit_bytes).map(|c| c.time_ms);
             match solve_wr(&accurate, policy, limit_bytes) {
                 Ok(plan) => Ok(LimitPlan {
                     limit_bytes,
@@ -142,7 +145,7 @@ pub fn explain(
     Ok(Explanation {
         name: entry.name(),
         problem: entry.problem,
-        n: entry.n(),
+        n: entry.extent(),
         policy,
         limits,
         rows,
@@ -231,14 +234,23 @@ pub fn render_explanation(explanation: &Explanation, names: AlgoNames) -> String
     let op = explanation.name.op;
     let mut out = String::new();
     let name = &explanation.name;
+    let spatial = name.split == SplitDim::Spatial;
+    let axis = split_axis(&explanation.problem);
     let _ = writeln!(
         out,
-        "{} {} {} {}: mini-batch {}, policy {}",
+        "{} {} {} {}: {}, policy {}",
         crate::report::escape_control(&name.layer),
         name.dtype,
         explanation.problem.layout_name(),
         name.op,
-        explanation.n,
+        if spatial {
+            format!(
+                "split along {axis} ({} rows of the op's output, batch {})",
+                explanation.n, explanation.problem.n
+            )
+        } else {
+            format!("mini-batch {}", explanation.n)
+        },
         explanation.policy
     );
     let _ = writeln!(out, "shape: {}", explanation.problem.describe());
@@ -252,10 +264,24 @@ pub fn render_explanation(explanation: &Explanation, names: AlgoNames) -> String
     }
     let _ = writeln!(
         out,
-        "Fastest algorithm per micro-batch size within each workspace limit (time per call):"
+        "Fastest algorithm per {} within each workspace limit (time per call{}):",
+        if spatial {
+            "chunk size"
+        } else {
+            "micro-batch size"
+        },
+        if spatial {
+            ", the slowest of a chunk at the start, middle and end of the axis"
+        } else {
+            ""
+        }
     );
     out.push('\n');
-    let mut header = vec!["micro".to_string()];
+    let mut header = vec![if spatial {
+        format!("rows ({axis})")
+    } else {
+        "micro".to_string()
+    }];
     header.extend(explanation.limits.iter().map(|&l| limit_label(l)));
     let mut table = vec![header];
     for row in &explanation.rows {

@@ -3,8 +3,9 @@
 
 use crate::models::ModelLayer;
 pub use crate::solver::device::cudnn_version_string;
+use crate::solver::spatial::split_axis;
 use crate::solver::units::format_bytes;
-use crate::solver::{AlgoKind, ConvProblem, Mode, Plan, Solution};
+use crate::solver::{AlgoKind, ConvProblem, Mode, Plan, Solution, SplitDim};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -33,6 +34,12 @@ pub struct PlanJson {
     pub undivided_ms: Option<f64>,
     pub time_ms: f64,
     pub workspace_bytes: u64,
+    /// `batch` (the sizes are micro-batches) or `spatial` (issue 24: the sizes are chunks of
+    /// rows along `axis`).
+    pub split: SplitDim,
+    /// The split axis (`d`, `h`, `w`) of a spatial plan; absent for a batch plan.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub axis: Option<&'static str>,
     pub micro_batches: Vec<MicroBatchJson>,
 }
 
@@ -74,6 +81,9 @@ impl SolutionJson {
                         undivided_ms: solved.undivided.as_ref().map(Plan::time_ms),
                         time_ms: plan.time_ms(),
                         workspace_bytes: plan.workspace_bytes(),
+                        split: plan.split,
+                        axis: (plan.split == SplitDim::Spatial)
+                            .then(|| split_axis(&plan.problem).name()),
                         micro_batches: plan
                             .micro_batches
                             .iter()

@@ -71,11 +71,13 @@ fn json_has_exactly_the_documented_shape() {
                 "micro_batches",
                 "n",
                 "op",
+                "split",
                 "time_ms",
                 "undivided_ms",
                 "workspace_bytes"
             ]
         );
+        assert_eq!(plan["split"], "batch");
         let micro = plan["micro_batches"].as_array().unwrap();
         assert_eq!(
             keys(&micro[0]),

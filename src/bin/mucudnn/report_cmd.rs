@@ -8,7 +8,7 @@ use mucudnn::explain::{default_limits, explain, render_explanation, UNLIMITED};
 use mucudnn::profiler::Job;
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::units::parse_size;
-use mucudnn::solver::{AlgoNames, ConvOp, OpProfile, Policy, Profile};
+use mucudnn::solver::{AlgoNames, ConvOp, OpProfile, Policy, Profile, SplitDim};
 use mucudnn::tune::{profile_jobs, ProfileRun};
 use std::path::PathBuf;
 
@@ -69,6 +69,10 @@ pub(crate) struct ExplainArgs {
     /// or every size.
     #[arg(long, default_value = "power-of-two", value_parser = one_of::<Policy>(Policy::ALL.map(Policy::name)))]
     policy: Policy,
+    /// Which split to explain: micro-batches of the batch, or chunks along the outermost
+    /// spatial dimension of the op's output (d, h or w).
+    #[arg(long, default_value = "batch", value_parser = one_of::<SplitDim>(SplitDim::ALL.map(SplitDim::name)))]
+    split: SplitDim,
 }
 
 fn parse_limit(text: &str) -> Result<u64, String> {
@@ -92,7 +96,12 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames, i64)> {
             .entries
             .iter()
             .filter(|e| e.layer == args.layer)
-            .map(|e| format!("{} {} {}", e.problem.dtype, e.problem.layout, e.op))
+            .map(|e| {
+                format!(
+                    "{} {} {} {}",
+                    e.problem.dtype, e.problem.layout, e.op, e.split
+                )
+            })
             .collect();
         if others.is_empty() {
             others = profile.entries.iter().map(|e| e.layer.clone()).collect();
@@ -106,12 +115,14 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames, i64)> {
                     && e.op == args.op
                     && e.problem.dtype == dtype
                     && e.problem.layout == layout
+                    && e.split == args.split
             })
             .with_context(|| {
                 format!(
-                    "no {} {dtype} {layout} {} in the profile (it has: {})",
+                    "no {} {dtype} {layout} {} {} in the profile (it has: {})",
                     args.layer,
                     args.op,
+                    args.split,
                     others.join(", ")
                 )
             })
@@ -119,7 +130,7 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames, i64)> {
                 // The accuracy rule of the device that measured it (none for a profile that
                 // does not say: nothing says it came from cuDNN).
                 let min = device.as_ref().map_or(1, |d| {
-                    mucudnn::tune::min_micro_batch(d, &entry.problem, entry.op)
+                    mucudnn::tune::min_split_size(d, &entry.problem, entry.op, entry.split)
                 });
                 (entry, names, min)
             })
@@ -140,7 +151,12 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames, i64)> {
             )
         })?;
     let (mut device, cache, timing) = args.device.open(true)?;
-    let job = Job::batch(layer.name.clone(), layer.problem, args.op);
+    let job = Job {
+        layer: layer.name.clone(),
+        problem: layer.problem,
+        op: args.op,
+        split: args.split,
+    };
     let (candidates, engines) = args.device.candidates();
     let run = ProfileRun {
         policy: args.policy,
