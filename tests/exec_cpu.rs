@@ -309,14 +309,14 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(err.to_string().contains("x"), "{err}");
     let err = run(&ok, 1.0, &a, &b, 0.0, &mut out[..3]).unwrap_err();
     assert!(err.to_string().contains("y"), "{err}");
-    // A spatial plan is not the batch executor's, whatever its sizes add up to.
+    // The same sizes as a spatial plan must add up to the rows along the split axis.
     let spatial = Plan {
         split: mucudnn::solver::SplitDim::Spatial,
         ..ok.clone()
     };
     let err = run(&spatial, 1.0, &a, &b, 0.0, &mut out).unwrap_err();
     assert!(matches!(err, ExecError::InvalidPlan { .. }), "{err}");
-    assert!(err.to_string().contains("exec::spatial"), "{err}");
+    assert!(err.to_string().contains("rows along h"), "{err}");
     let short = plan(problem, op, &[(1, CpuAlgo::Direct)]);
     assert!(run(&short, 1.0, &a, &b, 0.0, &mut out)
         .unwrap_err()

@@ -177,11 +177,13 @@ fn check_against_unsplit(plan: &Plan) {
 fn forced_spatial_plans_fit_the_limit_and_equal_the_unsplit_op() {
     let problem = problem(1);
     let cache = Cache::in_memory();
+    // Scripted times (im2col faster than direct): the chunks must be small to fit.
     let plans = tuning(SplitSetting::Spatial, LIMIT)
-        .tune(&mut CpuBackend::new(), &cache, "toy", &problem)
+        .tune(&mut Scripted::new(), &cache, "toy", &problem)
         .unwrap();
     for plan in &plans {
         assert_eq!(plan.split, SplitDim::Spatial, "{}", plan.op);
+        assert!(plan.micro_batches.len() >= 3, "{plan:?}");
         assert_eq!(plan.extent(), 12, "{}", plan.op);
         assert!(plan.workspace_bytes() <= LIMIT, "{}", plan.op);
         check_against_unsplit(plan);
@@ -297,4 +299,53 @@ fn split_settings_parse_and_name_themselves() {
     assert_eq!(SplitSetting::default(), SplitSetting::Auto);
     let error = "sideways".parse::<SplitSetting>().unwrap_err();
     assert!(error.contains("batch, spatial or auto"), "{error}");
+}
+
+/// The Rust drop-in layer with `split = spatial` (real CPU timings, so however many chunks win):
+/// its plans at batch 1 are chunks along `h`,
+/// and its forward and backward equal the same layer's with batch plans (each output element
+/// of forward and backward-data is one call's, in both; the weight gradient within rounding).
+#[test]
+fn the_rust_layer_runs_spatial_plans() {
+    use mucudnn::exec::conv2d::{Conv2d, Tensor};
+    use mucudnn::solver::Layout;
+    let layer = |split| {
+        Conv2d::new("toy.conv", 4, 4, 3)
+            .with_padding(1)
+            .with_stride(2)
+            .with_tuning(LayerTuning {
+                policy: Policy::All,
+                ..tuning(split, LIMIT)
+            })
+            .with_cache(Cache::in_memory())
+    };
+    let mut x = Tensor::zeros([1, 4, 13, 11], Layout::Nchw);
+    x.data = data(x.data.len(), 5);
+    let mut spatial = layer(SplitSetting::Spatial);
+    let mut batch = layer(SplitSetting::Batch);
+    let y = spatial.forward(&x).unwrap();
+    let y_batch = batch.forward(&x).unwrap();
+    let plans = spatial.plans(1, 13, 11).unwrap();
+    assert!(plans.iter().all(|p| p.split == SplitDim::Spatial));
+    assert!(batch
+        .plans(1, 13, 11)
+        .unwrap()
+        .iter()
+        .all(|p| p.split == SplitDim::Batch));
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        assert_eq!(a.len(), b.len());
+        for (i, (u, v)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (u - v).abs() <= 1e-5 * (1.0 + v.abs()),
+                "{what}[{i}]: {u} vs {v}"
+            );
+        }
+    };
+    close(&y.data, &y_batch.data, "y");
+    let mut dy = y.clone();
+    dy.data = data(dy.data.len(), 6);
+    let g = spatial.backward(&x, &dy).unwrap();
+    let g_batch = batch.backward(&x, &dy).unwrap();
+    close(&g.input.data, &g_batch.input.data, "dx");
+    close(&g.weight, &g_batch.weight, "dw");
 }

@@ -86,17 +86,17 @@ pub fn check_plan(plan: &Plan) -> Result<(), ExecError> {
     if let Some(mb) = plan.micro_batches.iter().find(|m| m.size < 1) {
         return Err(invalid(format!("micro-batch size {}", mb.size)));
     }
-    let extent = plan.split.extent(&plan.problem, plan.op);
-    if plan.extent() != extent {
+    let extent = plan.extent();
+    if plan.batch() != extent {
         return Err(invalid(match plan.split {
             SplitDim::Batch => format!(
                 "micro-batches add up to {}, not the mini-batch {}",
-                plan.extent(),
+                plan.batch(),
                 plan.problem.n
             ),
             SplitDim::Spatial => format!(
                 "chunks add up to {} rows, not the {extent} rows along {}",
-                plan.extent(),
+                plan.batch(),
                 crate::solver::spatial::split_axis(&plan.problem)
             ),
         }));
