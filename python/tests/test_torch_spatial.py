@@ -210,3 +210,25 @@ def test_tune_entry_point_uses_the_split_setting():
     for _, report in reports(ours):
         assert report.spatial_ops == report.tuned_ops == ("fwd", "bwd_data", "bwd_filter")
     assert_match(reference, ours, x)
+
+
+def test_tuner_settings_split_reaches_the_c_abi():
+    """The Python tuner wrapper passes ``split`` in the settings JSON: a spatial plan says so
+    (``"split": "spatial"``, its split string ``along h``), a batch plan does not, and a bad
+    value is the library's INVALID_ARGUMENT."""
+    from mucudnn._lib import MucudnnError
+    from mucudnn._tuner import Tuner, problem
+
+    tuner = Tuner(cache=False)
+    conv = problem(n=1, c=4, h=8, w=8, k=4, r=3, s=3, padding=(1, 1))
+    spatial = tuner.tune("t", conv, Settings(split="spatial", ops=("fwd",)))
+    assert spatial["plans"][0]["split"] == "spatial"
+    assert spatial["splits"][0].endswith(" along h"), spatial["splits"]
+    assert sum(m["size"] for m in spatial["plans"][0]["micro_batches"]) == 8
+    batch = tuner.tune("t", conv, Settings(split="batch", ops=("fwd",)))
+    assert batch["plans"][0].get("split", "batch") == "batch"
+    assert " along " not in batch["splits"][0]
+    with pytest.raises(MucudnnError, match="split") as raised:
+        tuner.tune("t", conv, Settings(split="height"))
+    assert raised.value.status == "INVALID_ARGUMENT"
+    tuner.close()
