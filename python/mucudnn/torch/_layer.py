@@ -242,10 +242,8 @@ class _MucudnnConv:
     def extra_repr(self) -> str:
         s = self._mucudnn.settings
         limit = "unlimited" if s.workspace_limit is None else f"{s.workspace_limit} B"
-        return (
-            f"{super().extra_repr()}, mucudnn: {s.policy}, {limit}, {s.candidates}, "  # type: ignore[misc]
-            f"split {s.split}"
-        )
+        base = super().extra_repr()  # type: ignore[misc]
+        return f"{base}, mucudnn: {s.policy}, {limit}, {s.candidates}, split {s.split}"
 
     def _check(self, input: torch.Tensor, weight: torch.Tensor) -> None:
         rank = self.spatial + 2

@@ -4,9 +4,9 @@ under ``torch.distributed`` deal the measuring out over the ranks.
 Distributed tuning, per group of layers with the same settings:
 
 1. Every rank lists the measuring tasks (layer problem, op, micro-batch size or chunk rows,
-   candidate kind) its cache lacks, and the ranks all-gather their device fingerprints and lists. Ranks whose
-   fingerprints differ (another GPU model, driver or cuDNN version) form separate groups and
-   never share measurements.
+   candidate kind) its cache lacks, and the ranks all-gather their device fingerprints and
+   lists. Ranks whose fingerprints differ (another GPU model, driver or cuDNN version) form
+   separate groups and never share measurements.
 2. Within a group the union of the missing tasks is dealt out round-robin; each rank measures
    its share on its own device and the group all-gathers the measurements (not just plans),
    which every rank stores in its local cache. Anchor sizes go first, then the sizes between
@@ -18,7 +18,8 @@ Distributed tuning, per group of layers with the same settings:
 When no rank misses anything, step 2 is skipped: the only collectives are the two small
 all-gathers of steps 1 and 3. Layers with ``split="auto"`` repeat steps 1 and 2 once: the
 chunk sizes along a spatial dimension are listed only after the batch sizes are stored (auto
-tunes them where those skipped a candidate over the workspace limit). No shared filesystem is needed.
+tunes them where those skipped a candidate over the workspace limit). No shared filesystem is
+needed.
 """
 
 from __future__ import annotations
