@@ -18,6 +18,8 @@ from . import _lib
 OPS = ("fwd", "bwd_data", "bwd_filter")
 FORWARD, BACKWARD_DATA, BACKWARD_FILTER = 0, 1, 2
 DEVICE_CPU = -1
+#: The values of :attr:`Settings.split` (the C ABI's settings key ``"split"``).
+SPLITS = ("batch", "spatial", "auto")
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,11 @@ class Settings:
     every configuration at every size), ``deterministic`` (plans from candidates the
     backend marks deterministic only; cached apart from the others) and ``ops`` (the ops to
     tune, measure and return, names of :data:`OPS`; ``None``: all three; e.g. ``("fwd",)``
-    for inference)."""
+    for inference) and ``split`` (what a plan splits, one of :data:`SPLITS`: ``"batch"``
+    micro-batches only, ``"spatial"`` chunks along the outermost spatial dimension of the
+    output only (D for 3-D, H for 2-D, W for 1-D), ``"auto"`` (the default) micro-batches,
+    and chunks too at a batch of at most 4 when the batch sizes skipped a candidate over the
+    workspace limit, the faster plan kept; plans are cached per setting)."""
 
     policy: str = "power-of-two"
     workspace_limit: Optional[int] = 64 << 20
@@ -37,6 +43,7 @@ class Settings:
     prune_margin: Optional[float] = 1.5
     deterministic: bool = False
     ops: Optional[Tuple[str, ...]] = None
+    split: str = "auto"
 
     def to_dict(self) -> Dict[str, Any]:
         doc: Dict[str, Any] = {
@@ -46,6 +53,7 @@ class Settings:
             "max_candidates": self.max_candidates,
             "prune_margin": self.prune_margin,
             "deterministic": self.deterministic,
+            "split": self.split,
         }
         if self.ops is not None:
             doc["ops"] = list(self.ops)
@@ -227,8 +235,10 @@ class Tuner:
 
     def tune(self, layer: str, problem: Dict[str, Any], settings: Settings) -> Dict[str, Any]:
         """Tunes one layer through the cache: ``{"plans": [...], "splits": [...], "cached": n,
-        "measured": n}`` (each split a plan's ``COUNTxSIZE@algo`` runs; the plans of
-        ``settings.ops``, all three by default, in :data:`OPS` order)."""
+        "measured": n}`` (each split a plan's ``COUNTxSIZE@algo`` runs, followed by
+        ``along h`` (``d``, ``w``) for a plan of chunks along a spatial dimension, whose plan
+        has ``"split": "spatial"``; the plans of ``settings.ops``, all three by default, in
+        :data:`OPS` order)."""
         return _lib.call_json(
             "mucudnnTunerTune",
             self._handle,

@@ -1,6 +1,7 @@
 """CUDA tensors (run on the GPU machine by `bash .gpu/accept.sh torch`; skipped without a GPU):
-cuDNN plans (legacy algorithms and graph-API engines) against PyTorch's convolutions, on the
-current stream, with no host synchronisation after tuning, inside CUDA graphs."""
+cuDNN plans (legacy algorithms and graph-API engines; spatial chunks at batch 1) against
+PyTorch's convolutions, on the current stream, with no host synchronisation after tuning,
+inside CUDA graphs."""
 
 import pytest
 import torch
@@ -150,3 +151,42 @@ def test_nd_layers_match_pytorch(name, dtype, candidates):
     compare(ours, reference, x, 2e-2 if dtype == torch.float16 else 1e-2)
     report = next(iter(ours.plans.values()))
     assert report.fallback is None, report.fallback
+
+
+SPATIAL_LAYERS = {
+    "conv2d": (mt.Conv2d, torch.nn.Conv2d, (1, 64, 96, 96), dict(out_channels=64, kernel_size=3, padding=1)),
+    "conv2d-s2-dil2": (
+        mt.Conv2d, torch.nn.Conv2d, (1, 32, 65, 65),
+        dict(out_channels=32, kernel_size=3, stride=2, padding=3, dilation=2),
+    ),
+    "conv3d": (mt.Conv3d, torch.nn.Conv3d, (1, 32, 9, 32, 32), dict(out_channels=32, kernel_size=3, padding=1)),
+    "convT2d": (mt.ConvTranspose2d, torch.nn.ConvTranspose2d, (1, 64, 33, 33), dict(out_channels=32, kernel_size=4, stride=2, padding=1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPATIAL_LAYERS))
+def test_spatial_plans_at_batch_1_fp16_channels_last_match_pytorch(name):
+    """Issue 24: ``split="spatial"`` at batch 1, fp16 NHWC (NDHWC), engine configurations
+    (legacy algorithms have no spatial plans): every op's plan is chunks along the outermost
+    spatial dimension, and outputs and gradients match torch.nn."""
+    ours_class, torch_class, shape, kwargs = SPATIAL_LAYERS[name]
+    torch.manual_seed(0)
+    ours = ours_class(
+        shape[1], cache=False, fallback=False, candidates="engines", workspace_limit="1MiB",
+        max_candidates=8, split="spatial", **kwargs,
+    ).cuda().half()
+    reference = torch_class(shape[1], **kwargs).cuda().half()
+    reference.load_state_dict(ours.state_dict())
+    fmt = torch.channels_last_3d if len(shape) == 5 else torch.channels_last
+    ours = ours.to(memory_format=fmt)
+    reference = reference.to(memory_format=fmt)
+    x = torch.randn(shape, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
+    compare(ours, reference, x, 2e-2)
+    report = next(iter(ours.plans.values()))
+    assert report.fallback is None, report.fallback
+    assert report.layout in ("nhwc", "ndhwc"), report.layout
+    assert report.spatial_ops == report.tuned_ops == ("fwd", "bwd_data", "bwd_filter"), str(report)
+    axis = "d" if len(shape) == 5 else "h"
+    for op, info in report.ops.items():
+        assert info["split"].endswith(f" along {axis}"), (op, info)
+        assert all(a.startswith("eng") for a in info["algorithms"]), (op, info)

@@ -59,8 +59,11 @@ pub enum TunerDevice {
 /// `prune_margin` (a factor > 1, or `null` to time every configuration), `deterministic`
 /// (`true`: plans from deterministic candidates only, cached apart) and `ops` (the ops to
 /// tune, measure and return: a non-empty array of `"fwd"`, `"bwd_data"`, `"bwd_filter"`; e.g.
-/// `["fwd"]` for inference). Missing keys take the defaults of `mucudnn tune` (power-of-two,
-/// 64 MiB, all, no bound, 1.5, false) and all three ops; unknown keys are errors.
+/// `["fwd"]` for inference) and `split` (what a plan splits: `"batch"`, micro-batches only;
+/// `"spatial"`, chunks along the outermost spatial dimension only; `"auto"`, micro-batches and,
+/// for a batch of at most 4 under workspace pressure, chunks too, the faster plan kept).
+/// Missing keys take the defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5,
+/// false, auto) and all three ops; unknown keys are errors.
 pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiError> {
     const KEYS: [&str; 8] = [
         "policy",

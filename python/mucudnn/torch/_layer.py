@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import _lib
 from .._lib import MucudnnError
-from .._tuner import Settings
+from .._tuner import SPLITS, Settings
 from . import _ops, _runtime
 
 
@@ -57,7 +57,9 @@ def make_settings(
     candidates: str = "all",
     max_candidates: Optional[int] = None,
     prune_margin: Optional[float] = 1.5,
+    split: str = "auto",
 ) -> Settings:
+    check_split(split)
     if policy not in _POLICIES:
         raise ValueError(f"policy {policy!r}: expected one of {', '.join(_POLICIES)}")
     if candidates not in _CANDIDATES:
@@ -72,7 +74,15 @@ def make_settings(
         candidates=candidates,
         max_candidates=max_candidates,
         prune_margin=None if prune_margin is None else float(prune_margin),
+        split=split,
     )
+
+
+def check_split(split: Any) -> None:
+    """Raises unless ``split`` is one of ``"batch"``, ``"spatial"``, ``"auto"``."""
+    if not isinstance(split, str) or split not in SPLITS:
+        error = ValueError if isinstance(split, str) else TypeError
+        raise error(f"split must be 'batch', 'spatial' or 'auto', not {split!r}")
 
 
 _OPTIONS_DOC = """
@@ -80,7 +90,12 @@ _OPTIONS_DOC = """
     per layer and op), ``policy`` (``"power-of-two"``, ``"all"``, ``"undivided"``),
     ``candidates`` (``"all"``, ``"legacy"``, ``"engines"``), ``cache`` (a file path; ``None``:
     the default location; ``False``: in memory only), ``name`` (shown in plans and errors),
-    ``max_candidates``, ``prune_margin``, ``verbose``, and ``fallback`` (default ``True``: an
+    ``max_candidates``, ``prune_margin``, ``verbose``, ``split`` (what a plan splits:
+    ``"batch"``, micro-batches only; ``"spatial"``, chunks of rows along the outermost spatial
+    dimension of the output (D for 3-D, H for 2-D, W for 1-D; exact: each chunk reads its
+    input rows with their halo); ``"auto"``, the default: micro-batches, and chunks too when
+    the batch is at most 4 and a candidate was skipped over the workspace limit, keeping the
+    faster plan; plans are tuned and kept apart per setting), and ``fallback`` (default ``True``: an
     input shape that no candidate supports, or whose plans cannot fit the limit, runs PyTorch's
     own convolution, with a warning on stderr and the reason in :attr:`plans`; ``False``:
     raise instead). An input shape tuned on first use (not by :func:`mucudnn.torch.tune`) prints
@@ -127,6 +142,7 @@ class _MucudnnConv:
         prune_margin: Optional[float] = 1.5,
         verbose: bool = False,
         fallback: bool = True,
+        split: str = "auto",
         **kwargs: Any,
     ):
         label = name or f"mucudnn.torch.{type(self).__name__}"
@@ -144,7 +160,9 @@ class _MucudnnConv:
                 f"'zeros'); keep this layer a torch.nn.{base.__name__}"
             )
         try:
-            settings = make_settings(workspace_limit, policy, candidates, max_candidates, prune_margin)
+            settings = make_settings(
+                workspace_limit, policy, candidates, max_candidates, prune_margin, split
+            )
         except (TypeError, ValueError) as e:
             raise type(e)(f"{label}: {e}") from None
         # The layer's only mucudnn state: a string of plain values (pickled with the module;
@@ -224,7 +242,8 @@ class _MucudnnConv:
     def extra_repr(self) -> str:
         s = self._mucudnn.settings
         limit = "unlimited" if s.workspace_limit is None else f"{s.workspace_limit} B"
-        return f"{super().extra_repr()}, mucudnn: {s.policy}, {limit}, {s.candidates}"  # type: ignore[misc]
+        base = super().extra_repr()  # type: ignore[misc]
+        return f"{base}, mucudnn: {s.policy}, {limit}, {s.candidates}, split {s.split}"
 
     def _check(self, input: torch.Tensor, weight: torch.Tensor) -> None:
         rank = self.spatial + 2

@@ -146,7 +146,11 @@ class PlanReport:
     layout: str
     device: str
     #: Per op tuned so far (``"fwd"``, ``"bwd_data"``, ``"bwd_filter"``; inference tunes only
-    #: the op the layer's forward runs): its split, algorithms, predicted time, workspace.
+    #: the op the layer's forward runs): ``split`` (its ``COUNTxSIZE@algo`` runs, then
+    #: ``along h`` (``d``, ``w``) when it splits a spatial dimension), ``dimension``
+    #: (``"batch"``: micro-batches; ``"spatial"``: chunks of rows along the outermost spatial
+    #: dimension of the op's split tensor), ``calls`` (micro-batches or chunks), ``algorithms``,
+    #: ``time_ms`` (predicted) and ``workspace_bytes``.
     ops: Dict[str, Dict[str, Any]]
     tuning_seconds: float
     cached: int
@@ -168,6 +172,12 @@ class PlanReport:
     peak_measuring_memory_bytes: int = 0
     #: The layer whose plans this shape reuses (same problem, tuned first by that layer).
     same_as: Optional[str] = None
+
+    @property
+    def spatial_ops(self) -> Tuple[str, ...]:
+        """The names of the ops whose plans split a spatial dimension (chunks of rows, not
+        micro-batches), in ``fwd, bwd_data, bwd_filter`` order."""
+        return tuple(op for op, info in self.ops.items() if info.get("dimension") == "spatial")
 
     @property
     def tuned_ops(self) -> Tuple[str, ...]:
@@ -303,6 +313,8 @@ def report_of(
         micro = plan["micro_batches"]
         ops[plan["op"]] = {
             "split": split,
+            "dimension": str(plan.get("split", "batch")),
+            "calls": len(micro),
             "algorithms": sorted({str(m["algo"]) for m in micro}),
             "time_ms": sum(m["time_ms"] for m in micro),
             "workspace_bytes": max((m["workspace_bytes"] for m in micro), default=0),
@@ -460,6 +472,8 @@ def _parse_config(text: str) -> LayerConfig:
         if not isinstance(doc, dict) or sorted(doc) != list(_CONFIG_KEYS):
             raise ValueError(f"expected an object with keys {', '.join(_CONFIG_KEYS)}")
         settings = Settings(**doc["settings"])
+        if settings.split not in _tuner.SPLITS:
+            raise ValueError(f"split {settings.split!r} is not one of {', '.join(_tuner.SPLITS)}")
         if not isinstance(doc["name"], str):
             raise ValueError("name is not a string")
         if doc["cache"] is not None and doc["cache"] is not False and not isinstance(doc["cache"], str):
@@ -819,8 +833,10 @@ def run(
 
 
 #: Base alignment the GPU path asks of every operand: engine plans declare the alignment of the
-#: micro-batch offsets they run at, relative to an aligned base (PyTorch's caching allocator
-#: hands out 512-byte aligned blocks; a view into one may start anywhere).
+#: offsets they run at (a micro-batch's, or a spatial chunk's first row: the library computes
+#: both from the plan; nothing here depends on the split), relative to an aligned base
+#: (PyTorch's caching allocator hands out 512-byte aligned blocks; a view into one may start
+#: anywhere).
 GPU_BASE_ALIGNMENT = 256
 
 

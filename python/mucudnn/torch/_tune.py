@@ -3,10 +3,10 @@ under ``torch.distributed`` deal the measuring out over the ranks.
 
 Distributed tuning, per group of layers with the same settings:
 
-1. Every rank lists the measuring tasks (layer problem, op, micro-batch size, candidate kind)
-   its cache lacks, and the ranks all-gather their device fingerprints and lists. Ranks whose
-   fingerprints differ (another GPU model, driver or cuDNN version) form separate groups and
-   never share measurements.
+1. Every rank lists the measuring tasks (layer problem, op, micro-batch size or chunk rows,
+   candidate kind) its cache lacks, and the ranks all-gather their device fingerprints and
+   lists. Ranks whose fingerprints differ (another GPU model, driver or cuDNN version) form
+   separate groups and never share measurements.
 2. Within a group the union of the missing tasks is dealt out round-robin; each rank measures
    its share on its own device and the group all-gathers the measurements (not just plans),
    which every rank stores in its local cache. Anchor sizes go first, then the sizes between
@@ -16,7 +16,10 @@ Distributed tuning, per group of layers with the same settings:
    different older measurements.
 
 When no rank misses anything, step 2 is skipped: the only collectives are the two small
-all-gathers of steps 1 and 3. No shared filesystem is needed.
+all-gathers of steps 1 and 3. Layers with ``split="auto"`` repeat steps 1 and 2 once: the
+chunk sizes along a spatial dimension are listed only after the batch sizes are stored (auto
+tunes them where those skipped a candidate over the workspace limit). No shared filesystem is
+needed.
 """
 
 from __future__ import annotations
@@ -129,8 +132,10 @@ def _all_gather(value: Any) -> List[Any]:
 def _task_id(task: Dict[str, Any]) -> str:
     import json
 
+    # A chunk's rows and a micro-batch of the same size are different tasks (issue 24).
     return json.dumps(
-        [task["problem"], task["op"], task["micro"], task["kind"]], sort_keys=True
+        [task["problem"], task["op"], task.get("split", "batch"), task["micro"], task["kind"]],
+        sort_keys=True,
     )
 
 
@@ -222,6 +227,11 @@ def tune(
         dealt = (0, 0)
         if world > 1:
             dealt = _deal(tuner, settings, members, rank, world, summary, verbose)
+            if settings.split == "auto":
+                # Under "auto" the chunk tasks are listed only once the batch sizes are
+                # stored (they show whether the limit skipped a candidate): deal those too.
+                more = _deal(tuner, settings, members, rank, world, summary, verbose)
+                dealt = (dealt[0] + more[0], dealt[1] + more[1])
         results = []
         # The first layer to tune each problem; later layers with it share its result.
         first: Dict[Any, Tuple[str, Dict[str, Any]]] = {}

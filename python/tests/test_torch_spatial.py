@@ -1,0 +1,234 @@
+"""Spatial splits in PyTorch (issue 24), on CPU tensors: a converted model at batch 1 with
+``split="spatial"`` forced and a tight ``workspace_limit`` runs plans of chunks along the
+outermost spatial dimension (checked in the layers' plan reports) and matches the unconverted
+model, outputs and input, weight and bias gradients; ``split="auto"`` at batch 1 under a tight
+limit gives plans (spatial or batch) that match too; ``split="batch"`` gives batch plans; a bad
+value is a clear error; the setting keeps plans apart.
+
+Every layer is made with ``fallback=False``, so a shape mucudnn cannot tune is an error, never
+a silent run of PyTorch's convolution.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mucudnn.torch as mt
+from mucudnn._tuner import Settings
+
+
+def conv2d_model():
+    """Conv2d layers over stride 2 at odd sizes, dilation 2, a 1x1 kernel, padding larger
+    than the halo and groups."""
+    return nn.Sequential(
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),  # 17x17 -> 9x9
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, dilation=2, padding=2),  # 9x9
+        nn.ReLU(),
+        nn.Conv2d(16, 12, 1),  # no halo
+        nn.ReLU(),
+        nn.Conv2d(12, 16, 3, padding=3, groups=4),  # 9x9 -> 13x13
+    )
+
+
+def conv3d_model():
+    return nn.Sequential(
+        nn.Conv3d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv3d(8, 8, 3, stride=2, padding=2, dilation=2),
+    )
+
+
+def conv1d_model():
+    return nn.Sequential(
+        nn.Conv1d(8, 16, 5, padding=2),
+        nn.ReLU(),
+        nn.Conv1d(16, 16, 3, stride=2, dilation=2, padding=3, groups=2),
+    )
+
+
+def conv_transpose2d_model():
+    return nn.Sequential(
+        nn.ConvTranspose2d(16, 8, 4, stride=2, padding=1),  # 7x7 -> 14x14
+        nn.ReLU(),
+        nn.ConvTranspose2d(8, 8, 3, padding=1, groups=2),
+    )
+
+
+# name: (model, input shape at batch 1, workspace limit tight enough that no unsplit
+# im2col fits)
+MODELS = {
+    "conv2d": (conv2d_model, (1, 8, 17, 17), "8KiB"),
+    "conv3d": (conv3d_model, (1, 4, 6, 8, 8), "32KiB"),
+    "conv1d": (conv1d_model, (1, 8, 64), "2KiB"),
+    "conv_transpose2d": (conv_transpose2d_model, (1, 16, 7, 7), "8KiB"),
+}
+
+
+def converted_pair(name, split):
+    build, shape, limit = MODELS[name]
+    torch.manual_seed(0)
+    reference = build()
+    ours = mt.convert_(
+        copy.deepcopy(reference), workspace_limit=limit, split=split, cache=False,
+        fallback=False,
+    )
+    x = torch.randn(shape)
+    return reference, ours, x
+
+
+def run(model, x):
+    """Output and the gradients of the input and every parameter, of a loss that weighs every
+    output element differently."""
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    weights = torch.linspace(-1.0, 1.0, y.numel()).reshape(y.shape)
+    (y * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return y.detach(), x.grad.clone(), grads
+
+
+def assert_match(reference, ours, x):
+    y0, dx0, g0 = run(reference, x)
+    y1, dx1, g1 = run(ours, x)
+    torch.testing.assert_close(y1, y0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx1, dx0, atol=1e-5, rtol=1e-5)
+    assert g1.keys() == g0.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def layers(model):
+    return [m for m in model.modules() if isinstance(m, mt._layer._MucudnnConv)]
+
+
+def reports(model):
+    """Each converted layer's single plan report."""
+    out = []
+    for layer in layers(model):
+        plans = layer.plans
+        assert len(plans) == 1, str(plans)
+        (report,) = plans.values()
+        assert report.fallback is None, str(report)
+        out.append((layer, report))
+    return out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forced_spatial_at_batch_1_matches_pytorch(name):
+    reference, ours, x = converted_pair(name, "spatial")
+    assert_match(reference, ours, x)
+    chunked = 0
+    for layer, report in reports(ours):
+        assert report.tuned_ops == ("fwd", "bwd_data", "bwd_filter"), str(report)
+        # Forced: every op's plan splits the outermost spatial dimension, and says so.
+        assert report.spatial_ops == report.tuned_ops, str(report)
+        axis = {1: "w", 2: "h", 3: "d"}[layer.spatial]
+        for op, info in report.ops.items():
+            assert info["dimension"] == "spatial", (op, info)
+            assert info["split"].endswith(f" along {axis}"), (op, info)
+            assert info["calls"] == sum(
+                int(run.split("x")[0]) for run in info["split"].split(" ")[0].split("+")
+            ), (op, info)
+        # The limit is below every unsplit im2col's workspace: a layer with a halo runs chunks.
+        if any(k > 1 for k in layer.kernel_size):
+            assert max(info["calls"] for info in report.ops.values()) >= 2, str(report)
+            chunked += 1
+        text = str(layer.plans)
+        assert f"along {axis}" in text, text
+        assert "split spatial" in repr(layer), repr(layer)
+    assert chunked >= 2, str([str(layer.plans) for layer in layers(ours)])
+
+
+@pytest.mark.parametrize("name", ["conv2d", "conv_transpose2d"])
+def test_auto_at_batch_1_matches_pytorch(name):
+    reference, ours, x = converted_pair(name, "auto")
+    assert_match(reference, ours, x)
+    # At batch 1 the limit skips every unsplit im2col: auto finds chunks faster than the one
+    # candidate left whole (direct, far slower) for some op.
+    assert any(report.spatial_ops for _, report in reports(ours)), [
+        str(layer.plans) for layer in layers(ours)
+    ]
+    for _, report in reports(ours):
+        assert report.tuned_ops == ("fwd", "bwd_data", "bwd_filter"), str(report)
+        for op, info in report.ops.items():
+            assert info["dimension"] in ("batch", "spatial"), (op, info)
+            assert (" along " in info["split"]) == (info["dimension"] == "spatial"), (op, info)
+
+
+def test_batch_split_gives_batch_plans():
+    reference, ours, x = converted_pair("conv2d", "batch")
+    assert_match(reference, ours, x)
+    for layer, report in reports(ours):
+        assert report.spatial_ops == (), str(report)
+        for info in report.ops.values():
+            assert info["dimension"] == "batch" and " along " not in info["split"], info
+        assert "split batch" in repr(layer)
+
+
+@pytest.mark.parametrize("bad", ["height", "Spatial", "", None, 1])
+def test_bad_split_is_a_clear_error(bad):
+    with pytest.raises((ValueError, TypeError), match="split must be 'batch', 'spatial' or 'auto'"):
+        mt.Conv2d(4, 4, 3, split=bad)
+    with pytest.raises((ValueError, TypeError), match="split must be 'batch', 'spatial' or 'auto'"):
+        mt.convert_(nn.Sequential(nn.Conv1d(2, 2, 3)), split=bad)
+
+
+def test_split_is_part_of_the_configuration():
+    """The setting reaches the settings JSON and the layer's configuration text (which keys
+    its prepared plans), so layers of different settings never share plans."""
+    torch.manual_seed(0)
+    spatial = mt.Conv2d(8, 8, 3, padding=1, split="spatial", workspace_limit="8KiB",
+                        cache=False, fallback=False)
+    batch = mt.Conv2d(8, 8, 3, padding=1, split="batch", workspace_limit="8KiB",
+                      cache=False, fallback=False)
+    default = mt.Conv2d(8, 8, 3, padding=1, workspace_limit="8KiB", cache=False, fallback=False)
+    assert default._mucudnn.settings.split == "auto"
+    assert '"split": "auto"' in Settings().to_json()
+    assert '"split":"spatial"' in spatial._mucudnn_config
+    assert '"split":"batch"' in batch._mucudnn_config
+    batch.load_state_dict(spatial.state_dict())
+    x = torch.randn(1, 8, 12, 12)
+    with torch.no_grad():
+        y_spatial = spatial(x)
+        y_batch = batch(x)
+    torch.testing.assert_close(y_batch, y_spatial, atol=1e-5, rtol=1e-5)
+    (r_spatial,) = spatial.plans.values()
+    (r_batch,) = batch.plans.values()
+    assert r_spatial.spatial_ops == ("fwd",), str(r_spatial)
+    assert r_batch.spatial_ops == () and r_batch.same_as is None, str(r_batch)
+    # A pickled (deep-copied) layer keeps its setting.
+    assert copy.deepcopy(spatial)._mucudnn.settings.split == "spatial"
+
+
+def test_tune_entry_point_uses_the_split_setting():
+    reference, ours, x = converted_pair("conv2d", "spatial")
+    summary = mt.tune(ours, x, verbose=False)
+    assert summary.fallbacks == 0
+    for _, report in reports(ours):
+        assert report.spatial_ops == report.tuned_ops == ("fwd", "bwd_data", "bwd_filter")
+    assert_match(reference, ours, x)
+
+
+def test_tuner_settings_split_reaches_the_c_abi():
+    """The Python tuner wrapper passes ``split`` in the settings JSON: a spatial plan says so
+    (``"split": "spatial"``, its split string ``along h``), a batch plan does not, and a bad
+    value is the library's INVALID_ARGUMENT."""
+    from mucudnn._lib import MucudnnError
+    from mucudnn._tuner import Tuner, problem
+
+    tuner = Tuner(cache=False)
+    conv = problem(n=1, c=4, h=8, w=8, k=4, r=3, s=3, padding=(1, 1))
+    spatial = tuner.tune("t", conv, Settings(split="spatial", ops=("fwd",)))
+    assert spatial["plans"][0]["split"] == "spatial"
+    assert spatial["splits"][0].endswith(" along h"), spatial["splits"]
+    assert sum(m["size"] for m in spatial["plans"][0]["micro_batches"]) == 8
+    batch = tuner.tune("t", conv, Settings(split="batch", ops=("fwd",)))
+    assert batch["plans"][0].get("split", "batch") == "batch"
+    assert " along " not in batch["splits"][0]
+    with pytest.raises(MucudnnError, match="split") as raised:
+        tuner.tune("t", conv, Settings(split="height"))
+    assert raised.value.status == "INVALID_ARGUMENT"
+    tuner.close()
