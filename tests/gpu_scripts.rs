@@ -302,3 +302,34 @@ fn the_nd_part_runs_the_3d_benchmark() {
         assert!(bench.contains(needle), "nd_bench.py lacks {needle:?}");
     }
 }
+
+/// The `spatial` part (issue 24) runs spatial_bench.py, which build.sh ships, and the script
+/// measures what docs/gpu.md says: the three limits with split="auto" against
+/// cudnn.benchmark, both decoders at their full size, time and both memory figures.
+#[test]
+fn the_spatial_part_runs_the_spatial_benchmark() {
+    let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
+    let build = std::fs::read_to_string(root().join("scripts/gpu/build.sh")).unwrap();
+    let bench = std::fs::read_to_string(root().join("scripts/gpu/spatial_bench.py")).unwrap();
+    let branch = &accept[accept.find("\n  spatial)\n").expect("a spatial) branch")..];
+    let branch = &branch[..branch.find(";;").unwrap()];
+    assert!(branch.contains("$G/spatial_bench.py") && branch.contains("--mucudnn $G/mucudnn"));
+    assert!(
+        build.contains("scripts/gpu/spatial_bench.py"),
+        "build.sh ships spatial_bench.py"
+    );
+    for needle in [
+        "LIMITS = (\"64MiB\", \"256MiB\", \"1GiB\")",
+        "GOAL_LIMIT = \"256MiB\"",
+        "torch.backends.cudnn.benchmark = True",
+        "torch.cuda.mem_get_info",
+        "torch.cuda.max_memory_allocated",
+        "\"sdxl\": (\"sdxl_vae_decoder\", \"nhwc\", [],",
+        "\"wan\": (\"wan21_vae_decoder\", \"ndhwc\", [],",
+        "split=args.split",
+        "default=\"auto\"",
+        "--smoke",
+    ] {
+        assert!(bench.contains(needle), "spatial_bench.py lacks {needle:?}");
+    }
+}

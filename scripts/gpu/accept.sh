@@ -29,6 +29,7 @@ export MAX_CANDIDATES=${MAX_CANDIDATES:-8}
 PARTS="torch|6|the PyTorch package from the wheel: its CUDA tests, converted AlexNet and ResNet-50 against PyTorch (outputs, gradients; fp32, fp16 channels-last)
 torch-speed|8|the PyTorch package: step time and peak memory at 8/64/256 MiB per layer against cudnn.benchmark, and tuning time
 nd|8|3-D convolutions: the Wan VAE decoder's convolutions (480p x 17 frames, fp16 NDHWC, forward) and r3d_18 training (batch 8), mucudnn at 256 MiB and 1 GiB per layer against cudnn.benchmark: time and peak memory
+spatial|8|spatial splits at batch 1: the SDXL VAE decoder's convolutions (2048x2048, fp16 NHWC) and the Wan VAE decoder's (480p x 17 frames, fp16 NDHWC), forward, split=auto at 64 MiB, 256 MiB and 1 GiB per layer against cudnn.benchmark: time, peak memory, which layers split
 wall|8|the cuDNN wall and engines: the ignored GPU tests (float64 reference, PyTorch's results, offset micro-batches), a legacy AlexNet tune against the legacy H100 fixture, tune --verify fp32 and fp16
 engines|8|engine plans: AlexNet fp16/fp32 plans (legacy + engines) executed against PyTorch's cudnn.benchmark timed in the same run, and the tuning time
 c-abi|3|the C ABI clients: examples/c_client.c against cuDNN, examples/pytorch_ctypes.py against torch
@@ -147,6 +148,12 @@ case "$part" in
     step "the wheel installs and imports" python_package &&
       step "Wan VAE decoder convs and r3d_18 training against cudnn.benchmark" \
         python3 $G/nd_bench.py "$work/nd" --mucudnn $G/mucudnn \
+        --max-candidates "$MAX_CANDIDATES"
+    ;;
+  spatial)
+    step "the wheel installs and imports" python_package &&
+      step "SDXL and Wan VAE decoder convs, split=auto, against cudnn.benchmark" \
+        python3 $G/spatial_bench.py "$work/spatial" --mucudnn $G/mucudnn \
         --max-candidates "$MAX_CANDIDATES"
     ;;
   wall)

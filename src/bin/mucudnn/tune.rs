@@ -37,16 +37,17 @@ use std::time::Instant;
 #[derive(Args)]
 pub(crate) struct LayerSource {
     /// A network from the zoo: alexnet, resnet18, resnet50, vgg16, densenet121, mobilenet_v2,
-    /// deepbench (2-D); r3d_18, wan21_vae_decoder (3-D); wav2vec2_fe (1-D).
+    /// deepbench, sdxl_vae_decoder (2-D); r3d_18, wan21_vae_decoder (3-D); wav2vec2_fe (1-D).
     #[arg(long, value_parser = one_of::<Model>(Model::ALL.map(Model::name)), conflicts_with = "network")]
     model: Option<Model>,
-    /// The input of a 3-D or 1-D zoo model: r3d_18's clip DxHxW (16x112x112),
-    /// wan21_vae_decoder's video FRAMESxHxW (17x480x832), wav2vec2_fe's SAMPLES (16000).
+    /// The input of a sized zoo model: r3d_18's clip DxHxW (16x112x112),
+    /// wan21_vae_decoder's video FRAMESxHxW (17x480x832), sdxl_vae_decoder's image HxW
+    /// (2048x2048), wav2vec2_fe's SAMPLES (16000).
     #[arg(long, value_name = "DIMS", value_parser = parse_dims, conflicts_with = "network")]
     input: Option<InputDims>,
-    /// Divide the channels inside a 3-D or 1-D zoo model by N (a quick, small run of the same
-    /// structure; N divides the base width: 64 for r3d_18, 96 for wan21_vae_decoder, 512 for
-    /// wav2vec2_fe).
+    /// Divide the channels inside a sized zoo model by N (a quick, small run of the same
+    /// structure; N divides the base width: 64 for r3d_18, 96 for wan21_vae_decoder, 128 for
+    /// sdxl_vae_decoder, 512 for wav2vec2_fe).
     #[arg(
         long,
         value_name = "N",
