@@ -1092,7 +1092,12 @@ pub unsafe extern "C" fn mucudnnTunerGetFingerprint(
 /// "deterministic" (true: deterministic candidates only) and "ops" (the ops to tune: a
 /// non-empty array of "fwd", "bwd_data", "bwd_filter"; absent or null: all three; e.g.
 /// ["fwd"] for inference, which measures and solves nothing for the backward ops; an empty
-/// array or an unknown name is MUCUDNN_STATUS_INVALID_ARGUMENT).
+/// array or an unknown name is MUCUDNN_STATUS_INVALID_ARGUMENT) and "split" ("batch",
+/// "spatial", "auto" (default): what a plan splits, the mini-batch or the rows of the
+/// outermost spatial dimension of the op's output; auto also tunes chunks for a batch of at
+/// most 4 whose batch sizes skipped a candidate over the limit and keeps the faster plan; a
+/// spatial plan has "split": "spatial" and its split string ends "along h" (d, w); on cuDNN
+/// spatial plans use engine configurations only).
 ///
 /// # Safety
 ///
