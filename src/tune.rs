@@ -1177,10 +1177,9 @@ impl LayerTuning {
                 match (batch, spatial) {
                     (Ok((_, b)), Ok((_, s))) => Ok(if s.time_ms() < b.time_ms() { s } else { b }),
                     (Err(_), Ok((_, s))) => Ok(s),
-                    (batch, Err(TuneError::Interrupted { measured })) => {
-                        let _ = batch;
-                        Err(TuneError::Interrupted { measured })
-                    }
+                    // Ctrl-C while measuring chunks stops the tune, as it stops a batch one.
+                    (_, Err(interrupted @ TuneError::Interrupted { .. })) => Err(interrupted),
+                    // The chunks cannot be measured (NoSpatial) or do not fit: the batch outcome.
                     (batch, Err(_)) => batch.map(|(_, plan)| plan),
                 }
             }
