@@ -173,15 +173,31 @@ impl CudnnBackend {
         ) -> Result<R, CudnnError>,
     ) -> Result<R, CudnnError> {
         let full = self.operands.as_ref().expect("ensured").problem;
-        let roles = operand_roles(op);
         let step = Step {
             first,
             size: micro,
             algo: Algo::Legacy(0),
             beta: 0.0,
         };
-        let range = |role: Operand| step.range(role, role.elements_per_sample(&full));
-        let (ra, rb, ro) = (range(roles[0]), range(roles[1]), range(roles[2]));
+        let ranges =
+            operand_roles(op).map(|role| step.range(role, role.elements_per_sample(&full)));
+        self.views_at(op, ranges, run)
+    }
+
+    /// Runs `run` on the `(a, b, out)` views at `ranges` (offset, length in elements, in the
+    /// op's operand order) of the full operands, and the workspace.
+    fn views_at<R>(
+        &mut self,
+        op: ConvOp,
+        [ra, rb, ro]: [(usize, usize); 3],
+        run: impl FnOnce(
+            &CudnnHandle,
+            &super::cudnn::DeviceView<'_>,
+            &super::cudnn::DeviceView<'_>,
+            &mut super::cudnn::DeviceViewMut<'_>,
+            &mut super::cudnn::WorkspaceView<'_>,
+        ) -> Result<R, CudnnError>,
+    ) -> Result<R, CudnnError> {
         let handle = &self.handle;
         let (a, b, out) = self.operands.as_mut().expect("ensured").for_op(op);
         let (a, b, mut out) = (
@@ -292,16 +308,7 @@ impl CudnnBackend {
             &mut super::cudnn::WorkspaceView<'_>,
         ) -> Result<R, CudnnError>,
     ) -> Result<R, CudnnError> {
-        let [ra, rb, ro] = operand_roles(op).map(|role| chunk.range(role));
-        let handle = &self.handle;
-        let (a, b, out) = self.operands.as_mut().expect("ensured").for_op(op);
-        let (a, b, mut out) = (
-            a.view(ra.0, ra.1)?,
-            b.view(rb.0, rb.1)?,
-            out.view_mut(ro.0, ro.1)?,
-        );
-        let mut workspace = self.workspace.as_mut().expect("ensured").view();
-        run(handle, &a, &b, &mut out, &mut workspace)
+        self.views_at(op, operand_roles(op).map(|role| chunk.range(role)), run)
     }
 
     /// Times one engine configuration on the timing chunks of a spatial size: every chunk's
