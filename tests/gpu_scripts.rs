@@ -275,13 +275,28 @@ fn only_libs_sh_puts_a_cudnn_folder_on_the_library_path() {
     assert!(accept.contains("source scripts/gpu/libs.sh") && accept.contains("one_cudnn_check"));
 }
 
+/// The source of a benchmark script and bench_common.py, the module it imports as a sibling,
+/// which build.sh must ship next to it in .gpu/.
+fn bench_source(script: &str, build: &str) -> String {
+    assert!(
+        build.contains("scripts/gpu/bench_common.py"),
+        "build.sh ships bench_common.py, which {script} imports"
+    );
+    let text = std::fs::read_to_string(root().join("scripts/gpu").join(script)).unwrap();
+    assert!(
+        text.contains("from bench_common import"),
+        "{script} imports bench_common"
+    );
+    text + &std::fs::read_to_string(root().join("scripts/gpu/bench_common.py")).unwrap()
+}
+
 /// The `nd` part (issue 26) runs nd_bench.py, which build.sh ships, and the script measures
 /// what docs/gpu.md says: both limits against cudnn.benchmark, time and both memory figures.
 #[test]
 fn the_nd_part_runs_the_3d_benchmark() {
     let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
     let build = std::fs::read_to_string(root().join("scripts/gpu/build.sh")).unwrap();
-    let bench = std::fs::read_to_string(root().join("scripts/gpu/nd_bench.py")).unwrap();
+    let bench = bench_source("nd_bench.py", &build);
     let branch = &accept[accept.find("\n  nd)\n").expect("an nd) branch")..];
     let branch = &branch[..branch.find(";;").unwrap()];
     assert!(branch.contains("$G/nd_bench.py") && branch.contains("--mucudnn $G/mucudnn"));
@@ -291,15 +306,18 @@ fn the_nd_part_runs_the_3d_benchmark() {
     );
     for needle in [
         "LIMITS = (\"256MiB\", \"1GiB\")",
-        "torch.backends.cudnn.benchmark = True",
-        "torch.cuda.mem_get_info",
-        "torch.cuda.max_memory_allocated",
+        "    torch.backends.cudnn.benchmark = True\n",
+        "torch.cuda.mem_get_info()",
+        "torch.cuda.max_memory_allocated()",
         "\"wan21_vae_decoder\", 1, args.dtype_name, \"ndhwc\"",
         "args.r3d_width, args.r3d_batch, args.r3d_clip = 64, 8, (16, 112, 112)",
         "torchvision.models.video",
         "--smoke",
     ] {
-        assert!(bench.contains(needle), "nd_bench.py lacks {needle:?}");
+        assert!(
+            bench.contains(needle),
+            "nd_bench.py (with bench_common.py) lacks {needle:?}"
+        );
     }
 }
 
@@ -310,7 +328,7 @@ fn the_nd_part_runs_the_3d_benchmark() {
 fn the_spatial_part_runs_the_spatial_benchmark() {
     let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
     let build = std::fs::read_to_string(root().join("scripts/gpu/build.sh")).unwrap();
-    let bench = std::fs::read_to_string(root().join("scripts/gpu/spatial_bench.py")).unwrap();
+    let bench = bench_source("spatial_bench.py", &build);
     let branch = &accept[accept.find("\n  spatial)\n").expect("a spatial) branch")..];
     let branch = &branch[..branch.find(";;").unwrap()];
     assert!(branch.contains("$G/spatial_bench.py") && branch.contains("--mucudnn $G/mucudnn"));
@@ -321,15 +339,18 @@ fn the_spatial_part_runs_the_spatial_benchmark() {
     for needle in [
         "LIMITS = (\"64MiB\", \"256MiB\", \"1GiB\")",
         "GOAL_LIMIT = \"256MiB\"",
-        "torch.backends.cudnn.benchmark = True",
-        "torch.cuda.mem_get_info",
-        "torch.cuda.max_memory_allocated",
+        "    torch.backends.cudnn.benchmark = True\n",
+        "torch.cuda.mem_get_info()",
+        "torch.cuda.max_memory_allocated()",
         "\"sdxl\": (\"sdxl_vae_decoder\", \"nhwc\", [],",
         "\"wan\": (\"wan21_vae_decoder\", \"ndhwc\", [],",
         "split=args.split",
         "default=\"auto\"",
         "--smoke",
     ] {
-        assert!(bench.contains(needle), "spatial_bench.py lacks {needle:?}");
+        assert!(
+            bench.contains(needle),
+            "spatial_bench.py (with bench_common.py) lacks {needle:?}"
+        );
     }
 }

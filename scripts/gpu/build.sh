@@ -71,7 +71,8 @@ cp scripts/gpu/accept.sh scripts/gpu/libs.sh scripts/gpu/c_abi_check.sh \
   scripts/gpu/candle_check.sh scripts/gpu/candle_ddp_check.sh scripts/gpu/engines_vs_torch.sh \
   .gpu/
 cp scripts/gpu/torch_check.py scripts/gpu/torch_cases.py scripts/gpu/torch_bench.py \
-  scripts/gpu/compare_profile.py scripts/gpu/nd_bench.py scripts/gpu/spatial_bench.py .gpu/
+  scripts/gpu/compare_profile.py scripts/gpu/nd_bench.py scripts/gpu/spatial_bench.py \
+  scripts/gpu/bench_common.py .gpu/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/
 
 # The binaries travel packed (accept.sh unpacks them into .gpu once).

@@ -34,12 +34,8 @@ import argparse
 import copy
 import json
 import os
-import shutil
-import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -47,45 +43,17 @@ import torch.nn.functional as F
 
 import mucudnn.torch as mt
 
+# The shared parts lie next to this script (scripts/gpu/ here, .gpu/ on the GPU machine).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import (Clock, add_arguments, channels_last, device_setup, goal,  # noqa: E402
+                          layer_errors, mib, mucudnn_binary, report_header, time_layers,
+                          tune_forward, zoo_convolutions, zoo_layers)
+
 LIMITS = ("256MiB", "1GiB")
 
 
 # ------------------------------------------------------------------------------------------
 # Shapes and models
-
-
-def zoo_layers(binary, model, batch, dtype, layout, extra):
-    """The zoo model's distinct layers, as `mucudnn tune --list --json` gives them."""
-    command = [binary, "tune", "--model", model, "--batch", str(batch), "--dtype", dtype,
-               "--layout", layout, "--list", "--json", *extra]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed: {done.stderr.strip()}")
-    return json.loads(done.stdout)["layers"]
-
-
-def conv_for(problem):
-    """The torch layer of a problem: Conv3d when it has depth fields, else Conv2d."""
-    three = any(key in problem for key in ("d", "t", "pad_d", "stride_d", "dilation_d"))
-    if three:
-        return nn.Conv3d(
-            problem["c"], problem["k"], (problem.get("t", 1), problem["r"], problem["s"]),
-            stride=(problem.get("stride_d", 1), problem["stride_h"], problem["stride_w"]),
-            padding=(problem.get("pad_d", 0), problem["pad_h"], problem["pad_w"]),
-            dilation=(problem.get("dilation_d", 1), problem["dilation_h"], problem["dilation_w"]),
-            groups=problem["groups"], bias=False), (problem["n"], problem["c"], problem.get("d", 1),
-                                                    problem["h"], problem["w"])
-    return nn.Conv2d(
-        problem["c"], problem["k"], (problem["r"], problem["s"]),
-        stride=(problem["stride_h"], problem["stride_w"]),
-        padding=(problem["pad_h"], problem["pad_w"]),
-        dilation=(problem["dilation_h"], problem["dilation_w"]),
-        groups=problem["groups"], bias=False), (problem["n"], problem["c"], problem["h"], problem["w"])
-
-
-def channels_last(tensor):
-    return tensor.contiguous(memory_format=torch.channels_last_3d if tensor.dim() == 5
-                             else torch.channels_last)
 
 
 class BasicBlock3d(nn.Module):
@@ -142,81 +110,10 @@ def r3d_18(width):
 # Measuring
 
 
-class Clock:
-    """CUDA events on a GPU, the host clock on the CPU; memory from the caching allocator and
-    the device (mem_get_info), sampled at `sample()`."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.min_free = None
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def time_ms(self, fn, repeats=5, warmup=2):
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        samples = []
-        for _ in range(repeats):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            else:
-                started = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - started) * 1e3)
-            self.sample()
-        return statistics.median(samples)
-
-    def reset(self):
-        if self.cuda:
-            self.sync()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        self.min_free = None
-
-    def sample(self):
-        if self.cuda:
-            free, _ = torch.cuda.mem_get_info()
-            self.min_free = free if self.min_free is None else min(self.min_free, free)
-
-    def memory(self):
-        """(peak allocated beyond what was allocated at reset, peak device use) in MiB."""
-        if not self.cuda:
-            return None, None
-        self.sync()
-        self.sample()
-        _, total = torch.cuda.mem_get_info()
-        return ((torch.cuda.max_memory_allocated() - self.base) / 2**20,
-                (total - self.min_free) / 2**20)
-
-
-def relative_error(ours, reference):
-    ours, reference = ours.float(), reference.float()
-    return ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item()
-
-
 def bench_vae(args, device, dtype, clock, report):
     layers = zoo_layers(args.mucudnn, "wan21_vae_decoder", 1, args.dtype_name, "ndhwc",
                         args.vae_extra)
-    torch.manual_seed(0)
-    modules, inputs, counts, names = nn.ModuleList(), [], [], []
-    for layer in layers:
-        conv, shape = conv_for(layer["problem"])
-        modules.append(conv)
-        inputs.append(channels_last(torch.randn(*shape, device=device).to(dtype)))
-        counts.append(layer["count"])
-        names.append(layer["layer"])
-    modules = modules.to(device=device, dtype=dtype)
-    for m, x in zip(modules, inputs):
-        m.to(memory_format=torch.channels_last_3d if x.dim() == 5 else torch.channels_last)
+    modules, inputs, counts, names = zoo_convolutions(layers, device, dtype)
     rows, reference = [], None
     for variant in ("pytorch",) + LIMITS:
         model = modules if variant == "pytorch" else mt.convert_(
@@ -227,30 +124,11 @@ def bench_vae(args, device, dtype, clock, report):
         tuned_ops = []
         with torch.no_grad():
             if variant != "pytorch":
-                started = time.perf_counter()
-                for m, x in zip(model, inputs):  # tunes each shape's forward on first sight
-                    m(x)
-                clock.sync()
-                tuning = time.perf_counter() - started
                 # Inference: the forward op alone (no backward tuning, nothing measured for it).
-                tuned_ops = sorted({op for m in model for r in m.plans.values()
-                                    for op in r.tuned_ops})
-            clock.reset()
-            per_layer = []
-            for m, x in zip(model, inputs):
-                per_layer.append(clock.time_ms(lambda: m(x)))
-            peak, device_peak = clock.memory()
+                tuning, tuned_ops = tune_forward(model, inputs, clock)
+            per_layer, _, peak, device_peak = time_layers(model, inputs, clock)
             # Outputs against PyTorch's (kept on the host), one layer at a time.
-            error = 0.0
-            outputs = []
-            for index, (m, x) in enumerate(zip(model, inputs)):
-                out = m(x).cpu()
-                if reference is None:
-                    outputs.append(out)
-                else:
-                    error = max(error, relative_error(out, reference[index]))
-            if reference is None:
-                reference = outputs
+            error, reference = layer_errors(model, inputs, reference, device)
         total = sum(ms * count for ms, count in zip(per_layer, counts))
         rows.append(dict(variant=variant, total_ms=total, peak_extra_mib=peak,
                          device_peak_mib=device_peak, tuning_s=tuning, tuned_ops=tuned_ops,
@@ -303,56 +181,31 @@ def bench_r3d(args, device, dtype, clock, report):
     report["r3d"] = dict(model=source, batch=args.r3d_batch, clip=list(args.r3d_clip), rows=rows)
 
 
-def goal(rows, time_key):
-    """At 1 GiB per layer: no slower than PyTorch, peak memory at or below it."""
-    by = {r["variant"]: r for r in rows}
-    ours, torch_row = by["1GiB"], by["pytorch"]
-    faster = ours[time_key] <= torch_row[time_key]
-    memory = (None if ours["peak_extra_mib"] is None
-              else ours["peak_extra_mib"] <= torch_row["peak_extra_mib"])
-    return dict(not_slower=faster, memory_at_or_below=memory,
-                speedup=torch_row[time_key] / ours[time_key] if ours[time_key] else None)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--parts", default="vae,r3d")
-    parser.add_argument("--mucudnn", default=None,
-                        help="the mucudnn binary (default: .gpu/mucudnn, else on PATH)")
-    parser.add_argument("--max-candidates", type=int, default=8)
+    add_arguments(parser, "vae,r3d")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.cache = str(args.out / "nd_bench_cache.sqlite")
-    if args.mucudnn is None:
-        args.mucudnn = ".gpu/mucudnn" if os.path.exists(".gpu/mucudnn") else shutil.which("mucudnn")
-    if args.mucudnn is None:
-        raise SystemExit("no mucudnn binary: pass --mucudnn (build.sh puts one in .gpu/)")
+    args.mucudnn = mucudnn_binary(args.mucudnn)
+    # fp32 on the CPU for --smoke, else fp16 with cudnn.benchmark on.
+    device, dtype, args.dtype_name, tolerance = device_setup(args.smoke)
     if args.smoke:
-        device, dtype, args.dtype_name = torch.device("cpu"), torch.float32, "fp32"
         args.vae_extra = ["--input", "5x16x16", "--channel-divisor", "24"]
         args.r3d_width, args.r3d_batch, args.r3d_clip = 4, 2, (4, 16, 16)
-        tolerance = 1e-3
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run with --smoke on the CPU")
-        device, dtype, args.dtype_name = torch.device("cuda"), torch.float16, "fp16"
         args.vae_extra = []
         args.r3d_width, args.r3d_batch, args.r3d_clip = 64, 8, (16, 112, 112)
-        tolerance = 2e-2  # fp16: algorithms round differently
-        torch.backends.cudnn.benchmark = True
     clock = Clock(device)
-    report = {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "smoke": args.smoke, "limits": list(LIMITS)}
+    report = report_header(device, args.smoke, LIMITS)
     parts = args.parts.split(",")
     if "vae" in parts:
         bench_vae(args, device, dtype, clock, report)
-        report["vae"]["goal_at_1GiB"] = goal(report["vae"]["rows"], "total_ms")
+        report["vae"]["goal_at_1GiB"] = goal(report["vae"]["rows"], "1GiB", "total_ms", False)
     if "r3d" in parts:
         bench_r3d(args, device, dtype, clock, report)
-        report["r3d"]["goal_at_1GiB"] = goal(report["r3d"]["rows"], "step_ms")
+        report["r3d"]["goal_at_1GiB"] = goal(report["r3d"]["rows"], "1GiB", "step_ms", False)
     failures = [f"{part} {r['variant']}: {key} {r[key]:.2e} > {tolerance}"
                 for part, key in (("vae", "max_rel_err"), ("r3d", "loss_rel_err"))
                 if part in report for r in report[part]["rows"] if r[key] > tolerance]
@@ -370,8 +223,7 @@ def main():
         if part not in report:
             continue
         for r in report[part]["rows"]:
-            peak = "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.0f}"
-            dev = "-" if r["device_peak_mib"] is None else f"{r['device_peak_mib']:.0f}"
+            peak, dev = mib(r["peak_extra_mib"]), mib(r["device_peak_mib"])
             print(f"{what:<34} {r['variant']:<8} {r[key]:10.2f} {peak:>9} {dev:>10} "
                   f"{r['tuning_s']:9.1f}")
         g = report[part]["goal_at_1GiB"]
