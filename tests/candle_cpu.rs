@@ -180,3 +180,29 @@ fn micro_batched_plans_equal_the_undivided_run() {
         1e-4,
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// f16 and bf16: the checks of `tests/candle/half.rs`, and a micro-batched bf16 weight gradient.
+
+#[path = "candle/half.rs"]
+mod half;
+
+#[test]
+fn conv2d_in_f16_and_bf16_matches_candle_conv2d_in_f32() {
+    half::conv2d_half_matches_candle_conv2d_in_f32(&Device::Cpu);
+}
+
+#[test]
+fn conv1d_and_conv_transpose2d_in_bf16_match_f32() {
+    half::conv1d_and_conv_transpose2d_in_bf16_match_f32(&Device::Cpu);
+}
+
+#[test]
+fn each_dtype_is_its_own_problem() {
+    half::each_dtype_is_its_own_problem(&Device::Cpu);
+}
+
+#[test]
+fn mixed_dtypes_are_errors_that_name_the_layer() {
+    half::mixed_dtypes_are_errors_that_name_the_layer(&Device::Cpu);
+}
