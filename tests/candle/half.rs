@@ -91,12 +91,16 @@ fn run(
     }
 }
 
+/// The outputs and gradients of `ours` (in `dtype`) against `theirs` (f32) within `tol` of
+/// the largest magnitude. The bias gradient is candle's own sum of the output gradient over
+/// the batch and positions, which candle accumulates in the half type (not mucudnn's code):
+/// it is held to 4 x `tol`.
 fn compare(what: &str, ours: &Run, theirs: &Run, dtype: DType, tol: f32) {
-    for (name, a, b) in [
-        ("y", &ours.y, &theirs.y),
-        ("dx", &ours.dx, &theirs.dx),
-        ("dw", &ours.dw, &theirs.dw),
-        ("db", &ours.db, &theirs.db),
+    for (name, a, b, tol) in [
+        ("y", &ours.y, &theirs.y, tol),
+        ("dx", &ours.dx, &theirs.dx, tol),
+        ("dw", &ours.dw, &theirs.dw, tol),
+        ("db", &ours.db, &theirs.db, 4.0 * tol),
     ] {
         assert_eq!(a.dtype(), dtype, "{what} {name}: dtype");
         assert_eq!(a.dims(), b.dims(), "{what} {name}: shape");
