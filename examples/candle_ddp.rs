@@ -928,13 +928,9 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
             }
             let scale = 1.0 / batch.len() as f64;
             // The mean gradient, unscaled in the same f64 sum (the loss scale is a power of two).
-            let summed = ddp::sum_in_rank_order(
-                job,
-                &grads_local,
-                parameter_count,
-                scale / scaler.scale,
-            )
-            .map_err(msg)?;
+            let summed =
+                ddp::sum_in_rank_order(job, &grads_local, parameter_count, scale / scaler.scale)
+                    .map_err(msg)?;
             let step_loss: f64 = ddp::gather_results(job, Ok(losses))
                 .map_err(msg)?
                 .into_iter()

@@ -8,10 +8,10 @@
 
 #[path = "candle/checks.rs"]
 mod checks;
-#[path = "candle/layers.rs"]
-mod layers;
 #[path = "candle/half.rs"]
 mod half;
+#[path = "candle/layers.rs"]
+mod layers;
 
 use candle_core::{DType, Device};
 use candle_nn::{Optimizer, VarBuilder, VarMap};

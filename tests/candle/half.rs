@@ -251,7 +251,10 @@ pub fn each_dtype_is_its_own_problem(dev: &Device) {
     };
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         let layer = || {
-            let w = tensor(&[4, 3, 3, 3], 2, dev).unwrap().to_dtype(dtype).unwrap();
+            let w = tensor(&[4, 3, 3, 3], 2, dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
             Conv2d::new(
                 w,
                 None,
@@ -262,7 +265,10 @@ pub fn each_dtype_is_its_own_problem(dev: &Device) {
             )
             .unwrap()
         };
-        let x = tensor(&[2, 3, 6, 6], 1, dev).unwrap().to_dtype(dtype).unwrap();
+        let x = tensor(&[2, 3, 6, 6], 1, dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
         let first = layer();
         let y = first.forward(&x).unwrap();
         assert_eq!(y.dtype(), dtype);
@@ -294,7 +300,11 @@ pub fn each_dtype_is_its_own_problem(dev: &Device) {
 pub fn mixed_dtypes_are_errors_that_name_the_layer(dev: &Device) {
     let bf16 = |dims: &[usize]| tensor(dims, 5, dev).unwrap().to_dtype(DType::BF16).unwrap();
     let f32s = |dims: &[usize]| tensor(dims, 6, dev).unwrap();
-    let named = |name: &str| ConvOptions::default().with_name(name).with_cache(shared_cache());
+    let named = |name: &str| {
+        ConvOptions::default()
+            .with_name(name)
+            .with_cache(shared_cache())
+    };
     let expect = |what: &str, result: candle_core::Result<Tensor>, prefix: &str, words: &[&str]| {
         let message = result.expect_err(what).to_string();
         assert!(message.starts_with(prefix), "{what}: {message}");
@@ -335,9 +345,14 @@ pub fn mixed_dtypes_are_errors_that_name_the_layer(dev: &Device) {
         "{message}"
     );
     let f64_weight = f32s(&[4, 3, 3, 3]).to_dtype(DType::F64).unwrap();
-    let message = Conv2d::new(f64_weight, None, Conv2dConfig::default(), named("model.f64"))
-        .expect_err("an f64 weight")
-        .to_string();
+    let message = Conv2d::new(
+        f64_weight,
+        None,
+        Conv2dConfig::default(),
+        named("model.f64"),
+    )
+    .expect_err("an f64 weight")
+    .to_string();
     assert!(
         message.starts_with("mucudnn conv2d model.f64:")
             && message.contains("f64")
