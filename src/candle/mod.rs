@@ -32,7 +32,7 @@
 //! problem has that dtype, so its plans and cache records are that dtype's, and the input (and
 //! on the way back the output gradient) must have it too, else the op is an error naming the
 //! layer. The CPU backend loads half elements as f32, accumulates in f32 and rounds once per
-//! output (a backward-filter split into micro-batches sums them in f32 and rounds once);
+//! output (a backward-filter split into micro-batches sums their parts in f32 and rounds once);
 //! cuDNN runs the half problems as tuned. Anything else is an error naming the layer. candle
 //! has no 3-D convolution layer, so there is no `Conv3d` here.
 
