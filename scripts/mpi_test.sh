@@ -11,6 +11,8 @@
 # 4. Mixed precision, `--dtype bf16` (f32 master weights, the model in bf16) for 2 epochs:
 #    `mpirun -np 2` equals one process with the 2 ranks' shards, bit for bit; the loss falls
 #    and the held-out accuracy is above chance.
+# 5. `--dtype f16` (dynamic loss scaling) for 8 steps: the same bits under mpirun as in one
+#    process, including the steps skipped for inf/NaN gradients while the scale comes down.
 #
 # Installs Debian's Open MPI (openmpi-bin, libopenmpi-dev) and libclang-dev (rsmpi's bindgen)
 # with apt-get when missing and apt is usable (idempotent: nothing is installed twice), builds
@@ -164,5 +166,22 @@ assert accuracy >= chance + 0.2, f"bf16 held-out accuracy {accuracy} vs chance {
 print(f"bf16: mpirun -np 2 == 2 ranks in one process, bit for bit ({len(mpi['step_losses'])} "
       f"steps); train loss by epoch {[round(x, 4) for x in losses]}, held-out accuracy "
       f"{accuracy:.3f} (chance {chance:.2f})")
+PY
+
+# 5. f16: every rank skips the same steps (the decision is taken on the summed gradient).
+f16_args=(--dtype f16 --epochs 1 --train-size 256 --cache "$work/cache.sqlite")
+"$bin" "${args[@]}" "${f16_args[@]}" --local-ranks 2 > "$work/f16-local.json" 2> /dev/null
+"${mpirun_np2[@]}" "$bin" "${args[@]}" "${f16_args[@]}" > "$work/f16-mpi.json" 2> /dev/null
+python3 - "$work/f16-local.json" "$work/f16-mpi.json" <<'PY'
+import json, sys
+local, mpi = (json.load(open(p)) for p in sys.argv[1:])
+assert local["dtype"] == mpi["dtype"] == "f16" and mpi["processes"] == 2
+same = lambda run: ([x.hex() for x in run["step_losses"]], run["parameters_fnv1a"],
+                    run["skipped_steps"], run["loss_scale"])
+assert same(local) == same(mpi), f"f16: one process {same(local)} != mpirun {same(mpi)}"
+skipped, steps = mpi["skipped_steps"], len(mpi["step_losses"])
+assert 0 < skipped < steps and mpi["loss_scale"] == 65536 / 2 ** skipped, (skipped, mpi["loss_scale"])
+print(f"f16: mpirun -np 2 == 2 ranks in one process, bit for bit ({steps} steps, {skipped} "
+      f"skipped, loss scale 65536 -> {mpi['loss_scale']:.0f})")
 PY
 echo "MPI tests passed"
