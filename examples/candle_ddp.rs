@@ -19,6 +19,12 @@
 //!
 //! `--conv candle` runs the same model with candle's own `conv2d` (the GPU comparison).
 //!
+//! `--dtype bf16|f16` trains in mixed precision: the optimizer keeps f32 master weights, the
+//! model's variables are a half copy (set from the masters after every update), the forward
+//! and backward run in the half type and the loss in f32. f16 uses dynamic loss scaling (see
+//! [`LossScaler`]), bf16 none. The gradients are summed as in f32 (on the host, in f64, in
+//! rank order), unscaled in that sum.
+//!
 //! `MUCUDNN_TRAIN_FAIL_AT=RANK:STEP` makes that rank fail before that step (the MPI test's
 //! hook); under MPI a failing rank prints its message and ends the job (`MPI_Abort`).
 
@@ -45,6 +51,8 @@ struct Settings {
     device: String,
     /// `mucudnn` (the default) or `candle`: whose convolutions the model runs.
     conv: String,
+    /// `f32` (the default), `bf16` or `f16`: the type the model computes in.
+    dtype: String,
     /// Samples per step over all ranks.
     batch: usize,
     train_size: usize,
@@ -70,6 +78,7 @@ impl Default for Settings {
         Settings {
             device: "cpu".into(),
             conv: "mucudnn".into(),
+            dtype: "f32".into(),
             batch: 32,
             train_size: 512,
             test_size: 256,
@@ -89,7 +98,8 @@ impl Default for Settings {
     }
 }
 
-const USAGE: &str = "candle_ddp [--device cpu|cuda] [--conv mucudnn|candle] [--batch N] [--train-size N] [--test-size N]
+const USAGE: &str = "candle_ddp [--device cpu|cuda] [--conv mucudnn|candle] [--dtype f32|bf16|f16]
+  [--batch N] [--train-size N] [--test-size N]
   [--image-size N] [--channels N] [--classes N] [--width N] [--noise X] [--lr X]
   [--momentum X] [--epochs N] [--seed N] [--local-ranks K] [--cache FILE] [--json]";
 
@@ -106,6 +116,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
         match flag.as_str() {
             "--device" => s.device = args.next().ok_or("--device needs cpu or cuda")?,
             "--conv" => s.conv = args.next().ok_or("--conv needs mucudnn or candle")?,
+            "--dtype" => s.dtype = args.next().ok_or("--dtype needs f32, bf16 or f16")?,
             "--batch" => s.batch = number(&flag, args.next())?,
             "--train-size" => s.train_size = number(&flag, args.next())?,
             "--test-size" => s.test_size = number(&flag, args.next())?,
@@ -146,7 +157,20 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
     if s.device != "cpu" && s.device != "cuda" {
         return Err(format!("--device cpu or cuda, not {:?}", s.device));
     }
+    s.model_dtype()?;
     Ok(s)
+}
+
+impl Settings {
+    /// The dtype the model computes in (`--dtype`).
+    fn model_dtype(&self) -> Result<DType, String> {
+        match self.dtype.as_str() {
+            "f32" => Ok(DType::F32),
+            "bf16" => Ok(DType::BF16),
+            "f16" => Ok(DType::F16),
+            other => Err(format!("--dtype f32, bf16 or f16, not {other:?}")),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -429,9 +453,10 @@ impl Net {
     }
 }
 
-/// The summed cross-entropy of a batch, and how many it classified right.
+/// The summed cross-entropy of a batch (in f32 whatever the logits' dtype), and how many it
+/// classified right.
 fn loss_and_correct(logits: &Tensor, labels: &Tensor) -> candle_core::Result<(Tensor, usize)> {
-    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let log_probs = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
     let picked = log_probs.gather(&labels.unsqueeze(1)?, 1)?;
     let loss = picked.sum_all()?.neg()?;
     let predicted = logits.argmax(D::Minus1)?;
@@ -484,6 +509,61 @@ impl Optimizer for SgdMomentum {
 
     fn set_learning_rate(&mut self, lr: f64) {
         self.lr = lr;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dynamic loss scaling (f16): the loss is multiplied by `scale` before the backward pass, so
+// that small gradients do not flush to zero in f16, and the summed gradient is divided by it.
+// A step whose summed gradient has an inf or a NaN is skipped (no update, momentum untouched)
+// and the scale halved; after `GROWTH_INTERVAL` good steps in a row it doubles. The decision
+// is taken on the summed gradient, which every rank has bit for bit, so every rank skips the
+// same steps and the replicas stay identical. The scale is a power of two, so scaling and
+// unscaling are exact.
+
+struct LossScaler {
+    /// Whether the scale is dynamic (f16); else it stays 1 and every step is applied.
+    dynamic: bool,
+    scale: f64,
+    good_steps: usize,
+    skipped: usize,
+}
+
+impl LossScaler {
+    /// The initial scale of f16 training (PyTorch's GradScaler's): 2^16.
+    const INITIAL_SCALE: f64 = 65536.0;
+    /// Good steps in a row before the scale doubles (PyTorch's default).
+    const GROWTH_INTERVAL: usize = 2000;
+
+    /// Dynamic scaling when `enabled` (f16), else a constant scale of 1 (f32, bf16).
+    fn new(dynamic: bool) -> Self {
+        LossScaler {
+            dynamic,
+            scale: if dynamic { Self::INITIAL_SCALE } else { 1.0 },
+            good_steps: 0,
+            skipped: 0,
+        }
+    }
+
+    /// After the gradient sum: whether to apply this step (its gradient is finite), updating
+    /// the scale. Without dynamic scaling every step is applied (as in f32).
+    fn update(&mut self, summed: &[f32]) -> bool {
+        if !self.dynamic {
+            return true;
+        }
+        if summed.iter().all(|g| g.is_finite()) {
+            self.good_steps += 1;
+            if self.good_steps == Self::GROWTH_INTERVAL {
+                self.scale *= 2.0;
+                self.good_steps = 0;
+            }
+            true
+        } else {
+            self.scale /= 2.0;
+            self.good_steps = 0;
+            self.skipped += 1;
+            false
+        }
     }
 }
 
@@ -552,8 +632,13 @@ struct Report {
     epochs: Vec<EpochReport>,
     /// Every step's training loss (mean over the global batch).
     step_losses: Vec<f64>,
-    /// FNV-1a of the final parameters (every rank's, checked equal).
+    /// FNV-1a of the final parameters (the f32 master weights; every rank's, checked equal).
     parameters_fnv1a: String,
+    /// The model's dtype (`--dtype`).
+    dtype: String,
+    /// f16: the loss scale at the end, and how many steps were skipped for inf/NaN gradients.
+    loss_scale: f64,
+    skipped_steps: usize,
     tuning: TuningShare,
 }
 
@@ -590,7 +675,7 @@ fn flatten(tensors: &[Tensor]) -> candle_core::Result<Vec<f32>> {
     Ok(flat)
 }
 
-/// Sets every variable from a flat vector (in `vars` order).
+/// Sets every variable from a flat vector (in `vars` order), rounded to its dtype.
 fn assign(vars: &[(String, Var)], flat: &[f32]) -> candle_core::Result<()> {
     let mut at = 0;
     for (_, var) in vars {
@@ -598,7 +683,8 @@ fn assign(vars: &[(String, Var)], flat: &[f32]) -> candle_core::Result<()> {
         let values = flat
             .get(at..at + n)
             .ok_or_else(|| candle_core::Error::Msg("a parameter vector is too short".into()))?;
-        var.set(&Tensor::from_slice(values, var.shape(), var.device())?)?;
+        let values = Tensor::from_slice(values, var.shape(), var.device())?;
+        var.set(&values.to_dtype(var.dtype())?)?;
         at += n;
     }
     Ok(())
@@ -644,9 +730,12 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
     };
     let cache: SharedCache = Arc::new(Mutex::new(cache));
 
-    // Same weights everywhere: candle's initialisation, then rank 0's values broadcast.
+    // Same weights everywhere: candle's initialisation, then rank 0's values broadcast. The
+    // model's variables are in the model's dtype; with a half type the optimizer keeps f32
+    // masters of them (below).
+    let dtype = s.model_dtype()?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
+    let vb = VarBuilder::from_varmap(&varmap, dtype, &device);
     let net = Net::new(s, &cache, vb).map_err(msg)?;
     let vars = sorted_vars(&varmap)?;
     let tensors: Vec<Tensor> = vars.iter().map(|(_, v)| v.as_tensor().clone()).collect();
@@ -680,6 +769,20 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
         .collect();
     assign(&vars, &init).map_err(msg)?;
     let parameter_count = init.len();
+    // The f32 master weights the optimizer updates: the model's variables themselves in f32,
+    // else f32 copies (of the broadcast values, not of their rounded half copy).
+    let masters: Vec<Var> = if dtype == DType::F32 {
+        vars.iter().map(|(_, v)| v.clone()).collect()
+    } else {
+        let mut at = 0;
+        let mut masters = Vec::with_capacity(vars.len());
+        for (_, var) in &vars {
+            let n = var.elem_count();
+            masters.push(Var::from_slice(&init[at..at + n], var.shape(), &device).map_err(msg)?);
+            at += n;
+        }
+        masters
+    };
 
     // Tuning dealt out over the processes: every per-rank batch size the run will use.
     let mut sizes = BTreeSet::new();
@@ -730,8 +833,10 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
 
     let train_set = generate(s, 1, s.train_size);
     let test_set = generate(s, 2, s.test_size);
-    let mut optimizer = SgdMomentum::new(varmap.all_vars(), (s.lr, s.momentum)).map_err(msg)?;
+    let mut optimizer = SgdMomentum::new(masters.clone(), (s.lr, s.momentum)).map_err(msg)?;
     let grad_tensors: Vec<Tensor> = vars.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+    let master_tensors: Vec<Tensor> = masters.iter().map(|v| v.as_tensor().clone()).collect();
+    let mut scaler = LossScaler::new(dtype == DType::F16);
 
     // Held-out loss and accuracy, each rank its shard of every test batch, summed over ranks.
     let evaluate = |job: &mut dyn Job| -> Result<(f64, f64), String> {
@@ -746,6 +851,7 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                     continue;
                 }
                 let (x, y) = test_set.batch(part, s, &device).map_err(msg)?;
+                let x = x.to_dtype(dtype).map_err(msg)?;
                 let (loss, correct) =
                     loss_and_correct(&net.forward(&x).map_err(msg)?, &y).map_err(msg)?;
                 mine.push([
@@ -768,8 +874,9 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
     let print = process == 0;
     if print {
         eprintln!(
-            "{ranks} ranks ({processes} processes), {parameter_count} parameters; before training: \
-             test loss {initial_test_loss:.4}, accuracy {:.1}%",
+            "{ranks} ranks ({processes} processes), {parameter_count} parameters, {}; before \
+             training: test loss {initial_test_loss:.4}, accuracy {:.1}%",
+            s.dtype,
             100.0 * initial_accuracy
         );
     }
@@ -799,9 +906,15 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                 }
                 let part = shard(batch, process * local + l, ranks);
                 let (x, y) = train_set.batch(part, s, &device).map_err(msg)?;
+                let x = x.to_dtype(dtype).map_err(msg)?;
                 let (loss, _) =
                     loss_and_correct(&net.forward(&x).map_err(msg)?, &y).map_err(msg)?;
-                let grads = loss.backward().map_err(msg)?;
+                let grads = if scaler.scale == 1.0 {
+                    loss.backward()
+                } else {
+                    (&loss * scaler.scale).and_then(|scaled| scaled.backward())
+                }
+                .map_err(msg)?;
                 let mut flat = Vec::with_capacity(parameter_count);
                 for t in &grad_tensors {
                     match grads.get(t) {
@@ -814,8 +927,10 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                 store = Some(grads);
             }
             let scale = 1.0 / batch.len() as f64;
+            // The mean gradient, unscaled in the same f64 sum (the loss scale is a power of two).
             let summed =
-                ddp::sum_in_rank_order(job, &grads_local, parameter_count, scale).map_err(msg)?;
+                ddp::sum_in_rank_order(job, &grads_local, parameter_count, scale / scaler.scale)
+                    .map_err(msg)?;
             let step_loss: f64 = ddp::gather_results(job, Ok(losses))
                 .map_err(msg)?
                 .into_iter()
@@ -823,14 +938,25 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                 .sum::<f64>()
                 * scale;
             let mut store = store.ok_or("a rank had no samples")?;
-            let mut at = 0;
-            for t in &grad_tensors {
-                let n = t.elem_count();
-                let g = Tensor::from_slice(&summed[at..at + n], t.shape(), &device).map_err(msg)?;
-                store.insert(t, g);
-                at += n;
+            if scaler.update(&summed) {
+                // The summed gradient is f32 and goes to the f32 masters; a half model's
+                // variables are then set to the masters rounded to its dtype.
+                let mut at = 0;
+                for t in &master_tensors {
+                    let n = t.elem_count();
+                    let g =
+                        Tensor::from_slice(&summed[at..at + n], t.shape(), &device).map_err(msg)?;
+                    store.insert(t, g);
+                    at += n;
+                }
+                optimizer.step(&store).map_err(msg)?;
+                if dtype != DType::F32 {
+                    for ((_, var), master) in vars.iter().zip(&masters) {
+                        var.set(&master.to_dtype(dtype).map_err(msg)?)
+                            .map_err(msg)?;
+                    }
+                }
             }
-            optimizer.step(&store).map_err(msg)?;
             device.synchronize().map_err(msg)?;
             step_seconds += step_started.elapsed().as_secs_f64();
             loss_sum += step_loss;
@@ -857,12 +983,18 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                 report.images_per_s,
                 report.seconds
             );
+            if scaler.dynamic {
+                eprintln!(
+                    "  loss scale {}, {} steps skipped so far",
+                    scaler.scale, scaler.skipped
+                );
+            }
         }
         epochs.push(report);
     }
 
     // The replicas must have stayed bitwise identical.
-    let finals = flatten(&grad_tensors).map_err(msg)?;
+    let finals = flatten(&master_tensors).map_err(msg)?;
     let hash = ddp::fnv1a(&f32_bytes(&finals));
     let hashes: Vec<String> = ddp::gather_results(job, Ok(hash.clone())).map_err(msg)?;
     if hashes.iter().any(|h| *h != hash) {
@@ -876,6 +1008,9 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
         epochs,
         step_losses,
         parameters_fnv1a: hash,
+        dtype: s.dtype.clone(),
+        loss_scale: scaler.scale,
+        skipped_steps: scaler.skipped,
         tuning: share,
     }))
 }

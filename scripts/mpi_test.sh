@@ -8,6 +8,11 @@
 # 2. With a cache file per process the measuring is dealt out (about half each, disjoint) and
 #    both processes run identical plans; a second run measures nothing.
 # 3. A rank failing at step 3 ends the job, non-zero, with its message, within 30 s.
+# 4. Mixed precision, `--dtype bf16` (f32 master weights, the model in bf16) for 2 epochs:
+#    `mpirun -np 2` equals one process with the 2 ranks' shards, bit for bit; the loss falls
+#    and the held-out accuracy is above chance.
+# 5. `--dtype f16` (dynamic loss scaling) for 8 steps: the same bits under mpirun as in one
+#    process, including the steps skipped for inf/NaN gradients while the scale comes down.
 #
 # Installs Debian's Open MPI (openmpi-bin, libopenmpi-dev) and libclang-dev (rsmpi's bindgen)
 # with apt-get when missing and apt is usable (idempotent: nothing is installed twice), builds
@@ -135,4 +140,48 @@ grep -q "rank 1 failed: injected failure before step 3" "$work/fail.txt" || {
 python3 -c "import sys; sys.exit(0 if $elapsed < 30 else 1)" || {
   echo "FAIL: the job took $elapsed s to end"; exit 1; }
 echo "a rank failing at step 3 ended the job: status $status after $elapsed s"
+
+# 4. bf16: the same bits under mpirun as in one process; it learns.
+"$bin" "${args[@]}" --dtype bf16 --epochs 2 --local-ranks 2 --cache "$work/cache.sqlite" \
+  > "$work/bf16-local.json" 2> /dev/null
+"${mpirun_np2[@]}" "$bin" "${args[@]}" --dtype bf16 --epochs 2 --cache "$work/cache.sqlite" \
+  > "$work/bf16-mpi.json"
+python3 - "$work/bf16-local.json" "$work/bf16-mpi.json" <<'PY'
+import json, sys
+local, mpi = (json.load(open(p)) for p in sys.argv[1:])
+assert local["dtype"] == mpi["dtype"] == "bf16" and mpi["skipped_steps"] == 0, mpi["dtype"]
+assert (local["ranks"], mpi["ranks"], local["processes"], mpi["processes"]) == (2, 2, 1, 2)
+def bits(run):
+    return ([x.hex() for x in run["step_losses"]],
+            [(e["train_loss"].hex(), e["test_loss"].hex(), e["test_accuracy"]) for e in run["epochs"]],
+            run["initial_test_loss"].hex(), run["parameters_fnv1a"])
+assert bits(local) == bits(mpi), f"bf16: one process {bits(local)} != mpirun {bits(mpi)}"
+epochs = mpi["epochs"]
+losses = [e["train_loss"] for e in epochs]
+assert len(epochs) == 2 and losses[1] < losses[0], losses
+assert epochs[1]["test_loss"] < mpi["initial_test_loss"], (epochs, mpi["initial_test_loss"])
+chance = 1 / mpi["settings"]["classes"]
+accuracy = epochs[-1]["test_accuracy"]
+assert accuracy >= chance + 0.2, f"bf16 held-out accuracy {accuracy} vs chance {chance}"
+print(f"bf16: mpirun -np 2 == 2 ranks in one process, bit for bit ({len(mpi['step_losses'])} "
+      f"steps); train loss by epoch {[round(x, 4) for x in losses]}, held-out accuracy "
+      f"{accuracy:.3f} (chance {chance:.2f})")
+PY
+
+# 5. f16: every rank skips the same steps (the decision is taken on the summed gradient).
+f16_args=(--dtype f16 --epochs 1 --train-size 256 --cache "$work/cache.sqlite")
+"$bin" "${args[@]}" "${f16_args[@]}" --local-ranks 2 > "$work/f16-local.json" 2> /dev/null
+"${mpirun_np2[@]}" "$bin" "${args[@]}" "${f16_args[@]}" > "$work/f16-mpi.json" 2> /dev/null
+python3 - "$work/f16-local.json" "$work/f16-mpi.json" <<'PY'
+import json, sys
+local, mpi = (json.load(open(p)) for p in sys.argv[1:])
+assert local["dtype"] == mpi["dtype"] == "f16" and mpi["processes"] == 2
+same = lambda run: ([x.hex() for x in run["step_losses"]], run["parameters_fnv1a"],
+                    run["skipped_steps"], run["loss_scale"])
+assert same(local) == same(mpi), f"f16: one process {same(local)} != mpirun {same(mpi)}"
+skipped, steps = mpi["skipped_steps"], len(mpi["step_losses"])
+assert 0 < skipped < steps and mpi["loss_scale"] == 65536 / 2 ** skipped, (skipped, mpi["loss_scale"])
+print(f"f16: mpirun -np 2 == 2 ranks in one process, bit for bit ({steps} steps, {skipped} "
+      f"skipped, loss scale 65536 -> {mpi['loss_scale']:.0f})")
+PY
 echo "MPI tests passed"

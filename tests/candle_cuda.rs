@@ -8,6 +8,8 @@
 
 #[path = "candle/checks.rs"]
 mod checks;
+#[path = "candle/half.rs"]
+mod half;
 #[path = "candle/layers.rs"]
 mod layers;
 
@@ -115,4 +117,28 @@ fn cuda_step_time_against_candle_conv() {
         "step time, checks' CNN (8 x 3 x 9 x 9): {}",
         report.join("; ")
     );
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_conv2d_in_f16_and_bf16_matches_candle_conv2d_in_f32() {
+    half::conv2d_half_matches_candle_conv2d_in_f32(&gpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_conv1d_and_conv_transpose2d_in_bf16_match_f32() {
+    half::conv1d_and_conv_transpose2d_in_bf16_match_f32(&gpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_each_dtype_is_its_own_problem() {
+    half::each_dtype_is_its_own_problem(&gpu());
+}
+
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_mixed_dtypes_are_errors_that_name_the_layer() {
+    half::mixed_dtypes_are_errors_that_name_the_layer(&gpu());
 }

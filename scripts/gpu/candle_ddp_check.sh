@@ -2,8 +2,10 @@
 # The data-parallel candle trainer on GPUs (issue 25; examples/candle_ddp.rs,
 # docs/training.md#on-gpus): one process per GPU trains the small ResNet with mucudnn's
 # convolutions, then the same program with candle's own conv2d (cuDNN through candle-core's
-# `cudnn` feature) in the same run. Checks that the loss falls and the held-out accuracy is
-# above chance for both; prints images/s of each and their ratio.
+# `cudnn` feature) in the same run, then with mucudnn's convolutions in mixed precision
+# (`--dtype bf16`, and `--dtype f16` with dynamic loss scaling: docs/training.md#precision).
+# Checks that the loss falls and the held-out accuracy is above chance for every run; prints
+# images/s of each and the f32 runs' ratio.
 #
 #   bash scripts/gpu/candle_ddp_check.sh build   # here (no GPU): nvcc and the CUDA 13 headers
 #                                                # and libraries as for candle_check.sh
@@ -13,7 +15,8 @@
 # With CANDLE_DDP_MPI=1 at build time the binary is built with `mpi` (it then needs Open MPI's
 # libmpi on the GPU machine too) and `run` starts one process per GPU with mpirun; by default,
 # one process on GPU 0. Logs and summary.json go
-# under $OUT when it is set; exits non-zero on any failure. About 2 minutes on one H100.
+# under $OUT when it is set; exits non-zero on any failure. About 4 minutes on one H100
+# (estimated: never run).
 set -uo pipefail
 # From scripts/gpu/ here, or from .gpu/ there (build.sh copies this script): the repository root.
 here=$(cd "$(dirname "$0")" && pwd)
@@ -72,17 +75,22 @@ for root, _, files in os.walk(p):
   local args=(--device cuda --batch $((64 * gpus)) --train-size 8192 --test-size 1024
               --image-size 32 --channels 3 --classes 10 --width 32 --noise 0.1 --lr 0.05
               --epochs 3 --json --cache "$out/cache.sqlite")
-  local status=0 conv
-  for conv in mucudnn candle; do
-    "${launch[@]}" "${args[@]}" --conv "$conv" > "$out/$conv.json" 2> "$out/$conv.log" || {
-      status=1; echo "FAIL: the $conv run ended with an error"; tail -n 20 "$out/$conv.log"; }
-    tail -n 4 "$out/$conv.log"
+  local status=0 run conv dtype
+  # RUN = CONV or CONV-DTYPE (f32 when no dtype is named).
+  for run in mucudnn candle mucudnn-bf16 mucudnn-f16; do
+    conv=${run%%-*}
+    dtype=f32
+    case "$run" in *-*) dtype=${run#*-} ;; esac
+    "${launch[@]}" "${args[@]}" --conv "$conv" --dtype "$dtype" > "$out/$run.json" \
+      2> "$out/$run.log" || {
+      status=1; echo "FAIL: the $run run ended with an error"; tail -n 20 "$out/$run.log"; }
+    tail -n 4 "$out/$run.log"
   done
   python3 - "$out" "$gpus" <<'PY' || status=1
 import json, os, sys
 out, gpus = sys.argv[1], int(sys.argv[2])
 runs = {}
-for conv in ("mucudnn", "candle"):
+for conv in ("mucudnn", "candle", "mucudnn-bf16", "mucudnn-f16"):
     try:
         runs[conv] = json.load(open(os.path.join(out, f"{conv}.json")))
     except (OSError, ValueError) as e:
@@ -98,14 +106,16 @@ for conv, run in runs.items():
     failed |= not ok
     # The first epoch includes tuning's first sight of each shape: images/s of the last.
     rows.append((conv, ok, epochs[0]["train_loss"], epochs[-1]["train_loss"], accuracy,
-                 epochs[-1]["images_per_s"]))
+                 epochs[-1]["images_per_s"], run.get("skipped_steps", 0)))
 summary = {"gpus": gpus, "runs": [dict(zip(("conv", "ok", "first_loss", "last_loss",
-           "accuracy", "images_per_s"), r)) for r in rows]}
+           "accuracy", "images_per_s", "skipped_steps"), r)) for r in rows]}
 summary["mucudnn_vs_candle_images_per_s"] = rows[0][5] / rows[1][5]
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=2)
-print(f"{'conv':8} {'ok':4} {'loss 1st':>9} {'loss last':>9} {'accuracy':>8} {'images/s':>9}")
-for conv, ok, first, last, accuracy, speed in rows:
-    print(f"{conv:8} {'yes' if ok else 'NO':4} {first:9.4f} {last:9.4f} {accuracy:8.3f} {speed:9.0f}")
+print(f"{'run':12} {'ok':4} {'loss 1st':>9} {'loss last':>9} {'accuracy':>8} {'images/s':>9} "
+      f"{'skipped':>7}")
+for conv, ok, first, last, accuracy, speed, skipped in rows:
+    print(f"{conv:12} {'yes' if ok else 'NO':4} {first:9.4f} {last:9.4f} {accuracy:8.3f} "
+          f"{speed:9.0f} {skipped:7}")
 print(f"mucudnn / candle images/s: {summary['mucudnn_vs_candle_images_per_s']:.2f} on {gpus} GPU(s)")
 sys.exit(1 if failed else 0)
 PY

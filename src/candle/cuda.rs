@@ -3,40 +3,40 @@
 //! options say), with candle's stream drained first so that its queued kernels do not run
 //! beside the timed ones; prepare its plans once on the layer's cuDNN handle, then run them on
 //! candle's stream over candle's buffers, with the output and each call's workspace allocated
-//! from candle's device. Operands start at aligned addresses (the layer copies views that do
+//! from candle's device, in the layer's dtype (f32, f16 or bf16: cuDNN problems of that dtype;
+//! the tuner's accuracy rule for bf16 backward-filter micro-batches applies as everywhere).
+//! Operands start at aligned addresses (the layer copies views that do
 //! not, `operand` in mod.rs; checked again here). Everything unsafe (raw pointers, the stream)
 //! is in the FFI wall (`CandleLayerDevice`).
 
 use super::LayerCore;
-use crate::backend::cpu;
+use crate::backend::cpu::{self, Element};
 use crate::backend::cudnn::CandleLayerDevice;
 use crate::backend::TimingSettings;
-use crate::solver::{ConvOp, ConvProblem};
+use crate::solver::{ConvOp, ConvProblem, DType};
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::CudaDType;
 use candle_core::{CudaStorage, Layout};
-use cudarc::driver::CudaView;
+use cudarc::driver::{CudaView, DeviceRepr, ValidAsZeroBits};
 
 pub(super) type DeviceState = CandleLayerDevice;
 
-/// The f32 elements of a candle CUDA tensor (contiguous: the layer makes its operands so).
-fn view<'a>(
+/// The `T` elements of a candle CUDA tensor (contiguous: the layer makes its operands so),
+/// which must have the layer's dtype.
+fn view<'a, T: CudaDType>(
     core: &LayerCore,
     what: &str,
     storage: &'a CudaStorage,
     layout: &Layout,
-) -> candle_core::Result<CudaView<'a, f32>> {
-    let slice = storage.as_cuda_slice::<f32>().map_err(|_| {
-        core.error(format!(
-            "the {what} is {:?}; only f32 is supported",
-            storage.dtype()
-        ))
-    })?;
+) -> candle_core::Result<CudaView<'a, T>> {
+    core.check_dtype(what, storage.dtype())?;
+    let slice = storage.as_cuda_slice::<T>()?;
     let (start, end) = layout
         .contiguous_offsets()
         .ok_or_else(|| core.error(format!("the {what} is not contiguous")))?;
     // candle's allocations are aligned; an offset into one must keep the base alignment the
     // plans were built for (the layer copies views that do not).
-    if super::needs_aligned_copy(true, start, std::mem::size_of::<f32>()) {
+    if super::needs_aligned_copy(true, start, std::mem::size_of::<T>()) {
         return Err(core.error(format!(
             "the {what} starts {start} elements into its storage, not at a {}-byte aligned \
              address",
@@ -47,21 +47,39 @@ fn view<'a>(
 }
 
 /// `op(a, b)` of `problem` on candle's device and stream; `a` and `b` as for the op's plan:
-/// `(x, w)`, `(w, dy)` or `(x, dy)`.
+/// `(x, w)`, `(w, dy)` or `(x, dy)`, in the problem's dtype (the layer's).
 pub(super) fn run(
+    core: &LayerCore,
+    problem: &ConvProblem,
+    op: ConvOp,
+    a: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+) -> candle_core::Result<CudaStorage> {
+    match problem.dtype {
+        DType::Fp32 => run_typed::<f32>(core, problem, op, a, b),
+        DType::Fp16 => run_typed::<half::f16>(core, problem, op, a, b),
+        DType::Bf16 => run_typed::<half::bf16>(core, problem, op, a, b),
+    }
+}
+
+/// [`run`] with the problem dtype's element type `T`.
+fn run_typed<T>(
     core: &LayerCore,
     problem: &ConvProblem,
     op: ConvOp,
     (a, a_layout): (&CudaStorage, &Layout),
     (b, b_layout): (&CudaStorage, &Layout),
-) -> candle_core::Result<CudaStorage> {
+) -> candle_core::Result<CudaStorage>
+where
+    T: Element + CudaDType + DeviceRepr + ValidAsZeroBits,
+{
     let device = a.device().clone();
     let stream = device.cuda_stream();
     let ordinal = stream.context().ordinal();
-    let a = view(core, "first operand", a, a_layout)?;
-    let b = view(core, "second operand", b, b_layout)?;
+    let a = view::<T>(core, "first operand", a, a_layout)?;
+    let b = view::<T>(core, "second operand", b, b_layout)?;
     let out_len = cpu::buffer_lens(problem, op).map_err(|e| core.error(e))?[2].1;
-    let mut out = device.alloc_zeros::<f32>(out_len)?;
+    let mut out = device.alloc_zeros::<T>(out_len)?;
     let key = (problem.n, problem.h, problem.w);
 
     let mut state = core.lock()?;

@@ -17,8 +17,9 @@ use candle_nn::{Conv1dConfig, ConvTranspose2dConfig, VarBuilder};
 use std::sync::Arc;
 
 /// A 1-D convolution layer run by mucudnn: a drop-in for `candle_nn::Conv1d` (same weights,
-/// same `forward`), f32, NCL. It runs as the 2-D problem with unit height (as cuDNN runs 1-D
-/// convolutions): an `n x c x l` input is the `n x c x 1 x l` image, the filter `1 x s`.
+/// same `forward`), NCL, in its weight's dtype (f32, f16 or bf16). It runs as the 2-D problem
+/// with unit height (as cuDNN runs 1-D convolutions): an `n x c x l` input is the
+/// `n x c x 1 x l` image, the filter `1 x s`.
 #[derive(Clone)]
 pub struct Conv1d {
     weight: Tensor,
@@ -30,8 +31,9 @@ pub struct Conv1d {
 layer_common!(Conv1d, Conv1dConfig);
 
 impl Conv1d {
-    /// A layer over `weight` (`out x in/groups x k`, f32) and an optional `bias` (`out`), as
-    /// `candle_nn::Conv1d::new`. `cfg.cudnn_fwd_algo` is ignored: mucudnn chooses.
+    /// A layer over `weight` (`out x in/groups x k`; f32, f16 or bf16) and an optional `bias`
+    /// (`out`, the weight's dtype), as `candle_nn::Conv1d::new`. `cfg.cudnn_fwd_algo` is
+    /// ignored: mucudnn chooses.
     pub fn new(
         weight: Tensor,
         bias: Option<Tensor>,
@@ -40,10 +42,11 @@ impl Conv1d {
     ) -> candle_core::Result<Self> {
         let kind = LayerKind::Conv1d;
         let name = kind.layer_name(&options);
-        let dims = check_parameters(kind, &name, &weight, 3, bias.as_ref(), 0)?;
+        let (dims, dtype) = check_parameters(kind, &name, &weight, 3, bias.as_ref(), 0)?;
         let [k, c_per_group, s] = [dims[0], dims[1], dims[2]].map(|d| d as i64);
         let groups = cfg.groups as i64;
         let mut template = ConvProblem::new_1d(1, c_per_group * groups, 1, k, s);
+        template.dtype = dtype;
         template.pad_w = cfg.padding as i64;
         template.stride_w = cfg.stride as i64;
         template.dilation_w = cfg.dilation as i64;
@@ -85,6 +88,7 @@ impl Module for Conv1d {
                 x.shape()
             ))
         })?;
+        core.check_dtype("input", x.dtype())?;
         let (k, c_per_group, s) = self.weight.dims3()?;
         // Unit height: reshapes of contiguous tensors are views (a strided input is copied
         // once, as `operand` would anyway).
@@ -101,7 +105,8 @@ impl Module for Conv1d {
 }
 
 /// A 2-D transposed convolution layer run by mucudnn: a drop-in for
-/// `candle_nn::ConvTranspose2d` (same weights, same `forward`), f32, NCHW.
+/// `candle_nn::ConvTranspose2d` (same weights, same `forward`), NCHW, in its weight's dtype
+/// (f32, f16 or bf16).
 ///
 /// Its weight `in x out x kh x kw` is the filter of the convolution it transposes (`k = in`
 /// filters over `c = out` channels), whose input has this layer's output size
@@ -121,8 +126,8 @@ pub struct ConvTranspose2d {
 layer_common!(ConvTranspose2d, ConvTranspose2dConfig);
 
 impl ConvTranspose2d {
-    /// A layer over `weight` (`in x out x kh x kw`, f32) and an optional `bias` (`out`), as
-    /// `candle_nn::ConvTranspose2d::new`.
+    /// A layer over `weight` (`in x out x kh x kw`; f32, f16 or bf16) and an optional `bias`
+    /// (`out`, the weight's dtype), as `candle_nn::ConvTranspose2d::new`.
     pub fn new(
         weight: Tensor,
         bias: Option<Tensor>,
@@ -131,11 +136,12 @@ impl ConvTranspose2d {
     ) -> candle_core::Result<Self> {
         let kind = LayerKind::ConvTranspose2d;
         let name = kind.layer_name(&options);
-        let dims = check_parameters(kind, &name, &weight, 4, bias.as_ref(), 1)?;
+        let (dims, dtype) = check_parameters(kind, &name, &weight, 4, bias.as_ref(), 1)?;
         let [c_in, c_out, r, s] = [dims[0], dims[1], dims[2], dims[3]].map(|d| d as i64);
         let [padding, stride, dilation] = [cfg.padding, cfg.stride, cfg.dilation].map(|v| v as i64);
         // The transposed convolution: its input is this layer's output.
         let mut template = ConvProblem::new(1, c_out, 1, 1, c_in, r, s);
+        template.dtype = dtype;
         (template.pad_h, template.pad_w) = (padding, padding);
         (template.stride_h, template.stride_w) = (stride, stride);
         (template.dilation_h, template.dilation_w) = (dilation, dilation);
@@ -216,6 +222,7 @@ impl Module for ConvTranspose2d {
                 "the input has {c} channels, the layer expects {c_in}"
             )));
         }
+        core.check_dtype("input", x.dtype())?;
         let input = self.conv_input(n, h, w)?;
         // The transposed convolution's backward-data, with this layer's input as its `dy`.
         let y = operand(x)?.apply_op2(

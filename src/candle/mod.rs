@@ -26,8 +26,15 @@
 //! Devices: on candle's CPU device the plans run on mucudnn's CPU backend
 //! ([`execute_cpu`]); with `candle-cuda`, on candle's CUDA device they run as cuDNN plans on
 //! candle's stream over candle's buffers, with workspace allocated from candle's device
-//! (`cuda.rs`), for all three layers alike. Only f32 tensors are supported; anything else is an
-//! error naming the layer. candle has no 3-D convolution layer, so there is no `Conv3d` here.
+//! (`cuda.rs`), for all three layers alike.
+//!
+//! Dtypes: f32, f16 and bf16. A layer's dtype is its weight's (the bias must agree); its
+//! problem has that dtype, so its plans and cache records are that dtype's, and the input (and
+//! on the way back the output gradient) must have it too, else the op is an error naming the
+//! layer. The CPU backend loads half elements as f32, accumulates in f32 and rounds once per
+//! output (a backward-filter split into micro-batches sums their parts in f32 and rounds once);
+//! cuDNN runs the half problems as tuned. Anything else is an error naming the layer. candle
+//! has no 3-D convolution layer, so there is no `Conv3d` here.
 
 /// The parts every layer type (fields `weight`, `bias`, `config`, `core`) shares: its `Debug`
 /// and the accessors `weight`, `bias`, `config`, `options` and `name`.
@@ -76,13 +83,13 @@ mod layers;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
-use crate::backend::cpu::{self, AlignedWorkspace};
+use crate::backend::cpu::{self, AlignedWorkspace, Element};
 use crate::backend::{CpuBackend, TimingSettings};
 use crate::exec::{cpu_workspace_bytes, execute_cpu};
-use crate::solver::{CandidateSet, ConvOp, ConvProblem, Plan, Policy};
+use crate::solver::{self, CandidateSet, ConvOp, ConvProblem, Plan, Policy};
 use crate::tune::{CacheStats, EngineOptions, LayerTuning, SplitSetting};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Module, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Module, Shape, Tensor, WithDType};
 use candle_nn::{Conv2dConfig, VarBuilder};
 use mucudnn_cache::Cache;
 use std::collections::HashMap;
@@ -373,13 +380,13 @@ impl LayerCore {
     }
 
     /// `op` of `problem` on the host: tunes the shape on first sight, then runs its plan.
-    fn run_cpu(
+    fn run_cpu<T: Element>(
         &self,
         problem: &ConvProblem,
         op: ConvOp,
-        a: &[f32],
-        b: &[f32],
-    ) -> candle_core::Result<Vec<f32>> {
+        a: &[T],
+        b: &[T],
+    ) -> candle_core::Result<Vec<T>> {
         let mut state = self.lock()?;
         let state = &mut *state;
         let key = (problem.n, problem.h, problem.w);
@@ -411,10 +418,46 @@ impl LayerCore {
             .map(|plans| &plans[op_index(op)])
             .ok_or_else(|| self.error("the shape's plans are missing after tuning"))?;
         let out_len = cpu::buffer_lens(problem, op).map_err(|e| self.error(e))?[2].1;
-        let mut out = vec![0f32; out_len];
+        let mut out = vec![T::from_f32(0.0); out_len];
         execute_cpu(plan, 1.0, a, b, 0.0, &mut out, cpu.workspace.as_bytes_mut())
             .map_err(|e| self.error(e))?;
         Ok(out)
+    }
+
+    /// `op` of `problem` on the host over `a` and `b` (named `what` in errors), in the
+    /// problem's dtype: both operands must have it.
+    fn run_host(
+        &self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        a: (&str, &CpuStorage, &Layout),
+        b: (&str, &CpuStorage, &Layout),
+    ) -> candle_core::Result<CpuStorage> {
+        Ok(match problem.dtype {
+            solver::DType::Fp32 => {
+                CpuStorage::F32(self.run_cpu(problem, op, host(self, a)?, host(self, b)?)?)
+            }
+            solver::DType::Fp16 => {
+                CpuStorage::F16(self.run_cpu(problem, op, host(self, a)?, host(self, b)?)?)
+            }
+            solver::DType::Bf16 => {
+                CpuStorage::BF16(self.run_cpu(problem, op, host(self, a)?, host(self, b)?)?)
+            }
+        })
+    }
+
+    /// That an operand (`what`) of candle dtype `dtype` has the layer's dtype.
+    fn check_dtype(&self, what: &str, dtype: DType) -> candle_core::Result<()> {
+        let expected = candle_dtype(self.template.dtype);
+        if dtype != expected {
+            return Err(self.error(format!(
+                "the {what} is {}, the layer's weight {}: input, weight and bias must have one \
+                 dtype",
+                dtype.as_str(),
+                expected.as_str()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -431,19 +474,33 @@ fn output_dims(problem: &ConvProblem) -> [usize; 4] {
     [problem.n, problem.k, p, q].map(|d| d as usize)
 }
 
-/// The f32 elements of a contiguous host tensor.
-fn host_f32<'a>(
+/// The problem dtype of a candle dtype: f32, f16 and bf16; `None` for the rest.
+fn problem_dtype(dtype: DType) -> Option<solver::DType> {
+    match dtype {
+        DType::F32 => Some(solver::DType::Fp32),
+        DType::F16 => Some(solver::DType::Fp16),
+        DType::BF16 => Some(solver::DType::Bf16),
+        _ => None,
+    }
+}
+
+/// The candle dtype of a problem dtype.
+fn candle_dtype(dtype: solver::DType) -> DType {
+    match dtype {
+        solver::DType::Fp32 => DType::F32,
+        solver::DType::Fp16 => DType::F16,
+        solver::DType::Bf16 => DType::BF16,
+    }
+}
+
+/// The `T` elements of a contiguous host tensor (`what` in errors), which must have the
+/// layer's dtype.
+fn host<'a, T: WithDType>(
     core: &LayerCore,
-    what: &str,
-    storage: &'a CpuStorage,
-    layout: &Layout,
-) -> candle_core::Result<&'a [f32]> {
-    let CpuStorage::F32(data) = storage else {
-        return Err(core.error(format!(
-            "the {what} is {:?}; only f32 is supported",
-            storage.dtype()
-        )));
-    };
+    (what, storage, layout): (&str, &'a CpuStorage, &Layout),
+) -> candle_core::Result<&'a [T]> {
+    core.check_dtype(what, storage.dtype())?;
+    let data = storage.as_slice::<T>()?;
     // The layer makes its operands contiguous before applying its ops.
     let (start, end) = layout
         .contiguous_offsets()
@@ -483,13 +540,13 @@ impl CustomOp2 for ForwardOp {
         let core = &self.core;
         let problem = core.problem(l1.dims())?;
         core.check_weight(l2.dims())?;
-        let x = host_f32(core, "input", s1, l1)?;
-        let w = host_f32(core, "weight", s2, l2)?;
-        let y = core.run_cpu(&problem, ConvOp::Forward, x, w)?;
-        Ok((
-            CpuStorage::F32(y),
-            Shape::from(output_dims(&problem).to_vec()),
-        ))
+        let y = core.run_host(
+            &problem,
+            ConvOp::Forward,
+            ("input", s1, l1),
+            ("weight", s2, l2),
+        )?;
+        Ok((y, Shape::from(output_dims(&problem).to_vec())))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -545,11 +602,14 @@ impl CustomOp2 for BackwardDataOp {
         let problem = core.problem(&self.input)?;
         core.check_output_grad(&problem, l1.dims())?;
         core.check_weight(l2.dims())?;
-        let dy = host_f32(core, "output gradient", s1, l1)?;
-        let w = host_f32(core, "weight", s2, l2)?;
         // The backward-data plan's operands are (weight, dy).
-        let dx = core.run_cpu(&problem, ConvOp::BackwardData, w, dy)?;
-        Ok((CpuStorage::F32(dx), Shape::from(self.input.to_vec())))
+        let dx = core.run_host(
+            &problem,
+            ConvOp::BackwardData,
+            ("weight", s2, l2),
+            ("output gradient", s1, l1),
+        )?;
+        Ok((dx, Shape::from(self.input.to_vec())))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -603,13 +663,13 @@ impl CustomOp2 for BackwardFilterOp {
         let core = &self.core;
         let problem = core.problem(l1.dims())?;
         core.check_output_grad(&problem, l2.dims())?;
-        let x = host_f32(core, "input", s1, l1)?;
-        let dy = host_f32(core, "output gradient", s2, l2)?;
-        let dw = core.run_cpu(&problem, ConvOp::BackwardFilter, x, dy)?;
-        Ok((
-            CpuStorage::F32(dw),
-            Shape::from(core.weight_dims().to_vec()),
-        ))
+        let dw = core.run_host(
+            &problem,
+            ConvOp::BackwardFilter,
+            ("input", s1, l1),
+            ("output gradient", s2, l2),
+        )?;
+        Ok((dw, Shape::from(core.weight_dims().to_vec())))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -629,7 +689,7 @@ impl CustomOp2 for BackwardFilterOp {
 }
 
 /// A 2-D convolution layer run by mucudnn: a drop-in for `candle_nn::Conv2d` (same weights,
-/// same `forward`), f32, NCHW.
+/// same `forward`), NCHW, in its weight's dtype (f32, f16 or bf16).
 #[derive(Clone)]
 pub struct Conv2d {
     weight: Tensor,
@@ -641,8 +701,9 @@ pub struct Conv2d {
 layer_common!(Conv2d, Conv2dConfig);
 
 impl Conv2d {
-    /// A layer over `weight` (`out x in/groups x kh x kw`, f32) and an optional `bias` (`out`),
-    /// as `candle_nn::Conv2d::new`. `cfg.cudnn_fwd_algo` is ignored: mucudnn chooses.
+    /// A layer over `weight` (`out x in/groups x kh x kw`; f32, f16 or bf16) and an optional
+    /// `bias` (`out`, the weight's dtype), as `candle_nn::Conv2d::new`. `cfg.cudnn_fwd_algo`
+    /// is ignored: mucudnn chooses.
     pub fn new(
         weight: Tensor,
         bias: Option<Tensor>,
@@ -651,11 +712,12 @@ impl Conv2d {
     ) -> candle_core::Result<Self> {
         let kind = LayerKind::Conv2d;
         let name = kind.layer_name(&options);
-        let dims = check_parameters(kind, &name, &weight, 4, bias.as_ref(), 0)?;
+        let (dims, dtype) = check_parameters(kind, &name, &weight, 4, bias.as_ref(), 0)?;
         let [k, c_per_group, r, s] = [dims[0], dims[1], dims[2], dims[3]].map(|d| d as i64);
         let [padding, stride, dilation, groups] =
             [cfg.padding, cfg.stride, cfg.dilation, cfg.groups].map(|v| v as i64);
         let mut template = ConvProblem::new(1, c_per_group * groups, 1, 1, k, r, s);
+        template.dtype = dtype;
         (template.pad_h, template.pad_w) = (padding, padding);
         (template.stride_h, template.stride_w) = (stride, stride);
         (template.dilation_h, template.dilation_w) = (dilation, dilation);
@@ -704,8 +766,9 @@ impl LayerCore {
     }
 }
 
-/// The dims of a layer's `weight` (`rank`-D, f32), and its `bias` checked (f32, one value per
-/// weight dimension `bias_dim`'s entry), before the layer exists.
+/// The dims and dtype of a layer's `weight` (`rank`-D; f32, f16 or bf16), and its `bias`
+/// checked (the weight's dtype, one value per weight dimension `bias_dim`'s entry), before the
+/// layer exists.
 fn check_parameters(
     kind: LayerKind,
     name: &str,
@@ -713,7 +776,7 @@ fn check_parameters(
     rank: usize,
     bias: Option<&Tensor>,
     bias_dim: usize,
-) -> candle_core::Result<Vec<usize>> {
+) -> candle_core::Result<(Vec<usize>, solver::DType)> {
     let dims = weight.dims().to_vec();
     if dims.len() != rank {
         return Err(kind.error(
@@ -721,26 +784,30 @@ fn check_parameters(
             format!("the weight must be {rank}-D, it is {:?}", weight.shape()),
         ));
     }
-    if weight.dtype() != DType::F32 {
-        return Err(kind.error(
+    let dtype = problem_dtype(weight.dtype()).ok_or_else(|| {
+        kind.error(
             name,
-            format!("the weight is {:?}; only f32 is supported", weight.dtype()),
-        ));
-    }
+            format!(
+                "the weight is {}; only f32, f16 and bf16 are supported",
+                weight.dtype().as_str()
+            ),
+        )
+    })?;
     if let Some(bias) = bias {
         let len = dims[bias_dim];
-        if bias.dims() != [len] || bias.dtype() != DType::F32 {
+        if bias.dims() != [len] || bias.dtype() != weight.dtype() {
             return Err(kind.error(
                 name,
                 format!(
-                    "the bias is {:?} {:?}, expected f32 [{len}]",
-                    bias.dtype(),
-                    bias.dims()
+                    "the bias is {} {:?}, expected {} [{len}] (the weight's dtype)",
+                    bias.dtype().as_str(),
+                    bias.dims(),
+                    weight.dtype().as_str()
                 ),
             ));
         }
     }
-    Ok(dims)
+    Ok((dims, dtype))
 }
 
 /// The base alignment, in bytes, the GPU path asks of every operand, as the PyTorch path does
@@ -773,6 +840,7 @@ fn operand(t: &Tensor) -> candle_core::Result<Tensor> {
 
 impl Module for Conv2d {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.core.check_dtype("input", x.dtype())?;
         let y = operand(x)?.apply_op2(
             &operand(&self.weight)?,
             ForwardOp {

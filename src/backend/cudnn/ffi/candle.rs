@@ -10,10 +10,11 @@
 //! operation queued on candle's stream, no host synchronisation.
 
 use super::{invalid, CudnnError, CudnnHandle, RawDeviceView, RawDeviceViewMut, RawWorkspace};
+use crate::backend::cpu::Element;
 use crate::backend::CudnnBackend;
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::ExecError;
-use crate::solver::{ConvOp, DType, Plan};
+use crate::solver::{ConvOp, Plan};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -99,22 +100,24 @@ impl CandleLayerDevice {
     /// `out = op(a, b)` for shape `key` (operands at the full mini-batch, roles as for
     /// `CudnnHandle::convolve`), queued on `stream`, which must belong to this GPU's primary
     /// context (candle's), with `workspace` from the caller's allocator for this call (at
-    /// least [`CandleLayerDevice::workspace_bytes`]; `None` when that is 0). Checked: the
-    /// stream's context, every operand's element count and alignment, the workspace.
+    /// least [`CandleLayerDevice::workspace_bytes`]; `None` when that is 0). The elements `T`
+    /// (f32, f16 or bf16) must be the plans' dtype. Checked: the stream's context, the dtype,
+    /// every operand's element count and alignment, the workspace.
     #[allow(clippy::too_many_arguments)]
-    pub fn execute<A, B>(
+    pub fn execute<T, A, B>(
         &mut self,
         key: ShapeKey,
         op: ConvOp,
         stream: &CudaStream,
         a: &A,
         b: &B,
-        out: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<T>,
         workspace: Option<&mut CudaSlice<u8>>,
     ) -> Result<(), ExecError>
     where
-        A: DevicePtr<f32>,
-        B: DevicePtr<f32>,
+        T: Element,
+        A: DevicePtr<T>,
+        B: DevicePtr<T>,
     {
         const CALL: &str = "CandleLayerDevice::execute";
         let Some(plans) = self.plans.get(&key) else {
@@ -130,6 +133,16 @@ impl CandleLayerDevice {
             op,
             source,
         };
+        let dtype = T::DTYPE;
+        if plan.plan().problem.dtype != dtype {
+            return Err(error(invalid(
+                CALL,
+                format!(
+                    "the operands are {dtype}, the plans are for {}",
+                    plan.plan().problem.dtype
+                ),
+            )));
+        }
         let ours = self.exec.stream().context();
         if stream.context().cu_ctx() != ours.cu_ctx() {
             return Err(error(invalid(
@@ -167,13 +180,14 @@ impl CandleLayerDevice {
         // device pointer of a buffer borrowed for this whole function (so it stays allocated
         // while we queue work; cudarc frees buffers stream-ordered, after the work queued on
         // `stream`, whose events `device_ptr`/`device_ptr_mut` record) with exactly the given
-        // number of f32 elements or bytes, on this GPU (the stream's context is the handle's,
-        // checked above). `out` and the workspace are borrowed mutably, so nothing else
-        // writes or reads them meanwhile and they overlap neither input.
+        // number of `T` elements (of `dtype`: `Element` is sealed to f32, f16 and bf16, whose
+        // sizes are their dtypes') or bytes, on this GPU (the stream's context is the
+        // handle's, checked above). `out` and the workspace are borrowed mutably, so nothing
+        // else writes or reads them meanwhile and they overlap neither input.
         let result = unsafe {
-            let a = RawDeviceView::new(a_ptr as *const c_void, a.len(), DType::Fp32);
-            let b = RawDeviceView::new(b_ptr as *const c_void, b.len(), DType::Fp32);
-            let out = RawDeviceViewMut::new(out_ptr as *mut c_void, out_len, DType::Fp32);
+            let a = RawDeviceView::new(a_ptr as *const c_void, a.len(), dtype);
+            let b = RawDeviceView::new(b_ptr as *const c_void, b.len(), dtype);
+            let out = RawDeviceViewMut::new(out_ptr as *mut c_void, out_len, dtype);
             let ws = RawWorkspace::new(ws_ptr as *mut c_void, ws_bytes);
             match (a, b, out, ws) {
                 (Ok(a), Ok(b), Ok(mut out), Ok(mut ws)) => {
