@@ -1175,7 +1175,7 @@ impl LayerTuning {
                 }
                 let spatial = self.solve_split(backend, run, &job(SplitDim::Spatial), stats);
                 match (batch, spatial) {
-                    (Ok((_, b)), Ok((_, s))) => Ok(if s.time_ms() < b.time_ms() { s } else { b }),
+                    (Ok((_, b)), Ok((_, s))) => Ok(if s.replaces(&b) { s } else { b }),
                     (Err(_), Ok((_, s))) => Ok(s),
                     // Ctrl-C while measuring chunks stops the tune, as it stops a batch one.
                     (_, Err(interrupted @ TuneError::Interrupted { .. })) => Err(interrupted),

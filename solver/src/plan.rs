@@ -55,6 +55,15 @@ impl Plan {
         self.micro_batches.iter().map(|m| m.size).sum()
     }
 
+    /// Whether this plan should replace `other`, a plan of the same tuning problem along the
+    /// other split (issue 24): it is faster, unless it is a spatial plan of one chunk, which is
+    /// the unsplit op (as a batch plan of one micro-batch is): then only a batch plan that
+    /// does not fit (none) makes way for it, never timing noise between two runs of one call.
+    pub fn replaces(&self, other: &Plan) -> bool {
+        let unsplit = self.split == SplitDim::Spatial && self.micro_batches.len() == 1;
+        !unsplit && self.time_ms() < other.time_ms()
+    }
+
     /// What the micro-batch sizes of a valid plan sum to: see [`SplitDim::extent`].
     pub fn extent(&self) -> i64 {
         self.split.extent(&self.problem, self.op)
