@@ -72,9 +72,12 @@ macro_rules! layer_common {
 #[cfg(feature = "candle-cuda")]
 mod cuda;
 pub mod ddp;
+pub mod grad_sum;
 mod layers;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "candle-cuda")]
+pub mod nccl;
 
 use crate::backend::cpu::{self, AlignedWorkspace};
 use crate::backend::{CpuBackend, TimingSettings};
