@@ -330,7 +330,13 @@ mod tests {
         // Values whose f32 product with an f32 scale differs from the f64 product rounded once.
         let values: Vec<f32> = (0..1000).map(|i| 1.0 + i as f32 * 0.001_37).collect();
         let scale = 1.0 / 96.0;
-        let host = sum_in_rank_order(&mut SingleProcess, &[values.clone()], 1000, scale).unwrap();
+        let host = sum_in_rank_order(
+            &mut SingleProcess,
+            std::slice::from_ref(&values),
+            1000,
+            scale,
+        )
+        .unwrap();
         let device = scale_as_host(
             &Tensor::new(values.as_slice(), &Device::Cpu).unwrap(),
             scale,
