@@ -8,10 +8,13 @@
 //! One process per rank (one per GPU with `--device cuda`), joined by MPI (feature `mpi`); or
 //! one process computing `--local-ranks K` shards in turn, which gives the same bits as K
 //! processes. Each step every rank takes its shard of the global batch, computes the gradient
-//! of its summed cross-entropy, and the ranks sum the gradients on the host in f64 in rank
-//! order, scaled by 1 / global batch ([`ddp::sum_in_rank_order`]): every rank gets the same
-//! bits, and applies the same SGD-with-momentum update, so the replicas stay bitwise
-//! identical (checked at the end: every rank's parameter hash is gathered).
+//! of its summed cross-entropy, packs the gradients into one vector ([`grad_sum::pack`]) and
+//! the ranks sum it, scaled by 1 / global batch: on the host in f64 in rank order
+//! ([`ddp::sum_in_rank_order`], `--grad-sum host`, the CPU's), or with one NCCL all-reduce on
+//! candle's CUDA stream (`mucudnn::candle::nccl`, `--grad-sum nccl`, the default with
+//! `--device cuda`). Either way every rank gets the same bits and applies the same
+//! SGD-with-momentum update, so the replicas stay bitwise identical (checked at the end:
+//! every rank's parameter hash is gathered).
 //!
 //! Before the first step the ranks deal the layers' tuning out ([`ddp::deal`]): each measures
 //! a share of what the caches lack, the measurements are shared, and every rank stores rank
@@ -34,6 +37,7 @@ use candle_nn::{Conv2dConfig, GroupNorm, Linear, Optimizer, VarBuilder, VarMap};
 use mucudnn::backend::{Backend, CpuBackend, TimingSettings};
 use mucudnn::cache::Cache;
 use mucudnn::candle::ddp::{self, Collective, SingleProcess, TuningShare, TuningWork};
+use mucudnn::candle::grad_sum::{self, GradSum};
 use mucudnn::candle::{Conv2d, Conv2dOptions, SharedCache};
 use mucudnn::tune::jobs_for;
 use serde::Serialize;
@@ -67,6 +71,10 @@ struct Settings {
     epochs: usize,
     seed: u64,
     local_ranks: usize,
+    /// `host` or `nccl`: where the gradients are summed (resolved: [`GradSum::resolve`]).
+    grad_sum: String,
+    /// Seconds any wait on NCCL may take before the communicator is aborted.
+    nccl_timeout: f64,
     #[serde(skip)]
     cache: Option<PathBuf>,
     #[serde(skip)]
@@ -92,6 +100,8 @@ impl Default for Settings {
             epochs: 3,
             seed: 1,
             local_ranks: 1,
+            grad_sum: "host".into(),
+            nccl_timeout: 120.0,
             cache: None,
             json: false,
         }
@@ -101,7 +111,10 @@ impl Default for Settings {
 const USAGE: &str = "candle_ddp [--device cpu|cuda] [--conv mucudnn|candle] [--dtype f32|bf16|f16]
   [--batch N] [--train-size N] [--test-size N]
   [--image-size N] [--channels N] [--classes N] [--width N] [--noise X] [--lr X]
-  [--momentum X] [--epochs N] [--seed N] [--local-ranks K] [--cache FILE] [--json]";
+  [--momentum X] [--epochs N] [--seed N] [--local-ranks K] [--grad-sum host|nccl]
+  [--nccl-timeout SECONDS] [--cache FILE] [--json]
+--grad-sum: nccl (an NCCL all-reduce on candle's CUDA stream) by default with --device cuda
+  and one rank per process in a candle-cuda build, else host (f64 sums over MPI)";
 
 fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
     fn number<T: std::str::FromStr>(flag: &str, value: Option<String>) -> Result<T, String> {
@@ -111,6 +124,7 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
             .map_err(|_| format!("{flag}: cannot read {value:?}"))
     }
     let mut s = Settings::default();
+    let mut grad_sum = None;
     let mut args = args.peekable();
     while let Some(flag) = args.next() {
         match flag.as_str() {
@@ -130,6 +144,12 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
             "--epochs" => s.epochs = number(&flag, args.next())?,
             "--seed" => s.seed = number(&flag, args.next())?,
             "--local-ranks" => s.local_ranks = number(&flag, args.next())?,
+            "--grad-sum" => {
+                grad_sum = Some(GradSum::parse(
+                    &args.next().ok_or("--grad-sum needs host or nccl")?,
+                )?)
+            }
+            "--nccl-timeout" => s.nccl_timeout = number(&flag, args.next())?,
             "--cache" => s.cache = Some(args.next().ok_or("--cache needs a file")?.into()),
             "--json" => s.json = true,
             "--help" | "-h" => return Err(USAGE.into()),
@@ -158,6 +178,13 @@ fn parse_args(args: impl Iterator<Item = String>) -> Result<Settings, String> {
         return Err(format!("--device cpu or cuda, not {:?}", s.device));
     }
     s.model_dtype()?;
+    if !(s.nccl_timeout.is_finite() && s.nccl_timeout > 0.0) {
+        return Err("--nccl-timeout > 0".into());
+    }
+    let nccl_built = cfg!(feature = "candle-cuda");
+    s.grad_sum = GradSum::resolve(grad_sum, s.device == "cuda", nccl_built, s.local_ranks)?
+        .name()
+        .into();
     Ok(s)
 }
 
@@ -546,12 +573,14 @@ impl LossScaler {
     }
 
     /// After the gradient sum: whether to apply this step (its gradient is finite), updating
-    /// the scale. Without dynamic scaling every step is applied (as in f32).
-    fn update(&mut self, summed: &[f32]) -> bool {
+    /// the scale. Without dynamic scaling every step is applied (as in f32), and the sum (on
+    /// the GPU under NCCL) is not read.
+    fn update(&mut self, summed: &Tensor) -> Result<bool, String> {
         if !self.dynamic {
-            return true;
+            return Ok(true);
         }
-        if summed.iter().all(|g| g.is_finite()) {
+        let summed = summed.to_vec1::<f32>().map_err(msg)?;
+        Ok(if summed.iter().all(|g| g.is_finite()) {
             self.good_steps += 1;
             if self.good_steps == Self::GROWTH_INTERVAL {
                 self.scale *= 2.0;
@@ -563,7 +592,7 @@ impl LossScaler {
             self.good_steps = 0;
             self.skipped += 1;
             false
-        }
+        })
     }
 }
 
@@ -665,6 +694,56 @@ fn sorted_vars(varmap: &VarMap) -> Result<Vec<(String, Var)>, String> {
         .map_err(|_| "the variable map is poisoned".to_string())?;
     let sorted: BTreeMap<String, Var> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     Ok(sorted.into_iter().collect())
+}
+
+/// One process's NCCL communicator (feature `candle-cuda`), else nothing.
+#[cfg(feature = "candle-cuda")]
+type Nccl = mucudnn::candle::nccl::NcclGradSum;
+#[cfg(not(feature = "candle-cuda"))]
+type Nccl = std::convert::Infallible;
+
+/// The communicator of `--grad-sum nccl` (every rank calls this at the same point).
+#[cfg(feature = "candle-cuda")]
+fn nccl_join(job: &mut dyn Job, s: &Settings, device: &Device) -> Result<Option<Nccl>, String> {
+    match device {
+        Device::Cuda(cuda) if s.grad_sum == GradSum::Nccl.name() => {
+            let timeout = std::time::Duration::from_secs_f64(s.nccl_timeout);
+            Nccl::new(job, cuda, timeout).map(Some).map_err(msg)
+        }
+        _ => Ok(None),
+    }
+}
+
+#[cfg(not(feature = "candle-cuda"))]
+fn nccl_join(_: &mut dyn Job, _: &Settings, _: &Device) -> Result<Option<Nccl>, String> {
+    Ok(None)
+}
+
+/// The summed gradient vector, scaled, on `device`: NCCL's all-reduce, else the host sum of
+/// the local ranks' vectors.
+fn sum_gradients(
+    job: &mut dyn Job,
+    nccl: Option<&Nccl>,
+    local: Vec<Tensor>,
+    scale: f64,
+    device: &Device,
+) -> Result<Tensor, String> {
+    #[cfg(feature = "candle-cuda")]
+    if let Some(nccl) = nccl {
+        let [mine] = <[Tensor; 1]>::try_from(local)
+            .map_err(|_| "--grad-sum nccl takes one rank per process".to_string())?;
+        return nccl.sum_scaled(&mine, scale).map_err(msg);
+    }
+    #[cfg(not(feature = "candle-cuda"))]
+    let _ = nccl; // always None: there is no NCCL in this build
+    let len = local.first().map_or(0, Tensor::elem_count);
+    let parts = local
+        .iter()
+        .map(|t| t.to_vec1::<f32>())
+        .collect::<candle_core::Result<Vec<_>>>()
+        .map_err(msg)?;
+    let summed = ddp::sum_in_rank_order(job, &parts, len, scale).map_err(msg)?;
+    Tensor::from_vec(summed, len, device).map_err(msg)
 }
 
 fn flatten(tensors: &[Tensor]) -> candle_core::Result<Vec<f32>> {
@@ -837,6 +916,7 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
     let grad_tensors: Vec<Tensor> = vars.iter().map(|(_, v)| v.as_tensor().clone()).collect();
     let master_tensors: Vec<Tensor> = masters.iter().map(|v| v.as_tensor().clone()).collect();
     let mut scaler = LossScaler::new(dtype == DType::F16);
+    let nccl = nccl_join(job, s, &device)?;
 
     // Held-out loss and accuracy, each rank its shard of every test batch, summed over ranks.
     let evaluate = |job: &mut dyn Job| -> Result<(f64, f64), String> {
@@ -874,9 +954,14 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
     let print = process == 0;
     if print {
         eprintln!(
-            "{ranks} ranks ({processes} processes), {parameter_count} parameters, {}; before \
-             training: test loss {initial_test_loss:.4}, accuracy {:.1}%",
+            "{ranks} ranks ({processes} processes), {parameter_count} parameters, {}, gradients \
+             summed on the {}; before training: test loss {initial_test_loss:.4}, accuracy {:.1}%",
             s.dtype,
+            if s.grad_sum == "nccl" {
+                "GPU (NCCL)"
+            } else {
+                "host"
+            },
             100.0 * initial_accuracy
         );
     }
@@ -915,22 +1000,19 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                     (&loss * scaler.scale).and_then(|scaled| scaled.backward())
                 }
                 .map_err(msg)?;
-                let mut flat = Vec::with_capacity(parameter_count);
-                for t in &grad_tensors {
-                    match grads.get(t) {
-                        Some(g) => flat.extend(flatten(std::slice::from_ref(g)).map_err(msg)?),
-                        None => flat.extend(std::iter::repeat_n(0f32, t.elem_count())),
-                    }
-                }
-                grads_local.push(flat);
+                grads_local.push(grad_sum::pack(&grad_tensors, |t| grads.get(t)).map_err(msg)?);
                 losses.push(f64::from(loss.to_scalar::<f32>().map_err(msg)?));
                 store = Some(grads);
             }
             let scale = 1.0 / batch.len() as f64;
-            // The mean gradient, unscaled in the same f64 sum (the loss scale is a power of two).
-            let summed =
-                ddp::sum_in_rank_order(job, &grads_local, parameter_count, scale / scaler.scale)
-                    .map_err(msg)?;
+            // The mean gradient, unscaled in the same sum (the loss scale is a power of two).
+            let summed = sum_gradients(
+                job,
+                nccl.as_ref(),
+                grads_local,
+                scale / scaler.scale,
+                &device,
+            )?;
             let step_loss: f64 = ddp::gather_results(job, Ok(losses))
                 .map_err(msg)?
                 .into_iter()
@@ -938,16 +1020,12 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
                 .sum::<f64>()
                 * scale;
             let mut store = store.ok_or("a rank had no samples")?;
-            if scaler.update(&summed) {
+            if scaler.update(&summed)? {
                 // The summed gradient is f32 and goes to the f32 masters; a half model's
                 // variables are then set to the masters rounded to its dtype.
-                let mut at = 0;
-                for t in &master_tensors {
-                    let n = t.elem_count();
-                    let g =
-                        Tensor::from_slice(&summed[at..at + n], t.shape(), &device).map_err(msg)?;
+                let parts = grad_sum::unpack(&summed, &master_tensors).map_err(msg)?;
+                for (t, g) in master_tensors.iter().zip(parts) {
                     store.insert(t, g);
-                    at += n;
                 }
                 optimizer.step(&store).map_err(msg)?;
                 if dtype != DType::F32 {
@@ -992,6 +1070,13 @@ fn train(job: &mut dyn Job, s: &Settings) -> Result<Option<Report>, String> {
         }
         epochs.push(report);
     }
+
+    #[cfg(feature = "candle-cuda")]
+    if let Some(nccl) = nccl {
+        nccl.finish().map_err(msg)?;
+    }
+    #[cfg(not(feature = "candle-cuda"))]
+    let _ = nccl;
 
     // The replicas must have stayed bitwise identical.
     let finals = flatten(&master_tensors).map_err(msg)?;

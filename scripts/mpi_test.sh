@@ -56,8 +56,10 @@ missing_packages
 [ ${#need_packages[@]} -eq 0 ] || with_lock "${TMPDIR:-/tmp}/mucudnn-apt.lock" install_packages
 command -v mpirun >/dev/null 2>&1 || skip "mpirun is still missing"
 
-# The protocol's unit tests (src/candle/ddp.rs), then the program.
-cargo test --locked --no-default-features --features candle,mpi --lib candle::ddp
+# The protocol's and the gradient sum's unit tests (src/candle/ddp.rs, grad_sum.rs), then the
+# program.
+cargo test --locked --no-default-features --features candle,mpi --lib -- candle::ddp \
+  candle::grad_sum
 cargo build --locked --no-default-features --features candle,mpi --example candle_ddp
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

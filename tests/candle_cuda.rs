@@ -142,3 +142,38 @@ fn cuda_each_dtype_is_its_own_problem() {
 fn cuda_mixed_dtypes_are_errors_that_name_the_layer() {
     half::mixed_dtypes_are_errors_that_name_the_layer(&gpu());
 }
+
+/// `mucudnn::candle::nccl` with one rank (the GPU machine may have one GPU; the job's several
+/// ranks are `scripts/gpu/candle_ddp_check.sh`'s): the all-reduce runs on candle's stream
+/// and its result, scaled, has the host sum's bits; a tensor on another device is refused.
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn cuda_nccl_sum_of_one_rank_is_its_vector_scaled_as_the_host_does() {
+    use candle_core::Tensor;
+    use mucudnn::candle::ddp::{sum_in_rank_order, SingleProcess};
+    use mucudnn::candle::nccl::NcclGradSum;
+    let device = gpu();
+    let Device::Cuda(cuda) = &device else {
+        unreachable!("Device::new_cuda gave another device")
+    };
+    let timeout = std::time::Duration::from_secs(60);
+    let nccl = NcclGradSum::new(&mut SingleProcess, cuda, timeout).expect("one-rank NCCL");
+    assert_eq!((nccl.rank(), nccl.size()), (0, 1));
+    let values: Vec<f32> = (0..4099).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+    let scale = 1.0 / 96.0;
+    let expected =
+        sum_in_rank_order(&mut SingleProcess, &[values.clone()], values.len(), scale).unwrap();
+    for _ in 0..3 {
+        let flat = Tensor::new(values.as_slice(), &device).unwrap();
+        let summed = nccl.sum_scaled(&flat, scale).unwrap();
+        assert!(summed.device().is_cuda());
+        let summed = summed.to_vec1::<f32>().unwrap();
+        assert_eq!(
+            summed.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            expected.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+    let on_cpu = Tensor::new(values.as_slice(), &Device::Cpu).unwrap();
+    assert!(nccl.sum_scaled(&on_cpu, scale).is_err());
+    nccl.finish().expect("finalize and destroy");
+}

@@ -34,7 +34,7 @@ wall|8|the cuDNN wall and engines: the ignored GPU tests (float64 reference, PyT
 engines|8|engine plans: AlexNet fp16/fp32 plans (legacy + engines) executed against PyTorch's cudnn.benchmark timed in the same run, and the tuning time
 c-abi|3|the C ABI clients: examples/c_client.c against cuDNN, examples/pytorch_ctypes.py against torch
 candle|5|mucudnn::candle on candle's CUDA device (built here only where nvcc is)
-train|5|the candle trainer (examples/candle_ddp.rs) on the GPU: the loss falls, and images/s with mucudnn's convolutions against candle's own conv2d in the same run (built here only where nvcc is)"
+train|5|the candle trainer (examples/candle_ddp.rs) on the GPU: the loss falls, and images/s with mucudnn's convolutions (NCCL, then host gradient sums) against candle's own conv2d in the same run (built here with nvcc or PyPI's CUDA wheels)"
 
 list_parts() {
   echo "bash .gpu/accept.sh PART   (each part under ${PART_BUDGET_S} s; run them in this order)"
@@ -204,7 +204,7 @@ case "$part" in
     if [ -f $G/candle_ddp/NOT-BUILT ]; then
       step "the candle trainer was built" sh -c "cat $G/candle_ddp/NOT-BUILT; exit 1"
     else
-      step "candle trainer: mucudnn against candle's conv2d" \
+      step "candle trainer: mucudnn against candle's conv2d, NCCL against host sums" \
         env OUT="$work/train" bash $G/candle_ddp_check.sh run
     fi
     ;;

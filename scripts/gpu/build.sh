@@ -42,19 +42,20 @@ strip .gpu/mucudnn .gpu/lib-tests .gpu/gpu-tests .gpu/gpu-engines .gpu/gpu-teard
   .gpu/current-context
 bash scripts/gpu/c_abi_check.sh build
 
-# candle's CUDA tests need nvcc here (candle-kernels compiles PTX); without it the candle part
-# fails there with this reason.
+# candle's CUDA tests need nvcc here (candle-kernels compiles PTX): a CUDA install's, else
+# PyPI's wheels (scripts/cuda_build_env.sh, installed once into a cache folder). Without
+# either the candle part fails there with this reason.
 # The same holds for the candle trainer (examples/candle_ddp.rs, the train part).
 rm -rf .gpu/candle .gpu/candle_ddp
-if command -v nvcc > /dev/null; then
+if command -v nvcc > /dev/null || source scripts/cuda_build_env.sh; then
   bash scripts/gpu/candle_check.sh build
   bash scripts/gpu/candle_ddp_check.sh build
   binaries+=(candle candle_ddp)
 else
   mkdir -p .gpu/candle .gpu/candle_ddp
-  echo "candle's CUDA tests were not built: no nvcc on the build machine (docs/candle.md)" \
+  echo "candle's CUDA tests were not built: no nvcc on the build machine and no CUDA wheels (docs/candle.md)" \
     > .gpu/candle/NOT-BUILT
-  echo "the candle trainer was not built: no nvcc on the build machine (docs/candle.md)" \
+  echo "the candle trainer was not built: no nvcc on the build machine and no CUDA wheels (docs/candle.md)" \
     > .gpu/candle_ddp/NOT-BUILT
 fi
 

@@ -7,8 +7,9 @@
 # candle's own cuDNN convolution, and the example with --cuda.
 #
 #   bash scripts/gpu/candle_check.sh build   # here (no GPU): needs nvcc and the CUDA 13
-#                                            # headers and libraries (see docs/candle.md);
-#                                            # fills .gpu/candle/ (ignored by git)
+#                                            # headers and libraries; without nvcc on PATH it
+#                                            # sources scripts/cuda_build_env.sh (PyPI's
+#                                            # wheels, docs/candle.md); fills .gpu/candle/
 #   bash scripts/gpu/candle_check.sh run     # on the GPU machine, with .gpu carried along
 #
 # On the GPU machine: `bash .gpu/accept.sh candle` (docs/gpu.md). The
@@ -32,6 +33,8 @@ build() {
   exclude=$(git rev-parse --git-path info/exclude)
   grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
   mkdir -p .gpu/candle
+  # nvcc and the libraries to link: a CUDA install's, else PyPI's wheels (a cache folder).
+  command -v nvcc >/dev/null 2>&1 || source scripts/cuda_build_env.sh
   # candle-kernels compiles PTX for this compute capability (there is no GPU to ask here).
   export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
   local exe
@@ -46,7 +49,7 @@ for line in sys.stdin:
   cp "$exe" .gpu/candle/candle-cuda-tests
   cargo build --release --locked --no-default-features --features "$FEATURES" \
     --example candle_cnn
-  cp target/release/examples/candle_cnn .gpu/candle/candle_cnn
+  cp "${CARGO_TARGET_DIR:-target}/release/examples/candle_cnn" .gpu/candle/candle_cnn
   du -sh .gpu/candle
   echo "now run on the GPU machine: bash scripts/gpu/candle_check.sh run   (carry .gpu)"
 }

@@ -79,9 +79,12 @@ macro_rules! layer_common {
 #[cfg(feature = "candle-cuda")]
 mod cuda;
 pub mod ddp;
+pub mod grad_sum;
 mod layers;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "candle-cuda")]
+pub mod nccl;
 
 use crate::backend::cpu::{self, AlignedWorkspace, Element};
 use crate::backend::{CpuBackend, TimingSettings};
