@@ -161,8 +161,13 @@ fn cuda_nccl_sum_of_one_rank_is_its_vector_scaled_as_the_host_does() {
     assert_eq!((nccl.rank(), nccl.size()), (0, 1));
     let values: Vec<f32> = (0..4099).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
     let scale = 1.0 / 96.0;
-    let expected =
-        sum_in_rank_order(&mut SingleProcess, &[values.clone()], values.len(), scale).unwrap();
+    let expected = sum_in_rank_order(
+        &mut SingleProcess,
+        std::slice::from_ref(&values),
+        values.len(),
+        scale,
+    )
+    .unwrap();
     for _ in 0..3 {
         let flat = Tensor::new(values.as_slice(), &device).unwrap();
         let summed = nccl.sum_scaled(&flat, scale).unwrap();
