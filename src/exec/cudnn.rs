@@ -481,51 +481,62 @@ impl PreparedPlan {
         })
     }
 
-    /// The calls of one execution in order, for a caller's `beta`: per micro-batch (see
+    /// Runs `run` on the calls of one execution in order, for a caller's `beta` (the first
+    /// error stops it, tagged with the layer and op): per micro-batch (see
     /// [`crate::solver::steps`]) the element ranges `(offset, len)` of its `[a, b, out]`
     /// operands in the full buffers; for a spatial plan per chunk the `beta * out` of the rows
     /// no call writes, then its call on its views (backward-filter: the first call with the
-    /// caller's `beta`, later ones 1, as micro-batches; no call at all scales `dw`).
-    fn actions(&self, beta: f32) -> Vec<Action> {
+    /// caller's `beta`, later ones 1, as micro-batches; no call at all scales `dw`). Nothing is
+    /// allocated: the actions are made as they run.
+    fn each_action(
+        &self,
+        beta: f32,
+        mut run: impl FnMut(Action) -> Result<(), CudnnError>,
+    ) -> Result<(), ExecError> {
+        let mut run = |action| {
+            run(action).map_err(|source| ExecError::Cudnn {
+                layer: self.plan.layer.clone(),
+                op: self.plan.op,
+                source,
+            })
+        };
         let plan = &self.plan;
+        let roles = operand_roles(plan.op);
         let spatial = match &self.steps {
             PlanSteps::Spatial(spatial) => spatial,
             PlanSteps::Batch(kernel_of) => {
-                let roles = operand_roles(plan.op);
                 let per_sample = roles.map(|role| role.elements_per_sample(&plan.problem));
-                return steps(plan, beta)
-                    .zip(kernel_of)
-                    .map(|(step, &kernel)| Action::Call {
+                for (step, &kernel) in steps(plan, beta).zip(kernel_of) {
+                    run(Action::Call {
                         ranges: [0, 1, 2].map(|i| step.range(roles[i], per_sample[i])),
                         kernel,
                         beta: step.beta,
-                    })
-                    .collect();
+                    })?;
+                }
+                return Ok(());
             }
         };
-        let out_role = operand_roles(plan.op)[2];
-        let mut actions = Vec::new();
         let mut calls = 0;
         for step in &spatial.steps {
             if beta != 1.0 {
                 for &rows in &step.blank {
                     let (dims, strides, offset, span) =
-                        rows_view(&spatial.full, out_role, spatial.dim, rows);
-                    actions.push(Action::Scale {
+                        rows_view(&spatial.full, roles[2], spatial.dim, rows);
+                    run(Action::Scale {
                         range: (offset, span),
                         dims,
                         strides,
                         value: beta,
-                    });
+                    })?;
                 }
             }
             if let Some((view, kernel)) = &step.call {
                 let accumulate = plan.op == ConvOp::BackwardFilter && calls > 0;
-                actions.push(Action::Call {
-                    ranges: operand_roles(plan.op).map(|role| view.range(role)),
+                run(Action::Call {
+                    ranges: roles.map(|role| view.range(role)),
                     kernel: *kernel,
                     beta: if accumulate { 1.0 } else { beta },
-                });
+                })?;
                 calls += 1;
             }
         }
@@ -533,28 +544,11 @@ impl PreparedPlan {
             let dims = spatial.full.dims(Operand::Filter).map(i64::from);
             let strides =
                 crate::backend::cudnn::graph_params::packed_strides(spatial.full.layout, &dims);
-            actions.push(Action::Scale {
+            run(Action::Scale {
                 range: (0, spatial.full.elements(Operand::Filter)),
                 dims,
                 strides,
                 value: beta,
-            });
-        }
-        actions
-    }
-
-    /// Runs `run` on every action of an execution in order; the first error stops it, tagged
-    /// with the layer and op.
-    fn each_action(
-        &self,
-        beta: f32,
-        mut run: impl FnMut(Action) -> Result<(), CudnnError>,
-    ) -> Result<(), ExecError> {
-        for action in self.actions(beta) {
-            run(action).map_err(|source| ExecError::Cudnn {
-                layer: self.plan.layer.clone(),
-                op: self.plan.op,
-                source,
             })?;
         }
         Ok(())
