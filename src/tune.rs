@@ -51,6 +51,19 @@ pub struct CacheStats {
     pub memory: MemoryUse,
 }
 
+impl CacheStats {
+    /// Two runs' statistics together (the larger memory of the two).
+    pub fn and(self, other: CacheStats) -> CacheStats {
+        CacheStats {
+            cached: self.cached + other.cached,
+            measured: self.measured + other.measured,
+            pruned: self.pruned + other.pruned,
+            skipped: self.skipped + other.skipped,
+            memory: self.memory.max(other.memory),
+        }
+    }
+}
+
 /// How engine configurations are searched: a bound and pruning (see [`prune`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct EngineOptions {
@@ -902,6 +915,18 @@ impl SplitSetting {
                 .all(|&op| SplitDim::Spatial.extent(problem, op) >= 2)
     }
 
+    /// Whether `auto` tunes chunks of `problem` after its batch sizes: it
+    /// [looks at](Self::auto_looks_at) the problem, and the batch sizes skipped a candidate
+    /// (`skipped`) for a workspace over `limit_bytes`. The one rule the tuner, the task API and
+    /// the CLI apply.
+    pub fn auto_wants_chunks<'s>(
+        problem: &ConvProblem,
+        skipped: impl IntoIterator<Item = &'s Skipped>,
+        limit_bytes: u64,
+    ) -> bool {
+        Self::auto_looks_at(problem) && skipped.into_iter().any(|s| s.workspace_bytes > limit_bytes)
+    }
+
     /// The plan-cache context part of this setting for `problem`: empty where the plans are
     /// those of `batch` (so plans cached before the setting existed still serve), else
     /// `split=<name>`.
@@ -1061,9 +1086,7 @@ impl LayerTuning {
                 SplitSetting::Spatial => jobs.push(job(op, SplitDim::Spatial)),
                 SplitSetting::Auto => {
                     jobs.push(job(op, SplitDim::Batch));
-                    if SplitSetting::auto_looks_at(problem)
-                        && self.cached_pressure(cache, device, offered, problem, op)
-                    {
+                    if self.cached_pressure(cache, device, offered, problem, op) {
                         jobs.push(job(op, SplitDim::Spatial));
                     }
                 }
@@ -1073,7 +1096,7 @@ impl LayerTuning {
     }
 
     /// Whether the cache holds every batch size of `op` on `problem` this tuning measures,
-    /// and one of them skipped a candidate over the limit.
+    /// and what they skipped makes `auto` tune chunks ([`SplitSetting::auto_wants_chunks`]).
     fn cached_pressure(
         &self,
         cache: &Cache,
@@ -1083,20 +1106,16 @@ impl LayerTuning {
         op: ConvOp,
     ) -> bool {
         let run = self.profile_run(cache);
-        let mut pressure = false;
+        let mut skipped = Vec::new();
         for kind in run.offered_kinds(offered) {
             for micro in self.policy.sizes(problem.n) {
                 match cache.measured_along(device, problem, op, SplitDim::Batch, micro, kind) {
                     None => return false,
-                    Some((_, skipped)) => {
-                        pressure |= skipped
-                            .iter()
-                            .any(|s| s.workspace_bytes > self.workspace_limit_bytes);
-                    }
+                    Some((_, at_size)) => skipped.extend(at_size),
                 }
             }
         }
-        pressure
+        SplitSetting::auto_wants_chunks(problem, &skipped, self.workspace_limit_bytes)
     }
 
     /// The plan-cache context of this tuning's plans of `problem`: determinism and the split
@@ -1165,12 +1184,16 @@ impl LayerTuning {
                 .1),
             SplitSetting::Auto => {
                 let batch = self.solve_split(backend, run, &job(SplitDim::Batch), stats);
-                let pressure = match &batch {
-                    Ok((profile, _)) => !profile.skipped.is_empty(),
-                    Err(TuneError::Solve(_)) => true,
+                let chunks = match &batch {
+                    Ok((profile, _)) => SplitSetting::auto_wants_chunks(
+                        problem,
+                        &profile.skipped,
+                        self.workspace_limit_bytes,
+                    ),
+                    Err(TuneError::Solve(_)) => SplitSetting::auto_looks_at(problem),
                     Err(_) => false,
                 };
-                if !(pressure && SplitSetting::auto_looks_at(problem)) {
+                if !chunks {
                     return batch.map(|(_, plan)| plan);
                 }
                 let spatial = self.solve_split(backend, run, &job(SplitDim::Spatial), stats);

@@ -24,8 +24,7 @@ use mucudnn::solver::CandidateSet;
 use mucudnn::solver::{interchange, DType, Layout, Mode, Plan, Solution};
 use mucudnn::solver::{Profile, SplitDim};
 use mucudnn::tune::{
-    jobs_for, profile_jobs, profile_jobs_parallel, CacheStats, EngineOptions, ProfileRun,
-    SplitSetting,
+    jobs_for, profile_jobs, profile_jobs_parallel, EngineOptions, ProfileRun, SplitSetting,
 };
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -384,7 +383,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
             layers.len(),
             args.source.batch.map_or("own batch sizes".to_string(), |b| format!("batch {b}")),
             args.source.dtype,
-            layout_names(&layers),
+            distinct(layers.iter().map(|l| l.problem.layout_name())),
             jobs.len(),
             match args.split {
                 SplitSetting::Spatial => "chunk",
@@ -446,7 +445,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     reporter.finish();
     let (mut profile, mut stats) = result?;
     // `auto`: chunks for the small-batch layers whose batch sizes felt the limit.
-    let spatial_jobs = spatial_candidates(args.split, &profile);
+    let spatial_jobs = spatial_candidates(args.split, &profile, measuring_limit(&args.settings));
     if !spatial_jobs.is_empty() {
         let sizes: usize = spatial_jobs.iter().map(|job| job.sizes(policy).len()).sum();
         if !args.quiet {
@@ -454,7 +453,11 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
                 "{} (layer, op) of batch <= {} skipped candidates over the limit: also profiling chunks along {} ({sizes} sizes)",
                 spatial_jobs.len(),
                 mucudnn::tune::SPATIAL_AUTO_MAX_BATCH,
-                axis_names(&spatial_jobs)
+                distinct(
+                    spatial_jobs
+                        .iter()
+                        .map(|job| mucudnn::solver::spatial::split_axis(&job.problem).name())
+                )
             );
         }
         let mut chunks = Reporter::new(sizes as u64, args.quiet);
@@ -465,7 +468,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         chunks.finish();
         let (more, more_stats) = result?;
         profile.entries.extend(more.entries);
-        stats = add_stats(stats, more_stats);
+        stats = stats.and(more_stats);
     }
     let tuning_seconds = reporter.started.elapsed().as_secs_f64();
     if !args.quiet {
@@ -547,9 +550,9 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     Ok(())
 }
 
-/// The spatial jobs `auto` adds after the batch profile: each (layer, op) whose problem
-/// [`SplitSetting::auto_looks_at`] and whose batch sizes skipped a candidate over the limit.
-fn spatial_candidates(split: SplitSetting, profile: &Profile) -> Vec<Job> {
+/// The spatial jobs `auto` adds after the batch profile: each (layer, op) whose batch sizes
+/// make it tune chunks ([`SplitSetting::auto_wants_chunks`]) at the measuring limit.
+fn spatial_candidates(split: SplitSetting, profile: &Profile, limit_bytes: u64) -> Vec<Job> {
     if split != SplitSetting::Auto {
         return Vec::new();
     }
@@ -558,8 +561,7 @@ fn spatial_candidates(split: SplitSetting, profile: &Profile) -> Vec<Job> {
         .iter()
         .filter(|e| {
             e.split == SplitDim::Batch
-                && !e.skipped.is_empty()
-                && SplitSetting::auto_looks_at(&e.problem)
+                && SplitSetting::auto_wants_chunks(&e.problem, &e.skipped, limit_bytes)
         })
         .map(|e| Job {
             layer: e.layer.clone(),
@@ -570,39 +572,15 @@ fn spatial_candidates(split: SplitSetting, profile: &Profile) -> Vec<Job> {
         .collect()
 }
 
-/// The split axes of these jobs (`h`, `d/h` for a mix).
-fn axis_names(jobs: &[Job]) -> String {
-    let mut names: Vec<&str> = Vec::new();
-    for job in jobs {
-        let name = mucudnn::solver::spatial::split_axis(&job.problem).name();
-        if !names.contains(&name) {
-            names.push(name);
+/// The distinct names among `names`, in first-seen order, joined by `/` (`nhwc/ndhwc`, `d/h`).
+fn distinct(names: impl IntoIterator<Item = &'static str>) -> String {
+    let mut seen: Vec<&str> = Vec::new();
+    for name in names {
+        if !seen.contains(&name) {
+            seen.push(name);
         }
     }
-    names.join("/")
-}
-
-/// Two runs' statistics together.
-fn add_stats(a: CacheStats, b: CacheStats) -> CacheStats {
-    CacheStats {
-        cached: a.cached + b.cached,
-        measured: a.measured + b.measured,
-        pruned: a.pruned + b.pruned,
-        skipped: a.skipped + b.skipped,
-        memory: a.memory.max(b.memory),
-    }
-}
-
-/// The layout's names at the ranks of these layers (`ndhwc`, `nhwc/ndhwc` for a mix).
-fn layout_names(layers: &[ModelLayer]) -> String {
-    let mut names: Vec<&str> = Vec::new();
-    for layer in layers {
-        let name = layer.problem.layout_name();
-        if !names.contains(&name) {
-            names.push(name);
-        }
-    }
-    names.join("/")
+    seen.join("/")
 }
 
 /// Executes the solution's plans and baselines and prints measured against predicted times.
