@@ -8,7 +8,7 @@
 
 #![allow(dead_code)]
 
-use super::checks::{shared_cache, tensor};
+use super::checks::{assert_close, shared_cache, tensor};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig};
 use mucudnn::candle::{Conv1d, Conv2d, ConvOptions, ConvTranspose2d, SharedCache};
@@ -25,21 +25,6 @@ pub fn flat_f32(t: &Tensor) -> Vec<f32> {
         .unwrap()
         .to_vec1::<f32>()
         .unwrap()
-}
-
-/// Max |a - b| within `tol * max |b|` (at least `tol`).
-pub fn assert_near(what: &str, actual: &[f32], expected: &[f32], tol: f32) {
-    assert_eq!(actual.len(), expected.len(), "{what}: lengths");
-    let scale = expected.iter().fold(1f32, |m, v| m.max(v.abs()));
-    let worst = actual
-        .iter()
-        .zip(expected)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    assert!(
-        worst <= tol * scale,
-        "{what}: max difference {worst} exceeds {tol} x {scale}"
-    );
 }
 
 /// A tensor of `dims` with the checks' seeded values rounded to `dtype`: `(half, f32)`, the
@@ -104,7 +89,7 @@ fn compare(what: &str, ours: &Run, theirs: &Run, dtype: DType, tol: f32) {
     ] {
         assert_eq!(a.dtype(), dtype, "{what} {name}: dtype");
         assert_eq!(a.dims(), b.dims(), "{what} {name}: shape");
-        assert_near(
+        assert_close(
             &format!("{what} {name} ({dtype:?})"),
             &flat_f32(a),
             &flat_f32(b),
