@@ -258,14 +258,10 @@ impl PreparedPlan {
                                 0.0,
                                 alignments.unwrap_or(Alignments::MAX),
                             );
-                            let built = EnginePlan::from_params(handle, &params, &config)
+                            let (kernel, bytes) = engine_kernel(handle, params, config)
                                 .map_err(declined(index, this_first))?;
-                            workspace_bytes = workspace_bytes.max(built.workspace_bytes());
-                            Kernel::Engine {
-                                params,
-                                config,
-                                plans: RefCell::new(vec![built]),
-                            }
+                            workspace_bytes = workspace_bytes.max(bytes);
+                            kernel
                         }
                     };
                     kernels.push((mb.size, mb.algo, alignments, kernel));
@@ -369,19 +365,11 @@ impl PreparedPlan {
                             op: plan.op,
                             reason: e.to_string(),
                         })?;
-                    let built = EnginePlan::from_params(handle, &params, &config)
+                    let alignments = params.alignments();
+                    let (kernel, bytes) = engine_kernel(handle, params, config)
                         .map_err(declined(index, this_first))?;
-                    workspace_bytes = workspace_bytes.max(built.workspace_bytes());
-                    kernels.push((
-                        mb.size,
-                        mb.algo,
-                        Some(params.alignments()),
-                        Kernel::Engine {
-                            params,
-                            config,
-                            plans: RefCell::new(vec![built]),
-                        },
-                    ));
+                    workspace_bytes = workspace_bytes.max(bytes);
+                    kernels.push((mb.size, mb.algo, Some(alignments), kernel));
                     kernels.len() - 1
                 }
             };
@@ -739,6 +727,25 @@ fn blank_rows(op: ConvOp, chunk: &Chunk, first: i64, size: i64) -> Vec<Rows> {
     .into_iter()
     .filter(|rows| rows.len > 0)
     .collect()
+}
+
+/// The kernel of engine configuration `config` on `params`, its execution plan for `params`
+/// built now, and that plan's workspace.
+fn engine_kernel(
+    handle: &CudnnHandle,
+    params: GraphParams,
+    config: EngineConfig,
+) -> Result<(Kernel, u64), CudnnError> {
+    let built = EnginePlan::from_params(handle, &params, &config)?;
+    let bytes = built.workspace_bytes();
+    Ok((
+        Kernel::Engine {
+            params,
+            config,
+            plans: RefCell::new(vec![built]),
+        },
+        bytes,
+    ))
 }
 
 /// The checks a spatial plan needs before the cuDNN executor prepares it: a spatial plan that
