@@ -1,5 +1,6 @@
-# Sourced by scripts/test.sh: the Python tier's shared virtualenv (torch, pytest, numpy from
-# PyPI), made once under the test cache folder and then only read.
+# Sourced by scripts/test.sh: the Python tier's shared virtualenv (torch, pytest, numpy, and
+# the real clients diffusers and timm, from PyPI), made once under the test cache folder and
+# then only read.
 #
 #   venv          $cache_dir/venv
 #   setup_venv    makes it unless it is ready; under a lock (flock on $cache_dir/venv.lock), so
@@ -27,18 +28,23 @@ skip_or_fail() {
   return 1
 }
 
-venv_ready() { [ -x "$venv/bin/python" ] && [ -f "$venv/.mucudnn-ready" ]; }
+# What the venv holds; a venv made for another list is made again.
+venv_packages='"torch>=2.4" pytest numpy diffusers timm'
+venv_ready() {
+  [ -x "$venv/bin/python" ] && [ -f "$venv/.mucudnn-ready" ] &&
+    [ "$(cat "$venv/.mucudnn-ready")" = "$venv_packages" ]
+}
 
 # Under the lock. Nothing writes into the venv once it is ready (each test run installs the
 # package under test into a folder of its own).
 make_venv() {
   venv_ready && return 0 # made by another run while this one waited
-  section "Python: making $venv (torch, pytest, numpy from PyPI; once)"
+  section "Python: making $venv ($venv_packages from PyPI; once)"
   rm -rf "$venv"
   "$python_bin" -m venv "$venv" &&
     "$venv/bin/python" -m pip install --quiet --upgrade pip "setuptools>=77" wheel &&
-    "$venv/bin/python" -m pip install --quiet "torch>=2.4" pytest numpy &&
-    touch "$venv/.mucudnn-ready"
+    eval "\"\$venv/bin/python\" -m pip install --quiet $venv_packages" &&
+    printf '%s' "$venv_packages" >"$venv/.mucudnn-ready"
 }
 
 setup_venv() {
