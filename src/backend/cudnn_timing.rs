@@ -71,8 +71,9 @@ enum EngineOutcome {
 }
 
 impl CudnnBackend {
-    /// Opens GPU `ordinal`; an error (never a panic) when CUDA, cuDNN or the GPU is missing.
-    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+    /// The fingerprint and memory of GPU `ordinal`, from the (cached) probe: no handle, no
+    /// stream, nothing allocated.
+    pub fn describe(ordinal: usize) -> Result<(DeviceFingerprint, u64), BackendError> {
         let system = probe()?;
         let device = system.devices.get(ordinal).ok_or_else(|| {
             BackendError::Invalid(format!(
@@ -90,7 +91,12 @@ impl CudnnBackend {
             driver_version: Some(system.driver_version as u32),
             cudnn_version: Some(system.cudnn_version),
         };
-        let memory_bytes = device.total_memory_bytes;
+        Ok((fingerprint, device.total_memory_bytes))
+    }
+
+    /// Opens GPU `ordinal`; an error (never a panic) when CUDA, cuDNN or the GPU is missing.
+    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+        let (fingerprint, memory_bytes) = Self::describe(ordinal)?;
         Ok(CudnnBackend {
             handle: CudnnHandle::new(ordinal)?,
             fingerprint,

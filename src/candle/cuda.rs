@@ -11,15 +11,17 @@
 
 use super::LayerCore;
 use crate::backend::cpu::{self, Element};
-use crate::backend::cudnn::CandleLayerDevice;
+use crate::backend::cudnn::{CandleLayerDevice, DropInCallerContext};
 use crate::backend::TimingSettings;
 use crate::solver::{ConvOp, ConvProblem, DType};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaDType;
 use candle_core::{CudaStorage, Layout};
-use cudarc::driver::{CudaView, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaView, DeviceRepr};
 
-pub(super) type DeviceState = CandleLayerDevice;
+/// Dropped with the layer (or its state) in the caller's current context: destroying plans,
+/// handles and streams binds the GPU's context, which is then made current again.
+pub(super) type DeviceState = DropInCallerContext<CandleLayerDevice>;
 
 /// The `T` elements of a candle CUDA tensor (contiguous: the layer makes its operands so),
 /// which must have the layer's dtype.
@@ -71,7 +73,7 @@ fn run_typed<T>(
     (b, b_layout): (&CudaStorage, &Layout),
 ) -> candle_core::Result<CudaStorage>
 where
-    T: Element + CudaDType + DeviceRepr + ValidAsZeroBits,
+    T: Element + CudaDType + DeviceRepr,
 {
     let device = a.device().clone();
     let stream = device.cuda_stream();
@@ -79,7 +81,12 @@ where
     let a = view::<T>(core, "first operand", a, a_layout)?;
     let b = view::<T>(core, "second operand", b, b_layout)?;
     let out_len = cpu::buffer_lens(problem, op).map_err(|e| core.error(e))?[2].1;
-    let mut out = device.alloc_zeros::<T>(out_len)?;
+    // Uninitialised: every plan's first call on each part of the output has beta 0, which
+    // cuDNN documents as not reading the output (NaN or garbage there is never used), and the
+    // micro-batches or chunks cover the whole output; a memset would cost a pass over it.
+    // SAFETY: the elements are written by the plan (above) before anything reads them; `T`
+    // is a plain number type (f32, f16, bf16), valid for any bits cuDNN writes.
+    let mut out = unsafe { device.alloc::<T>(out_len) }?;
     let key = (problem.n, problem.h, problem.w);
 
     let mut state = core.lock()?;
@@ -88,7 +95,7 @@ where
         Some(index) => index,
         None => {
             let made = CandleLayerDevice::new(ordinal).map_err(|e| core.error(e))?;
-            state.cuda.push(made);
+            state.cuda.push(DropInCallerContext::new(made));
             state.cuda.len() - 1
         }
     };
@@ -120,10 +127,12 @@ where
         .workspace_bytes(key, op)
         .ok_or_else(|| core.error("the plans were not prepared"))?;
     // This call's workspace, from candle's allocator (freed stream-ordered after the work
-    // queued on its stream): no layer keeps one (issue 21, item 1).
+    // queued on its stream): no layer keeps one. Uninitialised: cuDNN's workspace is scratch
+    // that its kernels write before they read.
     let mut workspace = match needed {
         0 => None,
-        bytes => Some(device.alloc_zeros::<u8>(bytes as usize)?),
+        // SAFETY: bytes (any value is valid) that only cuDNN uses, as scratch.
+        bytes => Some(unsafe { device.alloc::<u8>(bytes as usize) }?),
     };
     gpu.execute(key, op, &stream, &a, &b, &mut out, workspace.as_mut())
         .map_err(|e| core.error(e))?;

@@ -267,6 +267,9 @@ fn op_index(op: ConvOp) -> usize {
 /// measure call) and the handle plans are prepared and run on.
 struct CudaState {
     ordinal: usize,
+    /// What measurements are stored under, read once when the tuner is made: asking a
+    /// measuring backend for it would make a cuDNN handle and stream after every tune.
+    fingerprint: DeviceFingerprint,
     tuning: Option<CudnnBackend>,
     exec: CudnnHandle,
 }
@@ -341,8 +344,10 @@ impl Tuner {
                 check_one_libcudnn()?;
                 let _context = save_current_context()?;
                 let exec = CudnnHandle::new(ordinal)?;
+                let (fingerprint, _) = CudnnBackend::describe(ordinal)?;
                 DeviceState::Cuda(DropInCallerContext::new(Box::new(CudaState {
                     ordinal,
+                    fingerprint,
                     tuning: None,
                     exec,
                 })))
@@ -382,7 +387,17 @@ impl Tuner {
 
     /// The device fingerprint measurements are stored under (ranks compare it before sharing).
     pub fn fingerprint(&mut self) -> Result<DeviceFingerprint, FfiError> {
-        self.with_backend(|backend, _| Ok(backend.fingerprint().clone()))
+        match &self.state {
+            DeviceState::Cpu { backend } => Ok(backend.fingerprint().clone()),
+            DeviceState::Cuda(cuda) => Ok(cuda.fingerprint.clone()),
+        }
+    }
+
+    /// Whether a GPU's measuring backend (a cuDNN handle and stream) is alive: false between
+    /// tune and measure calls.
+    #[cfg(test)]
+    pub fn holds_measuring_backend(&self) -> bool {
+        matches!(&self.state, DeviceState::Cuda(cuda) if cuda.tuning.is_some())
     }
 
     /// Tunes one layer's problem through the cache: the settings' ops only.
@@ -926,4 +941,38 @@ pub fn unregister(address: usize) -> Result<(), FfiError> {
     tuners().remove(&address).map(drop).ok_or_else(|| {
         invalid("tuner is not a live mucudnn tuner (never created, or already destroyed)")
     })
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::*;
+
+    /// After a tune, nothing of the measuring backend is alive: the tune drops it, and the
+    /// fingerprint its result names comes from the tuner, not from a new backend.
+    #[test]
+    #[ignore = "needs a GPU: a CUDA tuner's tune must leave no measuring handle behind"]
+    fn gpu_tune_leaves_no_measuring_backend() {
+        let mut tuner = Tuner::new(
+            TunerDevice::Cuda(0),
+            Some(Cache::in_memory().quiet()),
+            None,
+            false,
+        )
+        .unwrap();
+        let settings = parse_settings(
+            r#"{"workspace_limit": "8MiB", "ops": ["fwd"], "candidates": "legacy"}"#,
+            TunerDevice::Cuda(0),
+        )
+        .unwrap();
+        let mut problem = ConvProblem::new(4, 8, 8, 8, 8, 3, 3);
+        (problem.pad_h, problem.pad_w) = (1, 1);
+        let result = tuner.tune("gpu", &problem, &settings).unwrap();
+        assert!(result.measured > 0);
+        assert!(!tuner.holds_measuring_backend());
+        assert_eq!(
+            tuner.fingerprint().unwrap(),
+            CudnnBackend::describe(0).unwrap().0
+        );
+        assert!(!tuner.holds_measuring_backend());
+    }
 }

@@ -64,7 +64,9 @@ mod stream;
 
 #[cfg(feature = "candle-cuda")]
 pub use candle::CandleLayerDevice;
-pub use context::{save_current_context, CurrentContextGuard, DropInCallerContext};
+pub use context::{
+    save_current_context, CurrentContextGuard, DropInCallerContext, RestoreAfterFields,
+};
 pub use descriptors::{ConvDescriptors, ConvolutionDescriptor, FilterDescriptor, TensorDescriptor};
 pub use foreign::{
     check_one_libcudnn, read_convolution_descriptor, read_filter_descriptor,
@@ -742,6 +744,7 @@ impl CudnnHandle {
         let owner = Rc::new(HandleOwner {
             raw,
             stream: stream.clone(),
+            caller_context: RestoreAfterFields::default(),
         });
         let handle = CudnnHandle {
             raw,
@@ -1219,10 +1222,14 @@ impl CudnnHandle {
 struct HandleOwner {
     raw: dnn_sys::cudnnHandle_t,
     stream: Arc<CudaStream>,
+    /// The caller's context, made current again after the stream (which binds its context
+    /// to be destroyed) is released (last).
+    caller_context: RestoreAfterFields,
 }
 
 impl Drop for HandleOwner {
     fn drop(&mut self) {
+        self.caller_context.save();
         // A failure to bind is recorded by cudarc in the context; the destroy is tried anyway.
         let _ = self.stream.context().bind_to_thread();
         // SAFETY: `raw` was created by cudnnCreate in `CudnnHandle::with_stream` and is

@@ -89,6 +89,32 @@ pub fn save_current_context() -> Result<CurrentContextGuard, CudnnError> {
     SavedContext::save(DriverContext)
 }
 
+/// A value's last field, filled by its `Drop` with the caller's current context
+/// ([`Self::save`]): the context is made current again when this field drops, after every
+/// field before it (a cuDNN plan or handle, a cudarc stream, event or context binds its
+/// device's context to be destroyed) is gone.
+pub struct RestoreAfterFields<S: ContextSlot = DriverContext> {
+    slot: S,
+    saved: Option<SavedContext<S>>,
+}
+
+impl<S: ContextSlot + Default> Default for RestoreAfterFields<S> {
+    fn default() -> Self {
+        RestoreAfterFields {
+            slot: S::default(),
+            saved: None,
+        }
+    }
+}
+
+impl<S: ContextSlot + Clone> RestoreAfterFields<S> {
+    /// Saves this thread's current context (without a driver there is none, and nothing of
+    /// the value's could be bound either).
+    pub fn save(&mut self) {
+        self.saved = SavedContext::save(self.slot.clone()).ok();
+    }
+}
+
 /// A value whose destruction binds a device's context (cuDNN handles and plans bind theirs to
 /// be destroyed), dropped with this thread's current context saved around it.
 pub struct DropInCallerContext<T, S: ContextSlot = DriverContext> {
@@ -237,6 +263,56 @@ mod tests {
             self.slot.make_current(self.device).unwrap();
             self.dropped.set(true);
         }
+    }
+
+    /// Fields that bind on drop, then the restore last, as `EnginePlan`, `HandleOwner` and
+    /// `StreamFence` declare them.
+    struct PlanLike {
+        _plan: BindsOnDrop,
+        _stream: BindsOnDrop,
+        caller_context: RestoreAfterFields<FakeSlot>,
+    }
+
+    impl Drop for PlanLike {
+        fn drop(&mut self) {
+            self.caller_context.save();
+            self.caller_context.slot.make_current(7).unwrap(); // the body binds too
+        }
+    }
+
+    #[test]
+    fn a_restore_declared_last_runs_after_every_field_binds() {
+        let slot = FakeSlot::default();
+        slot.current.set(3);
+        let dropped = Rc::new(Cell::new(false));
+        let binds = |device| BindsOnDrop {
+            slot: slot.clone(),
+            device,
+            dropped: dropped.clone(),
+        };
+        let value = PlanLike {
+            _plan: binds(7),
+            _stream: binds(8),
+            caller_context: RestoreAfterFields {
+                slot: slot.clone(),
+                saved: None,
+            },
+        };
+        drop(value);
+        assert_eq!(slot.current.get(), 3);
+        assert_eq!(*slot.sets.borrow(), [7, 7, 8, 3]);
+        // Without a saved context (a driver that failed), the fields drop and nothing is set.
+        let slot = FakeSlot::default();
+        slot.fail_get.set(true);
+        drop(PlanLike {
+            _plan: binds(7),
+            _stream: binds(8),
+            caller_context: RestoreAfterFields {
+                slot: slot.clone(),
+                saved: None,
+            },
+        });
+        assert_eq!(*slot.sets.borrow(), [7]);
     }
 
     #[test]

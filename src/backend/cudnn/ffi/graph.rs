@@ -44,7 +44,7 @@
 
 use super::{
     compute_type, cudnn, data_type, invalid, missing_cudnn_symbols, warn_drop, CudnnError,
-    CudnnHandle, DeviceView, DeviceViewMut, HandleOwner, WorkspaceView,
+    CudnnHandle, DeviceView, DeviceViewMut, HandleOwner, RestoreAfterFields, WorkspaceView,
 };
 use crate::backend::cudnn::engine_name::EngineConfig;
 use crate::backend::cudnn::engine_search::{
@@ -1526,6 +1526,9 @@ pub struct EnginePlan {
     owner: Rc<HandleOwner>,
     config: EngineConfig,
     workspace_bytes: u64,
+    /// The caller's context, made current again after the fields above, which bind the
+    /// plan's (last).
+    caller_context: RestoreAfterFields,
 }
 
 impl std::fmt::Debug for EnginePlan {
@@ -1612,6 +1615,7 @@ impl EnginePlan {
             owner: handle.owner.clone(),
             config: config.clone(),
             workspace_bytes: built.workspace_bytes,
+            caller_context: RestoreAfterFields::default(),
         })
     }
 
@@ -1828,6 +1832,7 @@ impl Drop for EnginePlan {
         // its descriptors (and any kernels they loaded) are destroyed. A failure is reported by
         // cudarc's next call. Work on a caller's stream is waited for (or the plan parked,
         // under CUDA graph capture) by the `PreparedPlan` holding it, before this runs.
+        self.caller_context.save();
         let _ = self.owner.stream.context().bind_to_thread();
         if let Err(e) = self.owner.stream.synchronize() {
             let _ = writeln!(
@@ -1835,7 +1840,8 @@ impl Drop for EnginePlan {
                 "mucudnn: warning: cuStreamSynchronize failed while dropping an engine plan: {e:?}"
             );
         }
-        // Fields drop next, in declaration order: plan, configuration, graph, handle owner.
+        // Fields drop next, in declaration order: plan, configuration, graph, handle owner,
+        // and last the caller's context is made current again.
     }
 }
 

@@ -25,7 +25,7 @@
 use super::{
     check_operand_spans, dnn_err, fill_descriptor, invalid, legacy_call, raw_convolve, raw_fill,
     save_current_context, ConvDescriptors, CudnnError, CudnnHandle, CurrentContextGuard,
-    EnginePlan, RawDeviceView, RawDeviceViewMut,
+    EnginePlan, RawDeviceView, RawDeviceViewMut, RestoreAfterFields,
 };
 use super::{drv, drv_err, drv_sys, Arc, CudaContext};
 use crate::solver::ConvOp;
@@ -117,6 +117,8 @@ pub struct StreamKey {
 pub struct StreamFence {
     event: drv_sys::CUevent,
     context: Arc<CudaContext>,
+    /// The caller's context, restored after the event and the context are released (last).
+    caller_context: RestoreAfterFields,
 }
 
 impl std::fmt::Debug for StreamFence {
@@ -129,6 +131,7 @@ impl StreamFence {
     /// Blocks the host until the work queued before the last [`StreamSession::record`] of
     /// this fence has finished (at once if it was never recorded).
     pub fn wait(&self) -> Result<(), CudnnError> {
+        let _caller_context = save_current_context()?;
         self.context
             .bind_to_thread()
             .map_err(drv_err("cuCtxSetCurrent"))?;
@@ -139,6 +142,7 @@ impl StreamFence {
 
 impl Drop for StreamFence {
     fn drop(&mut self) {
+        self.caller_context.save();
         let _ = self.context.bind_to_thread();
         // SAFETY: created by `new_fence`, destroyed exactly once, here.
         if let Err(e) = unsafe { drv::event::destroy(self.event) } {
@@ -229,6 +233,7 @@ impl StreamSession<'_> {
         Ok(StreamFence {
             event,
             context: self.handle.stream.context().clone(),
+            caller_context: RestoreAfterFields::default(),
         })
     }
 
