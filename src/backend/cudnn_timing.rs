@@ -1,5 +1,5 @@
 //! The cuDNN backend as the profiler sees it: times every legacy algorithm with CUDA events on
-//! random device data, at a micro-batch offset inside a full-batch buffer: the least-aligned
+//! random device data (a random block tiled on the device: `CudnnHandle::alloc_tiled`), at a micro-batch offset inside a full-batch buffer: the least-aligned
 //! offset the executor can run that size at ([`timing_offset`]), and engine configurations
 //! declare the alignment that holds at every offset, so what is timed can run wherever a plan
 //! puts it (issue 21, item 8). Spatial chunks (issue 24, [`Backend::measure_spatial`]) are
@@ -136,9 +136,9 @@ impl CudnnBackend {
         let dtype = problem.dtype;
         self.operands = Some(Operands {
             problem: *problem,
-            input: self.handle.alloc_random(dtype, len(Operand::Input), 1)?,
-            filter: self.handle.alloc_random(dtype, len(Operand::Filter), 2)?,
-            output: self.handle.alloc_random(dtype, len(Operand::Output), 3)?,
+            input: self.handle.alloc_tiled(dtype, len(Operand::Input), 1)?,
+            filter: self.handle.alloc_tiled(dtype, len(Operand::Filter), 2)?,
+            output: self.handle.alloc_tiled(dtype, len(Operand::Output), 3)?,
         });
         self.account();
         Ok(())
@@ -411,8 +411,9 @@ impl Backend for CudnnBackend {
         self.kinds
     }
 
-    /// The full-batch operands live on the GPU, each staged as f32 values on the host first:
-    /// both must fit before anything is allocated (cudaMalloc failures are errors already).
+    /// The full-batch operands live on the GPU and must fit before anything is allocated
+    /// (cudaMalloc failures are errors already). The host stages one small block per operand
+    /// ([`CudnnHandle::alloc_tiled`]), never a whole tensor.
     fn check_fits(&self, problem: &ConvProblem) -> Result<(), BackendError> {
         let device = super::operand_bytes(problem);
         if device > u128::from(self.memory_bytes) {
@@ -422,21 +423,6 @@ impl Backend for CudnnBackend {
                 self.memory_bytes,
                 "is the GPU's memory",
             ));
-        }
-        let staging = [Operand::Input, Operand::Filter, Operand::Output]
-            .into_iter()
-            .map(|role| super::operand_elements(problem, role) * 4)
-            .max()
-            .unwrap_or(0);
-        if let Some(available) = super::available_host_memory() {
-            if staging > u128::from(available) {
-                return Err(super::out_of_memory(
-                    &format!("{}: staging the largest tensor", problem.describe()),
-                    u64::try_from(staging).unwrap_or(u64::MAX),
-                    available,
-                    "of host memory is available",
-                ));
-            }
         }
         Ok(())
     }

@@ -1169,6 +1169,44 @@ impl CudnnHandle {
         self.upload(dtype, &host::random_values(dtype, len, seed))
     }
 
+    /// A buffer of `len` non-zero random values that repeat every [`host::FILL_PERIOD`]
+    /// elements ([`host::tiled_values`]): one block made and uploaded, the rest copied on the
+    /// device, doubling ([`host::doubling_copies`]). Operands to time on: a GiB-sized tensor
+    /// costs a few device copies instead of a single-threaded pass over every value on the
+    /// host and a transfer of all of them.
+    pub fn alloc_tiled(
+        &self,
+        dtype: DType,
+        len: usize,
+        seed: u64,
+    ) -> Result<DeviceBuffer, CudnnError> {
+        let bytes = buffer_bytes("CudnnHandle::alloc_tiled", dtype, len)?;
+        let block = host::encode(
+            dtype,
+            &host::random_values(dtype, len.min(host::FILL_PERIOD), seed),
+        );
+        // SAFETY: uninitialised bytes (any value is valid for u8); every byte is written
+        // below, by the upload of the block and the copies that tile it, before the buffer is
+        // handed out.
+        let mut data = unsafe { self.stream.alloc::<u8>(bytes) }.map_err(drv_err("cuMemAlloc"))?;
+        self.stream
+            .memcpy_htod(&block, &mut data.slice_mut(0..block.len()))
+            .map_err(drv_err("cuMemcpyHtoDAsync"))?;
+        for (count, offset) in host::doubling_copies(block.len(), bytes) {
+            // [0, offset) is filled and count <= offset: the two views do not overlap.
+            let (filled, mut rest) = data.split_at_mut(offset);
+            self.stream
+                .memcpy_dtod(&filled.slice(0..count), &mut rest.slice_mut(0..count))
+                .map_err(drv_err("cuMemcpyDtoDAsync"))?;
+        }
+        Ok(DeviceBuffer {
+            data,
+            stream: self.stream.clone(),
+            dtype,
+            len,
+        })
+    }
+
     /// A zero-filled buffer for `role` of `d` (its full batch).
     pub fn alloc_operand(
         &self,

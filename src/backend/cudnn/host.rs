@@ -67,6 +67,33 @@ pub fn random_values(dtype: DType, len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Elements of the random block a device fill repeats ([`tiled_values`]): a prime, so that
+/// the period lines up with no tensor stride, and small to make and upload (at most 256 KiB).
+pub const FILL_PERIOD: usize = 65_521;
+
+/// What a device fill of `len` elements holds: [`random_values`] of one block of
+/// [`FILL_PERIOD`] (fewer when `len` is smaller) repeated; non-zero like them. The device
+/// uploads the block and copies it ([`doubling_copies`]) instead of staging every value.
+pub fn tiled_values(dtype: DType, len: usize, seed: u64) -> Vec<f32> {
+    let block = random_values(dtype, len.min(FILL_PERIOD), seed);
+    block.iter().copied().cycle().take(len).collect()
+}
+
+/// The copies that tile `total` bytes from their first `block` bytes (`0 < block <= total`),
+/// doubling what is filled each time: copy `(len, offset)` copies bytes `[0, len)` to
+/// `[offset, offset + len)`, after the copies before it, where `[0, offset)` is filled and
+/// `offset` is a multiple of `block`. About log2(total / block) copies, none overlapping.
+pub fn doubling_copies(block: usize, total: usize) -> Vec<(usize, usize)> {
+    let mut copies = Vec::new();
+    let mut filled = block.min(total);
+    while block > 0 && filled < total {
+        let len = filled.min(total - filled);
+        copies.push((len, filled));
+        filled += len;
+    }
+    copies
+}
+
 /// Encodes `values` as little-endian `dtype` elements (rounding to nearest).
 pub fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
     let mut bytes = Vec::with_capacity(values.len() * dtype.size_bytes());
@@ -252,6 +279,44 @@ pub fn reference_convolution(
 mod tests {
     use super::*;
     use crate::backend::cudnn::shape::Operand;
+
+    /// The copies, applied to a buffer that holds one encoded block, make the tiled values,
+    /// for lengths below, at and around powers of two of the period, and block sizes that do
+    /// not divide the total.
+    #[test]
+    fn doubling_copies_tile_the_block_over_the_buffer() {
+        for dtype in [DType::Fp32, DType::Fp16, DType::Bf16] {
+            let size = dtype.size_bytes();
+            for len in [
+                1,
+                7,
+                FILL_PERIOD - 1,
+                FILL_PERIOD,
+                FILL_PERIOD + 1,
+                2 * FILL_PERIOD,
+                5 * FILL_PERIOD + 3,
+                (1 << 20) + 11,
+            ] {
+                let want = encode(dtype, &tiled_values(dtype, len, 3));
+                let block = encode(dtype, &random_values(dtype, len.min(FILL_PERIOD), 3));
+                let mut bytes = vec![0u8; len * size];
+                bytes[..block.len()].copy_from_slice(&block);
+                let copies = doubling_copies(block.len(), bytes.len());
+                for &(count, offset) in &copies {
+                    assert!(count <= offset, "a copy reads only what is filled");
+                    assert_eq!(offset % block.len(), 0);
+                    bytes.copy_within(0..count, offset);
+                }
+                assert_eq!(bytes, want, "{dtype} {len}");
+                let doublings = (len.div_ceil(FILL_PERIOD) as f64).log2().ceil() as usize;
+                assert_eq!(copies.len(), doublings, "{dtype} {len}");
+            }
+        }
+        assert!(doubling_copies(8, 8).is_empty());
+        assert!(tiled_values(DType::Fp16, 3 * FILL_PERIOD, 1)
+            .iter()
+            .all(|&v| v != 0.0));
+    }
 
     #[test]
     fn random_values_are_deterministic_nonzero_and_representable() {

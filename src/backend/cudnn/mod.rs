@@ -615,6 +615,21 @@ mod tests {
         assert!(x.view(1, x.len()).is_err());
     }
 
+    /// The device fill the profiler times on holds exactly the host's tiled pattern (so never
+    /// zeros), for lengths that do and do not fill the last copy.
+    #[test]
+    #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+    fn gpu_tiled_fill_matches_the_host_pattern() {
+        let handle = CudnnHandle::new(0).unwrap();
+        for dtype in [DType::Fp32, DType::Fp16, DType::Bf16] {
+            for len in [5, host::FILL_PERIOD, 3 * host::FILL_PERIOD + 17, 1 << 22] {
+                let buffer = handle.alloc_tiled(dtype, len, 4).unwrap();
+                let got = buffer.download().unwrap();
+                assert_eq!(got, host::tiled_values(dtype, len, 4), "{dtype} {len}");
+            }
+        }
+    }
+
     #[test]
     #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
     fn gpu_timer_and_find() {
