@@ -1084,3 +1084,94 @@ fn libcuda_without_error_names_is_an_error_not_a_panic() {
     let result = child_result(&text);
     assert!(result.contains("CUDA_ERROR_NO_DEVICE"), "{result}");
 }
+
+/// The known-bad list (`backend::cudnn::known_bad`) on the real library and the H100
+/// description. Read for cuDNN 9.14 (in the broken TF32 3-D range; the GPU machine's system
+/// cuDNN), an fp32 NCDHW layer of r3d_18 in the default math mode is offered no tensor-core
+/// (TF32) engine configuration in any op; read for the loaded cuDNN (outside the range), the
+/// same enumeration offers some, so the list is what removed them; a 2-D fp32 layer is left
+/// alone. The legacy descriptor's math type is what the list says for the loaded version.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn known_bad_tf32_3d_configurations_are_not_offered() {
+    if !enabled("known_bad_tf32_3d_configurations_are_not_offered") {
+        return;
+    }
+    use mucudnn::backend::cudnn::known_bad::effective_math;
+    use mucudnn::backend::cudnn::{cudnn_version, known_bad::KNOWN_BAD};
+    use mucudnn::solver::MathMode;
+    let device = device();
+    let loaded = cudnn_version().unwrap();
+    let in_range = 9_14_00;
+    assert!(KNOWN_BAD
+        .iter()
+        .any(|bad| bad.applies(in_range, DType::Fp32, 3)));
+    assert!(
+        !KNOWN_BAD
+            .iter()
+            .any(|bad| bad.applies(loaded, DType::Fp32, 3)),
+        "the host tier's cuDNN {loaded} is itself in a known-bad range: pick a version outside"
+    );
+    let (name, video) = zoo_in(Model::R3d18, 2, &[(DType::Fp32, Layout::Nchw)]).remove(1);
+    assert_eq!(name, "r3d_18.layer1.0.conv1.0");
+    assert!(video.is_3d() && video.math == MathMode::Default);
+    let image = ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new(2, 64, 56, 56, 64, 3, 3)
+    };
+    // Tensor-core configurations offered for `problem` and `op` with the list read for
+    // `version`, out of how many (their notes from a plan built on the description).
+    let tensor_core = |problem: &ConvProblem, op: ConvOp, version: Option<u64>| {
+        let search = EngineSearch {
+            max_candidates: usize::MAX,
+            known_bad_version: version,
+            ..EngineSearch::default()
+        };
+        let configs =
+            engine_configs_on_device(&device, problem, op, &search, Alignments::MAX).unwrap();
+        let with_notes: Vec<bool> = configs
+            .iter()
+            .filter_map(|config| {
+                plan_on_device(&device, problem, op, config, 0.0, Alignments::MAX)
+                    .ok()
+                    .map(|plan| plan.notes.tensor_core)
+            })
+            .collect();
+        (
+            with_notes.iter().filter(|&&tc| tc).count(),
+            with_notes.len(),
+        )
+    };
+    for op in ConvOp::ALL {
+        let (bad_tc, bad_all) = tensor_core(&video, op, Some(in_range));
+        let (tc, all) = tensor_core(&video, op, None);
+        println!(
+            "{name} fp32 {op}: as cuDNN {in_range}: {bad_tc} of {bad_all} tensor-core; \
+             as the loaded {loaded}: {tc} of {all}"
+        );
+        assert_eq!(
+            bad_tc, 0,
+            "{op}: a TF32 configuration offered in the bad range"
+        );
+        assert!(bad_all > 0, "{op}: nothing left to time in the bad range");
+        assert!(
+            tc > 0,
+            "{op}: the loaded cuDNN offers no TF32 configuration"
+        );
+        let (image_bad, _) = tensor_core(&image, op, Some(in_range));
+        let (image_loaded, _) = tensor_core(&image, op, None);
+        assert_eq!(image_bad, image_loaded, "{op}: a 2-D problem changed");
+        assert!(image_bad > 0, "{op}: 2-D fp32 offers no TF32 configuration");
+    }
+    let math = ConvDescriptors::new(&video)
+        .unwrap()
+        .convolution()
+        .info()
+        .unwrap()
+        .math;
+    assert_eq!(
+        math,
+        Some(effective_math(loaded, DType::Fp32, 3, MathMode::Default))
+    );
+}

@@ -444,6 +444,7 @@ fn the_sweep_reaches_beyond_the_heuristics() {
         every_engine: true,
         max_candidates: 24,
         skip_runtime_compiled: true,
+        known_bad_version: None,
     };
     for op in ConvOp::ALL {
         let start = std::time::Instant::now();

@@ -55,8 +55,14 @@ pub struct EngineSearch {
     /// Stop at this many configurations (0 gives none).
     pub max_candidates: usize,
     /// Leave out engines that compile kernels at run time
-    /// (`CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION`): their plans take long to build.
+    /// (`CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION`): each plan build runs NVRTC, seconds per
+    /// configuration, so they are left out unless asked for (on by default).
     pub skip_runtime_compiled: bool,
+    /// The cuDNN version the known-bad list ([`super::known_bad`]) is read for: `None`, the
+    /// loaded library's (what every caller wants); a test names a version in a bad range to
+    /// check the list against a library outside it.
+    #[serde(default)]
+    pub known_bad_version: Option<u64>,
 }
 
 impl Default for EngineSearch {
@@ -65,7 +71,8 @@ impl Default for EngineSearch {
             heuristics: HeurMode::ALL.to_vec(),
             every_engine: false,
             max_candidates: DEFAULT_MAX_CANDIDATES,
-            skip_runtime_compiled: false,
+            skip_runtime_compiled: true,
+            known_bad_version: None,
         }
     }
 }

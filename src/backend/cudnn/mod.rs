@@ -131,6 +131,7 @@ mod error;
 mod ffi;
 pub mod graph_params;
 pub mod host;
+pub mod known_bad;
 pub mod shape;
 
 pub use engine_name::{EngineConfig, EngineNameError};

@@ -267,7 +267,15 @@ impl ConvolutionDescriptor {
         // SAFETY (two calls): `raw` is a live descriptor owned by `desc`.
         unsafe { dnn::set_convolution_group_count(desc.raw, shapes.groups) }
             .map_err(dnn_err("cudnnSetConvolutionGroupCount"))?;
-        unsafe { dnn::set_convolution_math_type(desc.raw, math_type(shapes.math)) }
+        // The problem's math mode, unless the known-bad list rules out tensor cores for it on
+        // the loaded cuDNN: then timing and running alike use fma kernels.
+        let math = crate::backend::cudnn::known_bad::effective_math(
+            super::cudnn_version()?,
+            shapes.dtype,
+            shapes.pad.len(),
+            shapes.math,
+        );
+        unsafe { dnn::set_convolution_math_type(desc.raw, math_type(math)) }
             .map_err(dnn_err("cudnnSetConvolutionMathType"))?;
         Ok(desc)
     }

@@ -54,6 +54,7 @@ use crate::backend::cudnn::graph_params::{
     is_aligned, operand_uids, Alignments, ChunkShapes, GraphParams, TensorParams,
     WORKSPACE_ALIGNMENT,
 };
+use crate::backend::cudnn::known_bad::effective_math;
 use crate::backend::cudnn::shape::ConvShapes;
 use crate::solver::{ConvOp, ConvProblem, MathMode};
 use cudarc::cudnn::sys as dnn_sys;
@@ -826,8 +827,13 @@ impl OperationGraph {
         self.params.op
     }
 
+    /// The problem's math mode as the loaded cuDNN runs it (see [`judged_math`]): a plan of
+    /// an engine the known-bad list rules out is declined, even one named by a cache.
     fn math(&self) -> MathMode {
-        self.params.shapes.math
+        let shapes = &self.params.shapes;
+        // The graph exists, so cuDNN is loaded and its version known.
+        let version = super::cudnn_version().unwrap_or(0);
+        effective_math(version, shapes.dtype, shapes.pad.len(), shapes.math)
     }
 }
 
@@ -1084,7 +1090,23 @@ impl Found {
     }
 }
 
-/// Whether `search` keeps an engine with `notes` for a problem in `math`.
+/// The math mode engines are judged by for `shapes`: theirs, or `fma` where the known-bad list
+/// rules out tensor cores on the cuDNN version `search` names (the loaded one by default).
+fn judged_math(search: &EngineSearch, shapes: &ConvShapes) -> Result<MathMode, CudnnError> {
+    let version = match search.known_bad_version {
+        Some(version) => version,
+        None => super::cudnn_version()?,
+    };
+    Ok(effective_math(
+        version,
+        shapes.dtype,
+        shapes.pad.len(),
+        shapes.math,
+    ))
+}
+
+/// Whether `search` keeps an engine with `notes` for a problem in `math` (as
+/// [`judged_math`] gives it).
 fn admitted(search: &EngineSearch, math: MathMode, notes: &EngineNotes) -> bool {
     notes.math_conflict(math).is_none()
         && !(search.skip_runtime_compiled && notes.runtime_compilation)
@@ -1099,7 +1121,13 @@ struct EngineSweep {
 /// Every engine of `graph` that applies and that `search` admits, taking turns: each turn
 /// tries a few configurations of one engine (an ENGINECFG finalize each) and keeps the first
 /// that cuDNN accepts.
-fn sweep(api: GraphApi, graph: &OperationGraph, search: &EngineSearch, found: &mut Found) {
+fn sweep(
+    api: GraphApi,
+    graph: &OperationGraph,
+    search: &EngineSearch,
+    math: MathMode,
+    found: &mut Found,
+) {
     let count = match graph
         .graph
         .get_i64(Attr::CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT)
@@ -1118,7 +1146,7 @@ fn sweep(api: GraphApi, graph: &OperationGraph, search: &EngineSearch, found: &m
             }
         };
         match read_notes(&engine) {
-            Ok(notes) if admitted(search, graph.math(), &notes) => {}
+            Ok(notes) if admitted(search, math, &notes) => {}
             Ok(_) => continue,
             Err(e) => {
                 found.note_error(e);
@@ -1277,6 +1305,7 @@ fn configs_of(
         return Ok(Vec::new());
     }
     let (op, shapes) = (params.op, &params.shapes);
+    let math = judged_math(search, shapes)?;
     let graph = OperationGraph::new(api, target, params).map_err(|e| e.for_engine(op, None))?;
     let mut found = Found {
         list: Vec::new(),
@@ -1293,7 +1322,7 @@ fn configs_of(
                 for result in results {
                     match result {
                         Ok((config, notes)) => {
-                            if admitted(search, shapes.math, &notes) {
+                            if admitted(search, math, &notes) {
                                 found.push(config);
                             }
                         }
@@ -1305,7 +1334,7 @@ fn configs_of(
         }
     }
     if search.every_engine && !found.full() {
-        sweep(api, &graph, search, &mut found);
+        sweep(api, &graph, search, math, &mut found);
     }
     match found.first_error {
         Some(e) if found.list.is_empty() => Err(e.for_engine(op, None)),
