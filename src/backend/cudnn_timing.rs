@@ -58,7 +58,32 @@ pub struct CudnnBackend {
     memory_bytes: u64,
     /// What the operands and the workspace hold (device memory).
     memory: MemoryUse,
+    /// Time engine configurations that compile kernels at run time (NVRTC): off by default.
+    runtime_compiled: bool,
+    /// Print every plan build's time (slow ones are printed anyway).
+    log_plan_builds: bool,
+    /// Every execution-plan build of this backend's life, in order.
+    plan_builds: Vec<PlanBuild>,
 }
+
+/// One execution-plan build while measuring: which configuration, for what, how long.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanBuild {
+    pub op: ConvOp,
+    /// The micro-batch size (or, for a spatial split, the chunk size).
+    pub size: i64,
+    pub config: EngineName,
+    /// The plans built for it (backward-filter also builds its beta-1 plan; a spatial size
+    /// one or two per timing chunk) and the seconds they took together.
+    pub plans: usize,
+    pub seconds: f64,
+    /// Whether cuDNN built them all.
+    pub built: bool,
+}
+
+/// A configuration whose plans take longer than this to build is printed even without
+/// [`CudnnBackend::log_plan_builds`]: what eats a GPU window's minutes should show.
+const SLOW_PLAN_BUILD_SECONDS: f64 = 1.0;
 
 /// One engine configuration at one micro-batch size.
 enum EngineOutcome {
@@ -104,6 +129,9 @@ impl CudnnBackend {
             workspace: None,
             memory_bytes,
             memory: MemoryUse::default(),
+            runtime_compiled: false,
+            log_plan_builds: false,
+            plan_builds: Vec::new(),
             kinds: if graph_api_status().is_ok() {
                 &[AlgoKind::Legacy, AlgoKind::Engine]
             } else {
@@ -119,6 +147,51 @@ impl CudnnBackend {
 
     pub fn handle(&self) -> &CudnnHandle {
         &self.handle
+    }
+
+    /// Whether engine configurations that compile kernels at run time
+    /// (`CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION`, NVRTC: seconds per plan build) are timed.
+    /// Off by default: they are left out of the search. Measurements already cached without
+    /// them stay as they are (a size counts as measured), so turn it on before the first tune
+    /// of a problem, or use a fresh cache.
+    pub fn set_runtime_compiled(&mut self, on: bool) {
+        self.runtime_compiled = on;
+    }
+
+    /// Prints every plan build's time to stderr (`mucudnn: plan build ...`); builds slower
+    /// than a second are printed anyway.
+    pub fn log_plan_builds(&mut self, on: bool) {
+        self.log_plan_builds = on;
+    }
+
+    /// The plan builds measuring has made so far.
+    pub fn plan_builds(&self) -> &[PlanBuild] {
+        &self.plan_builds
+    }
+
+    /// The engine search cuDNN is asked with, capped at `max_candidates`.
+    fn heuristics(&self, max_candidates: Option<usize>) -> super::cudnn::EngineSearch {
+        super::cudnn::EngineSearch {
+            max_candidates: max_candidates.unwrap_or(usize::MAX),
+            skip_runtime_compiled: !self.runtime_compiled,
+            ..Default::default()
+        }
+    }
+
+    /// Records (and maybe prints) the plan builds of one configuration at one size.
+    fn record_build(&mut self, build: PlanBuild) {
+        if self.log_plan_builds || build.seconds >= SLOW_PLAN_BUILD_SECONDS {
+            eprintln!(
+                "mucudnn: plan build {} {} size {}: {} plan(s) in {:.3} s{}",
+                build.op,
+                build.config,
+                build.size,
+                build.plans,
+                build.seconds,
+                if build.built { "" } else { " (not supported)" }
+            );
+        }
+        self.plan_builds.push(build);
     }
 
     fn ensure_operands(&mut self, problem: &ConvProblem) -> Result<(), CudnnError> {
@@ -231,35 +304,24 @@ impl CudnnBackend {
         // measurement serves (issue 21, item 8; `solver::timing_offset`): a plan's micro-batch
         // declares at least as much at its own offset, so what is timed here builds there.
         let alignments = Alignments::any_sample(&ConvShapes::new(micro_problem)?);
-        let plan = match EnginePlan::with_alignments(
-            &self.handle,
-            micro_problem,
+        let started = std::time::Instant::now();
+        let built = self.build_engine_plans(micro_problem, op, config, alignments);
+        self.record_build(PlanBuild {
             op,
-            config,
-            1.0,
-            0.0,
-            alignments,
-        ) {
-            Ok(plan) => plan,
+            size: micro_problem.n,
+            config: config.name(),
+            plans: if op == ConvOp::BackwardFilter { 2 } else { 1 },
+            seconds: started.elapsed().as_secs_f64(),
+            built: built.is_ok(),
+        });
+        let (plan, accumulating_bytes) = match built {
+            Ok(built) => built,
             Err(e) if skip(&e) => return Ok(EngineOutcome::Unsupported),
             Err(e) => return Err(e),
         };
-        if op == ConvOp::BackwardFilter {
-            match EnginePlan::with_alignments(
-                &self.handle,
-                micro_problem,
-                op,
-                config,
-                1.0,
-                1.0,
-                alignments,
-            ) {
-                Ok(_) => {}
-                Err(e) if skip(&e) => return Ok(EngineOutcome::Unsupported),
-                Err(e) => return Err(e),
-            }
-        }
-        let bytes = plan.workspace_bytes();
+        // A plan's backward-filter micro-batches after the first run the beta-1 plan, in the
+        // same workspace: the larger of the two is what running needs.
+        let bytes = plan.workspace_bytes().max(accumulating_bytes);
         if select.decide(&Algo::Engine(config.name()), bytes) == Decision::Skip {
             return Ok(EngineOutcome::Skipped(bytes));
         }
@@ -279,6 +341,41 @@ impl CudnnBackend {
             Err(e) if skip(&e) => Ok(EngineOutcome::Unsupported),
             Err(e) => Err(e),
         }
+    }
+
+    /// The beta-0 plan of `config` for `micro_problem` and `op`, and for backward-filter the
+    /// workspace of its beta-1 plan too (later micro-batches accumulate; 0 otherwise).
+    fn build_engine_plans(
+        &self,
+        micro_problem: &ConvProblem,
+        op: ConvOp,
+        config: &EngineConfig,
+        alignments: Alignments,
+    ) -> Result<(EnginePlan, u64), CudnnError> {
+        let plan = EnginePlan::with_alignments(
+            &self.handle,
+            micro_problem,
+            op,
+            config,
+            1.0,
+            0.0,
+            alignments,
+        )?;
+        let accumulating_bytes = if op == ConvOp::BackwardFilter {
+            EnginePlan::with_alignments(
+                &self.handle,
+                micro_problem,
+                op,
+                config,
+                1.0,
+                1.0,
+                alignments,
+            )?
+            .workspace_bytes()
+        } else {
+            0
+        };
+        Ok((plan, accumulating_bytes))
     }
 
     fn time_algo(
@@ -322,9 +419,11 @@ impl CudnnBackend {
     /// which later chunks use), so a configuration that cannot run at one position is
     /// unsupported for the size; then each is timed at its own offsets. The time is the
     /// slowest chunk's, the workspace the largest.
+    #[allow(clippy::too_many_arguments)]
     fn time_engine_chunks(
         &mut self,
         op: ConvOp,
+        size: i64,
         chunks: &[ChunkShapes],
         config: &EngineConfig,
         alignments: Alignments,
@@ -332,28 +431,21 @@ impl CudnnBackend {
         select: &Selection,
     ) -> Result<EngineOutcome, CudnnError> {
         let skip = |e: &CudnnError| e.is_not_supported() || e.is_out_of_memory();
-        let mut plans = Vec::with_capacity(chunks.len());
-        let mut bytes = 0;
-        for chunk in chunks {
-            let betas: &[f32] = if op == ConvOp::BackwardFilter {
-                &[0.0, 1.0]
-            } else {
-                &[0.0]
-            };
-            for &beta in betas {
-                match EnginePlan::for_chunk(&self.handle, chunk, op, config, 1.0, beta, alignments)
-                {
-                    Ok(plan) => {
-                        bytes = bytes.max(plan.workspace_bytes());
-                        if beta == 0.0 {
-                            plans.push(plan);
-                        }
-                    }
-                    Err(e) if skip(&e) => return Ok(EngineOutcome::Unsupported),
-                    Err(e) => return Err(e),
-                }
-            }
-        }
+        let started = std::time::Instant::now();
+        let built = self.build_chunk_plans(op, chunks, config, alignments);
+        self.record_build(PlanBuild {
+            op,
+            size,
+            config: config.name(),
+            plans: chunks.len() * if op == ConvOp::BackwardFilter { 2 } else { 1 },
+            seconds: started.elapsed().as_secs_f64(),
+            built: built.is_ok(),
+        });
+        let (plans, bytes) = match built {
+            Ok(built) => built,
+            Err(e) if skip(&e) => return Ok(EngineOutcome::Unsupported),
+            Err(e) => return Err(e),
+        };
         if select.decide(&Algo::Engine(config.name()), bytes) == Decision::Skip {
             return Ok(EngineOutcome::Skipped(bytes));
         }
@@ -376,6 +468,36 @@ impl CudnnBackend {
             }
         }
         Ok(EngineOutcome::Timed(slowest, bytes))
+    }
+
+    /// Every timing chunk's beta-0 plan of `config` (and for backward-filter its beta-1 plan,
+    /// which later chunks use, for its workspace), declaring `alignments`; the largest
+    /// workspace of them all.
+    fn build_chunk_plans(
+        &self,
+        op: ConvOp,
+        chunks: &[ChunkShapes],
+        config: &EngineConfig,
+        alignments: Alignments,
+    ) -> Result<(Vec<EnginePlan>, u64), CudnnError> {
+        let betas: &[f32] = if op == ConvOp::BackwardFilter {
+            &[0.0, 1.0]
+        } else {
+            &[0.0]
+        };
+        let mut plans = Vec::with_capacity(chunks.len());
+        let mut bytes = 0;
+        for chunk in chunks {
+            for &beta in betas {
+                let plan =
+                    EnginePlan::for_chunk(&self.handle, chunk, op, config, 1.0, beta, alignments)?;
+                bytes = bytes.max(plan.workspace_bytes());
+                if beta == 0.0 {
+                    plans.push(plan);
+                }
+            }
+        }
+        Ok((plans, bytes))
     }
 }
 
@@ -464,10 +586,7 @@ impl Backend for CudnnBackend {
         }
         self.ensure_operands(problem)?;
         let micro_problem = problem.with_batch(micro);
-        let heuristics = super::cudnn::EngineSearch {
-            max_candidates: search.max_candidates.unwrap_or(usize::MAX),
-            ..Default::default()
-        };
+        let heuristics = self.heuristics(search.max_candidates);
         let first = timing_offset(problem.n as usize, micro as usize);
         let alignments = Alignments::any_sample(&ConvShapes::new(&micro_problem)?);
         let configs = engine_configs_with_alignments(
@@ -544,10 +663,7 @@ impl Backend for CudnnBackend {
         };
         // The least alignment of any row offset (every position of a size has the same).
         let alignments = first.any_row_alignments();
-        let heuristics = super::cudnn::EngineSearch {
-            max_candidates: search.max_candidates.unwrap_or(usize::MAX),
-            ..Default::default()
-        };
+        let heuristics = self.heuristics(search.max_candidates);
         let mut names: Vec<EngineName> = Vec::new();
         let mut configs: Vec<EngineConfig> = Vec::new();
         for chunk in &chunks {
@@ -570,7 +686,7 @@ impl Backend for CudnnBackend {
             if search.skip.contains(&name) || !select.wants(&Algo::Engine(name)) {
                 continue;
             }
-            match self.time_engine_chunks(op, &chunks, config, alignments, timing, select)? {
+            match self.time_engine_chunks(op, size, &chunks, config, alignments, timing, select)? {
                 EngineOutcome::Unsupported => {}
                 EngineOutcome::Skipped(workspace_bytes) => found.skipped.push(Skipped {
                     micro: size,

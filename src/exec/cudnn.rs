@@ -279,6 +279,7 @@ impl PreparedPlan {
                 workspace_bytes = workspace_bytes.max(bytes);
             }
         }
+        warn_workspace_excess(&plan, workspace_bytes);
         Ok(PreparedPlan {
             plan,
             kernels,
@@ -385,6 +386,7 @@ impl PreparedPlan {
                 blank,
             });
         }
+        warn_workspace_excess(&plan, workspace_bytes);
         Ok(PreparedPlan {
             plan,
             kernels,
@@ -403,8 +405,16 @@ impl PreparedPlan {
     }
 
     /// Workspace bytes the plan needs (the largest micro-batch's, as cuDNN reports it here).
+    /// Can exceed what the plan was solved with ([`workspace_excess`]; reported when prepared):
+    /// what runs needs this much, and the caller provides it.
     pub fn workspace_bytes(&self) -> u64 {
         self.workspace_bytes
+    }
+
+    /// How many bytes the prepared plan needs beyond the workspace it was solved with (0 when
+    /// none): see [`workspace_excess`].
+    pub fn workspace_excess_bytes(&self) -> u64 {
+        workspace_excess(&self.plan, self.workspace_bytes).unwrap_or(0)
     }
 
     /// Whether dropping this plan will park it (it ran under capture, or lost track of work).
@@ -678,6 +688,34 @@ impl PreparedPlan {
     }
 }
 
+/// The bytes by which a prepared plan's workspace (`prepared`: the largest of its built
+/// kernels, the beta-1 plans of backward-filter's later calls included) exceeds what `plan`
+/// was solved with, which the limit bounds (`None` when it does not). A plan can need more
+/// than was measured: its micro-batches' execution plans are rebuilt declaring the alignment
+/// of their own offsets (the timed ones declared the least alignment of any offset), and a
+/// measurement cached before the beta-1 workspace was counted has the beta-0 plan's only.
+/// The excess is reported, not refused: the caller is told the real size (prepare's
+/// workspace bytes) and the plan runs correctly with it; refusing would make the caller fall
+/// back to another convolution for a few bytes over a limit.
+pub fn workspace_excess(plan: &Plan, prepared: u64) -> Option<u64> {
+    prepared
+        .checked_sub(plan.workspace_bytes())
+        .filter(|&excess| excess > 0)
+}
+
+/// Warns on stderr when a prepared plan needs more workspace than its plan was solved with.
+fn warn_workspace_excess(plan: &Plan, prepared: u64) {
+    if let Some(excess) = workspace_excess(plan, prepared) {
+        let _ = writeln!(
+            std::io::stderr(),
+            "mucudnn: warning: {} {}: the prepared plan needs {prepared} workspace bytes,              {excess} more than the {} it was solved with (and measured within the limit)",
+            plan.layer,
+            plan.op,
+            plan.workspace_bytes()
+        );
+    }
+}
+
 /// Makes sure engine kernel `kernel` has its accumulating (beta = 1) plan, for
 /// backward-filter's later micro-batches or chunks; returns its workspace bytes (0 for a
 /// legacy kernel, whose beta is a call argument).
@@ -774,6 +812,26 @@ pub fn check_spatial_plan(plan: &Plan) -> Result<Vec<Chunk>, ExecError> {
 mod tests {
     use super::*;
     use crate::solver::{ConvProblem, MicroBatch};
+
+    #[test]
+    fn a_prepared_workspace_over_the_solved_one_is_an_excess() {
+        let micro = |size, workspace_bytes| MicroBatch {
+            size,
+            algo: Algo::Legacy(0),
+            workspace_bytes,
+            time_ms: 1.0,
+        };
+        let plan = Plan {
+            layer: "conv".into(),
+            problem: ConvProblem::new(4, 3, 8, 8, 4, 3, 3),
+            op: ConvOp::BackwardFilter,
+            split: SplitDim::Batch,
+            micro_batches: vec![micro(2, 1000), micro(2, 600)],
+        };
+        assert_eq!(workspace_excess(&plan, 900), None);
+        assert_eq!(workspace_excess(&plan, 1000), None);
+        assert_eq!(workspace_excess(&plan, 1024), Some(24));
+    }
 
     /// What a spatial plan's calls and blank-row scalings write covers the op's output rows
     /// exactly once (forward and backward-data), so every element of the result is either one

@@ -1097,7 +1097,9 @@ pub unsafe extern "C" fn mucudnnTunerGetFingerprint(
 /// outermost spatial dimension of the op's output; auto also tunes chunks for a batch of at
 /// most 4 whose batch sizes skipped a candidate over the limit and keeps the faster plan; a
 /// spatial plan has "split": "spatial" and its split string ends "along h" (d, w); on cuDNN
-/// spatial plans use engine configurations only).
+/// spatial plans use engine configurations only) and "runtime_compiled" (true: also time
+/// engine configurations that compile kernels at run time, NVRTC, seconds per plan build;
+/// default false).
 ///
 /// # Safety
 ///

@@ -61,11 +61,13 @@ pub enum TunerDevice {
 /// tune, measure and return: a non-empty array of `"fwd"`, `"bwd_data"`, `"bwd_filter"`; e.g.
 /// `["fwd"]` for inference) and `split` (what a plan splits: `"batch"`, micro-batches only;
 /// `"spatial"`, chunks along the outermost spatial dimension only; `"auto"`, micro-batches and,
-/// for a batch of at most 4 under workspace pressure, chunks too, the faster plan kept).
+/// for a batch of at most 4 under workspace pressure, chunks too, the faster plan kept), and
+/// `runtime_compiled` (`true`: also time engine configurations that compile kernels at run
+/// time, NVRTC, seconds per plan build; default false; on the CPU it changes nothing).
 /// Missing keys take the defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5,
 /// false, auto) and all three ops; unknown keys are errors.
 pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiError> {
-    const KEYS: [&str; 8] = [
+    const KEYS: [&str; 9] = [
         "policy",
         "workspace_limit",
         "candidates",
@@ -74,6 +76,7 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
         "deterministic",
         "ops",
         "split",
+        "runtime_compiled",
     ];
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| invalid(format!("settings are not JSON: {e}")))?;
@@ -162,11 +165,24 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
             )))
         }
     }
+    let runtime_compiled = match object.get("runtime_compiled") {
+        None | Some(serde_json::Value::Null) => false,
+        Some(serde_json::Value::Bool(flag)) => *flag,
+        Some(other) => {
+            return Err(invalid(format!(
+                "settings: runtime_compiled is {other}; give true or false"
+            )))
+        }
+    };
     let ops = match object.get("ops") {
         None | Some(serde_json::Value::Null) => ConvOp::ALL.to_vec(),
         Some(value) => parse_ops(value)?,
     };
-    Ok(Settings { tuning, ops })
+    Ok(Settings {
+        tuning,
+        ops,
+        runtime_compiled,
+    })
 }
 
 /// The `ops` of a settings object: a non-empty array of op names, each at most once, kept in
@@ -205,6 +221,9 @@ pub struct Settings {
     pub tuning: LayerTuning,
     /// The ops to tune, measure and return, in [`ConvOp::ALL`] order (never empty).
     pub ops: Vec<ConvOp>,
+    /// Time engine configurations that compile kernels at run time (a GPU tuner's measuring
+    /// backend: [`CudnnBackend::set_runtime_compiled`]).
+    pub runtime_compiled: bool,
 }
 
 /// A layer to tune, by name: one entry of `mucudnnTunerMissing`'s document.
@@ -271,6 +290,8 @@ struct CudaState {
     /// measuring backend for it would make a cuDNN handle and stream after every tune.
     fingerprint: DeviceFingerprint,
     tuning: Option<CudnnBackend>,
+    /// The last tune or measure call's `runtime_compiled` setting, for its measuring backend.
+    runtime_compiled: bool,
     exec: CudnnHandle,
 }
 
@@ -349,6 +370,7 @@ impl Tuner {
                     ordinal,
                     fingerprint,
                     tuning: None,
+                    runtime_compiled: false,
                     exec,
                 })))
             }
@@ -379,9 +401,19 @@ impl Tuner {
                 if cuda.tuning.is_none() {
                     cuda.tuning = Some(CudnnBackend::new(cuda.ordinal)?);
                 }
+                let runtime_compiled = cuda.runtime_compiled;
                 let backend = cuda.tuning.as_mut().expect("made above");
+                backend.set_runtime_compiled(runtime_compiled);
+                backend.log_plan_builds(self.verbose);
                 f(backend, &self.cache)
             }
+        }
+    }
+
+    /// Keeps what of `settings` the measuring backend reads (made or not yet).
+    fn use_settings(&mut self, settings: &Settings) {
+        if let DeviceState::Cuda(cuda) = &mut self.state {
+            cuda.runtime_compiled = settings.runtime_compiled;
         }
     }
 
@@ -411,6 +443,7 @@ impl Tuner {
             .validate()
             .map_err(|e| invalid(format!("{layer}: {e}")))?;
         let verbose = self.verbose;
+        self.use_settings(settings);
         let tuned = self.with_backend(|backend, cache| {
             settings
                 .tuning
@@ -490,6 +523,7 @@ impl Tuner {
             .iter()
             .filter(|task| settings.ops.contains(&task.op))
             .collect();
+        self.use_settings(settings);
         let measured = self.with_backend(|backend, cache| {
             let run = settings.tuning.profile_run(cache);
             let mut out = Vec::with_capacity(tasks.len());
@@ -944,8 +978,30 @@ pub fn unregister(address: usize) -> Result<(), FfiError> {
 }
 
 #[cfg(test)]
-mod gpu_tests {
+mod tests {
     use super::*;
+
+    #[test]
+    fn runtime_compiled_engines_are_opt_in() {
+        let parse = |text| parse_settings(text, TunerDevice::Cuda(0));
+        assert!(!parse("{}").unwrap().runtime_compiled);
+        assert!(
+            !parse(r#"{"runtime_compiled": null}"#)
+                .unwrap()
+                .runtime_compiled
+        );
+        assert!(
+            parse(r#"{"runtime_compiled": true}"#)
+                .unwrap()
+                .runtime_compiled
+        );
+        let wrong = parse(r#"{"runtime_compiled": "yes"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(wrong.contains("runtime_compiled"), "{wrong}");
+        // The backend's search leaves them out unless asked.
+        assert!(crate::backend::cudnn::EngineSearch::default().skip_runtime_compiled);
+    }
 
     /// After a tune, nothing of the measuring backend is alive: the tune drops it, and the
     /// fingerprint its result names comes from the tuner, not from a new backend.
