@@ -1175,3 +1175,27 @@ fn known_bad_tf32_3d_configurations_are_not_offered() {
         Some(effective_math(loaded, DType::Fp32, 3, MathMode::Default))
     );
 }
+
+/// What an engine configuration's call costs on the host besides the launch: a variant pack
+/// (the call's pointers) made, finalized and destroyed with the real library. Each call makes
+/// one, as cuDNN's frontend does (a finalized pack takes no new pointers); caching them per
+/// (plan, pointers) is worth it only if this costs more than 2 microseconds a call. The best
+/// of a few rounds, so that another process on the machine does not decide it.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn a_call_s_variant_pack_costs_under_two_microseconds() {
+    if !enabled("a_call_s_variant_pack_costs_under_two_microseconds") {
+        return;
+    }
+    use mucudnn::backend::cudnn::time_variant_packs;
+    const CALLS: usize = 20_000;
+    time_variant_packs(1_000).unwrap(); // warm up
+    let best = (0..5)
+        .map(|_| time_variant_packs(CALLS).unwrap() / CALLS as f64)
+        .fold(f64::INFINITY, f64::min);
+    println!(
+        "variant pack: {:.3} us per call (best of 5 x {CALLS})",
+        best * 1e6
+    );
+    assert!(best < 2e-6, "a variant pack costs {:.3} us", best * 1e6);
+}

@@ -81,8 +81,8 @@ pub use graph::{
     broken_graph_on_device, engine_configs, engine_configs_for_chunk,
     engine_configs_for_chunk_on_device, engine_configs_on_device, engine_configs_with_alignments,
     graph_api_status, heuristic_plan_workspaces, heuristic_plan_workspaces_on_device,
-    plan_for_chunk_on_device, plan_on_device, BrokenGraph, DeviceDescription, DevicePlan,
-    EnginePlan, DEVICE_DESCRIPTION_MIN_VERSION,
+    plan_for_chunk_on_device, plan_on_device, time_variant_packs, BrokenGraph, DeviceDescription,
+    DevicePlan, EnginePlan, DEVICE_DESCRIPTION_MIN_VERSION,
 };
 use memory::{buffer_bytes, ViewParts};
 pub use memory::{DeviceBuffer, DeviceView, DeviceViewMut, GpuTimer, Workspace, WorkspaceView};

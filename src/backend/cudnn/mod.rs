@@ -152,7 +152,7 @@ pub use ffi::{
 #[doc(hidden)]
 pub use ffi::{
     broken_graph_on_device, heuristic_plan_workspaces, heuristic_plan_workspaces_on_device,
-    BrokenGraph,
+    time_variant_packs, BrokenGraph,
 };
 /// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
 /// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the

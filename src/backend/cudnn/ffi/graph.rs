@@ -1830,18 +1830,9 @@ impl EnginePlan {
     ) -> Result<(), CudnnError> {
         let op = self.op();
         let api = graph_api()?;
-        let name = self.config.to_string();
-        let tag = |e: CudnnError| e.for_engine(op, Some(&name));
-        let pack =
-            Descriptor::new(api, Kind::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR).map_err(tag)?;
-        let pointers = addresses.map(|address| address as *mut c_void);
-        pack.set_pointers(Attr::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, &pointers)
-            .map_err(tag)?;
-        pack.set_i64s(Attr::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, &operand_uids(op))
-            .map_err(tag)?;
-        pack.set_pointers(Attr::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, &[workspace_ptr])
-            .map_err(tag)?;
-        pack.finalize().map_err(tag)?;
+        // The name only on the error path: a call allocates nothing.
+        let tag = |e: CudnnError| e.for_engine(op, Some(&self.config.to_string()));
+        let pack = variant_pack(api, op, addresses, workspace_ptr).map_err(tag)?;
         // SAFETY: this function's contract; the variant pack is only read during the call.
         unsafe { dnn_sys::cudnnBackendExecute(self.owner.raw, self.plan.raw, pack.raw) }
             .result()
@@ -1853,6 +1844,46 @@ impl EnginePlan {
                 ))
             })
     }
+}
+
+/// A finalized VARIANT_PACK of `addresses` (`[a, b, out]` in `op`'s roles) and the workspace:
+/// what one call of an execution plan needs besides the plan. A finalized descriptor takes no
+/// new pointers, so each call makes its own (as cuDNN's frontend does): a host-side object,
+/// made and destroyed in well under the 2 microseconds a call may cost
+/// (`tests/cudnn_host.rs` measures it against the real library).
+fn variant_pack(
+    api: GraphApi,
+    op: ConvOp,
+    addresses: [u64; 3],
+    workspace_ptr: *mut c_void,
+) -> Result<Descriptor, CudnnError> {
+    let pack = Descriptor::new(api, Kind::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
+    let pointers = addresses.map(|address| address as *mut c_void);
+    pack.set_pointers(Attr::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, &pointers)?;
+    pack.set_i64s(Attr::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, &operand_uids(op))?;
+    pack.set_pointers(Attr::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, &[workspace_ptr])?;
+    pack.finalize()?;
+    Ok(pack)
+}
+
+/// Makes and destroys `count` variant packs (as `count` calls of an execution plan would) and
+/// returns the seconds that took: the per-call cost of the graph API's call path on the host,
+/// for the host tier (no device: the pointers are never dereferenced).
+#[doc(hidden)]
+pub fn time_variant_packs(count: usize) -> Result<f64, CudnnError> {
+    let api = graph_api()?;
+    let started = std::time::Instant::now();
+    for i in 0..count {
+        let base = 0x7f00_0000_0000u64 + (i as u64 % 64) * 4096;
+        let pack = variant_pack(
+            api,
+            ConvOp::Forward,
+            [base, base + 1024, base + 2048],
+            std::ptr::null_mut(),
+        )?;
+        drop(pack);
+    }
+    Ok(started.elapsed().as_secs_f64())
 }
 
 impl Drop for EnginePlan {
