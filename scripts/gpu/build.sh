@@ -103,6 +103,8 @@ if need lib; then
   (cd python && tar -cf - --exclude=__pycache__ mucudnn) | tar -xf - -C .gpu/python
 fi
 
+# .gpu/candle/ and .gpu/candle_ddp/: the binaries, or a NOT-BUILT note (.gpu/candle/NOT-BUILT,
+# .gpu/candle_ddp/NOT-BUILT) that the candle and train parts report.
 # candle's CUDA tests need nvcc here (candle-kernels compiles PTX): a CUDA install's, else
 # PyPI's wheels (scripts/cuda_build_env.sh). Opt-in and fail-soft: a failure writes NOT-BUILT
 # (the reason and the log's tail), which the part reports there, and the rest is built.
