@@ -162,7 +162,8 @@ unpack() {
 }
 
 gpu_info() {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$work/gpu.txt"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$work/gpu.txt" &&
+    cat "$work/gpu.txt"
 }
 
 # The package imports (from PYTHONPATH: the wheel's folder or .gpu/python), its library loads,
@@ -197,6 +198,16 @@ wheel_install() {
     python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$work/site" \
       .gpu/wheels/*.whl || return 1
   fi
+}
+
+# first-contact's package: the source package (PYTHONPATH, set by the part) with the release
+# library; pytest from the wheels build.sh fetched, where the machine lacks it; then the checks.
+source_package() {
+  if ! python3 -c 'import pytest' 2>/dev/null; then
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$work/site" \
+      .gpu/wheels/*.whl || return 1
+  fi
+  package_check "$1"
 }
 
 # diffusers and the dependencies the GPU machine lacks (build.sh: .gpu/wheels-vae).
@@ -244,13 +255,13 @@ setup_wheel() {
 
 part_first_contact() {
   # The source package with the release library (no wheel needed for this part).
-  export PYTHONPATH="$PWD/.gpu/python${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD/.gpu/python:$work/site${PYTHONPATH:+:$PYTHONPATH}"
   export MUCUDNN_LIBRARY="$PWD/.gpu/c_abi/libmucudnn.so"
   # 1. Set-up, 25 s.
   if ! { step "unpack the binaries" 7 unpack &&
     step "nvidia-smi" 5 gpu_info &&
     step "one libcudnn (libs.sh)" 5 one_cudnn_check &&
-    step "the package imports, CUDA is available" 8 package_check "$PWD/.gpu/python"; }; then
+    step "the package imports, CUDA is available" 8 source_package "$PWD/.gpu/python"; }; then
     stop "set-up failed (see the log)"
     return
   fi
@@ -370,7 +381,7 @@ bench() {
 
 part_vae() {
   if [ ! -f $G/vae_bench.py ]; then
-    step "vae_bench.py is in .gpu" 1 sh -c "echo 'no .gpu/vae_bench.py (build.sh ships it when scripts/gpu/vae_bench.py exists)'; exit 1"
+    step "vae_bench.py is in .gpu" 1 sh -c "echo 'no .gpu/vae_bench.py (build.sh ships vae_bench.py when the repository has it)'; exit 1"
     return
   fi
   setup_wheel || { stop "set-up failed (see the log)"; return; }
@@ -468,8 +479,9 @@ steps="$work/steps.tsv"
 started=$(date +%s)
 # One cuDNN for every step (LD_LIBRARY_PATH), and one_cudnn_check.
 OUT="$work" source $G/libs.sh
-export -f one_cudnn_check
-export work
+export -f one_cudnn_check package_check
+# mucudnn's runtime links (python/mucudnn/_lib.py) in a folder of this part.
+export work XDG_CACHE_HOME="$work/xdg"
 run_part "$part"
 
 # The summary: JSON, the files the steps wrote, the table.
