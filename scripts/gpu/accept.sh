@@ -210,10 +210,55 @@ source_package() {
   package_check "$1"
 }
 
-# diffusers and the dependencies the GPU machine lacks (build.sh: .gpu/wheels-vae).
+# diffusers from .gpu/wheels-vae, with those of its dependencies (recursively) that the machine
+# lacks or has in a version diffusers' requirements exclude: installed into the part's folder
+# on PYTHONPATH (the machine's own packages stay where they satisfy).
 diffusers_install() {
-  python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$work/site" \
-    .gpu/wheels-vae/*.whl && python3 -c 'import diffusers; print("diffusers", diffusers.__version__)'
+  python3 - "$work/site" <<'PY' || return 1
+import glob, os, re, subprocess, sys, zipfile
+import importlib.metadata as metadata
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+
+def key(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+wheels = {key(os.path.basename(w).split("-")[0]): w for w in glob.glob(".gpu/wheels-vae/*.whl")}
+
+def requires(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    return [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+
+chosen, todo, missing = [], ["diffusers"], []
+while todo:
+    name = todo.pop()
+    if name in chosen:
+        continue
+    if name not in wheels:
+        missing.append(name)
+        continue
+    chosen.append(name)
+    for text in requires(wheels[name]):
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            if req.specifier.contains(metadata.version(req.name), prereleases=True):
+                continue  # the machine's own version satisfies it
+        except metadata.PackageNotFoundError:
+            pass
+        todo.append(key(req.name))
+if missing:
+    sys.exit(f"no wheel in .gpu/wheels-vae for {missing} (needed by diffusers here)")
+print("installing from .gpu/wheels-vae:", ", ".join(chosen))
+subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                "--no-compile", "--target", sys.argv[1], *(wheels[n] for n in chosen)], check=True)
+PY
+  python3 -c 'import diffusers; print("diffusers", diffusers.__version__, "from", diffusers.__file__)'
 }
 
 # pytest_strict JUNIT_XML PYTEST_ARGS...: pytest, and a failure on any skipped test too (a

@@ -15,7 +15,7 @@
 # What it can make: the stripped release binary and test executables (packed into
 # .gpu/binaries.tar.xz), the release libmucudnn.so with the source package (first-contact
 # uses them: no zigbuild), the Python wheel (scripts/build_wheel.sh), pytest's wheels for a
-# machine without pytest, diffusers' wheels (the vae part), the scripts, the test files they
+# machine without pytest, diffusers' wheels and its dependencies' (the vae part), the scripts, the test files they
 # run, the C ABI examples and header, and the fixture. Prints its minutes and the size of
 # .gpu (the device tool carries at most 64 MiB) and fails above that. Then, there:
 #
@@ -153,11 +153,15 @@ pip_download() { # FOLDER PACKAGE...: wheels for the GPU machine's Python 3.12, 
 if need pytest || need wheel; then
   pip_download .gpu/wheels pytest iniconfig pluggy packaging
 fi
-# diffusers and what the GPU machine lacks of its dependencies: it has torch, transformers
-# (which brings huggingface_hub, safetensors, regex, requests, filelock, numpy, packaging) and
-# Pillow (torchvision's); diffusers also requires importlib_metadata, which requires zipp.
+# diffusers with its dependencies' wheels (for Python 3.12), less numpy and Pillow, which the
+# GPU machine has (torch, torchvision): there, accept.sh installs diffusers and only those
+# dependencies the machine lacks or has in a version diffusers does not accept (its versions
+# are not known here; diffusers 0.42 wants huggingface_hub >= 1.32, which an older
+# transformers' hub would not satisfy).
 if need diffusers; then
-  pip_download .gpu/wheels-vae diffusers importlib_metadata zipp
+  python3 -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
+    --python-version 3.12 -d .gpu/wheels-vae diffusers
+  rm -f .gpu/wheels-vae/numpy-*.whl .gpu/wheels-vae/pillow-*.whl
 fi
 
 # The scripts, the test files and helpers they run, the fixture.
