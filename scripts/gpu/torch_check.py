@@ -4,8 +4,9 @@
 1. correctness: one training step (train mode) of converted AlexNet (conv part) and ResNet-50
    and of the same models with PyTorch's convolutions, fp32 NCHW and fp16 channels_last, both
    against a float64 copy of the model on the same input (outputs and parameter gradients):
-   mucudnn's largest relative error must be at most twice PyTorch's own (fp16 and TF32 round
-   differently from one algorithm to another; PyTorch's error is the yardstick);
+   mucudnn's largest relative error must be at most twice PyTorch's own, or within 2^-10 (fp16
+   and TF32 round differently from one algorithm to another; PyTorch's error is the
+   yardstick);
 2. speed and memory: the step time (forward + backward, CUDA events, median of 5 loops of 5
    steps after warm-up) of the converted model at the given limits per layer against the same
    model with ``torch.backends.cudnn.benchmark = True`` and no limit, with peak memory from
@@ -243,6 +244,8 @@ def speed(name, batch, dtype, channels_last, limits, max_candidates, cache):
 
 
 DTYPES = {"fp16": (torch.float16, True), "fp32": (torch.float32, False)}
+#: Relative errors below this are as exact as fp16 and TF32 allow (see the correctness check).
+PRECISION_FLOOR = 2.0 ** -10
 
 
 def main():
@@ -284,8 +287,10 @@ def main():
                                                   args.max_candidates, cache)
             report["fallbacks"] += fallbacks
             # PyTorch's own distance from float64 is the yardstick (fp16 and TF32 round
-            # differently per algorithm); the floor keeps two near-exact results comparable.
-            ok = all(o <= 2 * t + 1e-6 for o, t in zip(ours, theirs))
+            # differently per algorithm). The floor, about one unit of fp16's and TF32's
+            # precision (2^-10), keeps a PyTorch that happened to pick a more exact algorithm
+            # (an FFT, full fp32) from failing a result that is as exact as the format.
+            ok = all(o <= max(2 * t, PRECISION_FLOOR) for o, t in zip(ours, theirs))
             if not ok:
                 failures.append(f"{name} {dtype}: mucudnn {ours} against PyTorch's {theirs}")
             report["correctness"].append(dict(
