@@ -92,14 +92,18 @@ list_parts() {
 }
 
 mode=run
-if [ "${1:-}" = "--check" ]; then
-  mode=check
-  shift
-fi
+case "${1:-}" in
+  --check) mode=check && shift ;;
+  --steps) mode=steps && shift ;; # build.sh: the steps' commands, to build only what they run
+esac
 part=${1:-}
 if [ -z "$part" ] && [ "$mode" = run ]; then
   list_parts
   exit 0
+fi
+if [ "$mode" = steps ] && [ -z "$part" ]; then
+  echo "usage: accept.sh --steps PART" >&2
+  exit 2
 fi
 if [ -n "$part" ] && ! grep -q "^$part|" <<< "$PARTS"; then
   echo "unknown part '$part'" >&2
@@ -113,7 +117,7 @@ fi
 step() {
   local name=$1 cap=$2
   shift 2
-  if [ "$mode" = check ]; then
+  if [ "$mode" != run ]; then
     {
       printf '%s\t%s' "$name" "$cap"
       printf '\t%s' "$@"
@@ -144,7 +148,7 @@ step() {
 
 # stop REASON: records why the rest of the part did not run (a failed set-up step).
 stop() {
-  [ "$mode" = check ] && return 0
+  [ "$mode" = run ] || return 0
   printf '%s\t%s\t%s\t%s\n' "the rest of the part" 0 "not run: $1" 0 >> "$steps"
   echo "== stopped: $1" | tee -a "$log"
 }
@@ -487,6 +491,17 @@ run_part() {
       ;;
   esac
 }
+
+# ------------------------------------------------------------------------------------------
+# --steps PART: each step's name, cap and command, tab-separated (nothing runs).
+
+if [ "$mode" = steps ]; then
+  work=$(mktemp -d)
+  steps=/dev/stdout
+  run_part "$part"
+  rm -rf "$work"
+  exit 0
+fi
 
 # ------------------------------------------------------------------------------------------
 # --check: on the build machine, no GPU.

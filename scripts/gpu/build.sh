@@ -84,14 +84,26 @@ for line in sys.stdin:
   [ -n "$path" ] || { echo "no test executable for $*" >&2; return 1; }
   echo "$path"
 }
-if need tests; then
-  cp "$(exe --lib)" .gpu/lib-tests
-  cp "$(exe --test gpu_cudnn)" .gpu/gpu-tests
-  cp "$(exe --test gpu_engines)" .gpu/gpu-engines
-  cp "$(exe --test gpu_teardown)" .gpu/gpu-teardown
-  cp "$(exe --test current_context)" .gpu/current-context
-  binaries+=(lib-tests gpu-tests gpu-engines gpu-teardown current-context)
-fi
+# Only the test executables the chosen parts' steps run (first-contact does not run
+# gpu-engines: one release build fewer).
+commands=$(for part in ${parts//,/ }; do bash scripts/gpu/accept.sh --steps "$part"; done)
+runs() { grep -q "\.gpu/$1[[:space:]]" <<< "$commands"; }
+# where in .gpu, cargo's arguments
+while read -r path args; do
+  name=${path#.gpu/}
+  if need tests && runs "$name"; then
+    # (word splitting of $args is meant: `--lib` or `--test NAME`)
+    # shellcheck disable=SC2086
+    cp "$(exe $args)" "$path"
+    binaries+=("$name")
+  fi
+done <<'TESTS'
+.gpu/lib-tests --lib
+.gpu/gpu-tests --test gpu_cudnn
+.gpu/gpu-engines --test gpu_engines
+.gpu/gpu-teardown --test gpu_teardown
+.gpu/current-context --test current_context
+TESTS
 if [ ${#binaries[@]} -gt 0 ]; then
   (cd .gpu && strip "${binaries[@]}")
 fi
