@@ -92,7 +92,7 @@ runs() { grep -q "\.gpu/$1[[:space:]]" <<< "$commands"; }
 while read -r path args; do
   name=${path#.gpu/}
   if need tests && runs "$name"; then
-    # (word splitting of $args is meant: `--lib` or `--test NAME`)
+    # (word splitting of $args is meant: `--lib`, or `--test` and a target)
     # shellcheck disable=SC2086
     cp "$(exe $args)" "$path"
     binaries+=("$name")
