@@ -69,7 +69,9 @@ mkdir -p .gpu/python/tests
 
 binaries=()
 if need bin; then
-  cargo build --release --locked --bin mucudnn
+  # (a test target: the same feature resolution as the test executables below, see
+  # c_abi_check.sh build)
+  cargo build --release --locked --bin mucudnn --test current_context
   cp "$target/release/mucudnn" .gpu/mucudnn
   binaries+=(mucudnn)
 fi

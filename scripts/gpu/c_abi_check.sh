@@ -23,7 +23,11 @@ build() {
   local exclude
   exclude=$(git rev-parse --git-path info/exclude)
   grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
-  cargo build --release --locked --lib
+  # With a test target in the same call, cargo resolves features as `cargo test --release`
+  # does (dev-dependencies unified), so this is the library build.sh's test executables link,
+  # not a second build of it that overwrites theirs (a cdylib's file name has no hash) and
+  # makes every later call rebuild it.
+  cargo build --release --locked --lib --test current_context
   cp "${CARGO_TARGET_DIR:-target}/release/libmucudnn.so" .gpu/c_abi/libmucudnn.so
   strip --strip-debug .gpu/c_abi/libmucudnn.so
   # The clients and the header travel in .gpu: a run carrying only .gpu works.
