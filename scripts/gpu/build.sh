@@ -48,13 +48,14 @@ if [ -z "$parts" ]; then
   parts=$(cut -d'|' -f1 <<< "$table" | tr '\n' ',')
   [ "$candle" = yes ] || parts=$(tr ',' '\n' <<< "$parts" | grep -vx 'candle\|train' | tr '\n' ',')
 fi
+parts=$(tr ',' '\n' <<< "$parts" | grep -v '^$' | paste -sd, -)
 needs=" "
 for part in ${parts//,/ }; do
   line=$(grep "^$part|" <<< "$table") || { echo "unknown part $part" >&2; exit 2; }
   needs+="$(cut -d'|' -f3 <<< "$line") "
 done
 need() { [[ "$needs" == *" $1 "* ]]; }
-echo "building .gpu for: ${parts%,} (needs:$needs)"
+echo "building .gpu for: $parts (needs: $(tr ' ' '\n' <<< "$needs" | sort -u | paste -sd' ' -))"
 
 mkdir -p .gpu
 # (git rev-parse: in a worktree .git is a file; the exclude file is the common one)
