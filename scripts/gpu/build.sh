@@ -55,7 +55,7 @@ for part in ${parts//,/ }; do
   needs+="$(cut -d'|' -f3 <<< "$line") "
 done
 need() { [[ "$needs" == *" $1 "* ]]; }
-echo "building .gpu for: $parts (needs: $(tr ' ' '\n' <<< "$needs" | sort -u | paste -sd' ' -))"
+echo "building .gpu for: $parts (needs: $(tr ' ' '\n' <<< "$needs" | sort -u | grep -v '^$' | paste -sd' ' -))"
 
 mkdir -p .gpu
 # (git rev-parse: in a worktree .git is a file; the exclude file is the common one)
