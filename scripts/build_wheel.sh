@@ -3,6 +3,8 @@
 # cargo where no wheel fits:
 #
 #   bash scripts/build_wheel.sh [OUT_DIR]      (default dist/)
+#   bash scripts/build_wheel.sh --tools        only the tools below (scripts/test.sh fetches
+#                                              them in the background while cargo compiles)
 #
 # makes OUT_DIR/mucudnn-<version>-py3-none-manylinux_2_28_x86_64.whl and
 # OUT_DIR/mucudnn-<version>.tar.gz. The wheel holds the library core (libmucudnn.so: release,
@@ -21,9 +23,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lock.sh
 
+tools_only=no
+[ "${1:-}" != --tools ] || tools_only=yes
 out=${1:-dist}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+[ "$tools_only" = yes ] || { mkdir -p "$out" && out=$(cd "$out" && pwd); }
 cache=${MUCUDNN_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mucudnn-test}
 PLATFORM=manylinux_2_28_x86_64
 GLIBC_MAX=2.28
@@ -41,6 +44,10 @@ make_tools() {
     touch "$stamp"
 }
 [ -f "$stamp" ] || with_lock "$cache/wheel-tools.lock" make_tools
+if [ "$tools_only" = yes ]; then
+  echo "build_wheel: the tools are in $tools"
+  exit 0
+fi
 
 version=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' python/mucudnn/_version.py)
 cargo_version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version = "\(.*\)"$/\1/p' Cargo.toml)

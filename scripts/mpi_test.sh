@@ -17,7 +17,7 @@
 # Installs Debian's Open MPI (openmpi-bin, libopenmpi-dev) and libclang-dev (rsmpi's bindgen)
 # with apt-get when missing and apt is usable (idempotent: nothing is installed twice), builds
 # the example with `--features candle,mpi`, and runs the checks. Exits 77 with "skipped: ..."
-# when MPI cannot be had. Run from anywhere: bash scripts/mpi_test.sh
+# when MPI cannot be had. Run from anywhere: bash scripts/mpi_test.sh [--install]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,6 +55,12 @@ install_packages() {
 missing_packages
 [ ${#need_packages[@]} -eq 0 ] || with_lock "${TMPDIR:-/tmp}/mucudnn-apt.lock" install_packages
 command -v mpirun >/dev/null 2>&1 || skip "mpirun is still missing"
+# --install: only the packages (scripts/test.sh installs them in the background while cargo
+# compiles, then runs this script again for the tests).
+if [ "${1:-}" = --install ]; then
+  echo "MPI is installed ($(command -v mpirun))"
+  exit 0
+fi
 
 # The protocol's and the gradient sum's unit tests (src/candle/ddp.rs, grad_sum.rs), then the
 # program.

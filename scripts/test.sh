@@ -15,6 +15,12 @@
 #      from PyPI (made once under the test cache folder and only read after) and the wheel
 #      installed into a folder of this run.
 #
+# What only downloads (the venv's torch, the host tier's cuDNN wheels, the wheel tools, Open
+# MPI's packages) starts in the background at the beginning, while cargo compiles, and is
+# joined before its tier; the tiers themselves run in the order above. The crate's feature
+# configurations are compiled once each: the core alone is checked (`cargo check`: no code
+# generated, nothing of it is run). Each tier's minutes are printed at the end.
+#
 # The test cache folder is $MUCUDNN_TEST_CACHE, else $XDG_CACHE_HOME/mucudnn-test, else
 # ~/.cache/mucudnn-test (about 7 GB: torch from PyPI brings the CUDA runtime wheels; plus about
 # 8 GB of target/). Two runs may share it: each shared piece is made under a flock
@@ -30,11 +36,65 @@ source scripts/lock.sh
 section() { printf '\n== %s\n' "$*"; }
 in_ci() { [ "${CI:-}" = "true" ] || [ "${CI:-}" = "1" ]; }
 
+# Each tier's seconds, printed at the end (also when a tier fails): tier NAME starts one.
+run_started=$SECONDS
+tier_name=""
+tier_started=$SECONDS
+tier_rows=""
+tier() {
+  [ -z "$tier_name" ] || tier_rows+="$tier_name|$((SECONDS - tier_started))"$'\n'
+  tier_name=$1
+  tier_started=$SECONDS
+}
+bg=$(mktemp -d)
+background_pids=()
+finish() {
+  local status=$?
+  tier ""
+  # Only the prefetch jobs this run started, by their ids (they may still run after a failure).
+  for pid in "${background_pids[@]}"; do
+    kill "$pid" 2>/dev/null && echo "stopped background job $pid" >&2
+  done
+  printf '\n== minutes per tier\n'
+  while IFS='|' read -r name seconds; do
+    [ -z "$name" ] || awk -v s="$seconds" -v n="$name" 'BEGIN { printf "%6.1f  %s\n", s / 60, n }'
+  done <<< "$tier_rows"
+  awk -v s="$((SECONDS - run_started))" -v e="$status" \
+    'BEGIN { printf "%6.1f  total (exit %s)\n", s / 60, e }'
+  rm -rf "$bg" "${run_dir:-}"
+}
+trap finish EXIT
+
+# Downloads in the background, each joined (join_job NAME) before the tier that needs it; each
+# logs into $bg/NAME.log, printed at the join.
+source scripts/test_venv.sh # venv, setup_venv, skip_or_fail
+declare -A job_pid
+prefetch() {
+  local name=$1
+  shift
+  "$@" > "$bg/$name.out" 2> "$bg/$name.log" &
+  job_pid[$name]=$!
+  background_pids+=("$!")
+}
+join_job() { # NAME: waits for the job, prints its log, returns its status
+  local status=0
+  wait "${job_pid[$1]}" || status=$?
+  background_pids=("${background_pids[@]/${job_pid[$1]}/}")
+  cat "$bg/$1.log" >&2
+  return "$status"
+}
+prefetch venv setup_venv
+prefetch host_env bash scripts/cudnn_host_env.sh
+prefetch wheel_tools bash scripts/build_wheel.sh --tools
+prefetch mpi_packages bash scripts/mpi_test.sh --install
+
+tier "Rust: cargo test --workspace"
 section "Rust: cargo test --workspace --locked"
 cargo test --workspace --locked
 
-section "Rust: the library core alone (--no-default-features): builds, depends on no CLI crate"
-cargo build -p mucudnn --no-default-features --locked
+tier "Rust: the core alone (cargo check)"
+section "Rust: the library core alone (--no-default-features): compiles, depends on no CLI crate"
+cargo check -p mucudnn --no-default-features --locked
 core_tree=$(cargo tree -p mucudnn --no-default-features -e normal --locked --prefix none)
 if forbidden=$(grep -E '^(clap|indicatif|plotters|ctrlc|toml|anyhow|mpi) v' <<<"$core_tree"); then
   echo "error: the core depends on CLI or training crates:" >&2
@@ -43,10 +103,15 @@ if forbidden=$(grep -E '^(clap|indicatif|plotters|ctrlc|toml|anyhow|mpi) v' <<<"
 fi
 echo "the core's dependency tree has none of clap, indicatif, plotters, ctrlc, toml, anyhow, mpi"
 
+tier "candle: candle_cpu"
 section "candle: cargo test --features candle --test candle_cpu"
 cargo test --locked --features candle --test candle_cpu
 
 section "MPI: scripts/mpi_test.sh (candle_ddp: mpirun -np 2 against 2 ranks in one process, dealt tuning, a failing rank)"
+tier "MPI: scripts/mpi_test.sh"
+status=0
+join_job mpi_packages || status=$?
+[ "$status" -eq 0 ] || [ "$status" -eq 77 ] || echo "the MPI packages' install exited $status" >&2
 status=0
 bash scripts/mpi_test.sh || status=$?
 if [ "$status" -eq 77 ]; then
@@ -55,9 +120,11 @@ elif [ "$status" -ne 0 ]; then
   exit "$status"
 fi
 
+tier "cuDNN host tier"
 section "cuDNN host tier: tests/cudnn_host.rs against the real libcudnn (no GPU)"
 status=0
-host_env=$(bash scripts/cudnn_host_env.sh) || status=$?
+join_job host_env || status=$?
+host_env=$(cat "$bg/host_env.out")
 if [ "$status" -eq 0 ]; then
   # cuDNN prints tens of thousands of "Could not load symbol cu..." lines about the stub
   # libcuda's missing entry points (kernel launches, which the tier never makes): filtered.
@@ -72,15 +139,15 @@ else
   exit 1
 fi
 
-# The shared virtualenv: venv, setup_venv (made once, under a lock), skip_or_fail.
-source scripts/test_venv.sh
-
+tier "Python: the wheel (zigbuild)"
 section "Python: the wheel (scripts/build_wheel.sh), built once for this run"
 run_dir=$(mktemp -d)
-trap 'rm -rf "$run_dir"' EXIT
+# The tools' log; a failure there is build_wheel.sh's to report (it makes them if missing).
+join_job wheel_tools || echo "the wheel tools' prefetch failed; build_wheel.sh tries again" >&2
 bash scripts/build_wheel.sh "$run_dir/dist"
 wheel=$(ls "$run_dir"/dist/mucudnn-*-py3-none-manylinux_2_28_x86_64.whl)
 
+tier "Python: the wheel's smoke test"
 section "Python: the wheel in a fresh virtualenv, no cargo on PATH, one tuned convolution"
 "$python_bin" -m venv "$run_dir/fresh"
 no_cargo_path="$run_dir/fresh/bin:/usr/local/bin:/usr/bin:/bin"
@@ -93,6 +160,10 @@ PATH=$no_cargo_path "$run_dir/fresh/bin/python" -m pip install --quiet --no-inde
 (repo=$PWD && cd "$run_dir" && PATH=$no_cargo_path "$run_dir/fresh/bin/python" \
   "$repo/scripts/wheel_smoke.py")
 
+tier "Python: pytest python/tests"
+# The venv was made in the background (setup_venv again: a no-op when it is ready, the reason
+# when it is not).
+join_job venv || echo "the venv's prefetch failed; making it again" >&2
 if setup_venv || skip_or_fail "could not make the Python virtualenv at $venv"; then
   section "Python: the wheel beside $venv's torch (a folder of this run), pytest python/tests"
   "$venv/bin/python" -m pip install --quiet --no-deps --no-index --target "$run_dir/site" "$wheel"

@@ -1,7 +1,13 @@
-"""CUDA tensors (run on the GPU machine by `bash .gpu/accept.sh torch`; skipped without a GPU):
-cuDNN plans (legacy algorithms and graph-API engines; spatial chunks at batch 1) against
-PyTorch's convolutions, on the current stream, with no host synchronisation after tuning,
-inside CUDA graphs."""
+"""CUDA tensors (run on the GPU machine by `bash .gpu/accept.sh first-contact` (a named
+selection) and `torch` (all); skipped without a GPU): cuDNN plans (legacy algorithms and
+graph-API engines; spatial chunks at batch 1) against PyTorch's convolutions, on the current
+stream, with no host synchronisation after tuning, inside CUDA graphs.
+
+No false pass: every test asserts that mucudnn ran the convolution (no fallback to PyTorch's)
+with the candidates it asked for, and a fallback warning from any layer fails the test. The
+parameter ids are stable names (accept.sh selects tests by them)."""
+
+import sys
 
 import pytest
 import torch
@@ -19,6 +25,39 @@ SHAPES = {
     "depthwise": ((8, 32, 14, 14), dict(out_channels=32, kernel_size=3, padding=1, groups=32)),
     "1x1": ((16, 64, 7, 7), dict(out_channels=64, kernel_size=1)),
 }
+
+
+#: The line mucudnn prints on stderr when a shape runs PyTorch's convolution instead.
+FALLBACK_WARNING = "runs PyTorch's convolution"
+
+
+@pytest.fixture(autouse=True)
+def no_fallback_warning(capsys, request):
+    """Fails a test during which any layer fell back to PyTorch's convolution (a test that
+    may record one sets ``request.node.allows_fallback``)."""
+    yield
+    err = capsys.readouterr().err
+    sys.stderr.write(err)  # kept in the test's report
+    if FALLBACK_WARNING in err and not getattr(request.node, "allows_fallback", False):
+        pytest.fail(f"a layer fell back to PyTorch's convolution:\n{err}")
+
+
+def ran_mucudnn(layer, candidates=None):
+    """The layer's report for its one tuned shape, after asserting that mucudnn ran it (no
+    fallback) with a non-empty list of plans per op, of `candidates` ("legacy": cuDNN's
+    algorithm numbers; "engines": graph-API configurations) when given."""
+    assert len(layer.plans) == 1, str(layer.plans)
+    report = next(iter(layer.plans.values()))
+    assert report.fallback is None, report.fallback
+    assert report.ops, str(report)
+    for op, info in report.ops.items():
+        algorithms = info["algorithms"]
+        assert algorithms, (op, info)
+        if candidates == "engines":
+            assert all(a.startswith("eng") for a in algorithms), (op, algorithms)
+        elif candidates == "legacy":
+            assert all(a.isdigit() for a in algorithms), (op, algorithms)
+    return report
 
 
 def pair(shape, kwargs, dtype, channels_last, **options):
@@ -49,7 +88,10 @@ def compare(ours, reference, x, tolerance):
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-@pytest.mark.parametrize("dtype, channels_last", [(torch.float32, False), (torch.float16, True)])
+@pytest.mark.parametrize(
+    "dtype, channels_last", [(torch.float32, False), (torch.float16, True)],
+    ids=["fp32-nchw", "fp16-nhwc"],
+)
 @pytest.mark.parametrize("candidates", ["legacy", "engines"])
 def test_matches_pytorch(name, dtype, channels_last, candidates):
     shape, kwargs = SHAPES[name]
@@ -58,12 +100,8 @@ def test_matches_pytorch(name, dtype, channels_last, candidates):
         max_candidates=8,
     )
     compare(ours, reference, x, 2e-2 if dtype == torch.float16 else 1e-2)
-    report = next(iter(ours.plans.values()))
-    algorithms = [a for info in report.ops.values() for a in info["algorithms"]]
-    if candidates == "engines":
-        assert all(a.startswith("eng") for a in algorithms), algorithms
-    else:
-        assert all(a.isdigit() for a in algorithms), algorithms
+    report = ran_mucudnn(ours, candidates)
+    assert report.tuned_ops == ("fwd", "bwd_data", "bwd_filter"), str(report)
 
 
 def test_no_host_synchronisation_after_tuning_and_other_streams():
@@ -83,6 +121,7 @@ def test_no_host_synchronisation_after_tuning_and_other_streams():
     expected = reference(x)
     error = ((y - expected).abs().max() / expected.abs().max()).item()
     assert error < 2e-2
+    ran_mucudnn(ours)
 
 
 def test_cuda_graph_capture_after_tuning():
@@ -104,6 +143,7 @@ def test_cuda_graph_capture_after_tuning():
     expected = reference(static_x)
     error = ((static_y - expected).abs().max() / expected.abs().max()).item()
     assert error < 1e-2
+    ran_mucudnn(ours)
 
 
 def test_untuned_shape_inside_capture_is_a_clear_error():
@@ -129,17 +169,25 @@ ND_LAYERS = {
 }
 
 
+#: (layer, dtype) whose problem may have no candidate in cuDNN: a grouped, strided 3-D half
+#: convolution. There the layer may fall back, with the reason recorded in its report; the
+#: outputs are still compared. Every other case must run mucudnn.
+MAY_HAVE_NO_CANDIDATE = {("conv3d-s2-g2-causal", torch.float16)}
+
+
 @pytest.mark.parametrize("name", sorted(ND_LAYERS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("candidates", ["legacy", "engines"])
-def test_nd_layers_match_pytorch(name, dtype, candidates):
+def test_nd_layers_match_pytorch(name, dtype, candidates, request):
     """Conv1d, Conv3d and the transposed layers on the GPU (issue 26): outputs and gradients
     against torch.nn; fp16 runs 3-D tensors channels_last_3d (NDHWC)."""
     ours_class, torch_class, shape, kwargs = ND_LAYERS[name]
+    may_fall_back = (name, dtype) in MAY_HAVE_NO_CANDIDATE
+    request.node.allows_fallback = may_fall_back
     torch.manual_seed(0)
     ours = ours_class(
-        shape[1], cache=False, fallback=False, candidates=candidates, workspace_limit="8MiB",
-        max_candidates=8, **kwargs,
+        shape[1], cache=False, fallback=may_fall_back, candidates=candidates,
+        workspace_limit="8MiB", max_candidates=8, **kwargs,
     ).cuda().to(dtype)
     reference = torch_class(shape[1], **kwargs).cuda().to(dtype)
     reference.load_state_dict(ours.state_dict())
@@ -150,7 +198,13 @@ def test_nd_layers_match_pytorch(name, dtype, candidates):
         x = x.contiguous(memory_format=torch.channels_last_3d)
     compare(ours, reference, x, 2e-2 if dtype == torch.float16 else 1e-2)
     report = next(iter(ours.plans.values()))
-    assert report.fallback is None, report.fallback
+    if may_fall_back and report.fallback is not None:
+        # Recorded, not a failure: no candidate supports the problem (or fits the limit).
+        assert report.fallback, str(report)
+        assert not report.ops, str(report)
+        print(f"{name} {dtype}: PyTorch's convolution, recorded reason: {report.fallback}")
+        return
+    ran_mucudnn(ours, candidates)
 
 
 SPATIAL_LAYERS = {
@@ -182,8 +236,7 @@ def test_spatial_plans_at_batch_1_fp16_channels_last_match_pytorch(name):
     reference = reference.to(memory_format=fmt)
     x = torch.randn(shape, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
     compare(ours, reference, x, 2e-2)
-    report = next(iter(ours.plans.values()))
-    assert report.fallback is None, report.fallback
+    report = ran_mucudnn(ours, "engines")
     assert report.layout in ("nhwc", "ndhwc"), report.layout
     assert report.spatial_ops == report.tuned_ops == ("fwd", "bwd_data", "bwd_filter"), str(report)
     axis = "d" if len(shape) == 5 else "h"

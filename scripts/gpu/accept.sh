@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # The GPU acceptance, one part per device call (docs/gpu.md). Built here, where Rust is, by
 # `bash scripts/gpu/build.sh` (it fills .gpu/ and copies this script there); run there, on the
-# GPU machine, from the repository root with .gpu carried along:
+# GPU machine, from the folder above .gpu (only .gpu needs to be carried):
 #
-#   bash .gpu/accept.sh          lists the parts, in priority order, with their time budgets
-#   bash .gpu/accept.sh PART     runs one part
+#   bash .gpu/accept.sh                 lists the parts, in priority order, with their minutes
+#   bash .gpu/accept.sh PART            runs one part (first-contact first, in every window)
+#   bash .gpu/accept.sh --check [PART]  here, on the CPU: every file each part needs is in .gpu,
+#                                       every Python script compiles, every test a step selects
+#                                       exists, and each part's step caps fit its minutes
 #
-# Every part runs under a budget (PART_BUDGET_S, default 480 s: a device call allows 600), each
-# step under what is left of it; a step that runs out is a failure, not a skip. It writes under
-# $OUT (default .gpu/out): PART.json (the summary: steps, status, seconds, the cuDNN loaded),
-# PART.log (every step's output, in order) and PART-files.tar.gz (the JSON reports, profiles
-# and tables the steps wrote), prints a short table last, and exits non-zero on any failure.
+# A GPU window is 15 minutes in all, the machine's start included, so a part is at most 5
+# minutes and every step has its own cap in seconds (not "what is left"): a step that runs out
+# says so and the part fails; each step's seconds are recorded, so caps can be set from
+# measurements. A part writes under $OUT (default .gpu/out): PART.json (steps, caps, status,
+# seconds, the GPU, the cuDNN loaded), PART.log (every step's output, in order) and
+# PART-files.tar.gz (the reports the steps wrote), prints a short table last, and exits
+# non-zero on any failure. accept.sh reads nothing outside .gpu/.
 #
-# One libcudnn per process: scripts/gpu/libs.sh links PyTorch's cuDNN by every name, and the
-# first step of every part proves that only one cuDNN folder loads.
+# One libcudnn per process: .gpu/libs.sh links PyTorch's cuDNN by every name, and a set-up step
+# of every part proves that only one cuDNN folder loads.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 case "$here" in
@@ -21,39 +26,506 @@ case "$here" in
   */scripts/gpu) cd "$here/../.." ;;
 esac
 G=.gpu
-PART_BUDGET_S=${PART_BUDGET_S:-480}
 # Engine configurations timed per (op, micro-batch size): bounded, so that a part fits its call.
 export MAX_CANDIDATES=${MAX_CANDIDATES:-8}
 
-# part|budget minutes|what it proves (priority order: the first parts matter most)
-PARTS="torch|6|the PyTorch package from the wheel: its CUDA tests, converted AlexNet and ResNet-50 against PyTorch (outputs, gradients; fp32, fp16 channels-last)
-torch-speed|8|the PyTorch package: step time and peak memory at 8/64/256 MiB per layer against cudnn.benchmark, and tuning time
-nd|8|3-D convolutions: the Wan VAE decoder's convolutions (480p x 17 frames, fp16 NDHWC, forward) and r3d_18 training (batch 8), mucudnn at 256 MiB and 1 GiB per layer against cudnn.benchmark: time and peak memory
-spatial|8|spatial splits at batch 1: the SDXL VAE decoder's convolutions (2048x2048, fp16 NHWC) and the Wan VAE decoder's (480p x 17 frames, fp16 NDHWC), forward, split=auto at 64 MiB, 256 MiB and 1 GiB per layer against cudnn.benchmark: time, peak memory, which layers split
-wall|8|the cuDNN wall and engines: the ignored GPU tests (float64 reference, PyTorch's results, offset micro-batches), a legacy AlexNet tune against the legacy H100 fixture, tune --verify fp32 and fp16
-engines|8|engine plans: AlexNet fp16/fp32 plans (legacy + engines) executed against PyTorch's cudnn.benchmark timed in the same run, and the tuning time
-c-abi|3|the C ABI clients: examples/c_client.c against cuDNN, examples/pytorch_ctypes.py against torch
-candle|5|mucudnn::candle on candle's CUDA device (built here only where nvcc is)
-train|5|the candle trainer (examples/candle_ddp.rs) on the GPU: the loss falls, and images/s with mucudnn's convolutions (NCCL, then host gradient sums) against candle's own conv2d in the same run (built here with nvcc or PyPI's CUDA wheels)"
+# part|minutes|what build.sh must make for it|what it proves, in priority order. The needs:
+# bin (the mucudnn CLI), tests (the Rust test executables), lib (the release libmucudnn.so and
+# the source package), wheel (the PyTorch package's wheel), pytest, diffusers (its wheels),
+# vae_bench, candle, candle_ddp.
+PARTS="first-contact|5|tests lib pytest|the widest surface in one call: set-up (one libcudnn, the package, CUDA), PyTorch's CUDA path (19 named tests: fp32 NCHW and fp16 channels-last, legacy and engines, grouped/strided, a side stream with no host sync, CUDA graphs, Conv3d, ConvTranspose2d, batch-1 spatial 2-D/3-D; no skip, no fallback), converted AlexNet fp16 against cudnn.benchmark (error, ms/step, peak memory, tuning), the cuDNN wall (legacy vs float64, offset micro-batches, timer and Find, plans vs PyTorch, 3-D/1-D, spatial, teardown, current context)
+torch|5|wheel pytest|the wheel installs and imports; every CUDA test of test_torch_cuda.py and library loading (no skip, no fallback); converted AlexNet fp32 and fp16 against PyTorch (outputs, gradients)
+torch-resnet50|5|wheel|converted ResNet-50 training step, fp32 and fp16 channels-last: mucudnn's and PyTorch's outputs and gradients against a float64 reference (mucudnn within 2x PyTorch's own error)
+torch-speed-resnet50-fp16|5|wheel|ResNet-50 fp16 channels-last at 64 MiB per layer against cudnn.benchmark: step time, peak memory, tuning time
+torch-speed-resnet50-fp32|5|wheel|ResNet-50 fp32 NCHW at 256 MiB per layer against cudnn.benchmark: step time, peak memory, tuning time
+torch-speed-alexnet-fp32|5|wheel|AlexNet fp32 NCHW at 256 MiB per layer against cudnn.benchmark: step time, peak memory, tuning time
+wall|5|tests|the whole cuDNN wall: every GPU test of src/backend/cudnn, tests/gpu_cudnn.rs (with PyTorch's cases), gpu_teardown.rs, current_context.rs
+wall-engines|5|tests|graph-API engines (tests/gpu_engines.rs): every op against the host reference, offset micro-batches, beta, names, the sweep, argument checks
+tune-legacy|5|bin|a legacy-only AlexNet fp32 tune, reported against the legacy H100 fixture (a report, never a failure), then tune --verify AlexNet fp32 with engines
+tune-fp16|5|bin|tune --verify AlexNet fp16 NHWC with legacy algorithms and engines
+engines-alexnet|5|bin|AlexNet's executed plans (fp16 NHWC, fp32 NCHW) against cudnn.benchmark timed in the same run
+engines-resnet50|5|bin|ResNet-50's distinct convolutions' executed plans against cudnn.benchmark timed in the same run
+engines-tuning|5|bin|the time to tune all of AlexNet's layers with engines from an empty cache
+nd-vae|5|bin wheel|Wan 2.1 VAE decoder convolutions (480p x 17 frames, fp16 NDHWC, forward, split=batch) at 1 GiB per layer against cudnn.benchmark: time, peak memory, error
+nd-r3d|5|bin wheel|r3d_18 training (batch 8, fp16 NDHWC) at 1 GiB per layer against cudnn.benchmark: step time, peak memory, loss and weight-gradient error
+spatial-sdxl|5|bin wheel|SDXL VAE decoder convolutions at 2048x2048 (fp16 NHWC, batch 1, split=auto) at 256 MiB per layer against cudnn.benchmark: time, peak memory, which layers split
+spatial-wan|5|bin wheel|Wan 2.1 VAE decoder convolutions (fp16 NDHWC, batch 1, split=auto) at 256 MiB per layer against cudnn.benchmark: time, peak memory, which layers split
+vae|5|wheel diffusers vae_bench|a real diffusers VAE decode (vae_bench.py) converted by mucudnn against cudnn.benchmark
+c-abi|3|lib|the C ABI clients: examples/c_client.c against cuDNN, examples/pytorch_ctypes.py against torch
+candle|5|candle|mucudnn::candle on candle's CUDA device (built with build.sh --with-candle, where nvcc is)
+train|5|candle_ddp|the candle trainer (examples/candle_ddp.rs) on the GPU: the loss falls, images/s against candle's own conv2d (build.sh --with-candle)"
+
+# The named selection of python/tests/test_torch_cuda.py that first-contact runs: fp32 NCHW
+# and fp16 channels-last with legacy algorithms and engines, plain and grouped/strided; a side
+# stream with no host synchronisation; CUDA-graph capture and the untuned shape under capture;
+# Conv3d fp32 NCDHW and fp16 NDHWC; ConvTranspose2d; batch-1 spatial plans in 2-D and 3-D.
+TORCH_CUDA=$G/python/tests/test_torch_cuda.py
+FIRST_CONTACT_TESTS=(
+  "$TORCH_CUDA::test_matches_pytorch[legacy-fp32-nchw-3x3]"
+  "$TORCH_CUDA::test_matches_pytorch[engines-fp32-nchw-3x3]"
+  "$TORCH_CUDA::test_matches_pytorch[legacy-fp16-nhwc-3x3]"
+  "$TORCH_CUDA::test_matches_pytorch[engines-fp16-nhwc-3x3]"
+  "$TORCH_CUDA::test_matches_pytorch[legacy-fp32-nchw-5x5-s2-g2]"
+  "$TORCH_CUDA::test_matches_pytorch[engines-fp32-nchw-5x5-s2-g2]"
+  "$TORCH_CUDA::test_matches_pytorch[legacy-fp16-nhwc-5x5-s2-g2]"
+  "$TORCH_CUDA::test_matches_pytorch[engines-fp16-nhwc-5x5-s2-g2]"
+  "$TORCH_CUDA::test_no_host_synchronisation_after_tuning_and_other_streams"
+  "$TORCH_CUDA::test_cuda_graph_capture_after_tuning"
+  "$TORCH_CUDA::test_untuned_shape_inside_capture_is_a_clear_error"
+  "$TORCH_CUDA::test_nd_layers_match_pytorch[legacy-fp32-conv3d]"
+  "$TORCH_CUDA::test_nd_layers_match_pytorch[engines-fp32-conv3d]"
+  "$TORCH_CUDA::test_nd_layers_match_pytorch[legacy-fp16-conv3d]"
+  "$TORCH_CUDA::test_nd_layers_match_pytorch[engines-fp16-conv3d]"
+  "$TORCH_CUDA::test_nd_layers_match_pytorch[legacy-fp32-convT2d]"
+  "$TORCH_CUDA::test_nd_layers_match_pytorch[engines-fp16-convT2d]"
+  "$TORCH_CUDA::test_spatial_plans_at_batch_1_fp16_channels_last_match_pytorch[conv2d]"
+  "$TORCH_CUDA::test_spatial_plans_at_batch_1_fp16_channels_last_match_pytorch[conv3d]"
+)
 
 list_parts() {
-  echo "bash .gpu/accept.sh PART   (each part under ${PART_BUDGET_S} s; run them in this order)"
-  printf '%-12s %8s  %s\n' part minutes "what it proves"
-  while IFS='|' read -r name minutes what; do
-    printf '%-12s %8s  %s\n' "$name" "$minutes" "$what"
+  echo "bash .gpu/accept.sh PART   (run first-contact first in every window; then in this order)"
+  printf '%-26s %7s  %s\n' part minutes "what it proves"
+  while IFS='|' read -r name minutes _ what; do
+    printf '%-26s %7s  %s\n' "$name" "$minutes" "$what"
   done <<< "$PARTS"
+  echo "bash .gpu/accept.sh --check [PART]   (on the build machine: is .gpu complete for it?)"
 }
 
+mode=run
+case "${1:-}" in
+  --check) mode=check && shift ;;
+  --steps) mode=steps && shift ;; # build.sh: the steps' commands, to build only what they run
+esac
 part=${1:-}
-if [ -z "$part" ]; then
+if [ -z "$part" ] && [ "$mode" = run ]; then
   list_parts
   exit 0
 fi
-if ! grep -q "^$part|" <<< "$PARTS"; then
+if [ "$mode" = steps ] && [ -z "$part" ]; then
+  echo "usage: accept.sh --steps PART" >&2
+  exit 2
+fi
+if [ -n "$part" ] && ! grep -q "^$part|" <<< "$PARTS"; then
   echo "unknown part '$part'" >&2
   list_parts >&2
   exit 2
 fi
+
+# step NAME CAP_S COMMAND...: runs COMMAND (a program, or a function of this script) under its
+# own cap of CAP_S seconds, its output into the part's log; records name, cap, status and
+# seconds. Under --check it only records the step and its command for the checker.
+step() {
+  local name=$1 cap=$2
+  shift 2
+  if [ "$mode" != run ]; then
+    {
+      printf '%s\t%s' "$name" "$cap"
+      printf '\t%s' "$@"
+      printf '\n'
+    } >> "$steps"
+    return 0
+  fi
+  local t0 rc
+  t0=$(date +%s)
+  echo "== $name (cap $cap s)" | tee -a "$log"
+  if declare -F "$1" > /dev/null; then
+    # A function of this script: run in a child bash that knows it, under the same cap.
+    export -f "$1"
+    timeout --kill-after=5 "$cap" bash -c '"$@"' _ "$@" >> "$log" 2>&1
+  else
+    timeout --kill-after=5 "$cap" "$@" >> "$log" 2>&1
+  fi
+  rc=$?
+  local status=ok
+  [ "$rc" -eq 0 ] || status="FAILED ($rc)"
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    status="FAILED: out of time (cap $cap s)"
+  fi
+  printf '%s\t%s\t%s\t%s\n' "$name" "$cap" "$status" "$(($(date +%s) - t0))" >> "$steps"
+  echo "== $name: $status" | tee -a "$log"
+  return "$rc"
+}
+
+# stop REASON: records why the rest of the part did not run (a failed set-up step).
+stop() {
+  [ "$mode" = run ] || return 0
+  printf '%s\t%s\t%s\t%s\n' "the rest of the part" 0 "not run: $1" 0 >> "$steps"
+  echo "== stopped: $1" | tee -a "$log"
+}
+
+# ------------------------------------------------------------------------------------------
+# Set-up steps (functions: each runs in a child bash under its step's cap).
+
+# The binaries travel xz-compressed (build.sh): unpacked into .gpu once.
+unpack() {
+  if [ -f .gpu/.unpacked ]; then
+    echo "already unpacked"
+  else
+    tar -xJvf .gpu/binaries.tar.xz -C .gpu && touch .gpu/.unpacked
+  fi
+}
+
+gpu_info() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$work/gpu.txt" &&
+    cat "$work/gpu.txt"
+}
+
+# The package imports (from PYTHONPATH: the wheel's folder or .gpu/python), its library loads,
+# and PyTorch sees a CUDA device; prints the versions.
+package_check() {
+  python3 - "$1" <<'PY'
+import sys
+import torch
+import mucudnn
+import mucudnn.torch  # noqa: F401 (registers the custom ops)
+where = sys.argv[1]
+assert mucudnn.__file__.startswith(where), f"imported {mucudnn.__file__}, not the one in {where}"
+assert mucudnn.version() == mucudnn.__version__, (mucudnn.version(), mucudnn.__version__)
+if not torch.cuda.is_available():
+    sys.exit(f"torch.cuda.is_available() is False (torch {torch.__version__}, "
+             f"CUDA {torch.version.cuda}): nothing below can run")
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
+      "| mucudnn", mucudnn.__version__, "from", mucudnn.__file__, "| library", mucudnn.library_path(),
+      "| GPU", torch.cuda.get_device_name())
+PY
+}
+
+# The wheel build.sh made, installed into a folder of this part (on PYTHONPATH, set below); and
+# pytest from wheels build.sh fetched, where the machine lacks it.
+wheel_install() {
+  local wheel
+  wheel=$(ls .gpu/mucudnn-*-py3-none-manylinux_2_28_x86_64.whl 2>/dev/null | head -n 1)
+  [ -n "$wheel" ] || { echo "no wheel in .gpu: run scripts/gpu/build.sh"; return 1; }
+  python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$work/site" "$wheel" ||
+    return 1
+  if ! python3 -c 'import pytest' 2>/dev/null; then
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$work/site" \
+      .gpu/wheels/*.whl || return 1
+  fi
+}
+
+# first-contact's package: the source package (PYTHONPATH, set by the part) with the release
+# library; pytest from the wheels build.sh fetched, where the machine lacks it; then the checks.
+source_package() {
+  if ! python3 -c 'import pytest' 2>/dev/null; then
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$work/site" \
+      .gpu/wheels/*.whl || return 1
+  fi
+  package_check "$1"
+}
+
+# diffusers from .gpu/wheels-vae, with those of its dependencies (recursively) that the machine
+# lacks or has in a version diffusers' requirements exclude: installed into the part's folder
+# on PYTHONPATH (the machine's own packages stay where they satisfy).
+diffusers_install() {
+  python3 - "$work/site" <<'PY' || return 1
+import glob, os, re, subprocess, sys, zipfile
+import importlib.metadata as metadata
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+
+def key(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+wheels = {key(os.path.basename(w).split("-")[0]): w for w in glob.glob(".gpu/wheels-vae/*.whl")}
+
+def requires(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    return [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+
+chosen, todo, missing = [], ["diffusers"], []
+while todo:
+    name = todo.pop()
+    if name in chosen:
+        continue
+    if name not in wheels:
+        missing.append(name)
+        continue
+    chosen.append(name)
+    for text in requires(wheels[name]):
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            if req.specifier.contains(metadata.version(req.name), prereleases=True):
+                continue  # the machine's own version satisfies it
+        except metadata.PackageNotFoundError:
+            pass
+        todo.append(key(req.name))
+if missing:
+    sys.exit(f"no wheel in .gpu/wheels-vae for {missing} (needed by diffusers here)")
+print("installing from .gpu/wheels-vae:", ", ".join(chosen))
+subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                "--no-compile", "--target", sys.argv[1], *(wheels[n] for n in chosen)], check=True)
+PY
+  python3 -c 'import diffusers; print("diffusers", diffusers.__version__, "from", diffusers.__file__)'
+}
+
+# pytest_strict JUNIT_XML PYTEST_ARGS...: pytest, and a failure on any skipped test too (a
+# CUDA test that skips on the GPU machine proves nothing).
+pytest_strict() {
+  local xml=$1
+  shift
+  python3 -m pytest -q -p no:cacheprovider -rs --junitxml="$xml" "$@" || return $?
+  python3 - "$xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+ran = sum(int(s.get("tests", 0)) for s in suites)
+skipped = sum(int(s.get("skipped", 0)) for s in suites)
+print(f"{ran} tests, {skipped} skipped")
+sys.exit(1 if skipped or not ran else 0)
+PY
+}
+
+# The common set-up: the binaries, the GPU, one libcudnn (25 s at most together).
+setup_binaries() {
+  step "unpack the binaries" 7 unpack &&
+    step "nvidia-smi" 5 gpu_info &&
+    step "one libcudnn (libs.sh)" 5 one_cudnn_check
+}
+
+# The set-up of the PyTorch parts: the GPU, one libcudnn, the wheel, torch sees CUDA.
+setup_wheel() {
+  export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
+  step "nvidia-smi" 5 gpu_info &&
+    step "one libcudnn (libs.sh)" 5 one_cudnn_check &&
+    step "the wheel installs" 30 wheel_install &&
+    step "the package imports, CUDA is available" 10 package_check "$work/site"
+}
+
+# ------------------------------------------------------------------------------------------
+# The parts: each a list of steps; their caps add up to the part's minutes at most.
+
+part_first_contact() {
+  # The source package with the release library (no wheel needed for this part).
+  export PYTHONPATH="$PWD/.gpu/python:$work/site${PYTHONPATH:+:$PYTHONPATH}"
+  export MUCUDNN_LIBRARY="$PWD/.gpu/c_abi/libmucudnn.so"
+  # 1. Set-up, 25 s.
+  if ! { step "unpack the binaries" 7 unpack &&
+    step "nvidia-smi" 5 gpu_info &&
+    step "one libcudnn (libs.sh)" 5 one_cudnn_check &&
+    step "the package imports, CUDA is available" 8 source_package "$PWD/.gpu/python"; }; then
+    stop "set-up failed (see the log)"
+    return
+  fi
+  # 2. PyTorch's CUDA path, 120 s: no skip, and the tests assert no fallback.
+  step "PyTorch's CUDA path: 19 tests of test_torch_cuda.py" 120 \
+    pytest_strict "$work/first-contact-pytest.xml" "${FIRST_CONTACT_TESTS[@]}"
+  # 3. Speed and memory, 80 s.
+  step "converted AlexNet fp16 channels-last against cudnn.benchmark" 80 \
+    python3 $G/torch_check.py "$work/torch" alexnet --mode first-contact \
+    --max-candidates "$MAX_CANDIDATES"
+  # 4. The cuDNN wall, 70 s.
+  step "legacy algorithms vs float64, offset micro-batches, timer and Find" 25 \
+    $G/lib-tests --include-ignored --test-threads=1 --exact \
+    backend::cudnn::tests::gpu_all_ops_and_algorithms_match_host \
+    backend::cudnn::tests::gpu_micro_batches_match_the_whole_batch \
+    backend::cudnn::tests::gpu_timer_and_find
+  step "PyTorch's cases for the plan tests" 10 python3 $G/torch_cases.py "$work/torch"
+  step "plans vs PyTorch, 3-D/1-D plans, spatial plans (gpu_cudnn.rs)" 25 \
+    env MUCUDNN_TORCH_DIR="$work/torch" $G/gpu-tests --include-ignored --nocapture \
+    --test-threads=1 --exact cudnn_plans_match_pytorch \
+    cudnn_3d_and_1d_plans_equal_undivided_and_the_host_reference \
+    spatial_plans_equal_undivided_and_the_host_reference
+  step "teardown on the caller's stream, graph capture (gpu_teardown.rs)" 6 \
+    $G/gpu-teardown --include-ignored --nocapture --test-threads=1 --exact \
+    releasing_a_plan_waits_for_the_callers_stream a_captured_plan_is_parked_and_the_graph_replays
+  step "the caller's current context (current_context.rs)" 4 \
+    $G/current-context --include-ignored --nocapture --test-threads=1 --exact \
+    no_current_context_stays_none
+}
+
+part_torch() {
+  setup_wheel || { stop "set-up failed (see the log)"; return; }
+  step "pytest: every CUDA test, library loading" 200 \
+    pytest_strict "$work/torch-pytest.xml" $G/python/tests/test_torch_cuda.py \
+    $G/python/tests/test_loader.py
+  step "converted AlexNet fp32 and fp16 against PyTorch (outputs, gradients)" 40 \
+    python3 $G/torch_check.py "$work/torch" alexnet --mode correctness \
+    --max-candidates "$MAX_CANDIDATES"
+}
+
+part_torch_resnet50() {
+  setup_wheel || { stop "set-up failed (see the log)"; return; }
+  step "ResNet-50 fp32 and fp16: outputs, gradients against float64" 240 \
+    python3 $G/torch_check.py "$work/torch" resnet50 --mode correctness \
+    --max-candidates "$MAX_CANDIDATES"
+}
+
+# torch_speed MODEL DTYPE LIMIT
+torch_speed() {
+  setup_wheel || { stop "set-up failed (see the log)"; return; }
+  step "$1 $2 at $3 per layer against cudnn.benchmark" 240 \
+    python3 $G/torch_check.py "$work/torch" "$1" --mode speed --dtype "$2" --limits "$3" \
+    --max-candidates "$MAX_CANDIDATES"
+}
+
+part_wall() {
+  setup_binaries || { stop "set-up failed (see the log)"; return; }
+  step "every GPU test of src/backend/cudnn" 90 \
+    $G/lib-tests backend::cudnn --include-ignored --test-threads=1
+  step "PyTorch's cases for the plan tests" 15 python3 $G/torch_cases.py "$work/torch"
+  step "plans: undivided, float64, PyTorch, 3-D/1-D, spatial (gpu_cudnn.rs)" 120 \
+    env MUCUDNN_TORCH_DIR="$work/torch" $G/gpu-tests --include-ignored --nocapture --test-threads=1
+  step "teardown on the caller's stream, graph capture (gpu_teardown.rs)" 15 \
+    $G/gpu-teardown --include-ignored --nocapture --test-threads=1
+  step "the caller's current context (current_context.rs, one GPU)" 10 \
+    $G/current-context --include-ignored --nocapture --test-threads=1 --exact \
+    no_current_context_stays_none
+}
+
+part_wall_engines() {
+  setup_binaries || { stop "set-up failed (see the log)"; return; }
+  step "graph-API engines (gpu_engines.rs)" 260 \
+    $G/gpu-engines --include-ignored --nocapture --test-threads=1
+}
+
+part_tune_legacy() {
+  setup_binaries || { stop "set-up failed (see the log)"; return; }
+  # Like with like: legacy algorithms against the legacy-only H100 fixture, as a report (it
+  # was measured by other code at another offset, maybe on another card).
+  step "tune AlexNet fp32, legacy algorithms" 110 \
+    $G/mucudnn tune --model alexnet --batch 256 --dtype fp32 --layout nchw \
+    --workspace-limit 64MiB --device cuda --candidates legacy \
+    --save-profile "$work/alexnet-fp32-legacy.json" --cache "$work/cache.sqlite"
+  step "report: legacy best times against the legacy H100 fixture" 10 \
+    python3 $G/compare_profile.py "$work/alexnet-fp32-legacy.json" $G/h100-alexnet-profile.json
+  step "tune --verify AlexNet fp32 (legacy + engines)" 150 \
+    $G/mucudnn tune --model alexnet --batch 256 --dtype fp32 --layout nchw \
+    --workspace-limit 64MiB --device cuda --candidates all --max-candidates "$MAX_CANDIDATES" \
+    --cache "$work/cache.sqlite" --verify
+}
+
+part_tune_fp16() {
+  setup_binaries || { stop "set-up failed (see the log)"; return; }
+  step "tune --verify AlexNet fp16 NHWC (legacy + engines)" 260 \
+    $G/mucudnn tune --model alexnet --batch 256 --dtype fp16 --layout nhwc \
+    --workspace-limit 64MiB --device cuda --candidates all --max-candidates "$MAX_CANDIDATES" \
+    --cache "$work/cache.sqlite" --verify
+}
+
+# engines WHAT: engines against PyTorch timed in the same run (never against the fixture).
+engines() {
+  setup_binaries || { stop "set-up failed (see the log)"; return; }
+  step "$1: plans against cudnn.benchmark" 260 \
+    env G=$G OUT="$work/engines" bash $G/engines_vs_torch.sh "$1"
+}
+
+# bench SCRIPT PARTS LIMIT [ARGS...]: one benchmark of nd_bench.py / spatial_bench.py, one
+# workload, one limit.
+bench() {
+  local script=$1 workload=$2 limit=$3
+  shift 3
+  setup_wheel || { stop "set-up failed (see the log)"; return; }
+  step "$workload at $limit per layer against cudnn.benchmark ($script)" 240 \
+    python3 "$G/$script" "$work/bench" --parts "$workload" --limits "$limit" \
+    --mucudnn $G/mucudnn --max-candidates "$MAX_CANDIDATES" "$@"
+}
+
+part_vae() {
+  if [ ! -f $G/vae_bench.py ]; then
+    step "vae_bench.py is in .gpu" 1 sh -c "echo 'no .gpu/vae_bench.py (build.sh ships vae_bench.py when the repository has it)'; exit 1"
+    return
+  fi
+  setup_wheel || { stop "set-up failed (see the log)"; return; }
+  step "diffusers installs from .gpu/wheels-vae" 30 diffusers_install ||
+    { stop "diffusers did not install"; return; }
+  step "diffusers VAE decode against cudnn.benchmark (vae_bench.py)" 200 \
+    python3 $G/vae_bench.py "$work/vae"
+}
+
+part_c_abi() {
+  step "nvidia-smi" 5 gpu_info
+  step "C and PyTorch ctypes clients" 150 env OUT="$work/c-abi" bash $G/c_abi_check.sh run
+}
+
+part_candle() {
+  if [ -f $G/candle/NOT-BUILT ]; then
+    step "candle was built" 1 sh -c "cat $G/candle/NOT-BUILT; exit 1"
+  else
+    step "candle on CUDA" 280 env OUT="$work/candle" bash $G/candle_check.sh run
+  fi
+}
+
+part_train() {
+  if [ -f $G/candle_ddp/NOT-BUILT ]; then
+    step "the candle trainer was built" 1 sh -c "cat $G/candle_ddp/NOT-BUILT; exit 1"
+  else
+    step "candle trainer: mucudnn against candle's conv2d, NCCL against host sums" 280 \
+      env OUT="$work/train" bash $G/candle_ddp_check.sh run
+  fi
+}
+
+run_part() {
+  case "$1" in
+    first-contact) part_first_contact ;;
+    torch) part_torch ;;
+    torch-resnet50) part_torch_resnet50 ;;
+    torch-speed-resnet50-fp16) torch_speed resnet50 fp16 64MiB ;;
+    torch-speed-resnet50-fp32) torch_speed resnet50 fp32 256MiB ;;
+    torch-speed-alexnet-fp32) torch_speed alexnet fp32 256MiB ;;
+    wall) part_wall ;;
+    wall-engines) part_wall_engines ;;
+    tune-legacy) part_tune_legacy ;;
+    tune-fp16) part_tune_fp16 ;;
+    engines-alexnet) engines alexnet ;;
+    engines-resnet50) engines resnet50 ;;
+    engines-tuning) engines tuning ;;
+    nd-vae) bench nd_bench.py vae 1GiB ;;
+    nd-r3d) bench nd_bench.py r3d 1GiB ;;
+    spatial-sdxl) bench spatial_bench.py sdxl 256MiB ;;
+    spatial-wan) bench spatial_bench.py wan 256MiB ;;
+    vae) part_vae ;;
+    c-abi) part_c_abi ;;
+    candle) part_candle ;;
+    train) part_train ;;
+    *)
+      echo "part $1 has no steps" >&2
+      return 2
+      ;;
+  esac
+}
+
+# ------------------------------------------------------------------------------------------
+# --steps PART: each step's name, cap and command, tab-separated (nothing runs).
+
+if [ "$mode" = steps ]; then
+  work=$(mktemp -d)
+  steps=/dev/stdout
+  run_part "$part"
+  rm -rf "$work"
+  exit 0
+fi
+
+# ------------------------------------------------------------------------------------------
+# --check: on the build machine, no GPU.
+
+if [ "$mode" = check ]; then
+  [ -f $G/libs.sh ] || { echo "no $G/libs.sh: run scripts/gpu/build.sh" >&2; exit 1; }
+  names=$part
+  [ -n "$names" ] || names=$(cut -d'|' -f1 <<< "$PARTS")
+  failed=0
+  for name in $names; do
+    work=$(mktemp -d)
+    steps="$work/steps.tsv"
+    : > "$steps"
+    run_part "$name"
+    needs=$(grep "^$name|" <<< "$PARTS" | cut -d'|' -f3)
+    minutes=$(grep "^$name|" <<< "$PARTS" | cut -d'|' -f2)
+    python3 $G/check_part.py "$name" "$minutes" "$needs" "$steps" || failed=1
+    rm -rf "$work"
+  done
+  exit "$failed"
+fi
+
+# ------------------------------------------------------------------------------------------
+# Running a part.
 
 OUT=${OUT:-$PWD/.gpu/out}
 mkdir -p "$OUT"
@@ -65,150 +537,12 @@ log="$OUT/$part.log"
 steps="$work/steps.tsv"
 : > "$steps"
 started=$(date +%s)
-
-# step NAME COMMAND...: runs COMMAND with what is left of the part's budget, its output into
-# the part's log; records name, exit status and seconds.
-step() {
-  local name=$1
-  shift
-  local left=$((PART_BUDGET_S - ($(date +%s) - started)))
-  if [ "$left" -lt 5 ]; then
-    printf '%s\t%s\t%s\n' "$name" "budget spent, not run" 0 >> "$steps"
-    echo "== $name: not run, the part's ${PART_BUDGET_S} s are spent" | tee -a "$log"
-    return 1
-  fi
-  local t0 rc
-  t0=$(date +%s)
-  echo "== $name (at most $left s)" | tee -a "$log"
-  if declare -F "$1" > /dev/null; then
-    "$@" >> "$log" 2>&1 # a function of this script (it may export): no timeout of its own
-  else
-    timeout --kill-after=10 "$left" "$@" >> "$log" 2>&1
-  fi
-  rc=$?
-  local status=ok
-  [ "$rc" -eq 0 ] || status="FAILED ($rc)"
-  [ "$rc" -eq 124 ] && status="FAILED (out of time after $left s)"
-  printf '%s\t%s\t%s\n' "$name" "$status" "$(($(date +%s) - t0))" >> "$steps"
-  echo "== $name: $status" | tee -a "$log"
-  return "$rc"
-}
-
-# The binaries travel xz-compressed (build.sh): unpacked into .gpu once.
-if [ -f $G/binaries.tar.xz ] && [ ! -f $G/.unpacked ]; then
-  tar -xJf $G/binaries.tar.xz -C $G && touch $G/.unpacked
-fi
-
-# The machine and one cuDNN.
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$work/gpu.txt" 2>&1
-OUT="$work" source scripts/gpu/libs.sh
-step "one libcudnn loads (libs.sh)" one_cudnn_check
-
-# The Python package: the wheel that build.sh made, installed into a folder of this part, on
-# PYTHONPATH; pytest from wheels build.sh fetched, where the machine lacks it.
-python_package() {
-  local wheel
-  wheel=$(ls $G/mucudnn-*-py3-none-manylinux_2_28_x86_64.whl 2>/dev/null | head -n 1)
-  [ -n "$wheel" ] || { echo "no wheel in $G: run scripts/gpu/build.sh"; return 1; }
-  python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$work/site" \
-    "$wheel" || return 1
-  if ! python3 -c 'import pytest' 2>/dev/null; then
-    python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$work/site" \
-      $G/wheels/*.whl || return 1
-  fi
-  export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
-  export XDG_CACHE_HOME="$work/xdg" # mucudnn's runtime links (python/mucudnn/_lib.py)
-  python3 - "$work/site" <<'PY'
-import sys
-import torch, mucudnn
-assert mucudnn.__file__.startswith(sys.argv[1]), f"imported {mucudnn.__file__}, not the wheel"
-assert mucudnn.version() == mucudnn.__version__, (mucudnn.version(), mucudnn.__version__)
-print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
-      "| mucudnn", mucudnn.__version__, "from", mucudnn.__file__, "| library", mucudnn.library_path(),
-      "| GPU", torch.cuda.get_device_name())
-PY
-}
-
-case "$part" in
-  torch)
-    step "the wheel installs and imports" python_package &&
-      step "pytest: CUDA tests and library loading" python3 -m pytest -q -p no:cacheprovider -rs \
-        python/tests/test_torch_cuda.py python/tests/test_loader.py
-    step "converted AlexNet and ResNet-50 against PyTorch (outputs, gradients)" \
-      python3 $G/torch_check.py "$work/torch" alexnet resnet50 --mode correctness \
-      --max-candidates "$MAX_CANDIDATES"
-    ;;
-  torch-speed)
-    step "the wheel installs and imports" python_package &&
-      step "step time and peak memory against cudnn.benchmark" \
-        python3 $G/torch_check.py "$work/torch" alexnet resnet50 --mode speed \
-        --max-candidates "$MAX_CANDIDATES"
-    ;;
-  nd)
-    step "the wheel installs and imports" python_package &&
-      step "Wan VAE decoder convs and r3d_18 training against cudnn.benchmark" \
-        python3 $G/nd_bench.py "$work/nd" --mucudnn $G/mucudnn \
-        --max-candidates "$MAX_CANDIDATES"
-    ;;
-  spatial)
-    step "the wheel installs and imports" python_package &&
-      step "SDXL and Wan VAE decoder convs, split=auto, against cudnn.benchmark" \
-        python3 $G/spatial_bench.py "$work/spatial" --mucudnn $G/mucudnn \
-        --max-candidates "$MAX_CANDIDATES"
-    ;;
-  wall)
-    step "cuDNN wall unit tests (lib, ignored GPU tests included)" \
-      $G/lib-tests backend::cudnn --include-ignored --test-threads=1
-    step "PyTorch's cases for the plan tests" python3 $G/torch_cases.py "$work/torch"
-    step "plans: undivided, float64 reference, PyTorch (tests/gpu_cudnn.rs)" \
-      env MUCUDNN_TORCH_DIR="$work/torch" $G/gpu-tests --include-ignored --nocapture --test-threads=1
-    step "graph-API engines (tests/gpu_engines.rs)" \
-      $G/gpu-engines --include-ignored --nocapture --test-threads=1
-    step "teardown on the caller's stream, graph capture (tests/gpu_teardown.rs)" \
-      $G/gpu-teardown --include-ignored --nocapture --test-threads=1
-    step "the caller's current context (tests/current_context.rs, one GPU)" \
-      $G/current-context --include-ignored --nocapture --test-threads=1 \
-      no_current_context_stays_none
-    # Like with like: legacy algorithms against the legacy-only H100 fixture.
-    step "tune AlexNet fp32, legacy algorithms" \
-      $G/mucudnn tune --model alexnet --batch 256 --dtype fp32 --layout nchw \
-      --workspace-limit 64MiB --device cuda --candidates legacy \
-      --save-profile "$work/alexnet-fp32-legacy.json" --cache "$work/cache.sqlite"
-    step "legacy profile within 15% of the legacy H100 fixture" \
-      python3 $G/compare_profile.py "$work/alexnet-fp32-legacy.json" $G/h100-alexnet-profile.json
-    step "tune --verify AlexNet fp32 (legacy + engines)" \
-      $G/mucudnn tune --model alexnet --batch 256 --dtype fp32 --layout nchw \
-      --workspace-limit 64MiB --device cuda --candidates all --max-candidates "$MAX_CANDIDATES" \
-      --cache "$work/cache.sqlite" --verify
-    step "tune --verify AlexNet fp16 NHWC (legacy + engines)" \
-      $G/mucudnn tune --model alexnet --batch 256 --dtype fp16 --layout nhwc \
-      --workspace-limit 64MiB --device cuda --candidates all --max-candidates "$MAX_CANDIDATES" \
-      --cache "$work/cache.sqlite" --verify
-    ;;
-  engines)
-    # Engines against PyTorch timed in the same run (never against the legacy fixture).
-    step "AlexNet plans against cudnn.benchmark, and tuning time" \
-      env G=$G OUT="$work/engines" bash $G/engines_vs_torch.sh alexnet tuning
-    ;;
-  c-abi)
-    step "C and PyTorch ctypes clients" env OUT="$work/c-abi" bash $G/c_abi_check.sh run
-    ;;
-  candle)
-    if [ -f $G/candle/NOT-BUILT ]; then
-      step "candle was built" sh -c "cat $G/candle/NOT-BUILT; exit 1"
-    else
-      step "candle on CUDA" env OUT="$work/candle" bash $G/candle_check.sh run
-    fi
-    ;;
-  train)
-    if [ -f $G/candle_ddp/NOT-BUILT ]; then
-      step "the candle trainer was built" sh -c "cat $G/candle_ddp/NOT-BUILT; exit 1"
-    else
-      step "candle trainer: mucudnn against candle's conv2d, NCCL against host sums" \
-        env OUT="$work/train" bash $G/candle_ddp_check.sh run
-    fi
-    ;;
-esac
+# One cuDNN for every step (LD_LIBRARY_PATH), and one_cudnn_check.
+OUT="$work" source $G/libs.sh
+export -f one_cudnn_check package_check
+# mucudnn's runtime links (python/mucudnn/_lib.py) in a folder of this part.
+export work XDG_CACHE_HOME="$work/xdg"
+run_part "$part"
 
 # The summary: JSON, the files the steps wrote, the table.
 tar -czf "$OUT/$part-files.tar.gz" -C "$work" --exclude=site --exclude=xdg --exclude=lib-links \
@@ -224,17 +558,17 @@ def text(name):
         return None
 doc = {
     "part": part,
-    "passed": bool(rows) and all(status == "ok" for _, status, _ in rows),
+    "passed": bool(rows) and all(status == "ok" for _, _, status, _ in rows),
     "seconds": int(seconds),
     "gpu": text("gpu.txt"),
     "libraries": text("libraries.txt"),
-    "steps": [{"name": n, "status": s, "seconds": int(t)} for n, s, t in rows],
+    "steps": [{"name": n, "cap_s": int(c), "status": s, "seconds": int(t)} for n, c, s, t in rows],
 }
 json.dump(doc, open(out, "w"), indent=1)
 print()
-print(f"{'step':<72} {'status':<24} {'s':>5}")
-for n, s, t in rows:
-    print(f"{n[:72]:<72} {s:<24} {t:>5}")
+print(f"{'step':<70} {'status':<34} {'s':>4} {'cap':>4}")
+for n, c, s, t in rows:
+    print(f"{n[:70]:<70} {s[:34]:<34} {t:>4} {c:>4}")
 print(f"part {part}: {'PASSED' if doc['passed'] else 'FAILED'} in {seconds} s "
       f"({doc['gpu']}); log {out[:-5]}.log")
 sys.exit(0 if doc["passed"] else 1)

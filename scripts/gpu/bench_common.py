@@ -24,10 +24,13 @@ import torch.nn as nn
 
 
 def add_arguments(parser, parts):
-    """The options both scripts take: OUT_DIR, --parts (default `parts`), --mucudnn and
-    --max-candidates."""
+    """The options both scripts take: OUT_DIR, --parts (default `parts`), --limits (default:
+    the script's LIMITS), --mucudnn and --max-candidates."""
     parser.add_argument("out", type=Path)
     parser.add_argument("--parts", default=parts)
+    parser.add_argument("--limits", default=None,
+                        help="comma-separated workspace limits per layer (accept.sh: one per "
+                             "part, so that a part fits its call)")
     parser.add_argument("--mucudnn", default=None,
                         help="the mucudnn binary (default: .gpu/mucudnn, else on PATH)")
     parser.add_argument("--max-candidates", type=int, default=8)
@@ -262,11 +265,26 @@ def mib(value):
     return "-" if value is None else f"{value:.0f}"
 
 
+def limits_of(args, default):
+    """The limits to measure: --limits, else the script's `default`."""
+    return tuple(args.limits.split(",")) if args.limits else tuple(default)
+
+
+def fallback_layers(model):
+    """The converted layers of `model` that run PyTorch's convolution for some shape, with the
+    reason: a bench fails on any (it would time PyTorch against itself)."""
+    return [f"{name}: {report.fallback}" for name, module in model.named_modules()
+            if hasattr(module, "plans") for report in module.plans.values()
+            if report.fallback is not None]
+
+
 def goal(rows, limit, time_key, strictly_below):
     """At `limit` per layer: no slower than PyTorch in `time_key`, with peak memory below
     PyTorch's (`strictly_below`, reported as memory_below) or at or below it
-    (memory_at_or_below); None on the CPU."""
+    (memory_at_or_below); None on the CPU. None where `limit` was not measured."""
     by = {r["variant"]: r for r in rows}
+    if limit not in by:
+        return None
     ours, torch_row = by[limit], by["pytorch"]
     faster = ours[time_key] <= torch_row[time_key]
     if ours["peak_extra_mib"] is None:

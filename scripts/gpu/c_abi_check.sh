@@ -7,9 +7,8 @@
 #   bash scripts/gpu/c_abi_check.sh run     # on the GPU machine, with .gpu carried along:
 #                                           # compiles and runs both clients
 #
-# With the device tool: command `bash scripts/gpu/c_abi_check.sh run`, carry [".gpu"]. The GPU
-# machine has no Rust toolchain; the header, the examples and this script come with the working
-# tree. Logs go under $OUT (default /tmp/mucudnn-c-abi); a summary is printed last.
+# With the device tool: command `bash .gpu/c_abi_check.sh run`, carry [".gpu"]. The GPU
+# machine has no Rust toolchain; the header and the examples travel in .gpu/c_abi/. Logs go under $OUT (default /tmp/mucudnn-c-abi); a summary is printed last.
 set -uo pipefail
 # From the repository root, whether run from scripts/gpu/ or from .gpu/ (build.sh copies it).
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,9 +23,15 @@ build() {
   local exclude
   exclude=$(git rev-parse --git-path info/exclude)
   grep -qx '.gpu/' "$exclude" 2>/dev/null || echo '.gpu/' >> "$exclude"
-  cargo build --release --locked --lib
+  # With a test target in the same call, cargo resolves features as `cargo test --release`
+  # does (dev-dependencies unified), so this is the library build.sh's test executables link,
+  # not a second build of it that overwrites theirs (a cdylib's file name has no hash) and
+  # makes every later call rebuild it.
+  cargo build --release --locked --lib --test current_context
   cp "${CARGO_TARGET_DIR:-target}/release/libmucudnn.so" .gpu/c_abi/libmucudnn.so
   strip --strip-debug .gpu/c_abi/libmucudnn.so
+  # The clients and the header travel in .gpu: a run carrying only .gpu works.
+  cp examples/c_client.c examples/pytorch_ctypes.py include/mucudnn.h .gpu/c_abi/
   du -sh .gpu/c_abi/libmucudnn.so
   echo "now run on the GPU machine: bash scripts/gpu/c_abi_check.sh run   (carry .gpu)"
 }
@@ -68,7 +73,7 @@ run() {
   # One libcudnn (scripts/gpu/libs.sh: PyTorch's, linked by every name, else the system's):
   # the C client links exactly that libcudnn.so.9, mucudnn loads the same file, and the
   # header comes from the same build where it has one.
-  OUT="$out" source scripts/gpu/libs.sh
+  OUT="$out" source .gpu/libs.sh
   if [ -L "$out/lib-links/libcudnn.so" ]; then
     cudnn_lib=$(readlink -f "$out/lib-links/libcudnn.so")
     cudnn_h=$(first "$(dirname "$(dirname "$cudnn_lib")")/include/cudnn.h" /usr/include/cudnn.h \
@@ -94,7 +99,7 @@ run() {
     # another cuDNN folder than the one chosen.
     local wheel_libs
     wheel_libs=$(ls -d "$site"/nvidia/*/lib 2>/dev/null | grep -v '/nvidia/cudnn/lib$' | tr '\n' ':')
-    cc -std=c11 -O2 -Wall -Wextra examples/c_client.c -I include -I "$cuda_inc" \
+    cc -std=c11 -O2 -Wall -Wextra "$lib_dir/c_client.c" -I "$lib_dir" -I "$cuda_inc" \
       -I "$(dirname "$cudnn_h")" -L "$lib_dir" -lmucudnn "$cudnn_lib" "$cudart" -lm \
       -Wl,-rpath,"$lib_dir" -Wl,-rpath,"$(dirname "$cudnn_lib")" -Wl,-rpath,"$(dirname "$cudart")" \
       -o "$out/c_client" > "$out/c_client-build.txt" 2>&1
@@ -111,7 +116,7 @@ run() {
     status "compile examples/c_client.c (CUDA or cuDNN headers/libraries not found)" 1
   fi
 
-  python3 examples/pytorch_ctypes.py "$lib_dir/libmucudnn.so" > "$out/pytorch_ctypes.txt" 2>&1
+  python3 "$lib_dir/pytorch_ctypes.py" "$lib_dir/libmucudnn.so" > "$out/pytorch_ctypes.txt" 2>&1
   status "PyTorch through ctypes (examples/pytorch_ctypes.py)" $?
 
   cat "$out/gpu.txt"

@@ -45,9 +45,10 @@ import mucudnn.torch as mt
 
 # The shared parts lie next to this script (scripts/gpu/ here, .gpu/ on the GPU machine).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (Clock, add_arguments, channels_last, device_setup, goal,  # noqa: E402
-                          layer_errors, mib, mucudnn_binary, report_header, time_layers,
-                          tune_forward, zoo_convolutions, zoo_layers)
+from bench_common import (Clock, add_arguments, channels_last, device_setup,  # noqa: E402
+                          fallback_layers, goal, layer_errors, limits_of, mib, mucudnn_binary,
+                          relative_error, report_header, time_layers, tune_forward,
+                          zoo_convolutions, zoo_layers)
 
 LIMITS = ("256MiB", "1GiB")
 
@@ -115,9 +116,11 @@ def bench_vae(args, device, dtype, clock, report):
                         args.vae_extra)
     modules, inputs, counts, names = zoo_convolutions(layers, device, dtype)
     rows, reference = [], None
-    for variant in ("pytorch",) + LIMITS:
+    for variant in ("pytorch",) + args.limit_list:
+        # split="batch": batch 1 has no micro-batches, so these are the undivided plans; the
+        # spatial part (spatial_bench.py) covers split="auto".
         model = modules if variant == "pytorch" else mt.convert_(
-            copy.deepcopy(modules), workspace_limit=variant, cache=args.cache,
+            copy.deepcopy(modules), workspace_limit=variant, split="batch", cache=args.cache,
             max_candidates=args.max_candidates)
         model.eval()
         tuning = 0.0
@@ -133,6 +136,7 @@ def bench_vae(args, device, dtype, clock, report):
         rows.append(dict(variant=variant, total_ms=total, peak_extra_mib=peak,
                          device_peak_mib=device_peak, tuning_s=tuning, tuned_ops=tuned_ops,
                          max_rel_err=error,
+                         fallbacks=[] if variant == "pytorch" else fallback_layers(model),
                          layers=[dict(layer=n, count=c, ms=ms)
                                  for n, c, ms in zip(names, counts, per_layer)]))
         print(f"vae {variant:<8} {total:10.2f} ms  peak {peak} MiB  err {error:.2e}", flush=True)
@@ -147,8 +151,11 @@ def bench_r3d(args, device, dtype, clock, report):
     base = base.to(device=device, dtype=dtype).to(memory_format=torch.channels_last_3d)
     x = channels_last(torch.randn(args.r3d_batch, 3, *args.r3d_clip, device=device).to(dtype))
     target = torch.randint(0, 10, (args.r3d_batch,), device=device)
-    rows, reference = [], None
-    for variant in ("pytorch",) + LIMITS:
+    rows, reference, reference_grads = [], None, None
+    # A few weight gradients beside the loss: the stem, one in the middle, the last conv.
+    convs = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Conv3d)]
+    checked = [convs[0], convs[len(convs) // 2], convs[-1]]
+    for variant in ("pytorch",) + args.limit_list:
         model = copy.deepcopy(base)
         tuning = 0.0
         if variant != "pytorch":
@@ -161,6 +168,8 @@ def bench_r3d(args, device, dtype, clock, report):
         # The first step's loss against PyTorch's, from the same weights.
         loss0 = F.cross_entropy(model(x).float()[:, :10], target)
         loss0.backward()
+        modules = dict(model.named_modules())
+        grads = [modules[n].weight.grad.detach().float().cpu() for n in checked]
         model.zero_grad(set_to_none=True)
 
         def step():
@@ -173,10 +182,15 @@ def bench_r3d(args, device, dtype, clock, report):
         loss0 = loss0.item()
         error = 0.0 if reference is None else abs(loss0 - reference) / max(abs(reference), 1e-12)
         reference = loss0 if reference is None else reference
+        grad_error = 0.0 if reference_grads is None else max(
+            relative_error(g, r) for g, r in zip(grads, reference_grads))
+        reference_grads = grads if reference_grads is None else reference_grads
         rows.append(dict(variant=variant, step_ms=ms, peak_extra_mib=peak,
-                         device_peak_mib=device_peak, tuning_s=tuning, loss_rel_err=error))
-        print(f"r3d {variant:<8} {ms:10.2f} ms/step  peak {peak} MiB  loss err {error:.2e}",
-              flush=True)
+                         device_peak_mib=device_peak, tuning_s=tuning, loss_rel_err=error,
+                         grad_rel_err=grad_error, grads_checked=checked,
+                         fallbacks=[] if variant == "pytorch" else fallback_layers(model)))
+        print(f"r3d {variant:<8} {ms:10.2f} ms/step  peak {peak} MiB  loss err {error:.2e}  "
+              f"weight-gradient err {grad_error:.2e}", flush=True)
         del model
     report["r3d"] = dict(model=source, batch=args.r3d_batch, clip=list(args.r3d_clip), rows=rows)
 
@@ -198,7 +212,8 @@ def main():
         args.vae_extra = []
         args.r3d_width, args.r3d_batch, args.r3d_clip = 64, 8, (16, 112, 112)
     clock = Clock(device)
-    report = report_header(device, args.smoke, LIMITS)
+    args.limit_list = limits_of(args, LIMITS)
+    report = report_header(device, args.smoke, args.limit_list)
     parts = args.parts.split(",")
     if "vae" in parts:
         bench_vae(args, device, dtype, clock, report)
@@ -207,8 +222,12 @@ def main():
         bench_r3d(args, device, dtype, clock, report)
         report["r3d"]["goal_at_1GiB"] = goal(report["r3d"]["rows"], "1GiB", "step_ms", False)
     failures = [f"{part} {r['variant']}: {key} {r[key]:.2e} > {tolerance}"
-                for part, key in (("vae", "max_rel_err"), ("r3d", "loss_rel_err"))
+                for part, key in (("vae", "max_rel_err"), ("r3d", "loss_rel_err"),
+                                  ("r3d", "grad_rel_err"))
                 if part in report for r in report[part]["rows"] if r[key] > tolerance]
+    failures += [f"{part} {r['variant']}: fallback to PyTorch's convolution: {f}"
+                 for part in ("vae", "r3d") if part in report
+                 for r in report[part]["rows"] for f in r["fallbacks"]]
     # The decoder runs under no_grad: tuning the backward ops would triple its tuning time.
     failures += [f"vae {r['variant']}: tuned {r['tuned_ops']}, not the forward alone"
                  for r in report.get("vae", {}).get("rows", [])
@@ -227,6 +246,9 @@ def main():
             print(f"{what:<34} {r['variant']:<8} {r[key]:10.2f} {peak:>9} {dev:>10} "
                   f"{r['tuning_s']:9.1f}")
         g = report[part]["goal_at_1GiB"]
+        if g is None:
+            print("  goal at 1 GiB: not measured (--limits)")
+            continue
         print(f"  goal at 1 GiB: not slower {g['not_slower']}, memory at or below "
               f"{g['memory_at_or_below']}")
     for failure in failures:

@@ -47,9 +47,9 @@ import mucudnn.torch as mt
 
 # The shared parts lie next to this script (scripts/gpu/ here, .gpu/ on the GPU machine).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import (Clock, add_arguments, device_setup, goal, layer_errors,  # noqa: E402
-                          mib, mucudnn_binary, report_header, time_layers, tune_forward,
-                          zoo_convolutions, zoo_layers)
+from bench_common import (Clock, add_arguments, device_setup, fallback_layers,  # noqa: E402
+                          goal, layer_errors, limits_of, mib, mucudnn_binary, report_header,
+                          time_layers, tune_forward, zoo_convolutions, zoo_layers)
 
 LIMITS = ("64MiB", "256MiB", "1GiB")
 GOAL_LIMIT = "256MiB"
@@ -81,7 +81,7 @@ def bench_part(args, part, device, dtype, clock, report, write):
     rows, reference = [], None
     report[part] = dict(model=model_name, layers=len(layers), convolutions=sum(counts),
                         split=args.split, rows=rows)
-    for variant in ("pytorch",) + LIMITS:
+    for variant in ("pytorch",) + args.limit_list:
         started_variant = time.perf_counter()
         model = modules if variant == "pytorch" else mt.convert_(
             copy.deepcopy(modules), workspace_limit=variant, split=args.split, cache=args.cache,
@@ -101,6 +101,7 @@ def bench_part(args, part, device, dtype, clock, report, write):
             variant=variant, total_ms=total, peak_extra_mib=peak, device_peak_mib=device_peak,
             tuning_s=tuning, seconds=time.perf_counter() - started_variant, tuned_ops=tuned_ops,
             max_rel_err=error, spatial_layers=spatial,
+            fallbacks=[] if variant == "pytorch" else fallback_layers(model),
             layers=[dict(layer=n, count=c, ms=ms, peak_extra_mib=p, split=s)
                     for n, c, ms, p, s in zip(names, counts, per_layer, peaks, splits)]))
         peak_text = "-" if peak is None else f"{peak:.0f} MiB"
@@ -130,7 +131,8 @@ def main():
     # fp32 on the CPU for --smoke, else fp16 with cudnn.benchmark on.
     device, dtype, args.dtype_name, tolerance = device_setup(args.smoke)
     clock = Clock(device)
-    report = {**report_header(device, args.smoke, LIMITS), "goal_limit": GOAL_LIMIT,
+    args.limit_list = limits_of(args, LIMITS)
+    report = {**report_header(device, args.smoke, args.limit_list), "goal_limit": GOAL_LIMIT,
               "max_candidates": args.max_candidates, "failures": []}
     path = args.out / "spatial_bench.json"
 
@@ -146,6 +148,8 @@ def main():
     failures += [f"{part} {r['variant']}: tuned {r['tuned_ops']}, not the forward alone"
                  for part in parts for r in report[part]["rows"]
                  if r["variant"] != "pytorch" and r["tuned_ops"] != ["fwd"]]
+    failures += [f"{part} {r['variant']}: fallback to PyTorch's convolution: {f}"
+                 for part in parts for r in report[part]["rows"] for f in r["fallbacks"]]
     report["failures"] = failures
     report["seconds"] = time.perf_counter() - started
     write()
@@ -161,8 +165,11 @@ def main():
             print(f"{TITLES[part]:<36} {r['variant']:<8} {r['total_ms']:10.2f} {peak:>9} "
                   f"{dev:>10} {r['tuning_s']:9.1f} {spatial:>8}")
         g = report[part]["goal_at_256MiB"]
-        print(f"  goal at 256 MiB: not slower {g['not_slower']}, peak memory below "
-              f"{g['memory_below']}")
+        if g is None:
+            print("  goal at 256 MiB: not measured (--limits)")
+        else:
+            print(f"  goal at 256 MiB: not slower {g['not_slower']}, peak memory below "
+                  f"{g['memory_below']}")
         for r in rows:
             for layer in r["layers"]:
                 if layer["split"] is not None and " along " in layer["split"]:
