@@ -326,7 +326,8 @@ part_first_contact() {
     $G/lib-tests --include-ignored --test-threads=1 --exact \
     backend::cudnn::tests::gpu_all_ops_and_algorithms_match_host \
     backend::cudnn::tests::gpu_micro_batches_match_the_whole_batch \
-    backend::cudnn::tests::gpu_timer_and_find
+    backend::cudnn::tests::gpu_timer_and_find \
+    backend::cudnn::tests::gpu_tiled_fill_matches_the_host_pattern
   step "PyTorch's cases for the plan tests" 10 python3 $G/torch_cases.py "$work/torch"
   step "plans vs PyTorch, 3-D/1-D plans, spatial plans (gpu_cudnn.rs)" 25 \
     env MUCUDNN_TORCH_DIR="$work/torch" $G/gpu-tests --include-ignored --nocapture \
@@ -338,7 +339,7 @@ part_first_contact() {
     releasing_a_plan_waits_for_the_callers_stream a_captured_plan_is_parked_and_the_graph_replays
   step "the caller's current context (current_context.rs)" 4 \
     $G/current-context --include-ignored --nocapture --test-threads=1 --exact \
-    no_current_context_stays_none
+    no_current_context_stays_none engine_plans_are_destroyed_in_the_callers_context
 }
 
 part_torch() {
@@ -370,14 +371,16 @@ part_wall() {
   setup_binaries || { stop "set-up failed (see the log)"; return; }
   step "every GPU test of src/backend/cudnn" 90 \
     $G/lib-tests backend::cudnn --include-ignored --test-threads=1
+  step "a CUDA tuner keeps no measuring backend after a tune (ffi::tuner)" 15 \
+    $G/lib-tests --include-ignored --test-threads=1 --exact \
+    ffi::tuner::tests::gpu_tune_leaves_no_measuring_backend
   step "PyTorch's cases for the plan tests" 15 python3 $G/torch_cases.py "$work/torch"
   step "plans: undivided, float64, PyTorch, 3-D/1-D, spatial (gpu_cudnn.rs)" 120 \
     env MUCUDNN_TORCH_DIR="$work/torch" $G/gpu-tests --include-ignored --nocapture --test-threads=1
   step "teardown on the caller's stream, graph capture (gpu_teardown.rs)" 15 \
     $G/gpu-teardown --include-ignored --nocapture --test-threads=1
   step "the caller's current context (current_context.rs, one GPU)" 10 \
-    $G/current-context --include-ignored --nocapture --test-threads=1 --exact \
-    no_current_context_stays_none
+    $G/current-context --include-ignored --nocapture --test-threads=1
 }
 
 part_wall_engines() {
