@@ -369,6 +369,34 @@ fn a_batch_that_cannot_fit_is_refused_before_allocating() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+const HOSTILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hostile");
+
+/// A 663-byte profile whose mini-batch is 2^30 (sizes 1 and 2^30): the WR solver made DP
+/// tables of 16 bytes per row of the extent with an infallible allocation, and `solve`
+/// aborted (SIGABRT) under a 4 GiB address-space limit. Its cost now follows the sizes, and
+/// sizes that make up too many partial sums are refused by the problem's name.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_huge_extent_in_a_tiny_profile_is_refused_not_an_abort() {
+    let profile = format!("{HOSTILE}/huge-extent.json");
+    let started = Instant::now();
+    let output = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4194304 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_mucudnn"))
+        .args(["solve", "--profile", &profile, "--policy", "power-of-two"])
+        .output()
+        .expect("sh runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("huge fp32 nchw fwd: an extent of 1073741824 is too large to solve"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("error")).count(), 1);
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
 /// Runs the binary with `cache` as `MUCUDNN_CACHE`, killing it after 60 s (a command that
 /// blocks on a FIFO would otherwise hang the test run); returns (status code, stdout, stderr).
 fn run_bounded(cache: &str, args: &[&str]) -> (Option<i32>, String, String) {
