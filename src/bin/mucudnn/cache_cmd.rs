@@ -69,7 +69,8 @@ fn local_fingerprint(choice: DeviceChoice) -> Result<DeviceFingerprint> {
 
 /// Refuses a profile with any record this machine's cache may not hold, before anything is
 /// stored: each passes [`RecordCheck::batch`], the check every record entering the cache
-/// passes (a candidate `backend` has, a positive finite time, a workspace within its memory).
+/// passes (a candidate `backend` has, a positive finite time, a workspace within its memory),
+/// along its entry's split: a spatial entry's sizes are chunks of rows, not micro-batches.
 /// `--force` only relabels a foreign profile's device; it does not let bad records in.
 fn check_records(profile: &Profile, backend: &dyn Backend, file: &Path) -> Result<()> {
     let check = RecordCheck {
@@ -77,12 +78,17 @@ fn check_records(profile: &Profile, backend: &dyn Backend, file: &Path) -> Resul
         memory_bytes: backend.memory_bytes(),
     };
     let records = profile.entries.iter().flat_map(|entry| {
-        entry
-            .measurements
-            .iter()
-            .map(move |m| (entry.layer.as_str(), &entry.problem, entry.op, m))
+        entry.measurements.iter().map(move |m| {
+            (
+                entry.layer.as_str(),
+                &entry.problem,
+                entry.op,
+                entry.split,
+                m,
+            )
+        })
     });
-    check.batch(records).map_err(|refused| {
+    check.batch_split(records).map_err(|refused| {
         anyhow::anyhow!("{}: {refused}; nothing was imported", file.display())
     })?;
     Ok(())
