@@ -389,8 +389,9 @@ impl Cache {
         if skipped > 0 && !self.bad_rows_warned.replace(true) {
             self.warn(format!(
                 "skipped {skipped} cached row(s) that no measurement could produce (a candidate \
-                 the device does not have, a time that is not positive and finite); they are \
-                 not used, and measuring again replaces them"
+                 the device does not have, a time that is not positive and finite, a shape or \
+                 workspace this mucudnn cannot read); they are not used, and measuring again \
+                 replaces them"
             ));
         }
     }
@@ -552,10 +553,13 @@ impl Cache {
         kind: AlgoKind,
     ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
         let measurements = self.measurements_along(device, problem, op, split, micro, kind)?;
-        let skipped = self.read(
+        let mut skipped = self.read(
             "skipped",
             store::skipped(&self.conn, device, problem, op, split, micro, kind),
         )?;
+        // A candidate both timed and skipped (rows written by hand or by an older store) is a
+        // measurement: a profile may not hold it twice.
+        skipped.retain(|x| !measurements.iter().any(|m| m.algo == x.algo));
         Some((measurements, skipped))
     }
 
@@ -741,7 +745,10 @@ impl Cache {
 
     /// One row per named problem and op tuned, per device.
     pub fn entries(&self) -> Result<Vec<EntrySummary>, CacheError> {
-        Ok(store::entries(&self.conn)?)
+        let mut skipped = 0;
+        let entries = store::entries(&self.conn, &mut skipped)?;
+        self.skipped_rows(skipped);
+        Ok(entries)
     }
 
     /// The cached measurements of every named problem, one profile per device (with its
