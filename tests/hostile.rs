@@ -16,6 +16,8 @@ const OTHER_PROGRAM: &str = concat!(
     "/tests/fixtures/other-program.sqlite"
 );
 const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/networks/tiny.toml");
+/// The hostile corpus kept as files: network files and profiles of each class found so far.
+const HOSTILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hostile");
 
 fn temp_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("mucudnn-hostile-{}", std::process::id()));
@@ -81,6 +83,11 @@ impl Corpus {
             "huge-kernel.toml",
             b"[[layer]]\nname = \"c\"\nin_channels = 3\nout_channels = 8\ninput = 4\nkernel = 9\n",
         );
+        // The corpus kept as files (tests/fixtures/hostile): network files, profiles.
+        for entry in std::fs::read_dir(HOSTILE).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
         Corpus { dir }
     }
 
@@ -205,6 +212,14 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         );
     }
 
+    // A tiny profile with a huge extent: refused by name, quickly, allocating little.
+    refuses(
+        &corpus,
+        fresh,
+        &["solve", "--profile", &p("huge-extent.json")],
+        "an extent of 1073741824 is too large to solve",
+    );
+
     // Bad network files.
     for (name, expect) in [
         ("bad-network.toml", "in_channels"),
@@ -212,6 +227,14 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         ("huge-kernel.toml", "kernel"),
         ("huge-count.toml", "4294967296 is too large"),
         ("missing.toml", "cannot read network file"),
+        (
+            "transposed-output-padding.toml",
+            "field `output_padding`: 2 is not smaller than the stride (1)",
+        ),
+        (
+            "transposed-huge-stride.toml",
+            "field `stride`: 4611686018427387904 is too large",
+        ),
     ] {
         let network = p(name);
         refuses(
@@ -368,8 +391,6 @@ fn a_batch_that_cannot_fit_is_refused_before_allocating() {
     assert!(started.elapsed() < Duration::from_secs(20));
     std::fs::remove_dir_all(&dir).ok();
 }
-
-const HOSTILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hostile");
 
 /// A 663-byte profile whose mini-batch is 2^30 (sizes 1 and 2^30): the WR solver made DP
 /// tables of 16 bytes per row of the extent with an infallible allocation, and `solve`
