@@ -642,3 +642,58 @@ fn control_characters_of_a_layer_name_are_escaped_in_errors() {
     assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
     std::fs::remove_dir_all(&corpus.dir).ok();
 }
+
+/// Cache forgeries: rows no measurement could produce never stop a tune. A cache whose every
+/// measurement has a time of 0 (what an older unchecked store could write) made `tune` exit 1
+/// with "no measurements", since the sizes still counted as measured; now they are measured
+/// again and their rows replaced. One shape row of a dtype this mucudnn does not know (`fp8`)
+/// made `cache list` and `cache export` fail; now it is skipped with a warning.
+#[test]
+fn forged_cache_rows_never_stop_a_tune_or_a_listing() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-forged-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cache = dir.join("cache.sqlite");
+    let cache = cache.to_str().unwrap();
+    let tune = [
+        "tune",
+        "--network",
+        TINY,
+        "--batch",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+    ];
+    let (code, _, stderr) = run_bounded(cache, &tune);
+    assert_eq!(code, Some(0), "{stderr}");
+    let sql = |statement: &str| {
+        let conn = rusqlite::Connection::open(cache).unwrap();
+        conn.execute(statement, []).unwrap();
+    };
+    sql("UPDATE measurements SET time_ms = 0");
+    let (code, stdout, stderr) = run_bounded(cache, &tune);
+    assert_eq!(code, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(
+        doc["tuning"]["sizes_measured"].as_u64() > Some(0),
+        "the poisoned sizes are measured again: {}",
+        doc["tuning"]
+    );
+    // Measured again, the rows were replaced: the next tune measures nothing.
+    let (code, stdout, stderr) = run_bounded(cache, &tune);
+    assert_eq!(code, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(doc["tuning"]["sizes_measured"], 0, "{}", doc["tuning"]);
+
+    sql("UPDATE shapes SET dtype = 'fp8' WHERE id = (SELECT MIN(id) FROM shapes)");
+    let (code, stdout, stderr) = run_bounded(cache, &["cache", "list"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("tiny."), "{stdout}");
+    assert!(stderr.contains("skipped"), "{stderr}");
+    let exported = dir.join("exported.json");
+    let exported = exported.to_str().unwrap();
+    let (code, _, stderr) = run_bounded(cache, &["cache", "export", exported, "--device", "cpu"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
