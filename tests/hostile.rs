@@ -212,6 +212,44 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         );
     }
 
+    // Output paths that cannot be written are refused before measuring, not after the tune.
+    for (flag, path, expect) in [
+        (
+            "--save-profile",
+            "/nonexistent/dir/profile.json",
+            "cannot create it",
+        ),
+        (
+            "--save-profile",
+            corpus.dir.to_str().unwrap(),
+            "it is a directory",
+        ),
+        (
+            "--report",
+            &p("garbage.bin"),
+            "cannot make the report folder",
+        ),
+    ] {
+        let message = refuses(
+            &corpus,
+            fresh,
+            &[
+                "tune",
+                "--network",
+                TINY,
+                "--batch",
+                "2",
+                "--device",
+                "cpu",
+                flag,
+                path,
+            ],
+            expect,
+        );
+        assert!(message.contains("nothing was measured"), "{message}");
+        assert!(!message.contains("[   "), "it measured first: {message}");
+    }
+
     // A tiny profile with a huge extent: refused by name, quickly, allocating little.
     refuses(
         &corpus,

@@ -348,6 +348,47 @@ fn check_before_measuring(args: &TuneArgs, device: &mut Device) -> Result<()> {
             args.source.dtype
         );
     }
+    // The output paths too: a tune of hours used to fail only at the end, writing them.
+    if let Some(path) = &args.save_profile {
+        check_writable_file(path).map_err(|e| {
+            anyhow::anyhow!(
+                "--save-profile {}: {e:#}; nothing was measured",
+                path.display()
+            )
+        })?;
+    }
+    if let Some(dir) = &args.report {
+        // The report's own folders, made now (the report makes them anyway).
+        std::fs::create_dir_all(dir.join("pareto")).map_err(|e| {
+            anyhow::anyhow!(
+                "--report {}: cannot make the report folder: {e}; nothing was measured",
+                dir.display()
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Whether `path` can be written as a file, without changing what is there: an existing file
+/// is opened for writing (not truncated); a new one is made and removed again.
+fn check_writable_file(path: &std::path::Path) -> Result<()> {
+    use std::fs::OpenOptions;
+    if path.is_dir() {
+        anyhow::bail!("it is a directory, not a file");
+    }
+    if path.exists() {
+        OpenOptions::new()
+            .write(true)
+            .open(path)
+            .context("cannot open it for writing")?;
+        return Ok(());
+    }
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .context("cannot create it")?;
+    std::fs::remove_file(path).context("cannot create it")?;
     Ok(())
 }
 
