@@ -250,6 +250,33 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         assert!(!message.contains("[   "), "it measured first: {message}");
     }
 
+    // Negative and zero sizes are values, refused with the model's own form and example
+    // (they were unknown arguments, and `--input 0` showed r3d_18's example for every model).
+    for (args, expect) in [
+        (
+            "--model wav2vec2_fe --input 0 --batch 1",
+            "--input for wav2vec2_fe: 0 is not a positive size (expected SAMPLES of audio; default 16000)",
+        ),
+        (
+            "--model wan21_vae_decoder --input 0x480x832 --batch 1",
+            "default 17x480x832",
+        ),
+        (
+            "--model r3d_18 --input -5x112x112 --batch 1",
+            "--input for r3d_18: -5 is not a positive size",
+        ),
+        (
+            "--model r3d_18 --channel-divisor -2 --batch 1",
+            "--channel-divisor -2 for r3d_18",
+        ),
+        ("--model r3d_18 --batch -3", "--batch must be at least 1, got -3"),
+    ] {
+        let mut args: Vec<&str> = args.split(' ').collect();
+        args.splice(0..0, ["tune"]);
+        args.extend(["--device", "cpu"]);
+        refuses(&corpus, fresh, &args, expect);
+    }
+
     // A tiny profile with a huge extent: refused by name, quickly, allocating little.
     refuses(
         &corpus,
