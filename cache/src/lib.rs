@@ -807,10 +807,30 @@ impl Cache {
 /// forced; callers that check more (the candidates) call it first for the clearer error.
 pub fn check_device(profile: &Profile, local: &DeviceFingerprint) -> Result<(), CacheError> {
     match &profile.fingerprint {
-        Some(theirs) if theirs != local => Err(CacheError::ForeignDevice {
-            theirs: theirs.to_string(),
-            ours: local.to_string(),
-        }),
+        Some(theirs) if theirs != local => {
+            let (mut theirs_text, mut ours_text) = (theirs.to_string(), local.to_string());
+            // Fingerprints that differ only where the short form rounds or leaves out (a
+            // driver's patch level, the backend) would read "measured on X, but this machine
+            // is X": then both say every field.
+            if theirs_text == ours_text {
+                let or_none = |v: Option<String>| v.unwrap_or_else(|| "none".into());
+                let full = |f: &DeviceFingerprint| {
+                    format!(
+                        "{} (backend {}, compute capability {}, driver {}, cuDNN {})",
+                        f.name,
+                        f.backend,
+                        or_none(f.compute_capability.map(|(a, b)| format!("{a}.{b}"))),
+                        or_none(f.driver_version.map(|v| v.to_string())),
+                        or_none(f.cudnn_version.map(|v| v.to_string())),
+                    )
+                };
+                (theirs_text, ours_text) = (full(theirs), full(local));
+            }
+            Err(CacheError::ForeignDevice {
+                theirs: theirs_text,
+                ours: ours_text,
+            })
+        }
         Some(_) => Ok(()),
         None if profile.device == local.name && profile.cudnn_version == local.cudnn_version => {
             Ok(())

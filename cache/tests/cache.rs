@@ -554,6 +554,20 @@ fn import_refuses_another_device_unless_forced() {
     });
     let err = cache.import(&with_fingerprint, &h100(), false).unwrap_err();
     assert!(err.to_string().contains("driver 12.8"), "{err}");
+    // One that differs below what the short form shows (13000 and 13005 both read 13.0):
+    // the message says every field, never the same name twice.
+    with_fingerprint.fingerprint = Some(DeviceFingerprint {
+        driver_version: Some(13005),
+        ..h100()
+    });
+    let err = cache
+        .import(&with_fingerprint, &h100(), false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("driver 13005, cuDNN 91900") && err.contains("driver 13000, cuDNN 91900"),
+        "{err}"
+    );
     assert!(cache.import(&with_fingerprint, &other, true).unwrap() > 0);
     assert!(cache
         .op_profile(
