@@ -364,6 +364,7 @@ impl Cache {
     }
 
     fn warn(&self, message: String) {
+        let message = shortened(message);
         if self.echo {
             eprintln!("mucudnn: warning: {message}");
         }
@@ -800,6 +801,25 @@ impl Cache {
         self.writable("cleared")?;
         Ok(store::clear(&self.conn)?)
     }
+}
+
+/// The most characters of a warning: a path can be as long as the user makes it (100,000
+/// characters were echoed whole, once per warning); the start and the end say which it is.
+const MAX_WARNING_CHARS: usize = 1000;
+
+/// `message`, its middle left out when it is longer than [`MAX_WARNING_CHARS`].
+fn shortened(message: String) -> String {
+    let count = message.chars().count();
+    if count <= MAX_WARNING_CHARS {
+        return message;
+    }
+    let (head, tail) = (MAX_WARNING_CHARS * 3 / 4, MAX_WARNING_CHARS / 4);
+    let start: String = message.chars().take(head).collect();
+    let end: String = message.chars().skip(count - tail).collect();
+    format!(
+        "{start}[... {} characters left out ...]{end}",
+        count - head - tail
+    )
 }
 
 /// Whether `profile` was measured on `local`: its fingerprint must be `local`'s, or, for a

@@ -1546,3 +1546,29 @@ fn unusable_rows_are_misses_and_one_bad_shape_row_hides_nothing() {
     assert!(warnings[0].contains("skipped 1 cached row"), "{warnings:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A cache path of 100,000 characters is not echoed whole in each warning: its middle is left
+/// out, its start and end kept.
+#[test]
+fn a_huge_cache_path_is_shortened_in_warnings() {
+    let dir = temp_dir("huge-path");
+    let blocker = dir.join("not-a-directory");
+    std::fs::write(&blocker, b"x").unwrap();
+    let path = blocker.join("d".repeat(100_000)).join("cache.sqlite");
+    let cache = Cache::open(&path).unwrap().quiet();
+    assert!(matches!(cache.location(), Location::Memory { .. }));
+    let warnings = cache.warnings();
+    assert!(!warnings.is_empty());
+    for warning in &warnings {
+        assert!(
+            warning.chars().count() < 1100,
+            "{} characters",
+            warning.len()
+        );
+    }
+    assert!(
+        warnings.iter().any(|w| w.contains("characters left out")),
+        "{warnings:?}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
