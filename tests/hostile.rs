@@ -762,3 +762,19 @@ fn forged_cache_rows_never_stop_a_tune_or_a_listing() {
     assert_eq!(code, Some(0), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Finite times whose sum passes f64's range: `--json` wrote `null` (JSON has no infinity),
+/// which reads as "no value"; it writes the largest f64, a number.
+#[test]
+fn an_overflowing_sum_of_times_is_a_number_in_json() {
+    let profile = format!("{HOSTILE}/overflowing-times.json");
+    let (code, stdout, stderr) = run_bounded(
+        "/nonexistent/unused.sqlite",
+        &["solve", "--profile", &profile, "--json"],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    for key in ["total_time_ms", "total_undivided_ms"] {
+        assert_eq!(doc[key].as_f64(), Some(f64::MAX), "{key}: {}", doc[key]);
+    }
+}
