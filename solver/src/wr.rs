@@ -4,8 +4,13 @@
 //! For a limit `L`, let `best[m]` be the fastest algorithm at micro-batch size `m` whose
 //! workspace fits in `L`. Then `T(0) = 0` and `T(i) = min over allowed m <= i of T(i - m) +
 //! best[m].time`, and the plan for `N` is read back from the choices. Ties in time go to the
-//! plan with fewer micro-batches, then to the smaller workspace at each size. Cost:
-//! `O(N * |sizes|)` per limit.
+//! plan with fewer micro-batches, then to the smaller workspace at each size.
+//!
+//! `N` is a number in the profile (a mini-batch, or a spatial extent of rows), not the size of
+//! the profile, so the DP runs only over the sums that can lead to it: the multiples of the
+//! measured sizes' greatest common divisor, or, when those are more than [`MAX_DP_SUMS`], the
+//! sums the sizes reach. Cost: `O(sums * |sizes|)` per limit, at most `MAX_DP_SUMS` sums held
+//! (allocated fallibly); more is [`SolveError::TooLarge`], naming the problem.
 //!
 //! The Pareto front sweeps the limit over every distinct workspace value in the profile; the
 //! DP is re-run only where some `best[m]` improves, which is the only place the optimum can.
