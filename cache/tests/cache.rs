@@ -411,8 +411,7 @@ fn import_refuses_a_bad_record_by_index() {
             .unwrap_err()
             .to_string();
         assert!(
-            // Counted from 1.
-            error.starts_with(&format!("record {} (", before + index + 1)),
+            error.starts_with(&format!("record {} (", before + index)),
             "{error}"
         );
         assert!(error.contains("algorithm 999 is not a"), "{error}");

@@ -428,10 +428,9 @@ pub enum RecordError {
 }
 
 /// A batch refused because of one record: its index in the batch, and why. Nothing of the
-/// batch was stored. The message counts records from 1, as profile errors do, so that it
-/// names the record of a file that people count.
+/// batch was stored.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[error("record {} ({layer} {op} micro-batch {micro}): {source}", .index + 1)]
+#[error("record {index} ({layer} {op} micro-batch {micro}): {source}")]
 pub struct RefusedRecord {
     pub index: usize,
     pub layer: String,
@@ -829,7 +828,7 @@ mod tests {
         assert_eq!(refused.index, 2);
         assert!(refused
             .to_string()
-            .starts_with("record 3 (l fwd micro-batch 4): "));
+            .starts_with("record 2 (l fwd micro-batch 4): "));
         assert_eq!(
             on_cpu.batch(
                 records[..2]

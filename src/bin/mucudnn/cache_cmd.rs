@@ -89,7 +89,17 @@ fn check_records(profile: &Profile, backend: &dyn Backend, file: &Path) -> Resul
         })
     });
     check.batch_split(records).map_err(|refused| {
-        anyhow::anyhow!("{}: {refused}; nothing was imported", file.display())
+        // The file's records, counted from 1 as profile errors count them (the check's
+        // index counts from 0).
+        anyhow::anyhow!(
+            "{}: record {} ({} {} micro-batch {}): {}; nothing was imported",
+            file.display(),
+            refused.index + 1,
+            refused.layer,
+            refused.op,
+            refused.micro,
+            refused.source
+        )
     })?;
     Ok(())
 }
