@@ -278,12 +278,18 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
     }
 
     // A tiny profile with a huge extent: refused by name, quickly, allocating little.
-    refuses(
-        &corpus,
-        fresh,
-        &["solve", "--profile", &p("huge-extent.json")],
-        "an extent of 1073741824 is too large to solve",
-    );
+    for args in [
+        vec!["solve", "--profile"],
+        vec!["explain", "--layer", "huge", "--op", "fwd", "--profile"],
+    ] {
+        let huge = p("huge-extent.json");
+        refuses(
+            &corpus,
+            fresh,
+            &[&args[..], &[huge.as_str()]].concat(),
+            "an extent of 1073741824 is too large to solve",
+        );
+    }
 
     // Bad network files.
     for (name, expect) in [
