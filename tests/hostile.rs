@@ -1,6 +1,8 @@
 //! The binary against a corpus of bad inputs (issue 14): each must exit non-zero with one clear
 //! error message, never a panic, before measuring anything, and leave every input file
-//! byte-for-byte as it was (a cache path that is not a cache included).
+//! byte-for-byte as it was (a cache path that is not a cache included). The corpus kept as files
+//! is `tests/fixtures/hostile` (network files, profiles); cache forgeries are written row by row
+//! into a cache the binary made; a class of bad input found later gets a file or a row here.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
