@@ -291,8 +291,14 @@ impl Dp {
                 if size > sum {
                     break; // `usable` is in ascending size order.
                 }
-                let Some(from) = self.sums.index(sum - size) else {
-                    continue; // no sizes make up what is left
+                let from = match &self.sums {
+                    // The common case (a size 1 was measured): index and sum are one, with no
+                    // division in the hot loop.
+                    Sums::Dense { step: 1, .. } => i - size as usize,
+                    _ => match self.sums.index(sum - size) {
+                        Some(from) => from,
+                        None => continue, // no sizes make up what is left
+                    },
                 };
                 let prev = self.time[from];
                 if prev.is_infinite() {
