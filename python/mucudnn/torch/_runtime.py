@@ -744,13 +744,24 @@ def plans_for(
             "the ranks and run identical plans on every rank",
             file=sys.stderr,
         )
+    # A value past what mucudnn's problems hold (a stride of 2^31) is PyTorch's to run, as an
+    # unsupported problem is: with fallback, not an error.
+    problem = problem_of(key)
+    too_large = [f"{name} = {value}" for name, value in problem.items()
+                 if isinstance(value, int) and value > 2**31 - 1]
+    if too_large:
+        reason = f"{', '.join(too_large)} is more than 2^31 - 1, which mucudnn's problems hold"
+        if config.fallback:
+            fall_back(config, key, reason, 0.0)
+            return None
+        raise RuntimeError(f"{config.name}: input shape {shape}: {reason}")
     tuner = tuner_for(device_type, index, config.cache, config.verbose)
     settings = config.settings_for(key)
     if len(missing) < len(ALL_OPS):
         settings = replace(settings, ops=tuple(OP_NAMES[op] for op in missing))
     started = time.perf_counter()
     try:
-        result = tuner.tune(config.name, problem_of(key), settings)
+        result = tuner.tune(config.name, problem, settings)
     except MucudnnError as e:
         if config.fallback and e.status in FALLBACK_STATUSES:
             fall_back(config, key, str(e), time.perf_counter() - started)

@@ -1,7 +1,14 @@
-"""Threads sharing one converted layer (CPU): a plan set is released only when no call can
-still use it. Adopting new plans for a shape (another thread's first call of it, or a backward
-that tunes the ops an inference forward lacked) used to release the set another thread was
-about to execute, which raised "plan set N is not prepared (or was released)"."""
+"""A converted layer where it used to break (CPU).
+
+Threads sharing one layer: a plan set is released only when no call can still use it.
+Adopting new plans for a shape (another thread's first call of it, or a backward that tunes
+the ops an inference forward lacked) used to release the set another thread was about to
+execute, which raised "plan set N is not prepared (or was released)".
+
+A stride of 2^31 or more, which PyTorch runs and mucudnn's problems cannot hold: with
+``fallback=True`` the layer runs PyTorch's convolution, where it raised."""
+
+import pytest
 
 import sys
 import threading
@@ -94,3 +101,17 @@ def _inference_while_backward(tmp_path):
         errors = run_threads(6, work)
         assert not errors, f"trial {trial}: {errors[0]!r}"
         layer.zero_grad()
+
+
+def test_a_stride_past_2_31_falls_back_to_pytorch(tmp_path, capfd):
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 4, 4)
+    layer = mt.Conv2d(2, 3, 1, stride=2**31, cache=str(tmp_path / "cache.sqlite"),
+                      name="limits.stride")
+    with torch.no_grad():
+        assert_close(layer(x), F.conv2d(x, layer.weight, layer.bias, stride=2**31))
+    assert "2^31 - 1" in capfd.readouterr().err
+    strict = mt.Conv2d(2, 3, 1, stride=2**31, cache=str(tmp_path / "cache.sqlite"),
+                       fallback=False, name="limits.strict")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="stride_h = 2147483648"):
+        strict(x)
