@@ -589,11 +589,30 @@ fn layer_problem(
                     ),
                 ));
             }
-            out[axis] = (input[axis] - 1)
-                .saturating_mul(stride[axis])
-                .saturating_sub(2 * padding[axis])
-                .saturating_add(dilation[axis].saturating_mul(kernel[axis] - 1))
-                .saturating_add(output_padding[axis] + 1);
+            // PyTorch also allows one below the dilation but not below the stride. Such a
+            // layer is no convolution's backward-data: the convolution of its output gives
+            // more rows than its input (5x5 tuned as a problem whose output is 7x7), so it
+            // would be tuned as another problem. Refused, as the PyTorch package leaves it to
+            // PyTorch's convolution.
+            if output_padding[axis] > 0 && output_padding[axis] >= stride[axis] {
+                return Err((
+                    "output_padding",
+                    format!(
+                        "{} is not smaller than the stride ({}): PyTorch allows it below the \
+                         dilation, but the layer is then not the backward-data of a convolution, \
+                         which is what mucudnn tunes",
+                        output_padding[axis], stride[axis]
+                    ),
+                ));
+            }
+            out[axis] = transposed_output(
+                input[axis],
+                kernel[axis],
+                stride[axis],
+                padding[axis],
+                dilation[axis],
+                output_padding[axis],
+            )?;
             if out[axis] < 1 {
                 return Err((
                     "padding",
@@ -642,6 +661,60 @@ fn layer_problem(
         (field, message)
     })?;
     Ok(problem)
+}
+
+/// A transposed layer's output size on one axis, PyTorch's `(in - 1) * stride - 2 * padding +
+/// dilation * (kernel - 1) + output_padding + 1`, in checked arithmetic: a value that
+/// overflows names the field that made it so, where a wrapped sum used to blame `input`. An
+/// output past 2^31 - 1 is refused here for the same reason (the problem's check would name
+/// the output's field, which is no field of the file).
+fn transposed_output(
+    input: i64,
+    kernel: i64,
+    stride: i64,
+    padding: i64,
+    dilation: i64,
+    output_padding: i64,
+) -> Result<i64, (&'static str, String)> {
+    const MAX: i64 = i32::MAX as i64;
+    let too_large = |field: &'static str, value: i64| {
+        (
+            field,
+            format!("{value} is too large: the transposed output would pass 2^31 - 1 on an axis"),
+        )
+    };
+    let span = (input - 1)
+        .checked_mul(stride)
+        .filter(|&v| v <= MAX)
+        .ok_or_else(|| match stride > input {
+            true => too_large("stride", stride),
+            false => too_large("input", input),
+        })?;
+    let reach = (kernel - 1)
+        .checked_mul(dilation)
+        .filter(|&v| v <= MAX)
+        .ok_or_else(|| match dilation > kernel {
+            true => too_large("dilation", dilation),
+            false => too_large("kernel", kernel),
+        })?;
+    let twice_padding = padding
+        .checked_mul(2)
+        .ok_or_else(|| too_large("padding", padding))?;
+    let out = span
+        .checked_add(reach)
+        .and_then(|v| v.checked_add(output_padding))
+        .and_then(|v| v.checked_add(1))
+        .ok_or_else(|| too_large("output_padding", output_padding))?
+        .checked_sub(twice_padding)
+        .ok_or_else(|| too_large("padding", padding))?;
+    if out > MAX {
+        return Err(match output_padding > span.max(reach) {
+            true => too_large("output_padding", output_padding),
+            false if span >= reach => too_large("stride", stride),
+            false => too_large("kernel", kernel),
+        });
+    }
+    Ok(out)
 }
 
 /// The file's name for a [`ConvProblem`] field (a transposed layer's channels are swapped).
@@ -1104,6 +1177,54 @@ mod tests {
             8,
             &["field `padding`", "transposed output is 0"],
         );
+        // Below the dilation but not below the stride: PyTorch runs it, but it is no
+        // convolution's backward-data (its output, 5x5 here... would be tuned as 7x7).
+        check_error(
+            &one_layer("transposed = true\nstride = 1\ndilation = 3\noutput_padding = 2\n"),
+            10,
+            &["field `output_padding`: 2 is not smaller than the stride (1)"],
+        );
+        // Huge values: checked arithmetic names the field, with its value.
+        for (line, field, value) in [
+            (
+                "stride = 4611686018427387904\n",
+                "stride",
+                "4611686018427387904",
+            ),
+            (
+                "padding = 4611686018427387904\n",
+                "padding",
+                "4611686018427387904",
+            ),
+            (
+                "kernel = 4611686018427387904\n",
+                "kernel",
+                "4611686018427387904",
+            ),
+            (
+                "dilation = 4611686018427387904\n",
+                "dilation",
+                "4611686018427387904",
+            ),
+            ("stride = 3000000000\n", "stride", "3000000000"),
+        ] {
+            let text = one_layer(&format!("transposed = true\n{line}")).replace(
+                "kernel = 3\n",
+                if field == "kernel" {
+                    ""
+                } else {
+                    "kernel = 3\n"
+                },
+            );
+            let err = parse(&text).expect_err(line).to_string();
+            assert!(err.contains(&format!("field `{field}`")), "{line}: {err}");
+            assert!(err.contains(value), "{line}: {err}");
+            let wrapped = err
+                .as_bytes()
+                .windows(2)
+                .any(|w| w[0] == b'-' && w[1].is_ascii_digit());
+            assert!(!wrapped, "a wrapped value: {err}");
+        }
         let grouped = one_layer("transposed = true\ngroups = 3\n")
             .replace("in_channels = 4", "in_channels = 6");
         check_error(&grouped, 8, &["field `groups`", "divisible by groups (3)"]);

@@ -15,9 +15,33 @@ pub struct SolutionJson {
     pub mode: &'static str,
     pub policy: &'static str,
     pub plans: Vec<PlanJson>,
+    #[serde(serialize_with = "finite")]
     pub total_time_ms: f64,
+    #[serde(serialize_with = "finite_or_null")]
     pub total_undivided_ms: Option<f64>,
     pub total_workspace_bytes: u64,
+}
+
+/// A sum of finite times can pass f64's range (times near 1e308, in a forged profile): JSON has
+/// no infinity, and serde_json writes `null`, which reads as "no value". Such a sum is written
+/// as the largest f64 instead, a number that says "at least this".
+fn finite<S: serde::Serializer>(value: &f64, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_f64(if value.is_infinite() && *value > 0.0 {
+        f64::MAX
+    } else {
+        *value
+    })
+}
+
+/// [`finite`] for a value that may be absent (`null`: none).
+fn finite_or_null<S: serde::Serializer>(
+    value: &Option<f64>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match value {
+        Some(value) => finite(value, serializer),
+        None => serializer.serialize_none(),
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -31,7 +55,9 @@ pub struct PlanJson {
     /// the sum of `time_ms * multiplicity`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub multiplicity: Option<u32>,
+    #[serde(serialize_with = "finite_or_null")]
     pub undivided_ms: Option<f64>,
+    #[serde(serialize_with = "finite")]
     pub time_ms: f64,
     pub workspace_bytes: u64,
     /// `batch` (the sizes are micro-batches) or `spatial` (issue 24: the sizes are chunks of

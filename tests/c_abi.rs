@@ -217,3 +217,55 @@ fn header_compiles_alone_as_c_and_cpp() {
         println!("no C++ compiler `{cxx}`: the header's C++ check is skipped");
     }
 }
+
+/// A 663-byte profile whose mini-batch is 2^30, solved through the C ABI in a process of its
+/// own under a 4 GiB address-space limit, as a memory-limited caller runs: the solver used to
+/// make DP tables of 16 bytes per row of the extent with an infallible allocation, which
+/// aborted the caller. Now its cost follows the sizes measured, and sizes that make up too
+/// many partial sums are a solver error naming the problem.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_huge_extent_is_a_solver_error_not_an_abort_of_the_caller() {
+    let _one = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let cc = c_compiler();
+    let library = library_copy("libmucudnn.so");
+    let dir = library.parent().unwrap();
+    let binary = out_dir().join("solve_bounded");
+    let mut command = cc_command(&cc);
+    command
+        .arg(root().join("tests/c/solve_bounded.c"))
+        .arg("-L")
+        .arg(dir)
+        .arg(format!("-Wl,-rpath,{}", dir.display()))
+        .args(["-lmucudnn", "-lpthread"])
+        .arg("-o")
+        .arg(&binary);
+    run(
+        command,
+        "compiling and linking tests/c/solve_bounded.c with libmucudnn.so",
+    );
+    let profile = root().join("tests/fixtures/hostile/huge-extent.json");
+    let started = std::time::Instant::now();
+    let mut command = Command::new("sh");
+    command
+        .arg("-c")
+        .arg("ulimit -v 4194304 && exec \"$0\" \"$@\"")
+        .arg(&binary)
+        .arg(&profile);
+    let stdout = run(command, "solve_bounded under a 4 GiB address-space limit");
+    assert!(
+        stdout.contains("status: MUCUDNN_STATUS_SOLVER_ERROR"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("huge fp32 nchw fwd: an extent of 1073741824 is too large to solve"),
+        "{stdout}"
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+}

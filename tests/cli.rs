@@ -437,7 +437,7 @@ fn tune_errors_are_clear() {
             &[
                 "tune", "--model", "r3d_18", "--batch", "2", "--input", "16x0x112",
             ],
-            "expected positive sizes separated by `x`",
+            "--input for r3d_18: 0 is not a positive size",
         ),
         (
             &[

@@ -656,3 +656,75 @@ fn export_of_several_batch_sizes_imports_and_solves() {
     );
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
 }
+
+/// A cache tuned with spatial splits at batch 1 (the use case) exports a profile that imports
+/// into another cache: the import's check used to read every record as a micro-batch of the
+/// batch and refused the export ("micro-batch size 2 is outside 1..=1"). A record it refuses
+/// is numbered from 1, as profile errors number them.
+#[test]
+fn a_spatial_export_at_batch_1_imports_and_refusals_count_records_from_1() {
+    let cache = temp_cache("spatial-export");
+    let network = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/networks/tiny-3d.toml"
+    );
+    let args = [
+        "tune",
+        "--network",
+        network,
+        "--batch",
+        "1",
+        "--split",
+        "spatial",
+    ];
+    ok(&mucudnn(
+        &cache,
+        &[&args[..], &["--device", "cpu", "--quiet"]].concat(),
+    ));
+    let exported = cache.with_file_name("spatial.json");
+    let exported = exported.to_str().unwrap();
+    ok(&mucudnn(
+        &cache,
+        &["cache", "export", exported, "--device", "cpu"],
+    ));
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(exported).unwrap()).unwrap();
+    let records = doc["records"].as_array().unwrap();
+    assert!(
+        records
+            .iter()
+            .any(|r| r["split"] == "spatial" && r["micro"].as_i64() > Some(1)),
+        "the export has spatial records of more than one row"
+    );
+    let fresh = cache.with_file_name("fresh.sqlite");
+    ok(&mucudnn(
+        &fresh,
+        &["cache", "import", exported, "--device", "cpu"],
+    ));
+    // The fresh cache tunes the same network from what was imported, measuring nothing.
+    let tuned = ok(&mucudnn(
+        &fresh,
+        &[&args[..], &["--device", "cpu", "--json"]].concat(),
+    ));
+    let tuned: Value = serde_json::from_str(&tuned).unwrap();
+    assert_eq!(tuned["tuning"]["sizes_measured"], 0, "{}", tuned["tuning"]);
+
+    // One record the CPU backend has no candidate for, the first: "record 1".
+    let mut bad = doc.clone();
+    bad["records"][0]["algo"] = Value::from(999);
+    let bad_path = cache.with_file_name("bad.json");
+    std::fs::write(&bad_path, bad.to_string()).unwrap();
+    let refused = mucudnn(
+        &fresh,
+        &[
+            "cache",
+            "import",
+            bad_path.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+    );
+    let stderr = text(&refused.stderr);
+    assert!(!refused.status.success(), "{stderr}");
+    assert!(stderr.contains(": record 1 ("), "{stderr}");
+    std::fs::remove_dir_all(cache.parent().unwrap()).ok();
+}

@@ -1,6 +1,8 @@
 //! The binary against a corpus of bad inputs (issue 14): each must exit non-zero with one clear
 //! error message, never a panic, before measuring anything, and leave every input file
-//! byte-for-byte as it was (a cache path that is not a cache included).
+//! byte-for-byte as it was (a cache path that is not a cache included). The corpus kept as files
+//! is `tests/fixtures/hostile` (network files, profiles); cache forgeries are written row by row
+//! into a cache the binary made; a class of bad input found later gets a file or a row here.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,6 +18,8 @@ const OTHER_PROGRAM: &str = concat!(
     "/tests/fixtures/other-program.sqlite"
 );
 const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/networks/tiny.toml");
+/// The hostile corpus kept as files: network files and profiles of each class found so far.
+const HOSTILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hostile");
 
 fn temp_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("mucudnn-hostile-{}", std::process::id()));
@@ -81,6 +85,11 @@ impl Corpus {
             "huge-kernel.toml",
             b"[[layer]]\nname = \"c\"\nin_channels = 3\nout_channels = 8\ninput = 4\nkernel = 9\n",
         );
+        // The corpus kept as files (tests/fixtures/hostile): network files, profiles.
+        for entry in std::fs::read_dir(HOSTILE).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        }
         Corpus { dir }
     }
 
@@ -205,6 +214,85 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         );
     }
 
+    // Output paths that cannot be written are refused before measuring, not after the tune.
+    for (flag, path, expect) in [
+        (
+            "--save-profile",
+            "/nonexistent/dir/profile.json",
+            "cannot create it",
+        ),
+        (
+            "--save-profile",
+            corpus.dir.to_str().unwrap(),
+            "it is a directory",
+        ),
+        (
+            "--report",
+            &p("garbage.bin"),
+            "cannot make the report folder",
+        ),
+    ] {
+        let message = refuses(
+            &corpus,
+            fresh,
+            &[
+                "tune",
+                "--network",
+                TINY,
+                "--batch",
+                "2",
+                "--device",
+                "cpu",
+                flag,
+                path,
+            ],
+            expect,
+        );
+        assert!(message.contains("nothing was measured"), "{message}");
+        assert!(!message.contains("[   "), "it measured first: {message}");
+    }
+
+    // Negative and zero sizes are values, refused with the model's own form and example
+    // (they were unknown arguments, and `--input 0` showed r3d_18's example for every model).
+    for (args, expect) in [
+        (
+            "--model wav2vec2_fe --input 0 --batch 1",
+            "--input for wav2vec2_fe: 0 is not a positive size (expected SAMPLES of audio; default 16000)",
+        ),
+        (
+            "--model wan21_vae_decoder --input 0x480x832 --batch 1",
+            "default 17x480x832",
+        ),
+        (
+            "--model r3d_18 --input -5x112x112 --batch 1",
+            "--input for r3d_18: -5 is not a positive size",
+        ),
+        (
+            "--model r3d_18 --channel-divisor -2 --batch 1",
+            "--channel-divisor -2 for r3d_18",
+        ),
+        ("--model r3d_18 --batch -3", "--batch must be at least 1, got -3"),
+    ] {
+        let mut args: Vec<&str> = args.split(' ').collect();
+        args.splice(0..0, ["tune"]);
+        args.extend(["--device", "cpu"]);
+        refuses(&corpus, fresh, &args, expect);
+    }
+
+    // A tiny profile with a huge extent: refused by name, quickly, allocating little.
+    for args in [
+        vec!["solve", "--profile"],
+        vec!["explain", "--layer", "huge", "--op", "fwd", "--profile"],
+    ] {
+        let huge = p("huge-extent.json");
+        refuses(
+            &corpus,
+            fresh,
+            &[&args[..], &[huge.as_str()]].concat(),
+            "an extent of 1073741824 is too large to solve",
+        );
+    }
+
     // Bad network files.
     for (name, expect) in [
         ("bad-network.toml", "in_channels"),
@@ -212,6 +300,14 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         ("huge-kernel.toml", "kernel"),
         ("huge-count.toml", "4294967296 is too large"),
         ("missing.toml", "cannot read network file"),
+        (
+            "transposed-output-padding.toml",
+            "field `output_padding`: 2 is not smaller than the stride (1)",
+        ),
+        (
+            "transposed-huge-stride.toml",
+            "field `stride`: 4611686018427387904 is too large",
+        ),
     ] {
         let network = p(name);
         refuses(
@@ -367,6 +463,32 @@ fn a_batch_that_cannot_fit_is_refused_before_allocating() {
     assert_eq!(stderr.lines().filter(|l| l.starts_with("error")).count(), 1);
     assert!(started.elapsed() < Duration::from_secs(20));
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A 663-byte profile whose mini-batch is 2^30 (sizes 1 and 2^30): the WR solver made DP
+/// tables of 16 bytes per row of the extent with an infallible allocation, and `solve`
+/// aborted (SIGABRT) under a 4 GiB address-space limit. Its cost now follows the sizes, and
+/// sizes that make up too many partial sums are refused by the problem's name.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_huge_extent_in_a_tiny_profile_is_refused_not_an_abort() {
+    let profile = format!("{HOSTILE}/huge-extent.json");
+    let started = Instant::now();
+    let output = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4194304 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_mucudnn"))
+        .args(["solve", "--profile", &profile, "--policy", "power-of-two"])
+        .output()
+        .expect("sh runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("huge fp32 nchw fwd: an extent of 1073741824 is too large to solve"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().filter(|l| l.starts_with("error")).count(), 1);
+    assert!(started.elapsed() < Duration::from_secs(30));
 }
 
 /// Runs the binary with `cache` as `MUCUDNN_CACHE`, killing it after 60 s (a command that
@@ -592,4 +714,75 @@ fn control_characters_of_a_layer_name_are_escaped_in_errors() {
     );
     assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
     std::fs::remove_dir_all(&corpus.dir).ok();
+}
+
+/// Cache forgeries: rows no measurement could produce never stop a tune. A cache whose every
+/// measurement has a time of 0 (what an older unchecked store could write) made `tune` exit 1
+/// with "no measurements", since the sizes still counted as measured; now they are measured
+/// again and their rows replaced. One shape row of a dtype this mucudnn does not know (`fp8`)
+/// made `cache list` and `cache export` fail; now it is skipped with a warning.
+#[test]
+fn forged_cache_rows_never_stop_a_tune_or_a_listing() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-forged-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cache = dir.join("cache.sqlite");
+    let cache = cache.to_str().unwrap();
+    let tune = [
+        "tune",
+        "--network",
+        TINY,
+        "--batch",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+    ];
+    let (code, _, stderr) = run_bounded(cache, &tune);
+    assert_eq!(code, Some(0), "{stderr}");
+    let sql = |statement: &str| {
+        let conn = rusqlite::Connection::open(cache).unwrap();
+        conn.execute(statement, []).unwrap();
+    };
+    sql("UPDATE measurements SET time_ms = 0");
+    let (code, stdout, stderr) = run_bounded(cache, &tune);
+    assert_eq!(code, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(
+        doc["tuning"]["sizes_measured"].as_u64() > Some(0),
+        "the poisoned sizes are measured again: {}",
+        doc["tuning"]
+    );
+    // Measured again, the rows were replaced: the next tune measures nothing.
+    let (code, stdout, stderr) = run_bounded(cache, &tune);
+    assert_eq!(code, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(doc["tuning"]["sizes_measured"], 0, "{}", doc["tuning"]);
+
+    sql("UPDATE shapes SET dtype = 'fp8' WHERE id = (SELECT MIN(id) FROM shapes)");
+    let (code, stdout, stderr) = run_bounded(cache, &["cache", "list"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("tiny."), "{stdout}");
+    assert!(stderr.contains("skipped"), "{stderr}");
+    let exported = dir.join("exported.json");
+    let exported = exported.to_str().unwrap();
+    let (code, _, stderr) = run_bounded(cache, &["cache", "export", exported, "--device", "cpu"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Finite times whose sum passes f64's range: `--json` wrote `null` (JSON has no infinity),
+/// which reads as "no value"; it writes the largest f64, a number.
+#[test]
+fn an_overflowing_sum_of_times_is_a_number_in_json() {
+    let profile = format!("{HOSTILE}/overflowing-times.json");
+    let (code, stdout, stderr) = run_bounded(
+        "/nonexistent/unused.sqlite",
+        &["solve", "--profile", &profile, "--json"],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    for key in ["total_time_ms", "total_undivided_ms"] {
+        assert_eq!(doc[key].as_f64(), Some(f64::MAX), "{key}: {}", doc[key]);
+    }
 }

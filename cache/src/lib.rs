@@ -364,6 +364,7 @@ impl Cache {
     }
 
     fn warn(&self, message: String) {
+        let message = shortened(message);
         if self.echo {
             eprintln!("mucudnn: warning: {message}");
         }
@@ -389,8 +390,9 @@ impl Cache {
         if skipped > 0 && !self.bad_rows_warned.replace(true) {
             self.warn(format!(
                 "skipped {skipped} cached row(s) that no measurement could produce (a candidate \
-                 the device does not have, a time that is not positive and finite); they are \
-                 not used, and measuring again replaces them"
+                 the device does not have, a time that is not positive and finite, a shape or \
+                 workspace this mucudnn cannot read); they are not used, and measuring again \
+                 replaces them"
             ));
         }
     }
@@ -552,10 +554,13 @@ impl Cache {
         kind: AlgoKind,
     ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
         let measurements = self.measurements_along(device, problem, op, split, micro, kind)?;
-        let skipped = self.read(
+        let mut skipped = self.read(
             "skipped",
             store::skipped(&self.conn, device, problem, op, split, micro, kind),
         )?;
+        // A candidate both timed and skipped (rows written by hand or by an older store) is a
+        // measurement: a profile may not hold it twice.
+        skipped.retain(|x| !measurements.iter().any(|m| m.algo == x.algo));
         Some((measurements, skipped))
     }
 
@@ -741,7 +746,10 @@ impl Cache {
 
     /// One row per named problem and op tuned, per device.
     pub fn entries(&self) -> Result<Vec<EntrySummary>, CacheError> {
-        Ok(store::entries(&self.conn)?)
+        let mut skipped = 0;
+        let entries = store::entries(&self.conn, &mut skipped)?;
+        self.skipped_rows(skipped);
+        Ok(entries)
     }
 
     /// The cached measurements of every named problem, one profile per device (with its
@@ -795,15 +803,54 @@ impl Cache {
     }
 }
 
+/// The most characters of a warning: a path can be as long as the user makes it (100,000
+/// characters were echoed whole, once per warning); the start and the end say which it is.
+const MAX_WARNING_CHARS: usize = 1000;
+
+/// `message`, its middle left out when it is longer than [`MAX_WARNING_CHARS`].
+fn shortened(message: String) -> String {
+    let count = message.chars().count();
+    if count <= MAX_WARNING_CHARS {
+        return message;
+    }
+    let (head, tail) = (MAX_WARNING_CHARS * 3 / 4, MAX_WARNING_CHARS / 4);
+    let start: String = message.chars().take(head).collect();
+    let end: String = message.chars().skip(count - tail).collect();
+    format!(
+        "{start}[... {} characters left out ...]{end}",
+        count - head - tail
+    )
+}
+
 /// Whether `profile` was measured on `local`: its fingerprint must be `local`'s, or, for a
 /// profile without one, its device name and cuDNN version. [`Cache::import`] checks it unless
 /// forced; callers that check more (the candidates) call it first for the clearer error.
 pub fn check_device(profile: &Profile, local: &DeviceFingerprint) -> Result<(), CacheError> {
     match &profile.fingerprint {
-        Some(theirs) if theirs != local => Err(CacheError::ForeignDevice {
-            theirs: theirs.to_string(),
-            ours: local.to_string(),
-        }),
+        Some(theirs) if theirs != local => {
+            let (mut theirs_text, mut ours_text) = (theirs.to_string(), local.to_string());
+            // Fingerprints that differ only where the short form rounds or leaves out (a
+            // driver's patch level, the backend) would read "measured on X, but this machine
+            // is X": then both say every field.
+            if theirs_text == ours_text {
+                let or_none = |v: Option<String>| v.unwrap_or_else(|| "none".into());
+                let full = |f: &DeviceFingerprint| {
+                    format!(
+                        "{} (backend {}, compute capability {}, driver {}, cuDNN {})",
+                        f.name,
+                        f.backend,
+                        or_none(f.compute_capability.map(|(a, b)| format!("{a}.{b}"))),
+                        or_none(f.driver_version.map(|v| v.to_string())),
+                        or_none(f.cudnn_version.map(|v| v.to_string())),
+                    )
+                };
+                (theirs_text, ours_text) = (full(theirs), full(local));
+            }
+            Err(CacheError::ForeignDevice {
+                theirs: theirs_text,
+                ours: ours_text,
+            })
+        }
         Some(_) => Ok(()),
         None if profile.device == local.name && profile.cudnn_version == local.cudnn_version => {
             Ok(())

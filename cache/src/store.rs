@@ -194,11 +194,16 @@ fn ids(
 /// Columns: micro, algo, engine, time_ms, workspace_bytes. A row whose engine name does not
 /// parse (or whose algo number is negative) is an error, which the caller treats as a miss.
 fn read_measurement(row: &rusqlite::Row<'_>) -> Result<Measurement> {
+    // A negative workspace is no measurement's: the row is unusable, not a 0-byte one.
+    let workspace: i64 = row.get(4)?;
+    let workspace_bytes = u64::try_from(workspace).map_err(|e| {
+        rusqlite::Error::FromSqlConversionFailure(4, rusqlite::types::Type::Integer, Box::new(e))
+    })?;
     Ok(Measurement {
         micro: row.get(0)?,
         algo: read_algo(row)?,
         time_ms: row.get(3)?,
-        workspace_bytes: row.get::<_, i64>(4)?.max(0) as u64,
+        workspace_bytes,
     })
 }
 
@@ -251,10 +256,7 @@ fn usable_rows(
     split: SplitDim,
     skipped: &mut usize,
 ) -> Result<Vec<Measurement>> {
-    let check = RecordCheck {
-        device,
-        memory_bytes: None,
-    };
+    let check = row_check(device);
     let mut usable = Vec::new();
     for row in rows {
         match row? {
@@ -265,13 +267,66 @@ fn usable_rows(
     Ok(usable)
 }
 
+/// More bytes than any device's memory (1 PiB): the cache does not know its device's memory,
+/// but a workspace past this (2^63 - 1 bytes, written by hand or by an unchecked store) is no
+/// measurement's, and a plan that needed it could never run.
+const MAX_CACHED_WORKSPACE_BYTES: u64 = 1 << 50;
+
+/// The record check of rows read back from the cache.
+fn row_check(device: &DeviceFingerprint) -> RecordCheck<'_> {
+    RecordCheck {
+        device,
+        memory_bytes: Some(MAX_CACHED_WORKSPACE_BYTES),
+    }
+}
+
+/// The sizes of `kind` (all, or only `micro`) that have stored rows for `op` and none of them
+/// usable: each failed the record check or names an op that is not one. Such a size is a miss,
+/// not "measured, nothing supported" (which has no rows at all), so that measuring it again
+/// replaces the rows; otherwise a poisoned size would never be measured again, and a tune
+/// left with no usable measurement would fail.
+#[allow(clippy::too_many_arguments)]
+fn unusable_sizes(
+    conn: &Connection,
+    (d, s): (i64, i64),
+    device: &DeviceFingerprint,
+    problem: &ConvProblem,
+    op: ConvOp,
+    split: SplitDim,
+    kind: AlgoKind,
+    micro: Option<i64>,
+) -> Result<HashSet<i64>> {
+    let [a, b, c] = ConvOp::ALL.map(ConvOp::name);
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT micro, algo, engine, time_ms, workspace_bytes, op FROM measurements
+         WHERE device_id = ?1 AND shape_id = ?2 AND split = ?3 AND (?4 IS NULL OR micro = ?4)
+           AND (op = ?5 OR op NOT IN (?6, ?7, ?8)) AND {}",
+        kind_condition(kind)
+    ))?;
+    let check = row_check(device);
+    let mut usable: HashMap<i64, bool> = HashMap::new();
+    let mut rows = stmt.query(params![d, s, split.name(), micro, op.name(), a, b, c])?;
+    while let Some(row) = rows.next()? {
+        let Ok(size) = row.get::<_, i64>(0) else {
+            continue; // a size that is not a number is no size of ours
+        };
+        let ours = row.get::<_, String>(5).is_ok_and(|name| name == op.name());
+        let good = ours
+            && read_measurement(row)
+                .is_ok_and(|m| check.record_split(problem, op, split, &m).is_ok());
+        *usable.entry(size).or_insert(false) |= good;
+    }
+    Ok(usable
+        .into_iter()
+        .filter(|&(_, good)| !good)
+        .map(|(size, _)| size)
+        .collect())
+}
+
 /// Whether every micro-batch of a cached plan passes the record check (a plan solved from a
 /// poisoned measurement names a candidate the device does not have, or a zero time).
 fn usable_plan(plan: &Plan, device: &DeviceFingerprint) -> bool {
-    let check = RecordCheck {
-        device,
-        memory_bytes: None,
-    };
+    let check = row_check(device);
     plan.micro_batches.iter().all(|mb| {
         let m = Measurement {
             micro: mb.size,
@@ -311,7 +366,9 @@ pub(crate) fn measurements(
         .prepare_cached("SELECT 1 FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND kind = ?5 AND split = ?6")?
         .query_row(params![d, s, op.name(), micro, kind.name(), split.name()], |row| row.get(0))
         .optional()?;
-    if measured.is_none() {
+    if measured.is_none()
+        || !unusable_sizes(conn, (d, s), device, problem, op, split, kind, Some(micro))?.is_empty()
+    {
         return Ok(None);
     }
     let mut stmt = conn.prepare_cached(&format!(
@@ -415,7 +472,8 @@ pub(crate) fn measurements_up_to(
     usable_rows(rows, device, problem, op, split, skipped)
 }
 
-/// The micro-batch sizes at which `kind`'s candidates were measured.
+/// The micro-batch sizes at which `kind`'s candidates were measured, less those whose rows are
+/// all unusable (`unusable_sizes`).
 pub(crate) fn measured_sizes(
     conn: &Connection,
     device: &DeviceFingerprint,
@@ -433,7 +491,12 @@ pub(crate) fn measured_sizes(
     let rows = stmt.query_map(params![d, s, op.name(), kind.name(), split.name()], |row| {
         row.get(0)
     })?;
-    rows.collect()
+    let measured: Vec<i64> = rows.collect::<Result<_>>()?;
+    let unusable = unusable_sizes(conn, (d, s), device, problem, op, split, kind, None)?;
+    Ok(measured
+        .into_iter()
+        .filter(|size| !unusable.contains(size))
+        .collect())
 }
 
 /// Replaces what is stored of `kind` at `micro`: the timed `measurements` and the `skipped`
@@ -676,8 +739,10 @@ fn read_problem(row: &rusqlite::Row<'_>, first: usize) -> Result<ConvProblem> {
 /// A `seen` row: (device id, shape id, device, layer, problem, op).
 type SeenRow = (i64, i64, DeviceFingerprint, String, ConvProblem, ConvOp);
 
-/// The `seen` rows with device and problem, in tuning order.
-fn seen_rows(conn: &Connection) -> Result<Vec<SeenRow>> {
+/// The `seen` rows with device and problem, in tuning order. A row that does not read as one
+/// (a dtype such as `fp8` that this mucudnn does not know, a value of the wrong type) is
+/// counted in `skipped` and left out: one such row must not hide the others.
+fn seen_rows(conn: &Connection, skipped: &mut usize) -> Result<Vec<SeenRow>> {
     let sql = format!(
         "SELECT seen.device_id, seen.shape_id,
                 devices.backend, devices.name, devices.cc_major, devices.cc_minor, devices.driver_version,
@@ -705,12 +770,22 @@ fn seen_rows(conn: &Connection) -> Result<Vec<SeenRow>> {
             op,
         ))
     })?;
-    rows.collect()
+    let mut out = Vec::new();
+    for row in rows {
+        match row {
+            Ok(row) => out.push(row),
+            // SQLite's own errors (a damaged page, a busy file) fail the read; a value that
+            // does not convert is one bad row.
+            Err(e @ rusqlite::Error::SqliteFailure(..)) => return Err(e),
+            Err(_) => *skipped += 1,
+        }
+    }
+    Ok(out)
 }
 
-pub(crate) fn entries(conn: &Connection) -> Result<Vec<EntrySummary>> {
+pub(crate) fn entries(conn: &Connection, skipped: &mut usize) -> Result<Vec<EntrySummary>> {
     let mut out = Vec::new();
-    for (d, s, device, layer, problem, op) in seen_rows(conn)? {
+    for (d, s, device, layer, problem, op) in seen_rows(conn, skipped)? {
         let count = |sql: &str| -> Result<i64> {
             conn.prepare_cached(sql)?
                 .query_row(params![d, s, op.name(), problem.n], |row| row.get(0))
@@ -751,7 +826,7 @@ pub(crate) fn export(
     type Key = (String, ConvProblem, ConvOp);
     let mut rows: BTreeMap<i64, (DeviceFingerprint, Vec<Key>)> = BTreeMap::new();
     let mut slot_of: HashMap<(i64, Key), usize> = HashMap::new();
-    for (d, _, device, layer, problem, op) in seen_rows(conn)? {
+    for (d, _, device, layer, problem, op) in seen_rows(conn, skipped)? {
         if only.is_some_and(|o| *o != device) {
             continue;
         }

@@ -553,6 +553,20 @@ fn import_refuses_another_device_unless_forced() {
     });
     let err = cache.import(&with_fingerprint, &h100(), false).unwrap_err();
     assert!(err.to_string().contains("driver 12.8"), "{err}");
+    // One that differs below what the short form shows (13000 and 13005 both read 13.0):
+    // the message says every field, never the same name twice.
+    with_fingerprint.fingerprint = Some(DeviceFingerprint {
+        driver_version: Some(13005),
+        ..h100()
+    });
+    let err = cache
+        .import(&with_fingerprint, &h100(), false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("driver 13005, cuDNN 91900") && err.contains("driver 13000, cuDNN 91900"),
+        "{err}"
+    );
     assert!(cache.import(&with_fingerprint, &other, true).unwrap() > 0);
     assert!(cache
         .op_profile(
@@ -1400,4 +1414,160 @@ fn spatial_measurements_never_answer_batch_lookups() {
     assert!(other
         .measurements(&device, &problem, op, 7, AlgoKind::Legacy)
         .is_none());
+}
+
+/// A size whose rows are all unusable is a miss, so that a tune measures it again and the new
+/// rows replace them: a size whose every row had a zero, negative or infinite time, a time
+/// stored as text or an op that is not one used to count as measured forever, and a tune left
+/// with no usable measurement failed. Also: a workspace of 2^63 - 1 bytes is no measurement's;
+/// a candidate both timed and skipped is a measurement (not "measured twice"); one shape row
+/// this mucudnn cannot read (dtype `fp8`) is skipped by `entries` and `export`, with a warning,
+/// where it failed them.
+#[test]
+fn unusable_rows_are_misses_and_one_bad_shape_row_hides_nothing() {
+    use mucudnn_solver::Skipped;
+    let dir = temp_dir("unusable-sizes");
+    let path = dir.join("c.sqlite");
+    let device = h100();
+    let problem = ConvProblem::new(4, 8, 9, 9, 8, 3, 3);
+    let other = ConvProblem::new(4, 8, 7, 7, 8, 3, 3);
+    let op = ConvOp::Forward;
+    {
+        let cache = Cache::open(&path).unwrap().quiet();
+        for p in [&problem, &other] {
+            for micro in [1, 2, 4] {
+                let ms = [m(micro, 0, micro as f64, 0), m(micro, 1, 0.5, 100)];
+                cache.store_measurements(&device, "l", p, op, micro, AlgoKind::Legacy, &ms);
+            }
+        }
+    }
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let shape_of = |p: &ConvProblem| -> i64 {
+        conn.query_row(
+            "SELECT id FROM shapes WHERE h = ?1",
+            rusqlite::params![p.h],
+            |row| row.get(0),
+        )
+        .unwrap()
+    };
+    let (s, s_other) = (shape_of(&problem), shape_of(&other));
+    let sql = |statement: &str| conn.execute(statement, rusqlite::params![s]).unwrap();
+    // Size 1: every time zero or negative; size 2: text; size 4: an op that is not one.
+    sql(
+        "UPDATE measurements SET time_ms = -time_ms WHERE shape_id = ?1 AND micro = 1 AND algo = 0",
+    );
+    sql("UPDATE measurements SET time_ms = 0 WHERE shape_id = ?1 AND micro = 1 AND algo = 1");
+    sql("UPDATE measurements SET time_ms = 'fast' WHERE shape_id = ?1 AND micro = 2");
+    sql("UPDATE measurements SET op = 'FWD' WHERE shape_id = ?1 AND micro = 4");
+    // The other shape: a workspace of 2^63 - 1 bytes at size 4 (algorithm 1), and a skipped
+    // row for algorithm 0 at size 4, which was timed.
+    conn.execute(
+        "UPDATE measurements SET workspace_bytes = ?2 WHERE shape_id = ?1 AND micro = 4 AND algo = 1",
+        rusqlite::params![s_other, i64::MAX],
+    )
+    .unwrap();
+    conn.execute(
+        "INSERT INTO skipped (device_id, shape_id, op, micro, algo, engine, workspace_bytes, split)
+         SELECT device_id, shape_id, op, micro, algo, engine, 1000, split
+         FROM measurements WHERE shape_id = ?1 AND micro = 4 AND algo = 0",
+        rusqlite::params![s_other],
+    )
+    .unwrap();
+    drop(conn);
+
+    let cache = Cache::open(&path).unwrap().quiet();
+    let sizes = [1, 2, 4];
+    assert_eq!(
+        cache.missing_sizes(&device, &problem, op, AlgoKind::Legacy, &sizes),
+        sizes,
+        "every size of the poisoned shape is a miss"
+    );
+    assert_eq!(
+        cache.measurements(&device, &problem, op, 2, AlgoKind::Legacy),
+        None
+    );
+    assert!(cache
+        .op_profile(
+            &device,
+            "l",
+            &problem,
+            op,
+            Policy::PowerOfTwo,
+            CandidateSet::Legacy
+        )
+        .is_none());
+    // Measuring again replaces the rows.
+    for micro in sizes {
+        let ms = [m(micro, 0, micro as f64, 0)];
+        cache.store_measurements(&device, "l", &problem, op, micro, AlgoKind::Legacy, &ms);
+    }
+    assert!(cache
+        .missing_sizes(&device, &problem, op, AlgoKind::Legacy, &sizes)
+        .is_empty());
+    let entry = cache
+        .op_profile(
+            &device,
+            "l",
+            &problem,
+            op,
+            Policy::PowerOfTwo,
+            CandidateSet::Legacy,
+        )
+        .expect("measured again");
+    assert_eq!(entry.measurements.len(), 3, "{:?}", entry.measurements);
+
+    // The other shape: the 2^63 - 1 B row is skipped, the size still measured by algorithm 0,
+    // and algorithm 0 is a measurement, not also a skipped candidate.
+    let (timed, skipped) = cache
+        .measured(&device, &other, op, 4, AlgoKind::Legacy)
+        .unwrap();
+    assert_eq!(timed, [m(4, 0, 4.0, 0)]);
+    assert_eq!(skipped, Vec::<Skipped>::new());
+
+    // One shape row of a dtype this mucudnn does not know.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(
+        "UPDATE shapes SET dtype = 'fp8' WHERE id = ?1",
+        rusqlite::params![s_other],
+    )
+    .unwrap();
+    drop(conn);
+    let cache = Cache::open(&path).unwrap().quiet();
+    let entries = cache.entries().expect("the readable entries are listed");
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0].problem, problem);
+    let exported = cache
+        .export(Some(&device))
+        .expect("the readable entries export");
+    assert_eq!(exported[0].entries.len(), 1);
+    let warnings = cache.warnings();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("skipped 1 cached row"), "{warnings:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A cache path of 100,000 characters is not echoed whole in each warning: its middle is left
+/// out, its start and end kept.
+#[test]
+fn a_huge_cache_path_is_shortened_in_warnings() {
+    let dir = temp_dir("huge-path");
+    let blocker = dir.join("not-a-directory");
+    std::fs::write(&blocker, b"x").unwrap();
+    let path = blocker.join("d".repeat(100_000)).join("cache.sqlite");
+    let cache = Cache::open(&path).unwrap().quiet();
+    assert!(matches!(cache.location(), Location::Memory { .. }));
+    let warnings = cache.warnings();
+    assert!(!warnings.is_empty());
+    for warning in &warnings {
+        assert!(
+            warning.chars().count() < 1100,
+            "{} characters",
+            warning.len()
+        );
+    }
+    assert!(
+        warnings.iter().any(|w| w.contains("characters left out")),
+        "{warnings:?}"
+    );
+    std::fs::remove_dir_all(dir).ok();
 }

@@ -38,7 +38,7 @@ pub enum InterchangeError {
     #[error("not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
     #[error(
-        "unsupported profile format {found:?} (this build reads \"{FORMAT_V1}\" and \"{FORMAT_V2}\")"
+        "unsupported profile format {found:?} (this build reads \"{FORMAT_V1}\", \"{FORMAT_V2}\" and \"{FORMAT_V3}\")"
     )]
     Format { found: String },
     /// `index` counts records from 1, as network files count lines.
@@ -243,6 +243,16 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
     };
     if !known_format(&raw.format) {
         return Err(InterchangeError::Format { found: raw.format });
+    }
+    // `split` is v3's key: in a v1 or v2 file it is some other program's extension key, which
+    // readers ignore, and every record is a batch record (docs/PROFILE_FORMAT.md). Read as
+    // spatial, a v1 file's micro-batch sizes would be taken for chunks of rows.
+    let versioned_split = raw.format == FORMAT_V3;
+    let mut raw = raw;
+    if !versioned_split {
+        for record in &mut raw.records {
+            record.split = SplitDim::Batch;
+        }
     }
     let mut profile = Profile {
         device: raw.device.unwrap_or_default(),
@@ -551,6 +561,14 @@ mod tests {
             .replace("profile-v1", "profile-v3")
             .replace(r#""op": "fwd""#, r#""op": "fwd", "split": "rows""#);
         assert!(from_json_str(&bad).is_err());
+        // In v1 and v2, `split` is no key of the format: the records are batch records.
+        for format in ["profile-v1", "profile-v2"] {
+            let old = ONE
+                .replace("profile-v1", format)
+                .replace(r#""op": "fwd""#, r#""op": "fwd", "split": "spatial""#);
+            let read = from_json_str(&old).unwrap();
+            assert_eq!(read.entries[0].split, SplitDim::Batch, "{format}");
+        }
     }
 
     #[test]
@@ -643,10 +661,9 @@ mod tests {
     #[test]
     fn errors_are_specific() {
         let wrong = ONE.replace("mucudnn-profile-v1", "mucudnn-profile-v9");
-        assert!(matches!(
-            from_json_str(&wrong),
-            Err(InterchangeError::Format { .. })
-        ));
+        let err = from_json_str(&wrong).unwrap_err();
+        assert!(matches!(err, InterchangeError::Format { .. }));
+        assert!(err.to_string().contains(FORMAT_V3), "{err}");
         let missing = ONE.replace(r#""micro": 4,"#, "");
         let err = from_json_str(&missing).unwrap_err().to_string();
         assert!(

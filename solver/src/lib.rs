@@ -81,6 +81,14 @@ pub enum SolveError {
         /// so that no budget holds it.
         min_total_workspace_bytes: Option<u64>,
     },
+    /// The extent is too large for the sizes measured: the DP would visit more partial sums
+    /// than it may hold ([`wr::MAX_DP_SUMS`]), or their tables could not be allocated.
+    #[error("{name}: an extent of {n} is too large to solve with the micro-batch sizes measured: they make up more than {max_sums} partial sums, the most the solver holds, or its tables do not fit in memory")]
+    TooLarge {
+        name: ProblemName,
+        n: i64,
+        max_sums: usize,
+    },
     #[error("workspace division needs at least one (layer, op) to divide among")]
     NothingToDivide,
     #[error("workspace division: point set {index} is empty")]

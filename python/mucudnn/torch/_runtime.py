@@ -353,9 +353,17 @@ def report_of(
 class Ready:
     """A prepared plan set and what running it needs: which ops it holds (``has[op]``), the
     operand extents of each op (ctypes arrays, made once from the key's shapes) and, on the
-    CPU, the workspace."""
+    CPU, the workspace.
 
-    __slots__ = ("prepared", "tuner", "id", "workspace", "extents", "host_workspace", "has")
+    Threads share a layer's sets: a call may hold one that another thread has just replaced
+    (:meth:`LayerConfig.adopt`) or that the layer's collection is dropping. So a set counts
+    the calls running it, and a retired set is released by the last of them, never under a
+    call: :func:`run` enters it or takes the set that replaced it."""
+
+    __slots__ = (
+        "prepared", "tuner", "id", "workspace", "extents", "host_workspace", "has", "key",
+        "guard", "uses", "retired",
+    )
 
     def __init__(self, prepared: PreparedSet, key: PlanKey):
         self.prepared = prepared
@@ -374,9 +382,43 @@ class Ready:
         self.host_workspace: Optional[torch.Tensor] = None
         if key[0] == "cpu" and max(prepared.workspace) > 0:
             self.host_workspace = torch.empty(max(prepared.workspace), dtype=torch.uint8)
+        self.key = key
+        self.guard = threading.Lock()
+        #: Calls running the set now.
+        self.uses = 0
+        #: Replaced or dropped: released when no call uses it.
+        self.retired = False
 
-    def release(self) -> None:
-        self.prepared.release()
+    def enter(self) -> bool:
+        """Counts a call that runs the set; ``False`` once it is retired."""
+        with self.guard:
+            if self.retired:
+                return False
+            self.uses += 1
+            return True
+
+    def leave(self) -> None:
+        with self.guard:
+            self.uses -= 1
+            last = self.retired and self.uses == 0
+        if last:
+            self._release()
+
+    def retire(self) -> None:
+        """No new call may run the set; it is released now, or by the last call running it."""
+        with self.guard:
+            if self.retired:
+                return
+            self.retired = True
+            idle = self.uses == 0
+        if idle:
+            self._release()
+
+    def _release(self) -> None:
+        try:
+            self.prepared.release()
+        except MucudnnError:
+            pass  # a set that cannot be released is only memory; the call that ran it is done
 
 
 class LayerConfig:
@@ -413,10 +455,7 @@ class LayerConfig:
             prepared = [p for p in self.prepared.values() if p is not None]
             self.prepared.clear()
         for ready in prepared:
-            try:
-                ready.release()
-            except MucudnnError:
-                pass
+            ready.retire()
 
     def adopt(self, key: PlanKey, result: Dict[str, Any], seconds: float) -> Ready:
         """Prepares plans tuned elsewhere (or just now) for ``key``: ``result``'s plans, and
@@ -438,7 +477,7 @@ class LayerConfig:
             self.prepared[key] = ready
             self.reports[key] = report_of(key, result, seconds, earlier_report)
         if old is not None:
-            old.release()
+            old.retire()
         return ready
 
 
@@ -705,13 +744,24 @@ def plans_for(
             "the ranks and run identical plans on every rank",
             file=sys.stderr,
         )
+    # A value past what mucudnn's problems hold (a stride of 2^31) is PyTorch's to run, as an
+    # unsupported problem is: with fallback, not an error.
+    problem = problem_of(key)
+    too_large = [f"{name} = {value}" for name, value in problem.items()
+                 if isinstance(value, int) and value > 2**31 - 1]
+    if too_large:
+        reason = f"{', '.join(too_large)} is more than 2^31 - 1, which mucudnn's problems hold"
+        if config.fallback:
+            fall_back(config, key, reason, 0.0)
+            return None
+        raise RuntimeError(f"{config.name}: input shape {shape}: {reason}")
     tuner = tuner_for(device_type, index, config.cache, config.verbose)
     settings = config.settings_for(key)
     if len(missing) < len(ALL_OPS):
         settings = replace(settings, ops=tuple(OP_NAMES[op] for op in missing))
     started = time.perf_counter()
     try:
-        result = tuner.tune(config.name, problem_of(key), settings)
+        result = tuner.tune(config.name, problem, settings)
     except MucudnnError as e:
         if config.fallback and e.status in FALLBACK_STATUSES:
             fall_back(config, key, str(e), time.perf_counter() - started)
@@ -807,16 +857,26 @@ def run(
     """``out = op(a, b)`` with the prepared plan (on ``out``'s device and current stream). The
     operands are those of the plan's key (checked by the caller); the library checks their
     dims and extents against the plan once more."""
-    needed = ready.workspace[op]
-    workspace = None
-    stream = 0
-    if out.is_cuda:
-        if needed:
-            workspace = torch.empty(needed, dtype=torch.uint8, device=out.device)
-        stream = torch.cuda.current_stream(out.device).cuda_stream
-    elif needed:
-        workspace = ready.host_workspace
+    while not ready.enter():
+        # Another thread replaced the set since this call found it; the new one holds every
+        # op the old one did.
+        newer = config.prepared.get(ready.key)
+        if newer is None or newer is ready:
+            raise RuntimeError(
+                f"{config.name}: the plans of input shape {ready.key[4]} were released while "
+                "a call was on its way to them"
+            )
+        ready = newer
     try:
+        needed = ready.workspace[op]
+        workspace = None
+        stream = 0
+        if out.is_cuda:
+            if needed:
+                workspace = torch.empty(needed, dtype=torch.uint8, device=out.device)
+            stream = torch.cuda.current_stream(out.device).cuda_stream
+        elif needed:
+            workspace = ready.host_workspace
         ready.tuner.execute(
             ready.id,
             op,
@@ -830,6 +890,8 @@ def run(
         )
     except MucudnnError as e:
         raise RuntimeError(f"{config.name}: {e}") from e
+    finally:
+        ready.leave()
 
 
 #: Base alignment the GPU path asks of every operand: engine plans declare the alignment of the

@@ -69,7 +69,8 @@ fn local_fingerprint(choice: DeviceChoice) -> Result<DeviceFingerprint> {
 
 /// Refuses a profile with any record this machine's cache may not hold, before anything is
 /// stored: each passes [`RecordCheck::batch`], the check every record entering the cache
-/// passes (a candidate `backend` has, a positive finite time, a workspace within its memory).
+/// passes (a candidate `backend` has, a positive finite time, a workspace within its memory),
+/// along its entry's split: a spatial entry's sizes are chunks of rows, not micro-batches.
 /// `--force` only relabels a foreign profile's device; it does not let bad records in.
 fn check_records(profile: &Profile, backend: &dyn Backend, file: &Path) -> Result<()> {
     let check = RecordCheck {
@@ -77,13 +78,28 @@ fn check_records(profile: &Profile, backend: &dyn Backend, file: &Path) -> Resul
         memory_bytes: backend.memory_bytes(),
     };
     let records = profile.entries.iter().flat_map(|entry| {
-        entry
-            .measurements
-            .iter()
-            .map(move |m| (entry.layer.as_str(), &entry.problem, entry.op, m))
+        entry.measurements.iter().map(move |m| {
+            (
+                entry.layer.as_str(),
+                &entry.problem,
+                entry.op,
+                entry.split,
+                m,
+            )
+        })
     });
-    check.batch(records).map_err(|refused| {
-        anyhow::anyhow!("{}: {refused}; nothing was imported", file.display())
+    check.batch_split(records).map_err(|refused| {
+        // The file's records, counted from 1 as profile errors count them (the check's
+        // index counts from 0).
+        anyhow::anyhow!(
+            "{}: record {} ({} {} micro-batch {}): {}; nothing was imported",
+            file.display(),
+            refused.index + 1,
+            refused.layer,
+            refused.op,
+            refused.micro,
+            refused.source
+        )
     })?;
     Ok(())
 }

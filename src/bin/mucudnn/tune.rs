@@ -42,7 +42,7 @@ pub(crate) struct LayerSource {
     /// The input of a sized zoo model: r3d_18's clip DxHxW (16x112x112),
     /// wan21_vae_decoder's video FRAMESxHxW (17x480x832), sdxl_vae_decoder's image HxW
     /// (2048x2048), wav2vec2_fe's SAMPLES (16000).
-    #[arg(long, value_name = "DIMS", value_parser = parse_dims, conflicts_with = "network")]
+    #[arg(long, value_name = "DIMS", value_parser = parse_dims, conflicts_with = "network", allow_hyphen_values = true)]
     input: Option<InputDims>,
     /// Divide the channels inside a sized zoo model by N (a quick, small run of the same
     /// structure; N divides the base width: 64 for r3d_18, 96 for wan21_vae_decoder, 128 for
@@ -51,14 +51,15 @@ pub(crate) struct LayerSource {
         long,
         value_name = "N",
         default_value_t = 1,
-        conflicts_with = "network"
+        conflicts_with = "network",
+        allow_hyphen_values = true
     )]
     channel_divisor: i64,
     /// A network file: a TOML list of conv layers (docs/NETWORK_FORMAT.md).
     #[arg(long, value_name = "FILE.toml")]
     network: Option<PathBuf>,
     /// Mini-batch size (not used by deepbench, whose entries fix their own).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_hyphen_values = true)]
     batch: Option<i64>,
     /// Element type of activations and filters.
     #[arg(long, default_value = "fp32", value_parser = one_of::<DType>(DType::NAMES.iter().copied()))]
@@ -73,14 +74,18 @@ pub(crate) struct LayerSource {
 #[derive(Clone, Debug)]
 pub(crate) struct InputDims(Vec<i64>);
 
-/// `16x112x112`, `17x480x832`, `16000`: positive sizes separated by `x`.
+/// `16x112x112`, `17x480x832`, `16000`: sizes separated by `x`. Whether they are positive and
+/// as many as the model's input is the model's check, whose message shows that model's form
+/// and default (this parser does not know the model).
 fn parse_dims(text: &str) -> Result<InputDims, String> {
     text.split(['x', 'X'])
-        .map(|part| match part.trim().parse::<i64>() {
-            Ok(value) if value >= 1 => Ok(value),
-            _ => Err(format!(
-                "`{text}`: expected positive sizes separated by `x` (16x112x112)"
-            )),
+        .map(|part| {
+            part.trim().parse::<i64>().map_err(|_| {
+                format!(
+                    "`{text}`: expected sizes separated by `x` (16x112x112 for r3d_18, 16000 \
+                     for wav2vec2_fe)"
+                )
+            })
         })
         .collect::<Result<Vec<i64>, String>>()
         .map(InputDims)
@@ -348,6 +353,47 @@ fn check_before_measuring(args: &TuneArgs, device: &mut Device) -> Result<()> {
             args.source.dtype
         );
     }
+    // The output paths too: a tune of hours used to fail only at the end, writing them.
+    if let Some(path) = &args.save_profile {
+        check_writable_file(path).map_err(|e| {
+            anyhow::anyhow!(
+                "--save-profile {}: {e:#}; nothing was measured",
+                path.display()
+            )
+        })?;
+    }
+    if let Some(dir) = &args.report {
+        // The report's own folders, made now (the report makes them anyway).
+        std::fs::create_dir_all(dir.join("pareto")).map_err(|e| {
+            anyhow::anyhow!(
+                "--report {}: cannot make the report folder: {e}; nothing was measured",
+                dir.display()
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Whether `path` can be written as a file, without changing what is there: an existing file
+/// is opened for writing (not truncated); a new one is made and removed again.
+fn check_writable_file(path: &std::path::Path) -> Result<()> {
+    use std::fs::OpenOptions;
+    if path.is_dir() {
+        anyhow::bail!("it is a directory, not a file");
+    }
+    if path.exists() {
+        OpenOptions::new()
+            .write(true)
+            .open(path)
+            .context("cannot open it for writing")?;
+        return Ok(());
+    }
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .context("cannot create it")?;
+    std::fs::remove_file(path).context("cannot create it")?;
     Ok(())
 }
 

@@ -1,0 +1,117 @@
+"""A converted layer where it used to break (CPU).
+
+Threads sharing one layer: a plan set is released only when no call can still use it.
+Adopting new plans for a shape (another thread's first call of it, or a backward that tunes
+the ops an inference forward lacked) used to release the set another thread was about to
+execute, which raised "plan set N is not prepared (or was released)".
+
+A stride of 2^31 or more, which PyTorch runs and mucudnn's problems cannot hold: with
+``fallback=True`` the layer runs PyTorch's convolution, where it raised."""
+
+import pytest
+
+import sys
+import threading
+
+import torch
+import torch.nn.functional as F
+
+import mucudnn.torch as mt
+
+
+def assert_close(ours, theirs):
+    scale = theirs.abs().max().item()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * max(scale, 1e-30))
+
+
+def run_threads(count, work):
+    """Runs ``work(i)`` in ``count`` threads started together; returns their exceptions."""
+    start = threading.Barrier(count)
+    errors = []
+
+    def body(i):
+        try:
+            start.wait()
+            work(i)
+        except BaseException as e:  # noqa: BLE001 - every failure is the test's
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_eight_threads_make_the_first_call_of_a_new_shape(tmp_path):
+    torch.manual_seed(0)
+    layer = mt.Conv2d(2, 3, 3, padding=1, cache=str(tmp_path / "cache.sqlite"),
+                      fallback=False, name="threads.first_call")
+    layer.requires_grad_(False)
+    for trial in range(6):
+        x = torch.randn(2, 2, 5 + trial, 6)  # a new shape each trial
+        expected = F.conv2d(x, layer.weight, layer.bias, padding=1)
+        results = {}
+
+        def work(i):
+            for _ in range(3):
+                results[i] = layer(x)
+
+        errors = run_threads(8, work)
+        assert not errors, f"trial {trial}: {errors[0]!r}"
+        for y in results.values():
+            assert_close(y, expected)
+
+
+def test_inference_threads_while_a_backward_tunes_the_missing_ops(tmp_path):
+    # Threads switch often, so that inference calls are on their way while the backward
+    # adopts its plans.
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        _inference_while_backward(tmp_path)
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def _inference_while_backward(tmp_path):
+    torch.manual_seed(0)
+    layer = mt.Conv2d(2, 3, 3, padding=1, cache=str(tmp_path / "cache.sqlite"),
+                      fallback=False, name="threads.inference")
+    for trial in range(8):
+        x = torch.randn(2, 2, 6 + trial, 5)
+        with torch.no_grad():
+            expected = F.conv2d(x, layer.weight, layer.bias, padding=1)
+            layer(x)  # the forward op alone is tuned for this shape
+        stop = threading.Event()
+
+        def work(i):
+            if i == 0:
+                try:
+                    xx = x.clone().requires_grad_()
+                    layer(xx).sum().backward()  # tunes bwd_data and bwd_filter, adopts
+                finally:
+                    stop.set()
+            else:
+                while not stop.is_set():
+                    with torch.no_grad():
+                        assert_close(layer(x), expected)
+
+        errors = run_threads(6, work)
+        assert not errors, f"trial {trial}: {errors[0]!r}"
+        layer.zero_grad()
+
+
+def test_a_stride_past_2_31_falls_back_to_pytorch(tmp_path, capfd):
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 4, 4)
+    layer = mt.Conv2d(2, 3, 1, stride=2**31, cache=str(tmp_path / "cache.sqlite"),
+                      name="limits.stride")
+    with torch.no_grad():
+        assert_close(layer(x), F.conv2d(x, layer.weight, layer.bias, stride=2**31))
+    assert "2^31 - 1" in capfd.readouterr().err
+    strict = mt.Conv2d(2, 3, 1, stride=2**31, cache=str(tmp_path / "cache.sqlite"),
+                       fallback=False, name="limits.strict")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="stride_h = 2147483648"):
+        strict(x)
