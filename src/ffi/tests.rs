@@ -882,6 +882,7 @@ fn tuner_settings_ops_errors() {
         for (text, message) in [
             (r#"{"ops": []}"#, "settings: ops is empty"),
             (r#"{"ops": ["fwd", "bwd"]}"#, "unknown op `bwd`"),
+            (r#"{"ops": ["FWD"]}"#, "unknown op `FWD`"),
             (r#"{"ops": "fwd"}"#, "give an array of op names"),
             (r#"{"ops": [1]}"#, "1 is not an op name"),
         ] {

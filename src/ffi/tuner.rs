@@ -201,11 +201,20 @@ fn parse_ops(value: &serde_json::Value) -> Result<Vec<ConvOp>, FfiError> {
     }
     let mut wanted = [false; 3];
     for item in items {
-        let op: ConvOp = item
+        // Exactly as written in the docs: the solver's parser also takes other cases, which
+        // a settings document does not (an unknown name is an error, and `FWD` is unknown).
+        let name = item
             .as_str()
-            .ok_or_else(|| invalid(format!("settings: ops: {item} is not an op name ({names})")))?
-            .parse()
-            .map_err(|e: String| invalid(format!("settings: ops: {e}")))?;
+            .ok_or_else(|| invalid(format!("settings: ops: {item} is not an op name ({names})")))?;
+        let op = ConvOp::ALL
+            .into_iter()
+            .zip(ConvOp::NAMES)
+            .find_map(|(op, known)| (known == name).then_some(op))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "settings: ops: unknown op `{name}` (expected one of: {names})"
+                ))
+            })?;
         wanted[op_index(op)] = true;
     }
     Ok(ConvOp::ALL
