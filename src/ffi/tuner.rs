@@ -209,7 +209,7 @@ fn parse_ops(value: &serde_json::Value) -> Result<Vec<ConvOp>, FfiError> {
         let op = ConvOp::ALL
             .into_iter()
             .zip(ConvOp::NAMES)
-            .find_map(|(op, known)| (known == name).then_some(op))
+            .find_map(|(op, &known)| (known == name).then_some(op))
             .ok_or_else(|| {
                 invalid(format!(
                     "settings: ops: unknown op `{name}` (expected one of: {names})"
