@@ -168,7 +168,7 @@ def test_torch_compile_fullgraph():
     assert runs[0] == 2 + 2 + 1
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     for p, g in zip(model.parameters(), grads):
-        torch.testing.assert_close(p.grad / 2, g, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
 
 
 def test_autocast_bf16():
