@@ -49,13 +49,7 @@ def _tuple(value: Any, spatial: int) -> Tuple[int, ...]:
 
 def _backward_hint(x: torch.Tensor, weight: torch.Tensor, op: Callable, *args: Any) -> torch.Tensor:
     """``op(*args)``, telling the runtime whether a backward may follow (as the layers do)."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    _runtime.expect_backward(torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    try:
-        return op(*args)
-    finally:
-        _runtime.expect_backward(None)
+    return _ops.call(x, weight, op, *args)
 
 
 def _runs_here(x: Any, weight: Any, bias: Any) -> bool:

@@ -459,19 +459,9 @@ class _ConvTranspose(_MucudnnConv):
 
 
 def _with_backward_hint(x: torch.Tensor, weight: torch.Tensor, op, *args) -> torch.Tensor:
-    """``op(*args)``, telling the runtime whether a backward may follow (gradients on and
-    ``x`` or ``weight`` requiring one): a shape first seen without one tunes only the op its
-    forward runs (inference). Not while torch.compile traces: a compiled graph's ops decide
-    from their tensors (``_runtime.backward_expected``)."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    _runtime.expect_backward(
-        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    )
-    try:
-        return op(*args)
-    finally:
-        _runtime.expect_backward(None)
+    """``op(*args)`` through :func:`_ops.call` (the backward hint, and the op's kernel called
+    directly where nothing records or watches the call)."""
+    return _ops.call(x, weight, op, *args)
 
 
 def _warn_output_padding(layer: _MucudnnConv, output_padding, stride) -> None:
