@@ -8,6 +8,8 @@ mucudnn's plans ran every convolution the decode used. At batch 1 with a tight l
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 import pytest
 import torch
@@ -128,8 +130,18 @@ def test_decode_through_convert_and_enable_matches_unconverted(name):
     if subclass is not None:  # the adopted modules report their plans as mucudnn's layers
         assert any(len(module.plans) for module in adopted)
 
+    convert_error = relative_error(out, expected)
+    convert_runs = ran
     with mt.enabled(**FAST) as mode:
         out, _, ran = decode(vae, z)
+    path = os.environ.get("MUCUDNN_CLIENTS_TABLE")
+    if path:  # docs/pytorch.md's table
+        with open(path, "a") as f:
+            f.write(json.dumps({
+                "model": name, "class": subclass, "output_error": convert_error,
+                "enabled_output_error": relative_error(out, expected), "total": total,
+                "convert_runs": convert_runs, "enabled_runs": ran,
+            }) + "\n")
     assert relative_error(out, expected) <= 1e-5, name
     assert ran == total and mode.calls == total, f"{name}: {ran}, {mode.calls} of {total}"
 
