@@ -251,3 +251,26 @@ def test_ddp_gloo_two_ranks(tmp_path):
     assert ranks[0]["checksum"] == ranks[1]["checksum"]  # DDP's all-reduce kept them equal
     # 3 steps x 2 layers x (forward, data gradient of the second, filter gradients of both)
     assert all(r["runs"] == 3 * (2 + 1 + 2) for r in ranks), ranks
+
+
+def test_an_adopted_module_compiles_fullgraph():
+    """A conv subclass whose forward computes its weight (weight standardisation, as timm's
+    StdConv2d) adopted by convert_: torch.compile traces its forward's mode, and the compiled
+    call runs mucudnn's plan."""
+    class Standardised(nn.Conv2d):
+        def forward(self, x):
+            w = self.weight
+            w = (w - w.mean(dim=(1, 2, 3), keepdim=True)) / (w.std(dim=(1, 2, 3), keepdim=True) + 1e-5)
+            return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Standardised(3, 4, 3, padding=1), nn.ReLU())
+    x = torch.randn(1, 3, 6, 6)
+    expected = model(x)
+    mt.convert_(model, **FAST)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(x)
+    with count_mucudnn_runs() as runs:
+        y = compiled(x)
+    assert runs[0] == 1
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
