@@ -41,6 +41,8 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def _tuple(value: Any, spatial: int) -> Tuple[int, ...]:
+    if type(value) is tuple and len(value) == spatial:  # as nn layers keep them
+        return value
     if isinstance(value, int):
         return (value,) * spatial
     value = tuple(int(v) for v in value)
@@ -267,6 +269,8 @@ class ConvMode(TorchFunctionMode):
         self._template: Optional[Tuple[str, str]] = None
         #: Config texts made by this mode, by name (released by :func:`disable`).
         self.texts: Dict[str, str] = {}
+        #: Names of problems seen, by (spatial, transposed, weight shape, geometry as given).
+        self._problem_names: Dict[Tuple[Any, ...], str] = {}
         if layer is None:
             from ._layer import layer_config_text
 
@@ -282,7 +286,15 @@ class ConvMode(TorchFunctionMode):
             return self.layer._mucudnn_config
         name = self.names.get(id(weight))
         if name is None:
-            name = _name_of_problem(spatial, transposed, weight, values)
+            try:  # the geometry as the caller gave it: tuples from nn layers
+                problem = (spatial, transposed, weight.shape, *values[3:])
+                name = self._problem_names.get(problem)
+            except TypeError:  # a list among them
+                problem = None
+            if name is None:
+                name = _name_of_problem(spatial, transposed, weight, values)
+                if problem is not None and not torch.compiler.is_compiling():
+                    self._problem_names[problem] = name
         text = self.texts.get(name)
         if text is None:
             start, end = self._template  # type: ignore[misc]
@@ -293,7 +305,7 @@ class ConvMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         route = FUNCTIONS.get(func)
-        if route is not None and all(t in _PLAIN for t in types):
+        if route is not None and (not types or all(t in _PLAIN for t in types)):
             spatial, transposed = route
             values = _arguments(_TRANSPOSE_ARGS if transposed else _CONV_ARGS, args, kwargs)
             config = self._config(spatial, transposed, values[1], values)
