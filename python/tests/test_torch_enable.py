@@ -274,3 +274,20 @@ def test_an_adopted_module_compiles_fullgraph():
         y = compiled(x)
     assert runs[0] == 1
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_module_convert_cannot_adopt_is_left_with_one_warning(capsys):
+    """A lazy conv (a subclass of nn.Conv2d, uninitialized) cannot be adopted: convert_ leaves
+    it as it is, says so once naming it, and the model computes exactly what it did."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyConv2d(4, 3), nn.ReLU())
+    lazy = model[0]
+    mt.convert_(model, **FAST)
+    err = capsys.readouterr().err
+    assert err.count("warning") == 1 and "0 (LazyConv2d): left as it is" in err and "lazy" in err
+    assert model[0] is lazy and not isinstance(lazy, mt._layer._MucudnnConv)
+    x = torch.randn(1, 2, 5, 5)
+    reference = nn.Conv2d(2, 4, 3)
+    y = model(x)  # materializes as PyTorch's nn.Conv2d
+    reference.load_state_dict(model[0].state_dict())
+    assert torch.equal(y, torch.relu(reference(x)))
