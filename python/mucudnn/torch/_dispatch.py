@@ -224,6 +224,9 @@ FUNCTIONS: Dict[Callable, Tuple[int, bool]] = {
 }
 
 
+_FAST_FUNCTIONS = (F.conv2d, F.conv3d)
+
+
 def _arguments(names: Tuple[str, ...], args: tuple, kwargs: Optional[dict]) -> list:
     values = list(args) + [None] * (len(names) - len(args))
     if kwargs:
@@ -269,6 +272,8 @@ class ConvMode(TorchFunctionMode):
         self._template: Optional[Tuple[str, str]] = None
         #: Config texts made by this mode, by name (released by :func:`disable`).
         self.texts: Dict[str, str] = {}
+        #: The common calls' routes by call signature (:meth:`_fast`).
+        self._routes: Dict[Tuple[Any, ...], Tuple[Any, ...]] = {}
         #: Names of problems seen, by (spatial, transposed, weight shape, geometry as given).
         self._problem_names: Dict[Tuple[Any, ...], str] = {}
         if layer is None:
@@ -303,7 +308,55 @@ class ConvMode(TorchFunctionMode):
                 self.texts[name] = text
         return text
 
+    def _fast(self, func, args: tuple) -> Optional[torch.Tensor]:
+        """The common call, as ``nn.Conv2d``/``nn.Conv3d`` make it (seven positional
+        arguments, a batched input, numeric padding), through a route remembered per call
+        signature: the checks and the geometry of :func:`convolution` once per signature.
+        ``None`` when the call is not that (the general path then runs)."""
+        x, weight, bias, stride, padding, dilation, groups = args
+        if type(x) not in _PLAIN or type(weight) not in _PLAIN or x.dim() not in (4, 5):
+            return None
+        try:
+            key = (
+                func, x.shape, x.dtype, x.device, x.layout, weight.shape, weight.dtype,
+                weight.device, None if bias is None else (bias.dtype, bias.device),
+                stride, padding, dilation, groups,
+                id(weight) if self.names else None,
+            )
+            route = self._routes.get(key)
+        except TypeError:  # a list in the geometry: not hashable
+            return None
+        if route is None:
+            spatial = x.dim() - 2
+            if (
+                FUNCTIONS[func] != (spatial, False)
+                or isinstance(padding, str)
+                or x.dtype is not weight.dtype
+                or (bias is not None and bias.dtype is not x.dtype)
+                or not _runs_here(x, weight, bias)
+                or weight.dim() != x.dim()
+                or not isinstance(groups, int) or groups < 1
+                or x.shape[1] != weight.shape[1] * groups
+                or weight.shape[0] % groups or weight.shape[1] == 0
+            ):
+                return None
+            st, pa, di = _tuple(stride, spatial), _tuple(padding, spatial), _tuple(dilation, spatial)
+            out = _runtime.output_size(x.shape[2:], weight.shape[2:], st, pa, di)
+            if any(v <= 0 for v in out) or len(st) != spatial or len(pa) != spatial:
+                return None
+            config = self._config(spatial, False, weight, list(args))
+            route = (_ops.OPS[spatial].conv, list(st), list(pa), list(di), config)
+            if not torch.compiler.is_compiling():
+                self._routes[key] = route
+        op, st, pa, di, config = route
+        return _ops.call(x, weight, op, x, weight, bias, st, pa, di, groups, config)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.layer is None and not kwargs and len(args) == 7 and func in _FAST_FUNCTIONS:
+            y = self._fast(func, args)
+            if y is not None:
+                self.calls += 1
+                return y
         route = FUNCTIONS.get(func)
         if route is not None and (not types or all(t in _PLAIN for t in types)):
             spatial, transposed = route
