@@ -435,6 +435,17 @@ _switch_lock = threading.Lock()
 _active: Optional[ConvMode] = None
 
 
+def _weight_names(model: Optional[nn.Module]) -> Dict[int, str]:
+    """Module paths by the id of each convolution-shaped weight (3-D to 5-D) of ``model``."""
+    names: Dict[int, str] = {}
+    if model is not None:
+        for path, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() >= 3:
+                names.setdefault(id(weight), path or type(module).__name__)
+    return names
+
+
 def enable(model: Optional[nn.Module] = None, **options: Any) -> None:
     """Runs every convolution PyTorch runs on this thread (``nn.Conv*d`` modules and
     ``F.conv1d/2d/3d``, ``F.conv_transpose1d/2d/3d``, forward and backward, CPU and CUDA
@@ -446,13 +457,7 @@ def enable(model: Optional[nn.Module] = None, **options: Any) -> None:
     global _active
     if "name" in options:
         raise TypeError("enable names each convolution itself; do not pass name=")
-    names = {}
-    if model is not None:
-        for path, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() >= 3:
-                names.setdefault(id(weight), path or type(module).__name__)
-    mode = ConvMode(options=options, names=names)
+    mode = ConvMode(options=options, names=_weight_names(model))
     with _switch_lock:
         if _active is not None:
             _pop(_active)
@@ -497,13 +502,7 @@ def enabled(model: Optional[nn.Module] = None, **options: Any) -> Iterator[ConvM
     convolutions it ran)."""
     if "name" in options:
         raise TypeError("enabled names each convolution itself; do not pass name=")
-    names = {}
-    if model is not None:
-        for path, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() >= 3:
-                names.setdefault(id(weight), path or type(module).__name__)
-    mode = ConvMode(options=options, names=names)
+    mode = ConvMode(options=options, names=_weight_names(model))
     with mode:
         yield mode
 
