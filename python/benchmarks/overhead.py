@@ -4,6 +4,7 @@ test): forward calls of a tuned ``mucudnn.torch.Conv2d`` against ``torch.nn.Conv
 parts of the path (the custom op's dispatch, the ctypes call into the library).
 
 usage: python3 python/benchmarks/overhead.py [--calls N] [--repeats R]
+With ``mucudnn.torch.enabled`` (the process switch), also ``torch.nn.Conv2d`` under it.
 Prints the median over R repeats of N calls, in microseconds per call.
 """
 
@@ -50,6 +51,15 @@ def main():
         rows = [
             ("torch.nn.Conv2d forward", per_call(lambda: theirs(x), args.calls, args.repeats)),
             ("mucudnn Conv2d forward", per_call(lambda: ours(x), args.calls, args.repeats)),
+        ]
+        if hasattr(mt, "enabled"):
+            with mt.enabled(cache=False):
+                theirs(x)  # tune
+                rows.append((
+                    "torch.nn.Conv2d forward under mucudnn.torch.enabled()",
+                    per_call(lambda: theirs(x), args.calls, args.repeats),
+                ))
+        rows += [
             (
                 "  the op alone (torch.ops.mucudnn.conv2d)",
                 per_call(
@@ -72,7 +82,9 @@ def main():
     width = max(len(name) for name, _ in rows)
     for name, micros in rows:
         print(f"{name:<{width}}  {micros:8.1f} us/call")
-    print(f"{'added per call':<{width}}  {rows[1][1] - rows[0][1]:8.1f} us")
+    print(f"{'added per call (Conv2d)':<{width}}  {rows[1][1] - rows[0][1]:8.1f} us")
+    if rows[2][0].startswith("torch.nn.Conv2d forward under"):
+        print(f"{'added per call (enabled())':<{width}}  {rows[2][1] - rows[0][1]:8.1f} us")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,14 @@ device and shape through a persistent cache.
   mucudnn options (same constructors and ``state_dict``). 1-D layers run as 2-D with a unit
   height; a transposed layer runs its convolution problem's backward-data, so its three passes
   share that problem's plans; ``channels_last_3d`` runs as NDHWC.
-- :func:`convert_`: swap the ``torch.nn`` layers of a model (parameters shared); ``kinds``
+- :func:`convert_`: swap the ``torch.nn`` layers of a model (parameters shared), and keep
+  subclasses of them (timm's, diffusers') as they are with their convolutions through mucudnn;
+  ``kinds``
   chooses which (``"conv1d"``, ``"conv2d"``, ``"conv3d"``, ``"conv_transpose1d"``,
   ``"conv_transpose2d"``, ``"conv_transpose3d"``; default all).
+- :func:`enable` / :func:`disable` / :func:`enabled` (a context manager): every convolution
+  PyTorch runs on the thread (modules and ``F.conv*d``, forward and backward) goes through
+  mucudnn without touching the model.
 - :func:`tune`: tune ahead of the first step (returns a :class:`TuneSummary`); under
   ``torch.distributed`` the measuring is dealt out over the ranks and every rank runs
   identical plans. Without it each layer tunes a new input shape on first use and says so on
@@ -46,6 +51,7 @@ from ._ops import (
     conv_transpose2d,
     conv_transpose3d,
 )
+from ._dispatch import disable, enable, enabled, is_enabled
 from ._runtime import PlanReport, Plans
 from ._tune import TuneSummary, tune
 
@@ -69,6 +75,10 @@ __all__ = [
     "conv_transpose2d",
     "conv_transpose3d",
     "convert_",
+    "disable",
+    "enable",
+    "enabled",
+    "is_enabled",
     "parse_size",
     "tune",
 ]

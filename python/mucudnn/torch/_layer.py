@@ -78,6 +78,32 @@ def make_settings(
     )
 
 
+#: The keyword-only options of every mucudnn layer, with their defaults.
+LAYER_OPTIONS: Dict[str, Any] = dict(
+    workspace_limit="64MiB", policy="power-of-two", candidates="all", cache=None,
+    max_candidates=None, prune_margin=1.5, verbose=False, fallback=True, split="auto",
+)
+
+
+def layer_config_text(name: str, options: Dict[str, Any], label: Optional[str] = None) -> str:
+    """The configuration string (``_runtime.config_text``) of a layer named ``name`` with the
+    keyword-only ``options`` (others at their defaults). A bad option is a ``TypeError`` or
+    ``ValueError`` naming ``label`` (default: ``name``)."""
+    label = label or name
+    unknown = sorted(set(options) - set(LAYER_OPTIONS))
+    if unknown:
+        raise TypeError(f"{label}: unknown option(s) {', '.join(unknown)}")
+    o = {**LAYER_OPTIONS, **options}
+    try:
+        settings = make_settings(
+            o["workspace_limit"], o["policy"], o["candidates"], o["max_candidates"],
+            o["prune_margin"], o["split"],
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{label}: {e}") from None
+    return _runtime.config_text(name, settings, o["cache"], o["verbose"], o["fallback"])
+
+
 def check_split(split: Any) -> None:
     """Raises unless ``split`` is one of ``"batch"``, ``"spatial"``, ``"auto"``."""
     if not isinstance(split, str) or split not in SPLITS:
@@ -159,17 +185,17 @@ class _MucudnnConv:
                 f"{label}: padding_mode={self.padding_mode!r} is not supported by mucudnn (only "
                 f"'zeros'); keep this layer a torch.nn.{base.__name__}"
             )
-        try:
-            settings = make_settings(
-                workspace_limit, policy, candidates, max_candidates, prune_margin, split
-            )
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{label}: {e}") from None
         # The layer's only mucudnn state: a string of plain values (pickled with the module;
         # the ops take it as their last argument). Prepared plans live in the runtime's
         # process-wide table, rebuilt on first use in any process.
-        self._mucudnn_config = _runtime.config_text(
-            name or f"{self.kind}.{id(self):x}", settings, cache, verbose, fallback
+        self._mucudnn_config = layer_config_text(
+            name or f"{self.kind}.{id(self):x}",
+            dict(
+                workspace_limit=workspace_limit, policy=policy, candidates=candidates,
+                cache=cache, max_candidates=max_candidates, prune_margin=prune_margin,
+                verbose=verbose, fallback=fallback, split=split,
+            ),
+            label,
         )
         _runtime.retain(self._mucudnn_config, self)
 
@@ -433,19 +459,9 @@ class _ConvTranspose(_MucudnnConv):
 
 
 def _with_backward_hint(x: torch.Tensor, weight: torch.Tensor, op, *args) -> torch.Tensor:
-    """``op(*args)``, telling the runtime whether a backward may follow (gradients on and
-    ``x`` or ``weight`` requiring one): a shape first seen without one tunes only the op its
-    forward runs (inference). Not while torch.compile traces: a compiled graph's ops decide
-    from their tensors (``_runtime.backward_expected``)."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    _runtime.expect_backward(
-        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    )
-    try:
-        return op(*args)
-    finally:
-        _runtime.expect_backward(None)
+    """``op(*args)`` through :func:`_ops.call` (the backward hint, and the op's kernel called
+    directly where nothing records or watches the call)."""
+    return _ops.call(x, weight, op, *args)
 
 
 def _warn_output_padding(layer: _MucudnnConv, output_padding, stride) -> None:
@@ -545,6 +561,25 @@ def _kinds(kinds: Union[str, Iterable[str], None]) -> Tuple[str, ...]:
     return chosen
 
 
+def _adopt(module: nn.Module, name: str, options: Dict[str, Any]) -> Optional[str]:
+    """Makes ``module`` (a subclass of an ``nn.Conv*d``) run its convolutions through mucudnn
+    in place: its class becomes :func:`_dispatch.adopted_class` of its own. Returns why it
+    cannot be (it is then left as it is), else ``None``."""
+    from . import _dispatch
+
+    if isinstance(getattr(module, "weight", None), nn.parameter.UninitializedParameter):
+        return "a lazy module must see an input before conversion"
+    try:
+        text = layer_config_text(name, options)
+        cls = _dispatch.adopted_class(type(module))
+        module.__class__ = cls
+    except TypeError as e:
+        return f"its class cannot be given a mucudnn forward: {e}"
+    module._mucudnn_config = text
+    _runtime.retain(text, module)
+    return None
+
+
 def convert_(
     model: nn.Module,
     *,
@@ -552,18 +587,32 @@ def convert_(
     skip_unsupported: bool = False,
     **options: Any,
 ) -> nn.Module:
-    """Replaces every ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` and ``nn.ConvTranspose1d/2d/3d``
-    in ``model`` (in place) with the mucudnn layer of the same kind that shares its parameters,
-    so optimizers, ``state_dict`` keys and loaded weights keep working. ``kinds`` chooses which
-    (names from ``"conv1d"``, ``"conv2d"``, ``"conv3d"``, ``"conv_transpose1d"``,
-    ``"conv_transpose2d"``, ``"conv_transpose3d"``; one name or several; default all). Layers
-    are named by their module path. ``options`` are the layers' keyword-only options. Layers
-    with a ``padding_mode`` other than ``'zeros'`` are an error, or are left as they are with
-    ``skip_unsupported=True``. Returns the model (a new module when ``model`` itself is one of
-    the layers converted)."""
+    """Makes every ``nn.Conv1d``, ``nn.Conv2d``, ``nn.Conv3d`` and ``nn.ConvTranspose1d/2d/3d``
+    of ``model`` (in place) run its convolutions through mucudnn, without changing what the
+    model computes. ``kinds`` chooses which (names from ``"conv1d"``, ``"conv2d"``,
+    ``"conv3d"``, ``"conv_transpose1d"``, ``"conv_transpose2d"``, ``"conv_transpose3d"``; one
+    name or several; default all). ``options`` are the layers' keyword-only options; each
+    layer is named by its module path.
+
+    - A module of exactly a ``torch.nn`` class is replaced by the mucudnn layer of its kind,
+      sharing its parameters (optimizers, ``state_dict`` keys and loaded weights keep working).
+      One with a ``padding_mode`` other than ``'zeros'`` is an error, or is left as it is with
+      ``skip_unsupported=True``.
+    - A module of a subclass (timm's ``StdConv2d``, diffusers' ``WanCausalConv3d``) stays the
+      same object, an instance of its class with its ``forward``, attributes, hooks and
+      ``state_dict``: its class becomes a subclass of its own whose ``forward`` runs the
+      user's with every convolution it performs (``super().forward``, ``_conv_forward``, or
+      ``F.conv*d`` with a weight or padding it computed) through mucudnn. It reports
+      ``plans`` as mucudnn's layers do. One that cannot be adopted is left as it is, with one
+      warning on stderr naming it and why.
+
+    Returns the model (a new module when ``model`` itself is a ``torch.nn`` layer replaced)."""
+    from . import _dispatch
+
     if "name" in options:
         raise TypeError("convert_ names each layer by its module path; do not pass name=")
     classes = [KINDS[kind] for kind in _kinds(kinds)]
+    layer_config_text("convert_", options)  # a bad option fails before anything changes
 
     def replacement(module: nn.Module) -> Optional[Type[_MucudnnConv]]:
         if isinstance(module, _MucudnnConv):
@@ -573,21 +622,38 @@ def convert_(
                 return cls
         return None
 
+    def is_exact(module: nn.Module) -> bool:
+        return type(module) in _TORCH_CLASSES.values()
+
     top = replacement(model)
     if top is not None:
-        return top.from_conv(model, name="conv", **options)
+        if is_exact(model):
+            return top.from_conv(model, name="conv", **options)
+        reason = _adopt(model, "conv", options)
+        if reason is not None:
+            _dispatch.warn_unadopted(f"conv ({type(model).__name__})", reason)
+        return model
     targets = []
+    adopted = set()
     # Every registration (not named_children(), which lists a module registered under two
     # names once): each reference must be replaced. A parent listed once is enough, since
     # replacing its attribute replaces it for every reference to the parent.
     for parent_name, parent in model.named_modules():
         for child_name, child in list(parent._modules.items()):
             cls = replacement(child) if child is not None else None
-            if cls is not None:
-                qualified = f"{parent_name}.{child_name}" if parent_name else child_name
-                if child.padding_mode != "zeros" and skip_unsupported:
-                    continue
-                targets.append((parent, child_name, child, qualified, cls))
+            if cls is None:
+                continue
+            qualified = f"{parent_name}.{child_name}" if parent_name else child_name
+            if not is_exact(child):
+                if id(child) not in adopted:
+                    adopted.add(id(child))
+                    reason = _adopt(child, qualified, options)
+                    if reason is not None:
+                        _dispatch.warn_unadopted(f"{qualified} ({type(child).__name__})", reason)
+                continue
+            if child.padding_mode != "zeros" and skip_unsupported:
+                continue
+            targets.append((parent, child_name, child, qualified, cls))
     converted = {}
     for parent, child_name, child, qualified, cls in targets:
         if id(child) not in converted:  # a module used twice stays one module

@@ -314,3 +314,58 @@ def conv_transpose3d(
     return OPS[3].transpose(
         input, weight, bias, stride, padding, output_padding, dilation, groups, config
     )
+
+
+#: Per op overload: the Python function its CPU and CUDA kernels run (see :func:`call`).
+_KERNELS = {}
+for _spatial in (2, 3):
+    _KERNELS[OPS[_spatial].conv] = _runtime.forward_op(_spatial)
+    _KERNELS[OPS[_spatial].transpose] = _runtime.transposed_op(_spatial)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _needs_dispatch(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether a call must go through PyTorch's dispatcher: a gradient to record, or anything
+    that watches or transforms ops (autocast, a dispatch mode, tracing, functorch, tensor
+    subclasses, a device other than the CPU or CUDA)."""
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return True
+    return (
+        type(x) not in _PLAIN_TYPES
+        or type(weight) not in _PLAIN_TYPES
+        or (bias is not None and type(bias) not in _PLAIN_TYPES)
+        or x.device.type not in ("cpu", "cuda")
+        or torch.is_autocast_enabled(x.device.type)
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._get_tracing_state() is not None
+        or _functorch_wrapped(x)
+        or _functorch_wrapped(weight)
+    )
+
+
+def call(x: Tensor, weight: Tensor, op, *args):
+    """``op(*args)`` for a forward op (``conv{2,3}d`` or ``conv_transpose{2,3}d``; ``x``,
+    ``weight`` and the bias are its first three arguments), telling the runtime whether a
+    backward may follow (gradients on, and ``x`` or ``weight`` requiring one: a shape first
+    seen without one tunes only the op its forward runs). Where nothing records, casts or
+    watches the call (no gradient to record, no autocast, dispatch mode, tracing or functorch
+    transform, plain CPU or CUDA tensors), the op's kernel runs directly: the same function
+    the dispatcher would reach, without its per-call cost. Not while torch.compile traces: a
+    compiled graph holds the op, whose kernel decides from its tensors."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    kernel = _KERNELS.get(op)
+    if kernel is not None and not _needs_dispatch(x, weight, args[2]):
+        _runtime.expect_backward(False)
+        try:
+            return kernel(*args)
+        finally:
+            _runtime.expect_backward(None)
+    _runtime.expect_backward(torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    try:
+        return op(*args)
+    finally:
+        _runtime.expect_backward(None)

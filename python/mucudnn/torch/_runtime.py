@@ -27,6 +27,7 @@ prepares them with the others, and runs (:func:`plans_for`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -288,8 +289,10 @@ class Plans(Mapping):
     __repr__ = __str__
 
 
+@functools.lru_cache(maxsize=4096)
 def output_shape_of(key: PlanKey) -> Tuple[int, ...]:
-    """The convolution problem's output shape ``(n, k, *spatial)`` of a plan key."""
+    """The convolution problem's output shape ``(n, k, *spatial)`` of a plan key (remembered
+    per key: every forward asks)."""
     x_shape, w_shape = key[4], key[5]
     return (x_shape[0], w_shape[0]) + output_size(
         x_shape[2:], w_shape[2:], key[6], key[7], key[8]
