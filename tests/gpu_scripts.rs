@@ -496,7 +496,7 @@ fn check_fails_on_a_missing_file_or_a_missing_test() {
 fn check_reports_a_missing_vae_benchmark() {
     let fixture = Fixture::new("vae");
     let _ = std::fs::remove_file(fixture.path(".gpu/vae_bench.py"));
-    let (passed, text) = fixture.check(&["vae"]);
+    let (passed, text) = fixture.check(&["vae-wan"]);
     assert!(!passed, "{text}");
     assert!(text.contains("vae_bench.py"), "{text}");
 }

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_vae_bench_smoke(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu" / "vae_bench.py"), str(tmp_path / "out"),
-         "--smoke", "--cases", "wan,sdxl1024", "--repeats", "1",
+         "--smoke", "--cases", "wan,sdxl1024", "--repeats", "1", "--cap-s", "250",
          "--cache", str(tmp_path / "cache.sqlite")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "MUCUDNN_QUIET": "1"},
     )

@@ -50,7 +50,8 @@ nd-vae|5|bin wheel|Wan 2.1 VAE decoder convolutions (480p x 17 frames, fp16 NDHW
 nd-r3d|5|bin wheel|r3d_18 training (batch 8, fp16 NDHWC) at 1 GiB per layer against cudnn.benchmark: step time, peak memory, loss and weight-gradient error
 spatial-sdxl|5|bin wheel|SDXL VAE decoder convolutions at 2048x2048 (fp16 NHWC, batch 1, split=auto) at 256 MiB per layer against cudnn.benchmark: time, peak memory, which layers split
 spatial-wan|5|bin wheel|Wan 2.1 VAE decoder convolutions (fp16 NDHWC, batch 1, split=auto) at 256 MiB per layer against cudnn.benchmark: time, peak memory, which layers split
-vae|5|wheel diffusers vae_bench|a real diffusers VAE decode (vae_bench.py) converted by mucudnn against cudnn.benchmark
+vae-wan|5|wheel diffusers vae_bench|a real diffusers AutoencoderKLWan decode (Wan 2.1 topology at a third of its width, 17x480x832, fp16; vae_bench.py): untiled PyTorch, enable_tiling() and mucudnn at 256 MiB and 1 GiB per layer: time, peak memory, error against untiled fp32
+vae-sdxl|5|wheel diffusers vae_bench|a real diffusers AutoencoderKL decode (SDXL topology, 1024x1024 and 2048x2048, fp16; vae_bench.py): the same four variants
 c-abi|3|lib|the C ABI clients: examples/c_client.c against cuDNN, examples/pytorch_ctypes.py against torch
 candle|5|candle|mucudnn::candle on candle's CUDA device (built with build.sh --with-candle, where nvcc is)
 train|5|candle_ddp|the candle trainer (examples/candle_ddp.rs) on the GPU: the loss falls, images/s against candle's own conv2d (build.sh --with-candle)"
@@ -431,6 +432,7 @@ bench() {
     --mucudnn $G/mucudnn --max-candidates "$MAX_CANDIDATES" "$@"
 }
 
+# part_vae CASES CAP_PER_CASE_S
 part_vae() {
   if [ ! -f $G/vae_bench.py ]; then
     step "vae_bench.py is in .gpu" 1 sh -c "echo 'no .gpu/vae_bench.py (build.sh ships vae_bench.py when the repository has it)'; exit 1"
@@ -439,8 +441,8 @@ part_vae() {
   setup_wheel || { stop "set-up failed (see the log)"; return; }
   step "diffusers installs from .gpu/wheels-vae" 30 diffusers_install ||
     { stop "diffusers did not install"; return; }
-  step "diffusers VAE decode against cudnn.benchmark (vae_bench.py)" 200 \
-    python3 $G/vae_bench.py "$work/vae"
+  step "diffusers VAE decode ($1) against cudnn.benchmark (vae_bench.py)" 240 \
+    python3 $G/vae_bench.py "$work/vae" --cases "$1" --cap-s "$2"
 }
 
 part_c_abi() {
@@ -484,7 +486,8 @@ run_part() {
     nd-r3d) bench nd_bench.py r3d 1GiB ;;
     spatial-sdxl) bench spatial_bench.py sdxl 256MiB ;;
     spatial-wan) bench spatial_bench.py wan 256MiB ;;
-    vae) part_vae ;;
+    vae-wan) part_vae wan 220 ;;
+    vae-sdxl) part_vae sdxl1024,sdxl2048 110 ;;
     c-abi) part_c_abi ;;
     candle) part_candle ;;
     train) part_train ;;
