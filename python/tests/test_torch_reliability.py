@@ -115,3 +115,32 @@ def test_a_stride_past_2_31_falls_back_to_pytorch(tmp_path, capfd):
                        fallback=False, name="limits.strict")
     with torch.no_grad(), pytest.raises(RuntimeError, match="stride_h = 2147483648"):
         strict(x)
+
+
+class StdConv(torch.nn.Conv2d):
+    """A subclass with behaviour in forward (adopted, not replaced, by convert_)."""
+
+    def forward(self, x):
+        return F.conv2d(x, self.weight * 0.5, self.bias, self.stride, self.padding)
+
+
+def test_convert_again_applies_new_options_and_keeps_names():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), StdConv(4, 4, 3))
+    mt.convert_(model, workspace_limit="1MiB", cache=False)
+    names = [m.mucudnn_name for m in model]
+    assert all(m._mucudnn.settings.workspace_limit == 1 << 20 for m in model)
+    # No options: left as it is (a layer built with its own options keeps them).
+    mt.convert_(model)
+    assert all(m._mucudnn.settings.workspace_limit == 1 << 20 for m in model)
+    mt.convert_(model, workspace_limit=4096, split="batch", cache=False)
+    assert [m.mucudnn_name for m in model] == names
+    for m in model:
+        assert m._mucudnn.settings.workspace_limit == 4096
+        assert m._mucudnn.settings.split == "batch"
+        assert "4096 B" in m.extra_repr()
+    x = torch.randn(2, 3, 9, 9)
+    reference = F.conv2d(F.conv2d(x, model[0].weight, model[0].bias),
+                         model[1].weight * 0.5, model[1].bias)
+    assert_close(model(x), reference)
+    with pytest.raises(TypeError, match="unknown option"):
+        mt.convert_(model, no_such_option=1)

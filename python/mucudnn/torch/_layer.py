@@ -580,6 +580,15 @@ def _adopt(module: nn.Module, name: str, options: Dict[str, Any]) -> Optional[st
     return None
 
 
+def _reconfigure(module: "_MucudnnConv", options: Dict[str, Any]) -> None:
+    """Gives a mucudnn layer (or adopted module) new options under its own name: later calls
+    tune and run under them (plans tuned under the old ones stay in the cache)."""
+    text = layer_config_text(module.mucudnn_name, options)
+    if text != module._mucudnn_config:
+        module._mucudnn_config = text
+        _runtime.retain(text, module)
+
+
 def convert_(
     model: nn.Module,
     *,
@@ -606,6 +615,10 @@ def convert_(
       ``plans`` as mucudnn's layers do. One that cannot be adopted is left as it is, with one
       warning on stderr naming it and why.
 
+    A module that is mucudnn's already (converted before, or built as a mucudnn layer) keeps
+    its name and takes the ``options`` given, the others at their defaults as for a fresh
+    conversion; with no options it is left as it is.
+
     Returns the model (a new module when ``model`` itself is a ``torch.nn`` layer replaced)."""
     from . import _dispatch
 
@@ -614,8 +627,13 @@ def convert_(
     classes = [KINDS[kind] for kind in _kinds(kinds)]
     layer_config_text("convert_", options)  # a bad option fails before anything changes
 
+    reconfigured = set()
+
     def replacement(module: nn.Module) -> Optional[Type[_MucudnnConv]]:
         if isinstance(module, _MucudnnConv):
+            if options and id(module) not in reconfigured:
+                reconfigured.add(id(module))
+                _reconfigure(module, options)
             return None
         for base, cls in classes:
             if isinstance(module, base):
