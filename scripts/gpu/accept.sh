@@ -441,7 +441,7 @@ part_vae() {
   setup_wheel || { stop "set-up failed (see the log)"; return; }
   step "diffusers installs from .gpu/wheels-vae" 30 diffusers_install ||
     { stop "diffusers did not install"; return; }
-  step "diffusers VAE decode ($1) against cudnn.benchmark (vae_bench.py)" 240 \
+  step "diffusers VAE decode ($1) against cudnn.benchmark (vae_bench.py)" 210 \
     python3 $G/vae_bench.py "$work/vae" --cases "$1" --cap-s "$2"
 }
 
@@ -486,8 +486,8 @@ run_part() {
     nd-r3d) bench nd_bench.py r3d 1GiB ;;
     spatial-sdxl) bench spatial_bench.py sdxl 256MiB ;;
     spatial-wan) bench spatial_bench.py wan 256MiB ;;
-    vae-wan) part_vae wan 220 ;;
-    vae-sdxl) part_vae sdxl1024,sdxl2048 110 ;;
+    vae-wan) part_vae wan 190 ;;
+    vae-sdxl) part_vae sdxl1024,sdxl2048 95 ;;
     c-abi) part_c_abi ;;
     candle) part_candle ;;
     train) part_train ;;
