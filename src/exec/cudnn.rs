@@ -708,7 +708,8 @@ fn warn_workspace_excess(plan: &Plan, prepared: u64) {
     if let Some(excess) = workspace_excess(plan, prepared) {
         let _ = writeln!(
             std::io::stderr(),
-            "mucudnn: warning: {} {}: the prepared plan needs {prepared} workspace bytes,              {excess} more than the {} it was solved with (and measured within the limit)",
+            "mucudnn: warning: {} {}: the prepared plan needs {prepared} workspace bytes, \
+             {excess} more than the {} it was solved with (and measured within the limit)",
             plan.layer,
             plan.op,
             plan.workspace_bytes()
