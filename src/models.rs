@@ -645,19 +645,30 @@ fn validate(layers: &[ModelLayer]) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// A 3-D layer: kernel `[t, r, s]`, the same stride and padding triples' form.
-#[allow(clippy::too_many_arguments)]
+/// The filters of a 3-D layer: `k` of them, `[t, r, s]` taps each, applied with `stride` and
+/// `pad` (each `[depth, height, width]`).
+struct Filters3d {
+    k: i64,
+    taps: [i64; 3],
+    stride: [i64; 3],
+    pad: [i64; 3],
+}
+
+/// A 3-D layer over `n` inputs of `c` channels and `[d, h, w]` elements.
 fn conv3d(
     name: String,
     n: i64,
     c: i64,
     [d, h, w]: [i64; 3],
-    k: i64,
-    [t, r, s]: [i64; 3],
-    [stride_d, stride_h, stride_w]: [i64; 3],
-    [pad_d, pad_h, pad_w]: [i64; 3],
+    filters: Filters3d,
     count: u32,
 ) -> ModelLayer {
+    let Filters3d {
+        k,
+        taps: [t, r, s],
+        stride: [stride_d, stride_h, stride_w],
+        pad: [pad_d, pad_h, pad_w],
+    } = filters;
     ModelLayer {
         name,
         problem: ConvProblem {
@@ -683,10 +694,12 @@ fn r3d_18(n: i64, clip: [i64; 3], width: i64) -> Vec<ModelLayer> {
         n,
         3,
         clip,
-        width,
-        [3, 7, 7],
-        [1, 2, 2],
-        [1, 3, 3],
+        Filters3d {
+            k: width,
+            taps: [3, 7, 7],
+            stride: [1, 2, 2],
+            pad: [1, 3, 3],
+        },
         1,
     );
     let out = |layer: &ModelLayer| {
@@ -709,10 +722,12 @@ fn r3d_18(n: i64, clip: [i64; 3], width: i64) -> Vec<ModelLayer> {
                 n,
                 block_in,
                 size,
-                planes,
-                [3; 3],
-                [block_stride; 3],
-                [1; 3],
+                Filters3d {
+                    k: planes,
+                    taps: [3; 3],
+                    stride: [block_stride; 3],
+                    pad: [1; 3],
+                },
                 1,
             );
             let block_out = out(&conv1);
@@ -722,10 +737,12 @@ fn r3d_18(n: i64, clip: [i64; 3], width: i64) -> Vec<ModelLayer> {
                 n,
                 planes,
                 block_out,
-                planes,
-                [3; 3],
-                [1; 3],
-                [1; 3],
+                Filters3d {
+                    k: planes,
+                    taps: [3; 3],
+                    stride: [1; 3],
+                    pad: [1; 3],
+                },
                 1,
             ));
             // torchvision adds the projection where the stride or the channels change.
@@ -735,10 +752,12 @@ fn r3d_18(n: i64, clip: [i64; 3], width: i64) -> Vec<ModelLayer> {
                     n,
                     in_channels,
                     size,
-                    planes,
-                    [1; 3],
-                    [stride; 3],
-                    [0; 3],
+                    Filters3d {
+                        k: planes,
+                        taps: [1; 3],
+                        stride: [stride; 3],
+                        pad: [0; 3],
+                    },
                     1,
                 ));
             }
@@ -800,10 +819,12 @@ fn wan_vae_decoder(
         n,
         Z_DIM,
         [latent_frames, latent_h, latent_w],
-        Z_DIM,
-        [1; 3],
-        [1; 3],
-        [0; 3],
+        Filters3d {
+            k: Z_DIM,
+            taps: [1; 3],
+            stride: [1; 3],
+            pad: [0; 3],
+        },
         1,
     )];
     // One decoder call on a chunk: `first` is the first chunk (no temporal upsampling).
@@ -824,10 +845,12 @@ fn wan_vae_decoder(
                 n,
                 c,
                 [frames + 2, hw[0], hw[1]],
-                k,
-                [3, kernel_hw, kernel_hw],
-                [1; 3],
-                [0, pad, pad],
+                Filters3d {
+                    k: k,
+                    taps: [3, kernel_hw, kernel_hw],
+                    stride: [1; 3],
+                    pad: [0, pad, pad],
+                },
                 count,
             ));
         };
@@ -870,10 +893,12 @@ fn wan_vae_decoder(
                     n,
                     c_in,
                     [frames, hw[0], hw[1]],
-                    c_out,
-                    [1; 3],
-                    [1; 3],
-                    [0; 3],
+                    Filters3d {
+                        k: c_out,
+                        taps: [1; 3],
+                        stride: [1; 3],
+                        pad: [0; 3],
+                    },
                     count,
                 ));
             }

@@ -221,10 +221,9 @@ fn tile_tap_masked<T: Element, const QB: usize, const UNIT: bool>(
     acc: &mut [[f32; QB]; KB],
     n: usize,
     (w, wstep, jstep): (&[T], usize, usize),
-    (src, sstep): (&[T], usize),
+    (src, sstep, stride): (&[T], usize, usize),
     count: usize,
     (lo, hi): (usize, usize),
-    stride: usize,
 ) {
     let mut mask = [0u32; QB];
     mask[lo..hi].fill(!0);
@@ -262,18 +261,19 @@ fn tile_tap_masked<T: Element, const QB: usize, const UNIT: bool>(
 /// same constant-indexed code and `acc` stays in registers; like im2col + GEMM, this
 /// multiplies weights by zeros of the padding). Rows `j >= n` get zero weights.
 ///
+/// The weights and the source each come as (slice, offset, step per `m`, step per row `j` or
+/// per lane `i`).
+///
 /// The loop runs over the longest reduction (channels or filters) with the tap fixed, so
 /// each iteration is just `QB` source and `KB` weight loads and `KB * QB` multiply-adds.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn tile_tap<T: Element, const QB: usize>(
     acc: &mut [[f32; QB]; KB],
     n: usize,
     (w, wofs, wstep, jstep): (&[T], usize, usize, usize),
-    (src, sofs, sstep): (&[T], usize, usize),
+    (src, sofs, sstep, stride): (&[T], usize, usize, usize),
     count: usize,
     (lo, hi): (usize, usize),
-    stride: usize,
 ) {
     if count == 0 || lo >= hi {
         return;
@@ -287,20 +287,18 @@ fn tile_tap<T: Element, const QB: usize>(
                 acc,
                 n,
                 (w, wstep, jstep),
-                (src, sstep),
+                (src, sstep, 1),
                 count,
                 (lo, hi),
-                1,
             );
         } else {
             tile_tap_masked::<T, QB, false>(
                 acc,
                 n,
                 (w, wstep, jstep),
-                (src, sstep),
+                (src, sstep, stride),
                 count,
                 (lo, hi),
-                stride,
             );
         }
         return;
@@ -374,10 +372,9 @@ fn forward_nchw<T: Element, const QB: usize>(
                                     &mut acc,
                                     kn,
                                     (w, k0 * g.cg * taps + frow * g.s + s, taps, g.cg * taps),
-                                    (xg, irow * g.w + start, plane),
+                                    (xg, irow * g.w + start, plane, g.sw),
                                     g.cg,
                                     (lo, hi),
-                                    g.sw,
                                 );
                             }
                         }
@@ -434,10 +431,9 @@ fn backward_data_nchw_blocked<T: Element, const QB: usize>(
                                         g.cg * taps,
                                         taps,
                                     ),
-                                    (dyg, orow * g.q + start, opq),
+                                    (dyg, orow * g.q + start, opq, 1),
                                     g.kg,
                                     (lo, hi),
-                                    1,
                                 );
                             }
                         }

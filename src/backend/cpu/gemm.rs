@@ -21,7 +21,7 @@
 //! falls in matrixmultiply's tiling (its edge tiles and interior tiles round `alpha * ab + beta
 //! * c` differently), which is what makes micro-batched results bit-identical.
 
-use super::{axpy_gather, store, valid_range, Element, Geom, RowMap, CHUNK};
+use super::{axpy_gather, store, valid_range, Element, Geom, Operands, RowMap, CHUNK};
 use crate::solver::{ConvOp, DType, Layout};
 
 /// Sizes, in f32 elements, of the workspace parts (see the module docs). The single source of
@@ -106,23 +106,26 @@ impl<'a> Mat<'a> {
     }
 }
 
-/// `c = a * b` (`accumulate == false`) or `c += a * b`, with `a: m x kd`, `b: kd x n` and `c`
-/// row-major with row stride `rsc`.
+/// The result matrix of [`gemm`]: row-major f32, element `(i, j)` at `data[i * rs + j]`.
+struct MatMut<'a> {
+    data: &'a mut [f32],
+    rs: usize,
+}
+
+impl<'a> MatMut<'a> {
+    fn new(data: &'a mut [f32], rs: usize) -> Self {
+        MatMut { data, rs }
+    }
+}
+
+/// `c = a * b` (`accumulate == false`) or `c += a * b`, with `(m, kd, n)` the sizes:
+/// `a: m x kd`, `b: kd x n`, `c: m x n`.
 ///
 /// # Panics
 /// If a matrix does not lie inside its slice: a bug in this module, never a consequence of
 /// user input (buffer sizes are checked by [`super::run`]).
-#[allow(clippy::too_many_arguments)]
-fn gemm(
-    m: usize,
-    kd: usize,
-    n: usize,
-    a: Mat,
-    b: Mat,
-    accumulate: bool,
-    c: &mut [f32],
-    rsc: usize,
-) {
+fn gemm((m, kd, n): (usize, usize, usize), a: Mat, b: Mat, c: MatMut, accumulate: bool) {
+    let MatMut { data: c, rs: rsc } = c;
     assert!(m > 0 && kd > 0 && n > 0, "empty GEMM");
     assert!(a.fits(m, kd) && b.fits(kd, n), "GEMM operand out of bounds");
     assert!(
@@ -158,17 +161,12 @@ fn gemm(
 
 /// Entry point for both GEMM algorithms; `parts` must come from [`Parts::new`] with the same
 /// arguments and `ws` must hold at least `parts.total()` elements.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn run<T: Element>(
     g: &Geom,
     parts: &Parts,
     op: ConvOp,
     per_image: bool,
-    alpha: f32,
-    a: &[T],
-    b: &[T],
-    beta: f32,
-    out: &mut [T],
+    operands: Operands<'_, T>,
     ws: &mut [f32],
 ) {
     // Each part is at most `ws.len()` elements here, so it fits usize.
@@ -184,10 +182,18 @@ pub(super) fn run<T: Element>(
     };
     let nb = if per_image { 1 } else { g.n };
     match op {
-        ConvOp::Forward => forward(g, nb, alpha, a, b, beta, out, s),
-        ConvOp::BackwardData => backward_data(g, nb, alpha, a, b, beta, out, s),
-        ConvOp::BackwardFilter => backward_filter(g, nb, alpha, a, b, beta, out, s),
+        ConvOp::Forward => forward(g, nb, operands, s),
+        ConvOp::BackwardData => backward_data(g, nb, operands, s),
+        ConvOp::BackwardFilter => backward_filter(g, nb, operands, s),
     }
+}
+
+/// Where a chunk lies: images `i0..i0 + nb` of the batch, channels and filters of group `grp`.
+#[derive(Clone, Copy)]
+struct Block {
+    i0: usize,
+    nb: usize,
+    grp: usize,
 }
 
 struct Scratch<'a> {
@@ -216,17 +222,11 @@ fn filter_group<'a, T: Element>(
     }
 }
 
-/// `dy` of images `i0..i0 + nb`, group `grp`, as a matrix: `k/g x nb*pq` for NCHW,
+/// `dy` of the block's images and group as a matrix: `k/g x nb*pq` for NCHW,
 /// `nb*pq x k/g` for NHWC. Read in place when [`Parts`] reserved no `dy` space (fp32 and a
 /// layout/chunk that is a strided matrix), otherwise widened/repacked into `dyp`.
-fn dy_operand<'a, T: Element>(
-    g: &Geom,
-    dy: &'a [T],
-    i0: usize,
-    nb: usize,
-    grp: usize,
-    dyp: &'a mut [f32],
-) -> Mat<'a> {
+fn dy_operand<'a, T: Element>(g: &Geom, dy: &'a [T], at: Block, dyp: &'a mut [f32]) -> Mat<'a> {
+    let Block { i0, nb, grp } = at;
     let pq = g.out_plane();
     let m = nb * pq;
     let in_place = if dyp.is_empty() {
@@ -259,36 +259,31 @@ fn dy_operand<'a, T: Element>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn forward<T: Element>(
-    g: &Geom,
-    nb: usize,
-    alpha: f32,
-    x: &[T],
-    w: &[T],
-    beta: f32,
-    y: &mut [T],
-    s: Scratch,
-) {
+fn forward<T: Element>(g: &Geom, nb: usize, operands: Operands<'_, T>, s: Scratch) {
+    let Operands {
+        alpha,
+        a: x,
+        b: w,
+        beta,
+        out: y,
+    } = operands;
     let (pq, crs, kg) = (g.out_plane(), g.cg * g.taps(), g.kg);
     let m = nb * pq;
     let Scratch { col, filt, out, .. } = s;
     for grp in 0..g.groups {
         let wg = filter_group(g, w, grp, &mut *filt);
         for i0 in (0..g.n).step_by(nb) {
+            let at = Block { i0, nb, grp };
             match g.layout {
                 Layout::Nchw => {
-                    im2col_nchw(g, x, i0, nb, grp, col);
+                    im2col_nchw(g, x, at, col);
                     // out[kg x m] = W_g[kg x crs] * col[crs x m]
                     gemm(
-                        kg,
-                        crs,
-                        m,
+                        (kg, crs, m),
                         Mat::new(wg, crs, 1),
                         Mat::new(col, m, 1),
+                        MatMut::new(out, m),
                         false,
-                        out,
-                        m,
                     );
                     for kl in 0..kg {
                         for il in 0..nb {
@@ -298,17 +293,14 @@ fn forward<T: Element>(
                     }
                 }
                 Layout::Nhwc => {
-                    im2col_nhwc(g, x, i0, nb, grp, col);
+                    im2col_nhwc(g, x, at, col);
                     // out[m x kg] = col[m x crs] * W_g^T[crs x kg]
                     gemm(
-                        m,
-                        crs,
-                        kg,
+                        (m, crs, kg),
                         Mat::new(col, crs, 1),
                         Mat::new(wg, 1, crs),
+                        MatMut::new(out, kg),
                         false,
-                        out,
-                        kg,
                     );
                     for j in 0..m {
                         let dst = &mut y[(i0 * pq + j) * g.k + grp * kg..][..kg];
@@ -320,51 +312,48 @@ fn forward<T: Element>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn backward_data<T: Element>(
-    g: &Geom,
-    nb: usize,
-    alpha: f32,
-    w: &[T],
-    dy: &[T],
-    beta: f32,
-    dx: &mut [T],
-    s: Scratch,
-) {
+fn backward_data<T: Element>(g: &Geom, nb: usize, operands: Operands<'_, T>, s: Scratch) {
+    let Operands {
+        alpha,
+        a: w,
+        b: dy,
+        beta,
+        out: dx,
+    } = operands;
     let (crs, kg) = (g.cg * g.taps(), g.kg);
     let m = nb * g.out_plane();
     let Scratch { col, dyp, filt, .. } = s;
     for grp in 0..g.groups {
         let wg = filter_group(g, w, grp, &mut *filt);
         for i0 in (0..g.n).step_by(nb) {
-            let dyg = dy_operand(g, dy, i0, nb, grp, &mut *dyp);
+            let at = Block { i0, nb, grp };
+            let dyg = dy_operand(g, dy, at, &mut *dyp);
             match g.layout {
                 Layout::Nchw => {
                     // col[crs x m] = W_g^T[crs x kg] * dy_g[kg x m]
-                    gemm(crs, kg, m, Mat::new(wg, 1, crs), dyg, false, col, m);
-                    col2im_nchw(g, col, i0, nb, grp, alpha, beta, dx);
+                    let wt = Mat::new(wg, 1, crs);
+                    gemm((crs, kg, m), wt, dyg, MatMut::new(col, m), false);
+                    col2im_nchw(g, col, at, (alpha, beta), dx);
                 }
                 Layout::Nhwc => {
                     // col[m x crs] = dy_g[m x kg] * W_g[kg x crs]
-                    gemm(m, kg, crs, dyg, Mat::new(wg, crs, 1), false, col, crs);
-                    col2im_nhwc(g, col, i0, nb, grp, alpha, beta, dx);
+                    let w = Mat::new(wg, crs, 1);
+                    gemm((m, kg, crs), dyg, w, MatMut::new(col, crs), false);
+                    col2im_nhwc(g, col, at, (alpha, beta), dx);
                 }
             }
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn backward_filter<T: Element>(
-    g: &Geom,
-    nb: usize,
-    alpha: f32,
-    x: &[T],
-    dy: &[T],
-    beta: f32,
-    dw: &mut [T],
-    s: Scratch,
-) {
+fn backward_filter<T: Element>(g: &Geom, nb: usize, operands: Operands<'_, T>, s: Scratch) {
+    let Operands {
+        alpha,
+        a: x,
+        b: dy,
+        beta,
+        out: dw,
+    } = operands;
     let (crs, kg) = (g.cg * g.taps(), g.kg);
     let m = nb * g.out_plane();
     let Scratch {
@@ -372,26 +361,25 @@ fn backward_filter<T: Element>(
     } = s;
     for grp in 0..g.groups {
         for (chunk, i0) in (0..g.n).step_by(nb).enumerate() {
-            let dyg = dy_operand(g, dy, i0, nb, grp, &mut *dyp);
+            let at = Block { i0, nb, grp };
+            let dyg = dy_operand(g, dy, at, &mut *dyp);
             let accumulate = chunk > 0;
+            let acc = MatMut::new(&mut *acc, crs);
             match g.layout {
                 Layout::Nchw => {
-                    im2col_nchw(g, x, i0, nb, grp, col);
+                    im2col_nchw(g, x, at, col);
                     // acc[kg x crs] (+)= dy_g[kg x m] * col^T[m x crs]
-                    gemm(kg, m, crs, dyg, Mat::new(col, 1, m), accumulate, acc, crs);
+                    gemm((kg, m, crs), dyg, Mat::new(col, 1, m), acc, accumulate);
                 }
                 Layout::Nhwc => {
-                    im2col_nhwc(g, x, i0, nb, grp, col);
+                    im2col_nhwc(g, x, at, col);
                     // acc[kg x crs] (+)= dy_g^T[kg x m] * col[m x crs]
                     gemm(
-                        kg,
-                        m,
-                        crs,
+                        (kg, m, crs),
                         dyg.t(),
                         Mat::new(col, crs, 1),
-                        accumulate,
                         acc,
-                        crs,
+                        accumulate,
                     );
                 }
             }
@@ -402,8 +390,9 @@ fn backward_filter<T: Element>(
     }
 }
 
-/// NCHW im2col of images `i0..i0 + nb`, group `grp`: `col[(c, t, r, s)][(image, o, p, q)]`.
-fn im2col_nchw<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, col: &mut [f32]) {
+/// NCHW im2col of the block's images and group: `col[(c, t, r, s)][(image, o, p, q)]`.
+fn im2col_nchw<T: Element>(g: &Geom, x: &[T], at: Block, col: &mut [f32]) {
+    let Block { i0, nb, grp } = at;
     let (plane, pq) = (g.in_plane(), g.out_plane());
     let ld = nb * pq;
     for c in 0..g.cg {
@@ -447,8 +436,9 @@ fn im2col_nchw<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, 
     }
 }
 
-/// NHWC im2col of images `i0..i0 + nb`, group `grp`: `col[(image, o, p, q)][(t, r, s, c)]`.
-fn im2col_nhwc<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, col: &mut [f32]) {
+/// NHWC im2col of the block's images and group: `col[(image, o, p, q)][(t, r, s, c)]`.
+fn im2col_nhwc<T: Element>(g: &Geom, x: &[T], at: Block, col: &mut [f32]) {
+    let Block { i0, nb, grp } = at;
     let (cg, crs) = (g.cg, g.cg * g.taps());
     let in_rows = g.in_rows();
     for il in 0..nb {
@@ -492,19 +482,17 @@ fn im2col_nhwc<T: Element>(g: &Geom, x: &[T], i0: usize, nb: usize, grp: usize, 
     }
 }
 
-/// NCHW col2im as a gather (`dx[c][h][w]` sums every `col[(c, r, s)][(p, q)]` that maps to
-/// it), so each `dx` element is accumulated in f32 and stored once with `alpha`/`beta`.
-#[allow(clippy::too_many_arguments)]
+/// NCHW col2im of the block's images and group as a gather (`dx[c][h][w]` sums every
+/// `col[(c, r, s)][(p, q)]` that maps to it), so each `dx` element is accumulated in f32 and
+/// stored once with `alpha`/`beta`.
 fn col2im_nchw<T: Element>(
     g: &Geom,
     col: &[f32],
-    i0: usize,
-    nb: usize,
-    grp: usize,
-    alpha: f32,
-    beta: f32,
+    at: Block,
+    (alpha, beta): (f32, f32),
     dx: &mut [T],
 ) {
+    let Block { i0, nb, grp } = at;
     let (pq, in_rows, filter_rows) = (g.out_plane(), g.in_rows(), g.filter_rows());
     let ld = nb * pq;
     let mut row_map = RowMap::reading(g);
@@ -541,17 +529,14 @@ fn col2im_nchw<T: Element>(
 }
 
 /// NHWC col2im as a gather, like [`col2im_nchw`].
-#[allow(clippy::too_many_arguments)]
 fn col2im_nhwc<T: Element>(
     g: &Geom,
     col: &[f32],
-    i0: usize,
-    nb: usize,
-    grp: usize,
-    alpha: f32,
-    beta: f32,
+    at: Block,
+    (alpha, beta): (f32, f32),
     dx: &mut [T],
 ) {
+    let Block { i0, nb, grp } = at;
     let crs = g.cg * g.taps();
     let (in_rows, out_rows) = (g.in_rows(), g.out_rows());
     let mut row_map = RowMap::reading(g);

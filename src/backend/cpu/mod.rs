@@ -671,18 +671,14 @@ pub fn run_chunk<T: Element>(
     workspace: &mut [u8],
 ) -> Result<(), CpuError> {
     let g = chunk_geom(problem, chunk)?;
-    run_geom(
-        &g,
-        problem.dtype,
-        op,
-        algo,
+    let operands = Operands {
         alpha,
         a,
         b,
         beta,
         out,
-        workspace,
-    )
+    };
+    run_geom(&g, problem.dtype, op, algo, operands, workspace)
 }
 
 /// Exact workspace, in bytes, that [`run`] needs for `algo` on `problem` (whose `n` is the
@@ -745,35 +741,43 @@ pub fn run<T: Element>(
     workspace: &mut [u8],
 ) -> Result<(), CpuError> {
     let g = Geom::new(problem)?;
-    run_geom(
-        &g,
-        problem.dtype,
-        op,
-        algo,
+    let operands = Operands {
         alpha,
         a,
         b,
         beta,
         out,
-        workspace,
-    )
+    };
+    run_geom(&g, problem.dtype, op, algo, operands, workspace)
+}
+
+/// A call's tensors and scaling, by role: `out = alpha * op(a, b) + beta * out`, with `a`,
+/// `b` and `out` as in [`run`]'s table.
+pub(crate) struct Operands<'a, T> {
+    pub alpha: f32,
+    pub a: &'a [T],
+    pub b: &'a [T],
+    pub beta: f32,
+    pub out: &'a mut [T],
 }
 
 /// [`run`] on validated sizes (the whole problem's, or a spatial chunk's from
-/// [`Geom::chunk`]).
-#[allow(clippy::too_many_arguments)]
+/// [`chunk_geom`]).
 fn run_geom<T: Element>(
     g: &Geom,
     dtype: DType,
     op: ConvOp,
     algo: CpuAlgo,
-    alpha: f32,
-    a: &[T],
-    b: &[T],
-    beta: f32,
-    out: &mut [T],
+    operands: Operands<'_, T>,
     workspace: &mut [u8],
 ) -> Result<(), CpuError> {
+    let Operands {
+        alpha,
+        a,
+        b,
+        beta,
+        out,
+    } = operands;
     if T::DTYPE != dtype {
         return Err(CpuError::DTypeMismatch {
             problem: dtype,
@@ -812,7 +816,14 @@ fn run_geom<T: Element>(
         (CpuAlgo::Im2colGemm | CpuAlgo::Im2colGemmPerImage, _) => {
             let per_image = algo == CpuAlgo::Im2colGemmPerImage;
             let parts = gemm::Parts::new(g, dtype, op, per_image);
-            gemm::run(g, &parts, op, per_image, alpha, a, b, beta, out, ws)
+            let operands = Operands {
+                alpha,
+                a,
+                b,
+                beta,
+                out,
+            };
+            gemm::run(g, &parts, op, per_image, operands, ws)
         }
     }
     Ok(())

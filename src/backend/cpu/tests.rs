@@ -219,19 +219,37 @@ fn with(problem: ConvProblem, layout: Layout, dtype: DType) -> ConvProblem {
 }
 
 /// Runs with a freshly allocated workspace of exactly `workspace_bytes`.
-#[allow(clippy::too_many_arguments)]
 fn run_exact<T: Element>(
     problem: &ConvProblem,
     op: ConvOp,
     algo: CpuAlgo,
-    alpha: f32,
-    a: &[T],
-    b: &[T],
-    beta: f32,
-    out: &mut [T],
+    operands: Operands<'_, T>,
 ) -> Result<(), CpuError> {
+    let Operands {
+        alpha,
+        a,
+        b,
+        beta,
+        out,
+    } = operands;
     let mut ws = AlignedWorkspace::new(workspace_bytes(problem, op, algo));
     run(problem, op, algo, alpha, a, b, beta, out, ws.as_bytes_mut())
+}
+
+/// `out = alpha * op(a, b) + beta * out` as [`Operands`].
+fn operands<'a, T>(
+    (alpha, beta): (f32, f32),
+    a: &'a [T],
+    b: &'a [T],
+    out: &'a mut [T],
+) -> Operands<'a, T> {
+    Operands {
+        alpha,
+        a,
+        b,
+        beta,
+        out,
+    }
 }
 
 fn lens(problem: &ConvProblem, op: ConvOp) -> [usize; 3] {
@@ -300,8 +318,13 @@ fn check_against_reference<T: Element>(dtype: DType, rel: f64, shapes: &[ConvPro
                             problem.describe()
                         );
                         let mut out = out0.clone();
-                        run_exact(&problem, op, algo, alpha, &a, &b, beta, &mut out)
-                            .unwrap_or_else(|e| panic!("{what}: {e}"));
+                        run_exact(
+                            &problem,
+                            op,
+                            algo,
+                            operands((alpha, beta), &a, &b, &mut out),
+                        )
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
                         let want = expected(&problem, op, alpha, &a, &b, beta, out0);
                         assert_close(&out, &want, rel, &what);
                     }
@@ -379,7 +402,7 @@ fn depth_alone_is_a_1d_convolution() {
             assert_eq!(conv_f64(&depth, op, &widen(&a), &widen(&b)).unwrap(), want);
             for algo in CpuAlgo::ALL {
                 let mut out = vec![f32::NAN; lo];
-                run_exact(&depth, op, algo, 1.0, &a, &b, 0.0, &mut out).unwrap();
+                run_exact(&depth, op, algo, operands((1.0, 0.0), &a, &b, &mut out)).unwrap();
                 let what = format!("{} {op} {algo}", depth.describe());
                 assert_close(&out, &want, 1e-5, &what);
             }
@@ -389,62 +412,51 @@ fn depth_alone_is_a_1d_convolution() {
 
 /// Runs `op` on micro-batches of the given sizes, slicing the batched tensors as an executor
 /// would; for backward filter the first micro-batch uses `beta` and the rest accumulate.
-#[allow(clippy::too_many_arguments)]
+/// The result is written into `whole.out`.
 fn run_split<T: Element>(
     problem: &ConvProblem,
     op: ConvOp,
     algo: CpuAlgo,
-    alpha: f32,
-    a: &[T],
-    b: &[T],
-    beta: f32,
-    out0: &[T],
+    whole: Operands<'_, T>,
     splits: &[i64],
-) -> Vec<T> {
+) {
+    let Operands {
+        alpha,
+        a,
+        b,
+        beta,
+        out,
+    } = whole;
     assert_eq!(splits.iter().sum::<i64>(), problem.n);
     let [lx, _, ly] = lens(problem, ConvOp::Forward);
     let (x_img, y_img) = (lx / problem.n as usize, ly / problem.n as usize);
-    let mut out = out0.to_vec();
     let mut i0 = 0;
     for (idx, &m) in splits.iter().enumerate() {
         let sub = problem.with_batch(m);
         let (lo, hi) = (i0, i0 + m as usize);
-        match op {
-            ConvOp::Forward => run_exact(
-                &sub,
-                op,
-                algo,
-                alpha,
+        let micro = match op {
+            ConvOp::Forward => operands(
+                (alpha, beta),
                 &a[lo * x_img..hi * x_img],
                 b,
-                beta,
                 &mut out[lo * y_img..hi * y_img],
             ),
-            ConvOp::BackwardData => run_exact(
-                &sub,
-                op,
-                algo,
-                alpha,
+            ConvOp::BackwardData => operands(
+                (alpha, beta),
                 a,
                 &b[lo * y_img..hi * y_img],
-                beta,
                 &mut out[lo * x_img..hi * x_img],
             ),
-            ConvOp::BackwardFilter => run_exact(
-                &sub,
-                op,
-                algo,
-                alpha,
+            ConvOp::BackwardFilter => operands(
+                (alpha, if idx == 0 { beta } else { 1.0 }),
                 &a[lo * x_img..hi * x_img],
                 &b[lo * y_img..hi * y_img],
-                if idx == 0 { beta } else { 1.0 },
-                &mut out,
+                &mut *out,
             ),
-        }
-        .unwrap();
+        };
+        run_exact(&sub, op, algo, micro).unwrap();
         i0 = hi;
     }
-    out
 }
 
 #[test]
@@ -474,14 +486,21 @@ fn micro_batches_reproduce_the_whole_batch() {
                 for algo in CpuAlgo::ALL {
                     for (alpha, beta) in [(1.0, 0.0), (0.75, 0.5)] {
                         let mut whole = prior.clone();
-                        run_exact(&problem, op, algo, alpha, &a, &b, beta, &mut whole).unwrap();
+                        run_exact(
+                            &problem,
+                            op,
+                            algo,
+                            operands((alpha, beta), &a, &b, &mut whole),
+                        )
+                        .unwrap();
                         for splits in [&[2, 1, 1][..], &[1, 3][..]] {
                             let what = format!(
                                 "{} {op} {algo} alpha {alpha} beta {beta} split {splits:?}",
                                 problem.describe()
                             );
-                            let parts =
-                                run_split(&problem, op, algo, alpha, &a, &b, beta, &prior, splits);
+                            let mut parts = prior.clone();
+                            let micro = operands((alpha, beta), &a, &b, &mut parts);
+                            run_split(&problem, op, algo, micro, splits);
                             if op == ConvOp::BackwardFilter {
                                 // Only the summation order over the batch differs: compare
                                 // relative to the magnitude of the summed terms, sum |x * dy|
