@@ -1,4 +1,6 @@
-//! Naive `f64` reference convolution, the yardstick for every backend's tests.
+//! Naive `f64` reference convolution, the yardstick for every backend's tests (the cuDNN
+//! host tier's reference, [`crate::backend::cudnn::host::reference_convolution`], walks the
+//! same [`for_each_product`]).
 //!
 //! One loop nest over (image, filter, output position, channel, tap), positions and taps
 //! having depth, height and width (depth 1 in 2-D), visits every multiply of the convolution
@@ -18,7 +20,6 @@ pub fn conv_f64(
     a: &[f64],
     b: &[f64],
 ) -> Result<Vec<f64>, CpuError> {
-    let g = Geom::new(problem)?;
     let lens = super::buffer_lens(problem, op)?;
     for ((buffer, expected), actual) in lens.into_iter().zip([a.len(), b.len()]) {
         if expected != actual {
@@ -29,6 +30,26 @@ pub fn conv_f64(
             });
         }
     }
+    let mut out = vec![0.0; lens[2].1];
+    for_each_product(problem, |x, w, y| match op {
+        ConvOp::Forward => out[y] += a[x] * b[w],
+        ConvOp::BackwardData => out[x] += a[w] * b[y],
+        ConvOp::BackwardFilter => out[w] += a[x] * b[y],
+    })?;
+    Ok(out)
+}
+
+/// Calls `visit(x, w, y)` with the element indices, in the problem's layout, of every product
+/// `x[x] * w[w]` that the convolution adds to `y[y]` (cuDNN's `CUDNN_CROSS_CORRELATION`),
+/// skipping taps in the padding. The three operations are this one loop nest with the product
+/// added to another tensor: forward to `y`, backward data (`w * dy`) to `x`, backward filter
+/// (`x * dy`) to `w`. Visits in the order (image, filter, output position, channel, tap), so
+/// each output of a forward sum is accumulated in a fixed order.
+pub fn for_each_product(
+    problem: &ConvProblem,
+    mut visit: impl FnMut(usize, usize, usize),
+) -> Result<(), CpuError> {
+    let g = Geom::new(problem)?;
     let nhwc = g.layout == Layout::Nhwc;
     // Element index of (image, channel, depth, height, width) in a tensor of `ch` channels and
     // spatial size `sp`: NCDHW or NDHWC (NCHW / NHWC when the depth is 1).
@@ -40,7 +61,6 @@ pub fn conv_f64(
         }
     };
     let (xs, fs, ys) = ([g.d, g.h, g.w], [g.t, g.r, g.s], [g.o, g.p, g.q]);
-    let mut out = vec![0.0; lens[2].1];
     for n in 0..g.n {
         for k in 0..g.k {
             let grp = k / g.kg;
@@ -61,17 +81,13 @@ pub fn conv_f64(
                         let x = index(xs, g.c, [n, c, id, ih, iw]);
                         let w = index(fs, g.cg, [k, cl, t, r, s]);
                         let y = index(ys, g.k, [n, k, o, p, q]);
-                        match op {
-                            ConvOp::Forward => out[y] += a[x] * b[w],
-                            ConvOp::BackwardData => out[x] += a[w] * b[y],
-                            ConvOp::BackwardFilter => out[w] += a[x] * b[y],
-                        }
+                        visit(x, w, y);
                     }
                 }
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Every `(i, j, l)` below `dims`, in row-major order.

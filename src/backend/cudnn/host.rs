@@ -7,7 +7,8 @@
 
 use super::error::CudnnError;
 use super::shape::ConvShapes;
-use crate::solver::{ConvOp, ConvProblem, DType, Layout};
+use crate::backend::cpu::reference::for_each_product;
+use crate::solver::{ConvOp, ConvProblem, DType};
 use half::{bf16, f16};
 
 /// A xorshift64* generator: small, deterministic, good enough for test data.
@@ -151,87 +152,6 @@ impl Reference {
     }
 }
 
-/// `dims` as `[n, c, d, h, w]` (a 4-D `[n, c, h, w]` gets depth 1).
-fn five(dims: &[i32]) -> [usize; 5] {
-    let d = |i: usize| dims[i] as usize;
-    if dims.len() == 5 {
-        [d(0), d(1), d(2), d(3), d(4)]
-    } else {
-        [d(0), d(1), 1, d(2), d(3)]
-    }
-}
-
-/// `values` as `[depth, height, width]` (a 2-D problem's `[h, w]` gets the neutral `depth`).
-fn three(values: &[i32], depth: i64) -> [i64; 3] {
-    let v = |i: usize| i64::from(values[i]);
-    if values.len() == 3 {
-        [v(0), v(1), v(2)]
-    } else {
-        [depth, v(0), v(1)]
-    }
-}
-
-/// The element index of `[n, c, d, h, w]` (or a filter's `[k, c, t, r, s]`) in a packed tensor
-/// of `dims` in `layout` (NCDHW: `w` fastest; NDHWC: `c` fastest).
-fn index(layout: Layout, [_, c, d, h, w]: [usize; 5], [ni, ci, di, hi, wi]: [usize; 5]) -> usize {
-    match layout {
-        Layout::Nchw => (((ni * c + ci) * d + di) * h + hi) * w + wi,
-        Layout::Nhwc => (((ni * d + di) * h + hi) * w + wi) * c + ci,
-    }
-}
-
-/// Calls `visit(x_index, w_index, y_index)` for every product of a cross-correlation
-/// (cuDNN's `CUDNN_CROSS_CORRELATION`): `y[n,k,o,p,q] += x[n, g*C/G + c, o*stride_d - pad_d +
-/// t*dilation_d, p*u - pad_h + r*dh, q*v - pad_w + s*dw] * w[k, c, t, r, s]` with
-/// `g = k / (K/G)`, skipping padding. A 2-D problem is the one with unit depth.
-fn for_each_product(shapes: &ConvShapes, mut visit: impl FnMut(usize, usize, usize)) {
-    let (xd, wd, yd) = (
-        five(&shapes.input),
-        five(&shapes.filter),
-        five(&shapes.output),
-    );
-    let [n, _, d, h, w] = xd;
-    let [k, cg, t, r, s] = wd;
-    let [_, _, o, p, q] = yd;
-    let groups = shapes.groups as usize;
-    let k_per_group = k / groups;
-    let pad = three(&shapes.pad, 0);
-    let stride = three(&shapes.stride, 1);
-    let dilation = three(&shapes.dilation, 1);
-    // The input coordinate of output `out` and filter tap `tap` on axis `axis`, if inside.
-    let at = |axis: usize, out: usize, tap: usize, size: usize| {
-        let i = out as i64 * stride[axis] - pad[axis] + tap as i64 * dilation[axis];
-        (0..size as i64).contains(&i).then_some(i as usize)
-    };
-    let layout = shapes.layout;
-    for ni in 0..n {
-        for ki in 0..k {
-            let c0 = (ki / k_per_group) * cg;
-            for oi in 0..o {
-                for pi in 0..p {
-                    for qi in 0..q {
-                        let yi = index(layout, yd, [ni, ki, oi, pi, qi]);
-                        for ci in 0..cg {
-                            for ti in 0..t {
-                                let Some(di) = at(0, oi, ti, d) else { continue };
-                                for ri in 0..r {
-                                    let Some(hi) = at(1, pi, ri, h) else { continue };
-                                    for si in 0..s {
-                                        let Some(wi) = at(2, qi, si, w) else { continue };
-                                        let xi = index(layout, xd, [ni, c0 + ci, di, hi, wi]);
-                                        let fi = index(layout, wd, [ki, ci, ti, ri, si]);
-                                        visit(xi, fi, yi);
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
 /// Naive reference for `op` on host data in the problem's layout: `a` and `b` are the inputs in
 /// the order of [`super::shape::operand_roles`] (forward: x, w; backward-data: w, dy;
 /// backward-filter: x, dy), 2-D or 3-D. Cost is `n*k*o*p*q*c/g*t*r*s`: for small test
@@ -264,14 +184,19 @@ pub fn reference_convolution(
         values[target] += prod;
         magnitude[target] += prod.abs();
     };
-    match op {
+    // The CPU backend's reference loop: one definition of which products a convolution sums.
+    for_each_product(problem, |xi, wi, yi| match op {
         // a = x, b = w, out = y
-        ConvOp::Forward => for_each_product(&shapes, |xi, wi, yi| add(yi, a[xi], b[wi])),
+        ConvOp::Forward => add(yi, a[xi], b[wi]),
         // a = w, b = dy, out = dx
-        ConvOp::BackwardData => for_each_product(&shapes, |xi, wi, yi| add(xi, a[wi], b[yi])),
+        ConvOp::BackwardData => add(xi, a[wi], b[yi]),
         // a = x, b = dy, out = dw
-        ConvOp::BackwardFilter => for_each_product(&shapes, |xi, wi, yi| add(wi, a[xi], b[yi])),
-    }
+        ConvOp::BackwardFilter => add(wi, a[xi], b[yi]),
+    })
+    .map_err(|e| CudnnError::InvalidArgument {
+        call: "reference_convolution",
+        detail: e.to_string(),
+    })?;
     Ok(Reference { values, magnitude })
 }
 
@@ -279,6 +204,17 @@ pub fn reference_convolution(
 mod tests {
     use super::*;
     use crate::backend::cudnn::shape::Operand;
+    use crate::solver::Layout;
+
+    /// `dims` as `[n, c, d, h, w]` (a 4-D `[n, c, h, w]` gets depth 1).
+    fn five(dims: &[i32]) -> [usize; 5] {
+        let d = |i: usize| dims[i] as usize;
+        if dims.len() == 5 {
+            [d(0), d(1), d(2), d(3), d(4)]
+        } else {
+            [d(0), d(1), 1, d(2), d(3)]
+        }
+    }
 
     /// The copies, applied to a buffer that holds one encoded block, make the tiled values,
     /// for lengths below, at and around powers of two of the period, and block sizes that do
