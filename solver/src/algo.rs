@@ -283,7 +283,8 @@ impl<'de> Deserialize<'de> for Algo {
 }
 
 /// The name of a graph-API engine configuration: `eng<id>` followed by `_k<type>=<value>` per
-/// knob, knobs sorted by type (the cuDNN frontend's plan names). Interned: copying is free and
+/// knob, knobs sorted by type (the cuDNN frontend's plan names; the grammar is
+/// [`EngineConfig`]'s, with the knobs already in canonical order). Interned: copying is free and
 /// equality, hashing and order are by content.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineName(&'static str);
@@ -295,7 +296,7 @@ pub struct EngineName(&'static str);
 )]
 pub struct EngineNameError {
     pub name: String,
-    pub reason: &'static str,
+    pub reason: String,
 }
 
 impl EngineName {
@@ -305,31 +306,9 @@ impl EngineName {
             name: name.chars().take(200).collect(),
             reason,
         };
-        let mut parts = name.split('_');
-        let head = parts.next().unwrap_or_default();
-        let id = head
-            .strip_prefix("eng")
-            .ok_or_else(|| error("no `eng` prefix"))?;
-        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(error("the engine id is not a number"));
-        }
-        let mut last_type: Option<u64> = None;
-        for knob in parts {
-            let (ty, value) = knob
-                .strip_prefix('k')
-                .and_then(|k| k.split_once('='))
-                .ok_or_else(|| error("a knob is not `k<type>=<value>`"))?;
-            let ty: u64 = ty
-                .parse()
-                .map_err(|_| error("a knob type is not a number"))?;
-            let value = value.strip_prefix('-').unwrap_or(value);
-            if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(error("a knob value is not an integer"));
-            }
-            if last_type.is_some_and(|last| last >= ty) {
-                return Err(error("knobs are not sorted by type"));
-            }
-            last_type = Some(ty);
+        let (_, knobs) = parse_engine_name(name).map_err(error)?;
+        if knobs.windows(2).any(|pair| pair[0].0 >= pair[1].0) {
+            return Err(error("knobs are not sorted by type".to_string()));
         }
         Ok(EngineName(intern(name)))
     }
@@ -340,20 +319,14 @@ impl EngineName {
 
     /// The engine id (`38` in `eng38_k2=8`).
     pub fn engine_id(self) -> i64 {
-        let head = self.0.split('_').next().unwrap_or_default();
-        head[3..].parse().unwrap_or(-1)
+        parse_engine_name(self.0).map_or(-1, |(engine, _)| engine)
     }
 
     /// `(knob type, value)` pairs, sorted by type.
     pub fn knobs(self) -> Vec<(i64, i64)> {
-        self.0
-            .split('_')
-            .skip(1)
-            .filter_map(|knob| {
-                let (ty, value) = knob[1..].split_once('=')?;
-                Some((ty.parse().ok()?, value.parse().ok()?))
-            })
-            .collect()
+        parse_engine_name(self.0)
+            .map(|(_, knobs)| knobs)
+            .unwrap_or_default()
     }
 }
 
@@ -390,6 +363,204 @@ fn intern(name: &str) -> &'static str {
     let leaked: &'static str = Box::leak(name.to_owned().into_boxed_str());
     names.insert(leaked);
     leaked
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine configurations and the grammar of their names
+
+/// One engine configuration of cuDNN's graph (backend) API, identified the way NVIDIA's cuDNN
+/// frontend names execution plans, e.g. `eng38_k2=8_k13=1_k14=4_k18=0`.
+///
+/// A configuration is an engine's global index (`CUDNN_ATTR_ENGINE_GLOBAL_INDEX`) plus a value
+/// for some of its knobs (`CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE` = value); knobs left out take the
+/// engine's defaults, so `eng0` (no knobs) is a configuration too. The name is the candidate's
+/// stable identity between the profiler, the tuning cache and the plan executor: it is enough
+/// to rebuild the configuration on the same cuDNN version (the version belongs in the cache
+/// key, because engine numbering and knobs change between releases). The cuDNN wall turns a
+/// config into descriptors.
+///
+/// # Format
+///
+/// `eng<engine>` followed by `_k<knob type>=<value>` per knob, knobs in ascending knob-type
+/// order: exactly what the frontend prints (and what `h100-engines-3layers.json` records).
+/// Engine ids and knob types are non-negative decimal integers, values may be negative
+/// (`k12=-1`); no leading zeros, no `+`, no spaces. Parsing accepts knobs in any order and
+/// sorts them, so the printed form of a parsed name is canonical. This is the one grammar of
+/// engine names: [`EngineName`] accepts the names it parses whose knobs are already sorted.
+///
+/// Sorted by engine, then knobs: a stable candidate order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub struct EngineConfig {
+    engine: i64,
+    knobs: Vec<(i64, i64)>,
+}
+
+/// Why a string is not an engine configuration name, or knob choices do not make one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid engine configuration `{name}`: {reason} (expected `eng<id>` then `_k<type>=<value>` \
+     per knob, e.g. `eng38_k2=8_k13=1` or `eng0`)"
+)]
+pub struct EngineConfigError {
+    /// The text (or, for [`EngineConfig::new`], the configuration as far as it is printable).
+    pub name: String,
+    pub reason: String,
+}
+
+impl EngineConfig {
+    /// The configuration a candidate's name stands for.
+    pub fn from_name(name: EngineName) -> Result<Self, EngineConfigError> {
+        name.as_str().parse()
+    }
+
+    /// The candidate's name (interned; what profiles, plans and the cache hold).
+    pub fn name(&self) -> EngineName {
+        // The printed form is canonical and always parses.
+        EngineName::new(&self.to_string()).expect("an EngineConfig prints a valid engine name")
+    }
+
+    /// Engine `engine` with `knobs` as (knob type, value) pairs in any order. Errors when the
+    /// engine id or a knob type is negative, or a knob type appears twice.
+    pub fn new(
+        engine: i64,
+        knobs: impl IntoIterator<Item = (i64, i64)>,
+    ) -> Result<Self, EngineConfigError> {
+        let mut knobs: Vec<(i64, i64)> = knobs.into_iter().collect();
+        knobs.sort_unstable();
+        let error = |reason: String| {
+            let mut name = String::new();
+            // (Writing to a String cannot fail.)
+            let _ = write_engine_name(&mut name, engine, &knobs);
+            EngineConfigError { name, reason }
+        };
+        if engine < 0 {
+            return Err(error(format!("engine id {engine} is negative")));
+        }
+        if let Some((knob, _)) = knobs.iter().find(|(knob, _)| *knob < 0) {
+            return Err(error(format!("knob type {knob} is negative")));
+        }
+        if let Some(pair) = knobs.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+            return Err(error(format!(
+                "knob type {} has two values ({} and {})",
+                pair[0].0, pair[0].1, pair[1].1
+            )));
+        }
+        Ok(EngineConfig { engine, knobs })
+    }
+
+    /// The engine with its default knobs (`eng<engine>`).
+    pub fn default_knobs(engine: i64) -> Result<Self, EngineConfigError> {
+        Self::new(engine, [])
+    }
+
+    /// The engine's global index (`CUDNN_ATTR_ENGINE_GLOBAL_INDEX`).
+    pub fn engine(&self) -> i64 {
+        self.engine
+    }
+
+    /// The knob choices as (knob type, value), ascending by knob type.
+    pub fn knobs(&self) -> &[(i64, i64)] {
+        &self.knobs
+    }
+
+    /// The value chosen for `knob_type`, if any.
+    pub fn knob(&self, knob_type: i64) -> Option<i64> {
+        self.knobs
+            .binary_search_by_key(&knob_type, |&(knob, _)| knob)
+            .ok()
+            .map(|i| self.knobs[i].1)
+    }
+}
+
+impl fmt::Display for EngineConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write_engine_name(f, self.engine, &self.knobs)
+    }
+}
+
+impl std::str::FromStr for EngineConfig {
+    type Err = EngineConfigError;
+
+    fn from_str(name: &str) -> Result<Self, EngineConfigError> {
+        let error = |reason: String| EngineConfigError {
+            name: name.to_string(),
+            reason,
+        };
+        let (engine, knobs) = parse_engine_name(name).map_err(error)?;
+        EngineConfig::new(engine, knobs).map_err(|e| error(e.reason))
+    }
+}
+
+impl From<EngineConfig> for String {
+    fn from(config: EngineConfig) -> String {
+        config.to_string()
+    }
+}
+
+impl TryFrom<String> for EngineConfig {
+    type Error = EngineConfigError;
+
+    fn try_from(name: String) -> Result<Self, EngineConfigError> {
+        name.parse()
+    }
+}
+
+/// Prints an engine configuration's name: `eng<engine>`, then `_k<type>=<value>` per knob in
+/// the order given.
+fn write_engine_name(out: &mut impl fmt::Write, engine: i64, knobs: &[(i64, i64)]) -> fmt::Result {
+    write!(out, "eng{engine}")?;
+    for (knob, value) in knobs {
+        write!(out, "_k{knob}={value}")?;
+    }
+    Ok(())
+}
+
+/// Reads an engine configuration's name (see [`EngineConfig`]'s format) into the engine id and
+/// the knobs in the order written; the error is the reason it is not one.
+fn parse_engine_name(name: &str) -> Result<(i64, Vec<(i64, i64)>), String> {
+    let rest = name
+        .strip_prefix("eng")
+        .ok_or_else(|| "it does not start with `eng`".to_string())?;
+    let mut parts = rest.split('_');
+    let engine_text = parts.next().unwrap_or_default();
+    let engine =
+        parse_decimal(engine_text, false).map_err(|reason| format!("engine id: {reason}"))?;
+    let mut knobs = Vec::new();
+    for part in parts {
+        let knob = part
+            .strip_prefix('k')
+            .ok_or_else(|| format!("knob `{part}` does not start with `k`"))?;
+        let (knob_type, value) = knob
+            .split_once('=')
+            .ok_or_else(|| format!("knob `{part}` has no `=`"))?;
+        let knob_type = parse_decimal(knob_type, false)
+            .map_err(|reason| format!("knob `{part}`: type {reason}"))?;
+        let value = parse_decimal(value, true)
+            .map_err(|reason| format!("knob `{part}`: value {reason}"))?;
+        knobs.push((knob_type, value));
+    }
+    Ok((engine, knobs))
+}
+
+/// A canonical decimal: digits only (a `-` first where `signed`), no leading zeros, no `-0`.
+fn parse_decimal(text: &str, signed: bool) -> Result<i64, String> {
+    let digits = match text.strip_prefix('-') {
+        Some(rest) if signed => rest,
+        Some(_) => return Err(format!("`{text}` must not be negative")),
+        None => text,
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("`{text}` is not a decimal integer"));
+    }
+    if digits.len() > 1 && digits.starts_with('0') {
+        return Err(format!("`{text}` has a leading zero"));
+    }
+    if digits == "0" && text.starts_with('-') {
+        return Err("`-0` is not canonical (write 0)".to_string());
+    }
+    text.parse::<i64>()
+        .map_err(|_| format!("`{text}` does not fit a 64-bit integer"))
 }
 
 #[cfg(test)]
@@ -485,5 +656,111 @@ mod tests {
         assert!(!CandidateSet::Legacy.contains(AlgoKind::Engine));
         assert_eq!(CandidateSet::from_kinds(&[]), None);
         assert_eq!(AlgoKind::parse("engine"), Some(AlgoKind::Engine));
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for name in [
+            "eng0",
+            "eng78",
+            "eng38_k2=8_k13=1_k14=4_k18=0_k22=0_k23=0",
+            "eng41_k2=8_k12=-1_k13=1_k14=4_k15=0_k17=20_k18=0_k22=0_k23=0",
+            "eng67_k2=5_k13=0_k18=0_k25=1_k27=2_k28=1",
+        ] {
+            let config: EngineConfig = name.parse().unwrap();
+            assert_eq!(config.to_string(), name);
+            let back: EngineConfig = config.to_string().parse().unwrap();
+            assert_eq!(back, config);
+        }
+        let config: EngineConfig = "eng41_k2=8_k12=-1_k13=1".parse().unwrap();
+        assert_eq!(config.engine(), 41);
+        assert_eq!(config.knobs(), &[(2, 8), (12, -1), (13, 1)]);
+        assert_eq!(config.knob(12), Some(-1));
+        assert_eq!(config.knob(3), None);
+        let bare: EngineConfig = "eng0".parse().unwrap();
+        assert_eq!(bare, EngineConfig::default_knobs(0).unwrap());
+        assert!(bare.knobs().is_empty());
+    }
+
+    #[test]
+    fn every_name_in_the_shipped_probe_round_trips() {
+        // Plan names as the cuDNN frontend printed them on an H100 (cuDNN 9.19), a sample of the
+        // shapes in `h100-engines-3layers.json`.
+        let names = [
+            "eng10_k2=5_k12=-1_k13=1_k14=3_k15=1_k17=8_k18=1_k23=0",
+            "eng30_k2=5_k12=-1_k13=1_k14=3_k15=0_k17=5_k18=1_k23=0",
+            "eng33_k0=10_k2=1_k5=4_k14=2",
+            "eng37_k2=14_k6=1_k13=1_k14=0_k22=3",
+            "eng1_k2=3_k3=0",
+            "eng18_k11=0",
+            "eng1",
+        ];
+        for name in names {
+            assert_eq!(name.parse::<EngineConfig>().unwrap().to_string(), name);
+        }
+    }
+
+    #[test]
+    fn construction_sorts_and_rejects_duplicates() {
+        let config = EngineConfig::new(38, [(14, 4), (2, 8), (13, 1)]).unwrap();
+        assert_eq!(config.to_string(), "eng38_k2=8_k13=1_k14=4");
+        // Parsing normalises the knob order.
+        let unsorted: EngineConfig = "eng38_k14=4_k2=8_k13=1".parse().unwrap();
+        assert_eq!(unsorted, config);
+        let e = EngineConfig::new(3, [(2, 1), (2, 4)]).unwrap_err();
+        assert!(e.reason.contains("knob type 2 has two values"), "{e}");
+        assert!(EngineConfig::new(-1, []).is_err());
+        assert!(EngineConfig::new(1, [(-2, 0)]).is_err());
+        // Ordering is by engine, then knobs: stable candidate order.
+        let mut configs: Vec<EngineConfig> = ["eng2", "eng10", "eng2_k1=0", "eng1_k5=3"]
+            .iter()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        configs.sort();
+        let sorted: Vec<String> = configs.iter().map(|c| c.to_string()).collect();
+        assert_eq!(sorted, ["eng1_k5=3", "eng2", "eng2_k1=0", "eng10"]);
+    }
+
+    #[test]
+    fn malformed_names_are_clear_errors() {
+        let cases = [
+            ("", "does not start with `eng`"),
+            ("plan38", "does not start with `eng`"),
+            ("eng", "engine id: `` is not a decimal integer"),
+            ("eng-1", "engine id: `-1` must not be negative"),
+            ("eng038", "leading zero"),
+            ("eng38_", "knob `` does not start with `k`"),
+            ("eng38_k2", "knob `k2` has no `=`"),
+            ("eng38_k2=", "value `` is not a decimal integer"),
+            ("eng38_k=3", "type `` is not a decimal integer"),
+            ("eng38_k2=x", "value `x` is not a decimal integer"),
+            ("eng38_k2=-0", "`-0` is not canonical"),
+            ("eng38_k2=08", "leading zero"),
+            ("eng38_k2=+8", "value `+8` is not a decimal integer"),
+            ("eng38_k2=1_k2=3", "knob type 2 has two values"),
+            ("eng38 _k2=1", "engine id: `38 ` is not a decimal integer"),
+            ("eng38_k2=1=2", "value `1=2` is not a decimal integer"),
+            ("eng99999999999999999999", "does not fit a 64-bit integer"),
+            ("ENG38", "does not start with `eng`"),
+        ];
+        for (name, expected) in cases {
+            let e = name.parse::<EngineConfig>().unwrap_err();
+            let message = e.to_string();
+            assert!(
+                message.contains(expected),
+                "{name:?}: {message:?} lacks {expected:?}"
+            );
+            assert!(message.contains(&format!("`{name}`")), "{message}");
+            assert!(message.contains("eng38_k2=8_k13=1"), "{message}");
+        }
+    }
+
+    #[test]
+    fn serde_uses_the_name() {
+        let config: EngineConfig = "eng38_k2=8_k13=1".parse().unwrap();
+        let json = serde_json::to_string(&config).unwrap();
+        assert_eq!(json, "\"eng38_k2=8_k13=1\"");
+        assert_eq!(serde_json::from_str::<EngineConfig>(&json).unwrap(), config);
+        assert!(serde_json::from_str::<EngineConfig>("\"eng38_k2\"").is_err());
     }
 }
