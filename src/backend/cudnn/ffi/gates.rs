@@ -466,3 +466,297 @@ pub(super) fn device_info(ordinal: usize) -> Result<DeviceInfo, CudnnError> {
         multiprocessors,
     })
 }
+
+/// The gate's symbol lists against the wall's source: every cuDNN function that code under
+/// `src/backend/cudnn/` calls, directly through cudarc's `sys` bindings or through its `result`
+/// wrappers, is in `CUDNN_SYMBOLS` or `GRAPH_SYMBOLS`, so that a library without it is refused
+/// up front instead of failing (or aborting, under dynamic loading) on first use. The files are
+/// found by walking the folder, so new ones are covered without editing this test.
+#[cfg(test)]
+mod symbol_list_tests {
+    use super::super::graph::GRAPH_SYMBOLS;
+    use super::CUDNN_SYMBOLS;
+    use std::collections::BTreeSet;
+    use std::path::{Path, PathBuf};
+
+    /// cudarc's `cudnn::result` wrappers and the one cuDNN function each calls. A wrapper the
+    /// wall calls that is missing here fails the test: add it with its function.
+    const RESULT_SYMBOLS: &[(&str, &str)] = &[
+        ("get_version", "cudnnGetVersion"),
+        ("get_cudart_version", "cudnnGetCudartVersion"),
+        ("create_handle", "cudnnCreate"),
+        ("destroy_handle", "cudnnDestroy"),
+        ("set_stream", "cudnnSetStream"),
+        ("create_tensor_descriptor", "cudnnCreateTensorDescriptor"),
+        ("set_tensor4d_descriptor", "cudnnSetTensor4dDescriptor"),
+        ("set_tensor4d_descriptor_ex", "cudnnSetTensor4dDescriptorEx"),
+        ("set_tensornd_descriptor", "cudnnSetTensorNdDescriptor"),
+        ("destroy_tensor_descriptor", "cudnnDestroyTensorDescriptor"),
+        ("create_filter_descriptor", "cudnnCreateFilterDescriptor"),
+        ("set_filter4d_descriptor", "cudnnSetFilter4dDescriptor"),
+        ("set_filternd_descriptor", "cudnnSetFilterNdDescriptor"),
+        ("destroy_filter_descriptor", "cudnnDestroyFilterDescriptor"),
+        (
+            "create_convolution_descriptor",
+            "cudnnCreateConvolutionDescriptor",
+        ),
+        (
+            "set_convolution2d_descriptor",
+            "cudnnSetConvolution2dDescriptor",
+        ),
+        (
+            "set_convolutionnd_descriptor",
+            "cudnnSetConvolutionNdDescriptor",
+        ),
+        ("set_convolution_math_type", "cudnnSetConvolutionMathType"),
+        (
+            "set_convolution_group_count",
+            "cudnnSetConvolutionGroupCount",
+        ),
+        (
+            "destroy_convolution_descriptor",
+            "cudnnDestroyConvolutionDescriptor",
+        ),
+        (
+            "get_convolution_forward_workspace_size",
+            "cudnnGetConvolutionForwardWorkspaceSize",
+        ),
+        (
+            "get_convolution_backward_data_workspace_size",
+            "cudnnGetConvolutionBackwardDataWorkspaceSize",
+        ),
+        (
+            "get_convolution_backward_filter_workspace_size",
+            "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+        ),
+        ("convolution_forward", "cudnnConvolutionForward"),
+        ("convolution_backward_data", "cudnnConvolutionBackwardData"),
+        (
+            "convolution_backward_filter",
+            "cudnnConvolutionBackwardFilter",
+        ),
+    ];
+
+    /// `source` with comments and string and character literals blanked out (so that names in
+    /// docs, error messages and the symbol lists themselves are not mistaken for calls).
+    fn code_only(source: &str) -> String {
+        let chars: Vec<char> = source.chars().collect();
+        let mut out = String::with_capacity(source.len());
+        let mut i = 0;
+        let ident = |c: char| c.is_alphanumeric() || c == '_';
+        while i < chars.len() {
+            let c = chars[i];
+            let next = chars.get(i + 1).copied();
+            let after_ident = i > 0 && ident(chars[i - 1]);
+            if c == '/' && next == Some('/') {
+                while i < chars.len() && chars[i] != '\n' {
+                    i += 1;
+                }
+            } else if c == '/' && next == Some('*') {
+                let mut depth = 0;
+                while i < chars.len() {
+                    if chars[i] == '/' && chars.get(i + 1) == Some(&'*') {
+                        depth += 1;
+                        i += 2;
+                    } else if chars[i] == '*' && chars.get(i + 1) == Some(&'/') {
+                        depth -= 1;
+                        i += 2;
+                        if depth == 0 {
+                            break;
+                        }
+                    } else {
+                        i += 1;
+                    }
+                }
+                out.push(' ');
+            } else if c == 'r' && !after_ident && matches!(next, Some('"' | '#')) {
+                // A raw string r"..." or r#"..."#.
+                let mut j = i + 1;
+                while chars.get(j) == Some(&'#') {
+                    j += 1;
+                }
+                if chars.get(j) != Some(&'"') {
+                    out.push(c);
+                    i += 1;
+                    continue;
+                }
+                let hashes = j - i - 1;
+                i = j + 1;
+                while i < chars.len() {
+                    if chars[i] == '"' && (1..=hashes).all(|h| chars.get(i + h) == Some(&'#')) {
+                        i += 1 + hashes;
+                        break;
+                    }
+                    i += 1;
+                }
+                out.push_str("\"\"");
+            } else if c == '"' {
+                i += 1;
+                while i < chars.len() && chars[i] != '"' {
+                    i += if chars[i] == '\\' { 2 } else { 1 };
+                }
+                i += 1;
+                out.push_str("\"\"");
+            } else if c == '\'' && (next == Some('\\') || chars.get(i + 2) == Some(&'\'')) {
+                // A character literal (not a lifetime).
+                i += 1;
+                while i < chars.len() && chars[i] != '\'' {
+                    i += if chars[i] == '\\' { 2 } else { 1 };
+                }
+                i += 1;
+                out.push_str("' '");
+            } else {
+                out.push(c);
+                i += 1;
+            }
+        }
+        out
+    }
+
+    /// The cuDNN functions `source` calls: `cudnnXxx` names in code (cuDNN's functions are
+    /// camel case; its types end in `_t`), and calls of cudarc's `cudnn::result` wrappers
+    /// (through an alias `use cudarc::cudnn::{result as ...}` or the full path), mapped with
+    /// [`RESULT_SYMBOLS`]; a wrapper without an entry comes back as `result::<name>`.
+    fn cudnn_calls(source: &str) -> BTreeSet<String> {
+        let code = code_only(source);
+        let words: Vec<(usize, &str)> = code
+            .match_indices(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .scan(0, |start, (at, sep)| {
+                let word = (*start, &code[*start..at]);
+                *start = at + sep.len();
+                Some(word)
+            })
+            .filter(|(_, w)| !w.is_empty())
+            .collect();
+        let mut calls = BTreeSet::new();
+        for &(_, word) in &words {
+            if let Some(rest) = word.strip_prefix("cudnn") {
+                if rest.starts_with(|c: char| c.is_ascii_uppercase()) && !rest.contains('_') {
+                    calls.insert(word.to_string());
+                }
+            }
+        }
+        // The names `cudarc::cudnn::result` goes by in this file: `result` right after
+        // `cudnn` (`cudnn::result::f`, `cudnn::result as x`, `cudnn::{result as x, ..}`), and
+        // its `as` aliases. (`driver::result` is not cuDNN.)
+        let of_cudnn = |i: usize| {
+            let before = words[..i].iter().rev().map(|&(_, w)| w);
+            let owner = before
+                .take(8)
+                .find(|w| matches!(*w, "cudnn" | "driver" | "use"));
+            words[i].1 == "result" && owner == Some("cudnn")
+        };
+        let mut aliases = Vec::new();
+        for i in 0..words.len().saturating_sub(2) {
+            if of_cudnn(i) && words[i + 1].1 == "as" {
+                aliases.push(words[i + 2].1);
+            }
+        }
+        for i in 0..words.len().saturating_sub(1) {
+            let ((at, path), (_, name)) = (words[i], words[i + 1]);
+            let via_result = (of_cudnn(i) || aliases.contains(&path))
+                && code[at + path.len()..].starts_with("::")
+                && name.starts_with(|c: char| c.is_ascii_lowercase());
+            if via_result {
+                match RESULT_SYMBOLS.iter().find(|(wrapper, _)| *wrapper == name) {
+                    Some((_, symbol)) => calls.insert(symbol.to_string()),
+                    None => calls.insert(format!("result::{name}")),
+                };
+            }
+        }
+        calls
+    }
+
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    /// What the files call that the lists lack, as `file: name`.
+    fn missing(files: &[(String, String)]) -> Vec<String> {
+        let listed: BTreeSet<&str> = CUDNN_SYMBOLS.iter().chain(GRAPH_SYMBOLS).copied().collect();
+        let mut missing = Vec::new();
+        for (file, source) in files {
+            for call in cudnn_calls(source) {
+                if !listed.contains(call.as_str()) {
+                    missing.push(format!("{file}: {call}"));
+                }
+            }
+        }
+        missing
+    }
+
+    #[test]
+    fn the_gate_checks_every_cudnn_function_the_wall_calls() {
+        let wall = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cudnn");
+        let mut paths = Vec::new();
+        rust_files(&wall, &mut paths);
+        paths.sort();
+        assert!(paths.len() > 5, "found only {paths:?} under {wall:?}");
+        let files: Vec<(String, String)> = paths
+            .iter()
+            .map(|p| (p.display().to_string(), std::fs::read_to_string(p).unwrap()))
+            .collect();
+        // The scan sees the calls it must see (a scan that finds nothing would pass vacuously).
+        let seen: BTreeSet<String> = files.iter().flat_map(|(_, s)| cudnn_calls(s)).collect();
+        for expected in [
+            "cudnnCreate",
+            "cudnnBackendExecute",
+            "cudnnGetConvolutionNdDescriptor",
+        ] {
+            assert!(seen.contains(expected), "{expected} not found in {seen:?}");
+        }
+        let missing = missing(&files);
+        assert!(
+            missing.is_empty(),
+            "cuDNN functions the wall calls but the gate does not check (add them to \
+             CUDNN_SYMBOLS in ffi.rs or GRAPH_SYMBOLS in ffi/graph.rs): {missing:?}"
+        );
+    }
+
+    /// The check fails for a call the lists lack, whichever way it is made, and ignores names
+    /// in comments and strings.
+    #[test]
+    fn an_unlisted_call_is_reported() {
+        let source = r#"
+            use cudarc::cudnn::{result as dnn, sys as dnn_sys};
+            use cudarc::driver::{result as drv, sys as drv_sys};
+            // dnn_sys::cudnnInComment(x)
+            /* cudnnInBlock() */
+            fn f() {
+                let _ = "cudnnInString()";
+                unsafe { dnn_sys::cudnnGetReductionWorkspaceSize(a, b) };
+                let p = dnn_sys::cudnnGraphVersionCheck;
+                dnn::create_handle();
+                dnn::reduce_tensor(h);
+                drv::init();
+                cudarc::driver::result::device::get(0);
+                cudarc::cudnn::result::destroy_handle(h);
+                let _: dnn_sys::cudnnStatus_t = todo!();
+            }
+        "#;
+        let calls = cudnn_calls(source);
+        let expected = [
+            "cudnnCreate",
+            "cudnnDestroy",
+            "cudnnGetReductionWorkspaceSize",
+            "cudnnGraphVersionCheck",
+            "result::reduce_tensor",
+        ];
+        assert_eq!(calls, expected.iter().map(|s| s.to_string()).collect());
+        let missing = missing(&[("f.rs".to_string(), source.to_string())]);
+        assert_eq!(
+            missing,
+            [
+                "f.rs: cudnnGetReductionWorkspaceSize",
+                "f.rs: result::reduce_tensor"
+            ]
+        );
+    }
+}

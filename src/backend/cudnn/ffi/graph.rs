@@ -69,7 +69,7 @@ use dnn_sys::cudnnBackendAttributeType_t as AttrType;
 use dnn_sys::cudnnBackendDescriptorType_t as Kind;
 
 /// Every graph-API symbol this module calls.
-const GRAPH_SYMBOLS: &[&str] = &[
+pub(super) const GRAPH_SYMBOLS: &[&str] = &[
     "cudnnBackendCreateDescriptor",
     "cudnnBackendDestroyDescriptor",
     "cudnnBackendSetAttribute",
