@@ -846,7 +846,7 @@ fn wan_vae_decoder(
                 c,
                 [frames + 2, hw[0], hw[1]],
                 Filters3d {
-                    k: k,
+                    k,
                     taps: [3, kernel_hw, kernel_hw],
                     stride: [1; 3],
                     pad: [0, pad, pad],
