@@ -36,7 +36,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +47,36 @@ from .._tuner import BACKWARD_DATA, BACKWARD_FILTER, FORWARD, PreparedSet, Setti
 
 DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-#: Everything that defines a prepared plan set: (device type, device index, dtype, layout,
-#: input shape, weight shape, stride, padding, dilation, groups, math mode, deterministic).
-PlanKey = Tuple[Any, ...]
-#: Kept as a name for :func:`mucudnn.torch.tune`'s grouping.
-ShapeKey = PlanKey
+class PlanKey(NamedTuple):
+    """Everything that defines a prepared plan set (:func:`plan_key`). A tuple of plain values
+    (equal to, and hashing as, the tuple of its fields in this order), so it keys dicts and
+    caches across layers and threads."""
+
+    #: ``"cuda"``, ``"cpu"`` or ``"meta"``.
+    device_type: str
+    #: The CUDA device's index; -1 off CUDA.
+    device_index: int
+    dtype: torch.dtype
+    #: mucudnn's layout name (``nchw``, ``nhwc``, ``ncdhw``, ``ndhwc``).
+    layout: str
+    #: The convolution problem's input shape (for a transposed layer its output).
+    input_shape: Tuple[int, ...]
+    weight_shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    padding: Tuple[int, ...]
+    dilation: Tuple[int, ...]
+    groups: int
+    #: cuDNN's math mode: ``"fma"`` (fp32 with TF32 off) or ``"default"``.
+    math: str
+    #: Only deterministic candidates (PyTorch's determinism switches).
+    deterministic: bool
+
+    @property
+    def device(self) -> str:
+        """The device in words: ``cuda:0``, ``cpu``."""
+        if self.device_index < 0:
+            return self.device_type
+        return f"{self.device_type}:{self.device_index}"
 
 
 #: Spatial dims -> (PyTorch's channels-last memory format, the layout names of mucudnn).
@@ -293,9 +318,9 @@ class Plans(Mapping):
 def output_shape_of(key: PlanKey) -> Tuple[int, ...]:
     """The convolution problem's output shape ``(n, k, *spatial)`` of a plan key (remembered
     per key: every forward asks)."""
-    x_shape, w_shape = key[4], key[5]
+    x_shape, w_shape = key.input_shape, key.weight_shape
     return (x_shape[0], w_shape[0]) + output_size(
-        x_shape[2:], w_shape[2:], key[6], key[7], key[8]
+        x_shape[2:], w_shape[2:], key.stride, key.padding, key.dilation
     )
 
 
@@ -308,7 +333,6 @@ def report_of(
     """The report of ``key``'s plans in ``result``; with ``earlier`` (the report of the ops the
     key had before, e.g. the forward's when a backward tunes the others) the two are merged:
     every op's row, the tuning times and counts summed."""
-    device_type, index, dtype, layout, shape = key[:5]
     ops: Dict[str, Dict[str, Any]] = {}
     if earlier is not None and earlier.fallback is None:
         ops.update(earlier.ops)
@@ -324,18 +348,18 @@ def report_of(
         }
     ops = {op: ops[op] for op in OP_NAMES if op in ops}
     report = PlanReport(
-        shape=shape,
-        dtype=DTYPES[dtype],
-        layout=layout,
-        device=device_type if index < 0 else f"{device_type}:{index}",
+        shape=key.input_shape,
+        dtype=DTYPES[key.dtype],
+        layout=key.layout,
+        device=key.device,
         ops=ops,
         tuning_seconds=seconds,
         cached=int(result.get("cached", 0)),
         measured=int(result.get("measured", 0)),
-        weight_shape=key[5],
+        weight_shape=key.weight_shape,
         output_shape=output_shape_of(key),
-        math=key[10],
-        deterministic=key[11],
+        math=key.math,
+        deterministic=key.deterministic,
         skipped=int(result.get("skipped", 0)),
         peak_measuring_memory_bytes=int(result.get("peak_measuring_memory_bytes", 0)),
         same_as=result.get("same_as"),
@@ -376,14 +400,14 @@ class Ready:
         names = prepared.ops
         #: Per op number: whether the set holds its plan.
         self.has = tuple(name in names for name in OP_NAMES)
-        x_shape, w_shape, y_shape = key[4], key[5], output_shape_of(key)
-        itemsize = key[2].itemsize
+        x_shape, w_shape, y_shape = key.input_shape, key.weight_shape, output_shape_of(key)
+        itemsize = key.dtype.itemsize
         self.extents = [
             _tuner.operand_extents(op, x_shape, w_shape, y_shape, itemsize)
             for op in (FORWARD, BACKWARD_DATA, BACKWARD_FILTER)
         ]
         self.host_workspace: Optional[torch.Tensor] = None
-        if key[0] == "cpu" and max(prepared.workspace) > 0:
+        if key.device_type == "cpu" and max(prepared.workspace) > 0:
             self.host_workspace = torch.empty(max(prepared.workspace), dtype=torch.uint8)
         self.key = key
         self.guard = threading.Lock()
@@ -451,7 +475,7 @@ class LayerConfig:
         self.announced: set = set()
 
     def settings_for(self, key: PlanKey) -> Settings:
-        return self.deterministic_settings if key[11] else self.settings
+        return self.deterministic_settings if key.deterministic else self.settings
 
     def release(self) -> None:
         with self.lock:
@@ -464,7 +488,7 @@ class LayerConfig:
         """Prepares plans tuned elsewhere (or just now) for ``key``: ``result``'s plans, and
         those of the other ops ``key`` had prepared before (one set holds every op tuned so
         far; ``result``'s replace the earlier plans of its ops)."""
-        tuner = tuner_for(key[0], key[1], self.cache, self.verbose)
+        tuner = tuner_for(key.device_type, key.device_index, self.cache, self.verbose)
         earlier = self.prepared.get(key)
         plans = list(result["plans"])
         earlier_report = None
@@ -624,7 +648,7 @@ def plan_key(
         _cudnn_flags.deterministic or torch.are_deterministic_algorithms_enabled()
     )
     shape = tuple(x.shape if x_shape is None else (int(v) for v in x_shape))
-    return (
+    return PlanKey(
         device_type, index, dtype, layout or layout_of(x), shape, tuple(weight_shape),
         tuple(stride), tuple(padding), tuple(dilation), groups, math, deterministic,
     )
@@ -688,13 +712,14 @@ def checked_key(
 
 def problem_of(key: PlanKey) -> Dict[str, Any]:
     """The C ABI's problem (JSON object) of a plan key, 2-D or 3-D (depth fields)."""
-    x_shape, w_shape = key[4], key[5]
+    x_shape, w_shape = key.input_shape, key.weight_shape
     n, c, h, w = x_shape[0], x_shape[1], x_shape[-2], x_shape[-1]
     k, r, s = w_shape[0], w_shape[-2], w_shape[-1]
     depth = {} if len(x_shape) == 4 else {"d": x_shape[2], "t": w_shape[2]}
     return _tuner.problem(
-        n=n, c=c, h=h, w=w, k=k, r=r, s=s, stride=key[6], padding=key[7], dilation=key[8],
-        groups=key[9], dtype=DTYPES[key[2]], layout=key[3], math=key[10], **depth,
+        n=n, c=c, h=h, w=w, k=k, r=r, s=s, stride=key.stride, padding=key.padding,
+        dilation=key.dilation, groups=key.groups, dtype=DTYPES[key.dtype], layout=key.layout,
+        math=key.math, **depth,
     )
 
 
@@ -718,8 +743,10 @@ def plans_for(
     missing = [op for op in ops if earlier is _MISSING or not earlier.has[op]]
     if not missing:
         return earlier
-    device_type, index = key[0], key[1]
-    shape = key[4]
+    # A key may come as the plain tuple of its fields (equal to the PlanKey): read it by name.
+    key = PlanKey._make(key)
+    device_type, index = key.device_type, key.device_index
+    shape = key.input_shape
     if device_type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             what = (
@@ -785,7 +812,7 @@ def quiet() -> bool:
 def _announce_lazy(config: LayerConfig, key: PlanKey, seconds: float) -> None:
     """One line on stderr per new input shape a layer tunes on first use (not under
     :func:`mucudnn.torch.tune`, which prints its own), unless :func:`quiet`."""
-    shape = key[4]
+    shape = key.input_shape
     if quiet() or shape in config.announced:
         return
     config.announced.add(shape)
@@ -793,7 +820,7 @@ def _announce_lazy(config: LayerConfig, key: PlanKey, seconds: float) -> None:
     source = f", {report.source}" if report is not None and report.fallback is None else ""
     print(
         f"mucudnn: {config.name}: tuned input shape {'x'.join(map(str, shape))} "
-        f"({DTYPES[key[2]]} {key[3]}) on first use in {seconds:.2f} s{source}; call "
+        f"({DTYPES[key.dtype]} {key.layout}) on first use in {seconds:.2f} s{source}; call "
         "mucudnn.torch.tune(model, example_inputs) ahead of training to tune before the first "
         "step (MUCUDNN_QUIET=1 silences this)",
         file=sys.stderr,
@@ -832,18 +859,17 @@ def adopt_or_fall_back(
 
 def fall_back(config: LayerConfig, key: PlanKey, reason: str, seconds: float) -> None:
     """Leaves ``key`` to PyTorch's convolution, saying so once on stderr."""
-    device_type, index, dtype, layout, shape = key[:5]
     with config.lock:
         config.prepared[key] = None
         config.reports[key] = PlanReport(
-            shape=shape, dtype=DTYPES[dtype], layout=layout,
-            device=device_type if index < 0 else f"{device_type}:{index}", ops={},
-            tuning_seconds=seconds, cached=0, measured=0, fallback=reason,
-            weight_shape=key[5], output_shape=output_shape_of(key), math=key[10],
-            deterministic=key[11],
+            shape=key.input_shape, dtype=DTYPES[key.dtype], layout=key.layout,
+            device=key.device, ops={}, tuning_seconds=seconds, cached=0, measured=0,
+            fallback=reason, weight_shape=key.weight_shape, output_shape=output_shape_of(key),
+            math=key.math, deterministic=key.deterministic,
         )
     print(
-        f"mucudnn: warning: {config.name}: input shape {shape} ({DTYPES[dtype]} {layout}) runs "
+        f"mucudnn: warning: {config.name}: input shape {key.input_shape} "
+        f"({DTYPES[key.dtype]} {key.layout}) runs "
         f"PyTorch's convolution: {reason}",
         file=sys.stderr,
     )
@@ -866,8 +892,8 @@ def run(
         newer = config.prepared.get(ready.key)
         if newer is None or newer is ready:
             raise RuntimeError(
-                f"{config.name}: the plans of input shape {ready.key[4]} were released while "
-                "a call was on its way to them"
+                f"{config.name}: the plans of input shape {ready.key.input_shape} were released "
+                "while a call was on its way to them"
             )
         ready = newer
     try:
@@ -1252,7 +1278,7 @@ def transposed_forward(
         return _CONV_TRANSPOSE[spatial](
             x, weight, bias, stride, padding, output_padding, groups, dilation
         )
-    y = torch.empty(key[4], dtype=x.dtype, device=x.device, memory_format=fmt)
+    y = torch.empty(key.input_shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     given = (x, weight)
     if y.numel() > 0 and (x.numel() == 0 or weight.numel() == 0):
         y.zero_()  # no input channels or an empty batch: nothing to sum

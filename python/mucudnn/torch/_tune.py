@@ -186,21 +186,23 @@ def tune(
     seen = _discover(model, example_inputs, example_kwargs)
     rank, world = _rank_info()
     # Distinct (layer config, input shape) pairs, in model order.
-    entries: List[Tuple[Conv, _runtime.ShapeKey, Dict[str, Any]]] = []
+    entries: List[Tuple[Conv, _runtime.PlanKey, Dict[str, Any]]] = []
     keys = set()
     for layer, key in seen:
-        if (layer._mucudnn_config, key) in keys or key[2] not in _runtime.DTYPES:
+        if (layer._mucudnn_config, key) in keys or key.dtype not in _runtime.DTYPES:
             continue  # seen already, or float64 (PyTorch's convolution)
-        if 0 in key[4] or 0 in key[5]:
+        if 0 in key.input_shape or 0 in key.weight_shape:
             continue  # nothing to tune: an empty convolution
         keys.add((layer._mucudnn_config, key))
         entries.append((layer, key, _runtime.problem_of(key)))
     # Group by (device, cache, settings): one tuner and one dealing per group.
-    groups: Dict[Tuple[Any, ...], List[Tuple[Conv, _runtime.ShapeKey, Dict[str, Any]]]] = {}
+    groups: Dict[Tuple[Any, ...], List[Tuple[Conv, _runtime.PlanKey, Dict[str, Any]]]] = {}
     for layer, key, problem in entries:
         config = layer._mucudnn
         cache_key = "default" if config.cache is None else str(config.cache)
-        group_key = (key[0], key[1], cache_key, _layer_settings(layer, key, ops))
+        group_key = (
+            key.device_type, key.device_index, cache_key, _layer_settings(layer, key, ops)
+        )
         groups.setdefault(group_key, []).append((layer, key, problem))
     summary = TuneSummary(
         layers=len({id(layer) for layer, _, _ in entries}),
