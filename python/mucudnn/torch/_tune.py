@@ -132,7 +132,8 @@ def _all_gather(value: Any) -> List[Any]:
 def _task_id(task: Dict[str, Any]) -> str:
     import json
 
-    # A chunk's rows and a micro-batch of the same size are different tasks (issue 24).
+    # A chunk's rows and a micro-batch of the same size are different tasks (measured apart:
+    # one splits a spatial dimension, the other the batch), so the split is part of the id.
     return json.dumps(
         [task["problem"], task["op"], task.get("split", "batch"), task["micro"], task["kind"]],
         sort_keys=True,
