@@ -175,7 +175,7 @@ def signature(
     grad_output: Optional[torch.Tensor] = None,
     output_padding: Optional[Sequence[int]] = None,
 ) -> Tuple[Any, ...]:
-    """Everything :func:`check_operands` and :func:`plan_key` read from one call, as a
+    """Everything :func:`._checks.check_operands` and :func:`plan_key` read from one call, as a
     hashable tuple: shapes, dtypes and devices of every operand, the input's memory format,
     the geometry (a transposed call's ``output_padding`` too) and PyTorch's switches. Equal
     signatures pass the same checks and run the same plans, so both are decided once per
@@ -217,7 +217,8 @@ def problem_of(key: PlanKey) -> Dict[str, Any]:
 
 @dataclass
 class Discovery:
-    """Records, while active, the inputs each converted layer sees (for :func:`tune`)."""
+    """Records, while active, the inputs each converted layer sees (for
+    :func:`mucudnn.torch.tune`)."""
 
     #: (layer, plan key) per call, in model order.
     seen: List[Tuple[Any, PlanKey]] = field(default_factory=list)

@@ -6,7 +6,7 @@ settings, cache, ``verbose`` and ``fallback`` (:func:`config_text`). It is a pla
 means the same thing in every process, so a traced, exported or compiled graph runs anywhere:
 the process-wide table :data:`_configs` finds (or makes) the configuration by that string, and
 the configuration finds its prepared plans by the full problem read from the tensors and the
-geometry at each call (:func:`mucudnn.torch._keys.plan_key`).
+geometry at each call (:func:`._keys.plan_key`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Ready:
     Threads share a layer's sets: a call may hold one that another thread has just replaced
     (:meth:`LayerConfig.adopt`) or that the layer's collection is dropping. So a set counts
     the calls running it, and a retired set is released by the last of them, never under a
-    call: :func:`run` enters it or takes the set that replaced it."""
+    call: :func:`._runtime.run` enters it or takes the set that replaced it."""
 
     __slots__ = (
         "prepared", "tuner", "id", "workspace", "extents", "host_workspace", "has", "key",
@@ -99,7 +99,7 @@ class Ready:
 
 class LayerConfig:
     """A layer's name, tuning settings and cache, and its prepared plan sets by problem
-    (:func:`plan_key`). Found by its :func:`config_text` in the process-wide table."""
+    (:func:`._keys.plan_key`). Found by its :func:`config_text` in the process-wide table."""
 
     def __init__(
         self, name: str, settings: Settings, cache: Any, verbose: bool, fallback: bool = True
@@ -112,8 +112,9 @@ class LayerConfig:
         self.fallback = fallback
         self.prepared: Dict[PlanKey, Optional[Ready]] = {}
         self.reports: Dict[PlanKey, PlanReport] = {}
-        #: Call signatures (:func:`signature`) whose operands passed :func:`check_operands`,
-        #: and their plan keys: a call seen before needs one tuple and two dict lookups.
+        #: Call signatures (:func:`._keys.signature`) whose operands passed the checks
+        #: (:func:`._checks.check_operands`), and their plan keys: a call seen before needs
+        #: one tuple and two dict lookups.
         self.checked: Dict[Tuple[Any, ...], PlanKey] = {}
         self.lock = threading.Lock()
         self.owners = 0
