@@ -52,7 +52,7 @@ from ._ops import (
     conv_transpose3d,
 )
 from ._dispatch import disable, enable, enabled, is_enabled
-from ._runtime import PlanReport, Plans
+from ._reports import PlanReport, Plans
 from ._tune import TuneSummary, tune
 
 __all__ = [

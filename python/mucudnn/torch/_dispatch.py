@@ -26,6 +26,7 @@ errors are PyTorch's. Inside the mode's handler the mode is popped, so the fallb
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import _ops, _runtime
+from . import _keys, _ops, _registry
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -66,7 +67,7 @@ def _runs_here(x: Any, weight: Any, bias: Any) -> bool:
         return False
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.device != x.device):
         return False
-    if x.dtype not in _runtime.DTYPES or weight.dtype not in _runtime.DTYPES:
+    if x.dtype not in _keys.DTYPES or weight.dtype not in _keys.DTYPES:
         return False
     if x.dtype is not weight.dtype or (bias is not None and bias.dtype is not x.dtype):
         # PyTorch's error outside autocast; the op's autocast kernel casts inside.
@@ -120,7 +121,7 @@ def convolution(
             return None  # PyTorch's error ("same" with a stride)
     else:
         pads = _tuple(padding, spatial)
-    out = _runtime.output_size(x.shape[2:], kernel, stride, pads, dilation)
+    out = _keys.output_size(x.shape[2:], kernel, stride, pads, dilation)
     if any(v <= 0 for v in out) or len(stride) != spatial or len(pads) != spatial:
         return None
     if spatial == 1:
@@ -131,9 +132,9 @@ def convolution(
         xs, ws = x, weight
         ops = _ops.OPS[spatial]
     if layer is not None and not torch.compiler.is_compiling():
-        discovery = _runtime.active_discovery()
+        discovery = _keys.active_discovery()
         if discovery is not None:
-            key = _runtime.plan_key(xs.detach(), ws.shape, stride, pads, dilation, groups)
+            key = _keys.plan_key(xs.detach(), ws.shape, stride, pads, dilation, groups)
             discovery.seen.append((layer, key))
             return None
     y = _backward_hint(
@@ -177,7 +178,7 @@ def conv_transpose(
     dilation = _tuple(dilation, spatial)
     if any(op >= st for op, st in zip(output_padding, stride)):
         return None
-    out = _runtime.transposed_size(
+    out = _keys.transposed_size(
         x.shape[2:], weight.shape[2:], stride, pads, output_padding, dilation
     )
     if any(v <= 0 for v in out):
@@ -192,13 +193,13 @@ def conv_transpose(
         ops = _ops.OPS[spatial]
     st, pa, op, di = geometry
     if layer is not None and not torch.compiler.is_compiling():
-        discovery = _runtime.active_discovery()
+        discovery = _keys.active_discovery()
         if discovery is not None:
-            y_shape = (xs.shape[0], ws.shape[1] * groups) + _runtime.transposed_size(
+            y_shape = (xs.shape[0], ws.shape[1] * groups) + _keys.transposed_size(
                 xs.shape[2:], ws.shape[2:], st, pa, op, di
             )
-            key = _runtime.plan_key(
-                xs.detach(), ws.shape, st, pa, di, groups, _runtime.layout_of(xs), y_shape
+            key = _keys.plan_key(
+                xs.detach(), ws.shape, st, pa, di, groups, _keys.layout_of(xs), y_shape
             )
             discovery.seen.append((layer, key))
             return None
@@ -281,7 +282,7 @@ class ConvMode(TorchFunctionMode):
 
             marker = "\x00name\x00"
             text = layer_config_text(marker, options or {})
-            start, end = text.split(_runtime.json.dumps(marker))
+            start, end = text.split(json.dumps(marker))
             self._template = (start + '"', '"' + end)
         #: Runs with this mode: how many convolutions went to mucudnn's ops (for tests).
         self.calls = 0
@@ -341,7 +342,7 @@ class ConvMode(TorchFunctionMode):
             ):
                 return None
             st, pa, di = _tuple(stride, spatial), _tuple(padding, spatial), _tuple(dilation, spatial)
-            out = _runtime.output_size(x.shape[2:], weight.shape[2:], st, pa, di)
+            out = _keys.output_size(x.shape[2:], weight.shape[2:], st, pa, di)
             if any(v <= 0 for v in out) or len(st) != spatial or len(pa) != spatial:
                 return None
             config = self._config(spatial, False, weight, list(args))
@@ -474,7 +475,7 @@ def _pop(mode: ConvMode) -> None:
             f"and is still active; leave it first ({e})"
         ) from None
     for text in mode.texts.values():
-        config = _runtime._configs.get(text)
+        config = _registry._configs.get(text)
         if config is not None and config.owners == 0:
             config.release()
 

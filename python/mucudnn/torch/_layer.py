@@ -19,7 +19,7 @@ from torch import nn
 from .. import _lib
 from .._lib import MucudnnError
 from .._tuner import SPLITS, Settings
-from . import _ops, _runtime
+from . import _keys, _ops, _registry, _reports
 
 
 def parse_size(value: Union[int, str, None]) -> Optional[int]:
@@ -86,7 +86,7 @@ LAYER_OPTIONS: Dict[str, Any] = dict(
 
 
 def layer_config_text(name: str, options: Dict[str, Any], label: Optional[str] = None) -> str:
-    """The configuration string (``_runtime.config_text``) of a layer named ``name`` with the
+    """The configuration string (``_registry.config_text``) of a layer named ``name`` with the
     keyword-only ``options`` (others at their defaults). A bad option is a ``TypeError`` or
     ``ValueError`` naming ``label`` (default: ``name``)."""
     label = label or name
@@ -101,7 +101,7 @@ def layer_config_text(name: str, options: Dict[str, Any], label: Optional[str] =
         )
     except (TypeError, ValueError) as e:
         raise type(e)(f"{label}: {e}") from None
-    return _runtime.config_text(name, settings, o["cache"], o["verbose"], o["fallback"])
+    return _registry.config_text(name, settings, o["cache"], o["verbose"], o["fallback"])
 
 
 def check_split(split: Any) -> None:
@@ -197,12 +197,12 @@ class _MucudnnConv:
             ),
             label,
         )
-        _runtime.retain(self._mucudnn_config, self)
+        _registry.retain(self._mucudnn_config, self)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # pickle, copy.deepcopy, torch.load: the runtime state is rebuilt on first use.
         super().__setstate__(state)  # type: ignore[misc]
-        _runtime.retain(self._mucudnn_config, self)
+        _registry.retain(self._mucudnn_config, self)
 
     def __prepare_scriptable__(self):
         raise RuntimeError(
@@ -212,9 +212,9 @@ class _MucudnnConv:
         )
 
     @property
-    def _mucudnn(self) -> "_runtime.LayerConfig":
+    def _mucudnn(self) -> "_registry.LayerConfig":
         """This layer's configuration in the runtime (its prepared plans and reports)."""
-        return _runtime.config_for(self._mucudnn_config)
+        return _registry.config_for(self._mucudnn_config)
 
     @classmethod
     def from_conv(cls, conv: nn.Module, **options: Any):
@@ -244,13 +244,13 @@ class _MucudnnConv:
     def mucudnn_name(self) -> str:
         return self._mucudnn.name
 
-    def _layer_shape(self, report: "_runtime.PlanReport") -> Tuple[int, ...]:
+    def _layer_shape(self, report: "_reports.PlanReport") -> Tuple[int, ...]:
         """The input shape of this layer that a report's convolution problem serves."""
         shape = report.output_shape if self.transposed else report.shape
         return _runtime_shape_to_layer(shape, self.spatial)
 
     @property
-    def plans(self) -> "_runtime.Plans":
+    def plans(self) -> "_reports.Plans":
         """Per input shape tuned so far (this layer's input: ``(n, c, h, w)`` for a Conv2d,
         ``(n, c, l)`` for 1-D, ``(n, c, d, h, w)`` for 3-D layers), a mapping to
         :class:`PlanReport`: each op's split, candidates, predicted time and workspace, where
@@ -260,7 +260,7 @@ class _MucudnnConv:
         transposed layer's reports are its convolution problem's (its forward runs
         ``bwd_data``, its input gradient ``fwd``)."""
         config = self._mucudnn
-        return _runtime.Plans(
+        return _reports.Plans(
             config.name,
             {self._layer_shape(report): report for report in list(config.reports.values())},
         )
@@ -345,7 +345,7 @@ class _Conv(_MucudnnConv):
         stride = _tuple(self.stride, spatial)
         dilation = _tuple(self.dilation, spatial)
         kernel = tuple(weight.shape[2:])
-        out = _runtime.output_size(x.shape[2:], kernel, stride, padding, dilation)
+        out = _keys.output_size(x.shape[2:], kernel, stride, padding, dilation)
         if any(v <= 0 for v in out):
             raise ValueError(
                 f"{self.mucudnn_name}: input {tuple(input.shape)} is too small for kernel "
@@ -361,13 +361,13 @@ class _Conv(_MucudnnConv):
         else:
             args = (x, weight, stride, padding, dilation)
             ops = _ops.OPS[spatial]
-        discovery = _runtime.active_discovery()
+        discovery = _keys.active_discovery()
         if weight.shape[1] == 0:
             # No input channels: whatever the nn layer returns (an empty tensor in PyTorch 2.x).
             y = torch_conv(x, weight, self.bias, stride, padding, dilation, groups)
         elif discovery is not None:
             xs, ws, st, pa, di = args
-            key = _runtime.plan_key(xs.detach(), ws.shape, st, pa, di, groups)
+            key = _keys.plan_key(xs.detach(), ws.shape, st, pa, di, groups)
             discovery.seen.append((self, key))
             y = torch_conv(x, weight, self.bias, stride, padding, dilation, groups)
         else:
@@ -405,7 +405,7 @@ class _ConvTranspose(_MucudnnConv):
                 list(dilation),
             )
         )
-        out = _runtime.transposed_size(
+        out = _keys.transposed_size(
             input.shape[2:], kernel, stride, padding, output_padding, dilation
         )
         if any(v <= 0 for v in out):
@@ -437,14 +437,14 @@ class _ConvTranspose(_MucudnnConv):
                 x, w = input, weight
                 geometry = (stride, padding, output_padding, dilation)
                 ops = _ops.OPS[spatial]
-            discovery = _runtime.active_discovery()
+            discovery = _keys.active_discovery()
             if discovery is not None:
                 st, pa, op, di = geometry
-                y_shape = (x.shape[0], w.shape[1] * groups) + _runtime.transposed_size(
+                y_shape = (x.shape[0], w.shape[1] * groups) + _keys.transposed_size(
                     x.shape[2:], w.shape[2:], st, pa, op, di
                 )
-                layout = _runtime.layout_of(x)
-                key = _runtime.plan_key(x.detach(), w.shape, st, pa, di, groups, layout, y_shape)
+                layout = _keys.layout_of(x)
+                key = _keys.plan_key(x.detach(), w.shape, st, pa, di, groups, layout, y_shape)
                 discovery.seen.append((self, key))
                 y = pytorch()
             else:
@@ -576,7 +576,7 @@ def _adopt(module: nn.Module, name: str, options: Dict[str, Any]) -> Optional[st
     except TypeError as e:
         return f"its class cannot be given a mucudnn forward: {e}"
     module._mucudnn_config = text
-    _runtime.retain(text, module)
+    _registry.retain(text, module)
     return None
 
 
@@ -586,7 +586,7 @@ def _reconfigure(module: "_MucudnnConv", options: Dict[str, Any]) -> None:
     text = layer_config_text(module.mucudnn_name, options)
     if text != module._mucudnn_config:
         module._mucudnn_config = text
-        _runtime.retain(text, module)
+        _registry.retain(text, module)
 
 
 def convert_(

@@ -12,7 +12,7 @@ height), from one code path:
   share that problem's plans.
 
 Every op takes the geometry as arguments and the layer's configuration last, as a string of
-plain values (``_runtime.config_text``: name, tuning settings, cache), so a graph that holds
+plain values (``_registry.config_text``: name, tuning settings, cache), so a graph that holds
 these ops means the same thing in every process. The backward ops take the forward input and
 the weight (one of them only for its shape) and are linear in the others, so their own
 gradients are the ops again: double backward works too. The fake (meta) implementations
@@ -29,13 +29,13 @@ import torch
 from torch import Tensor
 
 from .._tuner import BACKWARD_DATA, BACKWARD_FILTER
-from . import _autocast, _runtime
+from . import _autocast, _checks, _keys, _registry, _runtime
 
 
 def _empty_like_layout(input: Tensor, shape) -> Tensor:
     """An uninitialised tensor of ``shape`` with ``input``'s dtype, device and layout."""
     return torch.empty(
-        shape, dtype=input.dtype, device=input.device, memory_format=_runtime.memory_format(input)
+        shape, dtype=input.dtype, device=input.device, memory_format=_keys.memory_format(input)
     )
 
 
@@ -50,7 +50,7 @@ OPS: Dict[int, SimpleNamespace] = {}
 
 
 def _name_of(config: str) -> str:
-    return _runtime.config_for(config).name
+    return _registry.config_for(config).name
 
 
 def _reduced_dims(spatial: int):
@@ -91,7 +91,7 @@ def _register(spatial: int) -> SimpleNamespace:
     )
 
     def check(config, input, weight, bias, stride, padding, dilation, groups, grad_output=None):
-        _runtime.check_operands(
+        _checks.check_operands(
             _name_of(config), spatial, input, weight, bias, stride, padding, dilation, groups,
             grad_output=grad_output,
         )
@@ -99,7 +99,7 @@ def _register(spatial: int) -> SimpleNamespace:
     @torch.library.register_fake(conv_name)
     def _conv_fake(input, weight, bias, stride, padding, dilation, groups, config):
         check(config, input, weight, bias, stride, padding, dilation, groups)
-        out = _runtime.output_size(input.shape[2:], weight.shape[2:], stride, padding, dilation)
+        out = _keys.output_size(input.shape[2:], weight.shape[2:], stride, padding, dilation)
         return _empty_like_layout(input, (input.shape[0], weight.shape[0]) + out)
 
     @torch.library.register_fake(data_name)
@@ -118,7 +118,7 @@ def _register(spatial: int) -> SimpleNamespace:
     def _transpose_fake(
         input, weight, bias, stride, padding, output_padding, dilation, groups, config
     ):
-        shape = _runtime.check_transposed(
+        shape = _checks.check_transposed(
             _name_of(config), spatial, input, weight, bias, stride, padding, output_padding,
             dilation, groups,
         )
@@ -185,7 +185,7 @@ def _register(spatial: int) -> SimpleNamespace:
         input, weight = ctx.saved_tensors
         geometry = ctx.geometry
         # In the input's memory format, as the forward ran: the same problem, one plan set.
-        grad = grad.contiguous(memory_format=_runtime.memory_format(input))
+        grad = grad.contiguous(memory_format=_keys.memory_format(input))
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_input = ops.conv(grad, weight, None, *geometry)

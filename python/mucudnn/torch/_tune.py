@@ -34,7 +34,7 @@ from torch import nn
 
 from .._lib import MucudnnError
 from .._tuner import Settings
-from . import _runtime
+from . import _keys, _plans, _registry, _reports
 from ._layer import _MucudnnConv as Conv
 
 
@@ -88,7 +88,7 @@ class TuneSummary:
         if self.fallbacks:
             parts.append(f"{self.fallbacks} on PyTorch's convolution")
         if self.peak_measuring_memory_bytes is not None:
-            peak = _runtime.format_bytes(self.peak_measuring_memory_bytes)
+            peak = _reports.format_bytes(self.peak_measuring_memory_bytes)
             parts.append(f"peak measuring memory {peak}")
         return "tuned " + "; ".join(parts)
 
@@ -101,15 +101,15 @@ def _progress(message: str, verbose: bool) -> None:
 def _discover(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: Dict[str, Any]):
     """Runs the model once (eval mode, no grad, PyTorch's own convolutions) and records the
     input every converted layer sees."""
-    discovery = _runtime.Discovery()
+    discovery = _keys.Discovery()
     modes = {module: module.training for module in model.modules()}
-    _runtime.set_discovery(discovery)
+    _keys.set_discovery(discovery)
     try:
         model.eval()
         with torch.no_grad():
             model(*example_inputs, **example_kwargs)
     finally:
-        _runtime.set_discovery(None)
+        _keys.set_discovery(None)
         for module, training in modes.items():
             module.training = training
     return discovery.seen
@@ -132,7 +132,8 @@ def _all_gather(value: Any) -> List[Any]:
 def _task_id(task: Dict[str, Any]) -> str:
     import json
 
-    # A chunk's rows and a micro-batch of the same size are different tasks (issue 24).
+    # A chunk's rows and a micro-batch of the same size are different tasks (measured apart:
+    # one splits a spatial dimension, the other the batch), so the split is part of the id.
     return json.dumps(
         [task["problem"], task["op"], task.get("split", "batch"), task["micro"], task["kind"]],
         sort_keys=True,
@@ -186,21 +187,23 @@ def tune(
     seen = _discover(model, example_inputs, example_kwargs)
     rank, world = _rank_info()
     # Distinct (layer config, input shape) pairs, in model order.
-    entries: List[Tuple[Conv, _runtime.ShapeKey, Dict[str, Any]]] = []
+    entries: List[Tuple[Conv, _keys.PlanKey, Dict[str, Any]]] = []
     keys = set()
     for layer, key in seen:
-        if (layer._mucudnn_config, key) in keys or key[2] not in _runtime.DTYPES:
+        if (layer._mucudnn_config, key) in keys or key.dtype not in _keys.DTYPES:
             continue  # seen already, or float64 (PyTorch's convolution)
-        if 0 in key[4] or 0 in key[5]:
+        if 0 in key.input_shape or 0 in key.weight_shape:
             continue  # nothing to tune: an empty convolution
         keys.add((layer._mucudnn_config, key))
-        entries.append((layer, key, _runtime.problem_of(key)))
+        entries.append((layer, key, _keys.problem_of(key)))
     # Group by (device, cache, settings): one tuner and one dealing per group.
-    groups: Dict[Tuple[Any, ...], List[Tuple[Conv, _runtime.ShapeKey, Dict[str, Any]]]] = {}
+    groups: Dict[Tuple[Any, ...], List[Tuple[Conv, _keys.PlanKey, Dict[str, Any]]]] = {}
     for layer, key, problem in entries:
         config = layer._mucudnn
         cache_key = "default" if config.cache is None else str(config.cache)
-        group_key = (key[0], key[1], cache_key, _layer_settings(layer, key, ops))
+        group_key = (
+            key.device_type, key.device_index, cache_key, _layer_settings(layer, key, ops)
+        )
         groups.setdefault(group_key, []).append((layer, key, problem))
     summary = TuneSummary(
         layers=len({id(layer) for layer, _, _ in entries}),
@@ -221,7 +224,7 @@ def tune(
             )
     for (device_type, index, _, settings), members in ordered:
         config = members[0][0]._mucudnn
-        tuner = _runtime.tuner_for(device_type, index, config.cache, config.verbose)
+        tuner = _registry.tuner_for(device_type, index, config.cache, config.verbose)
         if device_type == "cuda":
             torch.cuda.synchronize(index)
         dealt = (0, 0)
@@ -250,7 +253,7 @@ def tune(
                 try:
                     result = tuner.tune(layer._mucudnn.name, problem, settings)
                 except MucudnnError as e:
-                    if not (layer._mucudnn.fallback and e.status in _runtime.FALLBACK_STATUSES):
+                    if not (layer._mucudnn.fallback and e.status in _plans.FALLBACK_STATUSES):
                         raise RuntimeError(f"{layer._mucudnn.name}: tuning failed: {e}") from e
                     result = {"plans": None, "cached": 0, "measured": 0, "fallback": str(e)}
                 first[key] = (layer._mucudnn.name, result)
@@ -289,9 +292,9 @@ def tune(
 
 def _adopt(layer: Conv, key, result, seconds: float, verbose: bool) -> None:
     if result["plans"] is None:
-        _runtime.fall_back(layer._mucudnn, key, result.get("fallback", "no plan"), seconds)
+        _plans.fall_back(layer._mucudnn, key, result.get("fallback", "no plan"), seconds)
         return
-    if _runtime.adopt_or_fall_back(layer._mucudnn, key, result, seconds) is None:
+    if _plans.adopt_or_fall_back(layer._mucudnn, key, result, seconds) is None:
         return
     report = layer._mucudnn.reports[key]
     shape = "x".join(map(str, layer._layer_shape(report)))
