@@ -243,12 +243,12 @@ impl CudnnBackend {
         op: ConvOp,
         micro: usize,
         first: usize,
-        run: impl FnOnce(
+        run: impl for<'v> FnOnce(
             &CudnnHandle,
-            &super::cudnn::DeviceView<'_>,
-            &super::cudnn::DeviceView<'_>,
-            &mut super::cudnn::DeviceViewMut<'_>,
-            &mut super::cudnn::WorkspaceView<'_>,
+            &super::cudnn::DeviceView<'v>,
+            &super::cudnn::DeviceView<'v>,
+            &mut super::cudnn::DeviceViewMut<'v>,
+            &mut super::cudnn::WorkspaceView<'v>,
         ) -> Result<R, CudnnError>,
     ) -> Result<R, CudnnError> {
         let full = self.operands.as_ref().expect("ensured").problem;
@@ -269,12 +269,12 @@ impl CudnnBackend {
         &mut self,
         op: ConvOp,
         [ra, rb, ro]: [(usize, usize); 3],
-        run: impl FnOnce(
+        run: impl for<'v> FnOnce(
             &CudnnHandle,
-            &super::cudnn::DeviceView<'_>,
-            &super::cudnn::DeviceView<'_>,
-            &mut super::cudnn::DeviceViewMut<'_>,
-            &mut super::cudnn::WorkspaceView<'_>,
+            &super::cudnn::DeviceView<'v>,
+            &super::cudnn::DeviceView<'v>,
+            &mut super::cudnn::DeviceViewMut<'v>,
+            &mut super::cudnn::WorkspaceView<'v>,
         ) -> Result<R, CudnnError>,
     ) -> Result<R, CudnnError> {
         let handle = &self.handle;
@@ -410,12 +410,12 @@ impl CudnnBackend {
         &mut self,
         op: ConvOp,
         chunk: &ChunkShapes,
-        run: impl FnOnce(
+        run: impl for<'v> FnOnce(
             &CudnnHandle,
-            &super::cudnn::DeviceView<'_>,
-            &super::cudnn::DeviceView<'_>,
-            &mut super::cudnn::DeviceViewMut<'_>,
-            &mut super::cudnn::WorkspaceView<'_>,
+            &super::cudnn::DeviceView<'v>,
+            &super::cudnn::DeviceView<'v>,
+            &mut super::cudnn::DeviceViewMut<'v>,
+            &mut super::cudnn::WorkspaceView<'v>,
         ) -> Result<R, CudnnError>,
     ) -> Result<R, CudnnError> {
         self.views_at(op, operand_roles(op).map(|role| chunk.range(role)), run)

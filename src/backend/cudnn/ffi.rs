@@ -1008,22 +1008,13 @@ impl CudnnHandle {
     /// fastest first. It runs each algorithm on the given buffers (overwriting `out`) and
     /// blocks until done; algorithms that need more than the workspace view are reported
     /// with a failure status. Operand rules as for [`Surface::convolve`].
-    pub fn find_algorithms(
+    pub fn find_algorithms<'v>(
         &self,
         d: &ConvDescriptors,
         op: ConvOp,
-        a: &DeviceView<'_>,
-        b: &DeviceView<'_>,
-        out: &mut DeviceViewMut<'_>,
-        workspace: &mut WorkspaceView<'_>,
+        ops: DeviceOperands<'_, 'v, Tracked<'v>>,
     ) -> Result<Vec<FoundAlgorithm>, CudnnError> {
         const CALL: &str = "CudnnHandle::find_algorithms";
-        let ops = ConvOperands {
-            a,
-            b,
-            out,
-            workspace,
-        };
         check_operands(self, CALL, (&d.shapes, d.operand_spans(op)), op, &ops)?;
         let ConvOperands {
             a,

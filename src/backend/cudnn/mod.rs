@@ -704,10 +704,7 @@ mod tests {
             .find_algorithms(
                 &d,
                 ConvOp::Forward,
-                &xv,
-                &wv,
-                &mut y.view_all_mut(),
-                &mut big.view(),
+                DeviceOperands::new(&xv, &wv, &mut y.view_all_mut(), &mut big.view()),
             )
             .unwrap();
         println!("{found:#?}");
