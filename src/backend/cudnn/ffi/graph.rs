@@ -36,7 +36,7 @@
 //!   [`EnginePlan`] keeps its whole chain and a share of the handle's owner, so the handle
 //!   outlives the plan; before destroying its descriptors it waits for the stream, so no queued
 //!   kernel outlives the plan's resources.
-//! - **Execution.** [`EnginePlan::execute`] applies the checks of `CudnnHandle::convolve`
+//! - **Execution.** [`EnginePlan::execute`] applies the checks of `Surface::convolve`
 //!   (dtype and exact element count of every view against the plan's problem, every buffer on
 //!   the handle's stream, workspace at least the plan's size, the same handle as the plan),
 //!   plus alignment: each pointer must be aligned as its tensor descriptor declared
