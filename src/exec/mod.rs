@@ -184,10 +184,10 @@ pub fn execute_cpu<T: Element>(
             &steps,
             (alpha, beta),
             ConvOperands {
-                a: a,
-                b: b,
-                out: out,
-                workspace: workspace,
+                a,
+                b,
+                out,
+                workspace,
             },
         )
         .map_err(|e| match e {

@@ -422,9 +422,9 @@ mod tests {
             steps,
             (alpha, beta),
             ConvOperands {
-                a: a,
-                b: b,
-                out: out,
+                a,
+                b,
+                out,
                 workspace: ws.as_bytes_mut(),
             },
         )
