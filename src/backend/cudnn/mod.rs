@@ -59,7 +59,7 @@
 //!     handle.convolve(&micro, ConvOp::Forward, 1, 1.0, 0.0, operands)?;
 //! }
 //! let y_host = y.download()?;
-//! # let _ = (y_host, WorkspaceView::<'_>::empty());
+//! # let _: (Vec<f32>, WorkspaceView) = (y_host, WorkspaceView::empty());
 //! # Ok(()) }
 //! ```
 //!
