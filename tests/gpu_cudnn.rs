@@ -9,7 +9,7 @@
 //! (unit height) run the same checks, through the legacy algorithms and the engines (issue 26).
 
 use mucudnn::backend::cudnn::host::{reference_convolution, Reference};
-use mucudnn::backend::cudnn::{ConvDescriptors, CudnnHandle, DeviceBuffer};
+use mucudnn::backend::cudnn::{ConvDescriptors, ConvOperands, CudnnHandle, DeviceBuffer};
 use mucudnn::exec::cudnn::PreparedPlan;
 use mucudnn::solver::{operand_roles, Operand};
 use mucudnn::solver::{Algo, ConvOp, ConvProblem, DType, Layout, MathMode, MicroBatch, Plan};
@@ -70,7 +70,17 @@ fn run(
     let mut workspace = handle
         .alloc_workspace(prepared.workspace_bytes())
         .expect("workspace");
-    match prepared.execute(handle, 1.0, a, b, 0.0, &mut out, &mut workspace) {
+    match prepared.execute(
+        handle,
+        1.0,
+        0.0,
+        ConvOperands {
+            a,
+            b,
+            out: &mut out,
+            workspace: &mut workspace,
+        },
+    ) {
         Ok(()) => Some(out.download().expect("download")),
         Err(e) => {
             println!(

@@ -15,7 +15,7 @@
 use mucudnn::backend::cudnn::host::{reference_convolution, Reference};
 use mucudnn::backend::cudnn::{
     engine_configs, heuristic_plan_workspaces, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer,
-    EngineConfig, EnginePlan, EngineSearch, HeurMode, WorkspaceView,
+    DeviceOperands, EngineConfig, EnginePlan, EngineSearch, HeurMode, WorkspaceView,
 };
 use mucudnn::solver::{operand_roles, Operand};
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout, MathMode};
@@ -161,10 +161,12 @@ fn run_whole(
     let mut workspace = handle.alloc_workspace(plan.workspace_bytes())?;
     let result = plan.execute(
         handle,
-        &a.view_all(),
-        &b.view_all(),
-        &mut out.view_all_mut(),
-        &mut workspace.view(),
+        DeviceOperands::new(
+            &a.view_all(),
+            &b.view_all(),
+            &mut out.view_all_mut(),
+            &mut workspace.view(),
+        ),
     );
     result
 }
@@ -284,10 +286,12 @@ fn run_micro_batched(
         let (oo, ol) = range(roles[2]);
         plan.execute(
             handle,
-            &a.view(ao, al)?,
-            &b.view(bo, bl)?,
-            &mut out.view_mut(oo, ol)?,
-            &mut workspace.view(),
+            DeviceOperands::new(
+                &a.view(ao, al)?,
+                &b.view(bo, bl)?,
+                &mut out.view_mut(oo, ol)?,
+                &mut workspace.view(),
+            ),
         )?;
         first += count;
     }
@@ -523,13 +527,15 @@ fn execute_checks_its_arguments() {
     let e = plan
         .execute(
             &handle,
-            &data
-                .x
-                .view(0, s.elements_per_sample(Operand::Input))
-                .unwrap(),
-            &data.w.view_all(),
-            &mut out.view_all_mut(),
-            &mut workspace.view(),
+            DeviceOperands::new(
+                &data
+                    .x
+                    .view(0, s.elements_per_sample(Operand::Input))
+                    .unwrap(),
+                &data.w.view_all(),
+                &mut out.view_all_mut(),
+                &mut workspace.view(),
+            ),
         )
         .unwrap_err();
     assert!(matches!(e, CudnnError::InvalidArgument { .. }), "{e}");
@@ -539,10 +545,12 @@ fn execute_checks_its_arguments() {
         let e = plan
             .execute(
                 &handle,
-                &data.x.view_all(),
-                &data.w.view_all(),
-                &mut out.view_all_mut(),
-                &mut WorkspaceView::empty(),
+                DeviceOperands::new(
+                    &data.x.view_all(),
+                    &data.w.view_all(),
+                    &mut out.view_all_mut(),
+                    &mut WorkspaceView::empty(),
+                ),
             )
             .unwrap_err();
         assert!(e.to_string().contains("workspace"), "{e}");
@@ -551,10 +559,12 @@ fn execute_checks_its_arguments() {
         let e = plan
             .execute(
                 &handle,
-                &data.x.view_all(),
-                &data.w.view_all(),
-                &mut out.view_all_mut(),
-                &mut bigger.view_range(16, plan.workspace_bytes()).unwrap(),
+                DeviceOperands::new(
+                    &data.x.view_all(),
+                    &data.w.view_all(),
+                    &mut out.view_all_mut(),
+                    &mut bigger.view_range(16, plan.workspace_bytes()).unwrap(),
+                ),
             )
             .unwrap_err();
         assert!(
@@ -575,10 +585,12 @@ fn execute_checks_its_arguments() {
     let e = plan
         .execute(
             &handle,
-            &shifted.view(1, len).unwrap(),
-            &data.w.view_all(),
-            &mut out.view_all_mut(),
-            &mut workspace.view(),
+            DeviceOperands::new(
+                &shifted.view(1, len).unwrap(),
+                &data.w.view_all(),
+                &mut out.view_all_mut(),
+                &mut workspace.view(),
+            ),
         )
         .unwrap_err();
     assert!(
@@ -608,10 +620,12 @@ fn execute_checks_its_arguments() {
     let e = plan
         .execute(
             &other,
-            &x2.view_all(),
-            &w2.view_all(),
-            &mut y2.view_all_mut(),
-            &mut ws2.view(),
+            DeviceOperands::new(
+                &x2.view_all(),
+                &w2.view_all(),
+                &mut y2.view_all_mut(),
+                &mut ws2.view(),
+            ),
         )
         .unwrap_err();
     assert!(e.to_string().contains("another cuDNN handle"), "{e}");
@@ -619,10 +633,12 @@ fn execute_checks_its_arguments() {
     // And the correct call works.
     plan.execute(
         &handle,
-        &data.x.view_all(),
-        &data.w.view_all(),
-        &mut out.view_all_mut(),
-        &mut workspace.view(),
+        DeviceOperands::new(
+            &data.x.view_all(),
+            &data.w.view_all(),
+            &mut out.view_all_mut(),
+            &mut workspace.view(),
+        ),
     )
     .unwrap();
     let error = data

@@ -8,7 +8,8 @@
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use mucudnn::backend::cudnn::{
-    engine_configs, CudnnHandle, EngineSearch, RawDeviceView, RawDeviceViewMut, RawWorkspace,
+    engine_configs, CudnnHandle, DeviceOperands, EngineSearch, RawDeviceView, RawDeviceViewMut,
+    RawWorkspace,
 };
 use mucudnn::exec::cudnn::{parked_plans, PreparedPlan};
 use mucudnn::solver::{Algo, ConvOp, ConvProblem, DType, MicroBatch, Plan};
@@ -128,11 +129,8 @@ fn run(
                 .execute_on(
                     &session,
                     1.0,
-                    &a,
-                    &b,
                     0.0,
-                    &mut out,
-                    &mut RawWorkspace::empty(),
+                    DeviceOperands::new(&a, &b, &mut out, &mut RawWorkspace::empty()),
                 )
                 .unwrap();
         }

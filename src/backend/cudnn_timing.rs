@@ -9,7 +9,7 @@
 use super::cudnn::{
     algo_count, engine_configs_for_chunk, engine_configs_with_alignments, graph_api_status,
     legacy_deterministic, probe, Alignments, ChunkShapes, ConvDescriptors, ConvShapes, CudnnError,
-    CudnnHandle, DeviceBuffer, EngineConfig, EnginePlan, Workspace,
+    CudnnHandle, DeviceBuffer, DeviceOperands, EngineConfig, EnginePlan, Surface, Workspace,
 };
 use super::{
     check_chunk_args, check_measure_args, median_time, Backend, BackendError, Decision,
@@ -243,12 +243,12 @@ impl CudnnBackend {
         op: ConvOp,
         micro: usize,
         first: usize,
-        run: impl FnOnce(
+        run: impl for<'v> FnOnce(
             &CudnnHandle,
-            &super::cudnn::DeviceView<'_>,
-            &super::cudnn::DeviceView<'_>,
-            &mut super::cudnn::DeviceViewMut<'_>,
-            &mut super::cudnn::WorkspaceView<'_>,
+            &super::cudnn::DeviceView<'v>,
+            &super::cudnn::DeviceView<'v>,
+            &mut super::cudnn::DeviceViewMut<'v>,
+            &mut super::cudnn::WorkspaceView<'v>,
         ) -> Result<R, CudnnError>,
     ) -> Result<R, CudnnError> {
         let full = self.operands.as_ref().expect("ensured").problem;
@@ -269,12 +269,12 @@ impl CudnnBackend {
         &mut self,
         op: ConvOp,
         [ra, rb, ro]: [(usize, usize); 3],
-        run: impl FnOnce(
+        run: impl for<'v> FnOnce(
             &CudnnHandle,
-            &super::cudnn::DeviceView<'_>,
-            &super::cudnn::DeviceView<'_>,
-            &mut super::cudnn::DeviceViewMut<'_>,
-            &mut super::cudnn::WorkspaceView<'_>,
+            &super::cudnn::DeviceView<'v>,
+            &super::cudnn::DeviceView<'v>,
+            &mut super::cudnn::DeviceViewMut<'v>,
+            &mut super::cudnn::WorkspaceView<'v>,
         ) -> Result<R, CudnnError>,
     ) -> Result<R, CudnnError> {
         let handle = &self.handle;
@@ -333,7 +333,7 @@ impl CudnnBackend {
         let micro = micro_problem.n as usize;
         let timed = self.time_views(op, micro, first, |handle, a, b, out, workspace| {
             time_calls(handle, timing, || {
-                plan.execute(handle, a, b, out, workspace)
+                plan.execute(handle, DeviceOperands::new(a, b, out, workspace))
             })
         });
         match timed {
@@ -390,7 +390,14 @@ impl CudnnBackend {
         self.time_views(op, micro, first, |handle, a, b, out, workspace| {
             time_calls(handle, timing, || {
                 // beta = 0: outputs are overwritten, so repeated calls stay finite.
-                handle.convolve(d, op, algo, 1.0, a, b, 0.0, out, workspace)
+                handle.convolve(
+                    d,
+                    op,
+                    algo,
+                    1.0,
+                    0.0,
+                    DeviceOperands::new(a, b, out, workspace),
+                )
             })
         })
     }
@@ -403,12 +410,12 @@ impl CudnnBackend {
         &mut self,
         op: ConvOp,
         chunk: &ChunkShapes,
-        run: impl FnOnce(
+        run: impl for<'v> FnOnce(
             &CudnnHandle,
-            &super::cudnn::DeviceView<'_>,
-            &super::cudnn::DeviceView<'_>,
-            &mut super::cudnn::DeviceViewMut<'_>,
-            &mut super::cudnn::WorkspaceView<'_>,
+            &super::cudnn::DeviceView<'v>,
+            &super::cudnn::DeviceView<'v>,
+            &mut super::cudnn::DeviceViewMut<'v>,
+            &mut super::cudnn::WorkspaceView<'v>,
         ) -> Result<R, CudnnError>,
     ) -> Result<R, CudnnError> {
         self.views_at(op, operand_roles(op).map(|role| chunk.range(role)), run)
@@ -458,7 +465,7 @@ impl CudnnBackend {
         for (chunk, plan) in chunks.iter().zip(&plans) {
             let timed = self.time_chunk_views(op, chunk, |handle, a, b, out, workspace| {
                 time_calls(handle, timing, || {
-                    plan.execute(handle, a, b, out, workspace)
+                    plan.execute(handle, DeviceOperands::new(a, b, out, workspace))
                 })
             });
             match timed {

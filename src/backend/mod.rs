@@ -2,13 +2,14 @@
 //!
 //! The profiler sees a backend only through [`Backend`]: give it a problem, an op and a
 //! micro-batch size, get back the time and workspace of every algorithm that works there.
-//! Execution is backend-specific (device pointers or host slices) but shares the micro-batch
-//! stepping in [`crate::exec`].
+//! Execution is backend-specific (device pointers or host slices, grouped by role in
+//! [`ConvOperands`]) but shares the micro-batch stepping of [`crate::solver::steps`].
 
 pub mod cpu;
 pub mod cpu_timing;
 pub mod cudnn;
 pub mod cudnn_timing;
+mod operands;
 
 use crate::device::DeviceFingerprint;
 use crate::solver::units::format_bytes;
@@ -19,6 +20,7 @@ use std::collections::BTreeSet;
 
 pub use cpu_timing::CpuBackend;
 pub use cudnn_timing::CudnnBackend;
+pub use operands::ConvOperands;
 
 /// How carefully to time one (micro-batch size, algorithm).
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -6,12 +6,13 @@
 //! from candle's device, in the layer's dtype (f32, f16 or bf16: cuDNN problems of that dtype;
 //! the tuner's accuracy rule for bf16 backward-filter micro-batches applies as everywhere).
 //! Operands start at aligned addresses (the layer copies views that do
-//! not, `operand` in mod.rs; checked again here). Everything unsafe (raw pointers, the stream)
-//! is in the FFI wall (`CandleLayerDevice`).
+//! not, `operand` in mod.rs; checked again here). Everything unsafe (candle's buffers as the
+//! wall's views, the stream) is in `device.rs` (`CandleLayerDevice`).
 
+use super::device::CandleLayerDevice;
 use super::LayerCore;
 use crate::backend::cpu::{self, Element};
-use crate::backend::cudnn::{CandleLayerDevice, DropInCallerContext};
+use crate::backend::cudnn::{ConvOperands, DropInCallerContext};
 use crate::backend::TimingSettings;
 use crate::solver::{ConvOp, ConvProblem, DType};
 use candle_core::backend::BackendStorage;
@@ -134,7 +135,13 @@ where
         // SAFETY: bytes (any value is valid) that only cuDNN uses, as scratch.
         bytes => Some(unsafe { device.alloc::<u8>(bytes as usize) }?),
     };
-    gpu.execute(key, op, &stream, &a, &b, &mut out, workspace.as_mut())
+    let operands = ConvOperands {
+        a: &a,
+        b: &b,
+        out: &mut out,
+        workspace: workspace.as_mut(),
+    };
+    gpu.execute(key, op, &stream, operands)
         .map_err(|e| core.error(e))?;
     Ok(CudaStorage::wrap_cuda_slice(out, device))
 }

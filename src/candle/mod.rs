@@ -79,6 +79,8 @@ macro_rules! layer_common {
 #[cfg(feature = "candle-cuda")]
 mod cuda;
 pub mod ddp;
+#[cfg(feature = "candle-cuda")]
+mod device;
 pub mod grad_sum;
 mod layers;
 #[cfg(feature = "mpi")]

@@ -30,9 +30,9 @@ use super::teardown::{Disposal, Fence, Teardown};
 use super::{check_batch_plan, ExecError};
 use crate::backend::cudnn::graph_params::{rows_view, split_dim_index, GraphParams};
 use crate::backend::cudnn::{
-    Alignments, ChunkShapes, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer,
-    EngineConfig, EnginePlan, Operand, RawDeviceView, RawDeviceViewMut, RawWorkspace, StreamFence,
-    StreamKey, StreamSession, Workspace,
+    Alignments, ChunkShapes, ConvDescriptors, ConvOperands, ConvShapes, CudnnError, CudnnHandle,
+    DeviceBuffer, DeviceOperands, EngineConfig, EnginePlan, Operand, Origin, StreamFence,
+    StreamKey, StreamSession, Surface, Workspace,
 };
 use crate::solver::spatial::{chunks, split_axis, AxisGeometry, Chunk, Rows};
 use crate::solver::{operand_roles, steps, Algo, ConvOp, Plan, SplitDim};
@@ -428,55 +428,24 @@ impl PreparedPlan {
     }
 
     /// `out = alpha * op(a, b) + beta * out` over the whole mini-batch (operands as for
-    /// `CudnnHandle::convolve`, at the full batch). Work is queued on the handle's stream.
-    #[allow(clippy::too_many_arguments)]
+    /// `Surface::convolve`, at the full batch). Work is queued on the handle's stream.
     pub fn execute(
         &self,
         handle: &CudnnHandle,
         alpha: f32,
-        a: &DeviceBuffer,
-        b: &DeviceBuffer,
         beta: f32,
-        out: &mut DeviceBuffer,
-        workspace: &mut Workspace,
+        ops: ConvOperands<&DeviceBuffer, &mut DeviceBuffer, &mut Workspace>,
     ) -> Result<(), ExecError> {
-        let op = self.plan.op;
-        self.each_action(beta, |action| match action {
-            Action::Scale {
-                range,
-                dims,
-                strides,
-                value,
-            } => handle.scale_view(&mut out.view_mut(range.0, range.1)?, &dims, &strides, value),
-            Action::Call {
-                ranges: [ra, rb, ro],
-                kernel,
-                beta: step_beta,
-            } => {
-                let a = a.view(ra.0, ra.1)?;
-                let b = b.view(rb.0, rb.1)?;
-                let mut out = out.view_mut(ro.0, ro.1)?;
-                let mut workspace = workspace.view();
-                match &self.kernels[kernel].3 {
-                    Kernel::Legacy { descriptors, algo } => handle.convolve(
-                        descriptors,
-                        op,
-                        *algo,
-                        alpha,
-                        &a,
-                        &b,
-                        step_beta,
-                        &mut out,
-                        &mut workspace,
-                    ),
-                    Kernel::Engine { plans, .. } => {
-                        let index = self.engine_plan(handle, kernel, alpha, step_beta)?;
-                        let plans = plans.borrow();
-                        plans[index].execute(handle, &a, &b, &mut out, &mut workspace)
-                    }
-                }
-            }
-        })
+        let (a, b) = (ops.a.view_all(), ops.b.view_all());
+        let mut out = ops.out.view_all_mut();
+        let mut workspace = ops.workspace.view();
+        let ops = ConvOperands {
+            a: &a,
+            b: &b,
+            out: &mut out,
+            workspace: &mut workspace,
+        };
+        self.run_steps(handle, (alpha, beta), ops)
     }
 
     /// Runs `run` on the calls of one execution in order, for a caller's `beta` (the first
@@ -590,23 +559,19 @@ impl PreparedPlan {
     }
 
     /// As [`Self::execute`], on a caller's stream, device pointers and workspace: `session` is
-    /// the handle the plan was prepared on, pointed at the caller's stream (the PyTorch path).
-    /// Operands are the full mini-batch's; each micro-batch runs on offsets of them, all on
-    /// one workspace of at least [`Self::workspace_bytes`].
+    /// the handle the plan was prepared on, pointed at the caller's stream (the PyTorch and
+    /// candle paths). Operands are the full mini-batch's; each micro-batch runs on offsets of
+    /// them, all on one workspace of at least [`Self::workspace_bytes`].
     ///
     /// For teardown, the call asks whether the stream is being captured (then the plan is
     /// parked for good, before anything is queued) and otherwise records this stream's fence
     /// after the last micro-batch; it never waits.
-    #[allow(clippy::too_many_arguments)]
-    pub fn execute_on(
+    pub fn execute_on<O: Origin>(
         &self,
         session: &StreamSession<'_>,
         alpha: f32,
-        a: &RawDeviceView<'_>,
-        b: &RawDeviceView<'_>,
         beta: f32,
-        out: &mut RawDeviceViewMut<'_>,
-        workspace: &mut RawWorkspace<'_>,
+        ops: DeviceOperands<'_, '_, O>,
     ) -> Result<(), ExecError> {
         let tag = |source: CudnnError| ExecError::Cudnn {
             layer: self.plan.layer.clone(),
@@ -617,7 +582,7 @@ impl PreparedPlan {
         if capturing {
             self.teardown.borrow_mut().captured();
         }
-        let ran = self.run_steps_on(session, alpha, a, b, beta, out, workspace);
+        let ran = self.run_steps(session, (alpha, beta), ops);
         if !capturing {
             // Even after a failed step: the steps before it are queued.
             let mut teardown = self.teardown.borrow_mut();
@@ -633,25 +598,28 @@ impl PreparedPlan {
         ran
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn run_steps_on(
+    /// Queues the plan's calls on `on` (mucudnn's handle, or a session on a caller's stream):
+    /// each call on its ranges of the full operands, with the kernel prepared for it.
+    fn run_steps<S: Surface, O: Origin>(
         &self,
-        session: &StreamSession<'_>,
-        alpha: f32,
-        a: &RawDeviceView<'_>,
-        b: &RawDeviceView<'_>,
-        beta: f32,
-        out: &mut RawDeviceViewMut<'_>,
-        workspace: &mut RawWorkspace<'_>,
+        on: &S,
+        (alpha, beta): (f32, f32),
+        ops: DeviceOperands<'_, '_, O>,
     ) -> Result<(), ExecError> {
         let op = self.plan.op;
+        let ConvOperands {
+            a,
+            b,
+            out,
+            workspace,
+        } = ops;
         self.each_action(beta, |action| match action {
             Action::Scale {
                 range,
                 dims,
                 strides,
                 value,
-            } => session.scale_view(
+            } => on.scale_view(
                 &mut out.slice_mut(range.0, range.1)?,
                 &dims,
                 &strides,
@@ -665,22 +633,21 @@ impl PreparedPlan {
                 let a = a.slice(ra.0, ra.1)?;
                 let b = b.slice(rb.0, rb.1)?;
                 let mut out = out.slice_mut(ro.0, ro.1)?;
+                let mut workspace = workspace.reborrow();
+                let ops = ConvOperands {
+                    a: &a,
+                    b: &b,
+                    out: &mut out,
+                    workspace: &mut workspace,
+                };
                 match &self.kernels[kernel].3 {
-                    Kernel::Legacy { descriptors, algo } => session.convolve(
-                        descriptors,
-                        op,
-                        *algo,
-                        alpha,
-                        &a,
-                        &b,
-                        step_beta,
-                        &mut out,
-                        workspace,
-                    ),
+                    Kernel::Legacy { descriptors, algo } => {
+                        on.convolve(descriptors, op, *algo, alpha, step_beta, ops)
+                    }
                     Kernel::Engine { plans, .. } => {
-                        let index = self.engine_plan(session.handle(), kernel, alpha, step_beta)?;
+                        let index = self.engine_plan(on.handle(), kernel, alpha, step_beta)?;
                         let plans = plans.borrow();
-                        session.execute_engine(&plans[index], &a, &b, &mut out, workspace)
+                        plans[index].execute(on, ops)
                     }
                 }
             }

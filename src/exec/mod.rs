@@ -22,6 +22,7 @@ pub mod teardown;
 pub mod verify;
 
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
+use crate::backend::ConvOperands;
 use crate::solver::{operand_roles, steps, Algo, ConvOp, DType, Plan, SplitDim};
 
 /// Why a plan could not be executed.
@@ -165,7 +166,6 @@ fn spatial_steps(plan: &Plan) -> Result<Vec<spatial::SpatialStep>, ExecError> {
 /// micro-batch by micro-batch, or chunk by chunk along the split axis for a spatial plan
 /// ([`spatial::execute_spatial_cpu`]). Buffers are as for [`cpu::run`] at the full batch;
 /// `workspace` holds at least [`cpu_workspace_bytes`], 4-byte aligned.
-#[allow(clippy::too_many_arguments)]
 pub fn execute_cpu<T: Element>(
     plan: &Plan,
     alpha: f32,
@@ -182,12 +182,13 @@ pub fn execute_cpu<T: Element>(
             &plan.problem,
             plan.op,
             &steps,
-            alpha,
-            a,
-            b,
-            beta,
-            out,
-            workspace,
+            (alpha, beta),
+            ConvOperands {
+                a,
+                b,
+                out,
+                workspace,
+            },
         )
         .map_err(|e| match e {
             // Name the plan's layer, as the batch path does.

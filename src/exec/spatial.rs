@@ -18,6 +18,7 @@
 
 use super::{ExecError, HalfSum};
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
+use crate::backend::ConvOperands;
 use crate::solver::spatial::{self, split_axis, Axis, AxisGeometry, Chunk, Rows};
 use crate::solver::{ConvOp, ConvProblem, Layout};
 
@@ -161,21 +162,22 @@ pub fn spatial_cpu_workspace_bytes(
 }
 
 /// Runs `op` of `problem` as the spatial chunks `steps` (in order along [`split_axis`]):
-/// `out = alpha * op(a, b) + beta * out` over the whole tensors, buffers as for [`cpu::run`],
-/// `workspace` at least [`spatial_cpu_workspace_bytes`] bytes. Everything that can fail is
+/// `out = alpha * op(a, b) + beta * out` over the whole tensors, buffers as for [`cpu::run`]
+/// (grouped by role), `workspace` at least [`spatial_cpu_workspace_bytes`] bytes. Everything that can fail is
 /// checked before anything is written.
-#[allow(clippy::too_many_arguments)]
 pub fn execute_spatial_cpu<T: Element>(
     problem: &ConvProblem,
     op: ConvOp,
     steps: &[SpatialStep],
-    alpha: f32,
-    a: &[T],
-    b: &[T],
-    beta: f32,
-    out: &mut [T],
-    workspace: &mut [u8],
+    (alpha, beta): (f32, f32),
+    operands: ConvOperands<&[T], &mut [T], &mut [u8]>,
 ) -> Result<(), ExecError> {
+    let ConvOperands {
+        a,
+        b,
+        out,
+        workspace,
+    } = operands;
     let cpu_error = |source| ExecError::Cpu {
         layer: problem.describe(),
         op,
@@ -403,15 +405,13 @@ mod tests {
         AxisGeometry::of(problem, split_axis(problem)).extent(op)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn run_spatial(
         problem: &ConvProblem,
         op: ConvOp,
         steps: &[SpatialStep],
-        alpha: f32,
+        (alpha, beta): (f32, f32),
         a: &[f32],
         b: &[f32],
-        beta: f32,
         out: &mut [f32],
     ) {
         let bytes = spatial_cpu_workspace_bytes(problem, op, steps).unwrap();
@@ -420,12 +420,13 @@ mod tests {
             problem,
             op,
             steps,
-            alpha,
-            a,
-            b,
-            beta,
-            out,
-            ws.as_bytes_mut(),
+            (alpha, beta),
+            ConvOperands {
+                a,
+                b,
+                out,
+                workspace: ws.as_bytes_mut(),
+            },
         )
         .unwrap();
     }
@@ -537,7 +538,15 @@ mod tests {
                                     .map(|&size| SpatialStep { size, algo })
                                     .collect();
                                 let mut split = init.clone();
-                                run_spatial(&problem, op, &steps, alpha, &a, &b, beta, &mut split);
+                                run_spatial(
+                                    &problem,
+                                    op,
+                                    &steps,
+                                    (alpha, beta),
+                                    &a,
+                                    &b,
+                                    &mut split,
+                                );
                                 let what = format!(
                                     "{} {op} {algo} chunks {sizes:?} alpha {alpha} beta {beta}",
                                     problem.describe()
@@ -584,7 +593,7 @@ mod tests {
                     .map(|(&size, algo)| SpatialStep { size, algo })
                     .collect();
                 let mut split = vec![f32::NAN; lo];
-                run_spatial(&problem, op, &steps, 1.0, &a, &b, 0.0, &mut split);
+                run_spatial(&problem, op, &steps, (1.0, 0.0), &a, &b, &mut split);
                 let want = conv_f64(
                     &problem,
                     op,
@@ -645,12 +654,13 @@ mod tests {
                             &problem,
                             op,
                             &steps,
-                            1.0,
-                            &a,
-                            &b,
-                            0.0,
-                            &mut split,
-                            ws.as_bytes_mut(),
+                            (1.0, 0.0),
+                            ConvOperands {
+                                a: &a,
+                                b: &b,
+                                out: &mut split,
+                                workspace: ws.as_bytes_mut(),
+                            },
                         )
                         .unwrap();
                         let what = format!("{} {op} {algo}", problem.describe());
@@ -691,12 +701,13 @@ mod tests {
                 &problem,
                 ConvOp::Forward,
                 &steps,
-                1.0,
-                &x,
-                &w,
-                0.0,
-                &mut y,
-                &mut [],
+                (1.0, 0.0),
+                ConvOperands {
+                    a: &x,
+                    b: &w,
+                    out: &mut y,
+                    workspace: &mut [],
+                },
             );
             assert!(
                 matches!(err, Err(ExecError::InvalidPlan { .. })),
@@ -708,12 +719,13 @@ mod tests {
             &problem,
             ConvOp::Forward,
             &steps,
-            1.0,
-            &x[1..],
-            &w,
-            0.0,
-            &mut y,
-            &mut [],
+            (1.0, 0.0),
+            ConvOperands {
+                a: &x[1..],
+                b: &w,
+                out: &mut y,
+                workspace: &mut [],
+            },
         );
         assert!(matches!(err, Err(ExecError::Cpu { .. })));
         let steps = [SpatialStep {
@@ -724,12 +736,13 @@ mod tests {
             &problem,
             ConvOp::Forward,
             &steps,
-            1.0,
-            &x,
-            &w,
-            0.0,
-            &mut y,
-            &mut [],
+            (1.0, 0.0),
+            ConvOperands {
+                a: &x,
+                b: &w,
+                out: &mut y,
+                workspace: &mut [],
+            },
         );
         assert!(matches!(
             err,
@@ -789,7 +802,7 @@ mod tests {
             let [(_, la), (_, lb), (_, lo)] = cpu::buffer_lens(&problem, op).unwrap();
             let (a, b) = (data(la, 7), data(lb, 8));
             let mut got = vec![f32::NAN; lo];
-            run_spatial(&problem, op, &steps, 1.0, &a, &b, 0.0, &mut got);
+            run_spatial(&problem, op, &steps, (1.0, 0.0), &a, &b, &mut got);
             let widen = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
             let want = conv_f64(&problem, op, &widen(&a), &widen(&b)).unwrap();
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {

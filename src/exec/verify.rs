@@ -5,7 +5,7 @@
 use super::cudnn::PreparedPlan;
 use super::{cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::backend::cpu::AlignedWorkspace;
-use crate::backend::cudnn::{ConvDescriptors, CudnnError, CudnnHandle, DeviceBuffer};
+use crate::backend::cudnn::{ConvDescriptors, ConvOperands, CudnnError, CudnnHandle, DeviceBuffer};
 use crate::backend::{median_time, TimingSettings};
 use crate::solver::Operand;
 use crate::solver::{DType, Plan, Solution};
@@ -93,15 +93,39 @@ pub fn time_plan_cuda(
         timer.start().map_err(error)?;
         for _ in 0..iterations {
             match plan.op {
-                crate::solver::ConvOp::Forward => {
-                    prepared.execute(handle, 1.0, &x, &w, 0.0, &mut y, &mut workspace)?
-                }
-                crate::solver::ConvOp::BackwardData => {
-                    prepared.execute(handle, 1.0, &w, &y, 0.0, &mut x, &mut workspace)?
-                }
-                crate::solver::ConvOp::BackwardFilter => {
-                    prepared.execute(handle, 1.0, &x, &y, 0.0, &mut w, &mut workspace)?
-                }
+                crate::solver::ConvOp::Forward => prepared.execute(
+                    handle,
+                    1.0,
+                    0.0,
+                    ConvOperands {
+                        a: &x,
+                        b: &w,
+                        out: &mut y,
+                        workspace: &mut workspace,
+                    },
+                )?,
+                crate::solver::ConvOp::BackwardData => prepared.execute(
+                    handle,
+                    1.0,
+                    0.0,
+                    ConvOperands {
+                        a: &w,
+                        b: &y,
+                        out: &mut x,
+                        workspace: &mut workspace,
+                    },
+                )?,
+                crate::solver::ConvOp::BackwardFilter => prepared.execute(
+                    handle,
+                    1.0,
+                    0.0,
+                    ConvOperands {
+                        a: &x,
+                        b: &y,
+                        out: &mut w,
+                        workspace: &mut workspace,
+                    },
+                )?,
             }
         }
         timer.stop().map_err(error)?;

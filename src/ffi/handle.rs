@@ -13,8 +13,8 @@ use super::descriptors::{descriptor_names, problem_from_descriptors};
 use super::error::{invalid, FfiError};
 use crate::backend::cudnn::{
     read_convolution_descriptor, read_filter_descriptor, read_tensor_descriptor,
-    save_current_context, ConvDescriptors, ForeignHandle, ForeignWorkspace, RawDeviceView,
-    RawDeviceViewMut,
+    save_current_context, ConvDescriptors, DeviceOperands, ForeignHandle, ForeignWorkspace,
+    RawDeviceView, RawDeviceViewMut,
 };
 use crate::backend::CudnnBackend;
 use crate::exec::check_batch_plan;
@@ -439,6 +439,7 @@ impl Handle {
         if session.is_capturing()? {
             workspace.captured();
         }
+        let mut workspace = session.workspace(workspace)?;
         session.check_memory(
             "mucudnn",
             [(names[0], &a), (names[1], &b)],
@@ -462,11 +463,8 @@ impl Handle {
                     op,
                     algo,
                     operands.alpha,
-                    &a,
-                    &b,
                     step.beta,
-                    &mut out,
-                    workspace,
+                    DeviceOperands::new(&a, &b, &mut out, &mut workspace.reborrow()),
                 )
                 .map_err(|e| {
                     FfiError::from(e).context(format!(

@@ -24,7 +24,7 @@ use super::error::{invalid, FfiError};
 use super::solve::size_option;
 use crate::backend::cpu;
 use crate::backend::cudnn::{
-    check_one_libcudnn, save_current_context, CudnnHandle, CurrentContextGuard,
+    check_one_libcudnn, save_current_context, CudnnHandle, CurrentContextGuard, DeviceOperands,
     DropInCallerContext, RawDeviceView, RawDeviceViewMut, RawWorkspace,
 };
 use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
@@ -774,7 +774,12 @@ impl Tuner {
                         RawWorkspace::new(workspace, workspace_bytes).map_err(context)?;
                     let session = exec.on_stream(stream).map_err(context)?;
                     prepared
-                        .execute_on(&session, alpha, &a, &b, beta, &mut out, &mut workspace)
+                        .execute_on(
+                            &session,
+                            alpha,
+                            beta,
+                            DeviceOperands::new(&a, &b, &mut out, &mut workspace),
+                        )
                         .map_err(exec_error)
                 }
             }

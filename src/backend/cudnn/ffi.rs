@@ -17,11 +17,14 @@
 //!   stderr and otherwise ignored). They hold raw pointers, so they are neither `Send` nor
 //!   `Sync`, matching cuDNN's rule that a handle is used by one thread at a time.
 //! - **Device pointers** never cross the wall as integers. A [`DeviceView`] /
-//!   [`DeviceViewMut`] / [`WorkspaceView`] can only be made from a buffer allocated through a
-//!   [`CudnnHandle`] plus an element range that is bounds-checked against it, and it borrows
-//!   the buffer, so the memory outlives the view. [`CudnnHandle::convolve`] then checks that
-//!   every view has the dtype and exact element count its descriptor describes, lives on the
-//!   handle's stream, and that the workspace is at least what cuDNN asks for the algorithm.
+//!   [`DeviceViewMut`] / [`WorkspaceView`] ([`view`]) is made safely only from a buffer
+//!   allocated through a [`CudnnHandle`] plus an element range that is bounds-checked against
+//!   it, and it borrows the buffer, so the memory outlives the view; a caller's raw pointer or
+//!   a framework's cudarc buffer becomes one only through an `unsafe` constructor. Every call
+//!   ([`Surface::convolve`], [`EnginePlan::execute`], [`ForeignSession::convolve`]) goes through
+//!   one path that checks that every view has the dtype and exact element count its descriptor
+//!   describes, was taken on the stream the work goes to (where that is known), and that the
+//!   workspace is at least what cuDNN asks for the algorithm.
 //!   Kernels run asynchronously on that stream; buffers are freed stream-ordered by cudarc
 //!   (after a stream wait on their events, with `cuMemFreeAsync` on the same stream, or after a
 //!   stream synchronize), so memory is never released under a running kernel.
@@ -52,8 +55,6 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-#[cfg(feature = "candle-cuda")]
-mod candle;
 mod context;
 mod descriptors;
 mod foreign;
@@ -61,9 +62,8 @@ mod gates;
 mod graph;
 mod memory;
 mod stream;
+mod view;
 
-#[cfg(feature = "candle-cuda")]
-pub use candle::CandleLayerDevice;
 pub use context::{
     save_current_context, CurrentContextGuard, DropInCallerContext, RestoreAfterFields,
 };
@@ -71,8 +71,7 @@ pub use descriptors::{ConvDescriptors, ConvolutionDescriptor, FilterDescriptor, 
 pub use foreign::{
     check_one_libcudnn, read_convolution_descriptor, read_filter_descriptor,
     read_tensor_descriptor, ConvolutionDescriptorInfo, DataTypeCode, FilterDescriptorInfo,
-    ForeignHandle, ForeignSession, ForeignWorkspace, RawDeviceView, RawDeviceViewMut,
-    TensorDescriptorInfo,
+    ForeignHandle, ForeignSession, ForeignWorkspace, TensorDescriptorInfo,
 };
 use gates::*;
 pub(crate) use gates::{cudnn, driver};
@@ -84,9 +83,13 @@ pub use graph::{
     plan_for_chunk_on_device, plan_on_device, time_variant_packs, BrokenGraph, DeviceDescription,
     DevicePlan, EnginePlan, DEVICE_DESCRIPTION_MIN_VERSION,
 };
-use memory::{buffer_bytes, ViewParts};
-pub use memory::{DeviceBuffer, DeviceView, DeviceViewMut, GpuTimer, Workspace, WorkspaceView};
-pub use stream::{RawWorkspace, StreamFence, StreamKey, StreamSession};
+use memory::buffer_bytes;
+pub use memory::{DeviceBuffer, GpuTimer, Workspace};
+pub use stream::{StreamFence, StreamKey, StreamSession};
+pub use view::{
+    ConvOperands, DeviceOperands, DeviceView, DeviceViewMut, Origin, Raw, RawDeviceView,
+    RawDeviceViewMut, RawWorkspace, Tracked, WorkspaceView,
+};
 
 /// The oldest driver API this build may call: cudarc is compiled with `cuda-13000`, whose
 /// bindings use CUDA 13.0 entry points (`cuEventElapsedTime_v2`, ...). Driver 580 reports 13000.
@@ -364,6 +367,15 @@ impl Algo {
         }
     }
 
+    /// The op and algorithm number, for errors.
+    fn op_number(self) -> (ConvOp, u32) {
+        match self {
+            Algo::Fwd(a) => (ConvOp::Forward, a as u32),
+            Algo::BwdData(a) => (ConvOp::BackwardData, a as u32),
+            Algo::BwdFilter(a) => (ConvOp::BackwardFilter, a as u32),
+        }
+    }
+
     fn checked(call: &'static str, op: ConvOp, algo: u32) -> Result<Algo, CudnnError> {
         Algo::new(op, algo).ok_or_else(|| {
             invalid(
@@ -503,71 +515,28 @@ struct CallPointers {
     workspace_bytes: usize,
 }
 
-/// The checks every legacy convolution call makes, whoever owns the handle: the algorithm
-/// number, each operand's dtype and exact element count against `d` (operands `[a, b, out]`
-/// as `(name, dtype, len, address)`), and the workspace (`(address, bytes)`, address 0 for
-/// none) against `required`. Returns the algorithm and the call's pointers.
-fn legacy_call(
-    call: &'static str,
-    d: &ConvDescriptors,
-    op: ConvOp,
-    algo: u32,
-    operands: [(&'static str, DType, usize, u64); 3],
-    required: u64,
-    workspace: (u64, u64),
-) -> Result<(Algo, CallPointers), CudnnError> {
-    let which = Algo::checked(call, op, algo)?;
-    check_operand_spans(
-        call,
-        &d.shapes,
-        d.operand_spans(op),
-        op,
-        operands.map(|(name, dtype, len, _)| (name, dtype, len)),
-    )?;
-    let (address, bytes) = workspace;
-    let workspace_bytes = checked_workspace_bytes(call, op, algo, required, bytes, "workspace")?;
-    let none = address == 0;
-    Ok((
-        which,
-        CallPointers {
-            a: operands[0].3,
-            b: operands[1].3,
-            out: operands[2].3,
-            workspace: if none {
-                std::ptr::null_mut()
-            } else {
-                address as *mut c_void
-            },
-            workspace_bytes: if none { 0 } else { workspace_bytes },
-        },
-    ))
-}
-
-/// `out = alpha * op(a, b) + beta * out` with `which` (algorithm `algo` of `op`): one
+/// `out = alpha * op(a, b) + beta * out` with `which` (a legacy algorithm of an op): one
 /// `cudnnConvolution*` call, queued on the handle's stream.
 ///
 /// # Safety
 ///
 /// - `raw` is as for [`raw_workspace_size`];
 /// - `pointers.a` and `pointers.b` point to device memory that the handle's device can read,
-///   holding exactly the elements that `d` describes for roles `a` and `b` of `op`, in `d`'s
+///   holding exactly the elements that `d` describes for roles `a` and `b` of the op, in `d`'s
 ///   dtype; `pointers.out` likewise for `out`, and writable, overlapping neither the inputs nor
 ///   the workspace;
 /// - `pointers.workspace` is null with `workspace_bytes == 0`, or points to `workspace_bytes`
 ///   writable device bytes, at least what cuDNN requires for `which` on `d`;
 /// - all of this memory stays allocated until the work queued on the handle's stream has
 ///   finished with it.
-#[allow(clippy::too_many_arguments)]
 unsafe fn raw_convolve(
     raw: dnn_sys::cudnnHandle_t,
     d: &ConvDescriptors,
-    op: ConvOp,
-    algo: u32,
     which: Algo,
-    alpha: f32,
-    beta: f32,
+    (alpha, beta): (f32, f32),
     pointers: CallPointers,
 ) -> Result<(), CudnnError> {
+    let (op, algo) = which.op_number();
     let alpha_ptr = (&alpha as *const f32).cast::<c_void>();
     let beta_ptr = (&beta as *const f32).cast::<c_void>();
     let (a_ptr, b_ptr) = (pointers.a as *const c_void, pointers.b as *const c_void);
@@ -678,6 +647,194 @@ unsafe fn raw_fill(
             .result()
             .map_err(|e| status_error("cudnnScaleTensor", e.0))
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The one call path
+
+mod site {
+    use super::*;
+
+    /// What the call path needs of a call surface: a cuDNN handle whose stream is the one work
+    /// goes to (mucudnn's handle on its own stream, a [`StreamSession`], a
+    /// [`ForeignSession`]), and how that surface answers the questions that differ.
+    pub trait Site {
+        /// The call names in errors.
+        const CONVOLVE: &'static str;
+        const EXECUTE: &'static str;
+        const SCALE: &'static str;
+
+        /// The raw handle, used by this thread alone while `self` is borrowed.
+        fn raw(&self) -> dnn_sys::cudnnHandle_t;
+
+        /// Whether work queued here may use memory whose pointer was taken on `stream`.
+        fn orders(&self, stream: &CudaStream) -> bool;
+
+        /// Makes the handle usable by this thread for a call (mucudnn's handle binds its
+        /// context; a session made its context current when it began).
+        fn enter(&self) -> Result<(), CudnnError>;
+
+        /// Workspace bytes legacy algorithm `algo` of `op` needs for `d`; an algorithm cuDNN
+        /// declines is an error (as this surface reports it).
+        fn required_workspace(
+            &self,
+            d: &ConvDescriptors,
+            op: ConvOp,
+            algo: u32,
+        ) -> Result<u64, CudnnError>;
+
+        /// Whether `plan` was built on this surface's handle.
+        fn built(&self, plan: &EnginePlan) -> bool;
+    }
+}
+pub(crate) use site::Site;
+
+/// A cuDNN handle ready to queue work on a stream: mucudnn's own handle on its stream
+/// ([`CudnnHandle`]) or pointed at a caller's ([`StreamSession`]). An engine plan runs on
+/// either with [`EnginePlan::execute`]; a prepared plan's steps go through these calls.
+pub trait Surface: Site {
+    /// The handle, e.g. for building descriptors and plans on it.
+    fn handle(&self) -> &CudnnHandle;
+
+    /// Runs legacy algorithm `algo` of `op` on this surface's stream (asynchronously):
+    /// `out = alpha * op(a, b) + beta * out`, with operands as in [`operand_roles`]
+    /// ([`ConvOperands`]).
+    ///
+    /// `alpha` and `beta` are host f32 for fp32, fp16 and bf16 data (cuDNN's rule: float
+    /// scaling parameters for all but double data). With `beta = 0` the output is not read;
+    /// `beta = 1` accumulates (backward-filter over micro-batches).
+    ///
+    /// Each view must have the problem's dtype and exactly the element count of its role in
+    /// `d` (so a micro-batch is a view of `d.shapes().sample_range(..)` of a full-batch buffer,
+    /// with `d` built for the micro-batch size), and, where its stream is known, have been taken
+    /// on the stream the work goes to; the workspace must hold at least what cuDNN asks for the
+    /// algorithm (an empty view where that is 0). Violations are
+    /// [`CudnnError::InvalidArgument`]; an algorithm cuDNN cannot run here is a
+    /// [`CudnnError::Cudnn`] with [`CudnnError::is_not_supported`] (on a [`StreamSession`]: an
+    /// invalid argument).
+    fn convolve<O: Origin>(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        algo: u32,
+        alpha: f32,
+        beta: f32,
+        operands: DeviceOperands<'_, '_, O>,
+    ) -> Result<(), CudnnError> {
+        convolve_on(self, d, (op, algo), (alpha, beta), operands)
+    }
+
+    /// `out = value * out` over a strided view of `out`'s buffer (`dims` and `strides` in
+    /// elements; `out` spans exactly what they reach), on this surface's stream: the rows of a
+    /// spatial plan that no chunk writes get `beta * out` this way (`value = 0` writes zeros).
+    fn scale_view<O: Origin>(
+        &self,
+        out: &mut DeviceViewMut<'_, O>,
+        dims: &[i64],
+        strides: &[i64],
+        value: f32,
+    ) -> Result<(), CudnnError> {
+        let call = Self::SCALE;
+        if let Some(stream) = out.origin.stream() {
+            if !self.orders(stream) {
+                return Err(invalid(
+                    call,
+                    "the view was allocated on another stream or device".to_string(),
+                ));
+            }
+        }
+        let desc = fill_descriptor(call, out.dtype, out.len, dims, strides)?;
+        self.enter()?;
+        // SAFETY (the contract of `raw_fill`): the handle is live, used by this thread alone
+        // (the surface is borrowed), its context current (`enter`) and its stream the one work
+        // goes to; the view is device memory that stays allocated until the queued work has
+        // finished (a borrowed buffer on that stream, checked, or the promise of an `unsafe`
+        // constructor), writable and aliased by nothing (borrowed mutably), spanning exactly
+        // what the descriptor reaches (checked).
+        unsafe { raw_fill(self.raw(), &desc, out.ptr, value) }
+    }
+}
+
+/// Checks a call's operands: the problem's dtype and exactly the `expected` element counts (in
+/// `[a, b, out]` order), and that every pointer whose stream is known was taken on the stream
+/// the work goes to.
+fn check_operands<S: Site + ?Sized, O: Origin>(
+    site: &S,
+    call: &'static str,
+    (shapes, expected): (&ConvShapes, [usize; 3]),
+    op: ConvOp,
+    ops: &DeviceOperands<'_, '_, O>,
+) -> Result<(), CudnnError> {
+    check_operand_spans(
+        call,
+        shapes,
+        expected,
+        op,
+        [
+            ("a", ops.a.dtype, ops.a.len),
+            ("b", ops.b.dtype, ops.b.len),
+            ("out", ops.out.dtype, ops.out.len),
+        ],
+    )?;
+    let streams = [
+        ("a", ops.a.origin.stream()),
+        ("b", ops.b.origin.stream()),
+        ("out", ops.out.origin.stream()),
+    ];
+    for (name, stream) in streams {
+        if stream.is_some_and(|stream| !site.orders(stream)) {
+            return Err(invalid(
+                call,
+                format!("{op} operand {name} was allocated on another stream or device"),
+            ));
+        }
+    }
+    let workspace_stream = ops.workspace.origin.as_ref().and_then(|o| o.stream());
+    if workspace_stream.is_some_and(|stream| !site.orders(stream)) {
+        return Err(invalid(
+            call,
+            "the workspace was allocated on another stream or device".to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// The one path of a legacy convolution, whoever owns the handle: the operands checked
+/// ([`check_operands`]), the algorithm number, the workspace against what cuDNN requires, then
+/// one `cudnnConvolution*` call.
+fn convolve_on<S: Site + ?Sized, O: Origin>(
+    site: &S,
+    d: &ConvDescriptors,
+    (op, algo): (ConvOp, u32),
+    scale: (f32, f32),
+    ops: DeviceOperands<'_, '_, O>,
+) -> Result<(), CudnnError> {
+    let call = S::CONVOLVE;
+    check_operands(site, call, (&d.shapes, d.operand_spans(op)), op, &ops)?;
+    let required = site.required_workspace(d, op, algo)?;
+    let which = Algo::checked(call, op, algo)?;
+    let workspace_bytes =
+        checked_workspace_bytes(call, op, algo, required, ops.workspace.bytes, "workspace")?;
+    let pointers = CallPointers {
+        a: ops.a.ptr,
+        b: ops.b.ptr,
+        out: ops.out.ptr,
+        workspace: ops.workspace.raw_ptr(),
+        workspace_bytes,
+    };
+    site.enter()?;
+    // SAFETY (the contract of `raw_convolve`):
+    // - the handle is live and used by this thread alone (the surface is borrowed), its context
+    //   current (`enter`) and its stream the one work goes to;
+    // - `a`, `b` and `out` are device memory that stays allocated until the queued work has
+    //   finished: views borrowing mucudnn's or a framework's cudarc buffers, taken on that
+    //   stream (checked), which cudarc frees stream-ordered, or a caller's pointers under the
+    //   promise of their `unsafe` constructors; sub-views are bounds-checked; their element
+    //   counts and dtype match the descriptors (checked); `out` is borrowed mutably, so it
+    //   aliases no input (for a caller's pointers: that promise);
+    // - the workspace view covers `workspace_bytes` bytes of such memory (null exactly when
+    //   that is 0), at least what cuDNN requires for this algorithm (checked).
+    unsafe { raw_convolve(site.raw(), d, which, scale, pointers) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -847,170 +1004,31 @@ impl CudnnHandle {
         Ok(found)
     }
 
-    fn check_operands(
-        &self,
-        call: &'static str,
-        shapes: &ConvShapes,
-        expected: [usize; 3],
-        op: ConvOp,
-        operands: [(&'static str, &ViewParts<'_>); 3],
-        workspace: &WorkspaceView<'_>,
-    ) -> Result<(), CudnnError> {
-        check_operand_spans(
-            call,
-            shapes,
-            expected,
-            op,
-            operands.map(|(name, view)| (name, view.dtype, view.len)),
-        )?;
-        for (name, view) in operands {
-            if *view.stream != *self.stream {
-                return Err(invalid(
-                    call,
-                    format!("{op} operand {name} was allocated on another stream or device"),
-                ));
-            }
-        }
-        if let Some(stream) = workspace.stream {
-            if *stream != *self.stream {
-                return Err(invalid(
-                    call,
-                    "the workspace was allocated on another stream or device".to_string(),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Runs legacy algorithm `algo` of `op` on the handle's stream (asynchronously):
-    /// `out = alpha * op(a, b) + beta * out`, with operands as in
-    /// [`super::shape::operand_roles`]:
-    ///
-    /// | op | a | b | out |
-    /// |---|---|---|---|
-    /// | forward | x | w | y |
-    /// | backward-data | w | dy | dx |
-    /// | backward-filter | x | dy | dw |
-    ///
-    /// `alpha` and `beta` are host f32 for fp32, fp16 and bf16 data (cuDNN's rule: float
-    /// scaling parameters for all but double data). With `beta = 0` the output is not read;
-    /// `beta = 1` accumulates (backward-filter over micro-batches).
-    ///
-    /// Each view must have the problem's dtype and exactly the element count of its role in
-    /// `d` (so a micro-batch is a view of `d.shapes().sample_range(..)` of a full-batch buffer,
-    /// with `d` built for the micro-batch size), and be on this handle's stream; the workspace
-    /// must hold at least [`Self::workspace_size`] bytes (an empty view where that is 0).
-    /// Violations are [`CudnnError::InvalidArgument`]; an algorithm cuDNN cannot run here is a
-    /// [`CudnnError::Cudnn`] with [`CudnnError::is_not_supported`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn convolve(
-        &self,
-        d: &ConvDescriptors,
-        op: ConvOp,
-        algo: u32,
-        alpha: f32,
-        a: &DeviceView<'_>,
-        b: &DeviceView<'_>,
-        beta: f32,
-        out: &mut DeviceViewMut<'_>,
-        workspace: &mut WorkspaceView<'_>,
-    ) -> Result<(), CudnnError> {
-        const CALL: &str = "CudnnHandle::convolve";
-        let out_parts = out.parts();
-        self.check_operands(
-            CALL,
-            &d.shapes,
-            d.operand_spans(op),
-            op,
-            [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
-            workspace,
-        )?;
-        let required = self.query_workspace(d, op, algo)?;
-        let part = |name, parts: &ViewParts<'_>| (name, parts.dtype, parts.len, parts.ptr);
-        let (which, pointers) = legacy_call(
-            CALL,
-            d,
-            op,
-            algo,
-            [
-                part("a", &a.parts),
-                part("b", &b.parts),
-                part("out", &out_parts),
-            ],
-            required,
-            (workspace.raw_ptr() as u64, workspace.bytes),
-        )?;
-        self.bind()?;
-        // SAFETY (the contract of `raw_convolve`):
-        // - `self.raw` is a live handle (not `Sync`, so used by this thread alone) whose stream
-        //   is `self.stream`;
-        // - `a`, `b` and `out` point into live device allocations (the views borrow their
-        //   buffers) with exactly the element count and dtype their descriptors describe
-        //   (checked above), so cuDNN reads and writes only inside them; `out` is borrowed
-        //   mutably, so no other view aliases it;
-        // - the workspace view covers `workspace_bytes` bytes of a live allocation (or is null
-        //   with size 0), and is at least what cuDNN requires for this algorithm (checked);
-        // - all memory is on the handle's stream (checked), so the asynchronous kernel is
-        //   ordered before any later free of those buffers (cudarc frees stream-ordered).
-        unsafe { raw_convolve(self.raw, d, op, algo, which, alpha, beta, pointers) }
-    }
-
-    /// `out = value * out` over a strided view of `out`'s buffer (`dims` and `strides` in
-    /// elements; `out` spans exactly what they reach), on the handle's stream: the rows of a
-    /// spatial plan that no chunk writes get `beta * out` this way (`value = 0` writes zeros).
-    pub fn scale_view(
-        &self,
-        out: &mut DeviceViewMut<'_>,
-        dims: &[i64],
-        strides: &[i64],
-        value: f32,
-    ) -> Result<(), CudnnError> {
-        const CALL: &str = "CudnnHandle::scale_view";
-        let parts = out.parts();
-        if *parts.stream != *self.stream {
-            return Err(invalid(
-                CALL,
-                "the view was allocated on another stream or device".to_string(),
-            ));
-        }
-        let desc = fill_descriptor(CALL, parts.dtype, parts.len, dims, strides)?;
-        self.bind()?;
-        // SAFETY: the handle is live, used by this thread alone (not `Sync`), its context
-        // bound; the view borrows a live buffer on the handle's stream (checked) and spans
-        // exactly what the descriptor reaches (checked); borrowed mutably, so nothing aliases.
-        unsafe { raw_fill(self.raw, &desc, parts.ptr, value) }
-    }
-
     /// cuDNN's own benchmark of every legacy algorithm of `op` (`cudnnFind*AlgorithmEx`),
     /// fastest first. It runs each algorithm on the given buffers (overwriting `out`) and
     /// blocks until done; algorithms that need more than the workspace view are reported
-    /// with a failure status. Operand rules as for [`Self::convolve`].
-    pub fn find_algorithms(
+    /// with a failure status. Operand rules as for [`Surface::convolve`].
+    pub fn find_algorithms<'v>(
         &self,
         d: &ConvDescriptors,
         op: ConvOp,
-        a: &DeviceView<'_>,
-        b: &DeviceView<'_>,
-        out: &mut DeviceViewMut<'_>,
-        workspace: &mut WorkspaceView<'_>,
+        ops: DeviceOperands<'_, 'v, Tracked<'v>>,
     ) -> Result<Vec<FoundAlgorithm>, CudnnError> {
         const CALL: &str = "CudnnHandle::find_algorithms";
-        let out_parts = out.parts();
-        self.check_operands(
-            CALL,
-            &d.shapes,
-            d.operand_spans(op),
-            op,
-            [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
+        check_operands(self, CALL, (&d.shapes, d.operand_spans(op)), op, &ops)?;
+        let ConvOperands {
+            a,
+            b,
+            out,
             workspace,
-        )?;
+        } = ops;
         let workspace_bytes = usize::try_from(workspace.bytes)
             .map_err(|_| invalid(CALL, "workspace larger than the address space".into()))?;
         self.bind()?;
         let requested = algo_count(op) as usize;
         let mut returned: std::ffi::c_int = 0;
-        let (a_ptr, b_ptr) = (a.parts.ptr as *const c_void, b.parts.ptr as *const c_void);
-        let out_ptr = out_parts.ptr as *mut c_void;
+        let (a_ptr, b_ptr) = (a.ptr as *const c_void, b.ptr as *const c_void);
+        let out_ptr = out.ptr as *mut c_void;
         let ws_ptr = workspace.raw_ptr();
 
         /// Reads one perf entry field by field; enum fields as their `u32` representation.
@@ -1279,6 +1297,43 @@ impl Drop for HandleOwner {
     }
 }
 
+impl Site for CudnnHandle {
+    const CONVOLVE: &'static str = "CudnnHandle::convolve";
+    const EXECUTE: &'static str = "EnginePlan::execute";
+    const SCALE: &'static str = "CudnnHandle::scale_view";
+
+    fn raw(&self) -> dnn_sys::cudnnHandle_t {
+        self.raw
+    }
+
+    fn orders(&self, stream: &CudaStream) -> bool {
+        *stream == *self.stream
+    }
+
+    fn enter(&self) -> Result<(), CudnnError> {
+        self.bind()
+    }
+
+    fn required_workspace(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        algo: u32,
+    ) -> Result<u64, CudnnError> {
+        self.query_workspace(d, op, algo)
+    }
+
+    fn built(&self, plan: &EnginePlan) -> bool {
+        plan.built_on(&self.owner)
+    }
+}
+
+impl Surface for CudnnHandle {
+    fn handle(&self) -> &CudnnHandle {
+        self
+    }
+}
+
 /// A legacy algorithm and the workspace it needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AlgoWorkspace {
@@ -1306,8 +1361,7 @@ impl FoundAlgorithm {
 }
 
 /// Checks that a workspace of `have` bytes (called `what` in the message) holds the `required`
-/// bytes of `op`'s algorithm `algo`, and returns its size as cuDNN takes it. Shared by the
-/// owned and the foreign handle's `convolve`.
+/// bytes of `op`'s algorithm `algo`, and returns its size as cuDNN takes it.
 fn checked_workspace_bytes(
     call: &'static str,
     op: ConvOp,

@@ -33,7 +33,9 @@
 //! # Use
 //!
 //! ```no_run
-//! use mucudnn::backend::cudnn::{CudnnHandle, ConvDescriptors, Operand, WorkspaceView};
+//! use mucudnn::backend::cudnn::{
+//!     ConvDescriptors, CudnnHandle, DeviceOperands, Operand, Surface, WorkspaceView,
+//! };
 //! use mucudnn::solver::{ConvOp, ConvProblem};
 //!
 //! # fn main() -> Result<(), mucudnn::backend::cudnn::CudnnError> {
@@ -51,14 +53,13 @@
 //! for first in [0, 32] {
 //!     let (xo, xl) = full.shapes().sample_range(Operand::Input, first, 32).unwrap();
 //!     let (yo, yl) = full.shapes().sample_range(Operand::Output, first, 32).unwrap();
-//!     handle.convolve(
-//!         &micro, ConvOp::Forward, 1,
-//!         1.0, &x.view(xo, xl)?, &w.view_all(),
-//!         0.0, &mut y.view_mut(yo, yl)?, &mut workspace.view(),
-//!     )?;
+//!     let (xv, wv) = (x.view(xo, xl)?, w.view_all());
+//!     let (mut yv, mut wsv) = (y.view_mut(yo, yl)?, workspace.view());
+//!     let operands = DeviceOperands::new(&xv, &wv, &mut yv, &mut wsv);
+//!     handle.convolve(&micro, ConvOp::Forward, 1, 1.0, 0.0, operands)?;
 //! }
 //! let y_host = y.download()?;
-//! # let _ = (y_host, WorkspaceView::empty());
+//! # let _: (Vec<f32>, WorkspaceView) = (y_host, WorkspaceView::empty());
 //! # Ok(()) }
 //! ```
 //!
@@ -72,7 +73,9 @@
 //! need a second plan built with beta 1.
 //!
 //! ```no_run
-//! use mucudnn::backend::cudnn::{engine_configs, CudnnHandle, EnginePlan, EngineSearch, Operand};
+//! use mucudnn::backend::cudnn::{
+//!     engine_configs, CudnnHandle, DeviceOperands, EnginePlan, EngineSearch, Operand,
+//! };
 //! use mucudnn::backend::cudnn::ConvShapes;
 //! use mucudnn::solver::{ConvOp, ConvProblem};
 //!
@@ -98,8 +101,9 @@
 //!     for first in [0, 32] {
 //!         let (xo, xl) = full.sample_range(Operand::Input, first, 32).unwrap();
 //!         let (yo, yl) = full.sample_range(Operand::Output, first, 32).unwrap();
-//!         plan.execute(&handle, &x.view(xo, xl)?, &w.view_all(),
-//!                      &mut y.view_mut(yo, yl)?, &mut workspace.view())?;
+//!         let (xv, wv) = (x.view(xo, xl)?, w.view_all());
+//!         let (mut yv, mut wsv) = (y.view_mut(yo, yl)?, workspace.view());
+//!         plan.execute(&handle, DeviceOperands::new(&xv, &wv, &mut yv, &mut wsv))?;
 //!     }
 //!     Ok(())
 //! })?;
@@ -113,14 +117,17 @@
 //! call. The contract that cuDNN's raw pointers need is enforced by construction and checked
 //! at run time (see the `ffi` module docs):
 //! device pointers exist only inside views that borrow a live buffer and were bounds-checked;
-//! [`CudnnHandle::convolve`] checks dtype, exact element count against the descriptor,
-//! stream, and workspace size before calling cuDNN; work is stream-ordered with frees.
+//! every call ([`Surface::convolve`], [`EnginePlan::execute`]) checks dtype, exact element
+//! count against the descriptor, stream, and workspace size before calling cuDNN; work is
+//! stream-ordered with frees.
 //! What remains the caller's business is *meaning*, not memory safety: which micro-batch
 //! range goes with which descriptors, and `beta` (0 overwrites, 1 accumulates).
 //!
-//! The C ABI's foreign objects ([`ForeignHandle`], [`RawDeviceView`], [`RawDeviceViewMut`],
-//! the `read_*_descriptor` functions) are the exception: a C caller's handle, descriptors and
-//! pointers can only be trusted, not proven, so their constructors are `unsafe fn`s whose
+//! The C ABI's foreign objects ([`ForeignHandle`], views of a caller's pointers
+//! ([`RawDeviceView`], [`RawDeviceViewMut`], [`RawWorkspace`]) or of a framework's cudarc
+//! buffers ([`DeviceView::from_cudarc`]), the `read_*_descriptor` functions) are the exception:
+//! a caller's handle, descriptors and pointers can only be trusted, not proven, so their
+//! constructors are `unsafe fn`s whose
 //! `# Safety` sections are the contract `include/mucudnn.h` states. What can be checked is
 //! checked: null pointers, one libcudnn per process, operand memory that CUDA knows on the
 //! right GPU, overlapping outputs, element counts and workspace sizes.
@@ -140,14 +147,11 @@ pub use engine_search::{
     DEFAULT_MAX_CANDIDATES, MAX_VALUES_PER_KNOB,
 };
 pub use error::CudnnError;
-/// One candle layer's cuDNN state on a GPU, run on candle's stream over its buffers.
-#[cfg(feature = "candle-cuda")]
-pub use ffi::CandleLayerDevice;
 pub use ffi::{
     algo_count, algo_name, cudnn_version, library_status, probe, AlgoWorkspace, ConvDescriptors,
-    ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, DeviceView, DeviceViewMut,
-    FilterDescriptor, FoundAlgorithm, GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor,
-    Workspace, WorkspaceView, CUDNN_MAJOR, MIN_DRIVER_VERSION,
+    ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, FilterDescriptor, FoundAlgorithm,
+    GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor, Workspace, CUDNN_MAJOR,
+    MIN_DRIVER_VERSION,
 };
 #[doc(hidden)]
 pub use ffi::{
@@ -161,7 +165,7 @@ pub use ffi::{
     check_one_libcudnn, read_convolution_descriptor, read_filter_descriptor,
     read_tensor_descriptor, save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard,
     DataTypeCode, DropInCallerContext, FilterDescriptorInfo, ForeignHandle, ForeignSession,
-    ForeignWorkspace, RawDeviceView, RawDeviceViewMut, TensorDescriptorInfo,
+    ForeignWorkspace, TensorDescriptorInfo,
 };
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
 /// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
@@ -177,8 +181,15 @@ pub use ffi::{
     engine_configs_on_device, plan_on_device, DeviceDescription, DevicePlan,
     DEVICE_DESCRIPTION_MIN_VERSION,
 };
+/// One call surface ([`Surface`]: mucudnn's handle, or a session on a caller's stream), one
+/// view type per access over every source of a pointer ([`Origin`]), and a call's operands by
+/// role ([`ConvOperands`]).
+pub use ffi::{
+    ConvOperands, DeviceOperands, DeviceView, DeviceViewMut, Origin, Raw, RawDeviceView,
+    RawDeviceViewMut, RawWorkspace, Surface, Tracked, WorkspaceView,
+};
 /// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
-pub use ffi::{RawWorkspace, StreamFence, StreamKey, StreamSession};
+pub use ffi::{StreamFence, StreamKey, StreamSession};
 pub use graph_params::{Alignments, ChunkShapes};
 pub use shape::{operand_roles, ConvShapes, Nd, Operand};
 
@@ -368,11 +379,13 @@ mod tests {
                     op,
                     algo,
                     1.0,
-                    &a.view_all(),
-                    &b.view_all(),
                     0.0,
-                    &mut out.view_all_mut(),
-                    &mut ws.view(),
+                    DeviceOperands::new(
+                        &a.view_all(),
+                        &b.view_all(),
+                        &mut out.view_all_mut(),
+                        &mut ws.view(),
+                    ),
                 );
                 match result {
                     Ok(()) => {}
@@ -441,11 +454,13 @@ mod tests {
                 ConvOp::Forward,
                 0,
                 1.0,
-                &x.view_all(),
-                &w.view_all(),
                 0.0,
-                &mut y.view_all_mut(),
-                &mut ws.view(),
+                DeviceOperands::new(
+                    &x.view_all(),
+                    &w.view_all(),
+                    &mut y.view_all_mut(),
+                    &mut ws.view(),
+                ),
             )
             .unwrap();
         let reference =
@@ -458,11 +473,13 @@ mod tests {
             ConvOp::Forward,
             0,
             1.0,
-            &w.view_all(),
-            &x.view_all(),
             0.0,
-            &mut y.view_all_mut(),
-            &mut ws.view(),
+            DeviceOperands::new(
+                &w.view_all(),
+                &x.view_all(),
+                &mut y.view_all_mut(),
+                &mut ws.view(),
+            ),
         );
         assert!(matches!(swapped, Err(CudnnError::InvalidArgument { .. })));
     }
@@ -567,11 +584,13 @@ mod tests {
                         op,
                         0,
                         1.0,
-                        &x_view,
-                        &w.view_all(),
                         0.0,
-                        &mut y.view_mut(yo, yl).unwrap(),
-                        &mut ws.view(),
+                        DeviceOperands::new(
+                            &x_view,
+                            &w.view_all(),
+                            &mut y.view_mut(yo, yl).unwrap(),
+                            &mut ws.view(),
+                        ),
                     ),
                     // dw accumulates over micro-batches: beta = 0 first, then 1.
                     _ => handle.convolve(
@@ -579,11 +598,13 @@ mod tests {
                         op,
                         0,
                         1.0,
-                        &x_view,
-                        &dy.view(yo, yl).unwrap(),
                         if i == 0 { 0.0 } else { 1.0 },
-                        &mut dw.view_all_mut(),
-                        &mut ws.view(),
+                        DeviceOperands::new(
+                            &x_view,
+                            &dy.view(yo, yl).unwrap(),
+                            &mut dw.view_all_mut(),
+                            &mut ws.view(),
+                        ),
                     ),
                 }
                 .unwrap();
@@ -603,14 +624,16 @@ mod tests {
             ConvOp::Forward,
             0,
             1.0,
-            &x.view(0, shapes.elements_per_sample(Operand::Input) * 3)
-                .unwrap(),
-            &w.view_all(),
             0.0,
-            &mut y
-                .view_mut(0, shapes.elements_per_sample(Operand::Output) * 2)
-                .unwrap(),
-            &mut WorkspaceView::empty(),
+            DeviceOperands::new(
+                &x.view(0, shapes.elements_per_sample(Operand::Input) * 3)
+                    .unwrap(),
+                &w.view_all(),
+                &mut y
+                    .view_mut(0, shapes.elements_per_sample(Operand::Output) * 2)
+                    .unwrap(),
+                &mut WorkspaceView::empty(),
+            ),
         );
         assert!(matches!(wrong, Err(CudnnError::InvalidArgument { .. })));
         assert!(x.view(1, x.len()).is_err());
@@ -666,11 +689,8 @@ mod tests {
                         ConvOp::Forward,
                         1,
                         1.0,
-                        &xv,
-                        &wv,
                         0.0,
-                        &mut yv,
-                        &mut wsv,
+                        DeviceOperands::new(&xv, &wv, &mut yv, &mut wsv),
                     )?;
                 }
                 Ok(())
@@ -684,10 +704,7 @@ mod tests {
             .find_algorithms(
                 &d,
                 ConvOp::Forward,
-                &xv,
-                &wv,
-                &mut y.view_all_mut(),
-                &mut big.view(),
+                DeviceOperands::new(&xv, &wv, &mut y.view_all_mut(), &mut big.view()),
             )
             .unwrap();
         println!("{found:#?}");

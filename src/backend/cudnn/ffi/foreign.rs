@@ -13,7 +13,9 @@
 //! - that every operand's first and last byte is device memory CUDA knows, on the handle's
 //!   GPU, and that the output overlaps no input ([`ForeignSession::check_memory`]);
 //! - dtype and exact element count of every operand against the descriptors mucudnn runs
-//!   with, and the workspace size against cuDNN's query ([`ForeignSession::convolve`]).
+//!   with, and the workspace size against cuDNN's query ([`ForeignSession::convolve`], through
+//!   the wall's one call path), and that the workspace is of the stream's context
+//!   ([`ForeignSession::workspace`]).
 //!
 //! Work runs on the caller's stream and handle: a [`ForeignSession`] makes the stream's CUDA
 //! context current and sets the stream on the caller's cuDNN handle for its lifetime, and puts
@@ -21,8 +23,9 @@
 //! ([`ForeignWorkspace`]), lives in the stream's context.
 
 use super::{
-    cudnn, driver, drv_err, invalid, legacy_call, math_mode_from_raw, raw_convolve,
-    raw_workspace_size, Algo, ConvDescriptors, CudnnError, Nd,
+    convolve_on, cudnn, driver, drv_err, invalid, math_mode_from_raw, raw_workspace_size, Algo,
+    ConvDescriptors, CudnnError, DeviceOperands, Nd, Origin, Raw, RawDeviceView, RawDeviceViewMut,
+    RawWorkspace, Site,
 };
 use crate::backend::cudnn::shape::MAX_DIMS;
 use crate::solver::{ConvOp, DType, Layout, MathMode};
@@ -32,7 +35,6 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::io::Write;
-use std::marker::PhantomData;
 use std::ptr;
 
 /// Reports a failed clean-up from a `Drop` impl without panicking.
@@ -449,181 +451,6 @@ unsafe fn stream_device(
 // ---------------------------------------------------------------------------------------------
 // Device memory
 
-/// A caller's device memory, read-only: `len` elements of `dtype` at a raw device address,
-/// valid for `'a` by the promise made to [`RawDeviceView::new`]. Sub-views are bounds-checked.
-#[derive(Debug)]
-pub struct RawDeviceView<'a> {
-    ptr: u64,
-    len: usize,
-    dtype: DType,
-    _memory: PhantomData<&'a [u8]>,
-}
-
-/// A caller's device memory, writable; see [`RawDeviceView`]. Not `Clone`, and sub-views borrow
-/// it mutably, so two writable views of one range never coexist.
-#[derive(Debug)]
-pub struct RawDeviceViewMut<'a> {
-    ptr: u64,
-    len: usize,
-    dtype: DType,
-    _memory: PhantomData<&'a mut [u8]>,
-}
-
-fn check_raw(call: &'static str, ptr: u64, len: usize, dtype: DType) -> Result<(), CudnnError> {
-    if ptr == 0 {
-        return Err(invalid(call, "the device pointer is NULL".into()));
-    }
-    let bytes = len
-        .checked_mul(dtype.size_bytes())
-        .filter(|&bytes| bytes > 0)
-        .ok_or_else(|| invalid(call, format!("{len} {dtype} elements is not a valid size")))?;
-    ptr.checked_add(bytes as u64).ok_or_else(|| {
-        invalid(
-            call,
-            format!("{len} {dtype} elements at {ptr:#x} wrap around"),
-        )
-    })?;
-    Ok(())
-}
-
-fn check_slice(
-    call: &'static str,
-    whole: usize,
-    offset: usize,
-    len: usize,
-) -> Result<(), CudnnError> {
-    match offset.checked_add(len) {
-        Some(end) if len > 0 && end <= whole => Ok(()),
-        _ => Err(invalid(
-            call,
-            format!(
-                "elements [{offset}, {offset} + {len}) are not a non-empty range of a view of \
-                 {whole} elements"
-            ),
-        )),
-    }
-}
-
-impl<'a> RawDeviceView<'a> {
-    /// A view of `len` elements of `dtype` at `ptr`. A null pointer or an empty or overflowing
-    /// size is an error.
-    ///
-    /// # Safety
-    ///
-    /// For all of `'a`: `ptr` is the address of `len` consecutive `dtype` elements of device
-    /// memory that the GPU of the handle the view is used with can read (cudaMalloc or
-    /// cuMemAlloc memory, a block of a caching allocator, managed or mapped memory); it stays
-    /// allocated until the work queued with the view has finished, and nothing writes to it
-    /// while that work runs.
-    pub unsafe fn new(ptr: *const c_void, len: usize, dtype: DType) -> Result<Self, CudnnError> {
-        let address = ptr as u64;
-        check_raw("RawDeviceView::new", address, len, dtype)?;
-        Ok(RawDeviceView {
-            ptr: address,
-            len,
-            dtype,
-            _memory: PhantomData,
-        })
-    }
-
-    /// Elements `[offset, offset + len)`.
-    pub fn slice(&self, offset: usize, len: usize) -> Result<RawDeviceView<'_>, CudnnError> {
-        check_slice("RawDeviceView::slice", self.len, offset, len)?;
-        Ok(RawDeviceView {
-            ptr: self.ptr + (offset * self.dtype.size_bytes()) as u64,
-            len,
-            dtype: self.dtype,
-            _memory: PhantomData,
-        })
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: views have at least one element.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// The device address, for messages.
-    pub fn address(&self) -> u64 {
-        self.ptr
-    }
-
-    fn byte_range(&self) -> (u64, u64) {
-        (
-            self.ptr,
-            self.ptr + (self.len * self.dtype.size_bytes()) as u64,
-        )
-    }
-}
-
-impl<'a> RawDeviceViewMut<'a> {
-    /// A writable view of `len` elements of `dtype` at `ptr`. A null pointer or an empty or
-    /// overflowing size is an error.
-    ///
-    /// # Safety
-    ///
-    /// As for [`RawDeviceView::new`], and in addition: the memory is writable by the GPU, and
-    /// for all of `'a` nothing else reads or writes it while work queued with the view runs
-    /// (in particular, no other view given to the same call overlaps it).
-    pub unsafe fn new(ptr: *mut c_void, len: usize, dtype: DType) -> Result<Self, CudnnError> {
-        let address = ptr as u64;
-        check_raw("RawDeviceViewMut::new", address, len, dtype)?;
-        Ok(RawDeviceViewMut {
-            ptr: address,
-            len,
-            dtype,
-            _memory: PhantomData,
-        })
-    }
-
-    /// Elements `[offset, offset + len)`, borrowing this view mutably.
-    pub fn slice_mut(
-        &mut self,
-        offset: usize,
-        len: usize,
-    ) -> Result<RawDeviceViewMut<'_>, CudnnError> {
-        check_slice("RawDeviceViewMut::slice_mut", self.len, offset, len)?;
-        Ok(RawDeviceViewMut {
-            ptr: self.ptr + (offset * self.dtype.size_bytes()) as u64,
-            len,
-            dtype: self.dtype,
-            _memory: PhantomData,
-        })
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: views have at least one element.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// The device address, for messages.
-    pub fn address(&self) -> u64 {
-        self.ptr
-    }
-
-    fn byte_range(&self) -> (u64, u64) {
-        (
-            self.ptr,
-            self.ptr + (self.len * self.dtype.size_bytes()) as u64,
-        )
-    }
-}
-
 /// Device scratch memory that mucudnn allocates for a caller's handle, in the context of the
 /// handle's stream. Dropping it waits for that context's work (the workspace may still be in
 /// use on any stream the handle has had) and frees it, unless work using it was captured into
@@ -1025,55 +852,77 @@ impl ForeignSession<'_> {
     }
 
     /// Runs legacy algorithm `algo` of `op` on the caller's handle and stream (asynchronously):
-    /// `out = alpha * op(a, b) + beta * out`, operands as in [`super::CudnnHandle::convolve`],
+    /// `out = alpha * op(a, b) + beta * out`, operands as for [`super::Surface::convolve`],
     /// each with exactly the dtype and element count `d` describes for its role, and the
     /// workspace at least what cuDNN asks for (checked; violations are
     /// [`CudnnError::InvalidArgument`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn convolve(
+    pub fn convolve<O: Origin>(
         &self,
         d: &ConvDescriptors,
         op: ConvOp,
         algo: u32,
         alpha: f32,
-        a: &RawDeviceView<'_>,
-        b: &RawDeviceView<'_>,
         beta: f32,
-        out: &mut RawDeviceViewMut<'_>,
-        workspace: &mut ForeignWorkspace,
+        operands: DeviceOperands<'_, '_, O>,
     ) -> Result<(), CudnnError> {
-        const CALL: &str = "ForeignSession::convolve";
-        if workspace.ptr != 0 && workspace.context != self.handle.context {
+        convolve_on(self, d, (op, algo), (alpha, beta), operands)
+    }
+
+    /// `workspace` as the workspace of this session's calls: it must have been allocated in the
+    /// context of the handle's stream (checked).
+    pub fn workspace<'w>(
+        &self,
+        workspace: &'w mut ForeignWorkspace,
+    ) -> Result<RawWorkspace<'w>, CudnnError> {
+        if workspace.ptr == 0 {
+            return Ok(RawWorkspace::empty());
+        }
+        if workspace.context != self.handle.context {
             return Err(invalid(
-                CALL,
+                Self::CONVOLVE,
                 "the workspace belongs to another CUDA context".into(),
             ));
         }
-        let required = self.query_workspace(d, op, algo)?;
-        let (which, pointers) = legacy_call(
-            CALL,
-            d,
-            op,
-            algo,
-            [
-                ("a", a.dtype, a.len, a.ptr),
-                ("b", b.dtype, b.len, b.ptr),
-                ("out", out.dtype, out.len, out.ptr),
-            ],
-            required,
-            (workspace.ptr, workspace.bytes),
-        )?;
-        // SAFETY (the contract of `raw_convolve`):
-        // - the caller's handle is live and used by this thread alone, and the session has set
-        //   the handle's stream, whose context is current (the contract of `ForeignHandle::new`);
-        // - `a`, `b` and `out` are device memory valid for the views' lifetimes, readable
-        //   (writable for `out`, which overlaps no input): the contracts of
-        //   `RawDeviceView::new` and `RawDeviceViewMut::new`, with sub-views bounds-checked;
-        //   their element counts and dtype match the descriptors (checked above);
-        // - the workspace is a live allocation of `workspace_bytes` bytes in this context (or
-        //   null and 0), at least what cuDNN requires (checked above), freed only after the
-        //   context has finished its work.
-        unsafe { raw_convolve(self.handle.cudnn, d, op, algo, which, alpha, beta, pointers) }
+        // The allocation lives as long as `workspace` (freed on drop after its context's work
+        // has finished), which the view borrows mutably.
+        Ok(RawWorkspace::with_origin(
+            workspace.ptr,
+            workspace.bytes,
+            Raw,
+        ))
+    }
+}
+
+impl Site for ForeignSession<'_> {
+    const CONVOLVE: &'static str = "ForeignSession::convolve";
+    const EXECUTE: &'static str = "ForeignSession::execute_engine";
+    const SCALE: &'static str = "ForeignSession::scale_view";
+
+    fn raw(&self) -> dnn_sys::cudnnHandle_t {
+        self.handle.cudnn
+    }
+
+    fn orders(&self, stream: &cudarc::driver::CudaStream) -> bool {
+        stream.cu_stream() == self.handle.stream
+    }
+
+    fn enter(&self) -> Result<(), CudnnError> {
+        // `activate` made the stream's context current and set the stream on the handle.
+        Ok(())
+    }
+
+    fn required_workspace(
+        &self,
+        d: &ConvDescriptors,
+        op: ConvOp,
+        algo: u32,
+    ) -> Result<u64, CudnnError> {
+        self.query_workspace(d, op, algo)
+    }
+
+    fn built(&self, _plan: &super::EnginePlan) -> bool {
+        // Engine plans are built on mucudnn's own handles only.
+        false
     }
 }
 

@@ -36,15 +36,15 @@
 //!   [`EnginePlan`] keeps its whole chain and a share of the handle's owner, so the handle
 //!   outlives the plan; before destroying its descriptors it waits for the stream, so no queued
 //!   kernel outlives the plan's resources.
-//! - **Execution.** [`EnginePlan::execute`] applies the checks of `CudnnHandle::convolve`
+//! - **Execution.** [`EnginePlan::execute`] applies the checks of `Surface::convolve`
 //!   (dtype and exact element count of every view against the plan's problem, every buffer on
 //!   the handle's stream, workspace at least the plan's size, the same handle as the plan),
 //!   plus alignment: each pointer must be aligned as its tensor descriptor declared
 //!   ([`CudnnError::Misaligned`] otherwise) and the workspace to [`WORKSPACE_ALIGNMENT`].
 
 use super::{
-    compute_type, cudnn, data_type, invalid, missing_cudnn_symbols, warn_drop, CudnnError,
-    CudnnHandle, DeviceView, DeviceViewMut, HandleOwner, RestoreAfterFields, WorkspaceView,
+    check_operands, compute_type, cudnn, data_type, invalid, missing_cudnn_symbols, warn_drop,
+    CudnnError, CudnnHandle, DeviceOperands, HandleOwner, Origin, RestoreAfterFields, Surface,
 };
 use crate::backend::cudnn::engine_name::EngineConfig;
 use crate::backend::cudnn::engine_search::{
@@ -1616,7 +1616,6 @@ impl EnginePlan {
     /// the split axis padded by the chunk's own paddings, the tensors declaring `alignments`
     /// (at least what holds where the chunk runs: [`ChunkShapes::alignments`]). Executed on
     /// views of [`ChunkShapes::range`]. Errors as [`Self::new`].
-    #[allow(clippy::too_many_arguments)]
     pub fn for_chunk(
         handle: &CudnnHandle,
         chunk: &ChunkShapes,
@@ -1708,8 +1707,9 @@ impl EnginePlan {
         self.graph.params.alignments()
     }
 
-    /// Queues the plan on `handle`'s stream (asynchronously): `out = alpha * op(a, b) + beta *
-    /// out` with the plan's alpha and beta, operands as for `CudnnHandle::convolve`:
+    /// Queues the plan on `on`'s stream (asynchronously: mucudnn's handle on its own stream, or
+    /// a [`super::StreamSession`] on a caller's): `out = alpha * op(a, b) + beta * out` with the
+    /// plan's alpha and beta, operands as for `Surface::convolve`:
     ///
     /// | op | a | b | out |
     /// |---|---|---|---|
@@ -1718,56 +1718,49 @@ impl EnginePlan {
     /// | backward-filter | x | dy | dw |
     ///
     /// Views may be micro-batch ranges of full-batch buffers (`sample_range`). Checked first,
-    /// as [`CudnnHandle::convolve`] does: `handle` is the one the plan was built on, every
+    /// as `Surface::convolve` does: `on`'s handle is the one the plan was built on, every
     /// view has the problem's dtype and exactly the element count of its role at the plan's
-    /// batch size, every buffer is on the handle's stream, the workspace holds at least
-    /// [`Self::workspace_bytes`]; and every pointer is aligned as the plan declared
-    /// ([`CudnnError::Misaligned`]). The variant pack is built per call (cheap).
-    pub fn execute(
+    /// batch size, every pointer whose stream is known was taken on the stream the work goes
+    /// to, the workspace holds at least [`Self::workspace_bytes`]; and every pointer is aligned
+    /// as the plan declared ([`CudnnError::Misaligned`]). The variant pack is built per call
+    /// (cheap).
+    pub fn execute<S: Surface, O: Origin>(
         &self,
-        handle: &CudnnHandle,
-        a: &DeviceView<'_>,
-        b: &DeviceView<'_>,
-        out: &mut DeviceViewMut<'_>,
-        workspace: &mut WorkspaceView<'_>,
+        on: &S,
+        ops: DeviceOperands<'_, '_, O>,
     ) -> Result<(), CudnnError> {
-        const CALL: &str = "EnginePlan::execute";
+        let call = S::EXECUTE;
         let op = self.op();
-        if !Rc::ptr_eq(&self.owner, &handle.owner) {
+        if !on.built(self) {
             return Err(invalid(
-                CALL,
+                call,
                 format!("the plan {} was built on another cuDNN handle", self.config),
             ));
         }
-        let out_parts = out.parts();
-        handle.check_operands(
-            CALL,
-            self.shapes(),
-            self.operand_spans(),
-            op,
-            [("a", &a.parts), ("b", &b.parts), ("out", &out_parts)],
-            workspace,
-        )?;
-        if workspace.bytes < self.workspace_bytes {
+        check_operands(on, call, (self.shapes(), self.operand_spans()), op, &ops)?;
+        if ops.workspace.bytes < self.workspace_bytes {
             return Err(invalid(
-                CALL,
+                call,
                 format!(
                     "{op} engine {} needs {} workspace bytes, the workspace view has {}",
-                    self.config, self.workspace_bytes, workspace.bytes
+                    self.config, self.workspace_bytes, ops.workspace.bytes
                 ),
             ));
         }
-        let addresses = [a.parts.ptr, b.parts.ptr, out_parts.ptr];
-        let workspace_ptr = workspace.raw_ptr();
-        self.check_alignment(CALL, addresses, workspace_ptr)?;
-        handle.bind()?;
-        // SAFETY: the handle is live (this plan holds its owner) and is the plan's handle
-        // (checked), used by this thread alone (not `Sync`), its context bound; its stream is
-        // the views' stream (checked). The views borrow live buffers holding exactly the
-        // plan's element counts and dtype in the roles `operand_uids(op)` gives them (checked),
-        // aligned as declared (checked); `out` is borrowed mutably, so it aliases no input. The
-        // workspace view covers at least the plan's workspace bytes (checked), or is null when
-        // the plan needs none. Work is queued on the stream that frees those buffers.
+        let addresses = [ops.a.ptr, ops.b.ptr, ops.out.ptr];
+        let workspace_ptr = ops.workspace.raw_ptr();
+        self.check_alignment(call, addresses, workspace_ptr)?;
+        on.enter()?;
+        // SAFETY (the contract of `launch`): the handle is live (this plan holds its owner)
+        // and is the plan's handle (checked), used by this thread alone (the surface is
+        // borrowed), its context current (`enter`) and its stream the one the work goes to.
+        // The views are device memory that stays allocated until the queued work has finished
+        // (borrowed cudarc buffers taken on that stream, checked, which cudarc frees
+        // stream-ordered, or a caller's pointers under the promise of their `unsafe`
+        // constructors), holding exactly the plan's element counts and dtype in the roles
+        // `operand_uids(op)` gives them (checked), aligned as declared (checked); `out` is
+        // borrowed mutably, so it aliases no input. The workspace view covers at least the
+        // plan's workspace bytes (checked), or is null when the plan needs none.
         unsafe { self.launch(addresses, workspace_ptr) }
     }
 

@@ -1,4 +1,5 @@
-//! Device memory owned by mucudnn on a handle's stream: [`DeviceBuffer`] and its checked views,
+//! Device memory owned by mucudnn on a handle's stream: [`DeviceBuffer`] and its checked views
+//! ([`super::view`]),
 //! the algorithms' [`Workspace`], and [`GpuTimer`] (CUDA events) for timing on the stream.
 
 use super::*;
@@ -33,69 +34,6 @@ impl std::fmt::Debug for DeviceBuffer {
             .field("dtype", &self.dtype)
             .field("len", &self.len)
             .finish_non_exhaustive()
-    }
-}
-
-/// What the wall needs to know about a view: where, how much, what, on which stream.
-pub(super) struct ViewParts<'a> {
-    pub(super) ptr: u64,
-    pub(super) len: usize,
-    pub(super) dtype: DType,
-    pub(super) stream: &'a CudaStream,
-}
-
-/// A read-only window `[offset, offset + len)` (in elements) of a [`DeviceBuffer`]; it
-/// borrows the buffer. Made only by [`DeviceBuffer::view`], which checks the range.
-pub struct DeviceView<'a> {
-    pub(super) parts: ViewParts<'a>,
-    /// Records the buffer's read event on drop (after the work using the view is issued).
-    _sync: SyncOnDrop<'a>,
-}
-
-/// A writable window of a [`DeviceBuffer`]; it borrows the buffer mutably, so nothing else
-/// reads or writes the buffer meanwhile. Made only by [`DeviceBuffer::view_mut`].
-pub struct DeviceViewMut<'a> {
-    ptr: u64,
-    len: usize,
-    dtype: DType,
-    stream: &'a CudaStream,
-    _sync: SyncOnDrop<'a>,
-}
-
-impl DeviceViewMut<'_> {
-    pub(super) fn parts(&self) -> ViewParts<'_> {
-        ViewParts {
-            ptr: self.ptr,
-            len: self.len,
-            dtype: self.dtype,
-            stream: self.stream,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-}
-
-impl DeviceView<'_> {
-    pub fn len(&self) -> usize {
-        self.parts.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.parts.len == 0
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.parts.dtype
     }
 }
 
@@ -143,55 +81,37 @@ impl DeviceBuffer {
     pub fn view(&self, offset: usize, len: usize) -> Result<DeviceView<'_>, CudnnError> {
         let byte_offset = self.check_range("DeviceBuffer::view", offset, len)?;
         let (base, sync) = self.data.device_ptr(&self.stream);
-        Ok(DeviceView {
-            parts: ViewParts {
-                ptr: base + byte_offset,
-                len,
-                dtype: self.dtype,
-                stream: &self.stream,
-            },
-            _sync: sync,
-        })
+        Ok(DeviceView::with_origin(
+            base + byte_offset,
+            len,
+            self.dtype,
+            Tracked::new(&self.stream, sync),
+        ))
     }
 
     /// The whole buffer, read-only.
     pub fn view_all(&self) -> DeviceView<'_> {
         let (base, sync) = self.data.device_ptr(&self.stream);
-        DeviceView {
-            parts: ViewParts {
-                ptr: base,
-                len: self.len,
-                dtype: self.dtype,
-                stream: &self.stream,
-            },
-            _sync: sync,
-        }
+        DeviceView::with_origin(base, self.len, self.dtype, Tracked::new(&self.stream, sync))
     }
 
     /// Elements `[offset, offset + len)`, writable.
     pub fn view_mut(&mut self, offset: usize, len: usize) -> Result<DeviceViewMut<'_>, CudnnError> {
         let byte_offset = self.check_range("DeviceBuffer::view_mut", offset, len)?;
         let (base, sync) = self.data.device_ptr_mut(&self.stream);
-        Ok(DeviceViewMut {
-            ptr: base + byte_offset,
+        Ok(DeviceViewMut::with_origin(
+            base + byte_offset,
             len,
-            dtype: self.dtype,
-            stream: &self.stream,
-            _sync: sync,
-        })
+            self.dtype,
+            Tracked::new(&self.stream, sync),
+        ))
     }
 
     /// The whole buffer, writable.
     pub fn view_all_mut(&mut self) -> DeviceViewMut<'_> {
-        let len = self.len;
+        let (len, dtype) = (self.len, self.dtype);
         let (base, sync) = self.data.device_ptr_mut(&self.stream);
-        DeviceViewMut {
-            ptr: base,
-            len,
-            dtype: self.dtype,
-            stream: &self.stream,
-            _sync: sync,
-        }
+        DeviceViewMut::with_origin(base, len, dtype, Tracked::new(&self.stream, sync))
     }
 
     /// Copies the buffer to the host (waiting for the work issued before), as f32.
@@ -243,40 +163,6 @@ impl std::fmt::Debug for Workspace {
     }
 }
 
-/// A byte range of a [`Workspace`] (or no workspace at all), borrowed mutably.
-pub struct WorkspaceView<'a> {
-    ptr: u64,
-    pub(super) bytes: u64,
-    pub(super) stream: Option<&'a CudaStream>,
-    _sync: Option<SyncOnDrop<'a>>,
-}
-
-impl WorkspaceView<'static> {
-    /// No workspace: for algorithms that need 0 bytes.
-    pub fn empty() -> Self {
-        WorkspaceView {
-            ptr: 0,
-            bytes: 0,
-            stream: None,
-            _sync: None,
-        }
-    }
-}
-
-impl WorkspaceView<'_> {
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    pub(super) fn raw_ptr(&self) -> *mut c_void {
-        if self.bytes == 0 {
-            std::ptr::null_mut()
-        } else {
-            self.ptr as *mut c_void
-        }
-    }
-}
-
 impl Workspace {
     pub fn bytes(&self) -> u64 {
         self.bytes
@@ -289,12 +175,7 @@ impl Workspace {
             None => WorkspaceView::empty(),
             Some(data) => {
                 let (ptr, sync) = data.device_ptr_mut(&self.stream);
-                WorkspaceView {
-                    ptr,
-                    bytes,
-                    stream: Some(&self.stream),
-                    _sync: Some(sync),
-                }
+                WorkspaceView::with_origin(ptr, bytes, Tracked::new(&self.stream, sync))
             }
         }
     }
@@ -317,10 +198,7 @@ impl Workspace {
         if bytes == 0 {
             return Ok(WorkspaceView::empty());
         }
-        let mut whole = self.view();
-        whole.ptr += offset;
-        whole.bytes = bytes;
-        Ok(whole)
+        Ok(self.view().narrowed(offset, bytes))
     }
 }
 

@@ -3,8 +3,8 @@
 //!
 //! A framework such as PyTorch owns the stream its work is ordered on and the memory (tensors
 //! and the workspace, from its caching allocator). mucudnn keeps its own [`CudnnHandle`] per
-//! GPU, on which it builds descriptors and engine execution plans once
-//! ([`crate::exec::cudnn::PreparedPlan`]); for each call, a [`StreamSession`] points that
+//! GPU, on which it builds descriptors and engine execution plans once (the executor's
+//! prepared plans); for each call, a [`StreamSession`] points that
 //! handle at the caller's stream (`cudnnSetStream`) and puts the handle's own stream back when
 //! dropped. Execution is asynchronous on the caller's stream, with no host synchronisation.
 //!
@@ -23,69 +23,14 @@
 //! decision itself is plain Rust in `exec/teardown.rs`.
 
 use super::{
-    check_operand_spans, dnn_err, fill_descriptor, invalid, legacy_call, raw_convolve, raw_fill,
-    save_current_context, ConvDescriptors, CudnnError, CudnnHandle, CurrentContextGuard,
-    EnginePlan, RawDeviceView, RawDeviceViewMut, RestoreAfterFields,
+    dnn_err, dnn_sys, invalid, save_current_context, ConvDescriptors, CudaStream, CudnnError,
+    CudnnHandle, CurrentContextGuard, EnginePlan, RestoreAfterFields, Site, Surface,
 };
 use super::{drv, drv_err, drv_sys, Arc, CudaContext};
 use crate::solver::ConvOp;
 use cudarc::cudnn::result as dnn;
 use std::ffi::c_void;
 use std::io::Write;
-use std::marker::PhantomData;
-
-/// A caller's device scratch memory, borrowed for a call: `bytes` writable bytes at a raw
-/// address (null with 0 bytes for none). Micro-batches of one call share it.
-#[derive(Debug)]
-pub struct RawWorkspace<'a> {
-    ptr: u64,
-    bytes: u64,
-    _memory: PhantomData<&'a mut [u8]>,
-}
-
-impl RawWorkspace<'static> {
-    /// No workspace (for plans that need none).
-    pub fn empty() -> Self {
-        RawWorkspace {
-            ptr: 0,
-            bytes: 0,
-            _memory: PhantomData,
-        }
-    }
-}
-
-impl<'a> RawWorkspace<'a> {
-    /// `bytes` bytes at `ptr`. Null with a non-zero size, or a range that wraps around, is an
-    /// error.
-    ///
-    /// # Safety
-    ///
-    /// When `bytes > 0`: for all of `'a`, `ptr` is the address of `bytes` bytes of device
-    /// memory that the GPU of the session's handle can write, that nothing else uses while the
-    /// work queued with it runs, and that stays allocated until that work has finished.
-    pub unsafe fn new(ptr: *mut c_void, bytes: u64) -> Result<Self, CudnnError> {
-        let address = ptr as u64;
-        if bytes > 0 && (address == 0 || address.checked_add(bytes).is_none()) {
-            return Err(invalid(
-                "RawWorkspace::new",
-                format!("{bytes} workspace bytes at {address:#x} are not a valid range"),
-            ));
-        }
-        Ok(RawWorkspace {
-            ptr: if bytes == 0 { 0 } else { address },
-            bytes,
-            _memory: PhantomData,
-        })
-    }
-
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    fn raw_ptr(&self) -> *mut c_void {
-        self.ptr as *mut c_void
-    }
-}
 
 /// A [`CudnnHandle`] whose work goes to a caller's stream until the session is dropped. Made by
 /// [`CudnnHandle::on_stream`]; borrows the handle, so nothing else uses it meanwhile.
@@ -199,11 +144,6 @@ impl Drop for StreamSession<'_> {
 }
 
 impl StreamSession<'_> {
-    /// The handle, e.g. for building descriptors and plans on it.
-    pub fn handle(&self) -> &CudnnHandle {
-        self.handle
-    }
-
     /// Whether the caller's stream is being captured into a CUDA graph
     /// (`cuStreamIsCapturing`: active, or invalidated and not yet ended). Work queued now goes
     /// into the graph, which may replay it at any time.
@@ -250,128 +190,49 @@ impl StreamSession<'_> {
         // the stream is live and of that context (`on_stream`'s contract).
         unsafe { drv::event::record(fence.event, self.stream) }.map_err(drv_err("cuEventRecord"))
     }
+}
 
-    /// Legacy algorithm `algo` of `op`: `out = alpha * op(a, b) + beta * out`, queued on the
-    /// session's stream. Operands as in [`CudnnHandle::convolve`], each with exactly the dtype
-    /// and element count `d` describes for its role; the workspace at least what cuDNN asks for
-    /// (both checked).
-    #[allow(clippy::too_many_arguments)]
-    pub fn convolve(
+impl Site for StreamSession<'_> {
+    const CONVOLVE: &'static str = "StreamSession::convolve";
+    const EXECUTE: &'static str = "StreamSession::execute_engine";
+    const SCALE: &'static str = "StreamSession::scale_view";
+
+    fn raw(&self) -> dnn_sys::cudnnHandle_t {
+        self.handle.raw
+    }
+
+    fn orders(&self, stream: &CudaStream) -> bool {
+        stream.cu_stream() == self.stream
+    }
+
+    fn enter(&self) -> Result<(), CudnnError> {
+        // `on_stream` bound the handle's context and set the caller's stream.
+        Ok(())
+    }
+
+    fn required_workspace(
         &self,
         d: &ConvDescriptors,
         op: ConvOp,
         algo: u32,
-        alpha: f32,
-        a: &RawDeviceView<'_>,
-        b: &RawDeviceView<'_>,
-        beta: f32,
-        out: &mut RawDeviceViewMut<'_>,
-        workspace: &mut RawWorkspace<'_>,
-    ) -> Result<(), CudnnError> {
-        const CALL: &str = "StreamSession::convolve";
-        let required = self.handle.workspace_size(d, op, algo)?.ok_or_else(|| {
+    ) -> Result<u64, CudnnError> {
+        self.handle.workspace_size(d, op, algo)?.ok_or_else(|| {
             invalid(
-                CALL,
+                Self::CONVOLVE,
                 format!("cuDNN does not support {op} algorithm {algo} for this problem"),
             )
-        })?;
-        let (which, pointers) = legacy_call(
-            CALL,
-            d,
-            op,
-            algo,
-            [
-                ("a", a.dtype(), a.len(), a.address()),
-                ("b", b.dtype(), b.len(), b.address()),
-                ("out", out.dtype(), out.len(), out.address()),
-            ],
-            required,
-            (workspace.ptr, workspace.bytes),
-        )?;
-        // SAFETY (the contract of `raw_convolve`): the handle is live, used by this thread
-        // alone (the session borrows it), its context bound and its stream the caller's
-        // (`on_stream`); `a`, `b` and `out` are device memory valid while the queued work runs,
-        // `out` writable and overlapping nothing else (the contracts of the raw views), with
-        // the element counts and dtype `d` describes (checked above); the workspace covers at
-        // least what cuDNN requires (checked above), or is null and 0.
-        unsafe { raw_convolve(self.handle.raw, d, op, algo, which, alpha, beta, pointers) }
+        })
     }
 
-    /// As [`CudnnHandle::scale_view`], on the session's stream and a caller's pointer.
-    pub fn scale_view(
-        &self,
-        out: &mut RawDeviceViewMut<'_>,
-        dims: &[i64],
-        strides: &[i64],
-        value: f32,
-    ) -> Result<(), CudnnError> {
-        let desc = fill_descriptor(
-            "StreamSession::scale_view",
-            out.dtype(),
-            out.len(),
-            dims,
-            strides,
-        )?;
-        // SAFETY (the contract of `raw_fill`): the handle is live, used by this thread alone
-        // (the session borrows it), its context bound and its stream the caller's; `out` is
-        // writable device memory valid while the queued work runs (the raw view's contract)
-        // spanning exactly what the descriptor reaches (checked).
-        unsafe { raw_fill(self.handle.raw, &desc, out.address(), value) }
+    fn built(&self, plan: &EnginePlan) -> bool {
+        plan.built_on(&self.handle.owner)
     }
+}
 
-    /// Queues an engine execution plan built on this session's handle, computing
-    /// `out = alpha * op(a, b) + beta * out` with the plan's alpha and beta. Checked first: the
-    /// plan's handle, every operand's dtype and element count at the plan's batch size, the
-    /// workspace size, and the alignment the plan declared.
-    pub fn execute_engine(
-        &self,
-        plan: &EnginePlan,
-        a: &RawDeviceView<'_>,
-        b: &RawDeviceView<'_>,
-        out: &mut RawDeviceViewMut<'_>,
-        workspace: &mut RawWorkspace<'_>,
-    ) -> Result<(), CudnnError> {
-        const CALL: &str = "StreamSession::execute_engine";
-        let op = plan.op();
-        if !plan.built_on(&self.handle.owner) {
-            return Err(invalid(
-                CALL,
-                format!(
-                    "the plan {} was built on another cuDNN handle",
-                    plan.config()
-                ),
-            ));
-        }
-        check_operand_spans(
-            CALL,
-            plan.shapes(),
-            plan.operand_spans(),
-            op,
-            [
-                ("a", a.dtype(), a.len()),
-                ("b", b.dtype(), b.len()),
-                ("out", out.dtype(), out.len()),
-            ],
-        )?;
-        if workspace.bytes < plan.workspace_bytes() {
-            return Err(invalid(
-                CALL,
-                format!(
-                    "{op} engine {} needs {} workspace bytes, the workspace has {}",
-                    plan.config(),
-                    plan.workspace_bytes(),
-                    workspace.bytes
-                ),
-            ));
-        }
-        let addresses = [a.address(), b.address(), out.address()];
-        plan.check_alignment(CALL, addresses, workspace.raw_ptr())?;
-        // SAFETY (the contract of `EnginePlan::launch`): the plan's handle is this session's
-        // (checked), used by this thread alone with its context bound and the caller's stream
-        // set (`on_stream`); the operands hold exactly the plan's element counts and dtype
-        // (checked) and are device memory valid while the queued work runs, `out` writable and
-        // overlapping nothing else (the raw views' contracts); alignment (checked); the
-        // workspace covers the plan's bytes (checked) or is null when it needs none.
-        unsafe { plan.launch(addresses, workspace.raw_ptr()) }
+/// Legacy convolutions, fills and engine plans ([`EnginePlan::execute`]) queued on the caller's
+/// stream, with no host synchronisation.
+impl Surface for StreamSession<'_> {
+    fn handle(&self) -> &CudnnHandle {
+        self.handle
     }
 }

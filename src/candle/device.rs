@@ -1,21 +1,24 @@
-//! candle's CUDA tensors at the FFI wall (feature `candle-cuda`): one layer's cuDNN state on
-//! one GPU, and execution of its prepared plans on candle's stream over candle's cudarc
-//! buffers, through the same [`StreamSession`] and raw views as the PyTorch path.
+//! One candle layer's cuDNN state on one GPU (feature `candle-cuda`), and execution of its
+//! prepared plans on candle's stream over candle's cudarc buffers, through the same
+//! `StreamSession` as the PyTorch path (the executor's `PreparedPlan::execute_on`).
 //!
-//! Data in: cudarc `CudaSlice`/`CudaView`s (candle's storage) and candle's `CudaStream`. The
-//! raw device pointers come from cudarc's `DevicePtr` on that stream, which also records the
-//! events cudarc uses to order other streams' access to the same buffers; the pointers live
-//! as long as the borrows they came from, which outlive the call, and the buffers are freed
-//! stream-ordered by cudarc, so the queued work never outlives its memory. Data out: the
-//! operation queued on candle's stream, no host synchronisation.
+//! Data in: cudarc `CudaSlice`/`CudaView`s (candle's storage) and candle's `CudaStream`. They
+//! become the wall's views ([`DeviceView::from_cudarc`]): the device pointers come from
+//! cudarc's `DevicePtr` on that stream, which also records the events cudarc uses to order
+//! other streams' access to the same buffers; the views live as long as the borrows they came
+//! from, which outlive the call, and the buffers are freed stream-ordered by cudarc, so the
+//! queued work never outlives its memory. Data out: the operation queued on candle's stream,
+//! no host synchronisation.
 
-use super::{invalid, CudnnError, CudnnHandle, RawDeviceView, RawDeviceViewMut, RawWorkspace};
 use crate::backend::cpu::Element;
+use crate::backend::cudnn::{
+    ConvOperands, CudnnError, CudnnHandle, DeviceOperands, DeviceView, DeviceViewMut, WorkspaceView,
+};
 use crate::backend::CudnnBackend;
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::ExecError;
 use crate::solver::{ConvOp, Plan};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::collections::HashMap;
 use std::ffi::c_void;
 
@@ -98,28 +101,24 @@ impl CandleLayerDevice {
     }
 
     /// `out = op(a, b)` for shape `key` (operands at the full mini-batch, roles as for
-    /// `CudnnHandle::convolve`), queued on `stream`, which must belong to this GPU's primary
+    /// `Surface::convolve`), queued on `stream`, which must belong to this GPU's primary
     /// context (candle's), with `workspace` from the caller's allocator for this call (at
     /// least [`CandleLayerDevice::workspace_bytes`]; `None` when that is 0). The elements `T`
     /// (f32, f16 or bf16) must be the plans' dtype. Checked: the stream's context, the dtype,
     /// every operand's element count and alignment, the workspace.
-    #[allow(clippy::too_many_arguments)]
-    pub fn execute<T, A, B>(
+    pub fn execute<T, A>(
         &mut self,
         key: ShapeKey,
         op: ConvOp,
         stream: &CudaStream,
-        a: &A,
-        b: &B,
-        out: &mut CudaSlice<T>,
-        workspace: Option<&mut CudaSlice<u8>>,
+        operands: ConvOperands<&A, &mut CudaSlice<T>, Option<&mut CudaSlice<u8>>>,
     ) -> Result<(), ExecError>
     where
         T: Element,
         A: DevicePtr<T>,
-        B: DevicePtr<T>,
     {
         const CALL: &str = "CandleLayerDevice::execute";
+        let invalid = |detail: String| CudnnError::InvalidArgument { call: CALL, detail };
         let Some(plans) = self.plans.get(&key) else {
             return Err(ExecError::InvalidPlan {
                 layer: "candle layer".into(),
@@ -135,76 +134,64 @@ impl CandleLayerDevice {
         };
         let dtype = T::DTYPE;
         if plan.plan().problem.dtype != dtype {
-            return Err(error(invalid(
-                CALL,
-                format!(
-                    "the operands are {dtype}, the plans are for {}",
-                    plan.plan().problem.dtype
-                ),
-            )));
+            return Err(error(invalid(format!(
+                "the operands are {dtype}, the plans are for {}",
+                plan.plan().problem.dtype
+            ))));
         }
         let ours = self.exec.stream().context();
         if stream.context().cu_ctx() != ours.cu_ctx() {
-            return Err(error(invalid(
-                CALL,
-                format!(
-                    "the stream is of device {}'s context, the layer's handle is of device {}'s \
-                     primary context",
-                    stream.context().ordinal(),
-                    self.ordinal
-                ),
-            )));
+            return Err(error(invalid(format!(
+                "the stream is of device {}'s context, the layer's handle is of device {}'s \
+                 primary context",
+                stream.context().ordinal(),
+                self.ordinal
+            ))));
         }
         let needed = plan.workspace_bytes();
-        let (a_ptr, _a_sync) = a.device_ptr(stream);
-        let (b_ptr, _b_sync) = b.device_ptr(stream);
-        let out_len = out.len();
-        let (out_ptr, _out_sync) = out.device_ptr_mut(stream);
-        let mut workspace_guard = None;
-        let (ws_ptr, ws_bytes) = match workspace {
-            Some(ws) if needed > 0 => {
-                let bytes = ws.len() as u64;
-                let (ptr, sync) = ws.device_ptr_mut(stream);
-                workspace_guard = Some(sync);
-                (ptr, bytes)
-            }
-            _ => (0, 0),
+        let ConvOperands {
+            a,
+            b,
+            out,
+            workspace,
+        } = operands;
+        // SAFETY (the contract of `from_cudarc`): the work using the views is queued on
+        // `stream`, on which their pointers are taken; each view borrows candle's buffer for
+        // this whole function (so it stays allocated while we queue work), and cudarc frees
+        // buffers stream-ordered, after the work queued on `stream`, whose events the views
+        // record (candle's buffers live on that one stream). `out` and the workspace are
+        // borrowed mutably, so nothing else writes or reads them meanwhile and they overlap
+        // neither input. The stream's context is the handle's (checked above).
+        let views = unsafe {
+            (
+                DeviceView::from_cudarc(a, stream),
+                DeviceView::from_cudarc(b, stream),
+                DeviceViewMut::from_cudarc(out, stream),
+                match workspace {
+                    Some(ws) if needed > 0 => WorkspaceView::from_cudarc(ws, stream),
+                    _ => Ok(WorkspaceView::empty()),
+                },
+            )
         };
-        if ws_bytes < needed {
-            return Err(error(invalid(
-                CALL,
-                format!("{op} needs {needed} workspace bytes, {ws_bytes} reserved"),
-            )));
+        let (a, b, mut out, mut workspace) = match views {
+            (Ok(a), Ok(b), Ok(out), Ok(ws)) => (a, b, out, ws),
+            (Err(e), ..) | (_, Err(e), ..) | (_, _, Err(e), _) | (.., Err(e)) => {
+                return Err(error(e))
+            }
+        };
+        if workspace.bytes() < needed {
+            return Err(error(invalid(format!(
+                "{op} needs {needed} workspace bytes, {} reserved",
+                workspace.bytes()
+            ))));
         }
-        // SAFETY (the contracts of the raw views and workspace): each pointer is cudarc's
-        // device pointer of a buffer borrowed for this whole function (so it stays allocated
-        // while we queue work; cudarc frees buffers stream-ordered, after the work queued on
-        // `stream`, whose events `device_ptr`/`device_ptr_mut` record) with exactly the given
-        // number of `T` elements (of `dtype`: `Element` is sealed to f32, f16 and bf16, whose
-        // sizes are their dtypes') or bytes, on this GPU (the stream's context is the
-        // handle's, checked above). `out` and the workspace are borrowed mutably, so nothing
-        // else writes or reads them meanwhile and they overlap neither input.
-        let result = unsafe {
-            let a = RawDeviceView::new(a_ptr as *const c_void, a.len(), dtype);
-            let b = RawDeviceView::new(b_ptr as *const c_void, b.len(), dtype);
-            let out = RawDeviceViewMut::new(out_ptr as *mut c_void, out_len, dtype);
-            let ws = RawWorkspace::new(ws_ptr as *mut c_void, ws_bytes);
-            match (a, b, out, ws) {
-                (Ok(a), Ok(b), Ok(mut out), Ok(mut ws)) => {
-                    // SAFETY: the stream is live (borrowed) and of this handle's device's
-                    // primary context (checked above); the work queued on it finishes before
-                    // cudarc frees anything it uses (see above).
-                    let session = self
-                        .exec
-                        .on_stream(stream.cu_stream() as *mut c_void)
-                        .map_err(error)?;
-                    plan.execute_on(&session, 1.0, &a, &b, 0.0, &mut out, &mut ws)
-                }
-                (Err(e), ..) | (_, Err(e), ..) | (_, _, Err(e), _) | (.., Err(e)) => Err(error(e)),
-            }
-        };
-        drop(workspace_guard);
-        result
+        // SAFETY: the stream is live (borrowed) and of this handle's device's primary context
+        // (checked above); the work queued on it finishes before cudarc frees anything it uses
+        // (see above).
+        let session =
+            unsafe { self.exec.on_stream(stream.cu_stream() as *mut c_void) }.map_err(error)?;
+        let operands = DeviceOperands::new(&a, &b, &mut out, &mut workspace);
+        plan.execute_on(&session, 1.0, 0.0, operands)
     }
 }
 
