@@ -97,18 +97,18 @@ pub enum BackendError {
 }
 
 impl BackendError {
-    /// The error for a key that `backend` does not [support](Backend::supports): of a split it
-    /// cannot time ([`BackendError::NoSpatial`]), or of a kind it lacks
-    /// ([`BackendError::NoEngines`]).
-    pub fn unsupported(backend: &str, key: &MeasureKey) -> BackendError {
-        match key.split {
-            SplitDim::Spatial => BackendError::NoSpatial {
-                backend: backend.to_string(),
+    /// The error for a key that `backend` does not [support](Backend::supports): of a kind it
+    /// lacks ([`BackendError::NoEngines`]), or of a kind it has on a split it cannot time
+    /// ([`BackendError::NoSpatial`]).
+    pub fn unsupported(backend: &dyn Backend, key: &MeasureKey) -> BackendError {
+        let name = backend.fingerprint().name.clone();
+        if key.split == SplitDim::Spatial && backend.kinds().contains(&key.kind) {
+            BackendError::NoSpatial {
+                backend: name,
                 kind: key.kind,
-            },
-            SplitDim::Batch => BackendError::NoEngines {
-                backend: backend.to_string(),
-            },
+            }
+        } else {
+            BackendError::NoEngines { backend: name }
         }
     }
 }
@@ -379,7 +379,7 @@ pub fn check_supported(backend: &dyn Backend, key: &MeasureKey) -> Result<(), Ba
     if backend.supports(key) {
         Ok(())
     } else {
-        Err(BackendError::unsupported(&backend.fingerprint().name, key))
+        Err(BackendError::unsupported(backend, key))
     }
 }
 

@@ -125,7 +125,7 @@ pub fn measure_task(
     run.kinds(backend.kinds(), &device.name)?;
     let key = task.key();
     if !backend.supports(&key) {
-        return Err(BackendError::unsupported(&device.name, &key).into());
+        return Err(BackendError::unsupported(backend, &key).into());
     }
     let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
     if let Some((lower, upper)) = task.between {
