@@ -3,13 +3,13 @@
 //! the cache and solved. Run: `cargo bench --bench cache`.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use mucudnn::backend::{Backend, BackendError, Measured, Selection, TimingSettings};
+use mucudnn::backend::{Backend, BackendError, MeasureSettings, Measured, TimingSettings};
 use mucudnn::cache::Cache;
 use mucudnn::solver::synthetic::{random_entry, Rng};
 use mucudnn::solver::{
     solve_profile, ConvOp, ConvProblem, DeviceFingerprint, Measurement, Mode, Policy, WdOptions,
 };
-use mucudnn::solver::{AlgoKind, CandidateSet};
+use mucudnn::solver::{AlgoKind, CandidateSet, MeasureKey};
 use mucudnn::tune::{jobs_for, profile_jobs, EngineOptions, ProfileRun};
 
 /// A backend that must never be asked to measure: everything is cached.
@@ -19,14 +19,7 @@ impl Backend for NoMeasuring {
     fn fingerprint(&self) -> &DeviceFingerprint {
         &self.0
     }
-    fn measure(
-        &mut self,
-        _: &ConvProblem,
-        _: ConvOp,
-        _: i64,
-        _: &TimingSettings,
-        _: &Selection,
-    ) -> Result<Measured, BackendError> {
+    fn measure(&mut self, _: &MeasureKey, _: &MeasureSettings) -> Result<Measured, BackendError> {
         Err(BackendError::Invalid(
             "the warm path measured something".into(),
         ))
@@ -63,7 +56,12 @@ fn warm_tune(c: &mut Criterion) {
                     .filter(|m| m.micro == micro)
                     .copied()
                     .collect();
-                cache.store_measurements(&device, name, problem, op, micro, AlgoKind::Legacy, &at);
+                cache.store_measurements(
+                    &device,
+                    name,
+                    &MeasureKey::batch(*problem, op, micro, AlgoKind::Legacy),
+                    &at,
+                );
             }
         }
     }

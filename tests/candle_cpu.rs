@@ -8,7 +8,7 @@ use candle_core::Device;
 use mucudnn::backend::cpu::{self, CpuAlgo};
 use mucudnn::backend::{Backend, CpuBackend};
 use mucudnn::candle::{ConvOptions, ShapeKey, SharedCache};
-use mucudnn::solver::{Algo, AlgoKind, ConvOp, ConvProblem, Measurement, Plan, Policy};
+use mucudnn::solver::{Algo, AlgoKind, ConvOp, ConvProblem, MeasureKey, Measurement, Plan, Policy};
 use mucudnn::tune::CacheStats;
 
 #[test]
@@ -98,10 +98,7 @@ fn seed_split_measurements(cache: &SharedCache, problem: &ConvProblem) {
             cache.store_measurements(
                 &device,
                 "seeded",
-                problem,
-                op,
-                m,
-                AlgoKind::Legacy,
+                &MeasureKey::batch(*problem, op, m, AlgoKind::Legacy),
                 &[measurement],
             );
         }

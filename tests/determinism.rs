@@ -3,10 +3,14 @@
 //! deterministic only, and those plans are cached apart from the plain ones, so neither kind
 //! stands in for the other.
 
-use mucudnn::backend::{Backend, BackendError, CpuBackend, Measured, Selection, TimingSettings};
+use mucudnn::backend::{
+    Backend, BackendError, CpuBackend, MeasureSettings, Measured, TimingSettings,
+};
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
-use mucudnn::solver::{Algo, CandidateSet, ConvOp, ConvProblem, Measurement, Plan, Policy};
+use mucudnn::solver::{
+    Algo, CandidateSet, ConvOp, ConvProblem, MeasureKey, Measurement, Plan, Policy,
+};
 use mucudnn::tune::{EngineOptions, LayerTuning};
 
 /// Two candidates per op: 0 fast but not deterministic (atomics), 1 slower and deterministic.
@@ -16,14 +20,8 @@ impl Backend for Atomics {
     fn fingerprint(&self) -> &DeviceFingerprint {
         &self.0
     }
-    fn measure(
-        &mut self,
-        _: &ConvProblem,
-        _: ConvOp,
-        micro: i64,
-        _: &TimingSettings,
-        _: &Selection,
-    ) -> Result<Measured, BackendError> {
+    fn measure(&mut self, key: &MeasureKey, _: &MeasureSettings) -> Result<Measured, BackendError> {
+        let micro = key.size;
         Ok(Measured {
             measurements: [(0, 1.0), (1, 2.0)]
                 .into_iter()

@@ -628,7 +628,19 @@ fn check_engine_candidates(cases: &[(&str, ConvProblem)]) -> Vec<String> {
                 ..Default::default()
             };
             let measured = backend
-                .measure_engines(&problem, op, 4, &quick, &search, &Selection::ALL)
+                .measure(
+                    &mucudnn::solver::MeasureKey::batch(
+                        problem,
+                        op,
+                        4,
+                        mucudnn::solver::AlgoKind::Engine,
+                    ),
+                    &mucudnn::backend::MeasureSettings {
+                        timing: quick,
+                        search,
+                        select: Selection::ALL,
+                    },
+                )
                 .expect("engines measured")
                 .measurements;
             assert!(!measured.is_empty(), "{label} {op}: no engine ran");
@@ -816,14 +828,19 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
             let extent = SplitDim::Spatial.extent(&problem, op);
             let size = even_chunk(extent);
             let measured = backend
-                .measure_spatial(
-                    &problem,
-                    op,
-                    size,
-                    AlgoKind::Engine,
-                    &quick,
-                    &search,
-                    &Selection::ALL,
+                .measure(
+                    &mucudnn::solver::MeasureKey::new(
+                        problem,
+                        op,
+                        SplitDim::Spatial,
+                        size,
+                        AlgoKind::Engine,
+                    ),
+                    &mucudnn::backend::MeasureSettings {
+                        timing: quick,
+                        search: search.clone(),
+                        select: Selection::ALL,
+                    },
                 )
                 .expect("spatial measurement of a chunk size")
                 .measurements;

@@ -4,11 +4,12 @@
 //! weight gradients"), and a plan cached before that rule is solved again. Run here through a
 //! stand-in backend with a cuDNN fingerprint; the rule itself is plain Rust.
 
-use mucudnn::backend::{Backend, BackendError, Measured, Selection, TimingSettings};
+use mucudnn::backend::{Backend, BackendError, MeasureSettings, Measured, TimingSettings};
 use mucudnn::cache::{Cache, PlanKey};
 use mucudnn::device::{BackendKind, DeviceFingerprint};
 use mucudnn::solver::{
-    solve_wr, Algo, CandidateSet, ConvOp, ConvProblem, DType, Measurement, OpProfile, Plan, Policy,
+    solve_wr, Algo, CandidateSet, ConvOp, ConvProblem, DType, MeasureKey, Measurement, OpProfile,
+    Plan, Policy,
 };
 use mucudnn::tune::{EngineOptions, LayerTuning};
 
@@ -24,14 +25,8 @@ impl Backend for SmallIsFast {
     fn fingerprint(&self) -> &DeviceFingerprint {
         &self.0
     }
-    fn measure(
-        &mut self,
-        _: &ConvProblem,
-        _: ConvOp,
-        micro: i64,
-        _: &TimingSettings,
-        _: &Selection,
-    ) -> Result<Measured, BackendError> {
+    fn measure(&mut self, key: &MeasureKey, _: &MeasureSettings) -> Result<Measured, BackendError> {
+        let micro = key.size;
         Ok(Measured {
             measurements: vec![Measurement {
                 micro,

@@ -3,12 +3,16 @@
 //! (size, algorithm), in parallel across devices too, and refuses to mix device models.
 
 use mucudnn::backend::cpu::{self, reference, CpuAlgo};
-use mucudnn::backend::{Backend, BackendError, CpuBackend, Measured, Selection, TimingSettings};
+use mucudnn::backend::{
+    Backend, BackendError, CpuBackend, MeasureSettings, Measured, TimingSettings,
+};
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
 use mucudnn::exec::conv2d::{Conv2d, LayerError, Tensor};
 use mucudnn::profiler::{profile_job, profile_job_parallel, Job};
-use mucudnn::solver::{AlgoKind, CandidateSet, ConvOp, ConvProblem, Layout, Measurement, Policy};
+use mucudnn::solver::{
+    AlgoKind, CandidateSet, ConvOp, ConvProblem, Layout, MeasureKey, Measurement, Policy,
+};
 
 const FAST: TimingSettings = TimingSettings {
     warmup: 0,
@@ -309,13 +313,10 @@ impl Backend for Renamed {
     }
     fn measure(
         &mut self,
-        p: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        t: &TimingSettings,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
-        self.0.measure(p, op, micro, t, select)
+        self.0.measure(key, how)
     }
 }
 

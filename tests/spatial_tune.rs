@@ -3,12 +3,12 @@
 
 use mucudnn::backend::cpu::{self, AlignedWorkspace, CpuAlgo};
 use mucudnn::backend::{
-    Backend, BackendError, CpuBackend, EngineSearch, Measured, MemoryUse, Selection, TimingSettings,
+    Backend, BackendError, CpuBackend, MeasureSettings, Measured, MemoryUse, TimingSettings,
 };
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
 use mucudnn::exec::{cpu_workspace_bytes, execute_cpu};
-use mucudnn::solver::{AlgoKind, CandidateSet, ConvOp, ConvProblem, Plan, Policy, SplitDim};
+use mucudnn::solver::{CandidateSet, ConvOp, ConvProblem, MeasureKey, Plan, Policy, SplitDim};
 use mucudnn::tune::{EngineOptions, LayerTuning, SplitSetting};
 
 const FAST: TimingSettings = TimingSettings {
@@ -57,34 +57,20 @@ impl Backend for Scripted {
         self.inner.fingerprint()
     }
 
-    fn measure(
-        &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        timing: &TimingSettings,
-        select: &Selection,
-    ) -> Result<Measured, BackendError> {
-        let mut found = self.inner.measure(problem, op, micro, timing, select)?;
-        Self::script(&mut found, |m| m as f64 / problem.n as f64);
-        Ok(found)
+    fn supports(&self, key: &MeasureKey) -> bool {
+        self.inner.supports(key)
     }
 
-    fn measure_spatial(
+    fn measure(
         &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        size: i64,
-        kind: AlgoKind,
-        timing: &TimingSettings,
-        search: &EngineSearch,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
-        self.spatial_calls += 1;
-        let mut found = self
-            .inner
-            .measure_spatial(problem, op, size, kind, timing, search, select)?;
-        let extent = SplitDim::Spatial.extent(problem, op) as f64;
+        if key.split == SplitDim::Spatial {
+            self.spatial_calls += 1;
+        }
+        let mut found = self.inner.measure(key, how)?;
+        let extent = key.extent() as f64;
         Self::script(&mut found, |s| s as f64 / extent);
         Ok(found)
     }
@@ -254,13 +240,10 @@ impl Backend for BatchOnly {
 
     fn measure(
         &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        timing: &TimingSettings,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
-        self.0.measure(problem, op, micro, timing, select)
+        self.0.measure(key, how)
     }
 }
 

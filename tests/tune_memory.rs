@@ -4,11 +4,13 @@
 
 use mucudnn::backend::cpu::{self, CpuAlgo};
 use mucudnn::backend::{
-    Backend, BackendError, CpuBackend, Measured, MemoryUse, Selection, TimingSettings,
+    Backend, BackendError, CpuBackend, MeasureSettings, Measured, MemoryUse, TimingSettings,
 };
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
-use mucudnn::solver::{Algo, AlgoKind, CandidateSet, ConvOp, ConvProblem, Plan, Policy};
+use mucudnn::solver::{
+    Algo, AlgoKind, CandidateSet, ConvOp, ConvProblem, MeasureKey, Plan, Policy, SizesKey,
+};
 use mucudnn::tune::{EngineOptions, LayerTuning};
 use std::collections::BTreeSet;
 
@@ -57,13 +59,11 @@ impl Backend for Recording {
 
     fn measure(
         &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        timing: &TimingSettings,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
-        let mut found = self.inner.measure(problem, op, micro, timing, select)?;
+        let op = key.op;
+        let mut found = self.inner.measure(key, how)?;
         self.largest_workspace_bytes = self
             .largest_workspace_bytes
             .max(self.inner.memory().largest_workspace_bytes);
@@ -102,7 +102,10 @@ fn skipped_in(cache: &Cache, backend: &dyn Backend) -> BTreeSet<(ConvOp, i64, Al
     for op in ConvOp::ALL {
         for micro in Policy::PowerOfTwo.sizes(p.n) {
             let (_, skipped) = cache
-                .measured(backend.fingerprint(), &p, op, micro, AlgoKind::Legacy)
+                .measured(
+                    backend.fingerprint(),
+                    &MeasureKey::batch(p, op, micro, AlgoKind::Legacy),
+                )
                 .expect("every size measured");
             out.extend(skipped.iter().map(|s| (op, s.micro, s.algo)));
         }
@@ -204,23 +207,19 @@ fn a_skipped_candidate_is_never_a_measurement() {
     for op in ConvOp::ALL {
         for micro in Policy::PowerOfTwo.sizes(p.n) {
             let timed = cache
-                .measurements(&device, &p, op, micro, AlgoKind::Legacy)
+                .measurements(&device, &MeasureKey::batch(p, op, micro, AlgoKind::Legacy))
                 .unwrap();
             assert!(timed.iter().all(|m| m.workspace_bytes <= 8 * MIB));
         }
         let missing = cache.missing_sizes_within(
             &device,
-            &p,
-            op,
-            AlgoKind::Legacy,
+            &SizesKey::batch(p, op, AlgoKind::Legacy),
             &Policy::PowerOfTwo.sizes(p.n),
             Some(64 * MIB),
         );
         let complete_at_8 = cache.missing_sizes_within(
             &device,
-            &p,
-            op,
-            AlgoKind::Legacy,
+            &SizesKey::batch(p, op, AlgoKind::Legacy),
             &Policy::PowerOfTwo.sizes(p.n),
             Some(8 * MIB),
         );

@@ -34,8 +34,8 @@ pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
-    AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Measurement, OpProfile, Plan,
-    Policy, Profile, Skipped, SplitDim,
+    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measurement, OpKey,
+    OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
 };
 use open::{Identity, OpenError};
 use rusqlite::Connection;
@@ -408,156 +408,66 @@ impl Cache {
             .ok()
     }
 
-    /// The measurements of `kind`'s candidates for `problem` (its shape; the batch size is
-    /// ignored) at micro-batch `micro`, if that kind was measured at that size on `device`. An
-    /// empty list means measured, with no supported candidate.
+    /// The measurements of `key`'s candidates (its shape: the batch size is ignored; a spatial
+    /// size is a chunk's rows along the split axis), if that kind was measured at that size
+    /// on `device`. An empty list means measured, with no supported candidate. Rows of one
+    /// split never answer a lookup of the other.
     pub fn measurements(
         &self,
         device: &DeviceFingerprint,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        kind: AlgoKind,
-    ) -> Option<Vec<Measurement>> {
-        self.measurements_along(device, problem, op, SplitDim::Batch, micro, kind)
-    }
-
-    /// As [`Cache::measurements`] for `split`: a spatial `micro` is a chunk's rows along the
-    /// split axis. Rows of one split never answer a lookup of the other.
-    pub fn measurements_along(
-        &self,
-        device: &DeviceFingerprint,
-        problem: &ConvProblem,
-        op: ConvOp,
-        split: SplitDim,
-        micro: i64,
-        kind: AlgoKind,
+        key: &MeasureKey,
     ) -> Option<Vec<Measurement>> {
         let mut skipped = 0;
         let found = self
             .read(
                 "measurements",
-                store::measurements(
-                    &self.conn,
-                    device,
-                    problem,
-                    op,
-                    split,
-                    micro,
-                    kind,
-                    &mut skipped,
-                ),
+                store::measurements(&self.conn, device, key, &mut skipped),
             )
             .flatten();
         self.skipped_rows(skipped);
         found
     }
 
-    /// Records the measurements of `kind`'s candidates at one micro-batch size (replacing
-    /// earlier ones of that kind; measurements of another kind or size are ignored), and that
-    /// the named problem was tuned on `device`. Every candidate was timed: the size is complete
-    /// for every workspace limit.
-    #[allow(clippy::too_many_arguments)]
+    /// Records the measurements of `key`'s candidates (replacing earlier ones of that kind and
+    /// size; measurements of another kind or size are ignored), and that the named problem was
+    /// tuned on `device`. Every candidate was timed: the size is complete for every workspace
+    /// limit.
     pub fn store_measurements(
         &self,
         device: &DeviceFingerprint,
         layer: &str,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        kind: AlgoKind,
+        key: &MeasureKey,
         measurements: &[Measurement],
     ) {
-        self.store_measured(device, layer, problem, op, micro, kind, measurements, &[]);
+        self.store_measured(device, layer, key, measurements, &[]);
     }
 
     /// As [`Cache::store_measurements`], with the candidates `skipped` for their workspace
     /// (not timed): the size is complete only for limits below each skipped workspace, and
     /// [`Cache::missing_sizes_within`] lists it for larger ones.
-    #[allow(clippy::too_many_arguments)]
     pub fn store_measured(
         &self,
         device: &DeviceFingerprint,
         layer: &str,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        kind: AlgoKind,
-        measurements: &[Measurement],
-        skipped: &[Skipped],
-    ) {
-        self.store_measured_along(
-            device,
-            layer,
-            problem,
-            op,
-            SplitDim::Batch,
-            micro,
-            kind,
-            measurements,
-            skipped,
-        );
-    }
-
-    /// As [`Cache::store_measured`] for `split`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn store_measured_along(
-        &self,
-        device: &DeviceFingerprint,
-        layer: &str,
-        problem: &ConvProblem,
-        op: ConvOp,
-        split: SplitDim,
-        micro: i64,
-        kind: AlgoKind,
+        key: &MeasureKey,
         measurements: &[Measurement],
         skipped: &[Skipped],
     ) {
         self.write("measurements", |conn| {
-            store::store_measurements(
-                conn,
-                device,
-                layer,
-                problem,
-                op,
-                split,
-                micro,
-                kind,
-                measurements,
-                skipped,
-            )
+            store::store_measurements(conn, device, layer, key, measurements, skipped)
         });
     }
 
-    /// What is cached of `kind` at `micro`, if that size was measured: the timed measurements
-    /// and the candidates skipped for their workspace. A skipped candidate is never a
-    /// measurement; it is what a tune under a larger limit still has to time.
+    /// What is cached of `key`, if that size was measured: the timed measurements and the
+    /// candidates skipped for their workspace. A skipped candidate is never a measurement; it
+    /// is what a tune under a larger limit still has to time.
     pub fn measured(
         &self,
         device: &DeviceFingerprint,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        kind: AlgoKind,
+        key: &MeasureKey,
     ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
-        self.measured_along(device, problem, op, SplitDim::Batch, micro, kind)
-    }
-
-    /// As [`Cache::measured`] for `split`.
-    pub fn measured_along(
-        &self,
-        device: &DeviceFingerprint,
-        problem: &ConvProblem,
-        op: ConvOp,
-        split: SplitDim,
-        micro: i64,
-        kind: AlgoKind,
-    ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
-        let measurements = self.measurements_along(device, problem, op, split, micro, kind)?;
-        let mut skipped = self.read(
-            "skipped",
-            store::skipped(&self.conn, device, problem, op, split, micro, kind),
-        )?;
+        let measurements = self.measurements(device, key)?;
+        let mut skipped = self.read("skipped", store::skipped(&self.conn, device, key))?;
         // A candidate both timed and skipped (rows written by hand or by an older store) is a
         // measurement: a profile may not hold it twice.
         skipped.retain(|x| !measurements.iter().any(|m| m.algo == x.algo));
@@ -565,37 +475,20 @@ impl Cache {
     }
 
     /// The sizes among `sizes` that a tune under a workspace limit of `limit` bytes (`None`:
-    /// none) still has to measure for `kind`: never measured, or measured under a smaller
+    /// none) still has to measure for `key`: never measured, or measured under a smaller
     /// limit that skipped a candidate fitting `limit`.
     pub fn missing_sizes_within(
         &self,
         device: &DeviceFingerprint,
-        problem: &ConvProblem,
-        op: ConvOp,
-        kind: AlgoKind,
+        key: &SizesKey,
         sizes: &[i64],
         limit: Option<u64>,
     ) -> Vec<i64> {
-        self.missing_sizes_within_along(device, problem, op, SplitDim::Batch, kind, sizes, limit)
-    }
-
-    /// As [`Cache::missing_sizes_within`] for `split`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn missing_sizes_within_along(
-        &self,
-        device: &DeviceFingerprint,
-        problem: &ConvProblem,
-        op: ConvOp,
-        split: SplitDim,
-        kind: AlgoKind,
-        sizes: &[i64],
-        limit: Option<u64>,
-    ) -> Vec<i64> {
-        let missing = self.missing_sizes_along(device, problem, op, split, kind, sizes);
+        let missing = self.missing_sizes(device, key, sizes);
         let incomplete = self
             .read(
                 "skipped sizes",
-                store::sizes_skipped_within(&self.conn, device, problem, op, split, kind, limit),
+                store::sizes_skipped_within(&self.conn, device, key, limit),
             )
             // A failed read is a miss.
             .unwrap_or_else(|| sizes.to_vec());
@@ -606,32 +499,17 @@ impl Cache {
             .collect()
     }
 
-    /// The sizes among `sizes` at which `kind`'s candidates have not been measured for
-    /// `problem` and `op` on `device`.
+    /// The sizes among `sizes` at which `key`'s candidates have not been measured on
+    /// `device`.
     pub fn missing_sizes(
         &self,
         device: &DeviceFingerprint,
-        problem: &ConvProblem,
-        op: ConvOp,
-        kind: AlgoKind,
-        sizes: &[i64],
-    ) -> Vec<i64> {
-        self.missing_sizes_along(device, problem, op, SplitDim::Batch, kind, sizes)
-    }
-
-    /// As [`Cache::missing_sizes`] for `split`.
-    pub fn missing_sizes_along(
-        &self,
-        device: &DeviceFingerprint,
-        problem: &ConvProblem,
-        op: ConvOp,
-        split: SplitDim,
-        kind: AlgoKind,
+        key: &SizesKey,
         sizes: &[i64],
     ) -> Vec<i64> {
         self.read(
             "measured sizes",
-            store::measured_sizes(&self.conn, device, problem, op, split, kind),
+            store::measured_sizes(&self.conn, device, key),
         )
         .map(|measured| {
             sizes
@@ -643,47 +521,23 @@ impl Cache {
         .unwrap_or_else(|| sizes.to_vec())
     }
 
-    /// Everything cached for `problem` and `op` on `device` at sizes the policy allows, among
-    /// `candidates`, as a profile entry named `layer`, if every kind in the set was measured
-    /// at every allowed size.
+    /// Everything cached for `key` on `device` at the sizes the policy allows of the split's
+    /// extent ([`SplitDim::extent`](mucudnn_solver::SplitDim::extent)), among `candidates`,
+    /// as a profile entry named `layer`, if every kind in the set was measured at every
+    /// allowed size.
     pub fn op_profile(
         &self,
         device: &DeviceFingerprint,
         layer: &str,
-        problem: &ConvProblem,
-        op: ConvOp,
+        key: &OpKey,
         policy: Policy,
         candidates: CandidateSet,
     ) -> Option<OpProfile> {
-        self.op_profile_along(
-            device,
-            layer,
-            problem,
-            op,
-            SplitDim::Batch,
-            policy,
-            candidates,
-        )
-    }
-
-    /// As [`Cache::op_profile`] for `split`: the policy's sizes of the split's extent
-    /// ([`SplitDim::extent`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn op_profile_along(
-        &self,
-        device: &DeviceFingerprint,
-        layer: &str,
-        problem: &ConvProblem,
-        op: ConvOp,
-        split: SplitDim,
-        policy: Policy,
-        candidates: CandidateSet,
-    ) -> Option<OpProfile> {
-        let extent = split.extent(problem, op);
+        let extent = key.extent();
         let sizes = policy.sizes(extent);
         for &kind in candidates.kinds() {
             if !self
-                .missing_sizes_along(device, problem, op, split, kind, &sizes)
+                .missing_sizes(device, &key.of_kind(kind), &sizes)
                 .is_empty()
             {
                 return None;
@@ -692,15 +546,7 @@ impl Cache {
         let mut skipped = 0;
         let measurements = self.read(
             "profile",
-            store::measurements_up_to(
-                &self.conn,
-                device,
-                problem,
-                op,
-                split,
-                candidates,
-                &mut skipped,
-            ),
+            store::measurements_up_to(&self.conn, device, key, candidates, &mut skipped),
         );
         self.skipped_rows(skipped);
         let measurements = measurements?;
@@ -709,13 +555,13 @@ impl Cache {
             .filter(|m| policy.allows(m.micro, extent))
             .collect();
         self.write("seen", |conn| {
-            store::mark_seen(conn, device, layer, problem, op)
+            store::mark_seen(conn, device, layer, &key.problem, key.op)
         });
         Some(OpProfile {
             layer: layer.to_string(),
-            problem: *problem,
-            op,
-            split,
+            problem: key.problem,
+            op: key.op,
+            split: key.split,
             measurements,
             skipped: Vec::new(),
         })

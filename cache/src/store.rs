@@ -4,8 +4,8 @@
 
 use mucudnn_solver::{
     Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
-    EngineName, Layout, MathMode, Measurement, Mode, OpProfile, Plan, Policy, Profile, RecordCheck,
-    Skipped, SplitDim,
+    EngineName, Layout, MathMode, MeasureKey, Measurement, Mode, OpKey, OpProfile, Plan, Policy,
+    Profile, RecordCheck, SizesKey, Skipped, SplitDim,
 };
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -285,17 +285,20 @@ fn row_check(device: &DeviceFingerprint) -> RecordCheck<'_> {
 /// not "measured, nothing supported" (which has no rows at all), so that measuring it again
 /// replaces the rows; otherwise a poisoned size would never be measured again, and a tune
 /// left with no usable measurement would fail.
-#[allow(clippy::too_many_arguments)]
 fn unusable_sizes(
     conn: &Connection,
     (d, s): (i64, i64),
     device: &DeviceFingerprint,
-    problem: &ConvProblem,
-    op: ConvOp,
-    split: SplitDim,
-    kind: AlgoKind,
+    key: &SizesKey,
     micro: Option<i64>,
 ) -> Result<HashSet<i64>> {
+    let SizesKey {
+        problem,
+        op,
+        split,
+        kind,
+    } = key;
+    let (problem, op, split, kind) = (problem, *op, *split, *kind);
     let [a, b, c] = ConvOp::ALL.map(ConvOp::name);
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT micro, algo, engine, time_ms, workspace_bytes, op FROM measurements
@@ -348,17 +351,13 @@ fn kind_condition(kind: AlgoKind) -> &'static str {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn measurements(
     conn: &Connection,
     device: &DeviceFingerprint,
-    problem: &ConvProblem,
-    op: ConvOp,
-    split: SplitDim,
-    micro: i64,
-    kind: AlgoKind,
+    key: &MeasureKey,
     skipped: &mut usize,
 ) -> Result<Option<Vec<Measurement>>> {
+    let (problem, op, split, micro, kind) = (&key.problem, key.op, key.split, key.size, key.kind);
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(None);
     };
@@ -367,7 +366,7 @@ pub(crate) fn measurements(
         .query_row(params![d, s, op.name(), micro, kind.name(), split.name()], |row| row.get(0))
         .optional()?;
     if measured.is_none()
-        || !unusable_sizes(conn, (d, s), device, problem, op, split, kind, Some(micro))?.is_empty()
+        || !unusable_sizes(conn, (d, s), device, &key.sizes(), Some(micro))?.is_empty()
     {
         return Ok(None);
     }
@@ -388,12 +387,9 @@ pub(crate) fn measurements(
 pub(crate) fn skipped(
     conn: &Connection,
     device: &DeviceFingerprint,
-    problem: &ConvProblem,
-    op: ConvOp,
-    split: SplitDim,
-    micro: i64,
-    kind: AlgoKind,
+    key: &MeasureKey,
 ) -> Result<Vec<Skipped>> {
+    let (problem, op, split, micro, kind) = (&key.problem, key.op, key.split, key.size, key.kind);
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
@@ -412,12 +408,10 @@ pub(crate) fn skipped(
 pub(crate) fn sizes_skipped_within(
     conn: &Connection,
     device: &DeviceFingerprint,
-    problem: &ConvProblem,
-    op: ConvOp,
-    split: SplitDim,
-    kind: AlgoKind,
+    key: &SizesKey,
     limit: Option<u64>,
 ) -> Result<Vec<i64>> {
+    let (problem, op, split, kind) = (&key.problem, key.op, key.split, key.kind);
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
@@ -445,13 +439,12 @@ pub(crate) fn sizes_skipped_within(
 pub(crate) fn measurements_up_to(
     conn: &Connection,
     device: &DeviceFingerprint,
-    problem: &ConvProblem,
-    op: ConvOp,
-    split: SplitDim,
+    key: &OpKey,
     candidates: CandidateSet,
     skipped: &mut usize,
 ) -> Result<Vec<Measurement>> {
-    let n = split.extent(problem, op);
+    let (problem, op, split) = (&key.problem, key.op, key.split);
+    let n = key.extent();
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
@@ -477,11 +470,9 @@ pub(crate) fn measurements_up_to(
 pub(crate) fn measured_sizes(
     conn: &Connection,
     device: &DeviceFingerprint,
-    problem: &ConvProblem,
-    op: ConvOp,
-    split: SplitDim,
-    kind: AlgoKind,
+    key: &SizesKey,
 ) -> Result<Vec<i64>> {
+    let (problem, op, split, kind) = (&key.problem, key.op, key.split, key.kind);
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(Vec::new());
     };
@@ -492,27 +483,24 @@ pub(crate) fn measured_sizes(
         row.get(0)
     })?;
     let measured: Vec<i64> = rows.collect::<Result<_>>()?;
-    let unusable = unusable_sizes(conn, (d, s), device, problem, op, split, kind, None)?;
+    let unusable = unusable_sizes(conn, (d, s), device, key, None)?;
     Ok(measured
         .into_iter()
         .filter(|size| !unusable.contains(size))
         .collect())
 }
 
-/// Replaces what is stored of `kind` at `micro`: the timed `measurements` and the `skipped`
-/// candidates (a candidate also timed is not stored as skipped).
-#[allow(clippy::too_many_arguments)]
+/// Replaces what is stored of `key` (its kind at its size) under the device and shape ids
+/// `(d, s)`: the timed `measurements` and the `skipped` candidates (a candidate also timed is
+/// not stored as skipped).
 fn insert_measurements(
     conn: &Connection,
-    d: i64,
-    s: i64,
-    op: ConvOp,
-    split: SplitDim,
-    micro: i64,
-    kind: AlgoKind,
+    (d, s): (i64, i64),
+    key: &MeasureKey,
     measurements: &[Measurement],
     skipped: &[Skipped],
 ) -> Result<usize> {
+    let (op, split, micro, kind) = (key.op, key.split, key.size, key.kind);
     for table in ["measurements", "skipped"] {
         // The table name is one of these two constants, never input.
         conn.prepare_cached(&format!(
@@ -592,24 +580,19 @@ fn insert_seen(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn store_measurements(
     conn: &Connection,
     device: &DeviceFingerprint,
     layer: &str,
-    problem: &ConvProblem,
-    op: ConvOp,
-    split: SplitDim,
-    micro: i64,
-    kind: AlgoKind,
+    key: &MeasureKey,
     measurements: &[Measurement],
     skipped: &[Skipped],
 ) -> Result<()> {
     let tx = begin(conn)?;
     let d = ensure_device(&tx, device)?;
-    let s = ensure_shape(&tx, problem)?;
-    insert_measurements(&tx, d, s, op, split, micro, kind, measurements, skipped)?;
-    insert_seen(&tx, d, s, layer, problem, op)?;
+    let s = ensure_shape(&tx, &key.problem)?;
+    insert_measurements(&tx, (d, s), key, measurements, skipped)?;
+    insert_seen(&tx, d, s, layer, &key.problem, key.op)?;
     tx.commit()
 }
 
@@ -854,15 +837,9 @@ pub(crate) fn export(
         let mut used: HashSet<(String, DType, Layout, ConvOp, SplitDim)> = HashSet::new();
         for (layer, problem, op) in list {
             for split in SplitDim::ALL {
-                let measurements = measurements_up_to(
-                    conn,
-                    &device,
-                    &problem,
-                    op,
-                    split,
-                    CandidateSet::All,
-                    skipped,
-                )?;
+                let key = OpKey::new(problem, op, split);
+                let measurements =
+                    measurements_up_to(conn, &device, &key, CandidateSet::All, skipped)?;
                 if measurements.is_empty() {
                     continue;
                 }
@@ -912,17 +889,14 @@ pub(crate) fn import(
         }
         for ((micro, kind), measurements) in by_size {
             // An imported size is complete: the interchange format has no skipped candidates.
-            stored += insert_measurements(
-                &tx,
-                d,
-                s,
-                entry.op,
-                entry.split,
-                micro,
+            let key = MeasureKey {
+                problem: entry.problem,
+                op: entry.op,
+                split: entry.split,
+                size: micro,
                 kind,
-                &measurements,
-                &[],
-            )?;
+            };
+            stored += insert_measurements(&tx, (d, s), &key, &measurements, &[])?;
         }
         insert_seen(&tx, d, s, &entry.layer, &entry.problem, entry.op)?;
     }

@@ -6,7 +6,8 @@
 use mucudnn_cache::{Access, Cache, Location, PlanKey, READ_ONLY_ENV};
 use mucudnn_solver::{
     interchange, solve_profile, Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem,
-    DeviceFingerprint, EngineName, Measurement, Mode, Policy, Profile, SplitDim, WdOptions,
+    DeviceFingerprint, EngineName, MeasureKey, Measurement, Mode, OpKey, Policy, Profile, SizesKey,
+    SplitDim, WdOptions,
 };
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -66,18 +67,26 @@ fn engine_configurations_are_a_separate_kind() {
     let op = ConvOp::Forward;
     for micro in [1, 2, 4] {
         let legacy = [m(micro, 1, 1.0, 0)];
-        cache.store_measurements(&device, "l", &problem, op, micro, AlgoKind::Legacy, &legacy);
+        cache.store_measurements(
+            &device,
+            "l",
+            &MeasureKey::batch(problem, op, micro, AlgoKind::Legacy),
+            &legacy,
+        );
     }
     assert_eq!(
-        cache.missing_sizes(&device, &problem, op, AlgoKind::Engine, &[1, 2, 4]),
+        cache.missing_sizes(
+            &device,
+            &SizesKey::batch(problem, op, AlgoKind::Engine),
+            &[1, 2, 4]
+        ),
         vec![1, 2, 4]
     );
     assert!(cache
         .op_profile(
             &device,
             "l",
-            &problem,
-            op,
+            &OpKey::batch(problem, op),
             Policy::PowerOfTwo,
             CandidateSet::All
         )
@@ -92,15 +101,15 @@ fn engine_configurations_are_a_separate_kind() {
         cache.store_measurements(
             &device,
             "l",
-            &problem,
-            op,
-            micro,
-            AlgoKind::Engine,
+            &MeasureKey::batch(problem, op, micro, AlgoKind::Engine),
             &engines,
         );
     }
     let found = cache
-        .measurements(&device, &problem, op, 2, AlgoKind::Engine)
+        .measurements(
+            &device,
+            &MeasureKey::batch(problem, op, 2, AlgoKind::Engine),
+        )
         .unwrap();
     assert_eq!(
         found,
@@ -110,12 +119,21 @@ fn engine_configurations_are_a_separate_kind() {
         ]
     );
     assert_eq!(
-        cache.measurements(&device, &problem, op, 2, AlgoKind::Legacy),
+        cache.measurements(
+            &device,
+            &MeasureKey::batch(problem, op, 2, AlgoKind::Legacy)
+        ),
         Some(vec![m(2, 1, 1.0, 0)])
     );
     let count = |set| {
         cache
-            .op_profile(&device, "l", &problem, op, Policy::PowerOfTwo, set)
+            .op_profile(
+                &device,
+                "l",
+                &OpKey::batch(problem, op),
+                Policy::PowerOfTwo,
+                set,
+            )
             .unwrap()
             .measurements
             .len()
@@ -129,7 +147,12 @@ fn engine_configurations_are_a_separate_kind() {
         (3, 6, 9)
     );
     // Re-measuring the engines at one size leaves the legacy rows alone.
-    cache.store_measurements(&device, "l", &problem, op, 4, AlgoKind::Engine, &[]);
+    cache.store_measurements(
+        &device,
+        "l",
+        &MeasureKey::batch(problem, op, 4, AlgoKind::Engine),
+        &[],
+    );
     assert_eq!(count(CandidateSet::All), 7);
     // Export and import keep both kinds.
     let exported = cache.export(None).unwrap();
@@ -143,12 +166,22 @@ fn engine_configurations_are_a_separate_kind() {
     // are missing after the round trip: the interchange format cannot say "none".)
     for micro in [1, 2] {
         assert_eq!(
-            other.measurements(&device, &problem, op, micro, AlgoKind::Engine),
-            cache.measurements(&device, &problem, op, micro, AlgoKind::Engine)
+            other.measurements(
+                &device,
+                &MeasureKey::batch(problem, op, micro, AlgoKind::Engine)
+            ),
+            cache.measurements(
+                &device,
+                &MeasureKey::batch(problem, op, micro, AlgoKind::Engine)
+            )
         );
     }
     assert_eq!(
-        other.missing_sizes(&device, &problem, op, AlgoKind::Legacy, &[1, 2, 4]),
+        other.missing_sizes(
+            &device,
+            &SizesKey::batch(problem, op, AlgoKind::Legacy),
+            &[1, 2, 4]
+        ),
         Vec::<i64>::new()
     );
     assert!(cache.warnings().is_empty(), "{:?}", cache.warnings());
@@ -167,11 +200,18 @@ fn measurements_round_trip_and_serve_every_batch_size() {
     };
     let op = ConvOp::Forward;
     assert_eq!(
-        cache.measurements(&device, &problem, op, 4, AlgoKind::Legacy),
+        cache.measurements(
+            &device,
+            &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy)
+        ),
         None
     );
     assert_eq!(
-        cache.missing_sizes(&device, &problem, op, AlgoKind::Legacy, &[1, 2, 4, 8]),
+        cache.missing_sizes(
+            &device,
+            &SizesKey::batch(problem, op, AlgoKind::Legacy),
+            &[1, 2, 4, 8]
+        ),
         vec![1, 2, 4, 8]
     );
     for micro in [1, 2, 4, 8] {
@@ -182,16 +222,16 @@ fn measurements_round_trip_and_serve_every_batch_size() {
         cache.store_measurements(
             &device,
             "net.conv",
-            &problem,
-            op,
-            micro,
-            AlgoKind::Legacy,
+            &MeasureKey::batch(problem, op, micro, AlgoKind::Legacy),
             &ms,
         );
     }
     assert_eq!(
         cache
-            .measurements(&device, &problem, op, 4, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy)
+            )
             .unwrap()[1],
         m(4, 1, 0.2, 4000)
     );
@@ -200,18 +240,22 @@ fn measurements_round_trip_and_serve_every_batch_size() {
     cache.store_measurements(
         &device,
         "net.conv",
-        &problem,
-        other,
-        1,
-        AlgoKind::Legacy,
+        &MeasureKey::batch(problem, other, 1, AlgoKind::Legacy),
         &[],
     );
     assert_eq!(
-        cache.measurements(&device, &problem, other, 1, AlgoKind::Legacy),
+        cache.measurements(
+            &device,
+            &MeasureKey::batch(problem, other, 1, AlgoKind::Legacy)
+        ),
         Some(vec![])
     );
     assert_eq!(
-        cache.missing_sizes(&device, &problem, other, AlgoKind::Legacy, &[1, 2]),
+        cache.missing_sizes(
+            &device,
+            &SizesKey::batch(problem, other, AlgoKind::Legacy),
+            &[1, 2]
+        ),
         vec![2]
     );
 
@@ -219,8 +263,7 @@ fn measurements_round_trip_and_serve_every_batch_size() {
         .op_profile(
             &device,
             "net.conv",
-            &problem,
-            op,
+            &OpKey::batch(problem, op),
             Policy::PowerOfTwo,
             CandidateSet::Legacy,
         )
@@ -234,8 +277,7 @@ fn measurements_round_trip_and_serve_every_batch_size() {
             .op_profile(
                 &device,
                 "net.conv",
-                &half,
-                op,
+                &OpKey::batch(half, op),
                 Policy::PowerOfTwo,
                 CandidateSet::Legacy
             )
@@ -248,10 +290,9 @@ fn measurements_round_trip_and_serve_every_batch_size() {
         .op_profile(
             &device,
             "net.conv",
-            &problem.with_batch(16),
-            op,
+            &OpKey::batch(problem.with_batch(16), op),
             Policy::PowerOfTwo,
-            CandidateSet::Legacy,
+            CandidateSet::Legacy
         )
         .is_none());
     // Another device, another shape: misses.
@@ -261,8 +302,7 @@ fn measurements_round_trip_and_serve_every_batch_size() {
         .op_profile(
             &a100,
             "net.conv",
-            &problem,
-            op,
+            &OpKey::batch(problem, op),
             Policy::PowerOfTwo,
             CandidateSet::Legacy
         )
@@ -271,13 +311,15 @@ fn measurements_round_trip_and_serve_every_batch_size() {
         .op_profile(
             &device,
             "net.conv",
-            &ConvProblem {
-                groups: 2,
-                ..problem
-            },
-            op,
+            &OpKey::batch(
+                ConvProblem {
+                    groups: 2,
+                    ..problem
+                },
+                op
+            ),
             Policy::PowerOfTwo,
-            CandidateSet::Legacy,
+            CandidateSet::Legacy
         )
         .is_none());
     // It persists.
@@ -285,7 +327,10 @@ fn measurements_round_trip_and_serve_every_batch_size() {
     let cache = Cache::open(&dir.join("c.sqlite")).unwrap();
     assert_eq!(
         cache
-            .measurements(&device, &problem, op, 8, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::batch(problem, op, 8, AlgoKind::Legacy)
+            )
             .unwrap()
             .len(),
         2
@@ -308,7 +353,12 @@ fn bad_rows_written_by_sql_are_skipped_with_one_warning() {
         let cache = Cache::open(&path).unwrap();
         for micro in [1, 2, 4] {
             let ms = [m(micro, 0, 1.0 * micro as f64, 0), m(micro, 1, 0.5, 100)];
-            cache.store_measurements(&device, "l", &problem, op, micro, AlgoKind::Legacy, &ms);
+            cache.store_measurements(
+                &device,
+                "l",
+                &MeasureKey::batch(problem, op, micro, AlgoKind::Legacy),
+                &ms,
+            );
         }
     }
     // Poison: an algorithm number cuDNN's forward op does not have, a zero and a negative
@@ -336,8 +386,7 @@ fn bad_rows_written_by_sql_are_skipped_with_one_warning() {
         .op_profile(
             &device,
             "l",
-            &problem,
-            op,
+            &OpKey::batch(problem, op),
             Policy::PowerOfTwo,
             CandidateSet::Legacy,
         )
@@ -350,7 +399,10 @@ fn bad_rows_written_by_sql_are_skipped_with_one_warning() {
         .all(|x| x.algo == Algo::Legacy(0) || x.algo == Algo::Legacy(1)));
     assert_eq!(
         cache
-            .measurements(&device, &problem, op, 2, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::batch(problem, op, 2, AlgoKind::Legacy)
+            )
             .unwrap(),
         [m(2, 0, 2.0, 0), m(2, 1, 0.5, 100)]
     );
@@ -471,8 +523,7 @@ fn a_new_limit_is_solved_from_cached_measurements() {
                 .op_profile(
                     &device,
                     &entry.layer,
-                    &entry.problem,
-                    entry.op,
+                    &OpKey::batch(entry.problem, entry.op),
                     Policy::PowerOfTwo,
                     CandidateSet::Legacy,
                 )
@@ -572,10 +623,9 @@ fn import_refuses_another_device_unless_forced() {
         .op_profile(
             &other,
             "alexnet.conv1",
-            &profile.entries[0].problem,
-            ConvOp::Forward,
+            &OpKey::batch(profile.entries[0].problem, ConvOp::Forward),
             Policy::PowerOfTwo,
-            CandidateSet::Legacy,
+            CandidateSet::Legacy
         )
         .is_some());
 }
@@ -701,14 +751,14 @@ fn read_only_access_never_moves_or_creates_files() {
     cache.store_measurements(
         &h100(),
         "l",
-        &problem,
-        ConvOp::Forward,
-        1,
-        AlgoKind::Legacy,
+        &MeasureKey::batch(problem, ConvOp::Forward, 1, AlgoKind::Legacy),
         &[m(1, 0, 1.0, 0)],
     );
     assert!(cache
-        .measurements(&h100(), &problem, ConvOp::Forward, 1, AlgoKind::Legacy)
+        .measurements(
+            &h100(),
+            &MeasureKey::batch(problem, ConvOp::Forward, 1, AlgoKind::Legacy)
+        )
         .is_none());
     assert!(cache.clear().is_err());
     assert!(cache.import(&fixture(), &h100(), true).is_err());
@@ -938,14 +988,14 @@ fn a_damaged_database_never_stops_tuning() {
     cache.store_measurements(
         &h100(),
         "l",
-        &problem,
-        ConvOp::Forward,
-        1,
-        AlgoKind::Legacy,
+        &MeasureKey::batch(problem, ConvOp::Forward, 1, AlgoKind::Legacy),
         &[m(1, 0, 1.0, 0)],
     );
     assert!(cache
-        .measurements(&h100(), &problem, ConvOp::Forward, 1, AlgoKind::Legacy)
+        .measurements(
+            &h100(),
+            &MeasureKey::batch(problem, ConvOp::Forward, 1, AlgoKind::Legacy)
+        )
         .is_some());
     std::fs::remove_dir_all(dir).ok();
 }
@@ -973,14 +1023,14 @@ fn an_unwritable_location_falls_back_to_memory() {
     cache.store_measurements(
         &h100(),
         "l",
-        &problem,
-        ConvOp::Forward,
-        1,
-        AlgoKind::Legacy,
+        &MeasureKey::batch(problem, ConvOp::Forward, 1, AlgoKind::Legacy),
         &[m(1, 0, 1.0, 0)],
     );
     assert!(cache
-        .measurements(&h100(), &problem, ConvOp::Forward, 1, AlgoKind::Legacy)
+        .measurements(
+            &h100(),
+            &MeasureKey::batch(problem, ConvOp::Forward, 1, AlgoKind::Legacy)
+        )
         .is_some());
     // A directory where the file should be.
     let cache = Cache::open(&dir).unwrap().quiet();
@@ -1041,10 +1091,7 @@ fn concurrent_writer_child() {
             cache.store_measurements(
                 &h100(),
                 &layer,
-                &problem,
-                ConvOp::Forward,
-                micro,
-                AlgoKind::Legacy,
+                &MeasureKey::batch(problem, ConvOp::Forward, micro, AlgoKind::Legacy),
                 &ms,
             );
         }
@@ -1052,8 +1099,7 @@ fn concurrent_writer_child() {
             .op_profile(
                 &h100(),
                 &layer,
-                &problem,
-                ConvOp::Forward,
+                &OpKey::batch(problem, ConvOp::Forward),
                 Policy::PowerOfTwo,
                 CandidateSet::Legacy,
             )
@@ -1114,8 +1160,10 @@ fn eight_processes_tuning_into_one_file_lose_nothing() {
         for row in 0..ROWS_PER_CHILD {
             let problem = ConvProblem::new(4, 1 + index, 8, 8, 1 + row, 3, 3);
             for micro in [1, 2, 4] {
-                let got =
-                    cache.measurements(&h100(), &problem, ConvOp::Forward, micro, AlgoKind::Legacy);
+                let got = cache.measurements(
+                    &h100(),
+                    &MeasureKey::batch(problem, ConvOp::Forward, micro, AlgoKind::Legacy),
+                );
                 assert_eq!(
                     got.map(|v| v.len()),
                     Some(3),
@@ -1170,49 +1218,62 @@ fn skipped_candidates_are_kept_apart_from_measurements() {
         cache.store_measured(
             &device,
             "l",
-            &problem,
-            op,
-            4,
-            AlgoKind::Legacy,
-            &[m(4, 0, 1.0, 0), m(4, 1, 0.5, 100)],
-            // A candidate also timed is not stored as skipped.
+            &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy),
+            &[m(4, 0, 1.0, 0), m(4, 1, 0.5, 100)], // A candidate also timed is not stored as skipped.
             &[skip(4, 2, 5000), skip(4, 3, 90_000), skip(4, 1, 100)],
         );
     }
     let cache = Cache::open(&path).unwrap().quiet();
     let (timed, skipped) = cache
-        .measured(&device, &problem, op, 4, AlgoKind::Legacy)
+        .measured(
+            &device,
+            &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy),
+        )
         .unwrap();
     assert_eq!(timed, [m(4, 0, 1.0, 0), m(4, 1, 0.5, 100)]);
     assert_eq!(skipped, [skip(4, 2, 5000), skip(4, 3, 90_000)]);
     // The timed measurements alone are what `measurements` (and the solver) see.
     assert_eq!(
-        cache.measurements(&device, &problem, op, 4, AlgoKind::Legacy),
+        cache.measurements(
+            &device,
+            &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy)
+        ),
         Some(timed)
     );
     let sizes = [1, 4];
-    let missing =
-        |limit| cache.missing_sizes_within(&device, &problem, op, AlgoKind::Legacy, &sizes, limit);
+    let missing = |limit| {
+        cache.missing_sizes_within(
+            &device,
+            &SizesKey::batch(problem, op, AlgoKind::Legacy),
+            &sizes,
+            limit,
+        )
+    };
     assert_eq!(missing(Some(4999)), [1]);
     assert_eq!(missing(Some(5000)), [1, 4]);
     assert_eq!(missing(None), [1, 4]);
     // Engines were never measured at 4: all missing, whatever the legacy rows say.
     assert_eq!(
-        cache.missing_sizes_within(&device, &problem, op, AlgoKind::Engine, &sizes, Some(0)),
+        cache.missing_sizes_within(
+            &device,
+            &SizesKey::batch(problem, op, AlgoKind::Engine),
+            &sizes,
+            Some(0)
+        ),
         [1, 4]
     );
     // A complete store of the size clears what was skipped.
     cache.store_measurements(
         &device,
         "l",
-        &problem,
-        op,
-        4,
-        AlgoKind::Legacy,
+        &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy),
         &[m(4, 0, 1.0, 0), m(4, 2, 0.2, 5000)],
     );
     let (_, skipped) = cache
-        .measured(&device, &problem, op, 4, AlgoKind::Legacy)
+        .measured(
+            &device,
+            &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy),
+        )
         .unwrap();
     assert!(skipped.is_empty());
     assert_eq!(missing(None), [1]);
@@ -1245,7 +1306,10 @@ fn a_schema_3_cache_reads_as_2d_and_3d_shapes_are_separate() {
     assert!(first.sizes > 0, "{first:?}");
     let device = first.device.clone();
     let measured = cache
-        .measurements(&device, &first.problem, first.op, 1, AlgoKind::Legacy)
+        .measurements(
+            &device,
+            &MeasureKey::batch(first.problem, first.op, 1, AlgoKind::Legacy),
+        )
         .expect("the 2-D rows survive the migration");
     assert!(!measured.is_empty());
     let exported = cache.export(Some(&device)).unwrap();
@@ -1259,24 +1323,30 @@ fn a_schema_3_cache_reads_as_2d_and_3d_shapes_are_separate() {
         ..first.problem
     };
     assert!(cache
-        .measurements(&device, &deep, first.op, 1, AlgoKind::Legacy)
+        .measurements(
+            &device,
+            &MeasureKey::batch(deep, first.op, 1, AlgoKind::Legacy)
+        )
         .is_none());
     cache.store_measurements(
         &device,
         "deep",
-        &deep,
-        first.op,
-        1,
-        AlgoKind::Legacy,
+        &MeasureKey::batch(deep, first.op, 1, AlgoKind::Legacy),
         &[m(1, 0, 0.25, 0)],
     );
     let back = cache
-        .measurements(&device, &deep, first.op, 1, AlgoKind::Legacy)
+        .measurements(
+            &device,
+            &MeasureKey::batch(deep, first.op, 1, AlgoKind::Legacy),
+        )
         .unwrap();
     assert_eq!(back, vec![m(1, 0, 0.25, 0)]);
     assert_eq!(
         cache
-            .measurements(&device, &first.problem, first.op, 1, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::batch(first.problem, first.op, 1, AlgoKind::Legacy)
+            )
             .unwrap(),
         measured
     );
@@ -1303,62 +1373,67 @@ fn spatial_measurements_never_answer_batch_lookups() {
     let problem = ConvProblem::new(2, 1, 9, 5, 1, 3, 3);
     let op = ConvOp::Forward;
     let (batch, spatial) = (SplitDim::Batch, SplitDim::Spatial);
-    cache.store_measured_along(
+    cache.store_measured(
         &device,
         "l",
-        &problem,
-        op,
-        spatial,
-        2,
-        AlgoKind::Legacy,
+        &MeasureKey::new(problem, op, spatial, 2, AlgoKind::Legacy),
         &[m(2, 0, 0.5, 0)],
         &[],
     );
     assert!(cache
-        .measurements(&device, &problem, op, 2, AlgoKind::Legacy)
+        .measurements(
+            &device,
+            &MeasureKey::batch(problem, op, 2, AlgoKind::Legacy)
+        )
         .is_none());
     assert_eq!(
-        cache.missing_sizes(&device, &problem, op, AlgoKind::Legacy, &[1, 2]),
+        cache.missing_sizes(
+            &device,
+            &SizesKey::batch(problem, op, AlgoKind::Legacy),
+            &[1, 2]
+        ),
         [1, 2]
     );
     assert_eq!(
         cache
-            .measurements_along(&device, &problem, op, spatial, 2, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::new(problem, op, spatial, 2, AlgoKind::Legacy)
+            )
             .unwrap(),
         [m(2, 0, 0.5, 0)]
     );
     cache.store_measurements(
         &device,
         "l",
-        &problem,
-        op,
-        2,
-        AlgoKind::Legacy,
+        &MeasureKey::batch(problem, op, 2, AlgoKind::Legacy),
         &[m(2, 1, 3.0, 0)],
     );
     // Each split still reads its own row at size 2.
     assert_eq!(
         cache
-            .measurements_along(&device, &problem, op, spatial, 2, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::new(problem, op, spatial, 2, AlgoKind::Legacy)
+            )
             .unwrap(),
         [m(2, 0, 0.5, 0)]
     );
     assert_eq!(
         cache
-            .measurements_along(&device, &problem, op, batch, 2, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::new(problem, op, batch, 2, AlgoKind::Legacy)
+            )
             .unwrap(),
         [m(2, 1, 3.0, 0)]
     );
     // A spatial chunk larger than the batch (7 rows > 2 samples) is a valid spatial row.
     for micro in [1, 4, 7] {
-        cache.store_measured_along(
+        cache.store_measured(
             &device,
             "l",
-            &problem,
-            op,
-            spatial,
-            micro,
-            AlgoKind::Legacy,
+            &MeasureKey::new(problem, op, spatial, micro, AlgoKind::Legacy),
             &[m(micro, 0, micro as f64 * 0.25, 0)],
             &[],
         );
@@ -1367,19 +1442,16 @@ fn spatial_measurements_never_answer_batch_lookups() {
         .op_profile(
             &device,
             "l",
-            &problem,
-            op,
+            &OpKey::batch(problem, op),
             Policy::PowerOfTwo,
             CandidateSet::Legacy
         )
         .is_none());
     let entry = cache
-        .op_profile_along(
+        .op_profile(
             &device,
             "l",
-            &problem,
-            op,
-            spatial,
+            &OpKey::new(problem, op, spatial),
             Policy::PowerOfTwo,
             CandidateSet::Legacy,
         )
@@ -1401,18 +1473,27 @@ fn spatial_measurements_never_answer_batch_lookups() {
         .unwrap();
     assert_eq!(
         other
-            .measurements(&device, &problem, op, 2, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::batch(problem, op, 2, AlgoKind::Legacy)
+            )
             .unwrap(),
         [m(2, 1, 3.0, 0)]
     );
     assert_eq!(
         other
-            .measurements_along(&device, &problem, op, spatial, 7, AlgoKind::Legacy)
+            .measurements(
+                &device,
+                &MeasureKey::new(problem, op, spatial, 7, AlgoKind::Legacy)
+            )
             .unwrap(),
         [m(7, 0, 1.75, 0)]
     );
     assert!(other
-        .measurements(&device, &problem, op, 7, AlgoKind::Legacy)
+        .measurements(
+            &device,
+            &MeasureKey::batch(problem, op, 7, AlgoKind::Legacy)
+        )
         .is_none());
 }
 
@@ -1437,7 +1518,12 @@ fn unusable_rows_are_misses_and_one_bad_shape_row_hides_nothing() {
         for p in [&problem, &other] {
             for micro in [1, 2, 4] {
                 let ms = [m(micro, 0, micro as f64, 0), m(micro, 1, 0.5, 100)];
-                cache.store_measurements(&device, "l", p, op, micro, AlgoKind::Legacy, &ms);
+                cache.store_measurements(
+                    &device,
+                    "l",
+                    &MeasureKey::batch(*p, op, micro, AlgoKind::Legacy),
+                    &ms,
+                );
             }
         }
     }
@@ -1478,20 +1564,26 @@ fn unusable_rows_are_misses_and_one_bad_shape_row_hides_nothing() {
     let cache = Cache::open(&path).unwrap().quiet();
     let sizes = [1, 2, 4];
     assert_eq!(
-        cache.missing_sizes(&device, &problem, op, AlgoKind::Legacy, &sizes),
+        cache.missing_sizes(
+            &device,
+            &SizesKey::batch(problem, op, AlgoKind::Legacy),
+            &sizes
+        ),
         sizes,
         "every size of the poisoned shape is a miss"
     );
     assert_eq!(
-        cache.measurements(&device, &problem, op, 2, AlgoKind::Legacy),
+        cache.measurements(
+            &device,
+            &MeasureKey::batch(problem, op, 2, AlgoKind::Legacy)
+        ),
         None
     );
     assert!(cache
         .op_profile(
             &device,
             "l",
-            &problem,
-            op,
+            &OpKey::batch(problem, op),
             Policy::PowerOfTwo,
             CandidateSet::Legacy
         )
@@ -1499,17 +1591,25 @@ fn unusable_rows_are_misses_and_one_bad_shape_row_hides_nothing() {
     // Measuring again replaces the rows.
     for micro in sizes {
         let ms = [m(micro, 0, micro as f64, 0)];
-        cache.store_measurements(&device, "l", &problem, op, micro, AlgoKind::Legacy, &ms);
+        cache.store_measurements(
+            &device,
+            "l",
+            &MeasureKey::batch(problem, op, micro, AlgoKind::Legacy),
+            &ms,
+        );
     }
     assert!(cache
-        .missing_sizes(&device, &problem, op, AlgoKind::Legacy, &sizes)
+        .missing_sizes(
+            &device,
+            &SizesKey::batch(problem, op, AlgoKind::Legacy),
+            &sizes
+        )
         .is_empty());
     let entry = cache
         .op_profile(
             &device,
             "l",
-            &problem,
-            op,
+            &OpKey::batch(problem, op),
             Policy::PowerOfTwo,
             CandidateSet::Legacy,
         )
@@ -1519,7 +1619,7 @@ fn unusable_rows_are_misses_and_one_bad_shape_row_hides_nothing() {
     // The other shape: the 2^63 - 1 B row is skipped, the size still measured by algorithm 0,
     // and algorithm 0 is a measurement, not also a skipped candidate.
     let (timed, skipped) = cache
-        .measured(&device, &other, op, 4, AlgoKind::Legacy)
+        .measured(&device, &MeasureKey::batch(other, op, 4, AlgoKind::Legacy))
         .unwrap();
     assert_eq!(timed, [m(4, 0, 4.0, 0)]);
     assert_eq!(skipped, Vec::<Skipped>::new());

@@ -9,6 +9,8 @@
 //! - [`algo`]: [`Algo`], a candidate: a legacy algorithm number or an engine configuration.
 //! - [`problem`]: [`ConvProblem`], [`ConvOp`], dtype, layout, math mode.
 //! - [`profile`]: [`Measurement`], [`OpProfile`], [`Profile`], [`Policy`].
+//! - [`key`]: the tuning key ([`MeasureKey`], [`SizesKey`], [`OpKey`]): what a measurement is
+//!   of, and what the cache finds it by.
 //! - [`interchange`]: the `mucudnn-profile-v1`/`-v2` JSON format.
 //! - [`operand`]: operand roles of each op, and the steps (micro-batches) a [`Plan`] runs.
 //! - [`wr`]: workspace reuse, dynamic programming per (layer, op), and Pareto fronts.
@@ -20,6 +22,7 @@
 pub mod algo;
 pub mod device;
 pub mod interchange;
+pub mod key;
 pub mod operand;
 pub mod plan;
 pub mod problem;
@@ -33,6 +36,7 @@ pub mod wr;
 
 pub use algo::{legacy_name, Algo, AlgoKind, AlgoNames, CandidateSet, EngineName, EngineNameError};
 pub use device::{BackendKind, DeviceFingerprint};
+pub use key::{MeasureKey, OpKey, SizesKey};
 pub use operand::{operand_roles, steps, timing_offset, Operand, Step};
 pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};

@@ -3,14 +3,16 @@
 
 use super::cpu::{self, AlignedWorkspace, CpuAlgo, Element};
 use super::{
-    check_measure_args, median_time, Backend, BackendError, Decision, Measured, MemoryUse,
+    check_key, median_time, Backend, BackendError, Decision, MeasureSettings, Measured, MemoryUse,
     Selection, TimingSettings,
 };
 use crate::backend::cudnn::host::random_values;
 use crate::device::DeviceFingerprint;
 use crate::solver::spatial::{split_axis, timing_chunks, AxisGeometry, Chunk};
 use crate::solver::Operand;
-use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, DType, Measurement, Skipped};
+use crate::solver::{
+    Algo, AlgoKind, ConvOp, ConvProblem, DType, MeasureKey, Measurement, Skipped, SplitDim,
+};
 use half::{bf16, f16};
 use std::time::Instant;
 
@@ -187,6 +189,73 @@ impl CpuBackend {
             skipped,
         })
     }
+
+    /// Each CPU algorithm at micro-batch size `micro` (checked by [`check_key`]).
+    fn measure_micro_batch(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        how: &MeasureSettings,
+    ) -> Result<Measured, BackendError> {
+        let (timing, select) = (&how.timing, &how.select);
+        self.measure_each(
+            problem,
+            micro,
+            select,
+            |algo| cpu::workspace_bytes(&problem.with_batch(micro), op, algo),
+            |operands, algo, workspace| match operands {
+                Operands::F32(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
+                Operands::F16(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
+                Operands::Bf16(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
+            },
+        )
+    }
+
+    /// Each CPU algorithm on chunks of `size` rows (checked by [`check_key`]), at the start, middle and end of
+    /// the split axis ([`timing_chunks`]): the slowest time, the largest workspace. A size
+    /// whose chunks have no call (every window in the padding) costs only the zero fill: it
+    /// is recorded at the clock's resolution with no workspace.
+    fn measure_chunks(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        size: i64,
+        how: &MeasureSettings,
+    ) -> Result<Measured, BackendError> {
+        let (timing, select) = (&how.timing, &how.select);
+        let chunks = timing_chunks(&AxisGeometry::of(problem, split_axis(problem)), op, size);
+        self.measure_each(
+            problem,
+            size,
+            select,
+            |algo| {
+                chunks
+                    .iter()
+                    .map(|c| cpu::chunk_workspace_bytes(problem, op, algo, c))
+                    .max()
+                    .unwrap_or(0)
+            },
+            |operands, algo, workspace| {
+                let mut slowest = 0.0f64;
+                for chunk in &chunks {
+                    let time = match operands {
+                        Operands::F32(b) => {
+                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
+                        }
+                        Operands::F16(b) => {
+                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
+                        }
+                        Operands::Bf16(b) => {
+                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
+                        }
+                    }?;
+                    slowest = slowest.max(time);
+                }
+                Ok(slowest)
+            },
+        )
+    }
 }
 
 /// Times one algorithm on one spatial chunk (issue 24): the chunk's packed slabs
@@ -231,7 +300,6 @@ fn operand_host_bytes(problem: &ConvProblem) -> u128 {
 
 /// Times one algorithm at one micro-batch of the full buffers, at the offset the cuDNN backend
 /// times it at too ([`crate::solver::timing_offset`]).
-#[allow(clippy::too_many_arguments)]
 fn time_algo<T: Element>(
     problem: &ConvProblem,
     op: ConvOp,
@@ -309,80 +377,23 @@ impl Backend for CpuBackend {
         Some(super::total_host_memory().unwrap_or(isize::MAX as u64))
     }
 
-    fn measure(
-        &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        timing: &TimingSettings,
-        select: &Selection,
-    ) -> Result<Measured, BackendError> {
-        check_measure_args(problem, micro)?;
-        self.measure_each(
-            problem,
-            micro,
-            select,
-            |algo| cpu::workspace_bytes(&problem.with_batch(micro), op, algo),
-            |operands, algo, workspace| match operands {
-                Operands::F32(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
-                Operands::F16(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
-                Operands::Bf16(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
-            },
-        )
+    /// Legacy candidates only (the CPU algorithms), at a micro-batch size or on spatial
+    /// chunks.
+    fn supports(&self, key: &MeasureKey) -> bool {
+        key.kind == AlgoKind::Legacy
     }
 
-    /// Each CPU algorithm on chunks of `size` rows (issue 24), at the start, middle and end of
-    /// the split axis ([`timing_chunks`]): the slowest time, the largest workspace. A size
-    /// whose chunks have no call (every window in the padding) costs only the zero fill: it
-    /// is recorded at the clock's resolution with no workspace.
-    fn measure_spatial(
+    fn measure(
         &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        size: i64,
-        kind: AlgoKind,
-        timing: &TimingSettings,
-        _search: &super::EngineSearch,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
-        if kind != AlgoKind::Legacy {
-            return Err(BackendError::NoSpatial {
-                backend: self.fingerprint.name.clone(),
-                kind,
-            });
+        check_key(self, key)?;
+        let (problem, op, size) = (&key.problem, key.op, key.size);
+        match key.split {
+            SplitDim::Batch => self.measure_micro_batch(problem, op, size, how),
+            SplitDim::Spatial => self.measure_chunks(problem, op, size, how),
         }
-        super::check_chunk_args(problem, op, size)?;
-        let chunks = timing_chunks(&AxisGeometry::of(problem, split_axis(problem)), op, size);
-        self.measure_each(
-            problem,
-            size,
-            select,
-            |algo| {
-                chunks
-                    .iter()
-                    .map(|c| cpu::chunk_workspace_bytes(problem, op, algo, c))
-                    .max()
-                    .unwrap_or(0)
-            },
-            |operands, algo, workspace| {
-                let mut slowest = 0.0f64;
-                for chunk in &chunks {
-                    let time = match operands {
-                        Operands::F32(b) => {
-                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
-                        }
-                        Operands::F16(b) => {
-                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
-                        }
-                        Operands::Bf16(b) => {
-                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
-                        }
-                    }?;
-                    slowest = slowest.max(time);
-                }
-                Ok(slowest)
-            },
-        )
     }
 
     fn release(&mut self) {

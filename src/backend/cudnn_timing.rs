@@ -2,7 +2,7 @@
 //! random device data (a random block tiled on the device: `CudnnHandle::alloc_tiled`), at a micro-batch offset inside a full-batch buffer: the least-aligned
 //! offset the executor can run that size at ([`timing_offset`]), and engine configurations
 //! declare the alignment that holds at every offset, so what is timed can run wherever a plan
-//! puts it (issue 21, item 8). Spatial chunks (issue 24, [`Backend::measure_spatial`]) are
+//! puts it (issue 21, item 8). Spatial chunks (issue 24, [`CudnnBackend::measure_spatial`]) are
 //! timed the same way: engine configurations on views of the full operands at the start,
 //! middle and end of the split axis, declaring the alignment of every row offset.
 
@@ -12,13 +12,15 @@ use super::cudnn::{
     CudnnHandle, DeviceBuffer, DeviceOperands, EngineConfig, EnginePlan, Surface, Workspace,
 };
 use super::{
-    check_chunk_args, check_measure_args, median_time, Backend, BackendError, Decision,
-    EngineSearch, Measured, MemoryUse, Selection, TimingSettings,
+    check_chunk_args, check_key, check_measure_args, median_time, Backend, BackendError, Decision,
+    MeasureSettings, Measured, MemoryUse, Selection, TimingSettings,
 };
 use crate::device::{BackendKind, DeviceFingerprint};
 use crate::solver::spatial::{split_axis, timing_chunks, AxisGeometry};
 use crate::solver::{operand_roles, timing_offset, Operand, Step};
-use crate::solver::{Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Skipped};
+use crate::solver::{
+    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, MeasureKey, Measurement, Skipped, SplitDim,
+};
 
 /// Full-batch random operands of one problem, indexed by [`Operand`].
 struct Operands {
@@ -426,7 +428,6 @@ impl CudnnBackend {
     /// which later chunks use), so a configuration that cannot run at one position is
     /// unsupported for the size; then each is timed at its own offsets. The time is the
     /// slowest chunk's, the workspace the largest.
-    #[allow(clippy::too_many_arguments)]
     fn time_engine_chunks(
         &mut self,
         op: ConvOp,
@@ -434,9 +435,9 @@ impl CudnnBackend {
         chunks: &[ChunkShapes],
         config: &EngineConfig,
         alignments: Alignments,
-        timing: &TimingSettings,
-        select: &Selection,
+        how: &MeasureSettings,
     ) -> Result<EngineOutcome, CudnnError> {
+        let (timing, select) = (&how.timing, &how.select);
         let skip = |e: &CudnnError| e.is_not_supported() || e.is_out_of_memory();
         let started = std::time::Instant::now();
         let built = self.build_chunk_plans(op, chunks, config, alignments);
@@ -573,19 +574,52 @@ impl Backend for CudnnBackend {
         }
     }
 
+    /// Legacy algorithms and engine configurations at a micro-batch size; engine
+    /// configurations only on spatial chunks (see [`CudnnBackend::measure_spatial`]).
+    fn supports(&self, key: &MeasureKey) -> bool {
+        self.kinds.contains(&key.kind) && (key.split.is_batch() || key.kind == AlgoKind::Engine)
+    }
+
+    fn measure(
+        &mut self,
+        key: &MeasureKey,
+        how: &MeasureSettings,
+    ) -> Result<Measured, BackendError> {
+        check_key(self, key)?;
+        match (key.split, key.kind) {
+            (SplitDim::Batch, AlgoKind::Legacy) => self.measure_legacy(key, how),
+            (SplitDim::Batch, AlgoKind::Engine) => self.measure_engines(key, how),
+            (SplitDim::Spatial, _) => self.measure_spatial(key, how),
+        }
+    }
+
+    fn release(&mut self) {
+        self.operands = None;
+        self.workspace = None;
+        self.memory = MemoryUse::default();
+    }
+
+    fn memory(&self) -> MemoryUse {
+        self.memory
+    }
+}
+
+impl CudnnBackend {
     /// Enumerates configurations with cuDNN's heuristics (modes A, B and the fallback list, in
     /// that ranking, at most `search.max_candidates`), builds each one's execution plan for
     /// the micro-batch, and times it like a legacy algorithm (same offsets, same clock).
     /// Configurations cuDNN cannot build or run here are left out.
     fn measure_engines(
         &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        timing: &TimingSettings,
-        search: &EngineSearch,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
+        let (problem, op, micro) = (&key.problem, key.op, key.size);
+        let MeasureSettings {
+            timing,
+            search,
+            select,
+        } = how;
         check_measure_args(problem, micro)?;
         graph_api_status()?;
         if self.operands.as_ref().is_none_or(|o| o.problem != *problem) {
@@ -640,14 +674,11 @@ impl Backend for CudnnBackend {
     /// they are left out of spatial plans (see docs/gpu.md).
     fn measure_spatial(
         &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        size: i64,
-        kind: AlgoKind,
-        timing: &TimingSettings,
-        search: &EngineSearch,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
+        let (problem, op, size, kind) = (&key.problem, key.op, key.size, key.kind);
+        let MeasureSettings { search, select, .. } = how;
         check_chunk_args(problem, op, size)?;
         if kind == AlgoKind::Legacy {
             return Err(BackendError::NoSpatial {
@@ -693,7 +724,7 @@ impl Backend for CudnnBackend {
             if search.skip.contains(&name) || !select.wants(&Algo::Engine(name)) {
                 continue;
             }
-            match self.time_engine_chunks(op, size, &chunks, config, alignments, timing, select)? {
+            match self.time_engine_chunks(op, size, &chunks, config, alignments, how)? {
                 EngineOutcome::Unsupported => {}
                 EngineOutcome::Skipped(workspace_bytes) => found.skipped.push(Skipped {
                     micro: size,
@@ -713,24 +744,14 @@ impl Backend for CudnnBackend {
         Ok(found)
     }
 
-    fn release(&mut self) {
-        self.operands = None;
-        self.workspace = None;
-        self.memory = MemoryUse::default();
-    }
-
-    fn memory(&self) -> MemoryUse {
-        self.memory
-    }
-
-    fn measure(
+    /// Every legacy algorithm of `key.op` at micro-batch size `key.size`.
+    fn measure_legacy(
         &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        timing: &TimingSettings,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
+        let (problem, op, micro) = (&key.problem, key.op, key.size);
+        let MeasureSettings { timing, select, .. } = how;
         check_measure_args(problem, micro)?;
         if self.operands.as_ref().is_none_or(|o| o.problem != *problem) {
             self.check_fits(problem)?;

@@ -1,7 +1,8 @@
 //! Backends that measure and run convolutions: [`cudnn`] on NVIDIA GPUs, [`cpu`] everywhere.
 //!
-//! The profiler sees a backend only through [`Backend`]: give it a problem, an op and a
-//! micro-batch size, get back the time and workspace of every algorithm that works there.
+//! The profiler sees a backend only through [`Backend`]: give it a [`MeasureKey`] (a problem,
+//! an op, a split, a size and a candidate kind) and [`MeasureSettings`] (how to time, search and
+//! select), get back the time and workspace of every candidate that works there.
 //! Execution is backend-specific (device pointers or host slices, grouped by role in
 //! [`ConvOperands`]) but shares the micro-batch stepping of [`crate::solver::steps`].
 
@@ -14,7 +15,8 @@ mod operands;
 use crate::device::DeviceFingerprint;
 use crate::solver::units::format_bytes;
 use crate::solver::{
-    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, Measurement, Operand, Skipped, SplitDim,
+    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, MeasureKey, Measurement, Operand, Skipped,
+    SplitDim,
 };
 use std::collections::BTreeSet;
 
@@ -53,6 +55,27 @@ impl TimingSettings {
     };
 }
 
+/// How to measure one [`MeasureKey`]: the timing, the engine search and the selection of
+/// candidates, grouped as one argument.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeasureSettings {
+    pub timing: TimingSettings,
+    /// Bounds and prunes engine configurations (legacy algorithms ignore it).
+    pub search: EngineSearch,
+    pub select: Selection,
+}
+
+impl MeasureSettings {
+    /// Every candidate, no bound, timed as `timing` says.
+    pub fn all(timing: TimingSettings) -> MeasureSettings {
+        MeasureSettings {
+            timing,
+            search: EngineSearch::default(),
+            select: Selection::ALL,
+        }
+    }
+}
+
 /// Why a backend could not measure or run.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -73,6 +96,23 @@ pub enum BackendError {
     /// allocation that failed (made by [`out_of_memory`]).
     #[error("{0}")]
     OutOfMemory(String),
+}
+
+impl BackendError {
+    /// The error for a key that `backend` does not [support](Backend::supports): of a kind it
+    /// lacks ([`BackendError::NoEngines`]), or of a kind it has on a split it cannot time
+    /// ([`BackendError::NoSpatial`]).
+    pub fn unsupported(backend: &dyn Backend, key: &MeasureKey) -> BackendError {
+        let name = backend.fingerprint().name.clone();
+        if key.split == SplitDim::Spatial && backend.kinds().contains(&key.kind) {
+            BackendError::NoSpatial {
+                backend: name,
+                kind: key.kind,
+            }
+        } else {
+            BackendError::NoEngines { backend: name }
+        }
+    }
 }
 
 /// [`BackendError::OutOfMemory`]: `what` needs `needed` bytes, but `available` bytes `where_`
@@ -265,16 +305,29 @@ pub trait Backend {
     /// The device the measurements belong to.
     fn fingerprint(&self) -> &DeviceFingerprint;
 
-    /// Times every legacy algorithm of `op` that supports `problem` at micro-batch size
-    /// `micro` (`problem.n` is the full mini-batch) and that `select` asks for. Unsupported
-    /// algorithms are left out; those over `select`'s workspace limit are skipped, unallocated.
+    /// Whether this backend can measure `key`'s kind of candidate along its split (the shape
+    /// and size are checked when measuring). The default: the batch split, of the kinds the
+    /// backend [has](Backend::kinds).
+    fn supports(&self, key: &MeasureKey) -> bool {
+        key.split.is_batch() && self.kinds().contains(&key.kind)
+    }
+
+    /// Times `key`'s candidates that `how.select` asks for: legacy algorithms, or engine
+    /// configurations as `how.search` bounds them, at a micro-batch size (`key.problem.n` is
+    /// the full mini-batch) or on chunks of `key.size` rows of a spatial split. Unsupported
+    /// candidates are left out; those over the selection's workspace limit are skipped,
+    /// unallocated. A key the backend does not [support](Backend::supports) is an error
+    /// ([`BackendError::unsupported`]).
+    ///
+    /// A spatial size is rows along [`split_axis`](crate::solver::spatial::split_axis) of the
+    /// op's output (`dx` for backward-data). Each candidate is timed on the chunks
+    /// [`timing_chunks`](crate::solver::spatial::timing_chunks) gives (at the start, middle and
+    /// end of the axis, with the offsets and padding a plan runs them with); its time is the
+    /// slowest, its workspace the largest. Measurements carry the size as their `micro`.
     fn measure(
         &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        timing: &TimingSettings,
-        select: &Selection,
+        key: &MeasureKey,
+        how: &MeasureSettings,
     ) -> Result<Measured, BackendError>;
 
     /// Frees what measuring holds (full-batch operands, workspace) and resets
@@ -319,93 +372,35 @@ pub trait Backend {
         let _ = (op, algo);
         true
     }
+}
 
-    /// Times `kind`'s candidates of `op` on chunks of `size` rows of a spatial split (issue 24):
-    /// rows along [`split_axis`](crate::solver::spatial::split_axis) of the op's output (`dx`
-    /// for backward-data), `problem.n` the whole batch. Each candidate is timed on the chunks
-    /// [`timing_chunks`](crate::solver::spatial::timing_chunks) gives (at the start, middle and
-    /// end of the axis, with the offsets and padding a plan runs them with); its time is the
-    /// slowest, its workspace the largest. Measurements carry `size` as their `micro`.
-    /// Candidates over `select`'s limit are skipped as in [`Backend::measure`]. The default:
-    /// [`BackendError::NoSpatial`].
-    #[allow(clippy::too_many_arguments)]
-    fn measure_spatial(
-        &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        size: i64,
-        kind: AlgoKind,
-        timing: &TimingSettings,
-        search: &EngineSearch,
-        select: &Selection,
-    ) -> Result<Measured, BackendError> {
-        let _ = (problem, op, size, timing, search, select);
-        Err(BackendError::NoSpatial {
-            backend: self.fingerprint().name.clone(),
-            kind,
-        })
-    }
-
-    /// Times the graph-API engine configurations of `op` at micro-batch size `micro`, as
-    /// `search` bounds them and `select` selects them. Backends without engines say so.
-    fn measure_engines(
-        &mut self,
-        problem: &ConvProblem,
-        op: ConvOp,
-        micro: i64,
-        timing: &TimingSettings,
-        search: &EngineSearch,
-        select: &Selection,
-    ) -> Result<Measured, BackendError> {
-        let _ = (problem, op, micro, timing, search, select);
-        Err(BackendError::NoEngines {
-            backend: self.fingerprint().name.clone(),
-        })
+/// Refuses a key `backend` does not [support](Backend::supports), before anything is measured
+/// ([`BackendError::unsupported`]). Callers check, as a backend that wraps another may pass
+/// on to it keys that it does not support itself.
+pub fn check_supported(backend: &dyn Backend, key: &MeasureKey) -> Result<(), BackendError> {
+    if backend.supports(key) {
+        Ok(())
+    } else {
+        Err(BackendError::unsupported(backend, key))
     }
 }
 
-/// Measures one kind of candidate: [`Backend::measure`] or [`Backend::measure_engines`].
-#[allow(clippy::too_many_arguments)]
-pub fn measure_kind(
-    backend: &mut dyn Backend,
-    kind: AlgoKind,
-    problem: &ConvProblem,
-    op: ConvOp,
-    micro: i64,
-    timing: &TimingSettings,
-    search: &EngineSearch,
-    select: &Selection,
-) -> Result<Measured, BackendError> {
-    match kind {
-        AlgoKind::Legacy => backend.measure(problem, op, micro, timing, select),
-        AlgoKind::Engine => backend.measure_engines(problem, op, micro, timing, search, select),
-    }
-}
-
-/// [`measure_kind`] for a size of `split`: a micro-batch size, or a chunk size of a spatial
-/// split ([`Backend::measure_spatial`]).
-#[allow(clippy::too_many_arguments)]
-pub fn measure_split(
-    backend: &mut dyn Backend,
-    split: SplitDim,
-    kind: AlgoKind,
-    problem: &ConvProblem,
-    op: ConvOp,
-    size: i64,
-    timing: &TimingSettings,
-    search: &EngineSearch,
-    select: &Selection,
-) -> Result<Measured, BackendError> {
-    match split {
-        SplitDim::Batch => measure_kind(backend, kind, problem, op, size, timing, search, select),
+/// The checks every [`Backend::measure`] makes first: `backend` supports the key (see
+/// [`BackendError::unsupported`]), the problem is valid, and `1 <= size <=` the split's extent.
+pub(crate) fn check_key(backend: &dyn Backend, key: &MeasureKey) -> Result<(), BackendError> {
+    match key.split {
+        SplitDim::Batch => {
+            check_supported(backend, key)?;
+            check_measure_args(&key.problem, key.size)
+        }
         SplitDim::Spatial => {
-            check_chunk_args(problem, op, size)?;
-            backend.measure_spatial(problem, op, size, kind, timing, search, select)
+            check_chunk_args(&key.problem, key.op, key.size)?;
+            check_supported(backend, key)
         }
     }
 }
 
-/// The checks every [`Backend::measure_spatial`] needs first: a valid problem and
+/// The checks every spatial [`Backend::measure`] needs first: a valid problem and
 /// `1 <= size <=` the op's extent along the split axis.
 pub(crate) fn check_chunk_args(
     problem: &ConvProblem,
@@ -425,7 +420,8 @@ pub(crate) fn check_chunk_args(
     Ok(())
 }
 
-/// The checks every [`Backend::measure`] makes first: a valid problem and `1 <= micro <= n`.
+/// The checks every batch [`Backend::measure`] makes first: a valid problem and
+/// `1 <= micro <= n`.
 pub(crate) fn check_measure_args(problem: &ConvProblem, micro: i64) -> Result<(), BackendError> {
     problem
         .validate()

@@ -204,10 +204,10 @@ impl ConvOptions {
         LayerTuning {
             policy: self.policy,
             workspace_limit_bytes: self.workspace_limit_bytes,
-            timing,
             candidates: self.candidates,
             engines: self.engines,
             split: self.split,
+            ..LayerTuning::new(timing)
         }
     }
 }

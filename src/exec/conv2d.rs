@@ -27,8 +27,8 @@
 use super::{cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::backend::cpu::AlignedWorkspace;
 use crate::backend::{CpuBackend, TimingSettings};
-use crate::solver::{CandidateSet, ConvOp, ConvProblem, Layout, Plan, Policy, ShapeError};
-use crate::tune::{EngineOptions, LayerTuning, SplitSetting, TuneError};
+use crate::solver::{ConvOp, ConvProblem, Layout, Plan, ShapeError};
+use crate::tune::{LayerTuning, TuneError};
 use mucudnn_cache::Cache;
 use std::collections::HashMap;
 
@@ -124,14 +124,7 @@ impl Conv2d {
             template,
             weight: Vec::new(),
             bias: Some(vec![0.0; out_channels.max(0) as usize]),
-            tuning: LayerTuning {
-                policy: Policy::PowerOfTwo,
-                workspace_limit_bytes: 64 << 20,
-                timing: TimingSettings::CPU,
-                candidates: CandidateSet::All,
-                engines: EngineOptions::default(),
-                split: SplitSetting::Auto,
-            },
+            tuning: LayerTuning::new(TimingSettings::CPU),
             backend: CpuBackend::new(),
             cache: None,
             plans: HashMap::new(),

@@ -31,12 +31,11 @@ use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::solver::{
-    operand_roles, AlgoNames, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan,
-    Policy,
+    operand_roles, AlgoNames, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan,
 };
 use crate::tune::{
-    measure_task, missing_tasks, store_measured, CacheStats, EngineOptions, LayerTuning,
-    MeasureTask, MeasuredTask, SplitSetting, TuneError,
+    measure_task, missing_tasks, store_measured, CacheStats, LayerTuning, MeasureTask,
+    MeasuredTask, TuneError,
 };
 use mucudnn_cache::Cache;
 use serde::{Deserialize, Serialize};
@@ -99,15 +98,11 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
         }
     };
     let mut tuning = LayerTuning {
-        policy: Policy::PowerOfTwo,
         workspace_limit_bytes: super::MUCUDNN_DEFAULT_WORKSPACE_LIMIT,
-        timing: match device {
+        ..LayerTuning::new(match device {
             TunerDevice::Cpu => TimingSettings::CPU,
             TunerDevice::Cuda(_) => TimingSettings::GPU,
-        },
-        candidates: CandidateSet::All,
-        engines: EngineOptions::default(),
-        split: SplitSetting::Auto,
+        })
     };
     if let Some(policy) = text_of("policy")? {
         tuning.policy = policy

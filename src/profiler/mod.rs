@@ -7,11 +7,10 @@
 pub mod prune;
 
 use crate::backend::{
-    measure_split, Backend, BackendError, EngineSearch, Measured, MemoryUse, Selection,
-    TimingSettings,
+    check_supported, Backend, BackendError, MeasureSettings, Measured, MemoryUse, TimingSettings,
 };
 use crate::device::DeviceFingerprint;
-use crate::solver::{AlgoKind, ConvOp, ConvProblem, OpProfile, Policy, SplitDim};
+use crate::solver::{AlgoKind, ConvOp, ConvProblem, OpKey, OpProfile, Policy, SplitDim};
 
 /// One tuning problem to measure.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,6 +31,11 @@ impl Job {
             op,
             split: SplitDim::Batch,
         }
+    }
+
+    /// What the job measures: its problem, op and split.
+    pub fn key(&self) -> OpKey {
+        OpKey::new(self.problem, self.op, self.split)
     }
 
     /// The sizes `policy` allows: of the batch, or of the op's extent along the split axis.
@@ -63,19 +67,12 @@ pub fn profile_job(
         .validate()
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
     let sizes = job.sizes(policy);
+    let key = job.key().of_kind(AlgoKind::Legacy);
+    let how = MeasureSettings::all(*timing);
     let mut measurements = Vec::new();
     for (index, &micro) in sizes.iter().enumerate() {
-        let found = measure_split(
-            backend,
-            job.split,
-            AlgoKind::Legacy,
-            &job.problem,
-            job.op,
-            micro,
-            timing,
-            &EngineSearch::default(),
-            &Selection::ALL,
-        );
+        let key = key.at(micro);
+        let found = check_supported(backend, &key).and_then(|()| backend.measure(&key, &how));
         let found = match found {
             Ok(found) => found,
             Err(e) => {
@@ -118,16 +115,10 @@ where
     F: Fn(usize) -> Result<B, BackendError> + Sync,
 {
     let sizes = job.sizes(policy);
-    let (fingerprint, by_size, _) = measure_sizes_parallel(
-        &make,
-        devices,
-        job,
-        &sizes,
-        timing,
-        AlgoKind::Legacy,
-        &|_| EngineSearch::default(),
-        &|_| Selection::ALL,
-    )?;
+    let (fingerprint, by_size, _) =
+        measure_sizes_parallel(&make, devices, job, AlgoKind::Legacy, &sizes, &|_| {
+            MeasureSettings::all(*timing)
+        })?;
     let measurements = by_size
         .into_iter()
         .flat_map(|(_, m)| m.measurements)
@@ -148,22 +139,18 @@ where
 /// Measurements per micro-batch size, in size order.
 pub type BySize = Vec<(i64, Measured)>;
 
-/// Measures `kind`'s candidates at `sizes` of one job (engine configurations as
-/// `search(micro)` bounds them, candidates as `select(micro)` selects them), dealt out
-/// round-robin over `devices` backends (one thread each, made by `make(d)` in its thread and
-/// dropped at its end). Returns the common fingerprint, the measurements per size, in size
-/// order, and the measuring memory the busiest device held. Devices of different models are
-/// refused.
-#[allow(clippy::too_many_arguments)]
+/// Measures `kind`'s candidates at `sizes` of one job (each as `how(size)` says: timing,
+/// engine search, selection), dealt out round-robin over `devices` backends (one thread each,
+/// made by `make(d)` in its thread and dropped at its end). Returns the common fingerprint,
+/// the measurements per size, in size order, and the measuring memory the busiest device
+/// held. Devices of different models are refused.
 pub fn measure_sizes_parallel<B, F>(
     make: &F,
     devices: usize,
     job: &Job,
-    sizes: &[i64],
-    timing: &TimingSettings,
     kind: AlgoKind,
-    search: &(dyn Fn(i64) -> EngineSearch + Sync),
-    select: &(dyn Fn(i64) -> Selection + Sync),
+    sizes: &[i64],
+    how: &(dyn Fn(i64) -> MeasureSettings + Sync),
 ) -> Result<(DeviceFingerprint, BySize, MemoryUse), BackendError>
 where
     B: Backend,
@@ -172,6 +159,8 @@ where
     job.problem
         .validate()
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
+    let key = job.key().of_kind(kind);
+    let key = &key;
     let devices = devices.clamp(1, sizes.len().max(1));
     type Part = Result<(DeviceFingerprint, BySize, MemoryUse), BackendError>;
     let parts: Vec<Part> = std::thread::scope(|scope| {
@@ -181,17 +170,9 @@ where
                     let mut backend = make(device)?;
                     let mut measured = Vec::new();
                     for &micro in sizes.iter().skip(device).step_by(devices) {
-                        let found = measure_split(
-                            &mut backend,
-                            job.split,
-                            kind,
-                            &job.problem,
-                            job.op,
-                            micro,
-                            timing,
-                            &search(micro),
-                            &select(micro),
-                        )?;
+                        let key = key.at(micro);
+                        check_supported(&backend, &key)?;
+                        let found = backend.measure(&key, &how(micro))?;
                         measured.push((micro, found));
                     }
                     Ok((backend.fingerprint().clone(), measured, backend.memory()))
