@@ -6,7 +6,7 @@ use mucudnn::backend::cpu::{self, reference, CpuAlgo};
 use mucudnn::backend::{Backend, BackendError, CpuBackend, Measured, Selection, TimingSettings};
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
-use mucudnn::exec::conv2d::{Conv2d, LayerError, Tensor};
+use mucudnn::layer::{Conv2d, LayerError, Tensor};
 use mucudnn::profiler::{profile_job, profile_job_parallel, Job};
 use mucudnn::solver::{AlgoKind, CandidateSet, ConvOp, ConvProblem, Layout, Measurement, Policy};
 
