@@ -17,6 +17,8 @@ pub mod device;
 pub mod exec;
 pub mod explain;
 pub mod ffi;
+pub mod layer;
+pub mod local_tuner;
 pub mod models;
 #[cfg(feature = "cli")]
 pub mod network;

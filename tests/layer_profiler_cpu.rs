@@ -8,7 +8,7 @@ use mucudnn::backend::{
 };
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
-use mucudnn::exec::conv2d::{Conv2d, LayerError, Tensor};
+use mucudnn::layer::{Conv2d, LayerError, Tensor};
 use mucudnn::profiler::{profile_job, profile_job_parallel, Job};
 use mucudnn::solver::{
     AlgoKind, CandidateSet, ConvOp, ConvProblem, Layout, MeasureKey, Measurement, Policy,

@@ -290,7 +290,7 @@ fn split_settings_parse_and_name_themselves() {
 /// of forward and backward-data is one call's, in both; the weight gradient within rounding).
 #[test]
 fn the_rust_layer_runs_spatial_plans() {
-    use mucudnn::exec::conv2d::{Conv2d, Tensor};
+    use mucudnn::layer::{Conv2d, Tensor};
     use mucudnn::solver::Layout;
     let layer = |split| {
         Conv2d::new("toy.conv", 4, 4, 3)

@@ -88,16 +88,16 @@ pub mod mpi;
 #[cfg(feature = "candle-cuda")]
 pub mod nccl;
 
-use crate::backend::cpu::{self, AlignedWorkspace, Element};
-use crate::backend::{CpuBackend, TimingSettings};
-use crate::exec::{cpu_workspace_bytes, execute_cpu};
+use crate::backend::cpu::{self, Element};
+use crate::backend::TimingSettings;
+use crate::exec::execute_cpu;
+use crate::local_tuner::HostPlans;
 use crate::solver::{self, CandidateSet, ConvOp, ConvProblem, Plan, Policy};
 use crate::tune::{CacheStats, EngineOptions, LayerTuning, SplitSetting};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Module, Shape, Tensor, WithDType};
 use candle_nn::{Conv2dConfig, VarBuilder};
 use mucudnn_cache::Cache;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 pub use layers::{
@@ -227,18 +227,11 @@ fn default_cache() -> Result<SharedCache, String> {
 /// Key of a tuned shape: the input's `(n, h, w)` (the rest is the layer's).
 pub type ShapeKey = (i64, i64, i64);
 
-/// What the host side of a layer keeps: its measuring backend, plans per input shape, and
-/// the workspace they share.
-struct CpuState {
-    backend: CpuBackend,
-    plans: HashMap<ShapeKey, [Plan; 3]>,
-    workspace: AlignedWorkspace,
-}
-
 /// Mutable state of a layer, behind its mutex: shared by the forward op and the two backward
 /// ops of every call.
 struct State {
-    cpu: Option<CpuState>,
+    /// The host side: its measuring backend, plans per input shape, and their workspace.
+    cpu: Option<HostPlans<ShapeKey>>,
     /// How each shape was tuned, in the order first seen: measurements read from the cache
     /// and measured (both 0 when the solved plans were cached).
     tunings: Vec<(ShapeKey, CacheStats)>,
@@ -395,37 +388,24 @@ impl LayerCore {
         let mut state = self.lock()?;
         let state = &mut *state;
         let key = (problem.n, problem.h, problem.w);
-        let cpu = state.cpu.get_or_insert_with(|| CpuState {
-            backend: CpuBackend::new(),
-            plans: HashMap::new(),
-            workspace: AlignedWorkspace::default(),
-        });
-        if !cpu.plans.contains_key(&key) {
+        let cpu = state.cpu.get_or_insert_with(HostPlans::new);
+        let (plans, workspace, tuned) = cpu.get_or_tune(&key, |backend| {
             let cache = self.cache()?;
             let cache = cache
                 .lock()
                 .map_err(|_| self.error("the tuning cache's mutex is poisoned"))?;
-            let (plans, stats) = self
-                .options
+            self.options
                 .tuning(TimingSettings::CPU)
-                .tune_counted(&mut cpu.backend, &cache, &self.name, problem)
-                .map_err(|e| self.error(e))?;
-            let needed = plans.iter().map(cpu_workspace_bytes).max().unwrap_or(0);
-            if (cpu.workspace.len() as u64) < needed {
-                cpu.workspace = AlignedWorkspace::new(needed);
-            }
-            cpu.plans.insert(key, plans);
+                .tune_counted(backend, &cache, &self.name, problem)
+                .map_err(|e| self.error(e))
+        })?;
+        if let Some(stats) = tuned {
             state.tunings.push((key, stats));
         }
-        let plan = cpu
-            .plans
-            .get(&key)
-            .map(|plans| &plans[op_index(op)])
-            .ok_or_else(|| self.error("the shape's plans are missing after tuning"))?;
+        let plan = &plans[op_index(op)];
         let out_len = cpu::buffer_lens(problem, op).map_err(|e| self.error(e))?[2].1;
         let mut out = vec![T::from_f32(0.0); out_len];
-        execute_cpu(plan, 1.0, a, b, 0.0, &mut out, cpu.workspace.as_bytes_mut())
-            .map_err(|e| self.error(e))?;
+        execute_cpu(plan, 1.0, a, b, 0.0, &mut out, workspace).map_err(|e| self.error(e))?;
         Ok(out)
     }
 
@@ -764,10 +744,7 @@ impl LayerCore {
     /// The host plans of the problem shape `key`, if it has been seen on the CPU.
     fn cpu_plans(&self, key: ShapeKey) -> candle_core::Result<Option<[Plan; 3]>> {
         let state = self.lock()?;
-        Ok(state
-            .cpu
-            .as_ref()
-            .and_then(|cpu| cpu.plans.get(&key).cloned()))
+        Ok(state.cpu.as_ref().and_then(|cpu| cpu.get(&key).cloned()))
     }
 }
 

@@ -15,7 +15,6 @@
 //! executor in [`cudnn`]; the per-micro-batch loops allocate nothing and never synchronise
 //! with the host.
 
-pub mod conv2d;
 pub mod cudnn;
 pub mod spatial;
 pub mod teardown;

@@ -18,13 +18,14 @@ use crate::backend::cudnn::{
 };
 use crate::backend::CudnnBackend;
 use crate::exec::check_batch_plan;
+use crate::local_tuner::LocalTuner;
 use crate::profiler::Job;
 use crate::report::SolutionJson;
 use crate::solver::{operand_roles, steps, AlgoNames, BackendKind, Operand};
 use crate::solver::{ConvOp, ConvProblem, Mode, Profile, Solution, SolvedProblem, WdOptions};
-use crate::tune::{profile_jobs, solve_accurately, LayerTuning, TuneError};
+use crate::tune::{profile_jobs, solve_accurately, CacheStats, LayerTuning, TuneError};
 use mucudnn_cache::Cache;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::path::PathBuf;
@@ -89,13 +90,14 @@ pub struct RawDescriptors {
 }
 
 /// The data of one call: `out = alpha * op(a, b) + beta * out`, operands in the order of
-/// [`operand_roles`].
+/// [`operand_roles`]; the scalars as values (`f32`) or, as C passes them to the handle's
+/// calls, as pointers to them.
 #[derive(Clone, Copy, Debug)]
-pub struct RawOperands {
-    pub alpha: f32,
+pub struct RawOperands<Scalar = f32> {
+    pub alpha: Scalar,
     pub a: *const c_void,
     pub b: *const c_void,
-    pub beta: f32,
+    pub beta: Scalar,
     pub out: *mut c_void,
 }
 
@@ -115,9 +117,8 @@ pub struct Handle {
     /// Opened at `settings.cache_path`, else the default location (fails only for a file that
     /// is not a mucudnn cache: see `mucudnn_cache::Cache::open`).
     cache: Cache,
-    prepared: HashMap<(ConvProblem, ConvOp), Prepared>,
-    /// The keys of `prepared` in the order they were tuned.
-    order: Vec<(ConvProblem, ConvOp)>,
+    /// The prepared plans by (problem, op), in the order they were tuned.
+    prepared: LocalTuner<(ConvProblem, ConvOp), Prepared>,
     workspace: Option<ForeignWorkspace>,
 }
 
@@ -126,7 +127,7 @@ impl std::fmt::Debug for Handle {
         f.debug_struct("Handle")
             .field("foreign", &self.foreign)
             .field("settings", &self.settings)
-            .field("plans", &self.order.len())
+            .field("plans", &self.prepared.len())
             .finish_non_exhaustive()
     }
 }
@@ -141,8 +142,7 @@ impl Handle {
             foreign,
             cache,
             settings,
-            prepared: HashMap::new(),
-            order: Vec::new(),
+            prepared: LocalTuner::new(),
             workspace: None,
         })
     }
@@ -189,26 +189,29 @@ impl Handle {
         format!("{} ({}) {op}", Self::layer_name(layer), problem.describe())
     }
 
-    /// Profiles `op` of `problem` on the handle's GPU and solves it under the handle's limit.
+    /// Profiles `op` of `problem` on the handle's GPU (`foreign`'s) through `cache` and solves
+    /// it under the handle's limit.
     fn tune(
-        &self,
+        foreign: &ForeignHandle,
+        settings: &Settings,
+        cache: &Cache,
         layer: &str,
         problem: &ConvProblem,
         op: ConvOp,
-    ) -> Result<(SolvedProblem, Profile), FfiError> {
-        let tuning = &self.settings.tuning;
+    ) -> Result<(SolvedProblem, Profile, CacheStats), FfiError> {
+        let tuning = &settings.tuning;
         // Quiet the GPU first: the caller's queued work would be timed with ours.
-        self.foreign.synchronize()?;
-        let profile = {
+        foreign.synchronize()?;
+        let (profile, stats) = {
             // The backend binds the device's primary context to this thread; the caller's
             // thread gets its own context back when the guard drops.
             let _context = save_current_context()?;
-            let mut backend = CudnnBackend::new(self.foreign.ordinal())?;
+            let mut backend = CudnnBackend::new(foreign.ordinal())?;
             let job = Job::batch(layer, *problem, op);
-            let verbose = self.settings.verbose;
+            let verbose = settings.verbose;
             // Through the cache: sizes measured before (by any process, on this device) are
             // read, the others measured and stored at once.
-            let run = tuning.profile_run(&self.cache);
+            let run = tuning.profile_run(cache);
             let (profile, stats) = profile_jobs(&mut backend, &[job], &run, &mut |p, cached| {
                 if verbose {
                     eprintln!(
@@ -229,7 +232,7 @@ impl Handle {
             if verbose && stats.measured == 0 {
                 eprintln!("mucudnn: {layer} {op}: every measurement came from the cache");
             }
-            profile
+            (profile, stats)
             // The backend (its cuDNN handle and random operands) is freed here, then the
             // caller's context is made current again.
         };
@@ -243,7 +246,7 @@ impl Handle {
             .problems
             .pop()
             .ok_or_else(|| FfiError::Internal("the solver returned no plan".into()))?;
-        Ok((solved, profile))
+        Ok((solved, profile, stats))
     }
 
     /// The prepared plan for `(problem, op)`, tuning and preparing it on first sight.
@@ -253,16 +256,27 @@ impl Handle {
         problem: ConvProblem,
         op: ConvOp,
     ) -> Result<&Prepared, FfiError> {
-        let key = (problem, op);
-        if !self.prepared.contains_key(&key) {
+        let Handle {
+            foreign,
+            settings,
+            cache,
+            prepared,
+            ..
+        } = self;
+        let (prepared, _) = prepared.get_or_tune(&(problem, op), || {
             let context = Self::context(layer, &problem, op);
-            let (solved, profile) = self
-                .tune(&Self::layer_name(layer), &problem, op)
-                .map_err(|e| e.context(format!("{context}: tuning")))?;
-            let prepared = self
-                .prepare_plan(solved, profile)
+            let (solved, profile, stats) = Self::tune(
+                foreign,
+                settings,
+                cache,
+                &Self::layer_name(layer),
+                &problem,
+                op,
+            )
+            .map_err(|e| e.context(format!("{context}: tuning")))?;
+            let prepared = Self::prepare_plan(foreign, solved, profile)
                 .map_err(|e| e.context(format!("{context}: preparing the plan")))?;
-            if self.settings.verbose {
+            if settings.verbose {
                 eprintln!(
                     "mucudnn: {context}: {} in {:.3} ms predicted (undivided {}), workspace {} bytes",
                     prepared
@@ -278,19 +292,20 @@ impl Handle {
                     prepared.workspace_bytes
                 );
             }
-            self.prepared.insert(key, prepared);
-            self.order.push(key);
-        }
-        self.prepared
-            .get(&key)
-            .ok_or_else(|| FfiError::Internal("a prepared plan went missing".into()))
+            Ok::<_, FfiError>((prepared, stats))
+        })?;
+        Ok(prepared)
     }
 
     /// Descriptors per micro-batch size, and the workspace cuDNN asks for on the caller's handle.
-    fn prepare_plan(&self, solved: SolvedProblem, profile: Profile) -> Result<Prepared, FfiError> {
+    fn prepare_plan(
+        foreign: &ForeignHandle,
+        solved: SolvedProblem,
+        profile: Profile,
+    ) -> Result<Prepared, FfiError> {
         let plan = &solved.plan;
         check_batch_plan(plan).map_err(|e| FfiError::Internal(e.to_string()))?;
-        let session = self.foreign.activate()?;
+        let session = foreign.activate()?;
         let mut descriptors: Vec<ConvDescriptors> = Vec::new();
         let mut sizes: Vec<i64> = Vec::new();
         let mut descriptor_of = Vec::with_capacity(plan.micro_batches.len());
@@ -487,12 +502,7 @@ impl Handle {
                 workspace_limit_bytes: self.settings.tuning.workspace_limit_bytes,
             },
             policy: self.settings.tuning.policy,
-            problems: self
-                .order
-                .iter()
-                .filter_map(|key| self.prepared.get(key))
-                .map(|p| p.solved.clone())
-                .collect(),
+            problems: self.prepared.in_order().map(|p| p.solved.clone()).collect(),
             proven_optimal: true,
             method: "dp",
             names: AlgoNames::new(BackendKind::Cuda),

@@ -25,6 +25,7 @@
 mod descriptors;
 mod error;
 mod handle;
+mod json;
 mod solve;
 mod tuner;
 
@@ -667,29 +668,24 @@ pub unsafe extern "C" fn mucudnnSetStream(
 /// # Safety
 ///
 /// As for the three calls.
-#[allow(clippy::too_many_arguments)]
 unsafe fn convolution(
     handle: mucudnnHandle_t,
     op: ConvOp,
     layer_id: i64,
-    alpha: *const c_void,
-    beta: *const c_void,
     descriptors: RawDescriptors,
-    a: *const c_void,
-    b: *const c_void,
-    out: *mut c_void,
+    data: RawOperands<*const c_void>,
 ) -> Result<(), FfiError> {
     let mut entered = HANDLES.enter(handle, "handle")?;
     let layer = layer_arg(layer_id)?;
     // SAFETY (three calls): the contract of the three calls.
-    let alpha = unsafe { scalar_arg(alpha, "alpha") }?;
-    let beta = unsafe { scalar_arg(beta, "beta") }?;
+    let alpha = unsafe { scalar_arg(data.alpha, "alpha") }?;
+    let beta = unsafe { scalar_arg(data.beta, "beta") }?;
     let operands = RawOperands {
         alpha,
-        a,
-        b,
+        a: data.a,
+        b: data.b,
         beta,
-        out,
+        out: data.out,
     };
     unsafe { entered.handle.convolve(op, layer, descriptors, operands) }
 }
@@ -745,12 +741,14 @@ pub unsafe extern "C" fn mucudnnConvolutionForward(
                 handle,
                 ConvOp::Forward,
                 layer_id,
-                alpha,
-                beta,
                 descriptors,
-                x,
-                w,
-                y,
+                RawOperands {
+                    alpha,
+                    a: x,
+                    b: w,
+                    beta,
+                    out: y,
+                },
             )
         }
     })
@@ -790,12 +788,14 @@ pub unsafe extern "C" fn mucudnnConvolutionBackwardData(
                 handle,
                 ConvOp::BackwardData,
                 layer_id,
-                alpha,
-                beta,
                 descriptors,
-                w,
-                dy,
-                dx,
+                RawOperands {
+                    alpha,
+                    a: w,
+                    b: dy,
+                    beta,
+                    out: dx,
+                },
             )
         }
     })
@@ -837,12 +837,14 @@ pub unsafe extern "C" fn mucudnnConvolutionBackwardFilter(
                 handle,
                 ConvOp::BackwardFilter,
                 layer_id,
-                alpha,
-                beta,
                 descriptors,
-                x,
-                dy,
-                dw,
+                RawOperands {
+                    alpha,
+                    a: x,
+                    b: dy,
+                    beta,
+                    out: dw,
+                },
             )
         }
     })
@@ -1002,36 +1004,13 @@ pub unsafe extern "C" fn mucudnnTunerCreate(
         };
         // SAFETY: this function's contract.
         let text = unsafe { optional_str_arg(options_json, "options_json") }?.unwrap_or("{}");
-        let options: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| invalid(format!("options_json is not JSON: {e}")))?;
-        let object = options
-            .as_object()
-            .ok_or_else(|| invalid(format!("options_json must be an object, not {options}")))?;
-        const KEYS: [&str; 3] = ["cache", "no_cache", "verbose"];
-        if let Some(key) = object.keys().find(|k| !KEYS.contains(&k.as_str())) {
-            return Err(invalid(format!(
-                "options_json: unknown key `{key}` (expected one of: {})",
-                KEYS.join(", ")
-            )));
-        }
-        let flag = |key: &str| match object.get(key) {
-            None | Some(serde_json::Value::Null) => Ok(false),
-            Some(serde_json::Value::Bool(b)) => Ok(*b),
-            Some(other) => Err(invalid(format!(
-                "options_json: {key} is {other}; give true or false"
-            ))),
-        };
-        let cache_path = match object.get("cache") {
-            None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::String(path)) if !path.is_empty() => Some(PathBuf::from(path)),
-            Some(other) => {
-                return Err(invalid(format!(
-                    "options_json: cache is {other}; give a file path, or null for the default"
-                )))
-            }
-        };
-        let cache = flag("no_cache")?.then(mucudnn_cache::Cache::in_memory);
-        let made = tuner::Tuner::new(device, cache, cache_path, flag("verbose")?)?;
+        let options = tuner::TunerOptions::parse(text)?;
+        let cache = options
+            .no_cache
+            .unwrap_or(false)
+            .then(mucudnn_cache::Cache::in_memory);
+        let verbose = options.verbose.unwrap_or(false);
+        let made = tuner::Tuner::new(device, cache, options.cache_path(), verbose)?;
         *out = tuner::register(made) as mucudnnTuner_t;
         Ok(())
     })
@@ -1315,7 +1294,6 @@ pub extern "C" fn mucudnnTunerRelease(tuner: mucudnnTuner_t, plan_set: u64) -> m
 /// on a GPU all of it stays allocated until the work queued on `stream` has finished, and
 /// `stream` is a live stream of the GPU's primary context.
 #[no_mangle]
-#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn mucudnnTunerExecute(
     tuner: mucudnnTuner_t,
     plan_set: u64,
@@ -1356,14 +1334,18 @@ pub unsafe extern "C" fn mucudnnTunerExecute(
                 t.execute(
                     plan_set,
                     op,
-                    alpha,
-                    a,
-                    b,
-                    beta,
-                    out,
+                    RawOperands {
+                        alpha,
+                        a,
+                        b,
+                        beta,
+                        out,
+                    },
                     &operands,
-                    workspace,
-                    workspace_bytes,
+                    tuner::CallerWorkspace {
+                        pointer: workspace,
+                        bytes: workspace_bytes,
+                    },
                     stream.cast(),
                 )
             }

@@ -2,17 +2,10 @@
 //! and JSON options in, the `mucudnn solve --json` document out. No GPU, no files.
 
 use super::error::{invalid, FfiError};
+use super::json::{self, parse_document, Document, Size};
 use crate::report::SolutionJson;
-use crate::solver::units::parse_size;
 use crate::solver::{interchange, Mode, Policy, WdOptions, MAX_TIME_LIMIT_S};
-
-/// The keys an options document may have.
-const OPTION_KEYS: [&str; 4] = [
-    "policy",
-    "workspace_limit",
-    "total_workspace",
-    "ilp_time_limit",
-];
+use serde::Deserialize;
 
 /// What an options document asks for.
 #[derive(Clone, Debug, PartialEq)]
@@ -34,21 +27,27 @@ impl Default for SolveOptions {
     }
 }
 
-/// A size given as a number of bytes or a string such as `"64MiB"`.
-pub(super) fn size_option(key: &str, value: &serde_json::Value) -> Result<u64, FfiError> {
-    match value {
-        serde_json::Value::Number(number) => number.as_u64().ok_or_else(|| {
-            invalid(format!(
-                "options: {key} is {number}; give a whole number of bytes or a string like \"64MiB\""
-            ))
-        }),
-        serde_json::Value::String(text) => {
-            parse_size(text).map_err(|e| invalid(format!("options: {key}: {e}")))
-        }
-        other => Err(invalid(format!(
-            "options: {key} is {other}; give a number of bytes or a string like \"64MiB\""
-        ))),
-    }
+/// An options document as given (see [`parse_options`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OptionsDocument {
+    #[serde(default, deserialize_with = "json::some")]
+    policy: Option<String>,
+    #[serde(default, deserialize_with = "json::present")]
+    workspace_limit: Option<Option<Size>>,
+    #[serde(default, deserialize_with = "json::present")]
+    total_workspace: Option<Option<Size>>,
+    #[serde(default, deserialize_with = "json::some")]
+    ilp_time_limit: Option<f64>,
+}
+
+/// A size option's bytes; `null` is not a size.
+fn size_option(key: &str, size: Option<Size>) -> Result<u64, FfiError> {
+    size.map(|Size(bytes)| bytes).ok_or_else(|| {
+        invalid(format!(
+            "options: {key} is null; give a number of bytes or a string like \"64MiB\""
+        ))
+    })
 }
 
 /// Parses an options document: a JSON object with any of `policy` (`"undivided"`,
@@ -60,30 +59,21 @@ pub fn parse_options(text: Option<&str>) -> Result<SolveOptions, FfiError> {
     let Some(text) = text else {
         return Ok(options);
     };
-    let value: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| invalid(format!("options are not valid JSON: {e}")))?;
-    let serde_json::Value::Object(map) = value else {
-        return Err(invalid(format!(
-            "options must be a JSON object (like {{\"workspace_limit\": \"64MiB\"}}), got {value}"
-        )));
-    };
-    if let Some(unknown) = map.keys().find(|k| !OPTION_KEYS.contains(&k.as_str())) {
-        return Err(invalid(format!(
-            "options: unknown key `{unknown}` (expected one of: {})",
-            OPTION_KEYS.join(", ")
-        )));
-    }
-    if let Some(policy) = map.get("policy") {
-        let text = policy.as_str().ok_or_else(|| {
-            invalid(format!(
-                "options: policy is {policy}; expected \"undivided\", \"power-of-two\" or \"all\""
-            ))
-        })?;
-        options.policy = text
+    let document: OptionsDocument = parse_document(
+        text,
+        &Document {
+            name: "options",
+            not_json: "options are not valid JSON",
+            not_object: "options must be a JSON object (like {\"workspace_limit\": \"64MiB\"}), \
+                         got",
+        },
+    )?;
+    if let Some(policy) = document.policy {
+        options.policy = policy
             .parse()
             .map_err(|e: String| invalid(format!("options: {e}")))?;
     }
-    match (map.get("workspace_limit"), map.get("total_workspace")) {
+    match (document.workspace_limit, document.total_workspace) {
         (Some(_), Some(_)) => {
             return Err(invalid(
                 "options: give workspace_limit (a per-layer limit, workspace reuse) or \
@@ -102,15 +92,12 @@ pub fn parse_options(text: Option<&str>) -> Result<SolveOptions, FfiError> {
         }
         (None, None) => {}
     }
-    if let Some(limit) = map.get("ilp_time_limit") {
-        match limit.as_f64().map(WdOptions::check_time_limit) {
-            Some(Ok(seconds)) => options.wd.time_limit_s = seconds,
-            _ => {
-                return Err(invalid(format!(
-                    "options: ilp_time_limit is {limit}; expected a number of seconds above 0 and at most {MAX_TIME_LIMIT_S:e}"
-                )))
-            }
-        }
+    if let Some(limit) = document.ilp_time_limit {
+        options.wd.time_limit_s = WdOptions::check_time_limit(limit).map_err(|_| {
+            invalid(format!(
+                "options: ilp_time_limit is {limit}; expected a number of seconds above 0 and at most {MAX_TIME_LIMIT_S:e}"
+            ))
+        })?;
     }
     Ok(options)
 }

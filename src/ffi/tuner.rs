@@ -21,7 +21,8 @@
 //! backward on another.
 
 use super::error::{invalid, FfiError};
-use super::solve::size_option;
+use super::handle::RawOperands;
+use super::json::{self, parse_document, Document, Size};
 use crate::backend::cpu;
 use crate::backend::cudnn::{
     check_one_libcudnn, save_current_context, CudnnHandle, CurrentContextGuard, DeviceOperands,
@@ -30,6 +31,7 @@ use crate::backend::cudnn::{
 use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
+use crate::local_tuner::LocalTuner;
 use crate::solver::{
     operand_roles, AlgoNames, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan,
 };
@@ -66,37 +68,14 @@ pub enum TunerDevice {
 /// Missing keys take the defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5,
 /// false, auto) and all three ops; unknown keys are errors.
 pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiError> {
-    const KEYS: [&str; 9] = [
-        "policy",
-        "workspace_limit",
-        "candidates",
-        "max_candidates",
-        "prune_margin",
-        "deterministic",
-        "ops",
-        "split",
-        "runtime_compiled",
-    ];
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| invalid(format!("settings are not JSON: {e}")))?;
-    let object = value
-        .as_object()
-        .ok_or_else(|| invalid(format!("settings must be a JSON object, not {value}")))?;
-    if let Some(key) = object.keys().find(|k| !KEYS.contains(&k.as_str())) {
-        return Err(invalid(format!(
-            "settings: unknown key `{key}` (expected one of: {})",
-            KEYS.join(", ")
-        )));
-    }
-    let text_of = |key: &str| -> Result<Option<&str>, FfiError> {
-        match object.get(key) {
-            None => Ok(None),
-            Some(serde_json::Value::String(s)) => Ok(Some(s.as_str())),
-            Some(other) => Err(invalid(format!(
-                "settings: {key} is {other}; give a string"
-            ))),
-        }
-    };
+    let document: SettingsDocument = parse_document(
+        text,
+        &Document {
+            name: "settings",
+            not_json: "settings are not JSON",
+            not_object: "settings must be a JSON object, not",
+        },
+    )?;
     let mut tuning = LayerTuning {
         workspace_limit_bytes: super::MUCUDNN_DEFAULT_WORKSPACE_LIMIT,
         ..LayerTuning::new(match device {
@@ -104,103 +83,132 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
             TunerDevice::Cuda(_) => TimingSettings::GPU,
         })
     };
-    if let Some(policy) = text_of("policy")? {
+    if let Some(policy) = document.policy {
         tuning.policy = policy
             .parse()
             .map_err(|e: String| invalid(format!("settings: policy: {e}")))?;
     }
-    if let Some(split) = text_of("split")? {
+    if let Some(split) = document.split {
         tuning.split = split
             .parse()
             .map_err(|e: String| invalid(format!("settings: split: {e}")))?;
     }
-    if let Some(candidates) = text_of("candidates")? {
+    if let Some(candidates) = document.candidates {
         tuning.candidates = candidates
             .parse()
             .map_err(|e: String| invalid(format!("settings: candidates: {e}")))?;
     }
-    match object.get("workspace_limit") {
+    match document.workspace_limit {
         None => {}
-        Some(serde_json::Value::Null) => tuning.workspace_limit_bytes = u64::MAX,
-        Some(value) => tuning.workspace_limit_bytes = size_option("workspace_limit", value)?,
+        Some(None) => tuning.workspace_limit_bytes = u64::MAX,
+        Some(Some(Size(bytes))) => tuning.workspace_limit_bytes = bytes,
     }
-    match object.get("max_candidates") {
-        None | Some(serde_json::Value::Null) => {}
-        Some(value) => {
-            let bound = value.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
-                invalid(format!(
-                    "settings: max_candidates is {value}; give a whole number >= 1, or null"
-                ))
-            })?;
-            tuning.engines.max_candidates = Some(usize::try_from(bound).unwrap_or(usize::MAX));
+    if let Some(bound) = document.max_candidates {
+        if bound < 1 {
+            return Err(invalid(format!(
+                "settings: max_candidates is {bound}; give a whole number >= 1, or null"
+            )));
         }
+        tuning.engines.max_candidates = Some(usize::try_from(bound).unwrap_or(usize::MAX));
     }
-    match object.get("prune_margin") {
+    match document.prune_margin {
         None => {}
-        Some(serde_json::Value::Null) => tuning.engines.prune_margin = None,
-        Some(value) => {
-            let margin = value
-                .as_f64()
-                .filter(|m| m.is_finite() && *m > 1.0)
-                .ok_or_else(|| {
-                    invalid(format!(
-                        "settings: prune_margin is {value}; give a factor > 1, or null for no \
-                         pruning"
-                    ))
-                })?;
+        Some(None) => tuning.engines.prune_margin = None,
+        Some(Some(margin)) => {
+            if !(margin.is_finite() && margin > 1.0) {
+                return Err(invalid(format!(
+                    "settings: prune_margin is {margin}; give a factor > 1, or null for no \
+                     pruning"
+                )));
+            }
             tuning.engines.prune_margin = Some(margin);
         }
     }
-    match object.get("deterministic") {
-        None | Some(serde_json::Value::Null) => {}
-        Some(serde_json::Value::Bool(flag)) => tuning.engines.deterministic = *flag,
-        Some(other) => {
-            return Err(invalid(format!(
-                "settings: deterministic is {other}; give true or false"
-            )))
-        }
+    if let Some(flag) = document.deterministic {
+        tuning.engines.deterministic = flag;
     }
-    let runtime_compiled = match object.get("runtime_compiled") {
-        None | Some(serde_json::Value::Null) => false,
-        Some(serde_json::Value::Bool(flag)) => *flag,
-        Some(other) => {
-            return Err(invalid(format!(
-                "settings: runtime_compiled is {other}; give true or false"
-            )))
-        }
-    };
-    let ops = match object.get("ops") {
-        None | Some(serde_json::Value::Null) => ConvOp::ALL.to_vec(),
-        Some(value) => parse_ops(value)?,
+    let ops = match document.ops {
+        None => ConvOp::ALL.to_vec(),
+        Some(OpNames(names)) => parse_ops(&names)?,
     };
     Ok(Settings {
         tuning,
         ops,
-        runtime_compiled,
+        runtime_compiled: document.runtime_compiled.unwrap_or(false),
     })
+}
+
+/// The settings JSON of [`parse_settings`] as given: a key left out is `None`; `policy`,
+/// `split` and `candidates` may not be `null`, and `null` is no limit for `workspace_limit`
+/// and no pruning for `prune_margin`, the default for the rest.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SettingsDocument {
+    #[serde(default, deserialize_with = "json::some")]
+    policy: Option<String>,
+    #[serde(default, deserialize_with = "json::present")]
+    workspace_limit: Option<Option<Size>>,
+    #[serde(default, deserialize_with = "json::some")]
+    candidates: Option<String>,
+    max_candidates: Option<u64>,
+    #[serde(default, deserialize_with = "json::present")]
+    prune_margin: Option<Option<f64>>,
+    deterministic: Option<bool>,
+    ops: Option<OpNames>,
+    #[serde(default, deserialize_with = "json::some")]
+    split: Option<String>,
+    runtime_compiled: Option<bool>,
+}
+
+/// The `ops` of a settings object as given: an array of strings (checked by [`parse_ops`]).
+#[derive(Debug)]
+struct OpNames(Vec<String>);
+
+impl<'de> Deserialize<'de> for OpNames {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct NamesVisitor;
+        impl<'de> serde::de::Visitor<'de> for NamesVisitor {
+            type Value = OpNames;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(f, "an array of op names ({})", ConvOp::NAMES.join(", "))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<OpNames, A::Error> {
+                let mut names = Vec::new();
+                // Each item as JSON, so that a message shows the one that is not a name.
+                while let Some(item) = seq.next_element::<serde_json::Value>()? {
+                    match item {
+                        serde_json::Value::String(name) => names.push(name),
+                        other => {
+                            return Err(serde::de::Error::custom(format!(
+                                "{other} is not an op name ({})",
+                                ConvOp::NAMES.join(", ")
+                            )))
+                        }
+                    }
+                }
+                Ok(OpNames(names))
+            }
+        }
+        deserializer.deserialize_seq(NamesVisitor)
+    }
 }
 
 /// The `ops` of a settings object: a non-empty array of op names, each at most once, kept in
 /// `fwd`, `bwd_data`, `bwd_filter` order.
-fn parse_ops(value: &serde_json::Value) -> Result<Vec<ConvOp>, FfiError> {
+fn parse_ops(given: &[String]) -> Result<Vec<ConvOp>, FfiError> {
     let names = ConvOp::NAMES.join(", ");
-    let items = value.as_array().ok_or_else(|| {
-        invalid(format!(
-            "settings: ops is {value}; give an array of op names ({names})"
-        ))
-    })?;
-    if items.is_empty() {
+    if given.is_empty() {
         return Err(invalid(format!(
             "settings: ops is empty; give at least one of {names} (or leave ops out for all three)"
         )));
     }
     let mut wanted = [false; 3];
-    for item in items {
+    for name in given {
         // Exactly as written in the docs: the solver's parser also takes other cases, which
         // a settings document does not (an unknown name is an error, and `FWD` is unknown).
-        let name = item
-            .as_str()
-            .ok_or_else(|| invalid(format!("settings: ops: {item} is not an op name ({names})")))?;
         let op = ConvOp::ALL
             .into_iter()
             .zip(ConvOp::NAMES)
@@ -216,6 +224,40 @@ fn parse_ops(value: &serde_json::Value) -> Result<Vec<ConvOp>, FfiError> {
         .into_iter()
         .filter(|&op| wanted[op_index(op)])
         .collect())
+}
+
+/// What `mucudnnTunerCreate`'s options JSON says: `cache` (a file path; `null`: the default
+/// location), `no_cache` (measurements in memory only) and `verbose`; unknown keys are errors.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TunerOptions {
+    pub cache: Option<String>,
+    pub no_cache: Option<bool>,
+    pub verbose: Option<bool>,
+}
+
+impl TunerOptions {
+    pub fn parse(text: &str) -> Result<Self, FfiError> {
+        let options: TunerOptions = parse_document(
+            text,
+            &Document {
+                name: "options_json",
+                not_json: "options_json is not JSON",
+                not_object: "options_json must be an object, not",
+            },
+        )?;
+        if options.cache.as_deref() == Some("") {
+            return Err(invalid(
+                "options_json: cache is \"\"; give a file path, or null for the default",
+            ));
+        }
+        Ok(options)
+    }
+
+    /// The cache file asked for (`None`: the default location).
+    pub fn cache_path(&self) -> Option<PathBuf> {
+        self.cache.as_ref().map(PathBuf::from)
+    }
 }
 
 /// What a tuning call's settings JSON says ([`parse_settings`]): how each op tunes, and which
@@ -322,8 +364,11 @@ pub struct Tuner {
     state: DeviceState,
     cache: Cache,
     verbose: bool,
-    /// Prepared sets by id; released ones are `None`.
-    prepared: Vec<Option<PreparedSet>>,
+    /// Prepared sets by id (the caller tunes, through `tune`, and keeps which id holds which
+    /// shape's plans).
+    prepared: LocalTuner<u64, PreparedSet>,
+    /// The id of the next set prepared (ids are not reused).
+    next_id: u64,
 }
 
 // SAFETY: `PreparedSet::Cuda` holds prepared plans whose engine plans keep `Rc` owners of the
@@ -388,7 +433,8 @@ impl Tuner {
             state,
             cache,
             verbose,
-            prepared: Vec::new(),
+            prepared: LocalTuner::new(),
+            next_id: 0,
         })
     }
 
@@ -645,8 +691,11 @@ impl Tuner {
                 (PreparedSet::Cuda { plans: prepared }, workspace)
             }
         };
-        self.prepared.push(Some(set));
-        Ok(((self.prepared.len() - 1) as u64, workspace))
+        let id = self.next_id;
+        self.next_id += 1;
+        // Prepared from plans the caller tuned: no measurements of its own.
+        self.prepared.insert(id, set, CacheStats::default());
+        Ok((id, workspace))
     }
 
     /// On a GPU, the caller's current context, restored when the guard drops (destroying plans
@@ -661,13 +710,10 @@ impl Tuner {
     /// Frees a prepared set (its id is not reused).
     pub fn release(&mut self, id: u64) -> Result<(), FfiError> {
         let _context = self.caller_context();
-        let slot = self
-            .prepared
-            .get_mut(id as usize)
-            .filter(|slot| slot.is_some())
-            .ok_or_else(|| invalid(format!("plan set {id} is not prepared (or was released)")))?;
-        *slot = None;
-        Ok(())
+        self.prepared
+            .remove(&id)
+            .map(drop)
+            .ok_or_else(|| invalid(format!("plan set {id} is not prepared (or was released)")))
     }
 
     /// `out = alpha * op(a, b) + beta * out` with the plan of `op` in set `id`, over the whole
@@ -686,25 +732,29 @@ impl Tuner {
     /// - On a GPU: the same in device memory of the tuner's GPU, each valid until the work
     ///   queued on `stream` has finished with it, and `stream` is null (the legacy default
     ///   stream) or a live stream of that GPU's primary context.
-    #[allow(clippy::too_many_arguments)]
     pub unsafe fn execute(
         &mut self,
         id: u64,
         op: ConvOp,
-        alpha: f32,
-        a: *const c_void,
-        b: *const c_void,
-        beta: f32,
-        out: *mut c_void,
+        data: RawOperands,
         operands: &[OperandExtent; 3],
-        workspace: *mut c_void,
-        workspace_bytes: u64,
+        workspace: CallerWorkspace,
         stream: *mut c_void,
     ) -> Result<(), FfiError> {
+        let RawOperands {
+            alpha,
+            a,
+            b,
+            beta,
+            out,
+        } = data;
+        let CallerWorkspace {
+            pointer: workspace,
+            bytes: workspace_bytes,
+        } = workspace;
         let set = self
             .prepared
-            .get(id as usize)
-            .and_then(Option::as_ref)
+            .get(&id)
             .ok_or_else(|| invalid(format!("plan set {id} is not prepared (or was released)")))?;
         let plan = set.plan(op).ok_or_else(|| {
             invalid(format!(
@@ -740,12 +790,11 @@ impl Tuner {
                     execute_host(
                         plan,
                         lens.map(|(_, len)| len),
-                        alpha,
-                        [a, b],
-                        beta,
-                        out,
-                        workspace,
-                        workspace_bytes,
+                        data,
+                        CallerWorkspace {
+                            pointer: workspace,
+                            bytes: workspace_bytes,
+                        },
                     )
                 }
             }
@@ -800,6 +849,14 @@ impl Drop for Tuner {
     }
 }
 
+/// The caller's workspace of one [`Tuner::execute`] call: `bytes` at `pointer` (null with 0
+/// bytes when the plan needs none).
+#[derive(Clone, Copy, Debug)]
+pub struct CallerWorkspace {
+    pub pointer: *mut c_void,
+    pub bytes: u64,
+}
+
 /// What the caller says one operand of [`Tuner::execute`] is: its dims in NCDHW order
 /// (`n, c, d, h, w`; a filter `k, c/groups, t, r, s`; `d = t = 1` for a 2-D problem),
 /// whatever its layout, and the bytes its buffer holds from the pointer on.
@@ -849,17 +906,18 @@ pub fn check_operands(plan: &Plan, operands: &[OperandExtent; 3]) -> Result<(), 
 /// # Safety
 ///
 /// As for [`Tuner::execute`] on the CPU, with `lens` the element counts of `[a, b, out]`.
-#[allow(clippy::too_many_arguments)]
 unsafe fn execute_host(
     plan: &Plan,
     lens: [usize; 3],
-    alpha: f32,
-    inputs: [*const c_void; 2],
-    beta: f32,
-    out: *mut c_void,
-    workspace: *mut c_void,
-    workspace_bytes: u64,
+    data: RawOperands,
+    workspace: CallerWorkspace,
 ) -> Result<(), FfiError> {
+    let inputs = [data.a, data.b];
+    let out = data.out;
+    let CallerWorkspace {
+        pointer: workspace,
+        bytes: workspace_bytes,
+    } = workspace;
     let workspace_len = usize::try_from(workspace_bytes)
         .map_err(|_| invalid("workspace_bytes exceeds the address space"))?;
     if workspace_len > 0 && (workspace as usize) % 4 != 0 {
@@ -911,29 +969,26 @@ unsafe fn execute_host(
     unsafe fn typed<T: cpu::Element>(
         plan: &Plan,
         lens: [usize; 3],
-        alpha: f32,
-        inputs: [*const c_void; 2],
-        beta: f32,
-        out: *mut c_void,
+        data: RawOperands,
         workspace: &mut [u8],
     ) -> Result<(), ExecError> {
         // SAFETY: the caller's contract: host memory of these lengths in dtype `T`, aligned
         // (checked), `out` writable and overlapping no input (checked).
         let (a, b, out) = unsafe {
             (
-                std::slice::from_raw_parts(inputs[0].cast::<T>(), lens[0]),
-                std::slice::from_raw_parts(inputs[1].cast::<T>(), lens[1]),
-                std::slice::from_raw_parts_mut(out.cast::<T>(), lens[2]),
+                std::slice::from_raw_parts(data.a.cast::<T>(), lens[0]),
+                std::slice::from_raw_parts(data.b.cast::<T>(), lens[1]),
+                std::slice::from_raw_parts_mut(data.out.cast::<T>(), lens[2]),
             )
         };
-        execute_cpu(plan, alpha, a, b, beta, out, workspace)
+        execute_cpu(plan, data.alpha, a, b, data.beta, out, workspace)
     }
     // SAFETY: the caller's contract, with the element type of the problem's dtype.
     let result = unsafe {
         match plan.problem.dtype {
-            DType::Fp32 => typed::<f32>(plan, lens, alpha, inputs, beta, out, workspace),
-            DType::Fp16 => typed::<half::f16>(plan, lens, alpha, inputs, beta, out, workspace),
-            DType::Bf16 => typed::<half::bf16>(plan, lens, alpha, inputs, beta, out, workspace),
+            DType::Fp32 => typed::<f32>(plan, lens, data, workspace),
+            DType::Fp16 => typed::<half::f16>(plan, lens, data, workspace),
+            DType::Bf16 => typed::<half::bf16>(plan, lens, data, workspace),
         }
     };
     result.map_err(exec_error)

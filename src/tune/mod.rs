@@ -1,5 +1,5 @@
 //! Tuning: problem -> profile -> (cache) -> solve -> plans, for a whole network (`mucudnn
-//! tune`) or for one layer on first use (the drop-in [`Conv2d`](crate::exec::conv2d::Conv2d)).
+//! tune`) or for one layer on first use (the drop-in [`Conv2d`](crate::layer::Conv2d)).
 //!
 //! The cache sits between profile and solve: a [`MeasureKey`](crate::solver::MeasureKey)
 //! (shape, op, split, size, candidate kind) already measured on this device is read, not

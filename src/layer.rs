@@ -4,15 +4,16 @@
 //!
 //! This layer works on host tensors with the CPU backend, so it runs anywhere. On a GPU the
 //! same pieces are used directly: [`CudnnBackend`](crate::backend::CudnnBackend) with
-//! [`LayerTuning`] to tune, and [`PreparedPlan`](super::cudnn::PreparedPlan) to execute over
-//! device buffers.
+//! [`LayerTuning`] to tune, and [`PreparedPlan`](crate::exec::cudnn::PreparedPlan) to execute
+//! over device buffers. Its plans per input shape are kept by a [`HostPlans`], the in-process
+//! tuner of every host layer.
 //!
 //! ```
 //! use mucudnn::cache::Cache;
-//! use mucudnn::exec::conv2d::{Conv2d, Tensor};
+//! use mucudnn::layer::{Conv2d, Tensor};
 //! use mucudnn::solver::Layout;
 //!
-//! # fn main() -> Result<(), mucudnn::exec::conv2d::LayerError> {
+//! # fn main() -> Result<(), mucudnn::layer::LayerError> {
 //! // Without `with_cache`, the layer uses the user's cache file.
 //! let mut conv = Conv2d::new("net.conv1", 3, 4, 3).with_padding(1).with_cache(Cache::in_memory());
 //! let x = Tensor { dims: [2, 3, 8, 8], layout: Layout::Nchw, data: vec![0.5; 2 * 3 * 8 * 8] };
@@ -24,13 +25,12 @@
 //! # Ok(()) }
 //! ```
 
-use super::{cpu_workspace_bytes, execute_cpu, ExecError};
-use crate::backend::cpu::AlignedWorkspace;
-use crate::backend::{CpuBackend, TimingSettings};
+use crate::backend::TimingSettings;
+use crate::exec::{execute_cpu, ExecError};
+use crate::local_tuner::HostPlans;
 use crate::solver::{ConvOp, ConvProblem, Layout, Plan, ShapeError};
 use crate::tune::{LayerTuning, TuneError};
 use mucudnn_cache::Cache;
-use std::collections::HashMap;
 
 /// A 4-D host tensor. `dims` are logical `[n, c, h, w]` whatever the layout.
 #[derive(Clone, Debug, PartialEq)]
@@ -97,7 +97,7 @@ fn sum_f64(values: &[f32]) -> f64 {
 /// A 2-D convolution layer (fp32), cross-correlation as in cuDNN and PyTorch. Its problems
 /// are 2-D by construction (4-D tensors, no depth settings); 1-D is height 1. For a 3-D
 /// convolution on the CPU, tune with [`LayerTuning`] and run the plans with
-/// [`execute_cpu`](super::execute_cpu), which take NCDHW / NDHWC problems.
+/// [`execute_cpu`], which take NCDHW / NDHWC problems.
 pub struct Conv2d {
     name: String,
     /// The problem at batch 1 and height/width 1; the input shape fills those in.
@@ -105,12 +105,40 @@ pub struct Conv2d {
     /// Filters: `k x c/g x r x s` (NCHW) or `k x r x s x c/g` (NHWC).
     pub weight: Vec<f32>,
     pub bias: Option<Vec<f32>>,
+    tuner: ShapeTuner,
+}
+
+/// How a [`Conv2d`] tunes, and what it has tuned.
+struct ShapeTuner {
     tuning: LayerTuning,
-    backend: CpuBackend,
     /// Opened on first tuning (the user's cache file) unless given with [`Conv2d::with_cache`].
     cache: Option<Cache>,
-    plans: HashMap<(i64, i64, i64), [Plan; 3]>,
-    workspace: AlignedWorkspace,
+    /// The plans by input `(n, h, w)`, the backend they are measured with, their workspace.
+    plans: HostPlans<(i64, i64, i64)>,
+}
+
+impl ShapeTuner {
+    /// The plans of `problem` and their workspace, tuned on first sight of its shape.
+    fn plans(
+        &mut self,
+        layer: &str,
+        problem: &ConvProblem,
+    ) -> Result<(&[Plan; 3], &mut [u8]), LayerError> {
+        let ShapeTuner {
+            tuning,
+            cache,
+            plans,
+        } = self;
+        let key = (problem.n, problem.h, problem.w);
+        let (plans, workspace, _) = plans.get_or_tune(&key, |backend| {
+            let cache = match cache {
+                Some(cache) => cache,
+                slot => slot.insert(Cache::open_default(None).map_err(TuneError::from)?),
+            };
+            tuning.tune_counted(backend, cache, layer, problem)
+        })?;
+        Ok((plans, workspace))
+    }
 }
 
 impl Conv2d {
@@ -124,11 +152,11 @@ impl Conv2d {
             template,
             weight: Vec::new(),
             bias: Some(vec![0.0; out_channels.max(0) as usize]),
-            tuning: LayerTuning::new(TimingSettings::CPU),
-            backend: CpuBackend::new(),
-            cache: None,
-            plans: HashMap::new(),
-            workspace: AlignedWorkspace::default(),
+            tuner: ShapeTuner {
+                tuning: LayerTuning::new(TimingSettings::CPU),
+                cache: None,
+                plans: HostPlans::new(),
+            },
         };
         layer.reset_weights();
         layer
@@ -145,24 +173,24 @@ impl Conv2d {
         let values =
             crate::backend::cudnn::host::random_values(crate::solver::DType::Fp32, len, seed);
         self.weight = values.into_iter().map(|v| v * bound).collect();
-        self.plans.clear();
+        self.tuner.plans.clear();
     }
 
     pub fn with_stride(mut self, stride: i64) -> Self {
         (self.template.stride_h, self.template.stride_w) = (stride, stride);
-        self.plans.clear();
+        self.tuner.plans.clear();
         self
     }
 
     pub fn with_padding(mut self, padding: i64) -> Self {
         (self.template.pad_h, self.template.pad_w) = (padding, padding);
-        self.plans.clear();
+        self.tuner.plans.clear();
         self
     }
 
     pub fn with_dilation(mut self, dilation: i64) -> Self {
         (self.template.dilation_h, self.template.dilation_w) = (dilation, dilation);
-        self.plans.clear();
+        self.tuner.plans.clear();
         self
     }
 
@@ -175,7 +203,7 @@ impl Conv2d {
 
     pub fn with_layout(mut self, layout: Layout) -> Self {
         self.template.layout = layout;
-        self.plans.clear();
+        self.tuner.plans.clear();
         self
     }
 
@@ -186,15 +214,15 @@ impl Conv2d {
 
     /// Tuning settings (policy, per-layer workspace limit, timing). Clears tuned plans.
     pub fn with_tuning(mut self, tuning: LayerTuning) -> Self {
-        self.tuning = tuning;
-        self.plans.clear();
+        self.tuner.tuning = tuning;
+        self.tuner.plans.clear();
         self
     }
 
     /// The tuning cache to read and fill (default: the user's cache file, see
     /// `mucudnn_cache::default_path`).
     pub fn with_cache(mut self, cache: Cache) -> Self {
-        self.cache = Some(cache);
+        self.tuner.cache = Some(cache);
         self
     }
 
@@ -205,7 +233,7 @@ impl Conv2d {
     /// The plans tuned for an input of `n x h x w`, if that shape has been seen:
     /// `[forward, backward-data, backward-filter]`.
     pub fn plans(&self, n: i64, h: i64, w: i64) -> Option<&[Plan; 3]> {
-        self.plans.get(&(n, h, w))
+        self.tuner.plans.get(&(n, h, w))
     }
 
     /// The problem this layer tunes for an input of `n x h x w` (unchecked).
@@ -220,7 +248,7 @@ impl Conv2d {
 
     /// Its tuning settings.
     pub fn tuning(&self) -> &LayerTuning {
-        &self.tuning
+        &self.tuner.tuning
     }
 
     fn input_error(&self, message: String) -> LayerError {
@@ -276,28 +304,7 @@ impl Conv2d {
         Ok(problem)
     }
 
-    /// Tunes on first sight of the shape; returns the plans.
-    fn ensure_plans(&mut self, problem: &ConvProblem) -> Result<[Plan; 3], LayerError> {
-        let key = (problem.n, problem.h, problem.w);
-        if let Some(plans) = self.plans.get(&key) {
-            return Ok(plans.clone());
-        }
-        let cache = match &mut self.cache {
-            Some(cache) => cache,
-            slot => slot.insert(Cache::open_default(None).map_err(TuneError::from)?),
-        };
-        let plans = self
-            .tuning
-            .tune(&mut self.backend, cache, &self.name, problem)?;
-        let needed = plans.iter().map(cpu_workspace_bytes).max().unwrap_or(0);
-        if (self.workspace.len() as u64) < needed {
-            self.workspace = AlignedWorkspace::new(needed);
-        }
-        self.plans.insert(key, plans.clone());
-        Ok(plans)
-    }
-
-    fn output_tensor(&self, problem: &ConvProblem) -> Tensor {
+    fn output_tensor(problem: &ConvProblem) -> Tensor {
         let (p, q) = problem.output_hw();
         Tensor::zeros(
             [
@@ -313,8 +320,8 @@ impl Conv2d {
     /// `y = conv(x, weight) + bias`.
     pub fn forward(&mut self, x: &Tensor) -> Result<Tensor, LayerError> {
         let problem = self.problem_for(x)?;
-        let plans = self.ensure_plans(&problem)?;
-        let mut y = self.output_tensor(&problem);
+        let (plans, workspace) = self.tuner.plans(&self.name, &problem)?;
+        let mut y = Self::output_tensor(&problem);
         execute_cpu(
             &plans[0],
             1.0,
@@ -322,7 +329,7 @@ impl Conv2d {
             &self.weight,
             0.0,
             &mut y.data,
-            self.workspace.as_bytes_mut(),
+            workspace,
         )?;
         if let Some(bias) = &self.bias {
             // One pass over contiguous data: a plane per channel (NCHW), channels innermost
@@ -351,7 +358,7 @@ impl Conv2d {
     /// input `x` of the forward pass and the output gradient `dy`.
     pub fn backward(&mut self, x: &Tensor, dy: &Tensor) -> Result<Gradients, LayerError> {
         let problem = self.problem_for(x)?;
-        let expected = self.output_tensor(&problem);
+        let expected = Self::output_tensor(&problem);
         if dy.dims != expected.dims
             || dy.layout != expected.layout
             || dy.data.len() != expected.data.len()
@@ -361,10 +368,9 @@ impl Conv2d {
                 dy.dims, dy.layout, expected.dims, expected.layout
             )));
         }
-        let plans = self.ensure_plans(&problem)?;
+        let (plans, workspace) = self.tuner.plans(&self.name, &problem)?;
         let mut dx = Tensor::zeros(x.dims, x.layout);
         let mut dw = vec![0.0; self.weight.len()];
-        let workspace = self.workspace.as_bytes_mut();
         execute_cpu(
             &plans[1],
             1.0,
