@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cuDNN host tier as one JSON document (issue 17):
+# The cuDNN host tier as one JSON document:
 #   bash scripts/cudnn_host_check.sh --json
 # prints one JSON array, one object per (layer, dtype, layout, op) checked, with the fields
 # layer, dtype, layout, op, mode_a, mode_b, fallback (configurations each heuristics mode

@@ -8,7 +8,7 @@
 #   ${MUCUDNN_TEST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mucudnn-test}/host/
 #     wheels-cudnn<version>-cublas<version>/   pip install --target of the two wheels
 #     stub-<hash of the C file>/libcuda.so.1   the stub; bare/libcuda.so.1 lacks cuGetErrorName
-#                                              and cuGetErrorString (a test of issue 17, fix 5)
+#                                              and cuGetErrorString (mucudnn must not panic)
 # When the wheels cannot be downloaded, the nvidia packages of the PyTorch test venv
 # ($cache/venv, if it exists) serve instead.
 #

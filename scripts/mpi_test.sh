@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MPI tests (issue 25), on the CPU, of the data-parallel candle trainer
+# The MPI tests, on the CPU, of the data-parallel candle trainer
 # (examples/candle_ddp.rs, docs/training.md):
 # 1. `mpirun -np 2` equals one process computing the 2 ranks' shards in turn, bit for bit
 #    (every step's loss, the held-out losses, the final parameters), given the same cache file

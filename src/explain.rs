@@ -59,7 +59,7 @@ pub struct Explanation {
     pub name: ProblemName,
     /// The problem at the mini-batch size (its rank names the layout: `ndhwc` in 3-D).
     pub problem: ConvProblem,
-    /// What the sizes split: the mini-batch size, or for a spatial entry (issue 24) the op's
+    /// What the sizes split: the mini-batch size, or for a spatial entry the op's
     /// rows along the split axis ([`OpProfile::extent`]).
     pub n: i64,
     pub policy: Policy,

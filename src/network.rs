@@ -1040,7 +1040,7 @@ mod tests {
             7,
             &["field `count`: must be at least 1, got 0"],
         );
-        // Issue 14, item 10: too many is not too few.
+        // Too many is not too few: the error says "too large", not "at least 1".
         check_error(
             &one_layer("count = 4294967296\n"),
             7,

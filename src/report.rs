@@ -60,7 +60,7 @@ pub struct PlanJson {
     #[serde(serialize_with = "finite")]
     pub time_ms: f64,
     pub workspace_bytes: u64,
-    /// `batch` (the sizes are micro-batches) or `spatial` (issue 24: the sizes are chunks of
+    /// `batch` (the sizes are micro-batches) or `spatial` (the sizes are chunks of
     /// rows along `axis`).
     pub split: SplitDim,
     /// The split axis (`d`, `h`, `w`) of a spatial plan; absent for a batch plan.

@@ -1,4 +1,4 @@
-//! Two test runs on one machine share the test cache (issue 23): the shared set-up of
+//! Two test runs on one machine share the test cache: the shared set-up of
 //! scripts/test.sh (the Python venv, scripts/test_venv.sh) and of the cuDNN host tier (the
 //! wheels and the stub libcuda, scripts/cudnn_host_env.sh) is made once, under a flock, while a
 //! second run waits and then reuses it. Each check starts the real script twice at once on a

@@ -179,7 +179,7 @@ fn undivided_is_null_when_no_single_algorithm_fits() {
     std::fs::remove_file(path).ok();
 }
 
-/// Issue 14, item 7: workspace sums near 2^64 neither wrap ("0 B (sum)") nor panic, and a sum
+/// Workspace sums near 2^64 neither wrap ("0 B (sum)") nor panic, and a sum
 /// past 2^64 does not fit a budget of 2^64 - 1.
 #[test]
 fn workspace_totals_near_2_pow_64_do_not_overflow() {
@@ -775,7 +775,7 @@ fn options_in_docs(docs: &str, command: &[&str]) -> Vec<(String, OptionDoc)> {
         .collect()
 }
 
-/// Issue 23: `--help` lists the allowed values and the default of every option, and
+/// `--help` lists the allowed values and the default of every option, and
 /// docs/cli.md's option tables say the same, for every subcommand.
 #[test]
 fn help_and_docs_agree_on_every_option() {
@@ -821,7 +821,7 @@ fn help_and_docs_agree_on_every_option() {
             command.join(" ")
         );
     }
-    // The options the issue named: values and defaults are in the help.
+    // tune's main options: their values and defaults are in the help.
     let tune = options_in_help(&["tune"]);
     let find = |name: &str| &tune.iter().find(|(n, _)| n == name).unwrap().1;
     assert_eq!(find("dtype").values, ["fp32", "fp16", "bf16"]);

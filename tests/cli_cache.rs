@@ -275,7 +275,7 @@ fn export_clear_import_and_inspection() {
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
 }
 
-/// Issue 14, items 1 and 2: a file that is not a mucudnn cache is refused by every cache
+/// A file that is not a mucudnn cache is refused by every cache
 /// command, never moved, and left byte-for-byte unchanged; an unusable location makes the
 /// commands that exist to write fail instead of "importing into memory".
 #[test]
@@ -350,7 +350,7 @@ fn a_file_that_is_not_a_cache_is_refused_by_every_command() {
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
 }
 
-/// Issue 14, item 3: a cache file that cannot be written is still read. As root (mode bits do
+/// A cache file that cannot be written is still read. As root (mode bits do
 /// not stop root) the file is made immutable with `chattr +i`; where that is not possible the
 /// documented `MUCUDNN_CACHE_READ_ONLY=1` takes the same read-only path.
 #[test]
@@ -480,7 +480,7 @@ fn undo_read_only(path: &Path, how: &str) {
     }
 }
 
-/// Issue 14, item 4: a reader that stops early (`| head -1`) is no panic: the command exits
+/// A reader that stops early (`| head -1`) is no panic: the command exits
 /// quietly and still writes its report files.
 #[test]
 fn a_closed_stdout_is_no_panic_and_reports_are_still_written() {
@@ -530,7 +530,7 @@ fn a_closed_stdout_is_no_panic_and_reports_are_still_written() {
     std::fs::remove_dir_all(cache.parent().unwrap()).ok();
 }
 
-/// Issue 14, item 6: whatever the cache holds, `cache export` writes a file that `cache import`
+/// Whatever the cache holds, `cache export` writes a file that `cache import`
 /// and `solve` accept: a network tuned at batch 2 and then at 4, a layer explained at another
 /// batch size, and a layer name that two networks give to different shapes.
 #[test]
@@ -576,7 +576,7 @@ fn export_of_several_batch_sizes_imports_and_solves() {
         ));
     }
     let solved = round_trip("batches 2 and 4");
-    // Issue 14, item 7: this machine's own export with an algorithm number its backend does
+    // This machine's own export with an algorithm number its backend does
     // not have (the CPU's are 0-2) is refused, naming the problem.
     let edited = cache.with_file_name("edited.json");
     let text_of = std::fs::read_to_string(exported).unwrap();

@@ -1,4 +1,4 @@
-//! The binary with 3-D, 1-D and transposed layers (issue 26): the zoo's video and audio models
+//! The binary with 3-D, 1-D and transposed layers: the zoo's video and audio models
 //! and network files listed (`tune --list`), and tuned, solved and reported on the CPU at
 //! reduced sizes.
 

@@ -194,7 +194,7 @@ fn report_and_explain_from_a_saved_profile() {
         stdout.starts_with("alexnet.conv2 fp32 nchw fwd"),
         "fp32 NCHW by default: {stdout}"
     );
-    // Issue 14, item 7: --dtype and --layout pick the entry, not the first of the layer's.
+    // --dtype and --layout pick the entry, not the first of the layer's.
     let output = mucudnn(
         &[
             "explain",
@@ -349,7 +349,7 @@ fn ctrl_c_stops_cleanly_and_keeps_the_measurements() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// Issue 14, item 10: layer names with `|` or a newline (a profile may carry any string) stay
+/// Layer names with `|` or a newline (a profile may carry any string) stay
 /// one cell on one line in the table, `explain` and report.md.
 #[test]
 fn odd_layer_names_do_not_break_tables_or_report_md() {
@@ -439,7 +439,7 @@ fn odd_layer_names_do_not_break_tables_or_report_md() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// Issue 14, item 11: `tune --json` has `solve --json`'s keys in its order (then `tuning`),
+/// `tune --json` has `solve --json`'s keys in its order (then `tuning`),
 /// each plan's multiplicity (so the weighted total can be rebuilt), and a saved profile's times
 /// carry no float noise beyond the clock's nanoseconds.
 #[test]
@@ -521,7 +521,7 @@ fn tune_json_orders_keys_like_solve_and_carries_multiplicity() {
     );
 
     let doc: serde_json::Value = serde_json::from_str(&tuned).unwrap();
-    // Issue 21, item 2: measuring held memory, and no workspace above the default limit.
+    // Measuring held memory, and no workspace above the default limit.
     let tuning = &doc["tuning"];
     assert_eq!(tuning["measuring_limit_bytes"], 64 << 20, "{tuning}");
     let largest = tuning["largest_workspace_bytes"].as_u64().unwrap();
@@ -560,7 +560,7 @@ fn tune_json_orders_keys_like_solve_and_carries_multiplicity() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// Issue 14, item 10: `tune --verify`'s table keeps two spaces between its columns, however
+/// `tune --verify`'s table keeps two spaces between its columns, however
 /// wide a cell, and its JSON section keeps the layer first.
 #[test]
 fn verify_table_columns_stay_apart() {

@@ -1,4 +1,4 @@
-//! The binary with spatial splits (issue 24): `tune --split`, the JSON plan's `split` and
+//! The binary with spatial splits: `tune --split`, the JSON plan's `split` and
 //! `axis`, the table's `along h`, and `explain --split spatial`, on the CPU.
 
 use serde_json::Value;

@@ -1,5 +1,5 @@
 //! The cuDNN host tier: the FFI wall against the real libcudnn on a machine without a GPU
-//! (issue 17). `scripts/cudnn_host_env.sh` provides cuDNN and cuBLAS from PyPI's wheels and a
+//! at all. `scripts/cudnn_host_env.sh` provides cuDNN and cuBLAS from PyPI's wheels and a
 //! stub libcuda; graphs, heuristics and plans are built on a device description of an H100
 //! (`tests/fixtures/h100-device-description.json`) instead of a handle. See
 //! docs/cudnn_host.md.
@@ -64,7 +64,7 @@ fn layout_name(layout: Layout) -> &'static str {
     }
 }
 
-/// The odd stems of issue 17: 7x7 stride-2 convolutions of 3 x 299 x 299 and 3 x 225 x 225.
+/// Stems with odd input sizes: 7x7 stride-2 convolutions of 3 x 299 x 299 and 3 x 225 x 225.
 fn odd_stems(dtype: DType, layout: Layout) -> Vec<(String, ConvProblem)> {
     [299, 225]
         .into_iter()
@@ -211,7 +211,7 @@ fn check_op(device: &DeviceDescription, problem: &ConvProblem, op: ConvOp) -> Ou
 
 /// The micro-batch graphs of `problem` (1, 2, 4, ... up to its batch) finalize and offer a
 /// configuration (modes A, B or fallback), at the alignment the profiler declares when it
-/// times them (what holds at every offset: issue 21, item 8).
+/// times them (what holds at every offset).
 fn check_micro_batches(
     device: &DeviceDescription,
     problem: &ConvProblem,
@@ -349,9 +349,9 @@ fn odd_stem_layers() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 26: 3-D and 1-D convolutions
+// 3-D and 1-D convolutions
 
-/// The data configurations of 3-D (and 1-D) convolutions (issue 26's acceptance): fp16 NDHWC
+/// The data configurations of 3-D (and 1-D) convolutions: fp16 NDHWC
 /// (channels last) and fp32 NCDHW.
 const CONFIGS_3D: [(DType, Layout); 2] = [(DType::Fp16, Layout::Nhwc), (DType::Fp32, Layout::Nchw)];
 
@@ -366,7 +366,7 @@ fn zoo_in(model: Model, n: i64, configs: &[(DType, Layout)]) -> Vec<(String, Con
     layers
 }
 
-/// Issue 26's video models at their default inputs: torchvision's r3d_18 at batch 2 (a clip
+/// The video models at their default inputs: torchvision's r3d_18 at batch 2 (a clip
 /// of 16 x 112 x 112) and the Wan 2.1 VAE decoder at 480p, batch 1 (17 frames of 480 x 832,
 /// decoded chunk by chunk; its causal convolutions pad time on one side, which reaches the
 /// convolution as an already padded input: `pad_d` 0). The decoder's upsamplers and
@@ -377,7 +377,7 @@ fn video_layers() -> Vec<(String, ConvProblem)> {
     layers
 }
 
-/// Issue 26's acceptance on the H100 description: every 3-D layer gets engine configurations
+/// 3-D acceptance on the H100 description: every 3-D layer gets engine configurations
 /// in all three ops, fp16 NDHWC and fp32 NCDHW; its 5-D legacy descriptors match the wall's
 /// shapes and read back into the same problem; its micro-batch graphs finalize.
 #[test]
@@ -460,7 +460,7 @@ fn three_d_negative_controls() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 17's fixes, against the real library
+// Alignment, thread-safety and loader fixes, against the real library
 
 /// Configurations per heuristics mode for `problem`, with tensors declaring `alignments`.
 fn mode_counts(
@@ -523,7 +523,7 @@ fn odd_stems_gain_configurations_from_the_offset_alignment() {
             }
         }
     }
-    // The issue's numbers: 3x299x299 fp16 NHWC backward-filter had nothing from modes A and
+    // The original failure: 3x299x299 fp16 NHWC backward-filter had nothing from modes A and
     // B at the old alignment; the same check at the old alignment is the negative control.
     let (_, stem) = odd_stems(DType::Fp16, Layout::Nhwc).remove(0);
     let old = Alignments::any_sample(&ConvShapes::new(&stem).unwrap());
@@ -532,7 +532,7 @@ fn odd_stems_gain_configurations_from_the_offset_alignment() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 21, item 8: what is timed can be prepared wherever a plan runs it
+// What is timed can be prepared wherever a plan runs it
 
 /// PyTorch's AlexNet-style stem at N = 12 in fp16 NHWC with 3 unpadded channels: 3 x 227 x 227
 /// x 2 bytes per sample is only 2-byte aligned, so sample 4 is 8-byte aligned and sample 8
@@ -620,7 +620,7 @@ fn unbuildable_steps(
     (built, failures)
 }
 
-/// Acceptance of item 8: AlexNet conv1 fp16 NHWC at N = 12 split 4+4+4 (and 5+3+4, odd
+/// The acceptance test: AlexNet conv1 fp16 NHWC at N = 12 split 4+4+4 (and 5+3+4, odd
 /// offsets): every configuration timed under the profiler's rule (the alignment that holds at
 /// every offset, `Alignments::any_sample`) builds at every micro-batch's real offset, in every
 /// op. The old rule (the alignment of sample N - m) is the negative control: it timed size 4
@@ -656,7 +656,7 @@ fn every_micro_batch_builds_at_its_offset() {
     );
 }
 
-/// Issue 24: zoo-like problems split along their outermost spatial axis (2-D 3x3 pad 1 fp16
+/// Zoo-like problems split along their outermost spatial axis (2-D 3x3 pad 1 fp16
 /// NHWC, 3-D 3x3x3 pad 1 fp16 NDHWC, a stride-2 2-D layer), in uneven chunkings of 2, 3 and 7
 /// chunks, every op. Every chunk's graph (views of the full tensors: the chunk's rows, the full
 /// strides; the split axis padded only at the border, so boundary chunks pad one side only)
@@ -908,7 +908,7 @@ fn mode_b_heuristics_from_several_threads() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Hidden libraries (fixes 2, 3 and 5): this test binary runs itself with one library left out
+// Hidden libraries: this test binary runs itself with one library left out
 // of the library path and must get an error value naming it, never an abort or a panic.
 
 /// A folder beside the cached libraries holding hard links to every library of `dirs`

@@ -45,7 +45,7 @@ fn totals(solution: &Solution, dtype: DType) -> (f64, f64) {
     (undivided, planned)
 }
 
-/// The probe's published table (issue 8), rounded to what it printed: fwd+bwd of the three
+/// The probe's published table, rounded to what it printed: fwd+bwd of the three
 /// layers, engines only, powers of two.
 #[test]
 fn the_probe_totals_are_reproduced() {

@@ -1,4 +1,4 @@
-//! Issue acceptance on the CPU backend: a micro-batched plan gives the undivided result (bitwise
+//! Execution on the CPU backend: a micro-batched plan gives the undivided result (bitwise
 //! for forward and backward-data, 1e-6 relative for backward-filter), every algorithm matches a
 //! float64 reference, alpha/beta are respected (backward-filter's beta goes to the first
 //! micro-batch only), and bad input is an error, never a panic.

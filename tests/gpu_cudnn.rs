@@ -6,7 +6,7 @@
 //! host reference, and, when
 //! `MUCUDNN_TORCH_DIR` holds cases written by `scripts/gpu/torch_cases.py`, PyTorch's
 //! `conv2d` and its gradients on the same data. 3-D problems (5-D descriptors) and 1-D ones
-//! (unit height) run the same checks, through the legacy algorithms and the engines (issue 26).
+//! (unit height) run the same checks, through the legacy algorithms and the engines.
 
 use mucudnn::backend::cudnn::host::{reference_convolution, Reference};
 use mucudnn::backend::cudnn::{ConvDescriptors, ConvOperands, CudnnHandle, DeviceBuffer};
@@ -372,7 +372,7 @@ fn check_against_reference(handle: &CudnnHandle, cases: &[(&str, ConvProblem)]) 
     rows
 }
 
-/// Issue 26: 3-D convolutions (5-D descriptors, 3 spatial dims) and 1-D ones (unit height)
+/// 3-D convolutions (5-D descriptors, 3 spatial dims) and 1-D ones (unit height)
 /// through the legacy algorithms. Every algorithm cuDNN offers, split [4, 2, 2] against the
 /// undivided run (bitwise where deterministic) and both against the float64 reference, in
 /// fp32 NCDHW / NDHWC, with strides, dilation and groups in depth, and fp16 NDHWC; 1-D in fp32
@@ -550,7 +550,7 @@ fn engine_candidates_from_the_profiler_execute_as_plans() {
     println!("\n{}", check_engine_candidates(&cases).join("\n"));
 }
 
-/// Issue 26: the same for 3-D problems (5-D graph tensors, 3 spatial dims) in fp32 NCDHW and
+/// The same for 3-D problems (5-D graph tensors, 3 spatial dims) in fp32 NCDHW and
 /// fp16 NDHWC, and a 1-D one: engine configurations timed at micro-batch 4 run as [4, 4]
 /// plans at their offsets (backward-filter accumulating) and match the float64 reference.
 #[test]
@@ -706,7 +706,7 @@ fn even_chunk(extent: i64) -> i64 {
         .map_or(1, |d| extent / d)
 }
 
-/// A spatial plan (issue 24): chunks of `sizes` rows along the split axis, all with `algo`.
+/// A spatial plan: chunks of `sizes` rows along the split axis, all with `algo`.
 fn spatial_plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: Algo) -> Plan {
     Plan {
         split: mucudnn::solver::SplitDim::Spatial,

@@ -1,4 +1,4 @@
-//! Teardown of plans run on a caller's stream (issue 21, item 9), on a GPU: releasing a
+//! Teardown of plans run on a caller's stream, on a GPU: releasing a
 //! prepared plan waits for the work it queued on the caller's stream, and a plan captured into
 //! a CUDA graph is parked, so the graph still replays correctly after the plan is released.
 //!

@@ -1,4 +1,4 @@
-//! Issue 21, item 10: half-precision backward-filter split into k micro-batches. Each later
+//! Half-precision backward-filter split into k micro-batches. Each later
 //! micro-batch accumulates into `dw` (beta = 1); stored in fp16/bf16, that is k roundings of the
 //! running sum where PyTorch has one. The CPU executor sums the micro-batches in fp32 and
 //! rounds once, so a split `dw` stays within 2x of the undivided one's error against float64

@@ -1,4 +1,4 @@
-//! The cuDNN side of half-precision backward-filter accuracy (issue 21, item 10): cuDNN adds
+//! The cuDNN side of half-precision backward-filter accuracy: cuDNN adds
 //! each micro-batch after the first into `dw` in the operands' dtype, so on a cuDNN device a
 //! bf16 backward-filter plan has at most 4 micro-batches (docs/pytorch.md, "Half-precision
 //! weight gradients"), and a plan cached before that rule is solved again. Run here through a

@@ -1,4 +1,4 @@
-//! The binary against a corpus of bad inputs (issue 14): each must exit non-zero with one clear
+//! The binary against a corpus of bad inputs: each must exit non-zero with one clear
 //! error message, never a panic, before measuring anything, and leave every input file
 //! byte-for-byte as it was (a cache path that is not a cache included). The corpus kept as files
 //! is `tests/fixtures/hostile` (network files, profiles); cache forgeries are written row by row
@@ -71,7 +71,7 @@ impl Corpus {
             b"[[layer]]\nname = \"c\"\nin_channels = 0\nout_channels = 8\ninput = 8\nkernel = 3\n",
         );
         write("not-toml.toml", b"[[layer\nname = ");
-        // mucudnn's own `fingerprint` key, malformed: not "no fingerprint" (item 7).
+        // mucudnn's own `fingerprint` key, malformed: not "no fingerprint".
         let record = r#"{"layer": "a", "dtype": "fp32", "layout": "nchw", "n": 1, "c": 2, "h": 5, "w": 5, "k": 2, "r": 3, "s": 3, "pad_h": 0, "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1, "groups": 1, "op": "fwd", "algo": 1, "micro": 1, "workspace_bytes": 0, "time_ms": 0.5}"#;
         write(
             "bad-fingerprint.json",
@@ -123,7 +123,7 @@ fn refuses(corpus: &Corpus, cache: &str, args: &[&str], expect: &str) -> String 
         .filter(|line| line.starts_with("error"))
         .count();
     assert_eq!(errors, 1, "one error message: {what}");
-    // Each part of the message once (item 10): not "EOF while ...: EOF while ...".
+    // Each part of the message once: not "EOF while ...: EOF while ...".
     let line = stderr
         .lines()
         .find(|line| line.starts_with("error"))
@@ -326,7 +326,7 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         );
     }
 
-    // Arguments that once panicked or were refused only after measuring (items 4 and 8).
+    // Arguments that once panicked or were refused only after measuring.
     for limit in ["1e19", "inf", "NaN", "0", "-1", "ten"] {
         refuses(
             &corpus,
@@ -411,7 +411,7 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
         "error",
     );
     refuses(&corpus, fresh, &["solve"], "--profile");
-    // A negative size is a bad value, not "an unexpected argument" (item 10).
+    // A negative size is a bad value, not "an unexpected argument".
     refuses(
         &corpus,
         fresh,
@@ -428,7 +428,7 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
     std::fs::remove_dir_all(&corpus.dir).ok();
 }
 
-/// Issue 14, item 5: a batch whose buffers cannot fit is refused before anything is allocated
+/// A batch whose buffers cannot fit is refused before anything is allocated
 /// (it used to abort with "memory allocation of 4000000000 bytes failed"), here under a 4 GiB
 /// address-space limit as a memory-limited user would run it.
 #[cfg(target_os = "linux")]
@@ -523,7 +523,7 @@ fn run_bounded(cache: &str, args: &[&str]) -> (Option<i32>, String, String) {
     )
 }
 
-/// Issue 22, item 5: a cache path that exists and is not a regular file is refused before
+/// A cache path that exists and is not a regular file is refused before
 /// anything opens it. A FIFO used to hang every command, read-only ones included (opening a
 /// FIFO for reading waits for a writer); a character device (`/dev/null`) used to be opened
 /// by SQLite, which left `/dev/null-journal` behind.
@@ -591,7 +591,7 @@ fn a_cache_path_that_is_not_a_regular_file_is_refused_before_any_open() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Issue 22, item 5: a layer name of 65,536 characters is printed, not a panic: `format!`'s
+/// A layer name of 65,536 characters is printed, not a panic: `format!`'s
 /// `{:width$}` panics past a width of 65,535, which the tables used to pad their columns.
 /// `solve`, `report`, `explain` (from a profile) and `tune` (from a network file) all work.
 #[test]
@@ -664,7 +664,7 @@ fn a_layer_name_of_65536_characters_is_printed_not_a_panic() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// Issue 22, item 5: control characters of a layer name never reach the terminal raw: a
+/// Control characters of a layer name never reach the terminal raw: a
 /// network file's name with an escape sequence is refused with the name escaped (`\u{1b}`),
 /// in the one error line, wherever the message names the layer.
 #[test]

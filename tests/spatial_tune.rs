@@ -1,4 +1,4 @@
-//! Issue 24 on the CPU backend: the tuner's `split` setting (`batch`, `spatial`, `auto`), spatial
+//! Splits on the CPU backend: the tuner's `split` setting (`batch`, `spatial`, `auto`), spatial
 //! plans solved from chunk measurements and executed by `execute_cpu`, equal to the unsplit op.
 
 use mucudnn::backend::cpu::{self, AlignedWorkspace, CpuAlgo};

@@ -1,4 +1,4 @@
-//! Issue 21, items 1 and 2 on the CPU backend: measuring never allocates more workspace than a
+//! Measuring memory on the CPU backend: measuring never allocates more workspace than a
 //! plan could use, records what it skipped, a larger limit later times exactly those, and no
 //! measuring state outlives a tune.
 
@@ -151,7 +151,7 @@ fn a_larger_limit_times_exactly_what_a_smaller_one_skipped() {
     assert_eq!(skipped_in(&cache, &small), over_8);
     assert_eq!(stats.skipped, over_8.len());
     assert!(small.timed.is_disjoint(&over_8));
-    // Nothing measuring made is held after the tune (issue 21, item 1).
+    // Nothing measuring made is held after the tune.
     assert_eq!(small.memory(), MemoryUse::default());
 
     // 64 MiB through the same cache times exactly the skipped candidates.

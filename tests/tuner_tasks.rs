@@ -175,11 +175,11 @@ fn stored_records_are_checked_before_anything_is_stored() {
     );
 }
 
-/// Issue 22, item 4, through the C ABI: poisoned records given to `mucudnnTunerStore` (a zero,
+/// Validated stores through the C ABI: poisoned records given to `mucudnnTunerStore` (a zero,
 /// negative, infinite or missing time, an algorithm number the backend does not have, a
 /// workspace past the machine's memory, a negative workspace, another device) are refused with
 /// INVALID_ARGUMENT and the record's index, nothing of the batch is stored, and the cache
-/// still tunes. A stride past a C int is INVALID_ARGUMENT too (item 5).
+/// still tunes. A stride past a C int is INVALID_ARGUMENT too.
 #[test]
 fn poisoned_stores_through_the_c_abi_are_refused_and_the_cache_still_tunes() {
     use mucudnn::ffi::{

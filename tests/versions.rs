@@ -1,4 +1,4 @@
-//! One version (issue 23): Cargo.toml's `[workspace.package] version` is the crate's, the C
+//! One version: Cargo.toml's `[workspace.package] version` is the crate's, the C
 //! library's (`mucudnnGetVersion`, `MUCUDNN_VERSION` in include/mucudnn.h) and the Python
 //! package's (`mucudnn.__version__` in python/mucudnn/_version.py, which pyproject.toml reads;
 //! python/tests/test_tuner.py checks that the loaded library says the same).

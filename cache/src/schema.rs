@@ -149,7 +149,7 @@ CREATE TABLE plans (
 ) WITHOUT ROWID;
 ";
 
-/// Version 3: measuring under a workspace limit (issue 21, item 2) does not time a candidate
+/// Version 3: measuring under a workspace limit does not time a candidate
 /// whose workspace exceeds it. `skipped` records those candidates, with their workspace and no
 /// time, at a size whose `measured_sizes` row says it was measured: the size is complete for
 /// every limit below each skipped workspace, and a tune under a larger limit times exactly the
@@ -169,7 +169,7 @@ CREATE TABLE IF NOT EXISTS skipped (
 ) WITHOUT ROWID;
 ";
 
-/// Version 4: shapes of 1, 2 or 3 spatial dimensions (issue 26). A shape gains the depth
+/// Version 4: shapes of 1, 2 or 3 spatial dimensions. A shape gains the depth
 /// fields `d`, `t`, `pad_d`, `stride_d` and `dilation_d`, part of its uniqueness; the rows of
 /// older caches are 2-D and take the 2-D values (1, 1, 0, 1, 1), keeping their ids, so every
 /// measurement, plan and `seen` row stays attached to its shape. SQLite cannot change a
@@ -198,7 +198,7 @@ DROP TABLE shapes;
 ALTER TABLE shapes_v4 RENAME TO shapes;
 ";
 
-/// Version 5: the split dimension (issue 24). Measurements, measured sizes and skipped
+/// Version 5: the split dimension. Measurements, measured sizes and skipped
 /// candidates gain `split` ('batch' or 'spatial') in their key: a spatial row's `micro` is a
 /// chunk's rows along the op's output's outermost spatial axis, not a number of samples, so it
 /// never answers a batch lookup. Older rows are batch rows. SQLite cannot change a primary

@@ -339,7 +339,7 @@ fn measurements_round_trip_and_serve_every_batch_size() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// Issue 22, item 4: a cache that already holds rows no measurement could produce (written
+/// A cache that already holds rows no measurement could produce (written
 /// by an older mucudnn's unchecked store, or by hand) skips them, says so once, and still
 /// tunes; a cached plan solved from such a row is a miss.
 #[test]
@@ -649,7 +649,7 @@ fn snapshot(dir: &Path) -> std::collections::BTreeMap<String, (usize, u64)> {
         .collect()
 }
 
-/// Issue 14, item 1: another program's SQLite database, even one with a table named `plans`,
+/// Another program's SQLite database, even one with a table named `plans`,
 /// is refused by every kind of open, and the directory is byte-for-byte as it was (no table
 /// dropped, none added, no WAL switch, nothing moved aside).
 #[test]
@@ -726,7 +726,7 @@ fn another_programs_database_is_refused_and_left_unchanged() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// Issue 14, item 2: reading never moves, creates or migrates anything; a damaged cache of
+/// Reading never moves, creates or migrates anything; a damaged cache of
 /// ours is read as empty (with a warning) and only a writer moves it aside.
 #[test]
 fn read_only_access_never_moves_or_creates_files() {
@@ -785,7 +785,7 @@ fn read_only_access_never_moves_or_creates_files() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// Issue 14, item 12: 8 KiB of damage in a cache of many pages costs the rows on those pages,
+/// Damage of 8 KiB in a cache of many pages costs the rows on those pages,
 /// not the file: the readable rows are copied into the fresh cache and counted.
 #[test]
 fn a_damaged_cache_is_salvaged_row_by_row() {
@@ -865,7 +865,7 @@ fn a_damaged_cache_is_salvaged_row_by_row() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// Issue 14, item 3: a cache the user cannot write is opened read-only. Root ignores mode
+/// A cache the user cannot write is opened read-only. Root ignores mode
 /// bits, so as root the file is made immutable (`chattr +i`) instead; where neither works, the
 /// documented `MUCUDNN_CACHE_READ_ONLY` switch takes the same read-only path.
 #[test]
@@ -1197,7 +1197,7 @@ impl SpawnPiped for Command {
     }
 }
 
-/// Issue 21, item 2: candidates skipped for their workspace are kept apart from measurements,
+/// Candidates skipped for their workspace are kept apart from measurements,
 /// make a size incomplete only for limits that fit them, survive a reopen, and are cleared by
 /// a complete store or an import of that size.
 #[test]

@@ -1,4 +1,4 @@
-"""Errors name what is wrong (issue 22, item 5): a library that cannot be loaded is reported as
+"""Errors name what is wrong: a library that cannot be loaded is reported as
 that, naming MUCUDNN_LIBRARY, not as a bad ``workspace_limit`` (the first setting that needed
 the library to parse it)."""
 

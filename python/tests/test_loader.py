@@ -1,6 +1,6 @@
 """Which libcudnn mucudnn uses inside a torch process: the one torch loaded, never a second
 copy (whose handles could not be shared with torch), whether torch or mucudnn was loaded first
-(issue 21, item 7); and a CUDA tuner refuses two different libcudnn files. Runs in a fresh
+(checked both ways); and a CUDA tuner refuses two different libcudnn files. Runs in a fresh
 interpreter each, since a process loads the library once."""
 
 import glob

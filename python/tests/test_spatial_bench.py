@@ -1,4 +1,4 @@
-"""The GPU acceptance's spatial-split benchmark (scripts/gpu/spatial_bench.py, issue 24) runs
+"""The GPU acceptance's spatial-split benchmark (scripts/gpu/spatial_bench.py) runs
 end to end on the CPU at its --smoke size: the SDXL and Wan VAE decoders' convolutions,
 converted with split="auto" at 64 MiB, 256 MiB and 1 GiB per layer, against PyTorch's outputs;
 and, with split="spatial" forced, every layer's forward plan splits along h and still matches.

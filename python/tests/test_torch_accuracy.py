@@ -1,4 +1,4 @@
-"""Accuracy against float64 (issue 22, item 6). In train mode, mobilenet_v2's and
+"""Accuracy against float64. In train mode, mobilenet_v2's and
 shufflenet_v2's gradients were reported 10x further from a float64 copy than PyTorch's own
 fp32. The convolutions are not the cause: a depthwise layer's weight gradient (the suspect) is
 as close to float64 as PyTorch's or closer, and a MobileNet-V2 block with a smooth activation

@@ -1,4 +1,4 @@
-"""Autocast (issue 21, item 3): under ``torch.autocast`` a converted model runs its
+"""Autocast: under ``torch.autocast`` a converted model runs its
 convolutions in the autocast dtype like ``nn.Conv2d`` (output dtype, values and fp32
 parameter gradients), and a convolution fed by an autocast op's lower-precision output runs
 instead of raising."""

@@ -179,7 +179,7 @@ MAY_HAVE_NO_CANDIDATE = {("conv3d-s2-g2-causal", torch.float16)}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("candidates", ["legacy", "engines"])
 def test_nd_layers_match_pytorch(name, dtype, candidates, request):
-    """Conv1d, Conv3d and the transposed layers on the GPU (issue 26): outputs and gradients
+    """Conv1d, Conv3d and the transposed layers on the GPU: outputs and gradients
     against torch.nn; fp16 runs 3-D tensors channels_last_3d (NDHWC)."""
     ours_class, torch_class, shape, kwargs = ND_LAYERS[name]
     may_fall_back = (name, dtype) in MAY_HAVE_NO_CANDIDATE
@@ -220,7 +220,7 @@ SPATIAL_LAYERS = {
 
 @pytest.mark.parametrize("name", sorted(SPATIAL_LAYERS))
 def test_spatial_plans_at_batch_1_fp16_channels_last_match_pytorch(name):
-    """Issue 24: ``split="spatial"`` at batch 1, fp16 NHWC (NDHWC), engine configurations
+    """Spatial splits: ``split="spatial"`` at batch 1, fp16 NHWC (NDHWC), engine configurations
     (legacy algorithms have no spatial plans): every op's plan is chunks along the outermost
     spatial dimension, and outputs and gradients match torch.nn."""
     ours_class, torch_class, shape, kwargs = SPATIAL_LAYERS[name]

@@ -1,5 +1,5 @@
-"""A converted layer treated as training code treats models (issue 22 items 1-3, issue 21 item
-5): surgery after tuning, raw ops with operands that do not agree, graphs and models saved in
+"""A converted layer treated as training code treats models (the scenarios a hostile user
+runs): surgery after tuning, raw ops with operands that do not agree, graphs and models saved in
 one process and loaded in a fresh one that converted other layers first, deepcopy, pickle,
 torch.save. Each scenario (``torch_scenarios.py``) runs in its own process: it must give the
 right answer or a clear exception, and no signal (a crash, a heap abort) may end any of them.

@@ -220,7 +220,7 @@ def test_a_shape_without_a_plan_falls_back_to_pytorch_or_raises(monkeypatch, cap
 
 
 def test_a_plan_cudnn_declines_to_prepare_falls_back_to_pytorch(monkeypatch, capsys):
-    # PLAN_NOT_SUPPORTED (issue 21, item 8): cuDNN refuses a tuned micro-batch at its real
+    # PLAN_NOT_SUPPORTED: cuDNN refuses a tuned micro-batch at its real
     # offset. The layer, the forward's lazy tuning and tune() all fall back with a warning.
     from mucudnn import MucudnnError, Tuner
 

@@ -1,4 +1,4 @@
-"""Conv1d, Conv3d and ConvTranspose1d/2d/3d (issue 26) on CPU tensors: forward and every
+"""Conv1d, Conv3d and ConvTranspose1d/2d/3d on CPU tensors: forward and every
 gradient against ``torch.nn`` over groups, depthwise, dilation, stride 2 with odd sizes,
 asymmetric (causal) padding as an ``F.pad``-ed input, no bias and channels-last; ``opcheck`` of
 every op the layers call; ``torch.compile``; a converted model mixing all kinds trained for

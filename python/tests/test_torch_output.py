@@ -1,4 +1,4 @@
-"""What the package prints (issue 23, "Python output"): ``conv.plans`` is a mapping that prints
+"""What the package prints: ``conv.plans`` is a mapping that prints
 as a table naming the algorithms, ``tune`` returns a :class:`TuneSummary` whose fields mean one
 thing each, and a lazily tuned shape prints one line on stderr unless ``MUCUDNN_QUIET=1``."""
 

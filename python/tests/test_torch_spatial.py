@@ -1,4 +1,4 @@
-"""Spatial splits in PyTorch (issue 24), on CPU tensors: a converted model at batch 1 with
+"""Spatial splits in PyTorch, on CPU tensors: a converted model at batch 1 with
 ``split="spatial"`` forced and a tight ``workspace_limit`` runs plans of chunks along the
 outermost spatial dimension (checked in the layers' plan reports) and matches the unconverted
 model, outputs and input, weight and bias gradients; ``split="auto"`` at batch 1 under a tight

@@ -1,4 +1,4 @@
-"""Hostile-user scenarios for the PyTorch package (issue 22 items 1-3, issue 21 item 5), each
+"""Hostile-user scenarios for the PyTorch package, each
 run in its own process by ``test_torch_hostile.py`` so that a crash (a signal) is seen as one.
 
 ``python torch_scenarios.py NAME [DIR]`` runs one scenario. It exits 0 when mucudnn gave the
@@ -72,7 +72,7 @@ def tuned(**kwargs):
     return conv, x
 
 
-# --- item 1: surgery on a tuned layer -------------------------------------------------------
+# --- surgery on a tuned layer ---------------------------------------------------------------
 
 
 @scenario
@@ -223,7 +223,7 @@ def layer_of_another_dtype_than_its_input():
            lambda: conv(torch.randn(1, 3, 6, 6)))
 
 
-# --- item 2: graphs saved in one process, run in another -------------------------------------
+# --- graphs saved in one process, run in another ---------------------------------------------
 
 
 class Small(nn.Module):
@@ -288,7 +288,7 @@ def exported_load(directory):
     close(exported.module()(io_["x"]), io_["expected"])
 
 
-# --- item 3: copies, pickles, saved models ---------------------------------------------------
+# --- copies, pickles, saved models -----------------------------------------------------------
 
 
 @scenario

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# mucudnn::candle on a GPU (issue 16): the CPU checks of tests/candle_cpu.rs on candle's CUDA
+# mucudnn::candle on a GPU: the CPU checks of tests/candle_cpu.rs on candle's CUDA
 # device (forward and gradients vs candle's conv2d for groups, depthwise, dilation, stride 2
 # and 1x1; the 9x8 stride-2 input gradient vs the f64 reference; tuning once per shape; errors;
 # a small CNN whose SGD step matches candle's; Conv1d and ConvTranspose2d against candle's

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The data-parallel candle trainer on GPUs (issue 25; examples/candle_ddp.rs,
+# The data-parallel candle trainer on GPUs (examples/candle_ddp.rs,
 # docs/training.md#on-gpus): one process per GPU trains the small ResNet five times in one
 # run: mucudnn's convolutions with the gradients summed by NCCL on candle's stream
 # (`--grad-sum nccl`, the default on GPUs), the same with the host sum (`--grad-sum host`:

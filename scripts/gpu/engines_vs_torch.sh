@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8's acceptance in one call on the GPU machine (build first: scripts/gpu/build.sh):
+# The engines' acceptance in one call on the GPU machine (build first: scripts/gpu/build.sh):
 # mucudnn's executed plans (legacy algorithms and graph-API engines, micro-batched under a
 # workspace limit) against PyTorch's cudnn.benchmark (no limit) on AlexNet (batch 256) and
 # ResNet-50's distinct conv shapes (batch 128), forward + backward, fp16 NHWC and fp32 NCHW.

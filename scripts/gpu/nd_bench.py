@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU acceptance of 3-D convolutions (issue 26), one run, mucudnn against PyTorch:
+"""GPU acceptance of 3-D convolutions, one run, mucudnn against PyTorch:
 
 1. vae: the convolutions of Wan 2.1's VAE decoder as diffusers decodes 17 frames of 480x832
    (the zoo's `wan21_vae_decoder`, read from `mucudnn tune --list --json`: one source for the
@@ -18,7 +18,7 @@ then converted with ``mucudnn.torch.convert_(model, workspace_limit=L)`` for L =
 Recorded: time, peak memory allocated beyond the inputs and weights
 (``torch.cuda.max_memory_allocated``), the device's peak use sampled with
 ``torch.cuda.mem_get_info``, and the largest relative difference from PyTorch's outputs. The
-goal (issue 26): at 1 GiB per layer no slower than PyTorch, with peak memory at or below it.
+goal: at 1 GiB per layer no slower than PyTorch, with peak memory at or below it.
 
 usage: nd_bench.py OUT_DIR [--parts vae,r3d] [--mucudnn BIN] [--max-candidates N] [--smoke]
 --smoke runs both on the CPU at a tiny size (the VAE decoder at 5x16x16, channels / 24; r3d_18

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU acceptance of spatial splits at batch 1 (issue 24), one run, mucudnn against PyTorch:
+"""GPU acceptance of spatial splits at batch 1, one run, mucudnn against PyTorch:
 
 1. sdxl: the convolutions of Stable Diffusion's / SDXL's image VAE decoder decoding a
    2048x2048 image untiled (the zoo's `sdxl_vae_decoder`: latent 256x256, 36 Conv2d, 13
@@ -20,7 +20,7 @@ Recorded per variant: the total time, the peak memory allocated beyond the input
 (``torch.cuda.max_memory_allocated``; per layer and the largest), the device's peak use
 sampled with ``torch.cuda.mem_get_info``, the tuning time, which layers got spatial plans (the
 forward's split string of the layer's plan report, `... along h` / `... along d`), and the
-largest relative difference from PyTorch's outputs. The goal (issue 24), reported, not a
+largest relative difference from PyTorch's outputs. The goal, reported, not a
 failure: at 256 MiB per layer no slower than PyTorch, with peak memory below it.
 
 usage: spatial_bench.py OUT_DIR [--parts sdxl,wan] [--mucudnn BIN] [--max-candidates N]

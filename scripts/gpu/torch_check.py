@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU acceptance of the PyTorch package (issue 15), one run:
+"""GPU acceptance of the PyTorch package, one run:
 
 1. correctness: one training step (train mode) of converted AlexNet (conv part) and ResNet-50
    and of the same models with PyTorch's convolutions, fp32 NCHW and fp16 channels_last, both

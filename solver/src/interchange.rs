@@ -607,7 +607,7 @@ mod tests {
         let text = to_json_string(&p);
         assert!(text.contains("\"fingerprint\""));
         assert_eq!(from_json_str(&text).unwrap(), p);
-        // A malformed fingerprint is refused (issue 14, item 7); a null one is absent.
+        // A malformed fingerprint is refused; a null one is absent.
         for odd in ["7", r#"{"backend": "cuda"}"#, r#""H100""#] {
             let text = ONE.replace("\"extra\"", &format!("\"fingerprint\": {odd}, \"extra\""));
             assert!(
@@ -683,7 +683,7 @@ mod tests {
         ));
     }
 
-    /// Issue 14, item 10: records count from 1, and a measurement the rules refuse is blamed
+    /// Records count from 1, and a measurement the rules refuse is blamed
     /// on the record that holds it.
     #[test]
     fn errors_name_the_record_counting_from_1() {

@@ -97,7 +97,7 @@ impl Step {
 /// size is timed at sample 1 whenever the buffer has room (`micro < batch`), and at sample 0
 /// only when it is the whole buffer. (Engine configurations are also *declared* at the
 /// least alignment of any offset, whatever the size, because of the mini-batches a
-/// measurement serves: `Alignments::any_sample` in the cuDNN backend.) Issue 21, item 8: timing
+/// measurement serves: `Alignments::any_sample` in the cuDNN backend.) Why: timing
 /// at sample `batch - micro` measured, e.g., 4 of 12 samples at sample 8 (16-byte aligned in
 /// fp16 3 x 227 x 227) while a 4+4+4 plan runs it at sample 4 (8-byte aligned).
 pub fn timing_offset(batch: usize, micro: usize) -> usize {

@@ -56,7 +56,7 @@ impl Plan {
     }
 
     /// Whether this plan should replace `other`, a plan of the same tuning problem along the
-    /// other split (issue 24): it is faster, unless it is a spatial plan of one chunk, which is
+    /// other split: it is faster, unless it is a spatial plan of one chunk, which is
     /// the unsplit op (as a batch plan of one micro-batch is): then only a batch plan that
     /// does not fit (none) makes way for it, never timing noise between two runs of one call.
     pub fn replaces(&self, other: &Plan) -> bool {

@@ -188,7 +188,7 @@ pub fn solve_profile(
 }
 
 /// The profile's entries by tuning problem (layer, problem, op), in the order of each one's
-/// first entry: a problem tuned along both dimensions (issue 24) has a batch and a spatial
+/// first entry: a problem tuned along both dimensions has a batch and a spatial
 /// entry, solved as one problem whose plans are those of either split. The batch entry comes
 /// first (the undivided baseline is taken from it: the whole mini-batch in one call).
 fn groups(profile: &Profile) -> Vec<Vec<&OpProfile>> {

@@ -1,4 +1,4 @@
-//! The geometry of splitting one convolution along its outermost spatial dimension (issue 24):
+//! The geometry of splitting one convolution along its outermost spatial dimension:
 //! which rows of each operand a chunk reads and writes, and the padding it runs with.
 //!
 //! A spatial plan splits the op's *output* along the split axis (`D` for a 3-D problem, `H`
@@ -318,7 +318,7 @@ pub fn chunks(geometry: &AxisGeometry, op: ConvOp, sizes: &[i64]) -> Option<Vec<
     (first == geometry.extent(op)).then_some(out)
 }
 
-/// Where a chunk of `len` rows is timed (issue 24: a boundary chunk and an interior chunk of one
+/// Where a chunk of `len` rows is timed (a boundary chunk and an interior chunk of one
 /// size can differ): at the start of the axis (the padding before it), in the middle and at
 /// the end (the padding after it), the distinct ones in that order. A measurement of the size
 /// is the slowest of them, its workspace the largest, so a plan's time and workspace hold

@@ -291,7 +291,7 @@ fn the_milp_is_what_answers_when_the_fastest_points_do_not_fit() {
     assert_eq!(by_method.get("greedy"), None, "{by_method:?}");
 }
 
-/// Issue 14, item 9: the MILP time limit bounds the whole WD solve (the undivided baseline's
+/// The MILP time limit bounds the whole WD solve (the undivided baseline's
 /// MILP, the fronts and the main MILP together), not each MILP. On 300 synthetic problems
 /// (debug build, two shared cores) a 1 s limit took 2.7 s before: the fronts and the greedy
 /// start, then 1 s for the baseline's MILP and 1 s for the main one. Now about 1.0 s.

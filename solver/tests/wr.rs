@@ -234,7 +234,7 @@ fn pareto_front_is_complete_on_random_profiles() {
     }
 }
 
-/// Issue 21, item 2: a profile measured under a limit that skipped every candidate at some
+/// A profile measured under a limit that skipped every candidate at some
 /// sizes still names the smallest limit that works, counting the skipped workspaces, and never
 /// plans with a skipped candidate.
 #[test]

@@ -258,7 +258,7 @@ impl CpuBackend {
     }
 }
 
-/// Times one algorithm on one spatial chunk (issue 24): the chunk's packed slabs
+/// Times one algorithm on one spatial chunk: the chunk's packed slabs
 /// ([`cpu::chunk_buffer_lens`]) are the leading elements of the full-batch buffers (the CPU
 /// kernels take packed slabs; the executor stages them when they are not contiguous, a copy
 /// not timed here).
@@ -411,7 +411,7 @@ impl Backend for CpuBackend {
 mod tests {
     use super::*;
 
-    /// Issue 14, item 5: what cannot be allocated is an error or a left-out algorithm, never
+    /// What cannot be allocated is an error or a left-out algorithm, never
     /// an abort.
     #[test]
     fn allocation_failure_is_a_value() {

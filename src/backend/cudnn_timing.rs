@@ -2,7 +2,7 @@
 //! random device data (a random block tiled on the device: `CudnnHandle::alloc_tiled`), at a micro-batch offset inside a full-batch buffer: the least-aligned
 //! offset the executor can run that size at ([`timing_offset`]), and engine configurations
 //! declare the alignment that holds at every offset, so what is timed can run wherever a plan
-//! puts it (issue 21, item 8). Spatial chunks (issue 24, [`CudnnBackend::measure_spatial`]) are
+//! puts it. Spatial chunks ([`CudnnBackend::measure_spatial`]) are
 //! timed the same way: engine configurations on views of the full operands at the start,
 //! middle and end of the split axis, declaring the alignment of every row offset.
 
@@ -303,7 +303,7 @@ impl CudnnBackend {
     ) -> Result<EngineOutcome, CudnnError> {
         let skip = |e: &CudnnError| e.is_not_supported() || e.is_out_of_memory();
         // What holds at every offset this size can run at, in every mini-batch the
-        // measurement serves (issue 21, item 8; `solver::timing_offset`): a plan's micro-batch
+        // measurement serves (`solver::timing_offset`): a plan's micro-batch
         // declares at least as much at its own offset, so what is timed here builds there.
         let alignments = Alignments::any_sample(&ConvShapes::new(micro_problem)?);
         let started = std::time::Instant::now();
@@ -663,7 +663,7 @@ impl CudnnBackend {
         Ok(found)
     }
 
-    /// Engine configurations only (issue 24): each chunk of
+    /// Engine configurations only: each chunk of
     /// [`timing_chunks`] runs as views of the full operands at its real offsets, with its own
     /// pre/post padding along the split axis ([`ChunkShapes`]); the tensors declare what
     /// holds at every row offset ([`ChunkShapes::any_row_alignments`]), so what is timed

@@ -87,7 +87,7 @@ pub enum BackendError {
     MixedDevices { first: String, other: String },
     #[error("{backend} has no graph-API engine configurations; tune with --candidates legacy (or all, which then measures the legacy algorithms only)")]
     NoEngines { backend: String },
-    /// The backend cannot time or run spatial chunks (issue 24) of this kind of candidate.
+    /// The backend cannot time or run spatial chunks of this kind of candidate.
     #[error("{backend} cannot time {kind} candidates on spatial chunks")]
     NoSpatial { backend: String, kind: AlgoKind },
     #[error("{0}")]
@@ -210,7 +210,7 @@ pub struct EngineSearch {
     pub skip: BTreeSet<EngineName>,
 }
 
-/// Which candidates to time at one micro-batch size (issue 21, item 2): measuring never
+/// Which candidates to time at one micro-batch size: measuring never
 /// allocates more workspace than a plan could use.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Selection {
@@ -332,7 +332,7 @@ pub trait Backend {
 
     /// Frees what measuring holds (full-batch operands, workspace) and resets
     /// [`Backend::memory`]; the next measurement makes them again. Tuning calls it at the end
-    /// of every tune, so no measuring state outlives it (issue 21, item 1).
+    /// of every tune, so no measuring state outlives it.
     fn release(&mut self) {}
 
     /// What measuring holds now and held at most since the last [`Backend::release`].
@@ -472,7 +472,7 @@ pub(crate) fn median_time<E>(
 mod tests {
     use super::*;
 
-    /// Issue 14, item 11: times come out at the clock's nanosecond resolution, without the
+    /// Times come out at the clock's nanosecond resolution, without the
     /// float noise of a loop's total divided by its calls, and a profile prints them short.
     #[test]
     fn median_times_are_whole_nanoseconds() {

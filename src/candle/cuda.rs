@@ -108,7 +108,7 @@ where
             .map_err(|_| core.error("the tuning cache's mutex is poisoned"))?;
         let tuning = core.options.tuning(TimingSettings::GPU);
         // Measure on an idle GPU: candle's queued kernels would inflate the timings, which
-        // the cache then keeps (issue 21, item 12).
+        // the cache then keeps.
         stream.synchronize().map_err(|e| {
             core.error(format!(
                 "synchronising candle's stream before measuring: {e}"

@@ -28,8 +28,8 @@ pub type ShapeKey = (i64, i64, i64);
 /// One layer's cuDNN state on one GPU: the handle its plans are prepared and run on and the
 /// prepared `[forward, backward-data, backward-filter]` plans per input shape. It keeps no
 /// measuring state (a tune makes its backend and drops it) and no workspace (each call takes
-/// one from the caller's allocator), so its memory does not grow with the layers (issue 21,
-/// item 1).
+/// one from the caller's allocator), so its memory does not grow with the layers (no state
+/// of a tune outlives it).
 pub struct CandleLayerDevice {
     ordinal: usize,
     exec: CudnnHandle,

@@ -795,7 +795,7 @@ fn check_parameters(
 /// The base alignment, in bytes, the GPU path asks of every operand, as the PyTorch path does
 /// (`GPU_BASE_ALIGNMENT` in python/mucudnn/torch/_runtime.py): engine plans declare the
 /// alignment of the micro-batch offsets they run at relative to an aligned base, and a view
-/// into a tensor (`narrow`, `chunk`) may start anywhere in its storage (issue 21, item 12).
+/// into a tensor (`narrow`, `chunk`) may start anywhere in its storage.
 const GPU_BASE_ALIGNMENT: usize = 256;
 
 /// Whether an operand starting `start_offset` elements of `element_bytes` into its storage
@@ -957,7 +957,7 @@ fn load_weight(
 mod tests {
     use super::*;
 
-    /// Issue 21, item 12: an operand viewed at an offset that breaks the GPU base alignment is
+    /// An operand viewed at an offset that breaks the GPU base alignment is
     /// copied first; aligned offsets and host tensors are not. The copy itself runs on a GPU.
     #[test]
     fn unaligned_gpu_views_are_copied() {

@@ -5,7 +5,7 @@
 //! one stream, with no host synchronisation.
 //!
 //! An engine configuration's execution plan also has its tensors' byte alignment built in,
-//! derived from the sample offset its micro-batch starts at (issue 17: 16 bytes at offset 0,
+//! derived from the sample offset its micro-batch starts at (16 bytes at offset 0,
 //! where an undivided plan and every first micro-batch run): kernels are keyed on (size,
 //! candidate, alignment), so micro-batches at offsets of different alignment get plans of
 //! their own.
@@ -14,7 +14,7 @@
 //! `(alpha, beta) = (1, 0)` and, for backward-filter's accumulating micro-batches, `(1, 1)` are
 //! built up front; a caller's other alpha or beta builds its plan on first use and keeps it.
 //!
-//! A spatial plan (issue 24) runs its chunks the same way: each chunk's execution plan is built
+//! A spatial plan runs its chunks the same way: each chunk's execution plan is built
 //! once for its views of the full tensors (`ChunkShapes`: the chunk's rows, the full strides, a
 //! pointer offset, the split axis padded only at the tensor's border), then one call per chunk.
 //! Forward and backward-data chunks write their rows with the caller's `beta`; rows no call
@@ -22,7 +22,7 @@
 //! backward-filter's first call uses the caller's `beta`, later ones 1. Engine configurations
 //! only: legacy descriptors pad both sides of an axis alike.
 //!
-//! Teardown on a caller's stream (issue 21, item 9) is decided in [`super::teardown`]: a
+//! Teardown on a caller's stream is decided in [`super::teardown`]: a
 //! prepared plan waits for the CUDA events of its last calls before its cuDNN objects are
 //! destroyed, and one that ran under CUDA graph capture is parked until the process exits.
 
@@ -75,7 +75,7 @@ enum Kernel {
     },
 }
 
-/// One chunk of a spatial plan (issue 24): its call, if it has one, and the rows of the op's
+/// One chunk of a spatial plan: its call, if it has one, and the rows of the op's
 /// output that no call writes (`beta * out` there: zeros in the full op).
 struct ChunkStep {
     /// The chunk's views and the index of its kernel.
@@ -119,7 +119,7 @@ enum Action {
 
 /// A plan ready to run on one cuDNN handle.
 ///
-/// Teardown (issue 21, item 9): dropping it first waits for the work its calls queued on
+/// Teardown: dropping it first waits for the work its calls queued on
 /// callers' streams ([`Self::execute_on`] records a CUDA event per stream after each call), so
 /// no descriptor or execution plan is destroyed under a queued kernel; a plan that ever ran on
 /// a stream being captured into a CUDA graph is parked instead: never destroyed, since the
@@ -289,7 +289,7 @@ impl PreparedPlan {
         })
     }
 
-    /// [`Self::new`] for a spatial plan (issue 24): each chunk's execution plan is built once
+    /// [`Self::new`] for a spatial plan: each chunk's execution plan is built once
     /// for its views of the full tensors ([`ChunkShapes`]: its rows, the full strides, its own
     /// padding along the split axis), its tensors declaring the alignment of the offsets it
     /// runs at; chunks with the same views, paddings, alignment and candidate share one.

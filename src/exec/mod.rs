@@ -49,7 +49,7 @@ pub enum ExecError {
     /// byte alignment of the micro-batch's offset, or a legacy algorithm at its size
     /// (`CUDNN_STATUS_NOT_SUPPORTED*`). The plan cannot be prepared; the caller should run
     /// this convolution another way (the PyTorch package falls back to PyTorch's, with a
-    /// warning). Measurements are taken where this cannot happen (issue 21, item 8:
+    /// warning). Measurements are taken where this cannot happen (see
     /// `solver::timing_offset`), so it means a plan from elsewhere (another cuDNN, another
     /// device, a hand-made plan) or a cuDNN that declines what it offered.
     #[error(
@@ -295,7 +295,7 @@ pub fn execute_cpu<T: Element>(
 /// A half-precision backward-filter run as several calls (micro-batches or spatial chunks):
 /// each call writes its gradient once in the dtype (beta = 0) into `partial`, the partials are
 /// summed in fp32 (starting from `beta * out`), and `dw` is rounded once at the end, instead of
-/// rounding the running sum once per call through beta = 1 (issue 21, item 10: docs/pytorch.md
+/// rounding the running sum once per call through beta = 1 (docs/pytorch.md
 /// has the measured errors). Both buffers are made before the calls, which allocate nothing.
 pub(crate) struct HalfSum<T> {
     sum: Vec<f32>,

@@ -1,4 +1,4 @@
-//! Executing a spatial split on the CPU (issue 24): one convolution run as chunks along the
+//! Executing a spatial split on the CPU: one convolution run as chunks along the
 //! outermost spatial dimension of its output ([`split_axis`]), each chunk with its own
 //! algorithm, over the caller's whole tensors.
 //!

@@ -1,4 +1,4 @@
-//! When the cuDNN objects of a prepared plan may be destroyed (issue 21, item 9).
+//! When the cuDNN objects of a prepared plan may be destroyed.
 //!
 //! A plan run on a caller's stream (PyTorch's, candle's) queues kernels there and returns at
 //! once; the plan's execution plans and descriptors must outlive those kernels. Waiting for

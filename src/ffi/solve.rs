@@ -172,7 +172,7 @@ pub(super) mod tests {
             (r#"{"workspace": 1}"#, "unknown key `workspace`"),
             (r#"{"policy": "pow2"}"#, "unknown policy `pow2`"),
             (r#"{"policy": 1}"#, "policy is 1"),
-            // Issue 14: a limit the MILP solver's clock cannot add must not reach it (it
+            // A limit the MILP solver's clock cannot add must not reach it (it
             // panicked there, printing a backtrace on the host program's stderr).
             (r#"{"ilp_time_limit": 1e19}"#, "at most"),
             (r#"{"ilp_time_limit": 0}"#, "above 0"),

@@ -718,8 +718,8 @@ fn check_operands_reads_the_depth_of_a_3d_problem() {
     }
 }
 
-/// Issue 21, item 1: a tuner holds no measuring state between calls, and its tune result says
-/// how much measuring held at most (item 2: never a workspace above the limit).
+/// A tuner holds no measuring state between calls, and its tune result says
+/// how much measuring held at most (never a workspace above the limit).
 #[test]
 fn a_tuner_releases_its_measuring_state_after_each_tune() {
     let mut tuner = tuner::Tuner::new(

@@ -550,8 +550,8 @@ impl Tuner {
     }
 
     /// Drops a GPU's measuring backend (its cuDNN handle and stream too) at the end of a tune
-    /// or measure call, in the device's context, keeping the caller's current context (issue
-    /// 21, item 1). The CPU backend holds nothing once released.
+    /// or measure call, in the device's context, keeping the caller's current context, so no
+    /// measuring state outlives the call. The CPU backend holds nothing once released.
     fn end_measuring(&mut self) {
         if let DeviceState::Cuda(cuda) = &mut self.state {
             if cuda.tuning.is_some() {
@@ -599,7 +599,7 @@ impl Tuner {
                 }
                 out.push(measured);
             }
-            // Nothing measuring made outlives the call (issue 21, item 1).
+            // Nothing measuring made outlives the call.
             backend.release();
             Ok(out)
         });

@@ -18,7 +18,7 @@ pub struct Job {
     pub layer: String,
     pub problem: ConvProblem,
     pub op: ConvOp,
-    /// What the sizes split: micro-batches, or chunks along the split axis (issue 24).
+    /// What the sizes split: micro-batches, or chunks along the split axis.
     pub split: SplitDim,
 }
 

@@ -1,7 +1,7 @@
 //! Pruning engine configurations while tuning. The graph API offers hundreds of engine
 //! configurations per op; timing all of them at every micro-batch size takes minutes.
 //!
-//! The rule (issue 8's): a configuration is not timed at size `b` when, at both neighbouring
+//! The rule: a configuration is not timed at size `b` when, at both neighbouring
 //! sizes (`b/2` and `2b` for powers of two), some candidate that needs no more workspace is
 //! faster by more than a margin. So sizes are measured in two passes: the *anchors* (every
 //! other size of the ascending list, plus the last) with every configuration, then each size

@@ -91,7 +91,7 @@ pub struct ProfileRun<'a> {
     pub engines: EngineOptions,
     /// The largest workspace any plan solved from this run may use (a per-layer limit, or a
     /// total budget): a candidate needing more at a size is not timed, only recorded as
-    /// skipped (issue 21, item 2). `None`: time every candidate.
+    /// skipped. `None`: time every candidate.
     pub workspace_limit_bytes: Option<u64>,
 }
 

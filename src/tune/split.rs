@@ -4,7 +4,7 @@
 use crate::solver::{ConvOp, ConvProblem, Skipped, SplitDim};
 use serde::{Deserialize, Serialize};
 
-/// Which dimension a layer's plans may split (issue 24).
+/// Which dimension a layer's plans may split.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SplitSetting {

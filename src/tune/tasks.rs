@@ -25,7 +25,7 @@ pub struct MeasureTask {
     pub problem: ConvProblem,
     pub op: ConvOp,
     /// What `micro` splits: a micro-batch size, or a chunk's rows along the split axis
-    /// (issue 24). Batch when absent (tasks from before the split).
+    /// (a spatial split). Batch when absent (tasks from before the split).
     #[serde(default, skip_serializing_if = "SplitDim::is_batch")]
     pub split: SplitDim,
     pub micro: i64,

@@ -9,7 +9,7 @@
  *
  * Built by scripts/cudnn_host_env.sh:  cc -shared -fPIC -O2 -o libcuda.so.1 stub_libcuda.c
  * With -DMUCUDNN_STUB_BARE, cuGetErrorName and cuGetErrorString are left out: a libcuda that
- * lacks them (issue 17, fix 5) must give mucudnn an error value, not a panic.
+ * lacks them must give mucudnn an error value, not a panic.
  */
 #include <stddef.h>
 #include <string.h>

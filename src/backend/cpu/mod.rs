@@ -587,7 +587,7 @@ pub fn buffer_lens(
     Ok(Geom::new(problem)?.buffer_lens(op))
 }
 
-/// The sizes of one call of a spatial split (issue 24): `problem` with the split axis's input
+/// The sizes of one call of a spatial split: `problem` with the split axis's input
 /// extent `chunk.input.len`, padding `chunk.pad_before` before it and `chunk.pad_after` after
 /// it, and `chunk.output.len` output rows. [`CpuError::BadChunk`] when the chunk does not fit
 /// `problem` (not a chunk of [`crate::solver::spatial::chunks`] for it) or has no call.
@@ -650,7 +650,7 @@ pub fn chunk_workspace_bytes(
     }
 }
 
-/// Runs one chunk of a spatial split (issue 24) of `problem` along
+/// Runs one chunk of a spatial split of `problem` along
 /// [`split_axis`]`(problem)`: the convolution of the chunk's slabs, with the chunk's
 /// asymmetric padding along the axis (the other axes as in `problem`). The buffers are packed
 /// slabs ([`chunk_buffer_lens`]): the `chunk.input` rows of `x`/`dx` and the `chunk.output`

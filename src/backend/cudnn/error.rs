@@ -115,7 +115,7 @@ pub enum CudnnError {
 const NOT_SUPPORTED_CODES: std::ops::RangeInclusive<u32> = 3000..=3999;
 /// `CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE`: in the NOT_SUPPORTED range, but it
 /// means a broken install (a sub-library could not be loaded), not a configuration to skip
-/// (issue 17, fix 3): an error, so that a profile is never silently empty.
+/// here: it is an error, so that a profile is never silently empty.
 pub const SUBLIBRARY_UNAVAILABLE: u32 = 3009;
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;

@@ -167,7 +167,7 @@ fn dnn_err(call: &'static str) -> impl FnOnce(dnn::CudnnError) -> CudnnError {
 
 /// The `CUresult` name and description of `e`. cudarc's `error_name`/`error_string` panic
 /// when the loaded libcuda lacks `cuGetErrorName`/`cuGetErrorString` (a partial or stub
-/// driver), so the symbols are looked up first (issue 17, fix 5); without them the name is
+/// driver), so the symbols are looked up first; without them the name is
 /// the enum's and the description says so.
 fn describe_driver_error(e: &DriverError) -> (String, String) {
     let (has_name, has_string) = driver_error_symbols();

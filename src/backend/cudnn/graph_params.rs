@@ -23,7 +23,7 @@
 //! Each tensor declares `CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT`, a promise about every pointer it
 //! will be executed with; engines may use vector loads that rely on it, and cuDNN offers no
 //! engine needing more than a tensor declares (below 16 bytes, most tensor-core engines are
-//! lost: issue 17). A micro-batch runs on a view that starts `first` samples into a
+//! lost). A micro-batch runs on a view that starts `first` samples into a
 //! full-batch buffer, `first * sample_bytes` bytes past an allocation that is 256-byte
 //! aligned. So the alignment is derived from the offset the plan actually runs at, as
 //! PyTorch's `Conv_v8.cpp` derives it from the data pointer ([`Alignments::at_sample`]): 16
@@ -357,7 +357,7 @@ impl TensorParams {
     }
 }
 
-/// One spatial chunk (issue 24, [`crate::solver::spatial`]) as cuDNN runs it: *views* of the
+/// One spatial chunk ([`crate::solver::spatial`]) as cuDNN runs it: *views* of the
 /// full tensors, no copies. `x` and `y` (dx and dy in backward-data) have the chunk's rows along
 /// the split axis and the full tensor's strides, and start at a pointer offset (`x` at row
 /// `chunk.input.first`, `y` at row `chunk.output.first`); the filter is whole. The convolution
@@ -775,7 +775,7 @@ mod tests {
 
     #[test]
     fn alignment_from_the_offset_the_plan_runs_at() {
-        // Issue 17's odd stem: 3 x 299 x 299 fp16 = 536406 bytes per sample (2-aligned).
+        // An odd-sized stem: 3 x 299 x 299 fp16 = 536406 bytes per sample (2-aligned).
         let stem = ConvProblem {
             dtype: DType::Fp16,
             layout: Layout::Nhwc,
@@ -815,7 +815,7 @@ mod tests {
         );
     }
 
-    /// Issue 21, item 8: what the profiler declares when it times a size (the alignment of
+    /// What the profiler declares when it times a size (the alignment of
     /// every offset, `any_sample`) holds at every offset any plan runs that size at, for every
     /// mini-batch the measurement may serve; the pointer it times at (`timing_offset`) has
     /// exactly that alignment whenever the plan splits. The old rule, the alignment of sample
@@ -824,7 +824,7 @@ mod tests {
     fn a_size_is_timed_at_an_alignment_every_offset_has() {
         use crate::solver::{steps, timing_offset, Algo, MicroBatch, Plan};
         // AlexNet's conv1 in fp16 NHWC with 3 channels (3 x 227 x 227 x 2 bytes: 2-aligned),
-        // issue 17's odd stem, and a layer whose samples are all 16-aligned.
+        // an odd-sized 3 x 299 x 299 stem, and a layer whose samples are all 16-aligned.
         let problems = [
             ConvProblem {
                 stride_h: 4,
@@ -905,7 +905,7 @@ mod tests {
         assert_eq!(Alignments::any_sample(&conv1).x, 2);
     }
 
-    /// Issue 24: a spatial chunk's descriptor values: views of the full tensors (the chunk's
+    /// A spatial chunk's descriptor values: views of the full tensors (the chunk's
     /// rows, the full strides, a pointer offset), the split axis padded only at the border.
     #[test]
     fn chunk_views_of_a_2d_nhwc_problem() {

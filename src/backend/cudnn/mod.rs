@@ -170,7 +170,7 @@ pub use ffi::{
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
 /// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
 pub use ffi::{engine_configs, engine_configs_with_alignments, graph_api_status, EnginePlan};
-/// One spatial chunk's call (issue 24): configurations and plans on views of the full tensors.
+/// One spatial chunk's call: configurations and plans on views of the full tensors.
 pub use ffi::{
     engine_configs_for_chunk, engine_configs_for_chunk_on_device, plan_for_chunk_on_device,
 };

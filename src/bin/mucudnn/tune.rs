@@ -244,7 +244,7 @@ impl DeviceArgs {
 }
 
 /// The largest workspace a plan of this run may use: the per-layer limit, or the total budget.
-/// Measuring times nothing that needs more (issue 21, item 2).
+/// Measuring times nothing that needs more.
 fn measuring_limit(settings: &SolveSettings) -> u64 {
     match settings.mode() {
         Mode::WorkspaceReuse {
@@ -326,7 +326,7 @@ impl Reporter {
     }
 }
 
-/// Refuses, before anything is measured, what would fail only after profiling (issue 14):
+/// Refuses, before anything is measured, what would fail only after profiling:
 /// candidates the backend does not have, and verifying plans it cannot execute.
 fn check_before_measuring(args: &TuneArgs, device: &mut Device) -> Result<()> {
     args.settings.wd_options()?;

@@ -189,7 +189,7 @@ pub(super) fn init_cudnn() -> Result<u64, CudnnError> {
 
 /// cuDNN 9 is split into sub-libraries that `libcudnn.so.9` loads on demand; a missing one
 /// otherwise shows up much later as CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED or as a silent
-/// CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE (issue 17, fix 3). Each version check
+/// CUDNN_STATUS_NOT_SUPPORTED_SUBLIBRARY_UNAVAILABLE. Each version check
 /// loads its sub-library and compares versions.
 pub(super) fn check_sub_libraries(version: u64) -> Result<(), CudnnError> {
     type Check = unsafe fn() -> dnn_sys::cudnnStatus_t;
@@ -266,7 +266,7 @@ pub(super) fn libcudnn_folder() -> Option<std::path::PathBuf> {
     path.parent().map(|dir| dir.to_path_buf())
 }
 
-/// Each sub-library file exists beside libcudnn (issue 17, fix 3: a missing one otherwise
+/// Each sub-library file exists beside libcudnn (a missing one otherwise
 /// aborts the process or yields silently empty results).
 pub(super) fn check_sub_library_files() -> Result<(), CudnnError> {
     let Some(folder) = libcudnn_folder() else {
@@ -333,7 +333,7 @@ pub(crate) fn cublas_lt_name() -> String {
 }
 
 /// cuDNN aborts the process (SIGABRT, "Cannot load symbol cublasLtCreate") when it finalizes
-/// an engine that needs cuBLASLt and cannot load it (issue 17, fix 2): refuse the backend up
+/// an engine that needs cuBLASLt and cannot load it: refuse the backend up
 /// front instead, naming the library.
 pub(super) fn check_cublas_lt() -> Result<(), CudnnError> {
     let name = cublas_lt_name();

@@ -85,13 +85,13 @@ pub(super) const GRAPH_SYMBOLS: &[&str] = &[
 pub const DEVICE_DESCRIPTION_MIN_VERSION: u64 = 90800;
 
 /// Whether the loaded cuDNN (`cudnnGetVersion()`) needs the deprecated handle attributes on
-/// operation graphs and execution plans (issue 17, fix 7: set them only there).
+/// operation graphs and execution plans (set them only there).
 pub(crate) fn needs_handle_attributes(version: u64) -> bool {
     version < DEVICE_DESCRIPTION_MIN_VERSION
 }
 
 /// Mode-B heuristics are not thread-safe inside cuDNN: cudnn-frontend finalizes them under a
-/// process-wide mutex, and so does this module (issue 17, fix 4). Profiling runs one thread
+/// process-wide mutex, and so does this module. Profiling runs one thread
 /// per GPU, so several threads can ask at once.
 static MODE_B_HEURISTICS: Mutex<()> = Mutex::new(());
 
@@ -1269,7 +1269,7 @@ fn configs_for(
     configs_of(target, &params, search)
 }
 
-/// As [`engine_configs_with_alignments`], for one spatial chunk's call (issue 24): the views
+/// As [`engine_configs_with_alignments`], for one spatial chunk's call: the views
 /// and paddings of `chunk` ([`GraphParams::for_chunk`]), tensors declaring `alignments`.
 pub fn engine_configs_for_chunk(
     handle: &CudnnHandle,
@@ -1611,7 +1611,7 @@ impl EnginePlan {
         Self::from_params(handle, &params, config)
     }
 
-    /// The execution plan of `config` for one spatial chunk's call (issue 24): `x` and `y`
+    /// The execution plan of `config` for one spatial chunk's call: `x` and `y`
     /// are views of the full tensors ([`ChunkShapes`]: the chunk's rows, the full strides),
     /// the split axis padded by the chunk's own paddings, the tensors declaring `alignments`
     /// (at least what holds where the chunk runs: [`ChunkShapes::alignments`]). Executed on
