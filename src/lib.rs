@@ -11,12 +11,12 @@ pub use mucudnn_cache as cache;
 pub use mucudnn_solver as solver;
 
 pub mod backend;
+pub mod c_abi;
 #[cfg(feature = "candle")]
 pub mod candle;
 pub mod device;
 pub mod exec;
 pub mod explain;
-pub mod ffi;
 pub mod layer;
 pub mod local_tuner;
 pub mod models;

@@ -1,4 +1,4 @@
-//! `include/mucudnn.h` is generated from `src/ffi/` by cbindgen (configured by `cbindgen.toml`).
+//! `include/mucudnn.h` is generated from `src/c_abi/` by cbindgen (configured by `cbindgen.toml`).
 //! This test regenerates it into memory and fails when the checked-in header differs;
 //! `MUCUDNN_BLESS=1 cargo test --test c_header` writes the new header instead.
 
@@ -12,9 +12,9 @@ fn generate(root: &Path) -> String {
         .unwrap_or_else(|e| panic!("cannot read cbindgen.toml: {e}"));
     let bindings = cbindgen::Builder::new()
         .with_config(config)
-        .with_src(root.join("src/ffi/mod.rs"))
+        .with_src(root.join("src/c_abi/mod.rs"))
         .generate()
-        .unwrap_or_else(|e| panic!("cbindgen cannot generate the header from src/ffi/: {e}"));
+        .unwrap_or_else(|e| panic!("cbindgen cannot generate the header from src/c_abi/: {e}"));
     let mut bytes = Vec::new();
     bindings.write(&mut bytes);
     String::from_utf8(bytes).expect("cbindgen writes UTF-8")
@@ -55,7 +55,7 @@ fn header_is_up_to_date() {
         let (line, old, new) = first_difference(&checked_in, &generated);
         panic!(
             "include/mucudnn.h is out of date: run `{BLESS_ENV}=1 cargo test --test c_header` \
-             to regenerate it from src/ffi/ (first difference at line {line}:\n  checked in: \
+             to regenerate it from src/c_abi/ (first difference at line {line}:\n  checked in: \
              {old}\n  generated:  {new})"
         );
     }

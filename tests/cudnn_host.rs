@@ -18,7 +18,7 @@ use mucudnn::backend::cudnn::{
     ChunkShapes, ConvDescriptors, ConvShapes, CudnnError, DeviceDescription, EngineConfig,
     EngineSearch, HeurMode, Operand, TensorDescriptor,
 };
-use mucudnn::ffi::problem_from_descriptors;
+use mucudnn::c_abi::problem_from_descriptors;
 use mucudnn::models::Model;
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout};
 use std::io::Write;

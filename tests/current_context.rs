@@ -1,7 +1,7 @@
 //! Every tuner call that binds the GPU's context gives the caller's current
 //! context back (create, tune, prepare, execute, release, destroy), as a C caller or PyTorch
 //! (its current device is the current context) expects. The guard's logic is tested on the CPU
-//! in `src/backend/cudnn/ffi/context.rs`; these need a GPU.
+//! in `src/backend/cudnn/wall/context.rs`; these need a GPU.
 //!
 //! PyTorch's case is a forward on `cuda:1` while `cuda:0` is current, which needs two GPUs
 //! (`the_callers_device_stays_current_across_gpus`). With one GPU the same restore is checked
@@ -11,7 +11,7 @@
 use cudarc::driver::result::{ctx, device, primary_ctx};
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use mucudnn::backend::cudnn::host::{random_values, reference_convolution};
-use mucudnn::ffi::*;
+use mucudnn::c_abi::*;
 use mucudnn::solver::ConvOp;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::ptr::null_mut;

@@ -182,7 +182,7 @@ fn stored_records_are_checked_before_anything_is_stored() {
 /// still tunes. A stride past a C int is INVALID_ARGUMENT too.
 #[test]
 fn poisoned_stores_through_the_c_abi_are_refused_and_the_cache_still_tunes() {
-    use mucudnn::ffi::{
+    use mucudnn::c_abi::{
         mucudnnGetLastError, mucudnnStatus_t as Status, mucudnnTunerCreate, mucudnnTunerDestroy,
         mucudnnTunerMeasure, mucudnnTunerMissing, mucudnnTunerStore, mucudnnTunerTune,
         mucudnnTuner_t, MUCUDNN_DEVICE_CPU,
@@ -209,7 +209,7 @@ fn poisoned_stores_through_the_c_abi_are_refused_and_the_cache_still_tunes() {
             .to_string_lossy()
             .into_owned();
         // SAFETY: `out` came from the library and is freed once.
-        unsafe { mucudnn::ffi::mucudnnFreeString(out) };
+        unsafe { mucudnn::c_abi::mucudnnFreeString(out) };
         serde_json::from_str(&text).unwrap()
     }
 

@@ -75,13 +75,13 @@ fn cargo_python_and_the_c_abi_have_one_version() {
         numeric(&cargo),
         "MUCUDNN_VERSION against Cargo.toml {cargo}"
     );
-    assert_eq!(mucudnn::ffi::mucudnnGetVersion(), define);
+    assert_eq!(mucudnn::c_abi::mucudnnGetVersion(), define);
     // The ABI's own version is a separate number and function.
     assert!(header.contains("#define MUCUDNN_ABI_VERSION "));
     assert!(header.contains("uint32_t mucudnnGetAbiVersion(void);"));
     assert_eq!(
-        mucudnn::ffi::mucudnnGetAbiVersion(),
-        mucudnn::ffi::MUCUDNN_ABI_VERSION
+        mucudnn::c_abi::mucudnnGetAbiVersion(),
+        mucudnn::c_abi::MUCUDNN_ABI_VERSION
     );
     let abi: u32 = header
         .lines()
@@ -90,7 +90,7 @@ fn cargo_python_and_the_c_abi_have_one_version() {
         .trim()
         .parse()
         .unwrap();
-    assert_eq!(abi, mucudnn::ffi::MUCUDNN_ABI_VERSION);
+    assert_eq!(abi, mucudnn::c_abi::MUCUDNN_ABI_VERSION);
     // The Python package calls the same ABI (and refuses a library of another).
     let python_abi = read("python/mucudnn/_version.py");
     let python_abi = python_abi
@@ -99,7 +99,7 @@ fn cargo_python_and_the_c_abi_have_one_version() {
         .expect("python/mucudnn/_version.py: __abi_version__ = N");
     assert_eq!(
         python_abi.trim().parse::<u32>().unwrap(),
-        mucudnn::ffi::MUCUDNN_ABI_VERSION,
+        mucudnn::c_abi::MUCUDNN_ABI_VERSION,
         "python/mucudnn/_version.py's __abi_version__ against MUCUDNN_ABI_VERSION"
     );
 }

@@ -4,6 +4,6 @@
 //! The type and the grammar of its names live in the solver
 //! ([`crate::solver::algo::EngineConfig`]), beside the interned [`crate::solver::EngineName`]
 //! that profiles, plans and the cache hold, so that one parser and one printer serve both; the
-//! wall (`ffi/graph.rs`) turns a config into descriptors.
+//! wall (`wall/graph.rs`) turns a config into descriptors.
 
 pub use crate::solver::algo::{EngineConfig, EngineConfigError as EngineNameError};

@@ -1,5 +1,5 @@
 //! How engine configurations are looked for, and which ones a problem admits: the pure part
-//! of enumerating graph-API candidates (the FFI wall, `ffi/graph.rs`, asks cuDNN).
+//! of enumerating graph-API candidates (the FFI wall, `wall/graph.rs`, asks cuDNN).
 //!
 //! - [`EngineSearch`]: which heuristics modes to ask, whether to sweep every engine's knobs,
 //!   and the cap on candidates (the profiler's time budget: each candidate costs a plan build

@@ -1,6 +1,6 @@
 //! [`CudnnError`]: every failure of the cuDNN backend, with enough context to act on.
 //!
-//! Nothing here names cudarc: the FFI wall ([`super::ffi`]) converts cudarc's status and
+//! Nothing here names cudarc: the FFI wall ([`super::wall`]) converts cudarc's status and
 //! driver errors into these variants, keeping the status *name* (e.g.
 //! `CUDNN_STATUS_NOT_SUPPORTED`) and *number* so that messages are searchable and callers can
 //! classify failures ([`CudnnError::is_not_supported`], [`CudnnError::is_out_of_memory`]).

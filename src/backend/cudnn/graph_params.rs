@@ -2,7 +2,7 @@
 //! strides and byte alignments, and the convolution's paddings, strides and dilations.
 //!
 //! Pure arithmetic on a [`ConvShapes`] (no cuDNN), so that CI tests exactly what the FFI wall
-//! (`ffi/graph.rs`) will set with `cudnnBackendSetAttribute`.
+//! (`wall/graph.rs`) will set with `cudnnBackendSetAttribute`.
 //!
 //! # The graph of one op
 //!

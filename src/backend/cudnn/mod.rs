@@ -9,7 +9,7 @@
 //!         |                          (panic when a library or symbol is missing)
 //! cudarc::{driver, cudnn}::result   thin Result-returning wrappers, still `unsafe`
 //!         |
-//! ffi  (this module's FFI wall)     the only code that names the two layers above and the
+//! wall (this module's FFI wall)     the only code that names the two layers above and the
 //!         |                          only `unsafe` code: availability gates, RAII handle and
 //!         |                          descriptors, bounds-checked device views, workspace
 //!         |                          queries, execution, timing. Exports safe items only.
@@ -115,7 +115,7 @@
 //!
 //! Apart from the C ABI's foreign objects (below), no function or method here is `unsafe` to
 //! call. The contract that cuDNN's raw pointers need is enforced by construction and checked
-//! at run time (see the `ffi` module docs):
+//! at run time (see the `wall` module docs):
 //! device pointers exist only inside views that borrow a live buffer and were bounds-checked;
 //! every call ([`Surface::convolve`], [`EnginePlan::execute`]) checks dtype, exact element
 //! count against the descriptor, stream, and workspace size before calling cuDNN; work is
@@ -135,11 +135,11 @@
 mod engine_name;
 mod engine_search;
 mod error;
-mod ffi;
 pub mod graph_params;
 pub mod host;
 pub mod known_bad;
 pub mod shape;
+mod wall;
 
 pub use engine_name::{EngineConfig, EngineNameError};
 pub use engine_search::{
@@ -147,51 +147,51 @@ pub use engine_search::{
     DEFAULT_MAX_CANDIDATES, MAX_VALUES_PER_KNOB,
 };
 pub use error::CudnnError;
-pub use ffi::{
+pub use graph_params::{Alignments, ChunkShapes};
+pub use shape::{operand_roles, ConvShapes, Nd, Operand};
+pub use wall::{
     algo_count, algo_name, cudnn_version, library_status, probe, AlgoWorkspace, ConvDescriptors,
     ConvolutionDescriptor, CudnnHandle, DeviceBuffer, DeviceInfo, FilterDescriptor, FoundAlgorithm,
     GpuTimer, LibraryStatus, SystemInfo, TensorDescriptor, Workspace, CUDNN_MAJOR,
     MIN_DRIVER_VERSION,
 };
 #[doc(hidden)]
-pub use ffi::{
+pub use wall::{
     broken_graph_on_device, heuristic_plan_workspaces, heuristic_plan_workspaces_on_device,
     time_variant_packs, BrokenGraph,
 };
-/// A C caller's cuDNN objects, for the C ABI ([`crate::ffi`]): its handle and stream, its
+/// A C caller's cuDNN objects, for the C ABI ([`crate::c_abi`]): its handle and stream, its
 /// descriptors, raw device pointers (`unsafe` constructors with a `# Safety` contract), and the
 /// workspace mucudnn allocates for it.
-pub use ffi::{
+pub use wall::{
     check_one_libcudnn, read_convolution_descriptor, read_filter_descriptor,
     read_tensor_descriptor, save_current_context, ConvolutionDescriptorInfo, CurrentContextGuard,
     DataTypeCode, DropInCallerContext, FilterDescriptorInfo, ForeignHandle, ForeignSession,
     ForeignWorkspace, TensorDescriptorInfo,
 };
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
-/// candidate source beside the legacy algorithms (see `ffi/graph.rs` for the data flow).
-pub use ffi::{engine_configs, engine_configs_with_alignments, graph_api_status, EnginePlan};
+/// candidate source beside the legacy algorithms (see `wall/graph.rs` for the data flow).
+pub use wall::{engine_configs, engine_configs_with_alignments, graph_api_status, EnginePlan};
 /// One spatial chunk's call: configurations and plans on views of the full tensors.
-pub use ffi::{
+pub use wall::{
     engine_configs_for_chunk, engine_configs_for_chunk_on_device, plan_for_chunk_on_device,
 };
 /// The graph API on a device description instead of a GPU (cuDNN >= 9.8): operation graphs,
 /// heuristics and execution plans (which report their workspace but cannot run). The host
 /// test tier (`tests/cudnn_host.rs`) uses it with the H100 description.
-pub use ffi::{
+pub use wall::{
     engine_configs_on_device, plan_on_device, DeviceDescription, DevicePlan,
     DEVICE_DESCRIPTION_MIN_VERSION,
 };
 /// One call surface ([`Surface`]: mucudnn's handle, or a session on a caller's stream), one
 /// view type per access over every source of a pointer ([`Origin`]), and a call's operands by
 /// role ([`ConvOperands`]).
-pub use ffi::{
+pub use wall::{
     ConvOperands, DeviceOperands, DeviceView, DeviceViewMut, Origin, Raw, RawDeviceView,
     RawDeviceViewMut, RawWorkspace, Surface, Tracked, WorkspaceView,
 };
 /// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
-pub use ffi::{StreamFence, StreamKey, StreamSession};
-pub use graph_params::{Alignments, ChunkShapes};
-pub use shape::{operand_roles, ConvShapes, Nd, Operand};
+pub use wall::{StreamFence, StreamKey, StreamSession};
 
 #[cfg(test)]
 mod tests {

@@ -716,7 +716,7 @@ mod symbol_list_tests {
         assert!(
             missing.is_empty(),
             "cuDNN functions the wall calls but the gate does not check (add them to \
-             CUDNN_SYMBOLS in ffi.rs or GRAPH_SYMBOLS in ffi/graph.rs): {missing:?}"
+             CUDNN_SYMBOLS in wall.rs or GRAPH_SYMBOLS in wall/graph.rs): {missing:?}"
         );
     }
 

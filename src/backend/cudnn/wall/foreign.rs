@@ -1,5 +1,5 @@
 //! A C caller's cuDNN objects, used without owning them: the part of the FFI wall that the C
-//! ABI ([`crate::ffi`]) stands on.
+//! ABI ([`crate::c_abi`]) stands on.
 //!
 //! A C program hands mucudnn its own `cudnnHandle_t`, CUDA stream, tensor, filter and
 //! convolution descriptors, and raw device pointers. None of that can be fully checked, so the
@@ -364,7 +364,7 @@ fn libcudnn_files_in(maps: &str) -> Vec<(String, String)> {
 /// read as garbage by the other. (mucudnn loads libcudnn through cudarc, which tries
 /// `libcudnn.so` before `libcudnn.so.9`; a framework's own copy is usually found by its soname.)
 /// Every path that hands mucudnn's cuDNN objects to a caller's stream or handle checks it: a
-/// caller's handle ([`ForeignHandle::new`]) and a GPU tuner (`crate::ffi::tuner`).
+/// caller's handle ([`ForeignHandle::new`]) and a GPU tuner (`crate::c_abi::tuner`).
 /// Loads mucudnn's own libcudnn first (the cuDNN gate), so that it is among those counted.
 pub fn check_one_libcudnn() -> Result<(), CudnnError> {
     cudnn()?;
