@@ -114,14 +114,16 @@ where
                 "synchronising candle's stream before measuring: {e}"
             ))
         })?;
-        let stats = gpu
+        let tuned = gpu
             .tune(key, |backend| {
                 tuning
                     .tune_counted(backend, &cache, &core.name, problem)
                     .map_err(|e| LayerMessage(e.to_string()))
             })
             .map_err(|e| core.error(e.0))?;
-        state.tunings.push((key, stats));
+        if let Some(stats) = tuned {
+            state.tunings.push((key, stats));
+        }
     }
     let gpu = &mut state.cuda[index];
     let needed = gpu

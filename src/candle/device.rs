@@ -17,9 +17,10 @@ use crate::backend::cudnn::{
 use crate::backend::CudnnBackend;
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::ExecError;
+use crate::local_tuner::LocalTuner;
 use crate::solver::{ConvOp, Plan};
+use crate::tune::CacheStats;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use std::collections::HashMap;
 use std::ffi::c_void;
 
 /// Key of a tuned input shape `(n, h, w)`.
@@ -33,7 +34,7 @@ pub type ShapeKey = (i64, i64, i64);
 pub struct CandleLayerDevice {
     ordinal: usize,
     exec: CudnnHandle,
-    plans: HashMap<ShapeKey, [PreparedPlan; 3]>,
+    plans: LocalTuner<ShapeKey, [PreparedPlan; 3]>,
 }
 
 // SAFETY: a `CandleLayerDevice` holds a cuDNN handle and plans prepared on it (engine plans
@@ -49,7 +50,15 @@ impl std::fmt::Debug for CandleLayerDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CandleLayerDevice")
             .field("ordinal", &self.ordinal)
-            .field("shapes", &self.plans.keys().collect::<Vec<_>>())
+            .field(
+                "shapes",
+                &self
+                    .plans
+                    .tunings()
+                    .iter()
+                    .map(|(key, _)| key)
+                    .collect::<Vec<_>>(),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -60,7 +69,7 @@ impl CandleLayerDevice {
         Ok(CandleLayerDevice {
             ordinal,
             exec: CudnnHandle::new(ordinal)?,
-            plans: HashMap::new(),
+            plans: LocalTuner::new(),
         })
     }
 
@@ -69,28 +78,31 @@ impl CandleLayerDevice {
     }
 
     pub fn is_tuned(&self, key: ShapeKey) -> bool {
-        self.plans.contains_key(&key)
+        self.plans.contains(&key)
     }
 
     /// Tunes shape `key` with `tune` (given a measuring backend on the GPU, made for this tune
     /// and dropped after it) and prepares its plans on the layer's handle.
-    pub fn tune<T: Send, E: From<ExecError> + From<crate::backend::BackendError>>(
+    /// Returns the tune's cache statistics (`None`: the shape was tuned before).
+    pub fn tune<E: From<ExecError> + From<crate::backend::BackendError>>(
         &mut self,
         key: ShapeKey,
-        tune: impl FnOnce(&mut CudnnBackend) -> Result<([Plan; 3], T), E>,
-    ) -> Result<T, E> {
-        let mut backend = CudnnBackend::new(self.ordinal)?;
-        let tuned = tune(&mut backend);
-        drop(backend);
-        let (plans, extra) = tuned?;
-        let [f, d, w] = plans;
-        let prepared = [
-            PreparedPlan::new(&self.exec, f)?,
-            PreparedPlan::new(&self.exec, d)?,
-            PreparedPlan::new(&self.exec, w)?,
-        ];
-        self.plans.insert(key, prepared);
-        Ok(extra)
+        tune: impl FnOnce(&mut CudnnBackend) -> Result<([Plan; 3], CacheStats), E>,
+    ) -> Result<Option<CacheStats>, E> {
+        let (ordinal, exec) = (self.ordinal, &self.exec);
+        let (_, stats) = self.plans.get_or_tune(&key, || -> Result<_, E> {
+            let mut backend = CudnnBackend::new(ordinal)?;
+            let tuned = tune(&mut backend);
+            drop(backend);
+            let ([f, d, w], stats) = tuned?;
+            let prepared = [
+                PreparedPlan::new(exec, f)?,
+                PreparedPlan::new(exec, d)?,
+                PreparedPlan::new(exec, w)?,
+            ];
+            Ok((prepared, stats))
+        })?;
+        Ok(stats)
     }
 
     /// The workspace bytes `op` of shape `key` needs (`None`: not tuned).
