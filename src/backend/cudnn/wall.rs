@@ -652,6 +652,16 @@ unsafe fn raw_fill(
 // ---------------------------------------------------------------------------------------------
 // The one call path
 
+/// A workspace query's answer, with cuDNN's `CUDNN_STATUS_NOT_SUPPORTED*` (the configuration is
+/// declined: skip the algorithm) as `None`; other failures stay errors.
+pub(crate) fn declined_as_none(answer: Result<u64, CudnnError>) -> Result<Option<u64>, CudnnError> {
+    match answer {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if e.is_not_supported() => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 mod site {
     use super::*;
 
@@ -977,11 +987,7 @@ impl CudnnHandle {
         op: ConvOp,
         algo: u32,
     ) -> Result<Option<u64>, CudnnError> {
-        match self.query_workspace(d, op, algo) {
-            Ok(bytes) => Ok(Some(bytes)),
-            Err(e) if e.is_not_supported() => Ok(None),
-            Err(e) => Err(e),
-        }
+        declined_as_none(self.query_workspace(d, op, algo))
     }
 
     /// Every legacy algorithm of `op` that cuDNN reports a workspace size for, in algorithm

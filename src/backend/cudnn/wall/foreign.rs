@@ -826,11 +826,7 @@ impl ForeignSession<'_> {
         op: ConvOp,
         algo: u32,
     ) -> Result<Option<u64>, CudnnError> {
-        match self.query_workspace(d, op, algo) {
-            Ok(bytes) => Ok(Some(bytes)),
-            Err(e) if e.is_not_supported() => Ok(None),
-            Err(e) => Err(e),
-        }
+        super::declined_as_none(self.query_workspace(d, op, algo))
     }
 
     fn query_workspace(

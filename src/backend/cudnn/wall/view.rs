@@ -172,6 +172,37 @@ fn check_slice(
     }
 }
 
+/// The accessors a view of elements has, whichever way it may be written: its length, dtype,
+/// address and the bytes it spans.
+macro_rules! element_span_accessors {
+    () => {
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Always false: views have at least one element.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        pub fn dtype(&self) -> DType {
+            self.dtype
+        }
+
+        /// The device address, for messages.
+        pub fn address(&self) -> u64 {
+            self.ptr
+        }
+
+        pub(super) fn byte_range(&self) -> (u64, u64) {
+            (
+                self.ptr,
+                self.ptr + (self.len * self.dtype.size_bytes()) as u64,
+            )
+        }
+    };
+}
+
 impl<'a, O: Origin> DeviceView<'a, O> {
     pub(super) fn with_origin(ptr: u64, len: usize, dtype: DType, origin: O) -> Self {
         DeviceView {
@@ -194,30 +225,7 @@ impl<'a, O: Origin> DeviceView<'a, O> {
         ))
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: views have at least one element.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// The device address, for messages.
-    pub fn address(&self) -> u64 {
-        self.ptr
-    }
-
-    pub(super) fn byte_range(&self) -> (u64, u64) {
-        (
-            self.ptr,
-            self.ptr + (self.len * self.dtype.size_bytes()) as u64,
-        )
-    }
+    element_span_accessors!();
 }
 
 impl<'a, O: Origin> DeviceViewMut<'a, O> {
@@ -246,30 +254,7 @@ impl<'a, O: Origin> DeviceViewMut<'a, O> {
         ))
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Always false: views have at least one element.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// The device address, for messages.
-    pub fn address(&self) -> u64 {
-        self.ptr
-    }
-
-    pub(super) fn byte_range(&self) -> (u64, u64) {
-        (
-            self.ptr,
-            self.ptr + (self.len * self.dtype.size_bytes()) as u64,
-        )
-    }
+    element_span_accessors!();
 }
 
 impl<'a, O: Origin> WorkspaceView<'a, O> {
