@@ -4,8 +4,10 @@
 //! - the problem model, profiles and solvers live in the pure crate `mucudnn-solver`,
 //!   re-exported here as [`solver`];
 //! - [`backend`] measures and runs convolutions (cuDNN on the GPU, real algorithms on the CPU);
-//! - [`train`] (feature `train`) trains a small CNN data-parallel with its convolutions in
-//!   mucudnn's layer; the CLI's network files and report plots are behind feature `cli`.
+//! - [`profiler`] and [`tune`] turn problems into profiles through the cache, and plans;
+//! - [`exec`] runs plans; [`layer`], [`local_tuner`], `candle` (feature `candle`) and
+//!   [`c_abi`] are the integrations on top; the CLI's network files and report plots are behind
+//!   feature `cli`.
 
 pub use mucudnn_cache as cache;
 pub use mucudnn_solver as solver;

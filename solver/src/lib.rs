@@ -11,7 +11,7 @@
 //! - [`profile`]: [`Measurement`], [`OpProfile`], [`Profile`], [`Policy`].
 //! - [`key`]: the tuning key ([`MeasureKey`], [`SizesKey`], [`OpKey`]): what a measurement is
 //!   of, and what the cache finds it by.
-//! - [`interchange`]: the `mucudnn-profile-v1`/`-v2` JSON format.
+//! - [`interchange`]: the `mucudnn-profile-v1`/`-v2`/`-v3` JSON format.
 //! - [`operand`]: operand roles of each op, and the steps (micro-batches) a [`Plan`] runs.
 //! - [`wr`]: workspace reuse, dynamic programming per (layer, op), and Pareto fronts.
 //! - [`wd`]: workspace division, a MILP over all (layer, op) pairs.
