@@ -115,6 +115,10 @@ impl<K: Clone + Eq + Hash, P> LocalTuner<K, P> {
     }
 }
 
+/// What a host layer's call runs with: the three plans of its shape, the workspace, and the
+/// statistics of a tune made by this call (`None`: tuned before).
+pub type HostCall<'a> = (&'a [Plan; 3], &'a mut [u8], Option<CacheStats>);
+
 /// The tuner of a layer that runs on the host: `[forward, backward-data, backward-filter]`
 /// plans per key, measured with its own CPU backend, and one workspace that every plan fits.
 pub struct HostPlans<K> {
@@ -138,14 +142,14 @@ impl<K: Clone + Eq + Hash> HostPlans<K> {
         }
     }
 
-    /// The plans of `key` and the workspace to run them on; on a miss `tune` makes them with
+    /// The plans of `key` and the workspace to run them on ([`HostCall`]); on a miss `tune` makes them with
     /// the layer's backend, and the workspace grows to the largest plan's. Also the
     /// statistics of a tune made by this call.
     pub fn get_or_tune<E>(
         &mut self,
         key: &K,
         tune: impl FnOnce(&mut CpuBackend) -> Result<([Plan; 3], CacheStats), E>,
-    ) -> Result<(&[Plan; 3], &mut [u8], Option<CacheStats>), E> {
+    ) -> Result<HostCall<'_>, E> {
         let HostPlans {
             tuner,
             backend,
