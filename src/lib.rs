@@ -28,4 +28,5 @@ pub mod profiler;
 pub mod report;
 #[cfg(feature = "cli")]
 pub mod report_files;
+pub mod torch;
 pub mod tune;

@@ -23,11 +23,12 @@
 #![allow(non_camel_case_types, non_snake_case)]
 
 mod descriptors;
-mod error;
-mod handle;
+pub(crate) mod error;
+pub(crate) mod handle;
 mod json;
 mod solve;
-mod tuner;
+mod torch;
+pub(crate) mod tuner;
 
 /// The caller's descriptors (as the FFI wall reads them) to a problem: for the cuDNN host tier,
 /// which reads mucudnn's own legacy descriptors back through it.

@@ -191,7 +191,7 @@ pub use wall::{
     RawDeviceViewMut, RawWorkspace, Surface, Tracked, WorkspaceView,
 };
 /// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
-pub use wall::{StreamFence, StreamKey, StreamSession};
+pub use wall::{stream_is_capturing, StreamFence, StreamKey, StreamSession};
 
 #[cfg(test)]
 mod tests {

@@ -85,7 +85,7 @@ pub use graph::{
 };
 use memory::buffer_bytes;
 pub use memory::{DeviceBuffer, GpuTimer, Workspace};
-pub use stream::{StreamFence, StreamKey, StreamSession};
+pub use stream::{stream_is_capturing, StreamFence, StreamKey, StreamSession};
 pub use view::{
     ConvOperands, DeviceOperands, DeviceView, DeviceViewMut, Origin, Raw, RawDeviceView,
     RawDeviceViewMut, RawWorkspace, Tracked, WorkspaceView,

@@ -192,6 +192,24 @@ impl StreamSession<'_> {
     }
 }
 
+/// Whether a caller's `stream` is being captured into a CUDA graph (`cuStreamIsCapturing`),
+/// without a handle: the PyTorch path asks before it would tune (tuning synchronises, which a
+/// capture forbids). An error when the driver is not there.
+///
+/// # Safety
+///
+/// `stream` is null (the legacy default stream) or a live `CUstream`/`cudaStream_t`.
+pub unsafe fn stream_is_capturing(stream: *mut c_void) -> Result<bool, CudnnError> {
+    super::gates::driver()?;
+    let mut status = drv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the driver is initialised (above); the stream is live (this function's
+    // contract); the status is written to a local.
+    unsafe { drv_sys::cuStreamIsCapturing(stream.cast(), &mut status) }
+        .result()
+        .map_err(drv_err("cuStreamIsCapturing"))?;
+    Ok(status != drv_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 impl Site for StreamSession<'_> {
     const CONVOLVE: &'static str = "StreamSession::convolve";
     const EXECUTE: &'static str = "StreamSession::execute_engine";
