@@ -208,6 +208,19 @@ def _declare(lib: ctypes.CDLL) -> None:
             [p, c.c_uint64, c.c_int32, c.c_float, p, p, c.c_float, p,
              c.POINTER(c.c_int64), c.POINTER(c.c_uint64), p, c.c_uint64, p],
         ),
+        # mucudnn inside PyTorch's dispatcher (mucudnn.torch, torch >= 2.10).
+        "mucudnnTorchInit": (c.c_int, [s, s]),
+        "mucudnnTorchSetSwitch": (c.c_int, [s]),
+        "mucudnnTorchAddLayer": (c.c_int, [s, s, s, c.c_uint64, c.POINTER(c.c_uint64)]),
+        "mucudnnTorchRemoveLayer": (c.c_int, [c.c_uint64]),
+        "mucudnnTorchGetAccount": (c.c_int, [out_s]),
+        "mucudnnTorchResetAccount": (c.c_int, []),
+        "mucudnnTorchGetReports": (c.c_int, [s, s, out_s]),
+        "mucudnnTorchSetPlanCapacity": (c.c_int, [c.c_uint64]),
+        "mucudnnTorchGetState": (c.c_int, [out_s]),
+        "mucudnnTorchSetDiscovery": (c.c_int, [c.c_int32]),
+        "mucudnnTorchTakeDiscovered": (c.c_int, [out_s]),
+        "mucudnnTorchPrepare": (c.c_int, [s, s, out_s]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)

@@ -308,6 +308,15 @@ impl Plans {
         verbose: bool,
     ) -> Result<Arc<TunerSlot>, FfiError> {
         let mut tuners = lock(&self.tuners);
+        // The default file as it resolves now (`MUCUDNN_CACHE` may have changed since).
+        let cache = match cache {
+            CacheChoice::Default => match crate::cache::default_path() {
+                Some(path) => CacheChoice::Path(path),
+                None => CacheChoice::Default,
+            },
+            other => other.clone(),
+        };
+        let cache = &cache;
         let key = (device, cache.clone());
         if let Some(slot) = tuners.get(&key).and_then(Weak::upgrade) {
             return Ok(slot);

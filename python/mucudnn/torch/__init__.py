@@ -30,17 +30,9 @@ device and shape through a persistent cache.
   autograd registrations; ``torch.compile`` compatible).
 """
 
-from ._layer import (
-    KINDS,
-    Conv1d,
-    Conv2d,
-    Conv3d,
-    ConvTranspose1d,
-    ConvTranspose2d,
-    ConvTranspose3d,
-    convert_,
-    parse_size,
-)
+import sys as _sys
+
+from . import _native
 from ._ops import (
     conv2d,
     conv2d_backward_data,
@@ -51,9 +43,54 @@ from ._ops import (
     conv_transpose2d,
     conv_transpose3d,
 )
-from ._dispatch import disable, enable, enabled, is_enabled
+from ._options import parse_size
 from ._reports import PlanReport, Plans
-from ._tune import TuneSummary, tune
+from ._tune import TuneSummary
+
+if _native.active():
+    #: Which path runs this process's convolutions: ``"native"`` (mucudnn's kernels inside
+    #: PyTorch's dispatcher, torch >= 2.10) or ``"python"`` (Python custom ops and a torch
+    #: function mode, for older torch or ``MUCUDNN_TORCH_PATH=python``).
+    PATH = "native"
+    from ._modules import (
+        KINDS,
+        Adoption,
+        Conv1d,
+        Conv2d,
+        Conv3d,
+        ConvTranspose1d,
+        ConvTranspose2d,
+        ConvTranspose3d,
+        account,
+        convert_,
+        disable,
+        enable,
+        enabled,
+        is_enabled,
+        reset_account,
+        set_plan_capacity,
+    )
+    from ._native_tune import tune
+else:
+    PATH = "python"
+    print(
+        f"mucudnn: warning: mucudnn.torch runs on its Python path ({_native.why_not}): every "
+        "convolution call runs Python; torch >= 2.10 runs mucudnn inside PyTorch's dispatcher",
+        file=_sys.stderr,
+    )
+    from ._dispatch import disable, enable, enabled, is_enabled
+    from ._layer import (
+        KINDS,
+        Conv1d,
+        Conv2d,
+        Conv3d,
+        ConvTranspose1d,
+        ConvTranspose2d,
+        ConvTranspose3d,
+        convert_,
+    )
+    from ._legacy_account import account, reset_account, set_plan_capacity
+    from ._tune import tune
 
 __all__ = [
     "Conv1d",
@@ -63,9 +100,11 @@ __all__ = [
     "ConvTranspose2d",
     "ConvTranspose3d",
     "KINDS",
+    "PATH",
     "PlanReport",
     "Plans",
     "TuneSummary",
+    "account",
     "conv2d",
     "conv2d_backward_data",
     "conv2d_backward_filter",
@@ -80,5 +119,7 @@ __all__ = [
     "enabled",
     "is_enabled",
     "parse_size",
+    "reset_account",
+    "set_plan_capacity",
     "tune",
 ]

@@ -230,3 +230,81 @@ def report_of(
         if report.same_as != earlier.same_as:
             report.same_as = None
     return report
+
+
+def _problem_spatial(problem: Dict[str, Any]) -> int:
+    """3 for a problem with depth, else 2 (a 1-D problem is 2-D with unit height)."""
+    depth = (("d", 1), ("t", 1), ("pad_d", 0), ("stride_d", 1), ("dilation_d", 1))
+    return 3 if any(problem.get(k, v) != v for k, v in depth) else 2
+
+
+def _output_size(size: int, pad: int, kernel: int, stride: int, dilation: int) -> int:
+    return (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def shape_of(doc: Dict[str, Any]) -> Tuple[int, ...]:
+    """A native report's problem input shape (n, c, h, w) or (n, c, d, h, w)."""
+    p = doc["problem"]
+    if _problem_spatial(p) == 3:
+        return (p["n"], p["c"], p.get("d", 1), p["h"], p["w"])
+    return (p["n"], p["c"], p["h"], p["w"])
+
+
+def _layout_name(problem: Dict[str, Any]) -> str:
+    spatial = _problem_spatial(problem)
+    one_d = spatial == 2 and problem["h"] == 1 and problem["r"] == 1 and problem["pad_h"] == 0
+    last = problem["layout"] == "nhwc"
+    if one_d:
+        return "nwc" if last else "ncw"
+    if spatial == 3:
+        return "ndhwc" if last else "ncdhw"
+    return "nhwc" if last else "nchw"
+
+
+def from_native(doc: Dict[str, Any]) -> PlanReport:
+    """A :class:`PlanReport` of the native runtime's report of one problem."""
+    p = doc["problem"]
+    spatial = _problem_spatial(p)
+    ops: Dict[str, Dict[str, Any]] = {}
+    for plan, split in zip(doc.get("plans") or [], doc.get("splits") or []):
+        micro = plan["micro_batches"]
+        ops[plan["op"]] = {
+            "split": split,
+            "dimension": str(plan.get("split", "batch")),
+            "calls": len(micro),
+            "algorithms": sorted({str(m["algo"]) for m in micro}),
+            "time_ms": sum(m["time_ms"] for m in micro),
+            "workspace_bytes": max((m["workspace_bytes"] for m in micro), default=0),
+        }
+    ops = {op: ops[op] for op in OP_NAMES if op in ops}
+    groups = p.get("groups", 1)
+    if spatial == 3:
+        weight = (p["k"], p["c"] // groups, p.get("t", 1), p["r"], p["s"])
+        out = (
+            _output_size(p.get("d", 1), p.get("pad_d", 0), p.get("t", 1), p.get("stride_d", 1),
+                         p.get("dilation_d", 1)),
+        )
+    else:
+        weight = (p["k"], p["c"] // groups, p["r"], p["s"])
+        out = ()
+    out += (
+        _output_size(p["h"], p["pad_h"], p["r"], p["stride_h"], p["dilation_h"]),
+        _output_size(p["w"], p["pad_w"], p["s"], p["stride_w"], p["dilation_w"]),
+    )
+    return PlanReport(
+        shape=shape_of(doc),
+        dtype=p["dtype"],
+        layout=_layout_name(p),
+        device=doc.get("device") or "-",
+        ops=ops,
+        tuning_seconds=float(doc.get("tuning_seconds", 0.0)),
+        cached=int(doc.get("cached", 0)),
+        measured=int(doc.get("measured", 0)),
+        fallback=doc.get("fallback"),
+        weight_shape=weight,
+        output_shape=(p["n"], p["k"]) + out,
+        math="fma" if p.get("math") == "fma" else "default",
+        deterministic=bool(doc.get("deterministic", False)),
+        skipped=int(doc.get("skipped", 0)),
+        peak_measuring_memory_bytes=int(doc.get("peak_measuring_memory_bytes", 0)),
+    )

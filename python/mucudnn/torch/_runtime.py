@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .._lib import MucudnnError
 from .._tuner import BACKWARD_DATA, FORWARD
+from . import _keys, _legacy_account
 from ._checks import checked_key, transposed_key
 from ._keys import ALL_OPS, PlanKey, memory_format, output_shape_of
 from ._plans import MISSING, plans_for
@@ -73,6 +74,7 @@ def run(
             stream = torch.cuda.current_stream(out.device).cuda_stream
         elif needed:
             workspace = ready.host_workspace
+        _legacy_account.executed(config.name, _keys.OP_NAMES[op])
         ready.tuner.execute(
             ready.id,
             op,

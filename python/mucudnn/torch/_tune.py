@@ -229,12 +229,11 @@ def tune(
             torch.cuda.synchronize(index)
         dealt = (0, 0)
         if world > 1:
-            dealt = _deal(tuner, settings, members, rank, world, summary, verbose)
-            if settings.split == "auto":
-                # Under "auto" the chunk tasks are listed only once the batch sizes are
-                # stored (they show whether the limit skipped a candidate): deal those too.
-                more = _deal(tuner, settings, members, rank, world, summary, verbose)
-                dealt = (dealt[0] + more[0], dealt[1] + more[1])
+            dealt = deal_twice(
+                tuner, settings,
+                [{"layer": layer._mucudnn.name, "problem": problem} for layer, _, problem in members],
+                rank, world, summary, verbose,
+            )
         results = []
         # The first layer to tune each problem; later layers with it share its result.
         first: Dict[Any, Tuple[str, Dict[str, Any]]] = {}
@@ -307,11 +306,12 @@ def _adopt(layer: Conv, key, result, seconds: float, verbose: bool) -> None:
 
 
 def _deal(
-    tuner, settings: Settings, members, rank: int, world: int, summary: TuneSummary, verbose
+    tuner, settings: Settings, layers: List[Dict[str, Any]], rank: int, world: int,
+    summary: TuneSummary, verbose: bool,
 ) -> Tuple[int, int]:
-    """Steps 1 and 2 of the module docs for one group of layers. Returns the tasks this rank
-    measured and those it stored from the other ranks."""
-    layers = [{"layer": layer._mucudnn.name, "problem": problem} for layer, _, problem in members]
+    """Steps 1 and 2 of the module docs for one group of layers (``[{"layer": name,
+    "problem": problem}]``). Returns the tasks this rank measured and those it stored from the
+    other ranks."""
     fingerprint = tuner.fingerprint()
     missing = tuner.missing(layers, settings)
     everyone = _all_gather({"fingerprint": fingerprint, "missing": missing})
@@ -351,6 +351,19 @@ def _deal(
             verbose,
         )
     return mine_count, shared
+
+
+def deal_twice(
+    tuner, settings: Settings, layers: List[Dict[str, Any]], rank: int, world: int,
+    summary: TuneSummary, verbose: bool,
+) -> Tuple[int, int]:
+    """:func:`_deal`, and under ``split="auto"`` a second round: the chunk tasks are listed
+    only once the batch sizes are stored (they show whether the limit skipped a candidate)."""
+    dealt = _deal(tuner, settings, layers, rank, world, summary, verbose)
+    if settings.split == "auto":
+        more = _deal(tuner, settings, layers, rank, world, summary, verbose)
+        dealt = (dealt[0] + more[0], dealt[1] + more[1])
+    return dealt
 
 
 def _agree(tuner, results, rank: int, verbose: bool) -> None:
