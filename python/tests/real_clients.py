@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mucudnn.torch import _runtime
+import mucudnn.torch as mt
 
 CONVOLUTIONS = (
     F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
@@ -39,20 +39,19 @@ class CountConvolutions(TorchFunctionMode):
 
 @contextlib.contextmanager
 def count_mucudnn_runs() -> Iterator[List[int]]:
-    """Counts the plans mucudnn executes (``_runtime.run`` calls: one per convolution op
-    run by a plan, none for a fallback to PyTorch's convolution). Yields a one-element list."""
+    """Counts the convolution ops mucudnn's plans run while active (from the public account,
+    :func:`mucudnn.torch.account`; a fallback to PyTorch's kernel counts nothing). Yields a
+    one-element list, updated when the block ends."""
+
+    def total() -> int:
+        return sum(c["mucudnn"] for ops in mt.account().values() for c in ops.values())
+
     counter = [0]
-    original = _runtime.run
-
-    def counting(*args, **kwargs):
-        counter[0] += 1
-        return original(*args, **kwargs)
-
-    _runtime.run = counting
+    start = total()
     try:
         yield counter
     finally:
-        _runtime.run = original
+        counter[0] = total() - start
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

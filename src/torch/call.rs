@@ -123,10 +123,11 @@ impl TensorMeta {
             .all(|((&size, &stride), &want)| size == 1 || stride == want)
     }
 
-    /// PyTorch's `is_contiguous(memory_format=channels_last)` and not `is_contiguous()`: a
-    /// tensor that is both (one channel, one pixel) runs as NCHW.
+    /// PyTorch's `is_contiguous(memory_format=channels_last)` and not `is_contiguous()` (for a
+    /// 1-D tensor, of its unit-height 2-D view, as PyTorch's convolution sees it): a tensor
+    /// that is both (one channel, one pixel) runs as NCHW.
     pub fn is_channels_last(&self) -> bool {
-        matches!(self.dim(), 4 | 5) && self.is_packed(Layout::Nhwc) && !self.is_packed(Layout::Nchw)
+        matches!(self.dim(), 3..=5) && self.is_packed(Layout::Nhwc) && !self.is_packed(Layout::Nchw)
     }
 }
 
@@ -381,7 +382,7 @@ fn map_problem(
             }
             (x[1], w[0], sp, w[0], out)
         };
-    let layout = if spatial >= 2 && (input.is_channels_last() || weight.is_channels_last()) {
+    let layout = if input.is_channels_last() || weight.is_channels_last() {
         Layout::Nhwc
     } else {
         Layout::Nchw
@@ -682,6 +683,16 @@ mod tests {
         assert_eq!((p.h, p.r, p.pad_h, p.w, p.s, p.pad_w, p.dilation_w), (1, 1, 0, 50, 3, 2, 2));
         assert!(p.is_1d());
         assert_eq!(m.output, dims(&[2, 5, 50]));
+    }
+
+    #[test]
+    fn a_1d_convolution_of_length_last_tensors_is_nwc() {
+        let g = geometry(1, false);
+        let x = tensor(&[2, 3, 50], Layout::Nhwc);
+        assert_eq!(x.strides, dims(&[150, 1, 3]));
+        let m = map_forward(&x, &tensor(&[5, 3, 3], Layout::Nchw), None, &g).unwrap();
+        assert_eq!(m.layout, Layout::Nhwc);
+        assert_eq!(m.output_strides, dims(&[240, 1, 5]));
     }
 
     #[test]

@@ -271,7 +271,6 @@ fn packed<'a>(
     meta: &TensorMeta,
     layout: Layout,
 ) -> Result<Packed<'a>, String> {
-    let layout = if meta.dim() >= 4 { layout } else { Layout::Nchw };
     let pointer = data_ptr(api, tensor)?;
     let aligned = !matches!(meta.device, Device::Cuda(_))
         || (pointer as usize) % GPU_BASE_ALIGNMENT == 0;
@@ -684,8 +683,7 @@ fn backward<'a>(
         let a = packed(api, a_tensor, &a_meta, mapped.layout)?;
         let b = packed(api, b_tensor, &b_meta, mapped.layout)?;
         let (_, out_meta) = metas(output);
-        let layout = if out_meta.dim() >= 4 { mapped.layout } else { Layout::Nchw };
-        let strides = call::packed_strides(&out_meta.sizes, layout);
+        let strides = call::packed_strides(&out_meta.sizes, mapped.layout);
         let out = empty(api, &out_meta.sizes, &strides, mapped.problem.dtype, key.device)?;
         let pointer = data_ptr(api, out.get())?;
         execute(runtime, &who, ready, op, &key.problem, key.device, [a.pointer, b.pointer], pointer)?;
@@ -876,7 +874,7 @@ fn add_bias<'a>(
                 batch: mapped.output[0] as usize,
                 channels: channels as usize,
                 pixels: pixels as usize,
-                channels_last: mapped.layout == Layout::Nhwc && mapped.output.len() >= 4,
+                channels_last: mapped.layout == Layout::Nhwc,
             };
             // SAFETY: `out` holds the packed output (n x k x pixels elements of the dtype,
             // written by the plan), `b` the packed bias of k elements.
@@ -1001,7 +999,7 @@ fn bias_gradient<'a>(
                 batch: mapped.output[0] as usize,
                 channels: channels as usize,
                 pixels: pixels as usize,
-                channels_last: mapped.layout == Layout::Nhwc && mapped.output.len() >= 4,
+                channels_last: mapped.layout == Layout::Nhwc,
             };
             let sums = data_ptr(api, out.get())?;
             // SAFETY: the packed dy of the output's sizes, and a new tensor of k elements.

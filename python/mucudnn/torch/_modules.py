@@ -355,21 +355,26 @@ KINDS: Dict[str, Tuple[Type[nn.Module], Type[_MucudnnConv]]] = {
 # The process-wide switch
 
 
+def _mucudnn_calls() -> int:
+    """Convolution ops mucudnn's plans ran, over every name and op of the account."""
+    return sum(
+        count.get("mucudnn", 0) for ops in _native.account().values() for count in ops.values()
+    )
+
+
 class Switch:
     """The switch while on: its options, and the layers of the model ``enable`` named."""
 
     def __init__(self, options: str, names: List[Adoption]):
         self.options = options
         self.names = names
+        self._start = _mucudnn_calls()
 
     @property
     def calls(self) -> int:
-        """Convolution ops mucudnn's plans ran so far (every name in the account)."""
-        return sum(
-            count.get("mucudnn", 0)
-            for ops in _native.account().values()
-            for count in ops.values()
-        )
+        """Convolution ops (forward and backward) mucudnn's plans ran since the switch was
+        turned on (read from :func:`account`, so reset by :func:`reset_account`)."""
+        return max(0, _mucudnn_calls() - self._start)
 
 
 _switch_lock = threading.RLock()
