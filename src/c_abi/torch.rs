@@ -123,7 +123,8 @@ pub unsafe extern "C" fn mucudnnTorchAddLayer(
         // SAFETY: this function's contract.
         let options = unsafe { str_arg(options_json, "options_json") }?;
         // SAFETY: this function's contract.
-        let signature: SignatureDocument = unsafe { super::json_arg(signature_json, "signature_json") }?;
+        let signature: SignatureDocument =
+            unsafe { super::json_arg(signature_json, "signature_json") }?;
         let runtime = runtime()?;
         let config = runtime.registry.config(options)?;
         let signature = signature.signature()?;
@@ -200,7 +201,8 @@ pub unsafe extern "C" fn mucudnnTorchGetReports(
             None
         } else {
             // SAFETY: this function's contract.
-            let doc: SignatureDocument = unsafe { super::json_arg(signature_json, "signature_json") }?;
+            let doc: SignatureDocument =
+                unsafe { super::json_arg(signature_json, "signature_json") }?;
             Some(doc.signature()?)
         };
         let runtime = runtime()?;
@@ -345,7 +347,8 @@ pub unsafe extern "C" fn mucudnnTorchPrepare(
             config,
         };
         let dims = |v: &[i64]| Dims::new(v).ok_or_else(|| invalid("a shape of more than 5 dims"));
-        let (input, weight, output) = (dims(&call.input)?, dims(&call.weight)?, dims(&call.output)?);
+        let (input, weight, output) =
+            (dims(&call.input)?, dims(&call.weight)?, dims(&call.output)?);
         let forward = if call.transposed {
             ConvOp::BackwardData
         } else {

@@ -31,7 +31,10 @@ impl Counters {
     }
 
     pub fn fell_back(&self, op: ConvOp, reason: &str) {
-        let mut map = self.fallbacks.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut map = self
+            .fallbacks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         map.entry(reason.to_string()).or_default()[op_index(op)] += 1;
     }
 

@@ -26,20 +26,23 @@ pub type BoxedKernel = unsafe extern "C-unwind" fn(*mut Siv, u64, u64);
 pub const EXTENSION_VERSION: u64 = (2 << 56) | (10 << 48);
 
 macro_rules! api {
-    ($( $(#[$doc:meta])* $field:ident : $name:literal => fn($($arg:ty),*) $(-> $ret:ty)?; )*) => {
-        /// The required functions of libtorch_cpu (see the module docs).
+    ($(#[$sdoc:meta])* $api:ident {
+        $( $(#[$doc:meta])* $field:ident : $name:literal => fn($($arg:ty),*) $(-> $ret:ty)?; )*
+    }) => {
+        $(#[$sdoc])*
         #[allow(clippy::type_complexity)]
-        pub struct CpuApi {
+        pub struct $api {
             $( $(#[$doc])* pub $field: unsafe extern "C-unwind" fn($($arg),*) $(-> $ret)?, )*
         }
 
-        impl CpuApi {
+        impl $api {
             /// # Safety
             ///
-            /// `library` is a live `dlopen` handle of libtorch_cpu, whose symbols of these names
-            /// have these C signatures (torch >= 2.10's stable interface).
+            /// `library` is a live `dlopen` handle of the libtorch library these functions are
+            /// in, whose symbols of these names have these C signatures (torch >= 2.10's stable
+            /// interface and C shims).
             unsafe fn resolve(library: *mut c_void) -> Result<Self, String> {
-                Ok(CpuApi {
+                Ok($api {
                     $( $field: {
                         let address = symbol(library, $name)?;
                         // SAFETY: the caller's contract: the symbol has this signature.
@@ -52,6 +55,8 @@ macro_rules! api {
 }
 
 api! {
+    /// The required functions of libtorch_cpu (see the module docs).
+    CpuApi {
     get_dim: "aoti_torch_get_dim" => fn(Ath, *mut i64) -> TorchError;
     get_sizes: "aoti_torch_get_sizes" => fn(Ath, *mut *mut i64) -> TorchError;
     get_strides: "aoti_torch_get_strides" => fn(Ath, *mut *mut i64) -> TorchError;
@@ -102,28 +107,30 @@ api! {
         Ath, Ath, Ath, *const *const i64, i64, *const i64, i64, *const i64, i64, *const i64,
         i64, i32, *const i64, i64, i64, *const i32, i64, *mut Ath, *mut Ath, *mut Ath
     ) -> TorchError;
+    }
 }
 
-/// The functions of libtorch_cuda (a CUDA build of PyTorch).
-#[allow(clippy::type_complexity)]
-pub struct CudaApi {
-    pub convolution: unsafe extern "C-unwind" fn(
+api! {
+    /// The functions of libtorch_cuda (a CUDA build of PyTorch).
+    CudaApi {
+    convolution: "aoti_torch_cuda_convolution" => fn(
         Ath, Ath, *mut Ath, *const i64, i64, *const i64, i64, *const i64, i64, i32,
-        *const i64, i64, i64, *mut Ath,
-    ) -> TorchError,
-    pub convolution_backward: unsafe extern "C-unwind" fn(
+        *const i64, i64, i64, *mut Ath
+    ) -> TorchError;
+    convolution_backward: "aoti_torch_cuda_convolution_backward" => fn(
         Ath, Ath, Ath, *const *const i64, i64, *const i64, i64, *const i64, i64, *const i64,
-        i64, i32, *const i64, i64, i64, *const i32, i64, *mut Ath, *mut Ath, *mut Ath,
-    ) -> TorchError,
+        i64, i32, *const i64, i64, i64, *const i32, i64, *mut Ath, *mut Ath, *mut Ath
+    ) -> TorchError;
     /// The current stream of a device (`cudaStream_t`).
-    pub current_stream: unsafe extern "C-unwind" fn(i32, *mut *mut c_void) -> TorchError,
+    current_stream: "aoti_torch_get_current_cuda_stream" => fn(i32, *mut *mut c_void) -> TorchError;
     /// PyTorch's caching allocator on the current device and stream.
-    pub raw_alloc: unsafe extern "C-unwind" fn(u64, *mut *mut c_void) -> TorchError,
-    pub raw_delete: unsafe extern "C-unwind" fn(*mut c_void) -> TorchError,
+    raw_alloc: "aoti_torch_cuda_caching_allocator_raw_alloc" => fn(u64, *mut *mut c_void) -> TorchError;
+    raw_delete: "aoti_torch_cuda_caching_allocator_raw_delete" => fn(*mut c_void) -> TorchError;
     /// `self + alpha * other` (a new tensor).
-    pub add: unsafe extern "C-unwind" fn(Ath, Ath, f64, *mut Ath) -> TorchError,
-    pub create_guard: unsafe extern "C-unwind" fn(i32, *mut *mut c_void) -> TorchError,
-    pub delete_guard: unsafe extern "C-unwind" fn(*mut c_void) -> TorchError,
+    add: "aoti_torch_cuda_add_Tensor" => fn(Ath, Ath, f64, *mut Ath) -> TorchError;
+    create_guard: "aoti_torch_create_cuda_guard" => fn(i32, *mut *mut c_void) -> TorchError;
+    delete_guard: "aoti_torch_delete_cuda_guard" => fn(*mut c_void) -> TorchError;
+    }
 }
 
 /// How torch boxes an optional argument: torch >= 2.13 makes and frees the box with
@@ -204,14 +211,6 @@ fn loaded(path: &str) -> Result<*mut c_void, String> {
     Ok(handle)
 }
 
-macro_rules! resolve_fn {
-    ($library:expr, $name:literal) => {{
-        let address = symbol($library, $name)?;
-        // SAFETY: the caller's contract: the named symbol has the field's signature.
-        unsafe { std::mem::transmute::<*mut c_void, _>(address) }
-    }};
-}
-
 impl TorchApi {
     /// Resolves the interface from the loaded `libtorch_cpu` (and `libtorch_cuda`, when its
     /// path is given and it is loaded).
@@ -227,49 +226,37 @@ impl TorchApi {
         let cpu = unsafe { CpuApi::resolve(library)? };
         let cuda = match cuda_path {
             None => None,
-            Some(path) => {
-                let cuda_library = loaded(path)?;
-                Some(CudaApi {
-                    convolution: resolve_fn!(cuda_library, "aoti_torch_cuda_convolution"),
-                    convolution_backward: resolve_fn!(
-                        cuda_library,
-                        "aoti_torch_cuda_convolution_backward"
-                    ),
-                    current_stream: resolve_fn!(cuda_library, "aoti_torch_get_current_cuda_stream"),
-                    raw_alloc: resolve_fn!(
-                        cuda_library,
-                        "aoti_torch_cuda_caching_allocator_raw_alloc"
-                    ),
-                    raw_delete: resolve_fn!(
-                        cuda_library,
-                        "aoti_torch_cuda_caching_allocator_raw_delete"
-                    ),
-                    add: resolve_fn!(cuda_library, "aoti_torch_cuda_add_Tensor"),
-                    create_guard: resolve_fn!(cuda_library, "aoti_torch_create_cuda_guard"),
-                    delete_guard: resolve_fn!(cuda_library, "aoti_torch_delete_cuda_guard"),
-                })
-            }
+            // SAFETY: the caller's contract.
+            Some(path) => Some(unsafe { CudaApi::resolve(loaded(path)?)? }),
         };
         // SAFETY (the transmutes): the stable interface's signatures of these names, and the
         // Itanium C++ ABI's of `operator delete(void*)` and `operator new(size_t)`.
+        type Delete = unsafe extern "C-unwind" fn(*mut Siv) -> TorchError;
+        type New = unsafe extern "C-unwind" fn(*mut *mut Siv) -> TorchError;
+        type CxxDelete = unsafe extern "C-unwind" fn(*mut c_void);
+        type CxxNew = unsafe extern "C-unwind" fn(usize) -> *mut c_void;
         let boxes = Boxes {
             delete: optional_symbol(library, "torch_delete_stable_ivalue")
-                .map(|a| unsafe { std::mem::transmute::<*mut c_void, _>(a) }),
+                .map(|a| unsafe { std::mem::transmute::<*mut c_void, Delete>(a) }),
             new: optional_symbol(library, "torch_new_stable_ivalue")
-                .map(|a| unsafe { std::mem::transmute::<*mut c_void, _>(a) }),
+                .map(|a| unsafe { std::mem::transmute::<*mut c_void, New>(a) }),
             cxx_delete: optional_symbol(library, "_ZdlPv")
-                .map(|a| unsafe { std::mem::transmute::<*mut c_void, _>(a) }),
+                .map(|a| unsafe { std::mem::transmute::<*mut c_void, CxxDelete>(a) }),
             cxx_new: optional_symbol(library, "_Znwm")
-                .map(|a| unsafe { std::mem::transmute::<*mut c_void, _>(a) }),
+                .map(|a| unsafe { std::mem::transmute::<*mut c_void, CxxNew>(a) }),
         };
         if (boxes.delete.is_none() && boxes.cxx_delete.is_none())
             || (boxes.new.is_none() && boxes.cxx_new.is_none())
         {
-            return Err("libtorch has neither torch_{new,delete}_stable_ivalue nor C++ new/delete".into());
+            return Err(
+                "libtorch has neither torch_{new,delete}_stable_ivalue nor C++ new/delete".into(),
+            );
         }
-        let exception_message = optional_symbol(library, "torch_exception_get_what_without_backtrace")
-            // SAFETY: the stable interface's signature of this name.
-            .map(|a| unsafe { std::mem::transmute::<*mut c_void, _>(a) });
+        type Message = unsafe extern "C-unwind" fn() -> *const c_char;
+        let exception_message =
+            optional_symbol(library, "torch_exception_get_what_without_backtrace")
+                // SAFETY: the stable interface's signature of this name.
+                .map(|a| unsafe { std::mem::transmute::<*mut c_void, Message>(a) });
         // SAFETY: getters without arguments.
         let codes = unsafe {
             Codes {
@@ -341,7 +328,9 @@ impl TorchApi {
             return None;
         }
         // SAFETY: as above; copied before any other call can replace it.
-        let text = unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned();
+        let text = unsafe { CStr::from_ptr(message) }
+            .to_string_lossy()
+            .into_owned();
         (!text.is_empty()).then_some(text)
     }
 }

@@ -137,7 +137,10 @@ pub fn packed_strides(sizes: &Dims, layout: Layout) -> Dims {
     let rank = dims.len();
     let mut order: Vec<usize> = (0..rank).collect(); // outermost first
     if layout == Layout::Nhwc && rank >= 3 {
-        order = std::iter::once(0).chain(2..rank).chain(std::iter::once(1)).collect();
+        order = std::iter::once(0)
+            .chain(2..rank)
+            .chain(std::iter::once(1))
+            .collect();
     }
     let mut strides = [0i64; 5];
     let mut step = 1i64;
@@ -255,7 +258,10 @@ fn expand(values: &Dims, spatial: usize) -> Result<[i64; 3], Fallback> {
 /// float64 say, is still counted under its layer); `None` when the lists do not fit the
 /// weight's rank.
 pub fn signature_of(weight: &TensorMeta, geometry: &Geometry) -> Option<Signature> {
-    let spatial = weight.dim().checked_sub(2).filter(|s| (1..=3).contains(s))?;
+    let spatial = weight
+        .dim()
+        .checked_sub(2)
+        .filter(|s| (1..=3).contains(s))?;
     let stride = expand(&geometry.stride, spatial).ok()?;
     let dilation = expand(&geometry.dilation, spatial).ok()?;
     Some(Signature {
@@ -326,7 +332,11 @@ fn map_problem(
     };
     let groups = geometry.groups;
     let bad = |values: &[i64; 3], minimum: i64| values[..spatial].iter().any(|&v| v < minimum);
-    if groups < 1 || bad(&stride, 1) || bad(&dilation, 1) || bad(&padding, 0) || bad(&output_padding, 0)
+    if groups < 1
+        || bad(&stride, 1)
+        || bad(&dilation, 1)
+        || bad(&padding, 0)
+        || bad(&output_padding, 0)
     {
         return Err(Fallback::Rejected);
     }
@@ -624,8 +634,14 @@ mod tests {
 
     #[test]
     fn packed_strides_by_layout() {
-        assert_eq!(packed_strides(&dims(&[2, 3, 4, 5]), Layout::Nchw), dims(&[60, 20, 5, 1]));
-        assert_eq!(packed_strides(&dims(&[2, 3, 4, 5]), Layout::Nhwc), dims(&[60, 1, 15, 3]));
+        assert_eq!(
+            packed_strides(&dims(&[2, 3, 4, 5]), Layout::Nchw),
+            dims(&[60, 20, 5, 1])
+        );
+        assert_eq!(
+            packed_strides(&dims(&[2, 3, 4, 5]), Layout::Nhwc),
+            dims(&[60, 1, 15, 3])
+        );
         assert_eq!(
             packed_strides(&dims(&[2, 3, 4, 5, 6]), Layout::Nhwc),
             dims(&[360, 1, 90, 18, 3])
@@ -653,7 +669,10 @@ mod tests {
         .unwrap();
         let p = m.problem;
         assert_eq!((p.n, p.c, p.h, p.w, p.k, p.r, p.s), (8, 6, 10, 12, 4, 3, 3));
-        assert_eq!((p.pad_h, p.pad_w, p.stride_h, p.stride_w, p.groups), (1, 1, 2, 1, 2));
+        assert_eq!(
+            (p.pad_h, p.pad_w, p.stride_h, p.stride_w, p.groups),
+            (1, 1, 2, 1, 2)
+        );
         assert_eq!(m.output, dims(&[8, 4, 5, 12]));
         assert_eq!(m.forward_op(), ConvOp::Forward);
         assert_eq!(m.layout, Layout::Nchw);
@@ -666,9 +685,17 @@ mod tests {
         let w = tensor(&[4, 3, 3, 3], Layout::Nchw);
         let m = map_forward(&x, &w, None, &g).unwrap();
         assert_eq!(m.layout, Layout::Nhwc);
-        assert_eq!(m.output_strides, packed_strides(&dims(&[2, 4, 6, 6]), Layout::Nhwc));
-        let m = map_forward(&tensor(&[2, 3, 8, 8], Layout::Nchw), &tensor(&[4, 3, 3, 3], Layout::Nhwc), None, &g)
-            .unwrap();
+        assert_eq!(
+            m.output_strides,
+            packed_strides(&dims(&[2, 4, 6, 6]), Layout::Nhwc)
+        );
+        let m = map_forward(
+            &tensor(&[2, 3, 8, 8], Layout::Nchw),
+            &tensor(&[4, 3, 3, 3], Layout::Nhwc),
+            None,
+            &g,
+        )
+        .unwrap();
         assert_eq!(m.layout, Layout::Nhwc);
     }
 
@@ -677,10 +704,18 @@ mod tests {
         let mut g = geometry(1, false);
         g.padding = dims(&[2]);
         g.dilation = dims(&[2]);
-        let m = map_forward(&tensor(&[2, 3, 50], Layout::Nchw), &tensor(&[5, 3, 3], Layout::Nchw), None, &g)
-            .unwrap();
+        let m = map_forward(
+            &tensor(&[2, 3, 50], Layout::Nchw),
+            &tensor(&[5, 3, 3], Layout::Nchw),
+            None,
+            &g,
+        )
+        .unwrap();
         let p = m.problem;
-        assert_eq!((p.h, p.r, p.pad_h, p.w, p.s, p.pad_w, p.dilation_w), (1, 1, 0, 50, 3, 2, 2));
+        assert_eq!(
+            (p.h, p.r, p.pad_h, p.w, p.s, p.pad_w, p.dilation_w),
+            (1, 1, 0, 50, 3, 2, 2)
+        );
         assert!(p.is_1d());
         assert_eq!(m.output, dims(&[2, 5, 50]));
     }
@@ -718,8 +753,13 @@ mod tests {
         g.output_padding = dims(&[1, 0]);
         g.groups = 2;
         // input 4 channels -> weight 4 x (6/2) x 3 x 3 -> 6 output channels.
-        let m = map_forward(&tensor(&[2, 4, 5, 5], Layout::Nchw), &tensor(&[4, 3, 3, 3], Layout::Nchw), None, &g)
-            .unwrap();
+        let m = map_forward(
+            &tensor(&[2, 4, 5, 5], Layout::Nchw),
+            &tensor(&[4, 3, 3, 3], Layout::Nchw),
+            None,
+            &g,
+        )
+        .unwrap();
         assert_eq!(m.forward_op(), ConvOp::BackwardData);
         assert_eq!(m.output, dims(&[2, 6, 10, 9]));
         let p = m.problem;
@@ -734,7 +774,12 @@ mod tests {
         g.stride = dims(&[2]);
         g.dilation = dims(&[3]);
         g.output_padding = dims(&[2]);
-        let result = map_forward(&tensor(&[1, 2, 5], Layout::Nchw), &tensor(&[2, 2, 3], Layout::Nchw), None, &g);
+        let result = map_forward(
+            &tensor(&[1, 2, 5], Layout::Nchw),
+            &tensor(&[2, 2, 3], Layout::Nchw),
+            None,
+            &g,
+        );
         assert_eq!(result.unwrap_err(), Fallback::OutputPadding);
     }
 
@@ -745,27 +790,66 @@ mod tests {
         let w = tensor(&[4, 3, 3, 3], Layout::Nchw);
         // Channels that do not match: PyTorch's error.
         let bad_w = tensor(&[4, 2, 3, 3], Layout::Nchw);
-        assert_eq!(map_forward(&x, &bad_w, None, &g).unwrap_err(), Fallback::Rejected);
+        assert_eq!(
+            map_forward(&x, &bad_w, None, &g).unwrap_err(),
+            Fallback::Rejected
+        );
         // A stride of 0, a list of the wrong length.
-        let zero = Geometry { stride: dims(&[0, 1]), ..g };
-        assert_eq!(map_forward(&x, &w, None, &zero).unwrap_err(), Fallback::Rejected);
-        let three = Geometry { padding: dims(&[0, 0, 0]), ..g };
-        assert_eq!(map_forward(&x, &w, None, &three).unwrap_err(), Fallback::Rejected);
+        let zero = Geometry {
+            stride: dims(&[0, 1]),
+            ..g
+        };
+        assert_eq!(
+            map_forward(&x, &w, None, &zero).unwrap_err(),
+            Fallback::Rejected
+        );
+        let three = Geometry {
+            padding: dims(&[0, 0, 0]),
+            ..g
+        };
+        assert_eq!(
+            map_forward(&x, &w, None, &three).unwrap_err(),
+            Fallback::Rejected
+        );
         // float64, mixed dtypes, devices, empty batches.
         let f64x = TensorMeta { dtype: None, ..x };
-        assert_eq!(map_forward(&f64x, &w, None, &g).unwrap_err(), Fallback::DType);
-        let half_w = TensorMeta { dtype: Some(DType::Fp16), ..w };
-        assert_eq!(map_forward(&x, &half_w, None, &g).unwrap_err(), Fallback::MixedDTypes);
-        let cuda_w = TensorMeta { device: Device::Cuda(0), ..w };
-        assert_eq!(map_forward(&x, &cuda_w, None, &g).unwrap_err(), Fallback::Devices);
+        assert_eq!(
+            map_forward(&f64x, &w, None, &g).unwrap_err(),
+            Fallback::DType
+        );
+        let half_w = TensorMeta {
+            dtype: Some(DType::Fp16),
+            ..w
+        };
+        assert_eq!(
+            map_forward(&x, &half_w, None, &g).unwrap_err(),
+            Fallback::MixedDTypes
+        );
+        let cuda_w = TensorMeta {
+            device: Device::Cuda(0),
+            ..w
+        };
+        assert_eq!(
+            map_forward(&x, &cuda_w, None, &g).unwrap_err(),
+            Fallback::Devices
+        );
         let empty = tensor(&[0, 3, 8, 8], Layout::Nchw);
-        assert_eq!(map_forward(&empty, &w, None, &g).unwrap_err(), Fallback::Empty);
+        assert_eq!(
+            map_forward(&empty, &w, None, &g).unwrap_err(),
+            Fallback::Empty
+        );
         // A bias of the wrong length.
         let bias = tensor(&[3], Layout::Nchw);
-        assert_eq!(map_forward(&x, &w, Some(&bias), &g).unwrap_err(), Fallback::Rejected);
+        assert_eq!(
+            map_forward(&x, &w, Some(&bias), &g).unwrap_err(),
+            Fallback::Rejected
+        );
         // An output that would be empty.
         let tiny = tensor(&[2, 3, 2, 2], Layout::Nchw);
-        assert_eq!(map_forward(&tiny, &w, None, &g).unwrap_err(), Fallback::Rejected);
+        assert_eq!(
+            map_forward(&tiny, &w, None, &g).unwrap_err(),
+            Fallback::Rejected
+        );
     }
 
     #[test]
@@ -774,15 +858,29 @@ mod tests {
         let x = tensor(&[2, 3, 8, 8], Layout::Nchw);
         let w = tensor(&[4, 3, 3, 3], Layout::Nchw);
         let dy = tensor(&[2, 4, 6, 6], Layout::Nchw);
-        let all = OutputMask { input: true, weight: true, bias: true };
+        let all = OutputMask {
+            input: true,
+            weight: true,
+            bias: true,
+        };
         let (_, jobs) = map_backward(&dy, &x, &w, &g, all).unwrap();
-        assert_eq!(jobs.iter().map(|j| j.op).collect::<Vec<_>>(), [ConvOp::BackwardData, ConvOp::BackwardFilter]);
-        let only_weight = OutputMask { input: false, weight: true, bias: false };
+        assert_eq!(
+            jobs.iter().map(|j| j.op).collect::<Vec<_>>(),
+            [ConvOp::BackwardData, ConvOp::BackwardFilter]
+        );
+        let only_weight = OutputMask {
+            input: false,
+            weight: true,
+            bias: false,
+        };
         let (_, jobs) = map_backward(&dy, &x, &w, &g, only_weight).unwrap();
         assert_eq!(jobs.len(), 1);
         // A grad_output of the wrong shape is PyTorch's to reject.
         let wrong = tensor(&[2, 4, 5, 6], Layout::Nchw);
-        assert_eq!(map_backward(&wrong, &x, &w, &g, all).unwrap_err(), Fallback::Rejected);
+        assert_eq!(
+            map_backward(&wrong, &x, &w, &g, all).unwrap_err(),
+            Fallback::Rejected
+        );
         // Transposed: input gradient is the problem's forward, weight gradient swaps roles.
         let t = geometry(2, true);
         let xt = tensor(&[2, 4, 6, 6], Layout::Nchw);
@@ -791,21 +889,44 @@ mod tests {
         let (m, jobs) = map_backward(&dyt, &xt, &wt, &t, all).unwrap();
         assert_eq!(m.problem.input_dims(), [2, 3, 1, 8, 8]);
         assert_eq!(jobs[0].op, ConvOp::Forward);
-        assert_eq!((jobs[0].a, jobs[0].b), (Operand::GradOutput, Operand::Weight));
-        assert_eq!((jobs[1].a, jobs[1].b), (Operand::GradOutput, Operand::Input));
+        assert_eq!(
+            (jobs[0].a, jobs[0].b),
+            (Operand::GradOutput, Operand::Weight)
+        );
+        assert_eq!(
+            (jobs[1].a, jobs[1].b),
+            (Operand::GradOutput, Operand::Input)
+        );
     }
 
     #[test]
     fn module_signatures_match_calls() {
         let g = geometry(2, false);
-        let m = map_forward(&tensor(&[2, 3, 8, 8], Layout::Nchw), &tensor(&[4, 3, 3, 3], Layout::Nchw), None, &g)
-            .unwrap();
+        let m = map_forward(
+            &tensor(&[2, 3, 8, 8], Layout::Nchw),
+            &tensor(&[4, 3, 3, 3], Layout::Nchw),
+            None,
+            &g,
+        )
+        .unwrap();
         let s = module_signature(false, &[4, 3, 3, 3], &[1, 1], &[1, 1], 1).unwrap();
         assert_eq!(m.signature, s);
         assert!(module_signature(false, &[4, 3], &[], &[], 1).is_none());
-        assert_eq!(problem_name(&m.signature, &dims(&[1])), "conv2d_4x3x3x3_s1x1_p1x1_d1x1");
+        assert_eq!(
+            problem_name(&m.signature, &dims(&[1])),
+            "conv2d_4x3x3x3_s1x1_p1x1_d1x1"
+        );
         let weight = tensor(&[4, 3, 3, 3], Layout::Nchw);
         assert_eq!(signature_of(&weight, &g), Some(s));
-        assert_eq!(signature_of(&weight, &Geometry { stride: dims(&[1, 1, 1]), ..g }), None);
+        assert_eq!(
+            signature_of(
+                &weight,
+                &Geometry {
+                    stride: dims(&[1, 1, 1]),
+                    ..g
+                }
+            ),
+            None
+        );
     }
 }

@@ -82,9 +82,10 @@ impl Context {
                         library,
                         "_ZNK2at7Context18deterministicCuDNNEv",
                     )?),
-                    deterministic_algorithms: std::mem::transmute::<*mut c_void, Getter>(
-                        symbol(library, "_ZNK2at7Context23deterministicAlgorithmsEv")?,
-                    ),
+                    deterministic_algorithms: std::mem::transmute::<*mut c_void, Getter>(symbol(
+                        library,
+                        "_ZNK2at7Context23deterministicAlgorithmsEv",
+                    )?),
                     allow_tf32_cudnn: std::mem::transmute::<*mut c_void, Tf32Getter>(symbol(
                         library,
                         "_ZNK2at7Context14allowTF32CuDNNESt8optionalINS_9Float32OpEE",

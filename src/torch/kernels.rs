@@ -24,8 +24,7 @@
 
 use super::api::{Ath, Siv, TorchApi, TorchError};
 use super::call::{
-    self, Device, Dims, Fallback, Geometry, GradientJob, Mapped, Operand, OutputMask,
-    TensorMeta,
+    self, Device, Dims, Fallback, Geometry, GradientJob, Mapped, Operand, OutputMask, TensorMeta,
 };
 use super::context::Switches;
 use super::plans::{op_index, Miss, PlanKey, Ready, Request, TunerState};
@@ -190,8 +189,16 @@ fn meta(api: &TorchApi, tensor: Ath) -> Option<TensorMeta> {
             return None;
         }
         let dim = dim as usize;
-        let sizes = if dim == 0 { &[][..] } else { std::slice::from_raw_parts(sizes, dim) };
-        let strides = if dim == 0 { &[][..] } else { std::slice::from_raw_parts(strides, dim) };
+        let sizes = if dim == 0 {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(sizes, dim)
+        };
+        let strides = if dim == 0 {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(strides, dim)
+        };
         let device = if device_type == api.codes.cpu {
             Device::Cpu
         } else if device_type == api.codes.cuda {
@@ -212,7 +219,11 @@ fn meta(api: &TorchApi, tensor: Ath) -> Option<TensorMeta> {
 fn data_ptr(api: &TorchApi, tensor: Ath) -> Result<*mut c_void, String> {
     let mut pointer: *mut c_void = std::ptr::null_mut();
     // SAFETY: a live handle; the pointer is written to a local.
-    status(unsafe { (api.cpu.get_data_ptr)(tensor, &mut pointer) }, api, "data_ptr")?;
+    status(
+        unsafe { (api.cpu.get_data_ptr)(tensor, &mut pointer) },
+        api,
+        "data_ptr",
+    )?;
     Ok(pointer)
 }
 
@@ -254,7 +265,11 @@ fn empty<'a>(
 fn undefined(api: &TorchApi) -> Result<Owned<'_>, String> {
     let mut out: Ath = std::ptr::null_mut();
     // SAFETY: the handle is written to a local.
-    status(unsafe { (api.cpu.new_uninitialized)(&mut out) }, api, "an undefined tensor")?;
+    status(
+        unsafe { (api.cpu.new_uninitialized)(&mut out) },
+        api,
+        "an undefined tensor",
+    )?;
     Ok(Owned::new(api, out))
 }
 
@@ -272,8 +287,8 @@ fn packed<'a>(
     layout: Layout,
 ) -> Result<Packed<'a>, String> {
     let pointer = data_ptr(api, tensor)?;
-    let aligned = !matches!(meta.device, Device::Cuda(_))
-        || (pointer as usize) % GPU_BASE_ALIGNMENT == 0;
+    let aligned =
+        !matches!(meta.device, Device::Cuda(_)) || (pointer as usize) % GPU_BASE_ALIGNMENT == 0;
     if aligned && meta.is_packed(layout) {
         return Ok(Packed {
             _copy: None,
@@ -284,7 +299,11 @@ fn packed<'a>(
     let strides = call::packed_strides(&meta.sizes, layout);
     let copy = empty(api, &meta.sizes, &strides, dtype, meta.device)?;
     // SAFETY: two live handles of equal sizes, dtype and device.
-    status(unsafe { (api.cpu.copy_)(copy.get(), tensor, 0) }, api, "copy_")?;
+    status(
+        unsafe { (api.cpu.copy_)(copy.get(), tensor, 0) },
+        api,
+        "copy_",
+    )?;
     let pointer = data_ptr(api, copy.get())?;
     Ok(Packed {
         _copy: Some(copy),
@@ -348,6 +367,11 @@ fn run_kernel(body: impl FnOnce(&'static Runtime, Switches) -> Result<(), String
 }
 
 /// `aten::convolution`'s kernel.
+///
+/// # Safety
+///
+/// Called by PyTorch's dispatcher with the op's boxed stack (9 arguments, room for 1 return),
+/// as `torch_library_impl` registered it.
 pub unsafe extern "C-unwind" fn convolution(stack: *mut Siv, _args: u64, _returns: u64) {
     run_kernel(|runtime, switches| {
         // SAFETY: the dispatcher's stack of this op's 9 arguments (1 return).
@@ -371,11 +395,12 @@ pub unsafe extern "C-unwind" fn convolution(stack: *mut Siv, _args: u64, _return
 }
 
 /// `aten::convolution_backward`'s kernel.
-pub unsafe extern "C-unwind" fn convolution_backward(
-    stack: *mut Siv,
-    _args: u64,
-    _returns: u64,
-) {
+///
+/// # Safety
+///
+/// Called by PyTorch's dispatcher with the op's boxed stack (11 arguments, room for 3
+/// returns), as `torch_library_impl` registered it.
+pub unsafe extern "C-unwind" fn convolution_backward(stack: *mut Siv, _args: u64, _returns: u64) {
     run_kernel(|runtime, switches| {
         // SAFETY: the dispatcher's stack of this op's 11 arguments (3 returns).
         let stack = unsafe { std::slice::from_raw_parts_mut(stack, 11) };
@@ -569,14 +594,29 @@ fn forward<'a>(
     let w_meta = weight.expect("mapped");
     let x = packed(api, call.input.get(), &x_meta, mapped.layout)?;
     let w = packed(api, call.weight.get(), &w_meta, mapped.layout)?;
-    let y = empty(api, &mapped.output, &mapped.output_strides, mapped.problem.dtype, key.device)?;
+    let y = empty(
+        api,
+        &mapped.output,
+        &mapped.output_strides,
+        mapped.problem.dtype,
+        key.device,
+    )?;
     let (a, b) = if mapped.transposed {
         (w.pointer, x.pointer)
     } else {
         (x.pointer, w.pointer)
     };
     let out = data_ptr(api, y.get())?;
-    execute(runtime, &who, &ready, op, &key.problem, key.device, [a, b], out)?;
+    execute(
+        runtime,
+        &who,
+        &ready,
+        op,
+        &key.problem,
+        key.device,
+        [a, b],
+        out,
+    )?;
     let y = match &call.bias {
         Some(bias) => add_bias(runtime, y, bias.get(), &mapped)?,
         None => y,
@@ -684,15 +724,35 @@ fn backward<'a>(
         let b = packed(api, b_tensor, &b_meta, mapped.layout)?;
         let (_, out_meta) = metas(output);
         let strides = call::packed_strides(&out_meta.sizes, mapped.layout);
-        let out = empty(api, &out_meta.sizes, &strides, mapped.problem.dtype, key.device)?;
+        let out = empty(
+            api,
+            &out_meta.sizes,
+            &strides,
+            mapped.problem.dtype,
+            key.device,
+        )?;
         let pointer = data_ptr(api, out.get())?;
-        execute(runtime, &who, ready, op, &key.problem, key.device, [a.pointer, b.pointer], pointer)?;
+        execute(
+            runtime,
+            &who,
+            ready,
+            op,
+            &key.problem,
+            key.device,
+            [a.pointer, b.pointer],
+            pointer,
+        )?;
         who.counters.executed(op);
         let slot = if output == Operand::Input { 0 } else { 1 };
         outputs[slot] = Some(out);
     }
     if mask.bias {
-        outputs[2] = Some(bias_gradient(runtime, call.grad_output.get(), &mapped, &grad_output.expect("mapped"))?);
+        outputs[2] = Some(bias_gradient(
+            runtime,
+            call.grad_output.get(),
+            &mapped,
+            &grad_output.expect("mapped"),
+        )?);
     }
     let [gi, gw, gb] = outputs;
     Ok([
@@ -792,10 +852,17 @@ fn execute(
             } = &mut *state;
             if (host_workspace.len() as u64) < needed {
                 *host_workspace = AlignedWorkspace::try_new(needed).ok_or_else(|| {
-                    format!("mucudnn: {}: cannot allocate {needed} bytes of workspace", who.name)
+                    format!(
+                        "mucudnn: {}: cannot allocate {needed} bytes of workspace",
+                        who.name
+                    )
                 })?;
             }
-            let bytes = if needed == 0 { 0 } else { host_workspace.len() as u64 };
+            let bytes = if needed == 0 {
+                0
+            } else {
+                host_workspace.len() as u64
+            };
             let pointer = if needed == 0 {
                 std::ptr::null_mut()
             } else {
@@ -830,7 +897,11 @@ impl<'a> CudaGuard<'a> {
         let cuda = api.cuda.as_ref().ok_or("this torch has no CUDA")?;
         let mut guard: *mut c_void = std::ptr::null_mut();
         // SAFETY: the guard is written to a local, deleted on drop.
-        status(unsafe { (cuda.create_guard)(index, &mut guard) }, api, "CUDA device guard")?;
+        status(
+            unsafe { (cuda.create_guard)(index, &mut guard) },
+            api,
+            "CUDA device guard",
+        )?;
         Ok(CudaGuard { api, guard })
     }
 }
@@ -862,7 +933,11 @@ fn add_bias<'a>(
             let view = channel_view(api, bias, mapped.output.len())?;
             let mut sum: Ath = std::ptr::null_mut();
             // SAFETY: two live tensors that broadcast; the result is written to a local.
-            status(unsafe { (cuda.add)(y.get(), view.get(), 1.0, &mut sum) }, api, "add")?;
+            status(
+                unsafe { (cuda.add)(y.get(), view.get(), 1.0, &mut sum) },
+                api,
+                "add",
+            )?;
             Ok(Owned::new(api, sum))
         }
         _ => {
@@ -895,7 +970,11 @@ fn channel_view<'a>(api: &'a TorchApi, bias: Ath, rank: usize) -> Result<Owned<'
     let bias_meta = meta(api, bias).ok_or("an unreadable bias")?;
     let mut offset = 0i64;
     // SAFETY: a live handle; written to a local.
-    status(unsafe { (api.cpu.get_storage_offset)(bias, &mut offset) }, api, "storage_offset")?;
+    status(
+        unsafe { (api.cpu.get_storage_offset)(bias, &mut offset) },
+        api,
+        "storage_offset",
+    )?;
     let mut sizes = [1i64; 5];
     let mut strides = [0i64; 5];
     sizes[1] = bias_meta.sizes[0];
@@ -903,7 +982,14 @@ fn channel_view<'a>(api: &'a TorchApi, bias: Ath, rank: usize) -> Result<Owned<'
     let mut view: Ath = std::ptr::null_mut();
     // SAFETY: a view within the bias's storage (its own elements); written to a local.
     let code = unsafe {
-        (api.cpu.reinterpret)(bias, rank as i64, sizes.as_ptr(), strides.as_ptr(), offset, &mut view)
+        (api.cpu.reinterpret)(
+            bias,
+            rank as i64,
+            sizes.as_ptr(),
+            strides.as_ptr(),
+            offset,
+            &mut view,
+        )
     };
     status(code, api, "a view of the bias")?;
     Ok(Owned::new(api, view))
@@ -941,8 +1027,8 @@ impl BiasShape {
             )
         };
         for n in 0..self.batch {
-            for c in 0..self.channels {
-                let b = bias[c].to_f32();
+            for (c, b) in bias.iter().enumerate() {
+                let b = b.to_f32();
                 for p in 0..self.pixels {
                     let i = self.index(n, c, p);
                     out[i] = T::from_f32(out[i].to_f32() + b);
@@ -1020,7 +1106,11 @@ fn bias_gradient<'a>(
 fn dispatch_sum<'a>(api: &'a TorchApi, tensor: Ath, rank: usize) -> Result<Owned<'a>, String> {
     let mut handle: Ath = std::ptr::null_mut();
     // SAFETY: a new handle of a live tensor, handed to the dispatcher below.
-    status(unsafe { (api.cpu.new_tensor_handle)(tensor, &mut handle) }, api, "a tensor handle")?;
+    status(
+        unsafe { (api.cpu.new_tensor_handle)(tensor, &mut handle) },
+        api,
+        "a tensor handle",
+    )?;
     let mut list: *mut c_void = std::ptr::null_mut();
     // SAFETY: a new list, handed to the dispatcher (which frees it).
     unsafe {
@@ -1029,7 +1119,9 @@ fn dispatch_sum<'a>(api: &'a TorchApi, tensor: Ath, rank: usize) -> Result<Owned
             (api.cpu.list_push)(list, dim as Siv);
         }
     }
-    let boxed = api.new_box(list as usize as Siv).ok_or("cannot box an argument")?;
+    let boxed = api
+        .new_box(list as usize as Siv)
+        .ok_or("cannot box an argument")?;
     let mut stack: [Siv; 4] = [handle as usize as Siv, boxed as usize as Siv, 0, 0];
     // SAFETY: `aten::sum.dim_IntList(Tensor self, int[1]? dim, bool keepdim, *, ScalarType?
     // dtype)`: four values, the handle, list and box consumed by the call; one return.
@@ -1060,7 +1152,9 @@ fn pytorch_forward<'a>(runtime: &'a Runtime, call: &ForwardCall<'a>) -> Result<O
         _ => api.cpu.cpu_convolution,
     };
     let mut bias = call.bias.as_ref().map(Owned::get);
-    let bias_pointer = bias.as_mut().map_or(std::ptr::null_mut(), |b| b as *mut Ath);
+    let bias_pointer = bias
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |b| b as *mut Ath);
     let mut out: Ath = std::ptr::null_mut();
     // SAFETY: the call's own arguments, borrowed; the result is written to a local.
     let code = unsafe {
@@ -1135,6 +1229,12 @@ fn pytorch_backward<'a>(
     let owned = outs.map(|h| Owned::new(api, h));
     status(code, api, "convolution_backward")?;
     let [a, b, c] = owned;
-    let fix = |o: Owned<'a>| if o.get().is_null() { undefined(api) } else { Ok(o) };
+    let fix = |o: Owned<'a>| {
+        if o.get().is_null() {
+            undefined(api)
+        } else {
+            Ok(o)
+        }
+    };
     Ok([fix(a)?, fix(b)?, fix(c)?])
 }

@@ -197,7 +197,12 @@ impl Runtime {
 
     /// The calls discovered so far (taken).
     pub fn take_discovered(&self) -> Vec<Discovered> {
-        std::mem::take(&mut *self.discovered.lock().unwrap_or_else(PoisonError::into_inner))
+        std::mem::take(
+            &mut *self
+                .discovered
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
     }
 
     /// Records `call` when discovering; whether it did.

@@ -125,8 +125,11 @@ pub struct Report {
     pub fallback: Option<String>,
 }
 
+/// A problem's entry, locked while it is tuned (by one call; others wait for it).
+type Cell = Arc<Mutex<Option<Entry>>>;
+
 struct Slot {
-    cell: Arc<Mutex<Option<Entry>>>,
+    cell: Cell,
     used: u64,
     signature: Signature,
 }
@@ -224,7 +227,7 @@ impl Plans {
         evicted
     }
 
-    fn slot(&self, key: &PlanKey, signature: Signature) -> Arc<Mutex<Option<Entry>>> {
+    fn slot(&self, key: &PlanKey, signature: Signature) -> Cell {
         let (cell, evicted) = {
             let mut table = lock(&self.table);
             table.clock += 1;
@@ -260,7 +263,7 @@ impl Plans {
 
     /// The reports of a config's problems of `signature` (a layer's `plans`), oldest first.
     pub fn reports(&self, config: u64, signature: Option<&Signature>) -> Vec<Report> {
-        let mut slots: Vec<(u64, PlanKey, Arc<Mutex<Option<Entry>>>)> = {
+        let mut slots: Vec<(u64, PlanKey, Cell)> = {
             let table = lock(&self.table);
             table
                 .slots
@@ -332,7 +335,12 @@ impl Plans {
             }
         };
         let tuner = match cache {
-            CacheChoice::Memory => Tuner::new(tuner_device, Some(Cache::in_memory().quiet()), None, verbose),
+            CacheChoice::Memory => Tuner::new(
+                tuner_device,
+                Some(Cache::in_memory().quiet()),
+                None,
+                verbose,
+            ),
             CacheChoice::Default => Tuner::new(tuner_device, None, None, verbose),
             CacheChoice::Path(path) => Tuner::new(tuner_device, None, Some(path.clone()), verbose),
         }?;

@@ -63,8 +63,8 @@ struct ConfigDocument {
 
 impl Config {
     fn parse(id: u64, text: &str) -> Result<Config, FfiError> {
-        let document: ConfigDocument = serde_json::from_str(text)
-            .map_err(|e| invalid(format!("layer options: {e}")))?;
+        let document: ConfigDocument =
+            serde_json::from_str(text).map_err(|e| invalid(format!("layer options: {e}")))?;
         let cache = match &document.cache {
             serde_json::Value::Null => CacheChoice::Default,
             serde_json::Value::Bool(false) => CacheChoice::Memory,
@@ -316,7 +316,8 @@ mod tests {
     use super::*;
     use crate::torch::call::module_signature;
 
-    const OPTIONS: &str = r#"{"settings":{"policy":"undivided"},"cache":false,"fallback":true,"verbose":false}"#;
+    const OPTIONS: &str =
+        r#"{"settings":{"policy":"undivided"},"cache":false,"fallback":true,"verbose":false}"#;
 
     #[test]
     fn configs_are_shared_and_checked() {
@@ -354,7 +355,10 @@ mod tests {
         assert!(registry.claim(0x1000, &other).is_none());
         let b = registry.add_layer(&account, "b", config.clone(), sig, 0x2000);
         assert_eq!(&*registry.claim(0x2000, &sig).unwrap().name, "b");
-        assert_eq!(&*registry.claim(0x3000, &sig).unwrap().name, "a (or 1 more of its shape)");
+        assert_eq!(
+            &*registry.claim(0x3000, &sig).unwrap().name,
+            "a (or 1 more of its shape)"
+        );
         assert!(registry.remove_layer(&account, a));
         assert!(!registry.remove_layer(&account, a));
         assert_eq!(&*registry.claim(0x3000, &sig).unwrap().name, "b");

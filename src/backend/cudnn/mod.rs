@@ -183,6 +183,8 @@ pub use wall::{
     engine_configs_on_device, plan_on_device, DeviceDescription, DevicePlan,
     DEVICE_DESCRIPTION_MIN_VERSION,
 };
+/// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
+pub use wall::{stream_is_capturing, StreamFence, StreamKey, StreamSession};
 /// One call surface ([`Surface`]: mucudnn's handle, or a session on a caller's stream), one
 /// view type per access over every source of a pointer ([`Origin`]), and a call's operands by
 /// role ([`ConvOperands`]).
@@ -190,8 +192,6 @@ pub use wall::{
     ConvOperands, DeviceOperands, DeviceView, DeviceViewMut, Origin, Raw, RawDeviceView,
     RawDeviceViewMut, RawWorkspace, Surface, Tracked, WorkspaceView,
 };
-/// mucudnn's own handle on a caller's stream, pointers and workspace (the PyTorch path).
-pub use wall::{stream_is_capturing, StreamFence, StreamKey, StreamSession};
 
 #[cfg(test)]
 mod tests {
