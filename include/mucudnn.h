@@ -68,10 +68,11 @@
 
 /**
  * The version of the C ABI this header describes: raised when a function's signature or a
- * struct's layout changes incompatibly, independent of the package version (compare with
+ * struct's layout changes incompatibly, or functions a binding needs are added (3: the
+ * mucudnnTorch* functions), independent of the package version (compare with
  * mucudnnGetAbiVersion()).
  */
-#define MUCUDNN_ABI_VERSION 2
+#define MUCUDNN_ABI_VERSION 3
 
 /**
  * The mucudnnOptions_t layout this header describes.
@@ -835,6 +836,129 @@ enum mucudnnStatus_t mucudnnTunerExecute(mucudnnTuner_t tuner,
                                          void *workspace,
                                          uint64_t workspace_bytes,
                                          mucudnnStream_t stream);
+
+/**
+ * Loads mucudnn's PyTorch runtime from the libtorch libraries the calling process imported
+ * (`libtorch_cpu`, and `libtorch_cuda` or NULL), resolving PyTorch's stable C interface
+ * (torch 2.10 or newer) at run time. Idempotent.
+ *
+ * # Safety
+ *
+ * The strings are NULL (an error for `libtorch_cpu`) or NUL-terminated paths of the libtorch
+ * libraries loaded in this process, of torch 2.10 or newer.
+ */
+enum mucudnnStatus_t mucudnnTorchInit(const char *libtorch_cpu,
+                                      const char *libtorch_cuda);
+
+/**
+ * Turns the process-wide switch on with the layer options `options_json` (every convolution
+ * PyTorch runs, in any thread, goes through mucudnn where it can), or off with NULL. Turning
+ * it on registers mucudnn's kernels with PyTorch's dispatcher; turning it off restores
+ * PyTorch's kernels when no converted layer is left.
+ *
+ * # Safety
+ *
+ * `options_json` is NULL or NUL-terminated.
+ */
+enum mucudnnStatus_t mucudnnTorchSetSwitch(const char *options_json);
+
+/**
+ * Registers a converted layer: its name, options, what identifies its calls
+ * (`signature_json`: {"transposed", "weight", "stride", "dilation", "groups"}, the weight's
+ * shape as its convolution receives it), and the address of its weight's `TensorImpl`
+ * (`Tensor._cdata`; 0 when its weight is computed each call). `*id_out` gets its id.
+ *
+ * # Safety
+ *
+ * Strings NUL-terminated; `id_out` valid for writing.
+ */
+enum mucudnnStatus_t mucudnnTorchAddLayer(const char *name,
+                                          const char *options_json,
+                                          const char *signature_json,
+                                          uint64_t identity,
+                                          uint64_t *id_out);
+
+/**
+ * Unregisters a converted layer (its module was collected, or reconverted). PyTorch's kernels
+ * stay registered until the switch is turned off with no layer left.
+ */
+enum mucudnnStatus_t mucudnnTorchRemoveLayer(uint64_t id);
+
+/**
+ * The account of what ran: `*json_out` gets {NAME: {OP: {"mucudnn": calls, "pytorch":
+ * {REASON: calls}}}} for every name and op that counted anything.
+ *
+ * # Safety
+ *
+ * `json_out` valid for writing; free the string with mucudnnFreeString.
+ */
+enum mucudnnStatus_t mucudnnTorchGetAccount(char **json_out);
+
+/**
+ * Zeroes the account.
+ */
+enum mucudnnStatus_t mucudnnTorchResetAccount(void);
+
+/**
+ * The reports of the plans prepared now for options `options_json` (and `signature_json`, a
+ * layer's, or NULL for all): `*json_out` gets an array of reports (the problem, the call's
+ * shapes, the plans and their splits, where they came from, or the reason PyTorch runs it).
+ *
+ * # Safety
+ *
+ * Strings NUL-terminated (`signature_json` may be NULL); `json_out` valid for writing.
+ */
+enum mucudnnStatus_t mucudnnTorchGetReports(const char *options_json,
+                                            const char *signature_json,
+                                            char **json_out);
+
+/**
+ * Sets the most plan sets kept (least recently used evicted; an evicted problem is prepared
+ * again from the cache, without measuring).
+ */
+enum mucudnnStatus_t mucudnnTorchSetPlanCapacity(uint64_t capacity);
+
+/**
+ * The runtime's state, for tests and diagnostics: `*json_out` gets {"registered", "layers",
+ * "switch", "plan_sets", "plan_capacity", "switches": {"allow_tf32", "deterministic",
+ * "resolved"}}.
+ *
+ * # Safety
+ *
+ * `json_out` valid for writing.
+ */
+enum mucudnnStatus_t mucudnnTorchGetState(char **json_out);
+
+/**
+ * Starts (non-zero) or ends the discovery pass of `tune()`: while on, every claimed
+ * convolution is recorded (see mucudnnTorchTakeDiscovered) and run by PyTorch.
+ */
+enum mucudnnStatus_t mucudnnTorchSetDiscovery(int32_t on);
+
+/**
+ * The calls recorded by the discovery pass so far (taken): an array of {"name", "options",
+ * "problem", "device", "deterministic", "training", "transposed", "input", "weight",
+ * "output", "signature"}.
+ *
+ * # Safety
+ *
+ * `json_out` valid for writing.
+ */
+enum mucudnnStatus_t mucudnnTorchTakeDiscovered(char **json_out);
+
+/**
+ * Prepares the plans of a discovered call now (`tune()`): tuned through the cache (all three
+ * ops when it trains, else the forward's), or, with `plans_json` (an array of plans, another
+ * rank's), those plans. `*report_json_out` gets the report, or null when PyTorch runs the
+ * problem (the reason is then in the account and the reports).
+ *
+ * # Safety
+ *
+ * Strings NUL-terminated (`plans_json` may be NULL); `report_json_out` valid for writing.
+ */
+enum mucudnnStatus_t mucudnnTorchPrepare(const char *call_json,
+                                         const char *plans_json,
+                                         char **report_json_out);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -112,9 +112,10 @@ pub const MUCUDNN_POLICY_ALL: mucudnnPolicy_t = 2;
 pub const MUCUDNN_VERSION: u32 = 100;
 
 /// The version of the C ABI this header describes: raised when a function's signature or a
-/// struct's layout changes incompatibly, independent of the package version (compare with
+/// struct's layout changes incompatibly, or functions a binding needs are added (3: the
+/// mucudnnTorch* functions), independent of the package version (compare with
 /// mucudnnGetAbiVersion()).
-pub const MUCUDNN_ABI_VERSION: u32 = 2;
+pub const MUCUDNN_ABI_VERSION: u32 = 3;
 
 /// The mucudnnOptions_t layout this header describes.
 pub const MUCUDNN_OPTIONS_VERSION: u32 = 1;

@@ -375,7 +375,7 @@ pub unsafe extern "C" fn mucudnnTorchPrepare(
             output: output.as_slice(),
             transposed: call.transposed,
             announce: false,
-            refuse_tuning: None,
+            before_tuning: None,
         };
         match plans {
             Some(plans) => {

@@ -130,6 +130,8 @@ api! {
     add: "aoti_torch_cuda_add_Tensor" => fn(Ath, Ath, f64, *mut Ath) -> TorchError;
     create_guard: "aoti_torch_create_cuda_guard" => fn(i32, *mut *mut c_void) -> TorchError;
     delete_guard: "aoti_torch_delete_cuda_guard" => fn(*mut c_void) -> TorchError;
+    /// Waits for the work queued on a stream (before tuning: measure on a quiet GPU).
+    synchronize: "torch_cuda_stream_synchronize" => fn(*mut c_void, i32) -> TorchError;
     }
 }
 

@@ -521,22 +521,30 @@ fn key_of(who: &Who, mapped: &Mapped, switches: Switches) -> PlanKey {
     }
 }
 
-/// On a GPU, why tuning cannot happen now (the stream is being captured into a CUDA graph).
-fn capture_refusal(runtime: &Runtime, who: &Who, device: Device, input: &Dims) -> Option<String> {
+/// Before tuning on a GPU: why it cannot happen now (the stream is being captured into a CUDA
+/// graph, which a measurement's synchronisation would break), else waits for the work PyTorch
+/// queued (measure on a quiet GPU).
+fn before_tuning(runtime: &Runtime, who: &Who, device: Device, input: &Dims) -> Option<String> {
     let Device::Cuda(index) = device else {
         return None;
     };
     let stream = current_stream(runtime, index).ok()?;
     // SAFETY: PyTorch's current stream of that device.
     let capturing = unsafe { crate::backend::cudnn::stream_is_capturing(stream) }.unwrap_or(false);
-    capturing.then(|| {
-        format!(
+    if capturing {
+        return Some(format!(
             "{}: input shape {input} was not tuned before CUDA graph capture; run the model once \
              (a training step, to capture one) or mucudnn.torch.tune(model, example) before \
              capturing",
             who.name
-        )
-    })
+        ));
+    }
+    if let Some(cuda) = &runtime.api.cuda {
+        // SAFETY: PyTorch's current stream of that device. A failure only makes the
+        // measurements noisier.
+        unsafe { (cuda.synchronize)(stream, index) };
+    }
+    None
 }
 
 fn current_stream(runtime: &Runtime, index: i32) -> Result<*mut c_void, String> {
@@ -640,7 +648,7 @@ fn plans_for(
     needed: &[ConvOp],
     training: bool,
 ) -> Result<Planned, String> {
-    let refusal = capture_refusal(runtime, who, key.device, &mapped.input);
+    let check = || before_tuning(runtime, who, key.device, &mapped.input);
     let request = Request {
         who,
         key: *key,
@@ -652,7 +660,7 @@ fn plans_for(
         output: mapped.output.as_slice(),
         transposed: mapped.transposed,
         announce: true,
-        refuse_tuning: refusal,
+        before_tuning: Some(&check),
     };
     match runtime.plans.ready(&request) {
         Ok(ready) => Ok(Planned::Run(ready)),

@@ -178,8 +178,9 @@ pub struct Request<'a> {
     pub transposed: bool,
     /// Say on stderr that a shape was tuned on first use (not under `tune()`).
     pub announce: bool,
-    /// Refuse to tune (a CUDA stream being captured): the message says why.
-    pub refuse_tuning: Option<String>,
+    /// Asked before tuning (not on a hit): why tuning cannot happen now (a CUDA stream being
+    /// captured into a graph), else `None` once the device is ready to measure on.
+    pub before_tuning: Option<&'a dyn Fn() -> Option<String>>,
 }
 
 /// Why a request has no plans: PyTorch runs it (`fallback`), or an error for the caller.
@@ -368,8 +369,8 @@ impl Plans {
             Some(Entry::Ready(ready)) => Some(ready.clone()),
             None => None,
         };
-        if let Some(why) = &request.refuse_tuning {
-            return Err(Miss::Error(why.clone()));
+        if let Some(why) = request.before_tuning.and_then(|check| check()) {
+            return Err(Miss::Error(why));
         }
         let outcome = self.tune(request, earlier.as_deref());
         match outcome {
