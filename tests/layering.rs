@@ -7,9 +7,10 @@
 use std::path::{Path, PathBuf};
 
 /// The modules of the main crate above the measuring and executing stages.
-const INTEGRATIONS: [&str; 8] = [
+const INTEGRATIONS: [&str; 9] = [
     "tune",
     "candle",
+    "torch",
     "layer",
     "local_tuner",
     "c_abi",
