@@ -211,7 +211,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         # mucudnn inside PyTorch's dispatcher (mucudnn.torch, torch >= 2.10).
         "mucudnnTorchInit": (c.c_int, [s, s]),
         "mucudnnTorchSetSwitch": (c.c_int, [s]),
-        "mucudnnTorchAddLayer": (c.c_int, [s, s, s, c.c_uint64, c.POINTER(c.c_uint64)]),
+        "mucudnnTorchAddLayer": (c.c_int, [s, s, s, c.c_uint64, c.c_uint64, c.POINTER(c.c_uint64)]),
         "mucudnnTorchRemoveLayer": (c.c_int, [c.c_uint64]),
         "mucudnnTorchGetAccount": (c.c_int, [out_s]),
         "mucudnnTorchResetAccount": (c.c_int, []),

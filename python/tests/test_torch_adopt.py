@@ -367,3 +367,36 @@ def test_layerwise_casting_before_conversion():
     assert close(got, expected)
     assert model[0].weight.dtype == torch.bfloat16  # stored as the hook left it
     assert ran("0")["fwd"] == 1 and ran("2")["fwd"] == 1
+
+
+def test_an_unconverted_copy_stays_pytorchs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    copy_ = copy.deepcopy(model)  # before conversion: a plain model of the same shapes
+    mt.convert_(model, **FAST)
+    x = torch.randn(2, 3, 8, 8)
+    expected = copy_(x)
+    assert mt.account() == {}
+    got = model(x)
+    assert close(got, expected)
+    assert ran("0") == {"fwd": 1} and ran("2") == {"fwd": 1}
+    # A functional call of the same shape with another weight is PyTorch's too.
+    F.conv2d(x, torch.randn(4, 3, 3, 3))
+    assert ran("0") == {"fwd": 1}
+
+
+def test_autocast_casts_are_the_layers_own():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference(x)
+    mt.convert_(model, **FAST)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(x)
+        got.float().sum().backward()
+    assert got.dtype == torch.bfloat16
+    assert close(got.float(), expected.float(), 3e-2)  # bf16: a few of its 2^-8 steps
+    assert ran("0") == {"fwd": 1, "bwd_filter": 1} and ran("2")["bwd_data"] == 1
+    assert fell_back() == 0

@@ -27,6 +27,9 @@ struct SignatureDocument {
     stride: Vec<i64>,
     dilation: Vec<i64>,
     groups: i64,
+    /// The module computes the weight its convolution receives (a layer's document only).
+    #[serde(default)]
+    computes_weight: bool,
 }
 
 impl SignatureDocument {
@@ -100,43 +103,65 @@ pub unsafe extern "C" fn mucudnnTorchSetSwitch(options_json: *const c_char) -> m
 }
 
 /// Registers a converted layer: its name, options, what identifies its calls
-/// (`signature_json`: {"transposed", "weight", "stride", "dilation", "groups"}, the weight's
-/// shape as its convolution receives it), and the address of its weight's `TensorImpl`
-/// (`Tensor._cdata`; 0 when its weight is computed each call). `*id_out` gets its id.
+/// (`signature_json`: {"transposed", "weight", "stride", "dilation", "groups",
+/// "computes_weight"}, the weight's shape as its convolution receives it, and whether the
+/// module computes that weight per call), and its weight parameter: `weight` an owning
+/// `AtenTensorHandle` of it (the layer takes it over; 0: none), else `identity` the address of
+/// its `TensorImpl` (`Tensor._cdata`; 0: none). `*id_out` gets its id.
 ///
 /// # Safety
 ///
-/// Strings NUL-terminated; `id_out` valid for writing.
+/// Strings NUL-terminated; `weight` 0 or an owning `AtenTensorHandle` of this process's
+/// libtorch; `id_out` valid for writing.
 #[no_mangle]
 pub unsafe extern "C" fn mucudnnTorchAddLayer(
     name: *const c_char,
     options_json: *const c_char,
     signature_json: *const c_char,
+    weight: u64,
     identity: u64,
     id_out: *mut u64,
 ) -> mucudnnStatus_t {
     guard("mucudnnTorchAddLayer", || {
-        // SAFETY: this function's contract.
-        let out = unsafe { out_arg(id_out, "id_out", 0) }?;
-        // SAFETY: this function's contract.
-        let name = unsafe { str_arg(name, "name") }?;
-        // SAFETY: this function's contract.
-        let options = unsafe { str_arg(options_json, "options_json") }?;
-        // SAFETY: this function's contract.
-        let signature: SignatureDocument =
-            unsafe { super::json_arg(signature_json, "signature_json") }?;
         let runtime = runtime()?;
-        let config = runtime.registry.config(options)?;
-        let signature = signature.signature()?;
-        runtime.register().map_err(FfiError::Internal)?;
-        *out = runtime.registry.add_layer(
-            &runtime.account,
-            name,
-            config,
-            signature,
-            usize::try_from(identity).unwrap_or(0),
-        );
-        Ok(())
+        let weight = usize::try_from(weight).unwrap_or(0);
+        let added = (|| {
+            // SAFETY: this function's contract.
+            let out = unsafe { out_arg(id_out, "id_out", 0) }?;
+            // SAFETY: this function's contract.
+            let name = unsafe { str_arg(name, "name") }?;
+            // SAFETY: this function's contract.
+            let options = unsafe { str_arg(options_json, "options_json") }?;
+            // SAFETY: this function's contract.
+            let signature: SignatureDocument =
+                unsafe { super::json_arg(signature_json, "signature_json") }?;
+            // The handle's `at::Tensor` holds one pointer, its `TensorImpl`'s.
+            let identity = if weight != 0 {
+                // SAFETY: this function's contract: a live handle.
+                unsafe { *(weight as *const usize) }
+            } else {
+                usize::try_from(identity).unwrap_or(0)
+            };
+            let config = runtime.registry.config(options)?;
+            let computes_weight = signature.computes_weight;
+            let signature = signature.signature()?;
+            runtime.register().map_err(FfiError::Internal)?;
+            *out = runtime.registry.add_layer(
+                &runtime.account,
+                name,
+                config,
+                signature,
+                identity,
+                weight,
+                computes_weight,
+            );
+            Ok(())
+        })();
+        if added.is_err() && weight != 0 {
+            // SAFETY: the handle given over and not kept: deleted once.
+            unsafe { (runtime.api.cpu.delete_tensor)(weight as *mut std::ffi::c_void) };
+        }
+        added
     })
 }
 

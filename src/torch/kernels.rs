@@ -28,7 +28,7 @@ use super::call::{
 };
 use super::context::Switches;
 use super::plans::{op_index, Miss, PlanKey, Ready, Request, TunerState};
-use super::registry::Who;
+use super::registry::{CallWeight, Who};
 use super::{Discovered, Runtime};
 use crate::backend::cpu::{AlignedWorkspace, Element};
 use crate::c_abi::handle::RawOperands;
@@ -498,13 +498,19 @@ impl BackwardCall<'_> {
 fn claim(runtime: &Runtime, call: &ForwardCall<'_>, weight: &TensorMeta) -> Option<Arc<Who>> {
     let geometry = call.geometry()?;
     let signature = call::signature_of(weight, &geometry)?;
-    runtime
-        .registry
-        .claim(identity(call.weight.get()), &signature)
-        .or_else(|| {
-            let switch = runtime.registry.switch()?;
-            Some(switch.who(&runtime.account, &signature, &geometry.padding))
-        })
+    let handle = call.weight.get();
+    let mut weight = CallWeight {
+        identity: identity(handle),
+        dtype: -1,
+        data: 0,
+    };
+    // SAFETY: a live handle; written to locals.
+    unsafe { (runtime.api.cpu.get_dtype)(handle, &mut weight.dtype) };
+    weight.data = data_ptr(&runtime.api, handle).map_or(0, |p| p as usize);
+    runtime.registry.claim(&weight, &signature).or_else(|| {
+        let switch = runtime.registry.switch()?;
+        Some(switch.who(&runtime.account, &signature, &geometry.padding))
+    })
 }
 
 fn key_of(who: &Who, mapped: &Mapped, switches: Switches) -> PlanKey {

@@ -3,12 +3,19 @@
 //!
 //! A kernel finds the layer of a call by its weight first: the module's own weight parameter
 //! (PyTorch's `TensorImpl`, the same object in the forward and in the backward's saved
-//! tensors). A weight the module computes each call (a parametrization, weight norm, pruning)
-//! or that autocast cast to another dtype is a new tensor each time; such a call is matched by
-//! its [`Signature`] (weight shape, stride, dilation, groups, transposed) to the layers that
-//! have it: one layer, its name; several (the repeated blocks of a network), the name of the
-//! first with how many share it. A call no layer claims runs under the switch's options when
-//! the switch is on (named by its problem), else PyTorch's kernel, uncounted.
+//! tensors; the layer holds a reference to it, so its address is never another tensor's while
+//! registered). A weight that is another tensor is matched by the call's [`Signature`]
+//! (weight shape, stride, dilation, groups, transposed) to a layer that has it and that could
+//! have made that tensor: one whose parameter's memory it is (a `detach()`ed alias, as
+//! non-reentrant checkpointing saves), one that computes its weight per call (a
+//! parametrization, weight norm, pruning, a subclass's or instance's own `forward`), or one
+//! whose parameter has another dtype than the call's weight now (autocast's cast, or a cast in
+//! the model's code). Another
+//! model's parameter of the same shape and dtype is therefore not claimed: an unconverted
+//! copy of a converted model stays PyTorch's. One layer matched: its name; several (repeated
+//! blocks), the name of the first with how many share it. A call no layer claims runs under
+//! the switch's options when the switch is on (named by its problem), else PyTorch's kernel,
+//! uncounted.
 //!
 //! Options are a [`Config`], shared by every layer (and the switch) given the same ones: plans
 //! are kept per config and problem, so layers with one problem and one config share a tuning.
@@ -109,10 +116,67 @@ pub struct Who {
 /// A converted layer.
 pub struct Layer {
     pub signature: Signature,
-    /// The address of the module's weight `TensorImpl` (0: none to match by; matched by
-    /// signature alone).
+    /// The address of the module's weight `TensorImpl` (0: none to match by).
     pub identity: usize,
+    /// An owning `AtenTensorHandle` of the module's weight parameter (0: none): keeps its
+    /// `TensorImpl` alive while registered, and tells its dtype now.
+    pub weight: usize,
+    /// The module computes the weight its convolution receives (no plain weight parameter,
+    /// or a `forward` of its own).
+    pub computes_weight: bool,
     pub who: Arc<Who>,
+}
+
+impl Drop for Layer {
+    fn drop(&mut self) {
+        if self.weight != 0 {
+            super::runtime_if_loaded(|runtime| {
+                // SAFETY: the owning handle this layer was given, deleted once.
+                unsafe { (runtime.api.cpu.delete_tensor)(self.weight as *mut std::ffi::c_void) };
+            });
+        }
+    }
+}
+
+/// What a call's weight is, for telling whether a layer made it.
+#[derive(Clone, Copy, Debug)]
+pub struct CallWeight {
+    /// Its `TensorImpl`'s address.
+    pub identity: usize,
+    /// PyTorch's code of its dtype.
+    pub dtype: i32,
+    /// Its first element's address.
+    pub data: usize,
+}
+
+impl Layer {
+    /// Whether a call whose weight is another tensor than this layer's parameter may be this
+    /// layer's (see the module docs).
+    fn may_have_made(&self, weight: &CallWeight) -> bool {
+        if self.computes_weight {
+            return true;
+        }
+        if self.weight == 0 {
+            return false;
+        }
+        let (mut dtype, mut data) = (weight.dtype, std::ptr::null_mut());
+        super::runtime_if_loaded(|runtime| {
+            let handle = self.weight as *mut std::ffi::c_void;
+            // SAFETY: the live handle this layer owns; written to locals.
+            unsafe {
+                (runtime.api.cpu.get_dtype)(handle, &mut dtype);
+                (runtime.api.cpu.get_data_ptr)(handle, &mut data);
+            }
+        });
+        dtype != weight.dtype || data as usize == weight.data
+    }
+}
+
+/// The layers of one signature, in registration order, and who a call claimed by the
+/// signature runs for (the one layer's, or the first of several's with their count).
+struct Group {
+    layers: Vec<u64>,
+    who: Arc<Who>,
 }
 
 /// The switch: its options, and the names of the problems it ran, made once each.
@@ -134,8 +198,7 @@ pub struct Registry {
 struct Layers {
     by_id: HashMap<u64, Arc<Layer>>,
     by_identity: HashMap<usize, u64>,
-    /// Who the calls of a signature run for (its one layer, or the first of several).
-    by_signature: HashMap<Signature, Arc<Who>>,
+    by_signature: HashMap<Signature, Group>,
 }
 
 impl Registry {
@@ -155,7 +218,9 @@ impl Registry {
         self.next_id.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    /// Registers a layer; returns its id.
+    /// Registers a layer; returns its id. `weight` is an owning handle of its weight
+    /// parameter (0: none), whose `TensorImpl` is `identity` (0: none).
+    #[allow(clippy::too_many_arguments)]
     pub fn add_layer(
         &self,
         account: &Account,
@@ -163,6 +228,8 @@ impl Registry {
         config: Arc<Config>,
         signature: Signature,
         identity: usize,
+        weight: usize,
+        computes_weight: bool,
     ) -> u64 {
         let id = self.next();
         let name: Arc<str> = Arc::from(name);
@@ -174,6 +241,8 @@ impl Registry {
         let layer = Arc::new(Layer {
             signature,
             identity,
+            weight,
+            computes_weight,
             who,
         });
         let mut layers = self.layers.write().unwrap_or_else(PoisonError::into_inner);
@@ -211,20 +280,24 @@ impl Registry {
             .len()
     }
 
-    /// The layer of a call: by its weight, else by its signature.
-    pub fn claim(&self, identity: usize, signature: &Signature) -> Option<Arc<Who>> {
+    /// The layer of a call: by its weight, else by its signature (see the module docs).
+    pub fn claim(&self, weight: &CallWeight, signature: &Signature) -> Option<Arc<Who>> {
         let layers = self.layers.read().unwrap_or_else(PoisonError::into_inner);
         if let Some(layer) = layers
             .by_identity
-            .get(&identity)
+            .get(&weight.identity)
             .and_then(|id| layers.by_id.get(id))
         {
-            // A weight freed and its address reused by another tensor must not claim a call.
             if layer.signature == *signature {
                 return Some(layer.who.clone());
             }
         }
-        layers.by_signature.get(signature).cloned()
+        let group = layers.by_signature.get(signature)?;
+        group
+            .layers
+            .iter()
+            .any(|id| layers.by_id[id].may_have_made(weight))
+            .then(|| group.who.clone())
     }
 
     /// Turns the switch on with `config` (replacing an earlier one), or off.
@@ -291,7 +364,8 @@ impl Layers {
             }
             [only] => {
                 let who = self.by_id[only].who.clone();
-                self.by_signature.insert(signature, who);
+                self.by_signature
+                    .insert(signature, Group { layers: ids, who });
             }
             [first, rest @ ..] => {
                 let first = &self.by_id[first].who;
@@ -305,7 +379,8 @@ impl Layers {
                     name,
                     config: first.config.clone(),
                 });
-                self.by_signature.insert(signature, who);
+                self.by_signature
+                    .insert(signature, Group { layers: ids, who });
             }
         }
     }

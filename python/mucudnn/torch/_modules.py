@@ -75,6 +75,19 @@ def signature_of(module: nn.Module) -> Dict[str, Any]:
     }
 
 
+def _computes_weight(module: nn.Module) -> bool:
+    """Whether the module may hand its convolution another weight than its parameter: it has
+    no plain weight parameter (a parametrization, weight norm, pruning), or a ``forward`` of
+    its own (a subclass's, or one set on the instance)."""
+    kind = _kind_of(module)
+    base = _CONV_BASES[kind][0] if kind is not None else None
+    return (
+        _plain_weight(module) is None
+        or "forward" in module.__dict__
+        or (base is not None and type(module).forward is not base.forward)
+    )
+
+
 def _plain_weight(module: nn.Module) -> Optional[torch.Tensor]:
     """The module's weight parameter, when it holds one as such (a parametrized, weight-normed
     or pruned module computes its weight per call: None, and nothing is computed here)."""
@@ -147,14 +160,19 @@ class Adoption:
 
 
 def _restored(name: str, options: str, signature: Dict[str, Any]) -> Adoption:
-    """pickle's constructor of an :class:`Adoption` (matched by signature until converted
-    again: its module's weight is not known here)."""
-    return Adoption(name, options, signature, None)
+    """pickle's constructor of an :class:`Adoption`: its module's weight is not known here, so
+    the layer claims the calls of its signature until converted again."""
+    return Adoption(name, options, dict(signature, computes_weight=True), None)
+
+
+def layer_signature(module: nn.Module) -> Dict[str, Any]:
+    """A module's signature as its registration carries it (with ``computes_weight``)."""
+    return dict(signature_of(module), computes_weight=_computes_weight(module))
 
 
 def adopt(module: nn.Module, name: str, options: str) -> Adoption:
     """Converts ``module`` in place: registers it as the layer ``name`` with ``options``."""
-    adoption = Adoption(name, options, signature_of(module), _plain_weight(module))
+    adoption = Adoption(name, options, layer_signature(module), _plain_weight(module))
     module.__dict__["_mucudnn"] = adoption
     return adoption
 
@@ -391,7 +409,7 @@ def _naming_layers(model: Optional[nn.Module], options: str) -> List[Adoption]:
             continue
         if _unsupported(module) is None:
             names.append(
-                Adoption(path or type(module).__name__, options, signature_of(module),
+                Adoption(path or type(module).__name__, options, layer_signature(module),
                          _plain_weight(module))
             )
     return names

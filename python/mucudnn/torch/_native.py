@@ -147,10 +147,24 @@ def _remove_layer(layer_id: int) -> None:
             raise
 
 
+def _owning_handle(weight: torch.Tensor) -> int:
+    """A new owning ``AtenTensorHandle`` of ``weight`` (handed over to the runtime), or 0 where
+    this torch cannot make one."""
+    make = getattr(getattr(torch._C, "_aoti", None), "unsafe_alloc_void_ptr_from_tensor", None)
+    if make is None:
+        return 0
+    capsule = make(weight)
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype = ctypes.c_void_p
+    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    return int(get(capsule, None) or 0)
+
+
 class Layer:
-    """One registration of a layer with the runtime: its name, options (a config text) and
-    signature (what identifies its calls), and its weight's ``TensorImpl`` when it holds one.
-    Unregistered when collected."""
+    """One registration of a layer with the runtime: its name, options (a config text),
+    signature (what identifies its calls, and whether the module computes its weight), and its
+    weight parameter (the runtime keeps a reference to it while registered). Unregistered when
+    collected."""
 
     __slots__ = ("name", "options", "signature", "id", "__weakref__")
 
@@ -160,13 +174,17 @@ class Layer:
         self.name = name
         self.options = options
         self.signature = signature
-        identity = int(weight._cdata) if isinstance(weight, torch.Tensor) else 0
+        handle = identity = 0
+        if isinstance(weight, torch.Tensor):
+            handle = _owning_handle(weight)
+            identity = int(weight._cdata)
         layer_id = ctypes.c_uint64()
         _lib.check(
             _lib.library().mucudnnTorchAddLayer(
                 name.encode("utf-8"),
                 options.encode("utf-8"),
                 json.dumps(signature).encode("utf-8"),
+                handle,
                 identity,
                 ctypes.byref(layer_id),
             )
