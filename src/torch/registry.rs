@@ -422,23 +422,30 @@ mod tests {
         let config = registry.config(OPTIONS).unwrap();
         let sig = module_signature(false, &[4, 3, 3, 3], &[1, 1], &[1, 1], 1).unwrap();
         let other = module_signature(false, &[8, 4, 3, 3], &[1, 1], &[1, 1], 1).unwrap();
-        let a = registry.add_layer(&account, "a", config.clone(), sig, 0x1000);
-        assert_eq!(&*registry.claim(0x1000, &sig).unwrap().name, "a");
-        // A computed weight: by signature.
-        assert_eq!(&*registry.claim(0x9999, &sig).unwrap().name, "a");
-        // An address reused by another tensor of another shape claims nothing.
-        assert!(registry.claim(0x1000, &other).is_none());
-        let b = registry.add_layer(&account, "b", config.clone(), sig, 0x2000);
-        assert_eq!(&*registry.claim(0x2000, &sig).unwrap().name, "b");
+        let tensor = |identity| CallWeight {
+            identity,
+            dtype: 6,
+            data: identity + 64,
+        };
+        // A layer holding its weight (no handle here: its dtype and memory cannot be read).
+        let a = registry.add_layer(&account, "a", config.clone(), sig, 0x1000, 0, false);
+        assert_eq!(&*registry.claim(&tensor(0x1000), &sig).unwrap().name, "a");
+        // Another tensor of its shape is not its weight.
+        assert!(registry.claim(&tensor(0x9999), &sig).is_none());
+        // Its address with another signature claims nothing.
+        assert!(registry.claim(&tensor(0x1000), &other).is_none());
+        // A layer that computes its weight claims any call of its signature.
+        let b = registry.add_layer(&account, "b", config.clone(), sig, 0x2000, 0, true);
+        assert_eq!(&*registry.claim(&tensor(0x2000), &sig).unwrap().name, "b");
         assert_eq!(
-            &*registry.claim(0x3000, &sig).unwrap().name,
+            &*registry.claim(&tensor(0x3000), &sig).unwrap().name,
             "a (or 1 more of its shape)"
         );
         assert!(registry.remove_layer(&account, a));
         assert!(!registry.remove_layer(&account, a));
-        assert_eq!(&*registry.claim(0x3000, &sig).unwrap().name, "b");
+        assert_eq!(&*registry.claim(&tensor(0x3000), &sig).unwrap().name, "b");
         assert!(registry.remove_layer(&account, b));
-        assert!(registry.claim(0x2000, &sig).is_none());
+        assert!(registry.claim(&tensor(0x2000), &sig).is_none());
         assert!(registry.is_idle());
         registry.set_switch(Some(config));
         assert!(!registry.is_idle());
