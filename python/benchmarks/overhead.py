@@ -126,6 +126,14 @@ def main() -> None:
     with torch.no_grad():
         row("forward, added over nn.Conv2d", lambda: plain(x), lambda: converted(x), args.calls)
 
+        if mt.PATH == "native":
+            # What a convolution mucudnn does not run pays while its kernel is registered: the
+            # kernel reads the call, finds no layer, and calls PyTorch's own kernel.
+            other = nn.Conv2d(4, 4, 3, padding=1)
+            mt.disable()
+            row("an unconverted conv while mucudnn's kernels are registered",
+                lambda: plain(x), lambda: other(x), args.calls)
+
     xg = x.clone().requires_grad_(True)
 
     def step(layer):
