@@ -57,7 +57,9 @@ class Ready:
         ]
         self.host_workspace: Optional[torch.Tensor] = None
         if key.device_type == "cpu" and max(prepared.workspace) > 0:
-            self.host_workspace = torch.empty(max(prepared.workspace), dtype=torch.uint8)
+            self.host_workspace = torch.empty(
+                max(prepared.workspace), dtype=torch.uint8, device="cpu"
+            )
         self.key = key
         self.guard = threading.Lock()
         #: Calls running the set now.
