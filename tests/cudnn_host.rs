@@ -1004,6 +1004,23 @@ fn child_probe() {
             })
         }
         "probe" => mucudnn::backend::cudnn::probe().map(|_| ()),
+        // The GPU entry points, first in a fresh process: each must call cuInit before any
+        // other driver call (the stub answers CUDA_ERROR_NOT_INITIALIZED to one out of order).
+        "handle" => mucudnn::backend::cudnn::CudnnHandle::new(0).map(|_| ()),
+        "tuner" => {
+            let mut tuner = std::ptr::null_mut();
+            // SAFETY: a valid out pointer; NULL options (the defaults).
+            let status =
+                unsafe { mucudnn::c_abi::mucudnnTunerCreate(&mut tuner, 0, std::ptr::null()) };
+            println!("CHILD-RESULT: error: {status:?}: {}", last_c_error());
+            return;
+        }
+        // The negative control: a driver call before cuInit, as a test once made.
+        "context-before-init" => {
+            let current = cudarc::driver::result::ctx::get_current();
+            println!("CHILD-RESULT: error: {current:?}");
+            return;
+        }
         other => panic!("unknown child action {other}"),
     };
     match result {
@@ -1011,6 +1028,18 @@ fn child_probe() {
         Err(e) if std::env::var(CHILD).is_ok() => println!("CHILD-RESULT: error: {e}"),
         Err(e) => panic!("the graph path with every library present: {e}"),
     }
+}
+
+/// The C ABI's last error on this thread.
+fn last_c_error() -> String {
+    let message = mucudnn::c_abi::mucudnnGetLastError();
+    if message.is_null() {
+        return String::new();
+    }
+    // SAFETY: mucudnn's last error is a NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(message) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn child_result(text: &str) -> &str {
@@ -1070,6 +1099,33 @@ fn missing_sub_library_is_an_error_naming_it() {
         let result = child_result(&text);
         assert!(result.contains(hidden), "{hidden}: {result}");
     }
+}
+
+/// The stub libcuda keeps the driver's state machine (every call before cuInit answers
+/// CUDA_ERROR_NOT_INITIALIZED), so a GPU entry point that calls the driver out of order fails
+/// here, in a fresh process, as it would on a GPU: each must fail for want of a device instead.
+/// The negative control makes such a call and gets the stub's answer.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn gpu_entry_points_initialise_the_driver_first() {
+    enabled("gpu_entry_points_initialise_the_driver_first");
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap();
+    for action in ["probe", "handle", "tuner"] {
+        let (status, text) = run_child(action, Path::new(&path));
+        assert!(
+            status.success(),
+            "{action}: the child died ({status}):\n{text}"
+        );
+        let result = child_result(&text);
+        assert!(
+            result.contains("CUDA_ERROR_NO_DEVICE") && !result.contains("NOT_INITIALIZED"),
+            "{action}: {result}"
+        );
+    }
+    let (status, text) = run_child("context-before-init", Path::new(&path));
+    assert!(status.success(), "the child died ({status}):\n{text}");
+    let result = child_result(&text);
+    assert!(result.contains("CUDA_ERROR_NOT_INITIALIZED"), "{result}");
 }
 
 #[test]
