@@ -25,6 +25,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+#[path = "spatial/cases.rs"]
+mod spatial;
+
 const GATE: &str = "MUCUDNN_CUDNN_HOST_TESTS";
 const JSON_OUT: &str = "MUCUDNN_CUDNN_HOST_JSON";
 /// Set in a child process this test binary starts with a library hidden.
@@ -809,6 +812,97 @@ fn spatial_chunks_build_with_asymmetric_padding() {
             .collect::<Vec<_>>(),
         rows.strides(Operand::Output).to_vec()
     );
+}
+
+/// The GPU test's spatial cases (tests/spatial/cases.rs) built here first: for every case and
+/// op, the chunks the profiler times at the even chunk size (start, middle and end) and the
+/// chunks of the plans the GPU test runs (equal chunks of that size; 2, 3 and 7 uneven ones),
+/// as views of the full tensors. The fp32 NCHW cases' chunks are strided views of the rows.
+/// Every chunk graph must finalize or be declined as unsupported (never another error); the
+/// channels-last cases must be offered configurations that build at every chunk. What cuDNN
+/// takes of the strided views is printed, as the GPU test reports it (not asserted there).
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn spatial_chunks_of_the_gpu_test_build() {
+    use mucudnn::solver::spatial::{chunks, split_axis, timing_chunks, AxisGeometry};
+    enabled("spatial_chunks_of_the_gpu_test_build");
+    let device = device();
+    let all_modes = EngineSearch {
+        max_candidates: usize::MAX,
+        ..EngineSearch::default()
+    };
+    let mut failures = Vec::new();
+    let mut table = Vec::new();
+    for case in spatial::cases() {
+        let problem = case.problem;
+        let geometry = AxisGeometry::of(&problem, split_axis(&problem));
+        for op in ConvOp::ALL {
+            let extent = geometry.extent(op);
+            let size = spatial::even_chunk(extent);
+            let mut chunkings = vec![vec![size; (extent / size) as usize]];
+            chunkings.extend(spatial::uneven_chunkings(extent));
+            let mut parts = timing_chunks(&geometry, op, size);
+            for sizes in &chunkings {
+                parts.extend(chunks(&geometry, op, sizes).unwrap());
+            }
+            // (chunk views, with configurations, plans built of the first four of each)
+            let (mut views, mut offered, mut built) = (0, 0, 0);
+            for (i, chunk) in parts.iter().filter(|c| c.has_call()).enumerate() {
+                let what = format!("{} {op} {chunk:?}", case.label);
+                let view = ChunkShapes::new(&problem, chunk).unwrap();
+                views += 1;
+                let configs = match engine_configs_for_chunk_on_device(
+                    &device,
+                    &view,
+                    op,
+                    &all_modes,
+                    view.any_row_alignments(),
+                ) {
+                    Ok(configs) => configs,
+                    Err(e) if e.is_not_supported() => Vec::new(),
+                    Err(e) => {
+                        failures.push(format!("{what}: {e}"));
+                        continue;
+                    }
+                };
+                let beta = if op == ConvOp::BackwardFilter && i > 0 {
+                    1.0
+                } else {
+                    0.0
+                };
+                let mut any = false;
+                for config in configs.iter().take(4) {
+                    match plan_for_chunk_on_device(
+                        &device,
+                        &view,
+                        op,
+                        config,
+                        beta,
+                        view.alignments(),
+                    ) {
+                        Ok(_) => {
+                            built += 1;
+                            any = true;
+                        }
+                        Err(e) if e.is_not_supported() => {}
+                        Err(e) => failures.push(format!("{what}: {config}: {e}")),
+                    }
+                }
+                if any {
+                    offered += 1;
+                } else if !case.strided_rows {
+                    failures.push(format!("{what}: no configuration builds"));
+                }
+            }
+            table.push(format!(
+                "{:<40} {op:<11} chunk {size:>2} of {extent:>2}: {offered:>3} of {views:>3} \
+                 chunk views take an engine ({built} plans)",
+                case.label
+            ));
+        }
+    }
+    println!("{}", table.join("\n"));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Negative controls: the checks can fail. A wrong output size and swapped tensors are
