@@ -963,3 +963,51 @@ print(layers, "layer constructions bounded")
         String::from_utf8_lossy(&done.stderr)
     );
 }
+
+/// What build.sh gives the window as passed (.gpu/passed.json): each part a window under
+/// benches/gpu/ recorded as passed, and each single part's summary that passed, by GPU name;
+/// failed and not-run parts are not.
+#[test]
+fn build_collects_the_passed_parts_from_benches_gpu() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-collect-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let window = dir.join("benches/gpu/2026-01-02-h200");
+    let single = dir.join("benches/gpu/2026-01-01-h100-80gb-hbm3");
+    std::fs::create_dir_all(&window).unwrap();
+    std::fs::create_dir_all(&single).unwrap();
+    std::fs::write(
+        window.join("window.json"),
+        r#"{"gpu": "NVIDIA H200, 580.95.05, 143771 MiB", "budget_s": 540, "parts": [
+            {"part": "first-contact", "status": "passed"}, {"part": "torch", "status": "FAILED"},
+            {"part": "wall", "status": "not run: the window's time"}]}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        single.join("c-abi.json"),
+        r#"{"part": "c-abi", "passed": true, "gpu": "NVIDIA H100 80GB HBM3, 580.65.06, 81559 MiB"}"#,
+    )
+    .unwrap();
+    let done = Command::new("python3")
+        .arg(root().join("scripts/gpu/summary.py"))
+        .args(["collect", "benches/gpu", "passed.json"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(done.status.success(), "{done:?}");
+    let passed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("passed.json")).unwrap()).unwrap();
+    let got: Vec<(&str, &str)> = passed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["part"].as_str().unwrap(), r["gpu_name"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("c-abi", "NVIDIA H100 80GB HBM3"),
+            ("first-contact", "NVIDIA H200")
+        ]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
