@@ -659,6 +659,29 @@ fn every_micro_batch_builds_at_its_offset() {
     );
 }
 
+/// Builds the first four of `configs` (to keep the tier short) for the chunk `view` at its own
+/// offset and `beta`: how many built. A configuration cuDNN declines is not counted; any other
+/// error goes to `failures`, after `what`.
+fn build_first_chunk_plans(
+    device: &DeviceDescription,
+    view: &ChunkShapes,
+    op: ConvOp,
+    configs: &[EngineConfig],
+    beta: f32,
+    what: &str,
+    failures: &mut Vec<String>,
+) -> usize {
+    let mut built = 0;
+    for config in configs.iter().take(4) {
+        match plan_for_chunk_on_device(device, view, op, config, beta, view.alignments()) {
+            Ok(_) => built += 1,
+            Err(e) if e.is_not_supported() => {}
+            Err(e) => failures.push(format!("{what}: {config}: {e}")),
+        }
+    }
+    built
+}
+
 /// Zoo-like problems split along their outermost spatial axis (2-D 3x3 pad 1 fp16
 /// NHWC, 3-D 3x3x3 pad 1 fp16 NDHWC, a stride-2 2-D layer), in uneven chunkings of 2, 3 and 7
 /// chunks, every op. Every chunk's graph (views of the full tensors: the chunk's rows, the full
@@ -752,21 +775,15 @@ fn spatial_chunks_build_with_asymmetric_padding() {
                         0.0
                     };
                     calls += 1;
-                    // The first few, to keep the tier short; each at the chunk's own offset.
-                    for config in configs.iter().take(4) {
-                        match plan_for_chunk_on_device(
-                            &device,
-                            &view,
-                            op,
-                            config,
-                            beta,
-                            view.alignments(),
-                        ) {
-                            Ok(_) => built += 1,
-                            Err(e) if e.is_not_supported() => {}
-                            Err(e) => failures.push(format!("{what}: {config}: {e}")),
-                        }
-                    }
+                    built += build_first_chunk_plans(
+                        &device,
+                        &view,
+                        op,
+                        &configs,
+                        beta,
+                        &what,
+                        &mut failures,
+                    );
                 }
             }
         }
@@ -870,25 +887,17 @@ fn spatial_chunks_of_the_gpu_test_build() {
                 } else {
                     0.0
                 };
-                let mut any = false;
-                for config in configs.iter().take(4) {
-                    match plan_for_chunk_on_device(
-                        &device,
-                        &view,
-                        op,
-                        config,
-                        beta,
-                        view.alignments(),
-                    ) {
-                        Ok(_) => {
-                            built += 1;
-                            any = true;
-                        }
-                        Err(e) if e.is_not_supported() => {}
-                        Err(e) => failures.push(format!("{what}: {config}: {e}")),
-                    }
-                }
-                if any {
+                let count = build_first_chunk_plans(
+                    &device,
+                    &view,
+                    op,
+                    &configs,
+                    beta,
+                    &what,
+                    &mut failures,
+                );
+                built += count;
+                if count > 0 {
                     offered += 1;
                 } else if !case.strided_rows {
                     failures.push(format!("{what}: no configuration builds"));
