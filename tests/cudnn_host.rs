@@ -660,17 +660,21 @@ fn every_micro_batch_builds_at_its_offset() {
 }
 
 /// Builds the first four of `configs` (to keep the tier short) for the chunk `view` at its own
-/// offset and `beta`: how many built. A configuration cuDNN declines is not counted; any other
-/// error goes to `failures`, after `what`.
+/// offset, with the beta of a plan's call after `earlier_calls` others (backward-filter sums
+/// its chunks: beta 1 after the first): how many built. A configuration cuDNN declines is not
+/// counted; any other error goes to `failures`, after `what`.
 fn build_first_chunk_plans(
-    device: &DeviceDescription,
-    view: &ChunkShapes,
-    op: ConvOp,
+    (device, view, op): (&DeviceDescription, &ChunkShapes, ConvOp),
     configs: &[EngineConfig],
-    beta: f32,
+    earlier_calls: usize,
     what: &str,
     failures: &mut Vec<String>,
 ) -> usize {
+    let beta = if op == ConvOp::BackwardFilter && earlier_calls > 0 {
+        1.0
+    } else {
+        0.0
+    };
     let mut built = 0;
     for config in configs.iter().take(4) {
         match plan_for_chunk_on_device(device, view, op, config, beta, view.alignments()) {
@@ -769,21 +773,14 @@ fn spatial_chunks_build_with_asymmetric_padding() {
                     if configs.is_empty() {
                         failures.push(format!("{what}: no configuration"));
                     }
-                    let beta = if op == ConvOp::BackwardFilter && calls > 0 {
-                        1.0
-                    } else {
-                        0.0
-                    };
-                    calls += 1;
                     built += build_first_chunk_plans(
-                        &device,
-                        &view,
-                        op,
+                        (&device, &view, op),
                         &configs,
-                        beta,
+                        calls,
                         &what,
                         &mut failures,
                     );
+                    calls += 1;
                 }
             }
         }
@@ -858,13 +855,17 @@ fn spatial_chunks_of_the_gpu_test_build() {
             let size = spatial::even_chunk(extent);
             let mut chunkings = vec![vec![size; (extent / size) as usize]];
             chunkings.extend(spatial::uneven_chunkings(extent));
-            let mut parts = timing_chunks(&geometry, op, size);
+            // The timed positions, then each plan's chunks: a group's first call has beta 0.
+            let mut groups = vec![timing_chunks(&geometry, op, size)];
             for sizes in &chunkings {
-                parts.extend(chunks(&geometry, op, sizes).unwrap());
+                groups.push(chunks(&geometry, op, sizes).unwrap());
             }
+            let calls = groups
+                .iter()
+                .flat_map(|group| group.iter().filter(|c| c.has_call()).enumerate());
             // (chunk views, with configurations, plans built of the first four of each)
             let (mut views, mut offered, mut built) = (0, 0, 0);
-            for (i, chunk) in parts.iter().filter(|c| c.has_call()).enumerate() {
+            for (i, chunk) in calls {
                 let what = format!("{} {op} {chunk:?}", case.label);
                 let view = ChunkShapes::new(&problem, chunk).unwrap();
                 views += 1;
@@ -882,17 +883,10 @@ fn spatial_chunks_of_the_gpu_test_build() {
                         continue;
                     }
                 };
-                let beta = if op == ConvOp::BackwardFilter && i > 0 {
-                    1.0
-                } else {
-                    0.0
-                };
                 let count = build_first_chunk_plans(
-                    &device,
-                    &view,
-                    op,
+                    (&device, &view, op),
                     &configs,
-                    beta,
+                    i,
                     &what,
                     &mut failures,
                 );
