@@ -121,7 +121,7 @@ elif [ "$status" -ne 0 ]; then
 fi
 
 tier "cuDNN host tier"
-section "cuDNN host tier: tests/cudnn_host.rs against the real libcudnn (no GPU)"
+section "cuDNN host tier: tests/cudnn_host.rs and current_context.rs against the real libcudnn (no GPU)"
 status=0
 join_job host_env || status=$?
 host_env=$(cat "$bg/host_env.out")
@@ -129,8 +129,11 @@ if [ "$status" -eq 0 ]; then
   # cuDNN prints tens of thousands of "Could not load symbol cu..." lines about the stub
   # libcuda's missing entry points (kernel launches, which the tier never makes): filtered.
   # Its tests are #[ignore]d (they need this environment): --include-ignored runs them.
+  # current_context.rs's one-GPU tests run against the stub libcuda too: it answers every
+  # driver call made before cuInit with CUDA_ERROR_NOT_INITIALIZED, as the driver does.
   (eval "$host_env" && MUCUDNN_CUDNN_HOST_TESTS=1 cargo test --locked --test cudnn_host -- \
-    --include-ignored) \
+    --include-ignored && MUCUDNN_CUDNN_HOST_TESTS=1 cargo test --locked --test current_context \
+    -- --include-ignored --skip the_callers_device_stays_current_across_gpus) \
     2> >(grep -v '^Could not load symbol cu' >&2) || exit 1
 elif [ "$status" -eq 77 ]; then
   echo "skipped: the cuDNN host tier (its wheels could not be fetched)" >&2

@@ -25,6 +25,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+#[path = "spatial/cases.rs"]
+mod spatial;
+
 const GATE: &str = "MUCUDNN_CUDNN_HOST_TESTS";
 const JSON_OUT: &str = "MUCUDNN_CUDNN_HOST_JSON";
 /// Set in a child process this test binary starts with a library hidden.
@@ -656,6 +659,33 @@ fn every_micro_batch_builds_at_its_offset() {
     );
 }
 
+/// Builds the first four of `configs` (to keep the tier short) for the chunk `view` at its own
+/// offset, with the beta of a plan's call after `earlier_calls` others (backward-filter sums
+/// its chunks: beta 1 after the first): how many built. A configuration cuDNN declines is not
+/// counted; any other error goes to `failures`, after `what`.
+fn build_first_chunk_plans(
+    (device, view, op): (&DeviceDescription, &ChunkShapes, ConvOp),
+    configs: &[EngineConfig],
+    earlier_calls: usize,
+    what: &str,
+    failures: &mut Vec<String>,
+) -> usize {
+    let beta = if op == ConvOp::BackwardFilter && earlier_calls > 0 {
+        1.0
+    } else {
+        0.0
+    };
+    let mut built = 0;
+    for config in configs.iter().take(4) {
+        match plan_for_chunk_on_device(device, view, op, config, beta, view.alignments()) {
+            Ok(_) => built += 1,
+            Err(e) if e.is_not_supported() => {}
+            Err(e) => failures.push(format!("{what}: {config}: {e}")),
+        }
+    }
+    built
+}
+
 /// Zoo-like problems split along their outermost spatial axis (2-D 3x3 pad 1 fp16
 /// NHWC, 3-D 3x3x3 pad 1 fp16 NDHWC, a stride-2 2-D layer), in uneven chunkings of 2, 3 and 7
 /// chunks, every op. Every chunk's graph (views of the full tensors: the chunk's rows, the full
@@ -743,27 +773,14 @@ fn spatial_chunks_build_with_asymmetric_padding() {
                     if configs.is_empty() {
                         failures.push(format!("{what}: no configuration"));
                     }
-                    let beta = if op == ConvOp::BackwardFilter && calls > 0 {
-                        1.0
-                    } else {
-                        0.0
-                    };
+                    built += build_first_chunk_plans(
+                        (&device, &view, op),
+                        &configs,
+                        calls,
+                        &what,
+                        &mut failures,
+                    );
                     calls += 1;
-                    // The first few, to keep the tier short; each at the chunk's own offset.
-                    for config in configs.iter().take(4) {
-                        match plan_for_chunk_on_device(
-                            &device,
-                            &view,
-                            op,
-                            config,
-                            beta,
-                            view.alignments(),
-                        ) {
-                            Ok(_) => built += 1,
-                            Err(e) if e.is_not_supported() => {}
-                            Err(e) => failures.push(format!("{what}: {config}: {e}")),
-                        }
-                    }
                 }
             }
         }
@@ -809,6 +826,86 @@ fn spatial_chunks_build_with_asymmetric_padding() {
             .collect::<Vec<_>>(),
         rows.strides(Operand::Output).to_vec()
     );
+}
+
+/// The GPU test's spatial cases (tests/spatial/cases.rs) built here first: for every case and
+/// op, the chunks the profiler times at the even chunk size (start, middle and end) and the
+/// chunks of the plans the GPU test runs (equal chunks of that size; 2, 3 and 7 uneven ones),
+/// as views of the full tensors. The fp32 NCHW cases' chunks are strided views of the rows.
+/// Every chunk graph must finalize or be declined as unsupported (never another error); the
+/// channels-last cases must be offered configurations that build at every chunk. What cuDNN
+/// takes of the strided views is printed, as the GPU test reports it (not asserted there).
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn spatial_chunks_of_the_gpu_test_build() {
+    use mucudnn::solver::spatial::{chunks, split_axis, timing_chunks, AxisGeometry};
+    enabled("spatial_chunks_of_the_gpu_test_build");
+    let device = device();
+    let all_modes = EngineSearch {
+        max_candidates: usize::MAX,
+        ..EngineSearch::default()
+    };
+    let mut failures = Vec::new();
+    let mut table = Vec::new();
+    for case in spatial::cases() {
+        let problem = case.problem;
+        let geometry = AxisGeometry::of(&problem, split_axis(&problem));
+        for op in ConvOp::ALL {
+            let extent = geometry.extent(op);
+            let size = spatial::even_chunk(extent);
+            let mut chunkings = vec![vec![size; (extent / size) as usize]];
+            chunkings.extend(spatial::uneven_chunkings(extent));
+            // The timed positions, then each plan's chunks: a group's first call has beta 0.
+            let mut groups = vec![timing_chunks(&geometry, op, size)];
+            for sizes in &chunkings {
+                groups.push(chunks(&geometry, op, sizes).unwrap());
+            }
+            let calls = groups
+                .iter()
+                .flat_map(|group| group.iter().filter(|c| c.has_call()).enumerate());
+            // (chunk views, with configurations, plans built of the first four of each)
+            let (mut views, mut offered, mut built) = (0, 0, 0);
+            for (i, chunk) in calls {
+                let what = format!("{} {op} {chunk:?}", case.label);
+                let view = ChunkShapes::new(&problem, chunk).unwrap();
+                views += 1;
+                let configs = match engine_configs_for_chunk_on_device(
+                    &device,
+                    &view,
+                    op,
+                    &all_modes,
+                    view.any_row_alignments(),
+                ) {
+                    Ok(configs) => configs,
+                    Err(e) if e.is_not_supported() => Vec::new(),
+                    Err(e) => {
+                        failures.push(format!("{what}: {e}"));
+                        continue;
+                    }
+                };
+                let count = build_first_chunk_plans(
+                    (&device, &view, op),
+                    &configs,
+                    i,
+                    &what,
+                    &mut failures,
+                );
+                built += count;
+                if count > 0 {
+                    offered += 1;
+                } else if !case.strided_rows {
+                    failures.push(format!("{what}: no configuration builds"));
+                }
+            }
+            table.push(format!(
+                "{:<40} {op:<11} chunk {size:>2} of {extent:>2}: {offered:>3} of {views:>3} \
+                 chunk views take an engine ({built} plans)",
+                case.label
+            ));
+        }
+    }
+    println!("{}", table.join("\n"));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Negative controls: the checks can fail. A wrong output size and swapped tensors are
@@ -1004,6 +1101,23 @@ fn child_probe() {
             })
         }
         "probe" => mucudnn::backend::cudnn::probe().map(|_| ()),
+        // The GPU entry points, first in a fresh process: each must call cuInit before any
+        // other driver call (the stub answers CUDA_ERROR_NOT_INITIALIZED to one out of order).
+        "handle" => mucudnn::backend::cudnn::CudnnHandle::new(0).map(|_| ()),
+        "tuner" => {
+            let mut tuner = std::ptr::null_mut();
+            // SAFETY: a valid out pointer; NULL options (the defaults).
+            let status =
+                unsafe { mucudnn::c_abi::mucudnnTunerCreate(&mut tuner, 0, std::ptr::null()) };
+            println!("CHILD-RESULT: error: {status:?}: {}", last_c_error());
+            return;
+        }
+        // The negative control: a driver call before cuInit, as a test once made.
+        "context-before-init" => {
+            let current = cudarc::driver::result::ctx::get_current();
+            println!("CHILD-RESULT: error: {current:?}");
+            return;
+        }
         other => panic!("unknown child action {other}"),
     };
     match result {
@@ -1011,6 +1125,18 @@ fn child_probe() {
         Err(e) if std::env::var(CHILD).is_ok() => println!("CHILD-RESULT: error: {e}"),
         Err(e) => panic!("the graph path with every library present: {e}"),
     }
+}
+
+/// The C ABI's last error on this thread.
+fn last_c_error() -> String {
+    let message = mucudnn::c_abi::mucudnnGetLastError();
+    if message.is_null() {
+        return String::new();
+    }
+    // SAFETY: mucudnn's last error is a NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(message) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn child_result(text: &str) -> &str {
@@ -1070,6 +1196,33 @@ fn missing_sub_library_is_an_error_naming_it() {
         let result = child_result(&text);
         assert!(result.contains(hidden), "{hidden}: {result}");
     }
+}
+
+/// The stub libcuda keeps the driver's state machine (every call before cuInit answers
+/// CUDA_ERROR_NOT_INITIALIZED), so a GPU entry point that calls the driver out of order fails
+/// here, in a fresh process, as it would on a GPU: each must fail for want of a device instead.
+/// The negative control makes such a call and gets the stub's answer.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn gpu_entry_points_initialise_the_driver_first() {
+    enabled("gpu_entry_points_initialise_the_driver_first");
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap();
+    for action in ["probe", "handle", "tuner"] {
+        let (status, text) = run_child(action, Path::new(&path));
+        assert!(
+            status.success(),
+            "{action}: the child died ({status}):\n{text}"
+        );
+        let result = child_result(&text);
+        assert!(
+            result.contains("CUDA_ERROR_NO_DEVICE") && !result.contains("NOT_INITIALIZED"),
+            "{action}: {result}"
+        );
+    }
+    let (status, text) = run_child("context-before-init", Path::new(&path));
+    assert!(status.success(), "the child died ({status}):\n{text}");
+    let result = child_result(&text);
+    assert!(result.contains("CUDA_ERROR_NOT_INITIALIZED"), "{result}");
 }
 
 #[test]

@@ -7,8 +7,17 @@
 //! (`the_callers_device_stays_current_across_gpus`). With one GPU the same restore is checked
 //! with no context current at all: afterwards there must still be none, not the GPU's primary
 //! context.
+//!
+//! The tests call the driver themselves (to set and read the current context), so they call
+//! `cuInit` first, as the driver requires of every process: cudarc's raw `result` layer does
+//! not, and the driver answers CUDA_ERROR_NOT_INITIALIZED before it. The cuDNN host tier
+//! (`MUCUDNN_CUDNN_HOST_TESTS=1`, docs/cudnn_host.md) runs the one-GPU tests against its stub
+//! libcuda, which keeps that state machine: there `cuInit` finds no device, and each test runs
+//! its driver calls up to the tuner's creation, which must fail for want of a device (not for a
+//! call out of order) and leave the caller's context (none) current.
 
 use cudarc::driver::result::{ctx, device, primary_ctx};
+use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use mucudnn::backend::cudnn::host::{random_values, reference_convolution};
 use mucudnn::c_abi::*;
@@ -20,19 +29,54 @@ fn c(text: &str) -> CString {
     CString::new(text).unwrap()
 }
 
-fn check(status: mucudnnStatus_t) {
-    if status != mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS {
-        // SAFETY: mucudnn's last error is a NUL-terminated string (or NULL).
-        let message = mucudnnGetLastError();
-        let text = if message.is_null() {
-            String::new()
-        } else {
-            // SAFETY: as above.
-            unsafe { CStr::from_ptr(message) }
-                .to_string_lossy()
-                .into_owned()
-        };
-        panic!("{status:?}: {text}");
+/// `Ok` for MUCUDNN_STATUS_SUCCESS, else the status and mucudnn's last error.
+fn status(status: mucudnnStatus_t) -> Result<(), String> {
+    if status == mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS {
+        return Ok(());
+    }
+    let message = mucudnnGetLastError();
+    let text = if message.is_null() {
+        String::new()
+    } else {
+        // SAFETY: mucudnn's last error is a NUL-terminated string.
+        unsafe { CStr::from_ptr(message) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    Err(format!("{status:?}: {text}"))
+}
+
+fn check(result: mucudnnStatus_t) {
+    if let Err(e) = status(result) {
+        panic!("{e}");
+    }
+}
+
+/// What the GPU tests run against.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Driver {
+    /// A driver with a GPU.
+    Gpu,
+    /// The cuDNN host tier's stub libcuda: initialised, no device.
+    Stub,
+}
+
+/// Initialises the CUDA driver, which every process must do before any other driver call
+/// (cudarc's `result` layer does not do it for us). On the host tier's stub the driver finds
+/// no device; anywhere else a failure fails the test, naming what it needs.
+fn init_driver() -> Driver {
+    match cudarc::driver::result::init() {
+        Ok(()) => Driver::Gpu,
+        Err(e)
+            if e.0 == CUresult::CUDA_ERROR_NO_DEVICE
+                && std::env::var("MUCUDNN_CUDNN_HOST_TESTS").as_deref() == Ok("1") =>
+        {
+            Driver::Stub
+        }
+        Err(e) => panic!(
+            "cuInit failed ({e:?}): this test needs a GPU, or the cuDNN host tier's stub libcuda \
+             with MUCUDNN_CUDNN_HOST_TESTS=1 (docs/cudnn_host.md)"
+        ),
     }
 }
 
@@ -105,19 +149,23 @@ fn forward_operands() -> ([i64; 15], [u64; 3]) {
     (dims, bytes)
 }
 
-/// A tuner on `device` with the problem tuned and its forward prepared: the tuner, the plan
-/// set and its forward workspace bytes. `around(what)` runs before and after every call
-/// (`what` is the call just made, `None` before it).
-fn tuned(
-    device: i32,
-    candidates: &str,
-    around: &dyn Fn(Option<&str>),
-) -> (mucudnnTuner_t, u64, u64) {
+/// Makes a tuner on `device` (`around` runs before and after the call, as in [`tuned`]).
+fn create(device: i32, around: &dyn Fn(Option<&str>)) -> Result<mucudnnTuner_t, String> {
     let mut tuner: mucudnnTuner_t = null_mut();
     around(None);
     // SAFETY: valid out pointer and options string.
-    check(unsafe { mucudnnTunerCreate(&mut tuner, device, c(r#"{"no_cache": true}"#).as_ptr()) });
+    let created = status(unsafe {
+        mucudnnTunerCreate(&mut tuner, device, c(r#"{"no_cache": true}"#).as_ptr())
+    });
     around(Some("mucudnnTunerCreate"));
+    created.map(|()| tuner)
+}
+
+/// `tuner` with the problem tuned (the forward alone, one undivided plan of at most 8 engine
+/// configurations: two fresh processes tune, and the step that runs them has a cap) and its
+/// forward prepared: the plan set and its forward workspace bytes. `around(what)` runs before
+/// and after every call (`what` is the call just made, `None` before it).
+fn tuned(tuner: mucudnnTuner_t, candidates: &str, around: &dyn Fn(Option<&str>)) -> (u64, u64) {
     let mut out: *mut c_char = null_mut();
     around(None);
     // SAFETY: a live tuner, valid strings and out pointer.
@@ -127,7 +175,8 @@ fn tuned(
             c("ctx").as_ptr(),
             c(PROBLEM).as_ptr(),
             c(&format!(
-                r#"{{"workspace_limit": "8MiB", "ops": ["fwd"], "candidates": "{candidates}"}}"#
+                r#"{{"workspace_limit": "8MiB", "ops": ["fwd"], "candidates": "{candidates}",
+                    "policy": "undivided", "max_candidates": 8}}"#
             ))
             .as_ptr(),
             &mut out,
@@ -143,7 +192,7 @@ fn tuned(
         mucudnnTunerPrepare(tuner, c(&plans).as_ptr(), &mut id, workspace.as_mut_ptr())
     });
     around(Some("mucudnnTunerPrepare"));
-    (tuner, id, workspace[0])
+    (id, workspace[0])
 }
 
 /// The forward of the prepared set `id` over `x`, `w` and `y` (host or device pointers, as
@@ -186,8 +235,14 @@ unsafe fn execute_forward(
 /// Tunes a small conv on `ordinal` and runs its forward with `caller` current before each
 /// call, asserting that `caller` is current after each, and that the result is right.
 /// `candidates` as the settings name them ("all", "legacy", "engines"): with "engines" the
-/// plans hold graph-API execution plans, whose destruction binds the GPU's context.
-fn run_with_current(ordinal: usize, caller: cudarc::driver::sys::CUcontext, candidates: &str) {
+/// plans hold graph-API execution plans, whose destruction binds the GPU's context. On the
+/// host tier's stub (`driver`), the tuner's creation must fail for want of a device.
+fn run_with_current(
+    driver: Driver,
+    ordinal: usize,
+    caller: cudarc::driver::sys::CUcontext,
+    candidates: &str,
+) {
     let set = |context| {
         // SAFETY: `context` is null (unbind) or a live context.
         unsafe { ctx::set_current(context) }.unwrap()
@@ -207,7 +262,20 @@ fn run_with_current(ordinal: usize, caller: cudarc::driver::sys::CUcontext, cand
             );
         }
     };
-    let (tuner, id, workspace_bytes) = tuned(ordinal as i32, candidates, &around);
+    let tuner = match (driver, create(ordinal as i32, &around)) {
+        (Driver::Gpu, Ok(tuner)) => tuner,
+        (Driver::Gpu, Err(e)) => panic!("mucudnnTunerCreate: {e}"),
+        (Driver::Stub, Err(e)) => {
+            assert!(
+                e.contains("CUDA_ERROR_NO_DEVICE"),
+                "on the stub libcuda a tuner fails for want of a device, not with: {e}"
+            );
+            println!("the stub libcuda: driver calls in order; mucudnnTunerCreate: {e}");
+            return;
+        }
+        (Driver::Stub, Ok(_)) => panic!("a CUDA tuner was made on the stub libcuda"),
+    };
+    let (id, workspace_bytes) = tuned(tuner, candidates, &around);
 
     let gpu = CudaContext::new(ordinal).unwrap();
     let stream = gpu.new_stream().unwrap();
@@ -253,7 +321,8 @@ fn run_with_current(ordinal: usize, caller: cudarc::driver::sys::CUcontext, cand
 /// settings, dims and bytes, so CI runs what the GPU-only tests pass to the ABI.
 #[test]
 fn cpu_twin_of_the_context_tests_runs_the_same_calls() {
-    let (tuner, id, workspace_bytes) = tuned(MUCUDNN_DEVICE_CPU, "all", &|_| {});
+    let tuner = create(MUCUDNN_DEVICE_CPU, &|_| {}).unwrap();
+    let (id, workspace_bytes) = tuned(tuner, "all", &|_| {});
     let (mut x, mut w, y_len) = host_operands();
     let mut y = vec![f32::NAN; y_len];
     // Host workspace: 4-byte aligned, as the ABI asks of a CPU tuner's.
@@ -304,25 +373,25 @@ fn cpu_twin_of_the_context_tests_runs_the_same_calls() {
 #[test]
 #[ignore = "needs a GPU: a CUDA tuner binds device 0's context and must unbind it again"]
 fn no_current_context_stays_none() {
-    run_with_current(0, null_mut(), "all");
+    run_with_current(init_driver(), 0, null_mut(), "all");
 }
 
 #[test]
 #[ignore = "needs a GPU: engine plans bind device 0's context to be destroyed and must unbind it"]
 fn engine_plans_are_destroyed_in_the_callers_context() {
-    run_with_current(0, null_mut(), "engines");
+    run_with_current(init_driver(), 0, null_mut(), "engines");
 }
 
 #[test]
 #[ignore = "needs two GPUs: a forward on device 1 while device 0's context is current"]
 fn the_callers_device_stays_current_across_gpus() {
-    cudarc::driver::result::init().unwrap();
+    let driver = init_driver();
     let count = device::get_count().unwrap();
     assert!(count >= 2, "this test needs two GPUs, found {count}");
     let zero = device::get(0).unwrap();
     // SAFETY: a valid device; the retained primary context is released below.
     let caller = unsafe { primary_ctx::retain(zero) }.unwrap();
-    run_with_current(1, caller, "all");
+    run_with_current(driver, 1, caller, "all");
     // SAFETY: retained above.
     unsafe { primary_ctx::release(zero) }.unwrap();
 }

@@ -14,6 +14,9 @@ use mucudnn::exec::cudnn::PreparedPlan;
 use mucudnn::solver::{operand_roles, Operand};
 use mucudnn::solver::{Algo, ConvOp, ConvProblem, DType, Layout, MathMode, MicroBatch, Plan};
 
+#[path = "spatial/cases.rs"]
+mod spatial;
+
 fn plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: u32) -> Plan {
     Plan {
         layer: "gpu-test".into(),
@@ -697,15 +700,6 @@ fn engine_transforms(handle: &CudnnHandle, problem: &ConvProblem, op: ConvOp, al
         .is_some_and(|plan| plan.notes().fft || plan.notes().winograd)
 }
 
-/// The chunk size of `extent` rows whose equal chunks tile it exactly, in at least two
-/// chunks: a size the profiler times at every position a plan of it runs (start, middle,
-/// end), so its configurations build there. 1 for a prime extent.
-fn even_chunk(extent: i64) -> i64 {
-    (2..=extent)
-        .find(|d| extent % d == 0)
-        .map_or(1, |d| extent / d)
-}
-
 /// A spatial plan: chunks of `sizes` rows along the split axis, all with `algo`.
 fn spatial_plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: Algo) -> Plan {
     Plan {
@@ -723,17 +717,6 @@ fn spatial_plan(problem: ConvProblem, op: ConvOp, sizes: &[i64], algo: Algo) -> 
     }
 }
 
-/// Uneven chunkings of `extent` rows into 2, 3 and 7 chunks (`extent` >= 10).
-fn uneven_chunkings(extent: i64) -> [Vec<i64>; 3] {
-    let mut seven = vec![1, 3, 2, 1, 2, 1];
-    seven.push(extent - seven.iter().sum::<i64>());
-    [
-        vec![extent / 3, extent - extent / 3],
-        vec![2, extent / 2, extent - 2 - extent / 2],
-        seven,
-    ]
-}
-
 /// Spatial splits on the GPU: plans of equal chunks of a measured chunk size, and of 2, 3 and 7
 /// uneven chunks (views of the full tensors at pointer offsets, one-sided padding at the
 /// borders), match the float64 host reference in every op (backward-filter sums its chunks
@@ -745,7 +728,10 @@ fn uneven_chunkings(extent: i64) -> [Vec<i64>; 3] {
 /// configuration need not build at the other chunk shapes, nor undivided. Cases:
 /// 2-D fp16 NHWC 3x3 pad 1, 3-D fp16 NDHWC 3x3x3 pad 1 stride 2, 2-D fp32 NCHW dilation 2
 /// stride 2 with padding larger than the halo, and a 1x1 stride-3 layer whose backward-data
-/// leaves rows no window reaches (written as zeros over the garbage the output starts with).
+/// leaves rows no window reaches (written as zeros over the garbage the output starts with)
+/// (tests/spatial/cases.rs). The two fp32 NCHW cases' chunks are strided views of the rows:
+/// where no engine takes them at the chunk size, that is reported, not asserted (the host tier
+/// builds those views first and reports what cuDNN takes).
 #[test]
 #[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
 fn spatial_plans_equal_undivided_and_the_host_reference() {
@@ -753,54 +739,6 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
     use mucudnn::backend::{Backend, CudnnBackend, EngineSearch, Selection, TimingSettings};
     use mucudnn::solver::spatial::{split_axis, timing_chunks, AxisGeometry, SplitDim};
     use mucudnn::solver::AlgoKind;
-    let fp16 = |p: ConvProblem| ConvProblem {
-        dtype: DType::Fp16,
-        layout: Layout::Nhwc,
-        math: MathMode::TensorOp,
-        ..p
-    };
-    let cases = [
-        (
-            "2d fp16 nhwc 3x3 pad 1",
-            fp16(ConvProblem {
-                pad_h: 1,
-                pad_w: 1,
-                ..ConvProblem::new(1, 16, 23, 20, 32, 3, 3)
-            }),
-        ),
-        (
-            "3d fp16 ndhwc 3x3x3 pad 1 stride 2",
-            fp16(ConvProblem {
-                pad_d: 1,
-                pad_h: 1,
-                pad_w: 1,
-                stride_d: 2,
-                stride_h: 2,
-                stride_w: 2,
-                ..ConvProblem::new_3d(1, 8, 25, 10, 10, 16, 3, 3, 3)
-            }),
-        ),
-        (
-            "2d fp32 nchw dilation 2 stride 2 pad 3",
-            ConvProblem {
-                pad_h: 3,
-                pad_w: 1,
-                stride_h: 2,
-                dilation_h: 2,
-                math: MathMode::Fma,
-                ..ConvProblem::new(2, 8, 31, 17, 8, 3, 3)
-            },
-        ),
-        (
-            "2d fp32 nchw 1x1 stride 3",
-            ConvProblem {
-                stride_h: 3,
-                stride_w: 3,
-                math: MathMode::Fma,
-                ..ConvProblem::new(1, 8, 40, 12, 8, 1, 1)
-            },
-        ),
-    ];
     let mut backend = CudnnBackend::new(0).expect("a GPU");
     assert!(
         backend.kinds().contains(&AlgoKind::Engine),
@@ -817,7 +755,8 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
         ..Default::default()
     };
     let mut rows = Vec::new();
-    for (label, problem) in cases {
+    for case in spatial::cases() {
+        let (label, problem) = (case.label, case.problem);
         let d = ConvDescriptors::new(&problem).expect("descriptors");
         let len = |role| d.shapes().elements(role);
         let handle = backend.handle();
@@ -826,7 +765,7 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
         let host: Vec<Vec<f32>> = inputs.iter().map(|b| b.download().unwrap()).collect();
         for op in ConvOp::ALL {
             let extent = SplitDim::Spatial.extent(&problem, op);
-            let size = even_chunk(extent);
+            let size = spatial::even_chunk(extent);
             let measured = backend
                 .measure(
                     &mucudnn::solver::MeasureKey::new(
@@ -844,6 +783,15 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
                 )
                 .expect("spatial measurement of a chunk size")
                 .measurements;
+            if measured.is_empty() && case.strided_rows {
+                // Strided chunk views (NCHW rows): cuDNN need not take them, and the host
+                // tier (`spatial_chunks_of_the_gpu_test_build`) reports which it does.
+                rows.push(format!(
+                    "{label} {op}: no engine configuration ran at chunk size {size} of \
+                     {extent} (strided NCHW chunk views; reported, not a failure)"
+                ));
+                continue;
+            }
             assert!(
                 !measured.is_empty(),
                 "{label} {op}: no engine ran at chunk size {size} of {extent}"
@@ -889,7 +837,7 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
                 }
                 let even = vec![size; (extent / size) as usize];
                 let mut chunkings = vec![even.clone()];
-                chunkings.extend(uneven_chunkings(extent));
+                chunkings.extend(spatial::uneven_chunkings(extent));
                 for sizes in chunkings {
                     let p = spatial_plan(problem, op, &sizes, m.algo);
                     // A configuration need not build at every chunk shape (`run` says so),

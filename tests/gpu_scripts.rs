@@ -3,9 +3,12 @@
 //! `build.sh` puts there, `build.sh` makes the git folder it writes its exclude line into,
 //! every part `accept.sh` lists has its steps, fits a 15-minute GPU window (first-contact's
 //! step caps add up to 300 s at most, every other part's to its 5 minutes) and is in
-//! docs/gpu.md, `accept.sh --check` passes on a `.gpu` made from a fixture tree (and fails when
-//! a file or a selected test is missing), no test script masks a failing command, and only
-//! `libs.sh` chooses the libcudnn. Runs in CI without a GPU.
+//! docs/gpu.md, `accept.sh --check` and `accept.sh window --check` pass on a `.gpu` made from a
+//! fixture tree (and fail when a file or a selected test is missing or renamed), a named Rust
+//! test that runs nothing fails its step, `accept.sh window` runs on past a failing part and
+//! stops before a part whose caps would pass its time, no test script masks a failing command,
+//! only `libs.sh` chooses the libcudnn and it finds the cuBLASLt cuDNN's gate needs. Runs in CI
+//! without a GPU.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -412,6 +415,7 @@ for b in mucudnn lib-tests gpu-tests gpu-engines gpu-teardown current-context; d
 done
 tar -cJf .gpu/binaries.tar.xz -C stub .
 rm -r stub
+echo first-contact > .gpu/parts.txt
 ln -s "$repo/tests" tests
 ln -s "$repo/src" src
 "#;
@@ -430,10 +434,24 @@ ln -s "$repo/src" src
 
     /// `bash .gpu/accept.sh --check ARGS...` from the folder above .gpu: (passed, output).
     fn check(&self, args: &[&str]) -> (bool, String) {
+        let mut all = vec!["--check"];
+        all.extend(args);
+        self.accept(&all, &[])
+    }
+
+    /// `bash .gpu/accept.sh ARGS...` from the folder above .gpu, with `env` set and a stand-in
+    /// `nvidia-smi` (an H200) first on PATH: (passed, output).
+    fn accept(&self, args: &[&str], env: &[(&str, &Path)]) -> (bool, String) {
+        let bin = self.0.join("fake-bin");
+        if !bin.join("nvidia-smi").exists() {
+            self.nvidia_smi("");
+        }
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
         let done = Command::new("bash")
             .arg(".gpu/accept.sh")
-            .arg("--check")
             .args(args)
+            .env("PATH", path)
+            .envs(env.iter().copied())
             .current_dir(&self.0)
             .output()
             .unwrap();
@@ -443,6 +461,24 @@ ln -s "$repo/src" src
             String::from_utf8_lossy(&done.stderr)
         );
         (done.status.success(), text)
+    }
+
+    /// The stand-in `nvidia-smi` (an H200), running `before` first.
+    fn nvidia_smi(&self, before: &str) {
+        let bin = self.0.join("fake-bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        write_script(
+            &bin.join("nvidia-smi"),
+            &format!("#!/bin/sh\n{before}\necho 'NVIDIA H200, 580.95.05, 143771 MiB'\n"),
+        );
+    }
+
+    /// Replaces `from` by `to` in the fixture's copy of `relative`.
+    fn edit(&self, relative: &str, from: &str, to: &str) {
+        let path = self.path(relative);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(from), "{relative} has no {from:?}");
+        std::fs::write(&path, text.replace(from, to)).unwrap();
     }
 
     fn path(&self, relative: &str) -> PathBuf {
@@ -461,8 +497,8 @@ fn check_passes_on_a_complete_first_contact_folder() {
     let fixture = Fixture::new("complete");
     let (passed, text) = fixture.check(&["first-contact"]);
     assert!(passed, "{text}");
-    // Every selection was checked: the 19 pytest ids and the Rust tests of four executables.
-    assert!(text.contains("19 pytest ids by"), "{text}");
+    // Every selection was checked: the 18 pytest ids and the Rust tests of four executables.
+    assert!(text.contains("18 pytest ids by"), "{text}");
     for binary in ["lib-tests", "gpu-tests", "gpu-teardown", "current-context"] {
         assert!(text.contains(&format!("Rust tests by {binary}")), "{text}");
     }
@@ -541,4 +577,437 @@ fn every_parts_step_caps_fit_five_minutes() {
         first.contains(" 11 steps, "),
         "first-contact's steps: {first}"
     );
+}
+
+/// Writes an executable script.
+fn write_script(path: &Path, text: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// A Rust test name the steps select that no longer exists (a test renamed, or moved to
+/// another module: the `wall` part once named `ffi::tuner::...` after the module became
+/// `c_abi`) fails the check, whether the names come from the sources or from `--list`.
+#[test]
+fn check_fails_on_a_renamed_rust_test() {
+    let fixture = Fixture::new("renamed-rust");
+    fixture.edit(
+        ".gpu/accept.sh",
+        "c_abi::tuner::tests::gpu_tune_leaves_no_measuring_backend",
+        "ffi::tuner::tests::gpu_tune_leaves_no_measuring_backend",
+    );
+    let (passed, text) = fixture.check(&["wall"]);
+    assert!(!passed, "{text}");
+    assert!(
+        text.contains("no test ffi::tuner::tests::gpu_tune_leaves_no_measuring_backend"),
+        "{text}"
+    );
+
+    // From `--list` (a test executable that runs here): a stand-in listing all but one.
+    let fixture = Fixture::new("renamed-list");
+    let stub = fixture.path("stub");
+    std::fs::create_dir_all(&stub).unwrap();
+    write_script(
+        &stub.join("current-context"),
+        "#!/bin/sh\n[ \"$1\" = --list ] || exit 1\n\
+         echo 'no_current_context_stays_none: test'\n\
+         echo 'the_callers_device_stays_current_across_gpus: test'\n",
+    );
+    let done = Command::new("bash")
+        .args([
+            "-c",
+            "tar -xJf .gpu/binaries.tar.xz -C stub ./lib-tests ./gpu-tests \
+             ./gpu-teardown ./mucudnn ./gpu-engines && tar -cJf .gpu/binaries.tar.xz -C stub .",
+        ])
+        .current_dir(&fixture.0)
+        .output()
+        .unwrap();
+    assert!(done.status.success(), "{done:?}");
+    let (passed, text) = fixture.check(&["first-contact"]);
+    assert!(!passed, "{text}");
+    assert!(
+        text.contains(
+            "current-context --list has no test engine_plans_are_destroyed_in_the_callers_context"
+        ),
+        "{text}"
+    );
+    assert!(
+        !text.contains("has no test no_current_context_stays_none"),
+        "{text}"
+    );
+}
+
+/// A Rust test executable runs only through accept.sh's `rust_tests`, which fails a run of no
+/// test, or of fewer than it names with `--exact` (libtest passes both: a silent pass).
+#[test]
+fn a_named_test_that_runs_nothing_fails_its_step() {
+    let accept = std::fs::read_to_string(root().join("scripts/gpu/accept.sh")).unwrap();
+    let start = accept
+        .find("\nrust_tests() {")
+        .expect("rust_tests in accept.sh");
+    let end = start + accept[start..].find("\n}\n").unwrap() + 3;
+    let function = &accept[start..end];
+    let dir = std::env::temp_dir().join(format!("mucudnn-rust-tests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A stand-in test executable that runs the tests named in $RAN, as libtest prints them.
+    let binary = dir.join("tests");
+    write_script(
+        &binary,
+        "#!/bin/sh\nset -- $RAN\necho \"running $# tests\"\n\
+         for t in \"$@\"; do echo \"test $t ... ok\"; done\n\
+         echo \"test result: ok. $# passed; 0 failed\"\n",
+    );
+    let run = |ran: &str, args: &str| {
+        let script = format!("{function}\nrust_tests {} {args}", binary.display());
+        Command::new("bash")
+            .args(["-c", &script])
+            .env("RAN", ran)
+            .output()
+            .unwrap()
+    };
+    let text = |o: &std::process::Output| String::from_utf8_lossy(&o.stdout).into_owned();
+    let all = run("a b", "--exact a b");
+    assert!(all.status.success(), "{}", text(&all));
+    let none = run("", "--exact renamed");
+    assert!(!none.status.success(), "{}", text(&none));
+    assert!(text(&none).contains("ran no test"), "{}", text(&none));
+    let some = run("a", "--exact a renamed --skip other");
+    assert!(!some.status.success(), "{}", text(&some));
+    assert!(
+        text(&some).contains("ran 1 of the 2 tests it names; not run: renamed"),
+        "{}",
+        text(&some)
+    );
+    let filtered = run("x", "module --skip other");
+    assert!(filtered.status.success(), "{}", text(&filtered));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Every test executable a part runs goes through it (check_part.py refuses the others).
+    for line in accept.lines() {
+        for binary in [
+            "lib-tests",
+            "gpu-tests",
+            "gpu-engines",
+            "gpu-teardown",
+            "current-context",
+        ] {
+            if line.contains(&format!("$G/{binary} ")) {
+                assert!(line.contains(&format!("rust_tests $G/{binary} ")), "{line}");
+            }
+        }
+    }
+}
+
+/// `accept.sh window --check` checks every part the window may reach (first-contact and the
+/// parts .gpu was built for) and that each fits the window's seconds.
+#[test]
+fn window_check_covers_every_part_it_may_reach() {
+    let fixture = Fixture::new("window-check");
+    let (passed, text) = fixture.check(&["window"]);
+    // (`--check window`, as `window --check`)
+    assert!(passed, "{text}");
+    assert!(text.contains("first-contact: ok"), "{text}");
+    assert!(
+        text.contains("window: 1 parts it may reach in 540 s: first-contact"),
+        "{text}"
+    );
+    std::fs::write(fixture.path(".gpu/parts.txt"), "first-contact\nwall\n").unwrap();
+    let (passed, text) = fixture.accept(&["window", "--check"], &[]);
+    assert!(passed, "{text}");
+    assert!(
+        text.contains("wall: ok") && text.contains("window: ok"),
+        "{text}"
+    );
+    // A window too short for first-contact's caps can never run it.
+    let (passed, text) = fixture.accept(&["window", "--check", "200"], &[]);
+    assert!(!passed, "{text}");
+    assert!(
+        text.contains(
+            "first-contact: its caps (300 s) and summary (10 s) exceed the window's 200 s"
+        ),
+        "{text}"
+    );
+    // What the window reaches is checked like any part: a missing file fails it.
+    std::fs::remove_file(fixture.path(".gpu/libs.sh")).unwrap();
+    let (passed, _) = fixture.accept(&["window", "--check"], &[]);
+    assert!(!passed);
+}
+
+/// The window's JSON summary, read back.
+fn window_json(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("window.json")).unwrap()).unwrap()
+}
+
+/// (part, status) of each part the window recorded.
+fn window_parts(doc: &serde_json::Value) -> Vec<(String, String)> {
+    doc["parts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["part"].as_str().unwrap().to_string(),
+                p["status"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// On the CPU every part fails at once (no libcudnn here): the window still runs the next
+/// part, writes each one's summary, table, log and files under $OUT (four files: the device
+/// tool brings back eight at most), and exits non-zero.
+#[test]
+fn a_failing_part_does_not_stop_the_window() {
+    let fixture = Fixture::new("window-run");
+    std::fs::write(fixture.path(".gpu/parts.txt"), "first-contact\nwall\n").unwrap();
+    let out = fixture.path("out");
+    let (passed, text) = fixture.accept(&["window", "600"], &[("OUT", &out)]);
+    assert!(!passed, "{text}");
+    let doc = window_json(&out);
+    assert_eq!(
+        window_parts(&doc),
+        [
+            ("first-contact".to_string(), "FAILED".to_string()),
+            ("wall".to_string(), "FAILED".to_string())
+        ],
+        "{text}"
+    );
+    assert_eq!(doc["gpu"], "NVIDIA H200, 580.95.05, 143771 MiB");
+    let first = &doc["parts"][0];
+    assert_eq!(first["failed"]["step"], "one libcudnn (libs.sh)", "{first}");
+    assert!(
+        first["failed"]["last_lines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l.as_str().unwrap().contains("libcudnn")),
+        "{first}"
+    );
+    assert!(doc["suggested_dir"].as_str().unwrap().ends_with("-h200"));
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "window-files.tar",
+            "window.json",
+            "window.log",
+            "window.txt"
+        ]
+    );
+    let table = std::fs::read_to_string(out.join("window.txt")).unwrap();
+    for needle in [
+        "first-contact",
+        "wall",
+        "one libcudnn (libs.sh)",
+        "window: FAILED",
+    ] {
+        assert!(table.contains(needle), "{needle}: {table}");
+    }
+    assert!(text.contains(&table), "the table is printed last:\n{text}");
+}
+
+/// The window stops before a part whose caps (and its summary's 10 s) would pass the time
+/// left, and records it and every later part as not run; a part already passed on this kind
+/// of GPU (.gpu/passed.json, from benches/gpu/) is skipped.
+#[test]
+fn the_window_stops_before_a_part_whose_caps_exceed_its_time() {
+    let fixture = Fixture::new("window-budget");
+    std::fs::write(
+        fixture.path(".gpu/parts.txt"),
+        "first-contact\nwall\nwall-engines\n",
+    )
+    .unwrap();
+    let out = fixture.path("out");
+    // 311 s: first-contact (300 s of caps, and 10 for its summary) runs. Its nvidia-smi hangs
+    // until the step's cap (20 s) ends it, so 291 s at most are left, and wall (282 + 10 s)
+    // does not fit.
+    fixture.nvidia_smi("sleep 60");
+    let (passed, text) = fixture.accept(&["window", "311"], &[("OUT", &out)]);
+    assert!(!passed, "{text}");
+    let doc = window_json(&out);
+    let parts = window_parts(&doc);
+    assert_eq!(
+        parts[0],
+        ("first-contact".into(), "FAILED".into()),
+        "{text}"
+    );
+    assert!(
+        parts[1].0 == "wall" && parts[1].1.starts_with("not run: the window's time"),
+        "{parts:?}"
+    );
+    assert!(
+        parts[1].1.contains("wall needs its caps (282 s)"),
+        "{parts:?}"
+    );
+    assert!(
+        parts[2].0 == "wall-engines" && parts[2].1.starts_with("not run"),
+        "{parts:?}"
+    );
+    let first = &doc["parts"][0];
+    assert!(
+        first["warnings"][0]
+            .as_str()
+            .unwrap()
+            .contains("nvidia-smi: FAILED: out of time (cap 20 s)"),
+        "{first}"
+    );
+    // A part passed on this GPU (an H200 here) is skipped, and the next one runs.
+    fixture.nvidia_smi("");
+    std::fs::write(
+        fixture.path(".gpu/passed.json"),
+        r#"[{"part": "wall", "gpu_name": "NVIDIA H200", "where": "benches/gpu/x/window.json"},
+            {"part": "wall-engines", "gpu_name": "NVIDIA H100 80GB HBM3", "where": "y"}]"#,
+    )
+    .unwrap();
+    let (_, text) = fixture.accept(&["window", "600"], &[("OUT", &out)]);
+    let parts = window_parts(&window_json(&out));
+    assert_eq!(
+        parts[1],
+        (
+            "wall".into(),
+            "skipped: passed on NVIDIA H200 (benches/gpu/x/window.json)".into()
+        ),
+        "{text}"
+    );
+    assert_eq!(parts[2], ("wall-engines".into(), "FAILED".into()), "{text}");
+}
+
+/// libs.sh looks for the cuBLASLt cuDNN's gate loads (libcublasLt.so.13 for PyTorch's CUDA 13),
+/// not any libcublas: a system CUDA 12 cuBLAS must not hide the wheel's.
+#[test]
+fn libs_sh_finds_the_cublaslt_the_gate_needs() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-libs-sh-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let site = dir.join("site");
+    let lib = site.join("nvidia/cu13/lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::create_dir_all(site.join("torch")).unwrap();
+    std::fs::write(lib.join("libcublasLt.so.13"), "").unwrap();
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    // PyTorch's site and CUDA major, and a loader that knows a system CUDA 12 cuBLAS.
+    write_script(
+        &bin.join("python3"),
+        &format!("#!/bin/sh\nprintf '%s\\n13\\n' '{}'\n", site.display()),
+    );
+    write_script(
+        &bin.join("ldconfig"),
+        "#!/bin/sh\necho '\tlibcublas.so.12 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcublas.so.12'\n\
+         echo '\tlibcublas.so (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcublas.so'\n",
+    );
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let done = Command::new("bash")
+        .args([
+            "-c",
+            "source \"$1\" && echo \"MUCUDNN_CUBLASLT=$MUCUDNN_CUBLASLT\"",
+            "libs",
+            root().join("scripts/gpu/libs.sh").to_str().unwrap(),
+        ])
+        .env(
+            "PATH",
+            format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+        )
+        .env("OUT", &out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&done.stdout);
+    assert!(done.status.success(), "{done:?}");
+    assert!(
+        stdout.contains("MUCUDNN_CUBLASLT=libcublasLt.so.13"),
+        "{stdout}"
+    );
+    let libraries = std::fs::read_to_string(out.join("libraries.txt")).unwrap();
+    assert!(
+        libraries.contains(&format!(
+            "libcublasLt.so.13: {}/libcublasLt.so.13 (PyTorch's wheel",
+            lib.display()
+        )),
+        "{libraries}"
+    );
+    assert!(!libraries.contains("libcublas.so.12"), "{libraries}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every mucudnn layer test_torch_cuda.py makes bounds its tuning (a GPU window is short):
+/// `max_candidates` given, or made through `pair`, which sets it.
+#[test]
+fn the_cuda_tests_bound_their_tuning() {
+    let file = root().join("python/tests/test_torch_cuda.py");
+    let check = r#"
+import ast, sys
+tree = ast.parse(open(sys.argv[1]).read())
+pair = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "pair")
+assert 'options.setdefault("max_candidates"' in ast.get_source_segment(open(sys.argv[1]).read(), pair)
+layers = 0
+for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and any(k.arg == "cache" for k in node.keywords):
+        layers += 1
+        names = {k.arg for k in node.keywords}
+        inside_pair = pair.lineno <= node.lineno <= pair.end_lineno
+        assert "max_candidates" in names or inside_pair, f"line {node.lineno}: unbounded tuning"
+assert layers >= 3, layers
+print(layers, "layer constructions bounded")
+"#;
+    let done = Command::new("python3")
+        .args(["-c", check, file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+}
+
+/// What build.sh gives the window as passed (.gpu/passed.json): each part a window under
+/// benches/gpu/ recorded as passed, and each single part's summary that passed, by GPU name;
+/// failed and not-run parts are not.
+#[test]
+fn build_collects_the_passed_parts_from_benches_gpu() {
+    let dir = std::env::temp_dir().join(format!("mucudnn-collect-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let window = dir.join("benches/gpu/2026-01-02-h200");
+    let single = dir.join("benches/gpu/2026-01-01-h100-80gb-hbm3");
+    std::fs::create_dir_all(&window).unwrap();
+    std::fs::create_dir_all(&single).unwrap();
+    std::fs::write(
+        window.join("window.json"),
+        r#"{"gpu": "NVIDIA H200, 580.95.05, 143771 MiB", "budget_s": 540, "parts": [
+            {"part": "first-contact", "status": "passed"}, {"part": "torch", "status": "FAILED"},
+            {"part": "wall", "status": "not run: the window's time"}]}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        single.join("c-abi.json"),
+        r#"{"part": "c-abi", "passed": true, "gpu": "NVIDIA H100 80GB HBM3, 580.65.06, 81559 MiB"}"#,
+    )
+    .unwrap();
+    let done = Command::new("python3")
+        .arg(root().join("scripts/gpu/summary.py"))
+        .args(["collect", "benches/gpu", "passed.json"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(done.status.success(), "{done:?}");
+    let passed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("passed.json")).unwrap()).unwrap();
+    let got: Vec<(&str, &str)> = passed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["part"].as_str().unwrap(), r["gpu_name"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("c-abi", "NVIDIA H100 80GB HBM3"),
+            ("first-contact", "NVIDIA H200")
+        ]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -12,19 +12,17 @@ use mucudnn::backend::cudnn::{
     RawWorkspace,
 };
 use mucudnn::exec::cudnn::{parked_plans, PreparedPlan};
-use mucudnn::solver::{Algo, ConvOp, ConvProblem, DType, MicroBatch, Plan};
+use mucudnn::solver::{Algo, ConvOp, ConvProblem, DType, MathMode, MicroBatch, Plan};
 use std::sync::Arc;
 
-/// A forward convolution heavy enough that 20 calls are still running when the host returns
-/// (about 15 GFLOP each), split in four micro-batches: two legacy IMPLICIT_GEMM (no
-/// workspace) and, where the graph API is there, two of an engine configuration without
-/// workspace.
+/// A forward convolution heavy enough that 20 calls are still running when the host returns,
+/// on any GPU: about 59 GFLOP a call in fp32 with FMA math (TF32 tensor cores would run it in
+/// well under a millisecond on an H100 or H200, while queueing a call's four micro-batches
+/// costs the host tens of microseconds), split in four micro-batches: two legacy
+/// IMPLICIT_GEMM (no workspace) and, where the graph API is there, two of an engine
+/// configuration without workspace.
 fn plan(handle: &CudnnHandle) -> Plan {
-    let problem = ConvProblem {
-        pad_h: 1,
-        pad_w: 1,
-        ..ConvProblem::new(64, 64, 56, 56, 64, 3, 3)
-    };
+    let problem = control_problem();
     let micro = problem.with_batch(16);
     let engine = engine_configs(handle, &micro, ConvOp::Forward, &EngineSearch::default())
         .ok()
@@ -59,6 +57,31 @@ fn plan(handle: &CudnnHandle) -> Plan {
             })
             .collect(),
     }
+}
+
+/// The convolution `plan` splits (see there).
+fn control_problem() -> ConvProblem {
+    ConvProblem {
+        pad_h: 1,
+        pad_w: 1,
+        math: MathMode::Fma,
+        ..ConvProblem::new(64, 128, 56, 56, 128, 3, 3)
+    }
+}
+
+/// A forward problem's work in GFLOP (two per multiply-add).
+fn gflop(p: &ConvProblem) -> f64 {
+    let (out_h, out_w) = p.output_hw();
+    2.0 * (p.n * p.k * out_h * out_w * p.c / p.groups * p.r * p.s) as f64 / 1e9
+}
+
+/// On the CPU, what the GPU test's control stands on: no TF32, and work enough that a call
+/// takes about a millisecond even at the FP32 rate of an H200 (about 60 TFLOP/s).
+#[test]
+fn the_control_problem_is_heavy_and_has_no_tf32() {
+    let problem = control_problem();
+    assert_eq!(problem.math, MathMode::Fma);
+    assert!(gflop(&problem) > 50.0, "{}", gflop(&problem));
 }
 
 struct Operands {
@@ -164,7 +187,8 @@ fn releasing_a_plan_waits_for_the_callers_stream() {
     // The control: the work is still queued when the calls return (nothing waited).
     assert!(
         !stream_done(&stream),
-        "20 calls finished before the host returned: make the problem larger"
+        "20 calls of {:.0} GFLOP finished before the host returned: make the problem larger",
+        gflop(&plan.problem)
     );
     let parked = parked_plans();
     drop(prepared);

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import mucudnn
 import mucudnn.torch as mt
 from mucudnn import Tuner
+from mucudnn.torch import _keys as mt_keys
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -159,6 +160,53 @@ def test_tf32_and_determinism_switches_are_part_of_the_plan(monkeypatch):
     assert sorted((r.math, r.deterministic) for r in reports) == [
         ("default", False), ("default", True), ("fma", False)
     ]
+
+
+@pytest.fixture
+def fp32_precision_restored():
+    """PyTorch's TF32 settings as they were, after a test that sets them through the
+    ``fp32_precision`` API (each setter also sets the settings below it)."""
+    cudnn = torch.backends.cudnn
+    if not hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
+        pytest.skip(f"torch {torch.__version__} has no fp32_precision API")
+    saved = (torch.backends.fp32_precision, cudnn.fp32_precision, cudnn.conv.fp32_precision,
+             cudnn.rnn.fp32_precision, cudnn.allow_tf32)
+    yield
+    torch.backends.fp32_precision, cudnn.fp32_precision = saved[:2]
+    cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = saved[2:4]
+    cudnn.allow_tf32 = saved[4]
+    assert cudnn.allow_tf32 == saved[4]  # readable again: the settings agree
+
+
+def test_tf32_switch_set_through_fp32_precision(monkeypatch, fp32_precision_restored):
+    """A precision set through PyTorch's newer API makes the legacy ``allow_tf32`` getter
+    raise; the key reads the new API instead, with its inheritance ("none")."""
+    calls = recorded_tunes(monkeypatch)
+    torch.manual_seed(0)
+    conv = mt.Conv2d(3, 4, 3, cache=False, name="flags.precision")
+    x = torch.randn(2, 3, 6, 6)
+    expected = F.conv2d(x, conv.weight, conv.bias)
+    cudnn = torch.backends.cudnn
+    cudnn.conv.fp32_precision = "ieee"
+    with pytest.raises(RuntimeError, match="TF32"):
+        cudnn.allow_tf32  # noqa: B018 (the getter this test is about)
+    torch.testing.assert_close(conv(x), expected)
+    cudnn.conv.fp32_precision = "tf32"
+    torch.testing.assert_close(conv(x), expected)
+    # "none" inherits: from cuDNN's setting for all its ops, then from the generic one.
+    cudnn.fp32_precision = "ieee"
+    cudnn.conv.fp32_precision = "none"
+    torch.testing.assert_close(conv(x), expected)  # the first key again: not re-tuned
+    torch.backends.fp32_precision = "tf32"  # (sets every setting below it too)
+    cudnn.fp32_precision = "none"
+    cudnn.conv.fp32_precision = "none"
+    torch.testing.assert_close(conv(x), expected)  # the second key again
+    assert [p["math"] for p, _ in calls] == ["fma", "default"]
+    assert mt_keys.conv_allows_tf32()
+    torch.backends.fp32_precision = "none"
+    cudnn.fp32_precision = "none"
+    cudnn.conv.fp32_precision = "none"
+    assert not mt_keys.conv_allows_tf32()  # none set anywhere: IEEE
 
 
 def test_half_precision_ignores_the_tf32_switch(monkeypatch):

@@ -19,8 +19,8 @@
 # run, the C ABI examples and header, and the fixture. Prints its minutes and the size of
 # .gpu (the device tool carries at most 64 MiB) and fails above that. Then, there:
 #
-#   bash .gpu/accept.sh          the parts, in priority order, with their minutes
-#   bash .gpu/accept.sh PART     one part per device call (docs/gpu.md)
+#   bash .gpu/accept.sh window 540   the one command of a GPU window (docs/gpu.md)
+#   bash .gpu/accept.sh              the parts, in priority order, with their minutes
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 started=$(date +%s)
@@ -182,7 +182,7 @@ fi
 # The scripts, the test files and helpers they run, the fixture.
 cp scripts/gpu/accept.sh scripts/gpu/libs.sh scripts/gpu/c_abi_check.sh \
   scripts/gpu/candle_check.sh scripts/gpu/candle_ddp_check.sh scripts/gpu/engines_vs_torch.sh \
-  scripts/gpu/check_part.py .gpu/
+  scripts/gpu/check_part.py scripts/gpu/summary.py .gpu/
 cp scripts/gpu/torch_check.py scripts/gpu/torch_cases.py scripts/gpu/torch_bench.py \
   scripts/gpu/compare_profile.py scripts/gpu/nd_bench.py scripts/gpu/spatial_bench.py \
   scripts/gpu/bench_common.py .gpu/
@@ -193,6 +193,16 @@ fi
 cp python/tests/conftest.py python/tests/test_torch_cuda.py python/tests/test_loader.py \
   .gpu/python/tests/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/
+
+# What `accept.sh window` reads: the parts built for (it may reach only these), the parts
+# that passed on each kind of GPU (from the windows' and parts' summaries committed under
+# benches/gpu/), and the commit built (its summary names it).
+tr ',' '\n' <<< "$parts" > .gpu/parts.txt
+python3 scripts/gpu/summary.py collect benches/gpu .gpu/passed.json
+{
+  git rev-parse HEAD
+  git diff --quiet HEAD -- . ':!benches/gpu' || echo "(with uncommitted changes)"
+} | paste -sd' ' - > .gpu/commit.txt
 
 # The binaries travel packed (accept.sh unpacks them into .gpu once).
 if [ ${#binaries[@]} -gt 0 ]; then
@@ -208,12 +218,10 @@ if [ "$gpu_bytes" -gt $((64 * 1024 * 1024)) ]; then
   exit 1
 fi
 # What each part built for still lacks (vae without vae_bench.py, say): reported, and the
-# part fails there saying so.
-for part in ${parts//,/ }; do
-  if ! bash .gpu/accept.sh --check "$part" | tail -n 1; then
-    echo "warning: .gpu is incomplete for $part (bash .gpu/accept.sh --check $part)" >&2
-  fi
-done
+# part fails there saying so (the window runs it and records the failure).
+if ! bash .gpu/accept.sh window --check | grep -E '(: ok|INCOMPLETE|^  )'; then
+  echo "warning: .gpu is incomplete for the window (bash .gpu/accept.sh window --check)" >&2
+fi
 seconds=$(($(date +%s) - started))
 echo "build.sh took $((seconds / 60)) min $((seconds % 60)) s"
-echo "now, on the GPU machine with .gpu carried: bash .gpu/accept.sh (lists the parts)"
+echo "now, one device call (timeout_s 600) with .gpu carried: bash .gpu/accept.sh window 540"

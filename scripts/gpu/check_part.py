@@ -12,8 +12,12 @@ checks, from the folder above .gpu:
 - every pytest node id a step selects exists: by `pytest --collect-only` where torch and pytest
   import, else by reading the test file (the function is defined and its parameter id is made
   of the file's string literals);
-- every Rust test name after `--exact` exists: by `BINARY --list` where the binary runs here,
-  else by its `fn NAME(` in the sources beside .gpu (tests/, src/).
+- every Rust test executable runs through accept.sh's `rust_tests` (which fails a run of no
+  test, or of fewer than it names), and every test it selects exists: with `--exact`, each
+  name is a test; without, each filter matches one at least (`--skip NAME` selects nothing).
+  By `BINARY --list` where the binary runs here, else by the sources beside .gpu: a name with
+  a module path (`c_abi::tuner::tests::NAME`) must resolve through src/'s files and inline
+  `mod`s to a file defining `fn NAME(`; a plain name must be a `fn NAME(` of tests/.
 
 usage: check_part.py PART MINUTES "NEEDS" STEPS.tsv      (exit status 1 on any problem)
 """
@@ -167,35 +171,98 @@ def rust_names(binary: str, packed: set[str]) -> set[str] | None:
                 if line.endswith(": test")}
 
 
-def source_defines(name: str) -> bool | None:
-    """Whether the Rust sources beside .gpu define `fn LAST_SEGMENT(`; None without sources."""
-    roots = [Path("tests"), Path("src")]
-    if not any(r.is_dir() for r in roots):
+def module_file(path: list[str]) -> tuple[Path, list[str]] | None:
+    """The file of the longest prefix of module `path` under src/ (`a/b.rs` or `a/b/mod.rs`)
+    and the rest of the path (inline modules of that file); None when not even the first
+    segment is a file (then the path is the crate root's: src/lib.rs)."""
+    for i in range(len(path), 0, -1):
+        base = Path("src", *path[:i])
+        for file in (base.with_suffix(".rs"), base / "mod.rs"):
+            if file.is_file():
+                return file, path[i:]
+    return None
+
+
+def inline_modules_hold(text: str, modules: list[str]) -> bool:
+    """Whether `text` declares the inline modules `modules`, each inside the one before."""
+    at = 0
+    for name in modules:
+        found = re.compile(r"\bmod\s+" + re.escape(name) + r"\s*\{").search(text, at)
+        if not found:
+            return False
+        at = found.end()
+    return True
+
+
+def source_defines(name: str, exact: bool) -> bool | None:
+    """Whether the sources beside .gpu hold test `name` (exact) or a test matching filter
+    `name`; None without sources."""
+    if not any(Path(r).is_dir() for r in ("tests", "src")):
         return None
-    pattern = re.compile(r"\bfn\s+" + re.escape(name.split("::")[-1]) + r"\s*\(")
-    for root in roots:
-        for path in root.rglob("*.rs"):
-            if pattern.search(path.read_text(errors="replace")):
-                return True
-    return False
+    segments = name.split("::")
+    if len(segments) > 1 or not exact:
+        modules, function = (segments[:-1], segments[-1]) if exact else (segments, None)
+        if not exact and len(segments) == 1:
+            # A plain filter: some test function's name contains it.
+            pattern = re.compile(r"\bfn\s+\w*" + re.escape(name) + r"\w*\s*\(")
+            return any(pattern.search(p.read_text(errors="replace"))
+                       for root in ("tests", "src") for p in Path(root).rglob("*.rs"))
+        found = module_file(modules)
+        file, inline = found if found else (Path("src/lib.rs"), modules)
+        if not file.is_file():
+            return False
+        text = file.read_text(errors="replace")
+        if not inline_modules_hold(text, inline):
+            return False
+        if function is None:  # a module filter: the module exists and holds a test
+            under = file.parent.rglob("*.rs") if file.name == "mod.rs" else []
+            return "#[test]" in text or any(
+                "#[test]" in p.read_text(errors="replace") for p in under)
+        return re.search(r"\bfn\s+" + re.escape(function) + r"\s*\(", text) is not None
+    pattern = re.compile(r"\bfn\s+" + re.escape(name) + r"\s*\(")
+    return any(pattern.search(p.read_text(errors="replace")) for p in Path("tests").glob("*.rs"))
 
 
-def check_rust_names(binary: str, names: list[str], packed: set[str],
+def check_rust_names(binary: str, names: list[str], exact: bool, packed: set[str],
                      problems: list[str]) -> str:
     listed = rust_names(binary, packed)
     if listed is not None:
         for name in names:
-            if name not in listed:
+            if exact and name not in listed:
                 problems.append(f"{binary} --list has no test {name}")
+            elif not exact and not any(name in test for test in listed):
+                problems.append(f"{binary} --list has no test matching {name}")
         return f"{binary} --list"
     for name in names:
-        found = source_defines(name)
+        found = source_defines(name, exact)
         if found is None:
             problems.append(f"cannot check {binary}'s test {name}: the binary does not run "
                             "here and no sources are beside .gpu")
         elif not found:
-            problems.append(f"no `fn {name.split('::')[-1]}(` in tests/ or src/ ({binary})")
+            what = "test" if exact else "test matching"
+            problems.append(f"no {what} {name} in the sources ({binary}; src/ by its module "
+                            "path, tests/ by its name)")
     return f"{binary}: the sources (it does not run here)"
+
+
+def rust_selection(command: list[str]) -> tuple[str, list[str], bool, list[str]]:
+    """A `rust_tests BINARY ARGS...` command's binary, the names or filters it selects,
+    whether they are exact, and the names it skips (`--skip NAME`)."""
+    binary = Path(command[1]).name
+    names, skipped, skip = [], [], False
+    for word in command[2:]:
+        if skip:
+            skipped.append(word)
+            skip = False
+        elif word == "--skip":
+            skip = True
+        elif not word.startswith("-"):
+            names.append(word)
+    return binary, names, "--exact" in command, skipped
+
+
+#: The Rust test executables build.sh packs (the mucudnn CLI is not one).
+TEST_BINARIES = {"lib-tests", "gpu-tests", "gpu-engines", "gpu-teardown", "current-context"}
 
 
 def main() -> int:
@@ -218,7 +285,8 @@ def main() -> int:
                 problems.append(f"needs {need}: .gpu/{relative} is missing "
                                 f"(scripts/gpu/build.sh --parts {part})")
     pytest_ids: list[str] = []
-    rust: dict[str, list[str]] = {}
+    rust: dict[tuple[str, bool], list[str]] = {}
+    rust_all: set[str] = set()
     for name, _cap, *command in steps:
         # (a `sh -c "..."` argument holds several words, some ending in ; or quotes)
         words = [w.strip(";'\"()") for arg in command for w in arg.split()]
@@ -229,16 +297,28 @@ def main() -> int:
                     problems.append(f"step {name!r} uses {word}, which is not in .gpu")
             if "::" in word and word.startswith(".gpu/") and ".py::" in word:
                 pytest_ids.append(word)
-        if "--exact" in command:
-            binary = next(Path(w).name for w in command if w.startswith(".gpu/"))
-            after = command[command.index("--exact") + 1:]
-            rust.setdefault(binary, []).extend(w for w in after if not w.startswith("-"))
+        if command and command[0] == "rust_tests":
+            binary, names, exact, skipped = rust_selection(command)
+            if not names and exact:
+                problems.append(f"step {name!r}: --exact with no test name")
+            rust.setdefault((binary, exact), []).extend(names)
+            # A skipped test that no longer exists is a stale skip: it must be a test too.
+            rust.setdefault((binary, True), []).extend(skipped)
+            if not names:
+                rust_all.add(binary)
+        elif any(Path(w).name in TEST_BINARIES for w in command if w.startswith(".gpu/")):
+            problems.append(f"step {name!r} runs a Rust test executable without rust_tests "
+                            "(a run of no test would pass)")
     compiled = compile_all(problems)
     how = [f"{compiled} Python/shell files compile"]
     if pytest_ids:
         how.append(f"{len(pytest_ids)} pytest ids by {check_pytest_ids(pytest_ids, problems)}")
-    for binary, names in rust.items():
-        how.append(f"{len(names)} Rust tests by {check_rust_names(binary, names, packed, problems)}")
+    for (binary, exact), names in rust.items():
+        if names:
+            how.append(f"{len(names)} Rust {'tests' if exact else 'filters'} by "
+                       f"{check_rust_names(binary, names, exact, packed, problems)}")
+    for binary in sorted(rust_all):
+        how.append(f"all of {binary}")
     print(f"{part}: {len(steps)} steps, caps {caps} s of {budget} s; " + "; ".join(how))
     for problem in problems:
         print(f"  {part}: {problem}")

@@ -1,5 +1,6 @@
-# Sourced on the GPU machine by scripts/gpu/accept.sh: makes ONE libcudnn, and cuBLAS and NCCL,
-# loadable by the names cudarc and mucudnn dlopen, and records what was found in "$OUT/libraries.txt". Needs OUT set.
+# Sourced on the GPU machine by scripts/gpu/accept.sh: makes ONE libcudnn, and the cuBLASLt and
+# NCCL it needs, loadable by the names cudarc and mucudnn dlopen, and records what was found in
+# "$OUT/libraries.txt". Needs OUT set.
 #
 # The machine has two cuDNN builds: the system's (9.14, /lib/x86_64-linux-gnu, what a plain
 # dlopen of libcudnn.so finds) and PyTorch's wheel (9.19, only libcudnn.so.9 and its
@@ -8,10 +9,19 @@
 # to the wheel's 9.19. So cuDNN is PyTorch's (the cuDNN the H100 fixtures were measured with,
 # and the one the PyTorch baseline runs), whole: links by every name in $OUT/lib-links, that
 # folder and the wheel's folder first on LD_LIBRARY_PATH. Only where PyTorch has no cuDNN is
-# the system's used. cuBLAS and NCCL: the system's where the loader knows them, else
-# PyTorch's wheels the same way. `one_cudnn_check` (below) proves that one libcudnn loads.
-site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' \
-  2>/dev/null) || site=/opt/torch/.venv/lib/python3.12/site-packages
+# the system's used. cuBLASLt: the library mucudnn's cuDNN gate loads, libcublasLt.so.MAJOR for
+# the CUDA major PyTorch was built with (13 for cu130), never any other libcublas (a system
+# CUDA 12 copy would satisfy a looser check and hide the one cuDNN needs); the system's where
+# the loader knows that exact name, else PyTorch's wheel. NCCL likewise. `one_cudnn_check`
+# (below) proves that one libcudnn and that cuBLASLt load.
+# PyTorch's site-packages and the CUDA major it was built with (one interpreter start).
+torch_info=$(python3 -c 'import os, torch
+print(os.path.dirname(os.path.dirname(torch.__file__)))
+print((torch.version.cuda or "13").split(".")[0])' 2>/dev/null) || torch_info=""
+site=$(sed -n 1p <<< "$torch_info")
+cuda_major=$(sed -n 2p <<< "$torch_info")
+[ -n "$site" ] || site=/opt/torch/.venv/lib/python3.12/site-packages
+[ -n "$cuda_major" ] || cuda_major=13
 links="$OUT/lib-links"
 mkdir -p "$links"
 : > "$OUT/libraries.txt"
@@ -26,7 +36,9 @@ else
   echo "libcudnn: the system's ($(ldconfig -p 2>/dev/null | grep -m 1 'libcudnn.so.9 ' |
     sed 's/.*=> //'))" >> "$OUT/libraries.txt"
 fi
-for spec in "libcublas.so libcublas.so.13" "libnccl.so.2 libnccl.so"; do
+# The cuBLASLt of PyTorch's CUDA major, which its cuDNN wheel (and mucudnn's gate) needs.
+export MUCUDNN_CUBLASLT="libcublasLt.so.$cuda_major"
+for spec in "$MUCUDNN_CUBLASLT" "libnccl.so.2 libnccl.so"; do
   set -- $spec
   plain=$1
   pattern=$(printf '%s|' "$@" | sed 's/|$//; s/\./\\./g')
@@ -48,8 +60,9 @@ done
 echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}" >> "$OUT/libraries.txt"
 
 # Loads libcudnn by each name mucudnn, cudarc and cuDNN itself use (libcudnn.so,
-# libcudnn.so.9, the sub-libraries) and fails unless every one came from one folder; prints the
-# version. Exit status 0 only then.
+# libcudnn.so.9, the sub-libraries) and fails unless every one came from one folder; then the
+# cuBLASLt the cuDNN gate needs ($MUCUDNN_CUBLASLT). Prints the version and paths. Exit status
+# 0 only when both hold.
 one_cudnn_check() {
   python3 - <<'PY'
 import ctypes, os, sys
@@ -70,6 +83,15 @@ folders = sorted({os.path.dirname(os.path.realpath(p)) for p in paths})
 print(f"cuDNN {version}, loaded from {folders}:")
 for p in paths:
     print(f"  {p}")
-sys.exit(0 if version and len(folders) == 1 and "libcudnn.so" in loaded else 1)
+cublas_lt = os.environ.get("MUCUDNN_CUBLASLT", "libcublasLt.so.13")
+try:
+    ctypes.CDLL(cublas_lt)
+    where = [line.split()[-1] for line in open("/proc/self/maps") if cublas_lt in line]
+    print(f"{cublas_lt}: {where[0] if where else '?'}")
+    lt_ok = True
+except OSError as e:
+    print(f"{cublas_lt}: not loadable (the cuDNN gate needs it): {e}")
+    lt_ok = False
+sys.exit(0 if version and len(folders) == 1 and "libcudnn.so" in loaded and lt_ok else 1)
 PY
 }

@@ -131,6 +131,25 @@ def device_of(t: torch.Tensor) -> Tuple[str, int]:
 _cudnn_flags = torch.backends.cudnn
 
 
+def conv_allows_tf32() -> bool:
+    """Whether PyTorch lets its cuDNN convolutions use TF32 for fp32 tensors.
+
+    Read through the ``fp32_precision`` API where torch has it: the legacy getter
+    ``torch.backends.cudnn.allow_tf32`` raises there once a user has set a precision through
+    the new API (conv and RNN then differ, or differ from the legacy flag). A ``"none"``
+    setting inherits from cuDNN's setting for all its ops, then from the generic one; none set
+    anywhere is IEEE, as PyTorch resolves it."""
+    try:
+        precision = _cudnn_flags.conv.fp32_precision
+    except AttributeError:  # a torch without the fp32_precision API
+        return bool(_cudnn_flags.allow_tf32)
+    if precision == "none":
+        precision = getattr(_cudnn_flags, "fp32_precision", "none")
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
+
+
 def plan_key(
     x: torch.Tensor,
     weight_shape: Sequence[int],
@@ -152,7 +171,7 @@ def plan_key(
     else:
         device_type, index = device.type, -1
     dtype = x.dtype
-    math = "fma" if dtype is torch.float32 and not _cudnn_flags.allow_tf32 else "default"
+    math = "fma" if dtype is torch.float32 and not conv_allows_tf32() else "default"
     deterministic = bool(
         _cudnn_flags.deterministic or torch.are_deterministic_algorithms_enabled()
     )
@@ -187,7 +206,7 @@ def signature(
         else (grad_output.shape, grad_output.dtype, grad_output.device),
         fmt, tuple(stride), tuple(padding), tuple(dilation), groups,
         None if output_padding is None else tuple(output_padding),
-        _cudnn_flags.allow_tf32, _cudnn_flags.deterministic,
+        conv_allows_tf32(), _cudnn_flags.deterministic,
         torch.are_deterministic_algorithms_enabled(),
     )
 
