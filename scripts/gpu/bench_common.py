@@ -213,7 +213,11 @@ def tune_forward(model, inputs, clock):
         m(x)
     clock.sync()
     tuning = time.perf_counter() - started
-    return tuning, sorted({op for m in model for r in m.plans.values() for op in r.tuned_ops})
+    import mucudnn.torch as mt
+
+    return tuning, sorted(
+        {op for m in model for r in mt.plans_of(m).values() for op in r.tuned_ops}
+    )
 
 
 def time_layers(model, inputs, clock):
@@ -273,8 +277,10 @@ def limits_of(args, default):
 def fallback_layers(model):
     """The converted layers of `model` that run PyTorch's convolution for some shape, with the
     reason: a bench fails on any (it would time PyTorch against itself)."""
+    import mucudnn.torch as mt
+
     return [f"{name}: {report.fallback}" for name, module in model.named_modules()
-            if hasattr(module, "plans") for report in module.plans.values()
+            if mt.plans_of(module) is not None for report in mt.plans_of(module).values()
             if report.fallback is not None]
 
 

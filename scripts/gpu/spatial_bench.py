@@ -64,7 +64,9 @@ TITLES = {"sdxl": "SDXL VAE decoder convs (fwd)",
 
 def fwd_split(module):
     """The forward's split string of the module's (one) input shape, or its fallback."""
-    for report in module.plans.values():
+    import mucudnn.torch as mt
+
+    for report in mt.plans_of(module).values():
         if report.fallback is not None:
             return f"fallback: {report.fallback}"
         if "fwd" in report.ops:

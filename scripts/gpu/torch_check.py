@@ -130,8 +130,10 @@ def prepare(model, dtype, channels_last):
 def fallback_layers(model):
     """The converted layers of `model` that run PyTorch's convolution for some shape, with the
     reason: a bench that counts them fails on any (it would time PyTorch against itself)."""
+    import mucudnn.torch as mt
+
     return [f"{name}: {report.fallback}" for name, module in model.named_modules()
-            if hasattr(module, "plans") for report in module.plans.values()
+            if mt.plans_of(module) is not None for report in mt.plans_of(module).values()
             if report.fallback is not None]
 
 

@@ -127,11 +127,11 @@ def fallbacks(model) -> List[str]:
     import mucudnn.torch as mt
 
     found = []
-    for module in model.modules():
-        if isinstance(module, mt._layer._MucudnnConv):
-            for shape, report in module.plans.items():
-                if report.fallback is not None:
-                    found.append(f"{module.mucudnn_name} {shape}: {report.fallback}")
+    for name, module in model.named_modules():
+        plans = mt.plans_of(module)
+        for shape, report in (plans or {}).items():
+            if report.fallback is not None:
+                found.append(f"{plans.layer} {shape}: {report.fallback}")
     return found
 
 

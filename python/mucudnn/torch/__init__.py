@@ -67,6 +67,7 @@ if _native.active():
         enable,
         enabled,
         is_enabled,
+        plans_of,
         reset_account,
         set_plan_capacity,
     )
@@ -89,7 +90,7 @@ else:
         ConvTranspose3d,
         convert_,
     )
-    from ._legacy_account import account, reset_account, set_plan_capacity
+    from ._legacy_account import account, plans_of, reset_account, set_plan_capacity
     from ._tune import tune
 
 __all__ = [
@@ -119,6 +120,7 @@ __all__ = [
     "enabled",
     "is_enabled",
     "parse_size",
+    "plans_of",
     "reset_account",
     "set_plan_capacity",
     "tune",

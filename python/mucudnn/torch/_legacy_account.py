@@ -45,5 +45,12 @@ def set_plan_capacity(capacity: int) -> None:
         raise ValueError(f"capacity must be a whole number >= 1, not {capacity!r}")
 
 
-__all__ = ["account", "reset_account", "set_plan_capacity", "executed", "fell_back"]
+def plans_of(module: Any) -> Any:
+    """The plans of a mucudnn layer or adopted module (a :class:`Plans`), or ``None``."""
+    from ._layer import _MucudnnConv
+
+    return module.plans if isinstance(module, _MucudnnConv) else None
+
+
+__all__ = ["account", "plans_of", "reset_account", "set_plan_capacity", "executed", "fell_back"]
 

@@ -491,6 +491,13 @@ def reset_account() -> None:
     _native.reset_account()
 
 
+def plans_of(module: nn.Module) -> Optional["_reports.Plans"]:
+    """The plans of a converted module (a :class:`Plans` table by input shape), or ``None`` for
+    a module not converted."""
+    adoption = module.__dict__.get("_mucudnn")
+    return adoption.plans if isinstance(adoption, Adoption) else None
+
+
 def set_plan_capacity(capacity: int) -> None:
     """Keeps at most ``capacity`` prepared plan sets (one per problem and options; default
     1024, or ``MUCUDNN_TORCH_PLAN_SETS``), evicting the least recently used: an evicted
