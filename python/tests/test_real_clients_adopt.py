@@ -22,6 +22,7 @@ and counts."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mucudnn.torch as mt
-from real_clients import FAST, gradient_error, relative_error
+from real_clients import FAST, gradient_error, relative_error, torch_threads
 
 pytestmark = [
     pytest.mark.skipif(mt.PATH != "native", reason="the native path needs torch >= 2.10"),
@@ -146,6 +147,8 @@ class Measured:
     fell_back: Dict[str, int]
     #: The account's names that mucudnn ran calls for.
     names: List[str]
+    #: Convolution modules the step called.
+    called: int
     #: Convolution modules the step called that the account names nowhere (with mucudnn runs).
     uncounted: List[str]
     #: Convolution ops of modules left to PyTorch (not adopted), per op.
@@ -233,6 +236,7 @@ def measure(case: Case, path: str) -> Measured:
         ran=ran,
         fell_back=dict(fell_back),
         names=named,
+        called=len({id(m) for m in called}),
         uncounted=uncounted,
         left={op: ops.left[op] for op in OPS},
         reference=reference,
@@ -244,9 +248,11 @@ def _is_conv(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.conv._ConvNd)
 
 
-def assert_matches(measured: Measured, name: str) -> None:
-    """The acceptance: the numbers of the unconverted model, every convolution op mucudnn's."""
+def assert_matches(measured: Measured, name: str, left: bool = False) -> None:
+    """The acceptance: the numbers of the unconverted model, every convolution op mucudnn's
+    (with ``left``: but those of the modules not adopted, which must have run some)."""
     m = measured
+    assert (sum(m.left.values()) > 0) == left, (name, m.left)
     assert m.output_error <= TOLERANCE, (name, m.output_error)
     assert m.gradients_ok, (name, m.gradient_error, m.float64_error, m.pytorch_float64_error)
     assert not m.fell_back, (name, m.fell_back)
@@ -257,10 +263,8 @@ def assert_matches(measured: Measured, name: str) -> None:
 
 @pytest.fixture(autouse=True)
 def _threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(2):
+        yield
 
 
 # ------------------------------------------------------------------------------------------
@@ -704,10 +708,10 @@ def test_lora_applied_after_convert():
     """peft wraps converted convolutions: its ``type(base_layer)`` makes the adapters
     ``nn.Conv2d``, which run PyTorch's kernel (converted later, they run mucudnn's: the next
     test); the base layers keep running mucudnn's plans under their names at conversion."""
+    m = measure(LORA_AFTER_CONVERT, "convert_")
     from peft.tuners.lora import Conv2d as LoraConv2d
 
-    m = measure(LORA_AFTER_CONVERT, "convert_")
-    assert_matches(m, "convert_")
+    assert_matches(m, "convert_", left=True)
     _same_classes(m)
     inner = m.model.base_model.model
     for name in ("conv1", "conv2"):
@@ -716,7 +720,6 @@ def test_lora_applied_after_convert():
         assert type(wrapper.base_layer) is nn.Conv2d and wrapper.base_layer._mucudnn.name == name
         assert type(wrapper.lora_A["default"]) is nn.Conv2d
         assert "_mucudnn" not in wrapper.lora_A["default"].__dict__
-    assert sum(m.left.values()) > 0
     assert set(m.names) == {"conv1", "conv2", "head"}
 
 
@@ -728,14 +731,12 @@ def test_lora_then_convert(path):
     # Merging writes the adapters into the base weights in place: the converted layers run
     # with the merged weights.
     x = _lora_inputs()[0]
-    with torch.no_grad():
+    switch = mt.enabled(**FAST) if path == "enable" else contextlib.nullcontext()
+    with torch.no_grad(), switch:
         expected = m.reference.merge_and_unload()(x)
-        if path == "enable":
-            mt.enable(**FAST)
         merged = m.model.merge_and_unload()  # (its 3x3 adapters' delta is a convolution)
         mt.reset_account()
         got = merged(x)
         ran = sum(c["fwd"]["mucudnn"] for c in mt.account().values())
-    mt.disable()
     assert relative_error(got, expected) <= TOLERANCE
     assert ran == 3
