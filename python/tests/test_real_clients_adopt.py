@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
@@ -740,3 +741,24 @@ def test_lora_then_convert(path):
         ran = sum(c["fwd"]["mucudnn"] for c in mt.account().values())
     assert relative_error(got, expected) <= TOLERANCE
     assert ran == 3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a call whose weight is no converted layer's own is claimed by signature: any convolution "
+    "of the process with a converted layer's weight shape, stride, dilation and groups (an "
+    "unconverted copy's module, F.conv2d) runs mucudnn's plans under that layer's name"
+))
+def test_an_unconverted_copy_runs_pytorchs_kernels():
+    """timm's ``ModelEmaV3`` (and any training loop that keeps an evaluation copy) deep-copies
+    the model; converting the model afterwards must leave the copy to PyTorch, exactly."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    ema = copy.deepcopy(model)
+    x = _lora_inputs()[0]
+    with torch.no_grad():
+        before = ema(x)
+        mt.convert_(model, **FAST)
+        mt.reset_account()
+        after = ema(x)
+    assert mt.account() == {}
+    assert torch.equal(after, before)
