@@ -1,6 +1,6 @@
 # Sourced by scripts/test.sh: the Python tier's shared virtualenv (torch, pytest, numpy, and
-# the real clients diffusers and timm, from PyPI), made once under the test cache folder and
-# then only read.
+# the real clients diffusers, timm, transformers, peft and accelerate, from PyPI), made once
+# under the test cache folder and then only read.
 #
 #   venv          $cache_dir/venv
 #   setup_venv    makes it unless it is ready; under a lock (flock on $cache_dir/venv.lock), so
@@ -29,7 +29,7 @@ skip_or_fail() {
 }
 
 # What the venv holds; a venv made for another list is made again.
-venv_packages='"torch>=2.4" pytest numpy diffusers timm'
+venv_packages='"torch>=2.4" pytest numpy diffusers timm transformers peft accelerate'
 venv_ready() {
   [ -x "$venv/bin/python" ] && [ -f "$venv/.mucudnn-ready" ] &&
     [ "$(cat "$venv/.mucudnn-ready")" = "$venv_packages" ]

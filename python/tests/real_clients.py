@@ -89,3 +89,15 @@ def gradients(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> Di
         name: None if p.grad is None else p.grad.detach().clone()
         for name, p in model.named_parameters()
     }
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """PyTorch's intra-op threads set to ``count`` for the block (the real clients run at 2,
+    as CI's runners have), restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
