@@ -744,11 +744,6 @@ def test_lora_then_convert(path):
     assert ran == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a call whose weight is no converted layer's own is claimed by signature: any convolution "
-    "of the process with a converted layer's weight shape, stride, dilation and groups (an "
-    "unconverted copy's module, F.conv2d) runs mucudnn's plans under that layer's name"
-))
 def test_an_unconverted_copy_runs_pytorchs_kernels():
     """timm's ``ModelEmaV3`` (and any training loop that keeps an evaluation copy) deep-copies
     the model; converting the model afterwards must leave the copy to PyTorch, exactly."""
