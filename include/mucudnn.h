@@ -864,17 +864,21 @@ enum mucudnnStatus_t mucudnnTorchSetSwitch(const char *options_json);
 
 /**
  * Registers a converted layer: its name, options, what identifies its calls
- * (`signature_json`: {"transposed", "weight", "stride", "dilation", "groups"}, the weight's
- * shape as its convolution receives it), and the address of its weight's `TensorImpl`
- * (`Tensor._cdata`; 0 when its weight is computed each call). `*id_out` gets its id.
+ * (`signature_json`: {"transposed", "weight", "stride", "dilation", "groups",
+ * "computes_weight"}, the weight's shape as its convolution receives it, and whether the
+ * module computes that weight per call), and its weight parameter: `weight` an owning
+ * `AtenTensorHandle` of it (the layer takes it over; 0: none), else `identity` the address of
+ * its `TensorImpl` (`Tensor._cdata`; 0: none). `*id_out` gets its id.
  *
  * # Safety
  *
- * Strings NUL-terminated; `id_out` valid for writing.
+ * Strings NUL-terminated; `weight` 0 or an owning `AtenTensorHandle` of this process's
+ * libtorch; `id_out` valid for writing.
  */
 enum mucudnnStatus_t mucudnnTorchAddLayer(const char *name,
                                           const char *options_json,
                                           const char *signature_json,
+                                          uint64_t weight,
                                           uint64_t identity,
                                           uint64_t *id_out);
 
