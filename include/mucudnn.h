@@ -244,7 +244,9 @@ typedef struct mucudnnOptions_t {
  * A mucudnn handle: the caller's cuDNN handle and stream, the plans tuned so far, and one
  * workspace. Made by mucudnnCreate, freed by mucudnnDestroy. Used by one thread at a time
  * (a second thread's concurrent call fails with MUCUDNN_STATUS_INVALID_ARGUMENT); it may move
- * between threads.
+ * between threads. The value is an opaque token, not an address: never reused in a process,
+ * so a destroyed handle (even when a new one is made after it) or a made-up value is
+ * MUCUDNN_STATUS_INVALID_ARGUMENT, never another handle.
  */
 typedef struct mucudnnContext *mucudnnHandle_t;
 
@@ -284,7 +286,8 @@ typedef int32_t mucudnnConvOp_t;
  * prepared so far. Made by mucudnnTunerCreate, freed by mucudnnTunerDestroy. Convolutions are
  * described as JSON problems, so no cuDNN of the caller's is needed; this is what the PyTorch
  * package (`mucudnn.torch`) uses. Thread-safe: concurrent calls on one tuner run one after
- * another.
+ * another. Like a mucudnnHandle_t, the value is an opaque token, never reused: a destroyed
+ * or made-up tuner is MUCUDNN_STATUS_INVALID_ARGUMENT, never another tuner.
  */
 typedef struct mucudnnTunerContext *mucudnnTuner_t;
 
@@ -524,7 +527,7 @@ enum mucudnnStatus_t mucudnnSetStream(mucudnnHandle_t handle,
  *
  * # Safety
  *
- * `handle` is NULL or a pointer from mucudnnCreate (stale pointers are detected); `alpha` and
+ * `handle` is any value (NULL, destroyed and made-up handles are refused); `alpha` and
  * `beta` are NULL (an error) or point to floats; each descriptor is NULL (an error) or a live
  * descriptor of its kind made by the same libcudnn (a garbage descriptor is undefined
  * behaviour, as in cuDNN); `x`, `w` and `y` are the device addresses of the tensors the
@@ -642,7 +645,7 @@ enum mucudnnStatus_t mucudnnTunerCreate(mucudnnTuner_t *tuner_out,
 
 /**
  * Destroys a tuner and every plan set prepared on it (a call still running on another thread
- * finishes first). NULL or a stale tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
+ * finishes first). NULL, a destroyed or a made-up tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
  */
 enum mucudnnStatus_t mucudnnTunerDestroy(mucudnnTuner_t tuner);
 

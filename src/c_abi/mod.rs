@@ -13,7 +13,8 @@
 //! Every entry point returns a [`mucudnnStatus_t`] and leaves a message for
 //! `mucudnnGetLastError`; its body runs under [`error::guard`], so no panic crosses into C
 //! (a panic is `MUCUDNN_STATUS_INTERNAL_ERROR`). Raw pointers are checked for null, strings
-//! for UTF-8, enum-like integers for range, handles against a registry of live handles; what
+//! for UTF-8, enum-like integers for range, handles against a registry of live handles (a
+//! handle is a token, never an address: [`registry`]); what
 //! cannot be checked (that a non-null pointer really is what the header says) is the C
 //! caller's side of the contract, stated on each function. This module names no cudarc item:
 //! it reaches cuDNN only through the FFI wall (`crate::backend::cudnn`).
@@ -26,6 +27,7 @@ mod descriptors;
 mod error;
 mod handle;
 mod json;
+mod registry;
 mod solve;
 mod tuner;
 
@@ -42,7 +44,8 @@ use error::{
     guard, invalid, last_error_ptr, optional_str_arg, out_arg, owned_c_string, set_last_error,
     str_arg, FfiError,
 };
-use handle::{Handle, RawDescriptors, RawOperands, Registry, Settings};
+use handle::{Handle, RawDescriptors, RawOperands, Settings};
+use registry::Registry;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -182,7 +185,9 @@ pub struct mucudnnContext {
 /// A mucudnn handle: the caller's cuDNN handle and stream, the plans tuned so far, and one
 /// workspace. Made by mucudnnCreate, freed by mucudnnDestroy. Used by one thread at a time
 /// (a second thread's concurrent call fails with MUCUDNN_STATUS_INVALID_ARGUMENT); it may move
-/// between threads.
+/// between threads. The value is an opaque token, not an address: never reused in a process,
+/// so a destroyed handle (even when a new one is made after it) or a made-up value is
+/// MUCUDNN_STATUS_INVALID_ARGUMENT, never another handle.
 pub type mucudnnHandle_t = *mut mucudnnContext;
 
 /// cuDNN's handle struct (opaque; declared so that this header does not need cudnn.h).
@@ -219,7 +224,7 @@ pub type mucudnnConvolutionDescriptor_t = *mut cudnnConvolutionStruct;
 pub type mucudnnStream_t = *mut CUstream_st;
 
 /// The live handles.
-static HANDLES: Registry<mucudnnContext> = Registry::new();
+static HANDLES: Registry<mucudnnContext> = Registry::new("handle");
 
 // ---------------------------------------------------------------------------------------------
 // Argument helpers
@@ -708,7 +713,7 @@ unsafe fn convolution(
 ///
 /// # Safety
 ///
-/// `handle` is NULL or a pointer from mucudnnCreate (stale pointers are detected); `alpha` and
+/// `handle` is any value (NULL, destroyed and made-up handles are refused); `alpha` and
 /// `beta` are NULL (an error) or point to floats; each descriptor is NULL (an error) or a live
 /// descriptor of its kind made by the same libcudnn (a garbage descriptor is undefined
 /// behaviour, as in cuDNN); `x`, `w` and `y` are the device addresses of the tensors the
@@ -924,7 +929,8 @@ pub struct mucudnnTunerContext {
 /// prepared so far. Made by mucudnnTunerCreate, freed by mucudnnTunerDestroy. Convolutions are
 /// described as JSON problems, so no cuDNN of the caller's is needed; this is what the PyTorch
 /// package (`mucudnn.torch`) uses. Thread-safe: concurrent calls on one tuner run one after
-/// another.
+/// another. Like a mucudnnHandle_t, the value is an opaque token, never reused: a destroyed
+/// or made-up tuner is MUCUDNN_STATUS_INVALID_ARGUMENT, never another tuner.
 pub type mucudnnTuner_t = *mut mucudnnTunerContext;
 
 /// The device argument of mucudnnTunerCreate for the CPU backend (a GPU is its CUDA ordinal).
@@ -1017,7 +1023,7 @@ pub unsafe extern "C" fn mucudnnTunerCreate(
 }
 
 /// Destroys a tuner and every plan set prepared on it (a call still running on another thread
-/// finishes first). NULL or a stale tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
+/// finishes first). NULL, a destroyed or a made-up tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
 #[no_mangle]
 pub extern "C" fn mucudnnTunerDestroy(tuner: mucudnnTuner_t) -> mucudnnStatus_t {
     guard("mucudnnTunerDestroy", || tuner::unregister(tuner as usize))

@@ -23,6 +23,7 @@
 use super::error::{invalid, FfiError};
 use super::handle::RawOperands;
 use super::json::{self, parse_document, Document, Size};
+use super::registry::Shared;
 use crate::backend::cpu;
 use crate::backend::cudnn::{
     check_one_libcudnn, save_current_context, CudnnHandle, CurrentContextGuard, DeviceOperands,
@@ -41,10 +42,8 @@ use crate::tune::{
 };
 use mucudnn_cache::Cache;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
 
 /// Which device a tuner measures and runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -343,7 +342,7 @@ struct CudaState {
 
 // SAFETY: a `CudaState` holds cuDNN handles (and, through prepared plans in the same tuner, `Rc`
 // clones of their owners) that are not `Send` because cuDNN forbids concurrent use of a handle.
-// A tuner is reachable only through its `Mutex` (`TUNERS`), so one thread at a time uses the
+// A tuner is reachable only through its `Mutex` (`TUNERS`, a `Shared` registry), so one thread at a time uses the
 // state, every `Rc` clone lives inside the same tuner and is never handed out, and each call
 // binds the handle's context to the calling thread before using it (`CudnnHandle::bind`), which
 // is what cuDNN requires of a handle used by several threads one after another.
@@ -997,48 +996,25 @@ unsafe fn execute_host(
 // ---------------------------------------------------------------------------------------------
 // The registry of live tuners
 
-/// The live tuners by the address C holds. A call clones the tuner's `Arc` out of the map and
-/// locks the tuner (waiting for another thread's call to finish); destroying removes it from
-/// the map, and the tuner is dropped when the last call using it returns.
-static TUNERS: Mutex<BTreeMap<usize, Arc<Mutex<Tuner>>>> = Mutex::new(BTreeMap::new());
+/// The live tuners by the token C holds (see [`Shared`]).
+static TUNERS: Shared<Tuner> = Shared::new("tuner");
 
-fn tuners() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Mutex<Tuner>>>> {
-    // Never held across user code or a tuner call, so a poisoned map is still consistent.
-    TUNERS.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Registers `tuner`; the returned address is what C holds (never dereferenced).
+/// Registers `tuner`; the returned token is what C holds (never dereferenced).
 pub fn register(tuner: Tuner) -> usize {
-    let shared = Arc::new(Mutex::new(tuner));
-    let address = Arc::as_ptr(&shared) as usize;
-    tuners().insert(address, shared);
-    address
+    TUNERS.insert(tuner)
 }
 
-/// The tuner at `address`, locked for this call.
+/// The tuner of `token`, locked for this call.
 pub fn with_tuner<T>(
-    address: usize,
+    token: usize,
     f: impl FnOnce(&mut Tuner) -> Result<T, FfiError>,
 ) -> Result<T, FfiError> {
-    if address == 0 {
-        return Err(invalid("tuner is NULL"));
-    }
-    let shared = tuners().get(&address).cloned().ok_or_else(|| {
-        invalid("tuner is not a live mucudnn tuner (never created, or already destroyed)")
-    })?;
-    // A panic inside an earlier call (reported as an internal error) leaves the tuner usable.
-    let mut tuner = shared.lock().unwrap_or_else(PoisonError::into_inner);
-    f(&mut tuner)
+    TUNERS.with(token, "tuner", f)
 }
 
-/// Unregisters the tuner at `address`; it is dropped once no call uses it.
-pub fn unregister(address: usize) -> Result<(), FfiError> {
-    if address == 0 {
-        return Err(invalid("tuner is NULL"));
-    }
-    tuners().remove(&address).map(drop).ok_or_else(|| {
-        invalid("tuner is not a live mucudnn tuner (never created, or already destroyed)")
-    })
+/// Unregisters the tuner of `token`; it is dropped once no call uses it.
+pub fn unregister(token: usize) -> Result<(), FfiError> {
+    TUNERS.remove(token, "tuner")
 }
 
 #[cfg(test)]
