@@ -955,7 +955,7 @@ unsafe fn json_arg<T: serde::de::DeserializeOwned>(
 ) -> Result<T, FfiError> {
     // SAFETY: this function's contract.
     let text = unsafe { str_arg(ptr, name) }?;
-    serde_json::from_str(text).map_err(|e| invalid(format!("{name}: {e}")))
+    json::parse_argument(text, name)
 }
 
 fn to_json(value: &impl serde::Serialize) -> Result<String, FfiError> {

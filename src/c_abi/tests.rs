@@ -908,18 +908,32 @@ fn tuner_settings_ops_errors() {
             let status = mucudnnTunerMeasure(tuner, layers.as_ptr(), c(text).as_ptr(), &mut tasks);
             assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT, "{text}");
         }
-        // Each op at most once is no error: a repeated name is the same op.
+        // An op named twice is refused (it was merged silently before).
         let mut result: *mut c_char = null_mut();
         let status = mucudnnTunerTune(
             tuner,
             c("tiny").as_ptr(),
             problem.as_ptr(),
-            c(r#"{"ops": ["fwd", "fwd"]}"#).as_ptr(),
+            c(r#"{"ops": ["fwd", "bwd_data", "fwd"]}"#).as_ptr(),
+            &mut result,
+        );
+        assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("settings: ops: `fwd` is given twice"),
+            "{}",
+            last_error()
+        );
+        assert!(result.is_null());
+        let status = mucudnnTunerTune(
+            tuner,
+            c("tiny").as_ptr(),
+            problem.as_ptr(),
+            c(r#"{"ops": ["bwd_data", "fwd"]}"#).as_ptr(),
             &mut result,
         );
         assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
         let doc: serde_json::Value = serde_json::from_str(&take(result)).unwrap();
-        assert_eq!(doc["plans"].as_array().unwrap().len(), 1);
+        assert_eq!(doc["plans"].as_array().unwrap().len(), 2);
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }
 }
@@ -1009,5 +1023,185 @@ fn tuner_prepares_and_runs_a_forward_only_set() {
         );
         assert!(dx.iter().all(|&v| v == -7.0));
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
+    }
+}
+
+/// The message a tuner call with these settings fails with (INVALID_ARGUMENT).
+fn settings_error(text: &str) -> String {
+    match tuner::parse_settings(text, tuner::TunerDevice::Cpu) {
+        Ok(_) => panic!("{text}: accepted"),
+        Err(e) => {
+            assert_eq!(
+                e.status(),
+                mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT,
+                "{text}"
+            );
+            e.to_string()
+        }
+    }
+}
+
+/// Every enumerated value of a settings or options document is taken exactly as documented
+/// (lowercase), and an unknown one lists the accepted values.
+#[test]
+fn enumerated_settings_take_one_case_rule() {
+    for (key, good, wrong, accepted) in [
+        ("policy", "power-of-two", "Power-Of-Two", "undivided, power-of-two, all"),
+        ("policy", "all", "ALL", "undivided, power-of-two, all"),
+        ("candidates", "engines", "Engines", "legacy, engines, all"),
+        ("split", "spatial", "SPATIAL", "batch, spatial, auto"),
+    ] {
+        settings(&format!(r#"{{"{key}": "{good}"}}"#));
+        let message = settings_error(&format!(r#"{{"{key}": "{wrong}"}}"#));
+        assert!(
+            message.starts_with(&format!("settings: {key}: unknown ")),
+            "{message}"
+        );
+        assert!(message.contains(&format!("`{wrong}`")), "{message}");
+        assert!(message.contains(accepted), "{message}");
+    }
+    let message = settings_error(r#"{"ops": ["Fwd"]}"#);
+    assert!(message.contains("unknown op `Fwd`"), "{message}");
+    let message = solve::parse_options(Some(r#"{"policy": "All"}"#))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("options: policy: unknown policy `All`"),
+        "{message}"
+    );
+}
+
+/// A document that says two things is refused: a key given twice (serde_json kept the last),
+/// and no_cache with a cache path (the path was ignored).
+#[test]
+fn contradictory_documents_are_refused() {
+    for text in [
+        r#"{"policy": "all", "policy": "undivided"}"#,
+        r#"{"deterministic": true, "deterministic": true}"#,
+        r#"{"ops": ["fwd"], "split": "batch", "ops": ["bwd_data"]}"#,
+    ] {
+        let message = settings_error(text);
+        assert!(message.contains("is given twice"), "{text}: {message}");
+    }
+    let options = |text: &str| tuner::TunerOptions::parse(text).map(|_| ());
+    let message = options(r#"{"no_cache": true, "cache": "/tmp/x.sqlite"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("no_cache is true and cache names a file"),
+        "{message}"
+    );
+    let message = options(r#"{"verbose": false, "verbose": true}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.starts_with("options_json: key `verbose` is given twice"),
+        "{message}"
+    );
+    // Not contradictions: no_cache false with a path, no_cache with the default location.
+    options(r#"{"no_cache": false, "cache": "/tmp/x.sqlite"}"#).unwrap();
+    options(r#"{"no_cache": true, "cache": null}"#).unwrap();
+    let message = solve::parse_options(Some(r#"{"workspace_limit": 1, "workspace_limit": 2}"#))
+        .unwrap_err()
+        .to_string();
+    assert!(message.contains("is given twice"), "{message}");
+    // JSON arguments too: a problem with `n` twice.
+    let problem = r#"{"n": 2, "c": 2, "h": 3, "w": 3, "k": 2, "r": 1, "s": 1, "pad_h": 0,
+        "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1,
+        "groups": 1, "dtype": "fp32", "layout": "nchw", "n": 4}"#;
+    let problem = c(problem);
+    let mut tuner: mucudnnTuner_t = null_mut();
+    // SAFETY: live outputs and NUL-terminated strings.
+    unsafe {
+        assert_eq!(
+            mucudnnTunerCreate(&mut tuner, MUCUDNN_DEVICE_CPU, c(r#"{"no_cache": true}"#).as_ptr()),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
+        );
+        let mut result: *mut c_char = null_mut();
+        let status = mucudnnTunerTune(
+            tuner,
+            c("l").as_ptr(),
+            problem.as_ptr(),
+            null(),
+            &mut result,
+        );
+        assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        assert!(last_error().contains("problem_json"), "{}", last_error());
+        assert!(last_error().contains("`n`"), "{}", last_error());
+        let mut other: mucudnnTuner_t = null_mut();
+        let status = mucudnnTunerCreate(
+            &mut other,
+            MUCUDNN_DEVICE_CPU,
+            c(r#"{"no_cache": true, "cache": "/tmp/mucudnn-never.sqlite"}"#).as_ptr(),
+        );
+        assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        assert!(other.is_null());
+        assert_eq!(mucudnnTunerDestroy(tuner), mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS);
+    }
+}
+
+/// A huge value (a 10 MB policy, a 2-million-element array) makes a short message: every
+/// echoed value is bounded, and so is every last error.
+#[test]
+fn errors_echo_bounded_values() {
+    let huge = "p".repeat(10_000_000);
+    let array = format!("[{}]", vec!["1"; 2_000_000].join(","));
+    let mut tuner: mucudnnTuner_t = null_mut();
+    let problem = c(&serde_json::to_string(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1)).unwrap());
+    // SAFETY: live outputs and NUL-terminated strings.
+    unsafe {
+        assert_eq!(
+            mucudnnTunerCreate(&mut tuner, MUCUDNN_DEVICE_CPU, c(r#"{"no_cache": true}"#).as_ptr()),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
+        );
+        for settings in [
+            format!(r#"{{"policy": "{huge}"}}"#),
+            format!(r#"{{"split": "{huge}"}}"#),
+            format!(r#"{{"candidates": "{huge}"}}"#),
+            format!(r#"{{"ops": ["{huge}"]}}"#),
+            format!(r#"{{"ops": [{{"{huge}": 1}}]}}"#),
+            format!(r#"{{"workspace_limit": "{huge}"}}"#),
+            format!(r#"{{"{huge}": 1}}"#),
+            format!(r#"{{"policy": {array}}}"#),
+            format!(r#"{{"ops": {array}}}"#),
+            array.clone(),
+        ] {
+            let mut result: *mut c_char = null_mut();
+            let status = mucudnnTunerTune(
+                tuner,
+                c("l").as_ptr(),
+                problem.as_ptr(),
+                c(&settings).as_ptr(),
+                &mut result,
+            );
+            assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
+            let message = last_error();
+            assert!(
+                message.len() <= 1000,
+                "{} bytes: {}",
+                message.len(),
+                &message[..300]
+            );
+        }
+        let message = settings_error(&format!(r#"{{"policy": "{huge}"}}"#));
+        assert!(message.contains("… (10000000 characters)"), "{}", &message[..300]);
+        // JSON arguments and a huge layer name: the last error is bounded whatever it quotes.
+        let mut result: *mut c_char = null_mut();
+        let bad_problem = c(&format!(r#"{{"n": "{huge}"}}"#));
+        mucudnnTunerTune(tuner, c("l").as_ptr(), bad_problem.as_ptr(), null(), &mut result);
+        assert!(last_error().len() <= 1000, "{}", last_error().len());
+        let bad = c(&serde_json::to_string(&ConvProblem::new(-2, 2, 3, 3, 2, 1, 1)).unwrap());
+        mucudnnTunerTune(tuner, c(&huge).as_ptr(), bad.as_ptr(), null(), &mut result);
+        assert!(last_error().contains("n must be positive"), "{}", &last_error()[..300]);
+        assert!(
+            last_error().len() <= error::MAX_MESSAGE_CHARS + 100,
+            "{}",
+            last_error().len()
+        );
+        let options = c(&format!(r#"{{"cache": {array}}}"#));
+        let mut other: mucudnnTuner_t = null_mut();
+        mucudnnTunerCreate(&mut other, MUCUDNN_DEVICE_CPU, options.as_ptr());
+        assert!(last_error().len() <= 1000, "{}", last_error().len());
+        assert_eq!(mucudnnTunerDestroy(tuner), mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS);
     }
 }

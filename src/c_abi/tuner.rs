@@ -20,7 +20,7 @@
 //! `mucudnnHandle_t`, which refuses it), so a framework may call forward on one thread and
 //! backward on another.
 
-use super::error::{invalid, FfiError};
+use super::error::{echo, invalid, FfiError};
 use super::handle::RawOperands;
 use super::json::{self, parse_document, Document, Size};
 use super::registry::Shared;
@@ -34,11 +34,12 @@ use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::local_tuner::LocalTuner;
 use crate::solver::{
-    operand_roles, AlgoNames, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan,
+    operand_roles, AlgoNames, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan,
+    Policy,
 };
 use crate::tune::{
     measure_task, missing_tasks, store_measured, CacheStats, LayerTuning, MeasureTask,
-    MeasuredTask, TuneError,
+    MeasuredTask, SplitSetting, TuneError,
 };
 use mucudnn_cache::Cache;
 use serde::{Deserialize, Serialize};
@@ -83,19 +84,31 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
         })
     };
     if let Some(policy) = document.policy {
-        tuning.policy = policy
-            .parse()
-            .map_err(|e: String| invalid(format!("settings: policy: {e}")))?;
+        tuning.policy = json::choice(
+            "settings",
+            "policy",
+            "policy",
+            &policy,
+            &Policy::ALL.map(|p| (p.name(), p)),
+        )?;
     }
     if let Some(split) = document.split {
-        tuning.split = split
-            .parse()
-            .map_err(|e: String| invalid(format!("settings: split: {e}")))?;
+        tuning.split = json::choice(
+            "settings",
+            "split",
+            "split",
+            &split,
+            &SplitSetting::ALL.map(|s| (s.name(), s)),
+        )?;
     }
     if let Some(candidates) = document.candidates {
-        tuning.candidates = candidates
-            .parse()
-            .map_err(|e: String| invalid(format!("settings: candidates: {e}")))?;
+        tuning.candidates = json::choice(
+            "settings",
+            "candidates",
+            "candidate set",
+            &candidates,
+            &CandidateSet::ALL.map(|c| (c.name(), c)),
+        )?;
     }
     match document.workspace_limit {
         None => {}
@@ -182,7 +195,8 @@ impl<'de> Deserialize<'de> for OpNames {
                         serde_json::Value::String(name) => names.push(name),
                         other => {
                             return Err(serde::de::Error::custom(format!(
-                                "{other} is not an op name ({})",
+                                "{} is not an op name ({})",
+                                echo(&other.to_string()),
                                 ConvOp::NAMES.join(", ")
                             )))
                         }
@@ -195,8 +209,9 @@ impl<'de> Deserialize<'de> for OpNames {
     }
 }
 
-/// The `ops` of a settings object: a non-empty array of op names, each at most once, kept in
-/// `fwd`, `bwd_data`, `bwd_filter` order.
+/// The `ops` of a settings object: a non-empty array of op names, each once (a name given
+/// twice is refused: it says nothing the first did not, and may be a typo for another op),
+/// kept in `fwd`, `bwd_data`, `bwd_filter` order.
 fn parse_ops(given: &[String]) -> Result<Vec<ConvOp>, FfiError> {
     let names = ConvOp::NAMES.join(", ");
     if given.is_empty() {
@@ -208,16 +223,12 @@ fn parse_ops(given: &[String]) -> Result<Vec<ConvOp>, FfiError> {
     for name in given {
         // Exactly as written in the docs: the solver's parser also takes other cases, which
         // a settings document does not (an unknown name is an error, and `FWD` is unknown).
-        let op = ConvOp::ALL
-            .into_iter()
-            .zip(ConvOp::NAMES)
-            .find_map(|(op, &known)| (known == name).then_some(op))
-            .ok_or_else(|| {
-                invalid(format!(
-                    "settings: ops: unknown op `{name}` (expected one of: {names})"
-                ))
-            })?;
-        wanted[op_index(op)] = true;
+        let op = json::choice("settings", "ops", "op", name, &ConvOp::ALL.map(|op| (op.name(), op)))?;
+        if std::mem::replace(&mut wanted[op_index(op)], true) {
+            return Err(invalid(format!(
+                "settings: ops: `{op}` is given twice (give each op once: {names})"
+            )));
+        }
     }
     Ok(ConvOp::ALL
         .into_iter()
@@ -248,6 +259,12 @@ impl TunerOptions {
         if options.cache.as_deref() == Some("") {
             return Err(invalid(
                 "options_json: cache is \"\"; give a file path, or null for the default",
+            ));
+        }
+        if options.no_cache == Some(true) && options.cache.is_some() {
+            return Err(invalid(
+                "options_json: no_cache is true and cache names a file: give one of them (no \
+                 cache keeps measurements in memory, a cache path keeps them in that file)",
             ));
         }
         Ok(options)
@@ -490,7 +507,7 @@ impl Tuner {
     ) -> Result<TuneResult, FfiError> {
         problem
             .validate()
-            .map_err(|e| invalid(format!("{layer}: {e}")))?;
+            .map_err(|e| invalid(format!("{}: {e}", echo(layer))))?;
         let verbose = self.verbose;
         self.use_settings(settings);
         let tuned = self.with_backend(|backend, cache| {
