@@ -125,11 +125,7 @@ pub const MAX_MESSAGE_CHARS: usize = 4096;
 pub fn echo(value: &str) -> String {
     match value.char_indices().nth(ECHO_CHARS) {
         None => value.to_string(),
-        Some((end, _)) => format!(
-            "{}… ({} characters)",
-            &value[..end],
-            value.chars().count()
-        ),
+        Some((end, _)) => format!("{}… ({} characters)", &value[..end], value.chars().count()),
     }
 }
 
@@ -382,8 +378,15 @@ mod tests {
         assert_eq!(echo(&exact), exact);
         let huge = "é".repeat(10_000_000);
         let shown = echo(&huge);
-        assert!(shown.ends_with("… (10000000 characters)"), "{}", &shown[shown.len() - 40..]);
-        assert_eq!(shown.chars().count(), ECHO_CHARS + "… (10000000 characters)".chars().count());
+        assert!(
+            shown.ends_with("… (10000000 characters)"),
+            "{}",
+            &shown[shown.len() - 40..]
+        );
+        assert_eq!(
+            shown.chars().count(),
+            ECHO_CHARS + "… (10000000 characters)".chars().count()
+        );
         assert_eq!(bounded("short", 10), "short");
         let long = format!("start {} end", "x".repeat(1000));
         let cut = bounded(&long, 100);
@@ -393,7 +396,11 @@ mod tests {
         // The last error holds at most MAX_MESSAGE_CHARS characters of any message.
         set_last_error(&format!("mucudnnTest: policy: {}", "p".repeat(10_000_000)));
         let kept = last_error();
-        assert!(kept.chars().count() < MAX_MESSAGE_CHARS + 100, "{}", kept.len());
+        assert!(
+            kept.chars().count() < MAX_MESSAGE_CHARS + 100,
+            "{}",
+            kept.len()
+        );
         assert!(kept.starts_with("mucudnnTest: policy: ppp"));
     }
 

@@ -296,9 +296,14 @@ mod tests {
     #[test]
     fn a_key_given_twice_is_an_error_at_any_depth() {
         let twice = error(r#"{"flag": true, "flag": false}"#);
-        assert!(twice.starts_with("doc: key `flag` is given twice"), "{twice}");
+        assert!(
+            twice.starts_with("doc: key `flag` is given twice"),
+            "{twice}"
+        );
         // Also when the second is what a last-wins parser would keep, and when equal.
-        assert!(error(r#"{"name": "a", "flag": true, "name": "a"}"#).contains("`name` is given twice"));
+        assert!(
+            error(r#"{"name": "a", "flag": true, "name": "a"}"#).contains("`name` is given twice")
+        );
         #[derive(Debug, Deserialize)]
         #[allow(dead_code)]
         struct Outer {
@@ -307,7 +312,10 @@ mod tests {
         let nested = parse_argument::<Outer>(r#"{"inner": [{"a": 1, "a": 2}]}"#, "arg")
             .unwrap_err()
             .to_string();
-        assert!(nested.starts_with("arg: key `a` is given twice"), "{nested}");
+        assert!(
+            nested.starts_with("arg: key `a` is given twice"),
+            "{nested}"
+        );
         parse_argument::<Outer>(r#"{"inner": [{"a": 1}, {"a": 2}]}"#, "arg").unwrap();
     }
 
@@ -324,12 +332,21 @@ mod tests {
             format!("{{\"flag\": \"{huge}"),
         ] {
             let message = error(&text);
-            assert!(message.len() < 2000, "{} bytes: {}", message.len(), &message[..300]);
+            assert!(
+                message.len() < 2000,
+                "{} bytes: {}",
+                message.len(),
+                &message[..300]
+            );
         }
         let message = error(&format!(r#"{{"flag": "{huge}"}}"#));
         assert!(message.contains("(10000002 characters)"), "{message}");
         let unknown = choice("settings", "policy", "policy", &huge, &[("all", 1)]).unwrap_err();
-        assert!(unknown.to_string().len() < 400, "{}", unknown.to_string().len());
+        assert!(
+            unknown.to_string().len() < 400,
+            "{}",
+            unknown.to_string().len()
+        );
         let message = parse_argument::<Doc>(&format!(r#"{{"name": 1, "x": "{huge}"}}"#), "p")
             .unwrap_err()
             .to_string();
@@ -341,7 +358,9 @@ mod tests {
         let values = [("power-of-two", 1), ("all", 2)];
         assert_eq!(choice("s", "policy", "policy", "all", &values).unwrap(), 2);
         for wrong in ["ALL", "All", " all", "pow2"] {
-            let e = choice("s", "policy", "policy", wrong, &values).unwrap_err().to_string();
+            let e = choice("s", "policy", "policy", wrong, &values)
+                .unwrap_err()
+                .to_string();
             assert_eq!(
                 e,
                 format!("s: policy: unknown policy `{wrong}` (expected one of: power-of-two, all, written exactly so)")

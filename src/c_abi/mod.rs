@@ -1275,7 +1275,9 @@ pub extern "C" fn mucudnnTunerRelease(tuner: mucudnnTuner_t, plan_set: u64) -> m
 /// NHWC; the filter in the same layout) and dtype.
 ///
 /// On a CPU tuner the pointers are host memory and `stream` is ignored; the workspace is host
-/// memory (4-byte aligned). On a GPU tuner they are device memory of the tuner's GPU, the work
+/// memory (4-byte aligned), or NULL with 0 bytes: the tuner's own host workspace, one buffer
+/// per tuner shared by all its plan sets and grown to the largest plan run on it (so a caller
+/// needs no buffer per shape). On a GPU tuner they are device memory of the tuner's GPU, the work
 /// is queued on `stream` (NULL: the legacy default stream) through the tuner's own cuDNN
 /// handle, asynchronously, with no host synchronisation; the workspace is the caller's device
 /// memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's

@@ -125,10 +125,13 @@ impl<T> Registry<T> {
     pub fn insert(&self, value: T) -> *mut T {
         let token = new_token();
         let address = Box::into_raw(Box::new(value)) as usize;
-        self.lock().insert(token, Slot {
-            address,
-            busy: false,
-        });
+        self.lock().insert(
+            token,
+            Slot {
+                address,
+                busy: false,
+            },
+        );
         token as *mut T
     }
 

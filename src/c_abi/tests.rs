@@ -1046,7 +1046,12 @@ fn settings_error(text: &str) -> String {
 #[test]
 fn enumerated_settings_take_one_case_rule() {
     for (key, good, wrong, accepted) in [
-        ("policy", "power-of-two", "Power-Of-Two", "undivided, power-of-two, all"),
+        (
+            "policy",
+            "power-of-two",
+            "Power-Of-Two",
+            "undivided, power-of-two, all",
+        ),
         ("policy", "all", "ALL", "undivided, power-of-two, all"),
         ("candidates", "engines", "Engines", "legacy, engines, all"),
         ("split", "spatial", "SPATIAL", "batch, spatial, auto"),
@@ -1114,7 +1119,11 @@ fn contradictory_documents_are_refused() {
     // SAFETY: live outputs and NUL-terminated strings.
     unsafe {
         assert_eq!(
-            mucudnnTunerCreate(&mut tuner, MUCUDNN_DEVICE_CPU, c(r#"{"no_cache": true}"#).as_ptr()),
+            mucudnnTunerCreate(
+                &mut tuner,
+                MUCUDNN_DEVICE_CPU,
+                c(r#"{"no_cache": true}"#).as_ptr()
+            ),
             mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
         );
         let mut result: *mut c_char = null_mut();
@@ -1136,7 +1145,10 @@ fn contradictory_documents_are_refused() {
         );
         assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
         assert!(other.is_null());
-        assert_eq!(mucudnnTunerDestroy(tuner), mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS);
+        assert_eq!(
+            mucudnnTunerDestroy(tuner),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
+        );
     }
 }
 
@@ -1151,7 +1163,11 @@ fn errors_echo_bounded_values() {
     // SAFETY: live outputs and NUL-terminated strings.
     unsafe {
         assert_eq!(
-            mucudnnTunerCreate(&mut tuner, MUCUDNN_DEVICE_CPU, c(r#"{"no_cache": true}"#).as_ptr()),
+            mucudnnTunerCreate(
+                &mut tuner,
+                MUCUDNN_DEVICE_CPU,
+                c(r#"{"no_cache": true}"#).as_ptr()
+            ),
             mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
         );
         for settings in [
@@ -1184,15 +1200,29 @@ fn errors_echo_bounded_values() {
             );
         }
         let message = settings_error(&format!(r#"{{"policy": "{huge}"}}"#));
-        assert!(message.contains("… (10000000 characters)"), "{}", &message[..300]);
+        assert!(
+            message.contains("… (10000000 characters)"),
+            "{}",
+            &message[..300]
+        );
         // JSON arguments and a huge layer name: the last error is bounded whatever it quotes.
         let mut result: *mut c_char = null_mut();
         let bad_problem = c(&format!(r#"{{"n": "{huge}"}}"#));
-        mucudnnTunerTune(tuner, c("l").as_ptr(), bad_problem.as_ptr(), null(), &mut result);
+        mucudnnTunerTune(
+            tuner,
+            c("l").as_ptr(),
+            bad_problem.as_ptr(),
+            null(),
+            &mut result,
+        );
         assert!(last_error().len() <= 1000, "{}", last_error().len());
         let bad = c(&serde_json::to_string(&ConvProblem::new(-2, 2, 3, 3, 2, 1, 1)).unwrap());
         mucudnnTunerTune(tuner, c(&huge).as_ptr(), bad.as_ptr(), null(), &mut result);
-        assert!(last_error().contains("n must be positive"), "{}", &last_error()[..300]);
+        assert!(
+            last_error().contains("n must be positive"),
+            "{}",
+            &last_error()[..300]
+        );
         assert!(
             last_error().len() <= error::MAX_MESSAGE_CHARS + 100,
             "{}",
@@ -1202,6 +1232,116 @@ fn errors_echo_bounded_values() {
         let mut other: mucudnnTuner_t = null_mut();
         mucudnnTunerCreate(&mut other, MUCUDNN_DEVICE_CPU, options.as_ptr());
         assert!(last_error().len() <= 1000, "{}", last_error().len());
-        assert_eq!(mucudnnTunerDestroy(tuner), mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS);
+        assert_eq!(
+            mucudnnTunerDestroy(tuner),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
+        );
+    }
+}
+
+/// A CPU tuner runs plan sets given no workspace (NULL, 0 bytes) on one host workspace of its
+/// own, grown to the largest plan's, with the results of a caller's workspace: a caller needs
+/// no buffer per shape.
+#[test]
+fn cpu_tuner_executes_on_its_own_shared_workspace() {
+    use mucudnnStatus_t as S;
+    let mut tuner: mucudnnTuner_t = null_mut();
+    // SAFETY: live outputs, NUL-terminated strings, and x, w, y of the dims and bytes given.
+    unsafe {
+        assert_eq!(
+            mucudnnTunerCreate(
+                &mut tuner,
+                MUCUDNN_DEVICE_CPU,
+                c(r#"{"no_cache": true}"#).as_ptr()
+            ),
+            S::MUCUDNN_STATUS_SUCCESS
+        );
+        for (h, w) in [(8, 8), (12, 6), (8, 8)] {
+            let problem = ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new(2, 3, h, w, 4, 3, 3)
+            };
+            let text = c(&serde_json::to_string(&problem).unwrap());
+            let mut result: *mut c_char = null_mut();
+            let status = mucudnnTunerTune(
+                tuner,
+                c("shared").as_ptr(),
+                text.as_ptr(),
+                c(r#"{"ops": ["fwd"]}"#).as_ptr(),
+                &mut result,
+            );
+            assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+            let mut doc: serde_json::Value = serde_json::from_str(&take(result)).unwrap();
+            // im2col over whole micro-batches: a plan that needs a workspace.
+            for mb in doc["plans"][0]["micro_batches"].as_array_mut().unwrap() {
+                mb["algo"] = serde_json::json!(1);
+            }
+            let plans = c(&doc["plans"].to_string());
+            let (mut set, mut workspace) = (0u64, [0u64; 3]);
+            let status =
+                mucudnnTunerPrepare(tuner, plans.as_ptr(), &mut set, workspace.as_mut_ptr());
+            assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+            assert!(workspace[0] > 0);
+            let [x_len, w_len, y_len] = [
+                problem.input_dims(),
+                problem.filter_dims(),
+                problem.output_dims(),
+            ]
+            .map(|d| d.iter().product::<i64>() as usize);
+            let x: Vec<f32> = (0..x_len).map(|i| (i % 7) as f32 - 3.0).collect();
+            let wt: Vec<f32> = (0..w_len).map(|i| (i % 5) as f32 * 0.25).collect();
+            let dims: Vec<i64> = [
+                problem.input_dims(),
+                problem.filter_dims(),
+                problem.output_dims(),
+            ]
+            .concat();
+            let bytes = [x_len, w_len, y_len].map(|n| 4 * n as u64);
+            let run = |workspace_ptr: *mut c_void, workspace_bytes: u64| {
+                let mut y = vec![f32::NAN; y_len];
+                let status = mucudnnTunerExecute(
+                    tuner,
+                    set,
+                    MUCUDNN_OP_FORWARD,
+                    1.0,
+                    x.as_ptr().cast(),
+                    wt.as_ptr().cast(),
+                    0.0,
+                    y.as_mut_ptr().cast(),
+                    dims.as_ptr(),
+                    bytes.as_ptr(),
+                    workspace_ptr,
+                    workspace_bytes,
+                    null_mut(),
+                );
+                assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+                y
+            };
+            let mut own = vec![0u32; (workspace[0] as usize).div_ceil(4)];
+            let with_callers = run(own.as_mut_ptr().cast(), workspace[0]);
+            let with_tuners = run(null_mut(), 0);
+            assert_eq!(with_callers, with_tuners);
+            assert!(with_tuners.iter().all(|v| v.is_finite()));
+            // A NULL workspace said to have bytes is still refused.
+            let mut y = vec![0f32; y_len];
+            let status = mucudnnTunerExecute(
+                tuner,
+                set,
+                MUCUDNN_OP_FORWARD,
+                1.0,
+                x.as_ptr().cast(),
+                wt.as_ptr().cast(),
+                0.0,
+                y.as_mut_ptr().cast(),
+                dims.as_ptr(),
+                bytes.as_ptr(),
+                null_mut(),
+                8,
+                null_mut(),
+            );
+            assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        }
+        assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }
 }

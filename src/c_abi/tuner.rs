@@ -24,12 +24,12 @@ use super::error::{echo, invalid, FfiError};
 use super::handle::RawOperands;
 use super::json::{self, parse_document, Document, Size};
 use super::registry::Shared;
-use crate::backend::cpu;
+use crate::backend::cpu::{self, AlignedWorkspace};
 use crate::backend::cudnn::{
     check_one_libcudnn, save_current_context, CudnnHandle, CurrentContextGuard, DeviceOperands,
     DropInCallerContext, RawDeviceView, RawDeviceViewMut, RawWorkspace,
 };
-use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
+use crate::backend::{Backend, BackendError, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::local_tuner::LocalTuner;
@@ -223,7 +223,13 @@ fn parse_ops(given: &[String]) -> Result<Vec<ConvOp>, FfiError> {
     for name in given {
         // Exactly as written in the docs: the solver's parser also takes other cases, which
         // a settings document does not (an unknown name is an error, and `FWD` is unknown).
-        let op = json::choice("settings", "ops", "op", name, &ConvOp::ALL.map(|op| (op.name(), op)))?;
+        let op = json::choice(
+            "settings",
+            "ops",
+            "op",
+            name,
+            &ConvOp::ALL.map(|op| (op.name(), op)),
+        )?;
         if std::mem::replace(&mut wanted[op_index(op)], true) {
             return Err(invalid(format!(
                 "settings: ops: `{op}` is given twice (give each op once: {names})"
@@ -370,6 +376,9 @@ unsafe impl Send for CudaState {}
 enum DeviceState {
     Cpu {
         backend: CpuBackend,
+        /// The workspace of executions given none (a null workspace of 0 bytes): one buffer
+        /// for every plan set, grown to the largest such plan's.
+        workspace: AlignedWorkspace,
     },
     /// Its handles bind the GPU's context to be destroyed; the caller's is restored after.
     Cuda(DropInCallerContext<Box<CudaState>>),
@@ -424,6 +433,7 @@ impl Tuner {
         let state = match device {
             TunerDevice::Cpu => DeviceState::Cpu {
                 backend: CpuBackend::new(),
+                workspace: AlignedWorkspace::default(),
             },
             TunerDevice::Cuda(ordinal) => {
                 // Plans made by one libcudnn must never run on another's objects.
@@ -449,7 +459,8 @@ impl Tuner {
             state,
             cache,
             verbose,
-            prepared: LocalTuner::new(),
+            // The caller keeps the ids and releases the sets: none is dropped behind its back.
+            prepared: LocalTuner::unbounded(),
             next_id: 0,
         })
     }
@@ -461,7 +472,7 @@ impl Tuner {
         f: impl FnOnce(&mut dyn Backend, &Cache) -> Result<T, FfiError>,
     ) -> Result<T, FfiError> {
         match &mut self.state {
-            DeviceState::Cpu { backend } => f(backend, &self.cache),
+            DeviceState::Cpu { backend, .. } => f(backend, &self.cache),
             DeviceState::Cuda(cuda) => {
                 let _context = save_current_context()?;
                 if cuda.tuning.is_none() {
@@ -486,7 +497,7 @@ impl Tuner {
     /// The device fingerprint measurements are stored under (ranks compare it before sharing).
     pub fn fingerprint(&mut self) -> Result<DeviceFingerprint, FfiError> {
         match &self.state {
-            DeviceState::Cpu { backend } => Ok(backend.fingerprint().clone()),
+            DeviceState::Cpu { backend, .. } => Ok(backend.fingerprint().clone()),
             DeviceState::Cuda(cuda) => Ok(cuda.fingerprint.clone()),
         }
     }
@@ -628,7 +639,7 @@ impl Tuner {
     /// measure call releases it). A GPU tuner that never measured holds nothing.
     pub fn measuring_memory(&self) -> crate::backend::MemoryUse {
         match &self.state {
-            DeviceState::Cpu { backend } => backend.memory(),
+            DeviceState::Cpu { backend, .. } => backend.memory(),
             DeviceState::Cuda(cuda) => cuda
                 .tuning
                 .as_ref()
@@ -743,8 +754,9 @@ impl Tuner {
     ///
     /// - On the CPU: `a`, `b` and `out` point to host memory holding the problem's element
     ///   counts of their roles in its dtype, readable (`out` writable, overlapping neither
-    ///   input), and `workspace` is null with `workspace_bytes == 0` or points to
-    ///   `workspace_bytes` writable host bytes; `stream` is ignored.
+    ///   input), and `workspace` is null with `workspace_bytes == 0` (the tuner's own shared
+    ///   workspace is used) or points to `workspace_bytes` writable host bytes; `stream` is
+    ///   ignored.
     /// - On a GPU: the same in device memory of the tuner's GPU, each valid until the work
     ///   queued on `stream` has finished with it, and `stream` is null (the legacy default
     ///   stream) or a live stream of that GPU's primary context.
@@ -799,20 +811,32 @@ impl Tuner {
             )));
         }
         match (set, &mut self.state) {
-            (PreparedSet::Cpu { plans }, DeviceState::Cpu { .. }) => {
+            (
+                PreparedSet::Cpu { plans },
+                DeviceState::Cpu {
+                    workspace: shared, ..
+                },
+            ) => {
                 let plan = plans[op_index(op)].as_ref().expect("checked above");
+                let workspace = if workspace.is_null() {
+                    // None given: the tuner's own, grown to this plan's.
+                    let needed = cpu_workspace_bytes(plan);
+                    if (shared.len() as u64) < needed {
+                        *shared = AlignedWorkspace::try_new(needed).ok_or_else(|| {
+                            FfiError::Backend(BackendError::OutOfMemory(format!(
+                                "{} {op}: the tuner's host workspace of {needed} bytes cannot be \
+                                 allocated",
+                                plan.layer
+                            )))
+                        })?;
+                    }
+                    shared.as_bytes_mut()
+                } else {
+                    // SAFETY: this function's contract: `workspace_bytes` writable bytes.
+                    unsafe { caller_workspace(plan, workspace, workspace_bytes) }?
+                };
                 // SAFETY: this function's contract for the CPU.
-                unsafe {
-                    execute_host(
-                        plan,
-                        lens.map(|(_, len)| len),
-                        data,
-                        CallerWorkspace {
-                            pointer: workspace,
-                            bytes: workspace_bytes,
-                        },
-                    )
-                }
+                unsafe { execute_host(plan, lens.map(|(_, len)| len), data, workspace) }
             }
             (PreparedSet::Cuda { plans }, DeviceState::Cuda(cuda)) => {
                 let prepared = plans[op_index(op)].as_ref().expect("checked above");
@@ -917,7 +941,32 @@ pub fn check_operands(plan: &Plan, operands: &[OperandExtent; 3]) -> Result<(), 
     Ok(())
 }
 
-/// Runs a CPU plan over host pointers.
+/// A caller's host workspace of `bytes` bytes at `pointer` (non-null), checked for alignment.
+///
+/// # Safety
+///
+/// `pointer` points to `bytes` writable host bytes that nothing else uses during the call.
+unsafe fn caller_workspace<'a>(
+    plan: &Plan,
+    pointer: *mut c_void,
+    bytes: u64,
+) -> Result<&'a mut [u8], FfiError> {
+    let len =
+        usize::try_from(bytes).map_err(|_| invalid("workspace_bytes exceeds the address space"))?;
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if (pointer as usize) % 4 != 0 {
+        return Err(invalid(format!(
+            "{} {}: the workspace must be 4-byte aligned",
+            plan.layer, plan.op
+        )));
+    }
+    // SAFETY: this function's contract; non-null and aligned (checked).
+    Ok(unsafe { std::slice::from_raw_parts_mut(pointer.cast::<u8>(), len) })
+}
+
+/// Runs a CPU plan over host pointers, on `workspace`.
 ///
 /// # Safety
 ///
@@ -926,22 +975,10 @@ unsafe fn execute_host(
     plan: &Plan,
     lens: [usize; 3],
     data: RawOperands,
-    workspace: CallerWorkspace,
+    workspace: &mut [u8],
 ) -> Result<(), FfiError> {
     let inputs = [data.a, data.b];
     let out = data.out;
-    let CallerWorkspace {
-        pointer: workspace,
-        bytes: workspace_bytes,
-    } = workspace;
-    let workspace_len = usize::try_from(workspace_bytes)
-        .map_err(|_| invalid("workspace_bytes exceeds the address space"))?;
-    if workspace_len > 0 && (workspace as usize) % 4 != 0 {
-        return Err(invalid(format!(
-            "{} {}: the workspace must be 4-byte aligned",
-            plan.layer, plan.op
-        )));
-    }
     let element = plan.problem.dtype.size_bytes();
     for ((pointer, name), len) in inputs
         .iter()
@@ -974,13 +1011,6 @@ unsafe fn execute_host(
             )));
         }
     }
-    // SAFETY: the caller's contract: `workspace` is null with 0 bytes, or `workspace_len`
-    // writable bytes (4-byte aligned, checked).
-    let workspace: &mut [u8] = if workspace_len == 0 {
-        &mut []
-    } else {
-        unsafe { std::slice::from_raw_parts_mut(workspace.cast::<u8>(), workspace_len) }
-    };
     /// # Safety: as for `execute_host`, for element type `T` of the problem's dtype.
     unsafe fn typed<T: cpu::Element>(
         plan: &Plan,
