@@ -22,6 +22,10 @@ pub enum FfiError {
     /// `CUDNN_CONVOLUTION` mode, ...).
     #[error("{0}")]
     NotSupported(String),
+    /// Something the call needs cannot be had now (the process cannot open the cache file:
+    /// out of file descriptors).
+    #[error("{0}")]
+    NotAvailable(String),
     /// cuDNN will not build one micro-batch of a plan being prepared
     /// ([`crate::exec::ExecError::Unsupported`]): the caller falls back.
     #[error("{0}")]
@@ -60,6 +64,7 @@ impl FfiError {
         match self {
             FfiError::InvalidArgument(_) => mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT,
             FfiError::NotSupported(_) => mucudnnStatus_t::MUCUDNN_STATUS_NOT_SUPPORTED,
+            FfiError::NotAvailable(_) => mucudnnStatus_t::MUCUDNN_STATUS_NOT_AVAILABLE,
             FfiError::PlanNotSupported(_) => mucudnnStatus_t::MUCUDNN_STATUS_PLAN_NOT_SUPPORTED,
             FfiError::Cudnn(e) => cudnn_status(e),
             FfiError::Backend(BackendError::Cudnn(e)) => cudnn_status(e),
@@ -100,6 +105,18 @@ fn cudnn_status(e: &CudnnError) -> mucudnnStatus_t {
         | CudnnError::Misaligned { .. } => mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT,
         CudnnError::Unavailable { .. } | CudnnError::NoDevice { .. } => {
             mucudnnStatus_t::MUCUDNN_STATUS_NOT_AVAILABLE
+        }
+    }
+}
+
+/// Why a cache could not be opened, as the C caller sees it: a file that is not a mucudnn
+/// cache is an invalid argument (`what` names it), a process out of file descriptors is
+/// NOT_AVAILABLE (never a quiet in-memory stand-in).
+pub fn cache_error(what: &str, error: mucudnn_cache::OpenFailure) -> FfiError {
+    match error {
+        mucudnn_cache::OpenFailure::NotACache(e) => invalid(format!("{what}: {e}")),
+        mucudnn_cache::OpenFailure::OutOfResources(e) => {
+            FfiError::NotAvailable(format!("{what}: {e}"))
         }
     }
 }
@@ -337,6 +354,23 @@ mod tests {
         ));
         let declined = FfiError::PlanNotSupported("l fwd: micro-batch 1".into()).context("prepare");
         assert_eq!(declined.status(), S::MUCUDNN_STATUS_PLAN_NOT_SUPPORTED);
+        // A cache the process cannot open for lack of descriptors is NOT_AVAILABLE; a file
+        // that is not a cache, an invalid argument.
+        let out_of = mucudnn_cache::OutOfResources {
+            path: "/c.sqlite".into(),
+            reason: "Too many open files (os error 24)".into(),
+        };
+        let error = cache_error("options_json cache", out_of.into());
+        assert_eq!(error.status(), S::MUCUDNN_STATUS_NOT_AVAILABLE);
+        assert!(error
+            .to_string()
+            .starts_with("options_json cache: cannot open cache /c.sqlite"));
+        let foreign = mucudnn_cache::NotACache {
+            path: "/c.sqlite".into(),
+            why: "it is not an SQLite database".into(),
+        };
+        let error = cache_error("options_json cache", foreign.into());
+        assert_eq!(error.status(), S::MUCUDNN_STATUS_INVALID_ARGUMENT);
         let solver = FfiError::from(SolveError::NothingToDivide);
         assert_eq!(solver.status(), S::MUCUDNN_STATUS_SOLVER_ERROR);
         assert_eq!(

@@ -134,7 +134,7 @@ impl Handle {
     /// cache; that file is left untouched.
     pub fn new(foreign: ForeignHandle, settings: Settings) -> Result<Self, FfiError> {
         let cache = Cache::open_default(settings.cache_path.as_deref())
-            .map_err(|e| FfiError::InvalidArgument(format!("options cache_path: {e}")))?;
+            .map_err(|e| super::error::cache_error("options cache_path", e))?;
         Ok(Handle {
             foreign,
             cache,

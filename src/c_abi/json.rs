@@ -321,13 +321,13 @@ mod tests {
 
     #[test]
     fn echoed_values_are_bounded() {
-        let huge = "x".repeat(10_000_000);
+        let huge = "x".repeat(100_000);
         for text in [
-            format!(r#"{{"name": {}}}"#, "1".repeat(1_000_000)),
+            format!(r#"{{"name": {}}}"#, "1".repeat(100_000)),
             format!(r#"{{"flag": "{huge}"}}"#),
             format!(r#"{{"{huge}": 1}}"#),
             format!(r#"{{"limit": "{huge}"}}"#),
-            format!("[{}]", vec!["1"; 2_000_000].join(",")),
+            format!("[{}]", vec!["1"; 50_000].join(",")),
             format!(r#"{{"flag": true, "{huge}": 1, "{huge}": 2}}"#),
             format!("{{\"flag\": \"{huge}"),
         ] {
@@ -340,7 +340,7 @@ mod tests {
             );
         }
         let message = error(&format!(r#"{{"flag": "{huge}"}}"#));
-        assert!(message.contains("(10000002 characters)"), "{message}");
+        assert!(message.contains("(100002 characters)"), "{message}");
         let unknown = choice("settings", "policy", "policy", &huge, &[("all", 1)]).unwrap_err();
         assert!(
             unknown.to_string().len() < 400,

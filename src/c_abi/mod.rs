@@ -65,7 +65,8 @@ pub enum mucudnnStatus_t {
     /// that is not device memory of the handle's GPU.
     MUCUDNN_STATUS_INVALID_ARGUMENT = 1,
     /// No NVIDIA driver (libcuda), no cuDNN 9 (libcudnn), no usable GPU, a driver older than
-    /// CUDA 13, or two different libcudnn loaded in one process.
+    /// CUDA 13, or two different libcudnn loaded in one process; or the tuning cache cannot be
+    /// opened because the process is out of file descriptors (never a quiet in-memory cache).
     MUCUDNN_STATUS_NOT_AVAILABLE = 2,
     /// A convolution cuDNN could run but mucudnn does not: not fully packed NCHW/NHWC, double
     /// or integer data, CUDNN_CONVOLUTION mode, a non-float compute type.
@@ -145,7 +146,10 @@ pub struct mucudnnOptions_t {
     /// else $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite). Copied
     /// by mucudnnCreate. Measurements are read from and stored into it, so a (problem, op)
     /// seen before on this device (by any process) is not profiled again. A cache that cannot
-    /// be opened or written never fails a call: it warns on stderr and works in memory.
+    /// be opened or written never fails a call: it warns on stderr and works in memory; but a
+    /// process out of file descriptors is MUCUDNN_STATUS_NOT_AVAILABLE (not a cache in
+    /// memory that would quietly keep nothing), and a file that is not a mucudnn cache is
+    /// MUCUDNN_STATUS_INVALID_ARGUMENT (left untouched).
     pub cache_path: *const c_char,
     /// A MUCUDNN_POLICY_* value (default MUCUDNN_POLICY_POWER_OF_TWO).
     pub policy: mucudnnPolicy_t,
@@ -983,8 +987,15 @@ unsafe fn settings_json_arg(
 /// `options_json`: NULL for the defaults, or a JSON object with any of
 ///   "cache": the tuning cache file (a path; absent or null: $MUCUDNN_CACHE, else
 ///            $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite),
-///   "no_cache": true to keep measurements in memory only,
+///   "no_cache": true to keep measurements in memory only (not with a "cache" path),
 ///   "verbose": true to print a line per measurement and per tuned layer on stderr.
+///
+/// A tuner with a cache file holds three file descriptors (SQLite's database, WAL and
+/// shared-memory index) until it is destroyed; one with "no_cache" holds none. A cache that
+/// cannot be opened because the process is out of file descriptors is
+/// MUCUDNN_STATUS_NOT_AVAILABLE, a file that is not a mucudnn cache
+/// MUCUDNN_STATUS_INVALID_ARGUMENT; a damaged, unwritable or unusable cache of ours warns and
+/// works in memory (read-only, or moved aside and salvaged), as for the CLI.
 ///
 /// # Safety
 ///

@@ -20,7 +20,7 @@
 //! `mucudnnHandle_t`, which refuses it), so a framework may call forward on one thread and
 //! backward on another.
 
-use super::error::{echo, invalid, FfiError};
+use super::error::{cache_error, echo, invalid, FfiError};
 use super::handle::RawOperands;
 use super::json::{self, parse_document, Document, Size};
 use super::registry::Shared;
@@ -422,7 +422,8 @@ fn exec_error(e: ExecError) -> FfiError {
 impl Tuner {
     /// A tuner on `device` with `cache`, else the cache at `cache_path` (`None`: the default
     /// location; a cache of ours that cannot be opened falls back to memory with a warning, a
-    /// file that is not a mucudnn cache is an error and left untouched). A GPU is checked at
+    /// file that is not a mucudnn cache is an error and left untouched, and so is a process
+    /// out of file descriptors). A GPU is checked at
     /// once: no CUDA, no cuDNN or no such GPU is an error.
     pub fn new(
         device: TunerDevice,
@@ -453,7 +454,7 @@ impl Tuner {
         let cache = match cache {
             Some(cache) => cache,
             None => Cache::open_default(cache_path.as_deref())
-                .map_err(|e| invalid(format!("options_json cache: {e}")))?,
+                .map_err(|e| cache_error("options_json cache", e))?,
         };
         Ok(Tuner {
             state,

@@ -20,9 +20,10 @@ pub enum TuneError {
     Solve(#[from] SolveError),
     #[error("interrupted: {measured} micro-batch size(s) measured this run are kept in the cache")]
     Interrupted { measured: usize },
-    /// The cache path names a file that is not a mucudnn cache (left untouched).
+    /// The cache path names a file that is not a mucudnn cache (left untouched), or the
+    /// process cannot open files now.
     #[error(transparent)]
-    Cache(#[from] mucudnn_cache::NotACache),
+    Cache(#[from] mucudnn_cache::OpenFailure),
 }
 
 /// Where a profile's measurements came from.
