@@ -37,7 +37,7 @@ pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
-    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measurement, OpKey,
+    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit, MeasureKey, Measurement, OpKey,
     OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
 };
 use open::{exhausted, Identity, OpenError};
@@ -539,9 +539,9 @@ impl Cache {
     }
 
     /// Everything cached for `key` on `device` at the sizes the policy allows of the split's
-    /// extent ([`SplitDim::extent`](mucudnn_solver::SplitDim::extent)), among `candidates`,
-    /// as a profile entry named `layer`, if every kind in the set was measured at every
-    /// allowed size.
+    /// extent ([`SplitDim::extent`](mucudnn_solver::SplitDim::extent)) whose calls fit 32-bit
+    /// indexing ([`IndexLimit`]), among `candidates`, as a profile entry named `layer`, if
+    /// every kind in the set was measured at every such size.
     pub fn op_profile(
         &self,
         device: &DeviceFingerprint,
@@ -551,7 +551,15 @@ impl Cache {
         candidates: CandidateSet,
     ) -> Option<OpProfile> {
         let extent = key.extent();
-        let sizes = policy.sizes(extent);
+        // Only sizes whose calls fit 32-bit indexing are ever measured (and solved with).
+        let largest = IndexLimit::CUDNN
+            .largest_size(&key.problem, key.op, key.split)
+            .ok()?;
+        let sizes: Vec<i64> = policy
+            .sizes(extent)
+            .into_iter()
+            .filter(|&size| size <= largest)
+            .collect();
         for &kind in candidates.kinds() {
             if !self
                 .missing_sizes(device, &key.of_kind(kind), &sizes)
@@ -569,7 +577,7 @@ impl Cache {
         let measurements = measurements?;
         let measurements = measurements
             .into_iter()
-            .filter(|m| policy.allows(m.micro, extent))
+            .filter(|m| policy.allows(m.micro, extent) && m.micro <= largest)
             .collect();
         self.write("seen", |conn| {
             store::mark_seen(conn, device, layer, &key.problem, key.op)

@@ -224,6 +224,7 @@ impl Handle {
             })
             .map_err(|e| match e {
                 TuneError::Backend(e) => FfiError::from(e),
+                e @ TuneError::Indexing { .. } => FfiError::NotSupported(e.to_string()),
                 other => FfiError::Internal(other.to_string()),
             })?;
             if verbose && stats.measured == 0 {

@@ -38,7 +38,9 @@ pub use descriptors::problem_from_descriptors;
 
 use crate::backend::cudnn::{library_status, probe, ForeignHandle};
 use crate::backend::TimingSettings;
-use crate::solver::{CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Plan, Policy};
+use crate::solver::{
+    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit, Plan, Policy,
+};
 use crate::tune::{EngineOptions, LayerTuning, MeasureTask, MeasuredTask, SplitSetting};
 use error::{
     guard, invalid, last_error_ptr, optional_str_arg, out_arg, owned_c_string, set_last_error,
@@ -339,6 +341,7 @@ unsafe fn settings_arg(options: *const mucudnnOptions_t) -> Result<Settings, Ffi
             engines: EngineOptions::default(),
             // The handle executes batch plans only (no spatial chunks on a caller's handle).
             split: SplitSetting::Batch,
+            index_limit: IndexLimit::CUDNN,
         },
         workspace_limit_bytes,
         total_workspace_bytes,

@@ -1349,3 +1349,55 @@ fn cpu_tuner_executes_on_its_own_shared_workspace() {
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }
 }
+
+/// A tensor past 2^31 elements is mucudnn's to split, not an invalid argument: a long fp16
+/// video (1 x 128 x 81 x 480 x 832, 4,140,564,480 elements) whose calls cannot fit 32-bit
+/// indexing in NCDHW (a chunk's view spans every channel) is NOT_SUPPORTED, saying why, at
+/// once (nothing is allocated), so a caller falls back; a plan that takes it whole is
+/// refused before it runs.
+#[test]
+fn a_tensor_past_2_pow_31_elements_is_split_or_not_supported_with_the_reason() {
+    let video = ConvProblem {
+        pad_d: 1,
+        pad_h: 1,
+        pad_w: 1,
+        dtype: crate::solver::DType::Fp16,
+        ..ConvProblem::new_3d(1, 128, 81, 480, 832, 128, 3, 3, 3)
+    };
+    video.validate().unwrap();
+    let mut tuner = memory_tuner();
+    for (split, reason) in [
+        ("auto", "channels-last (nhwc) chunks span only their rows"),
+        ("spatial", "channels-last (nhwc) chunks span only their rows"),
+        ("batch", "a spatial split"),
+    ] {
+        let settings = settings(&format!(r#"{{"split": "{split}", "ops": ["fwd"]}}"#));
+        let started = std::time::Instant::now();
+        let error = tuner.tune("video", &video, &settings).unwrap_err();
+        assert_eq!(
+            error.status(),
+            mucudnnStatus_t::MUCUDNN_STATUS_NOT_SUPPORTED,
+            "{split}: {error}"
+        );
+        let message = error.to_string();
+        assert!(message.starts_with("video: fwd split along the"), "{message}");
+        assert!(message.contains("32-bit indexing"), "{message}");
+        assert!(message.contains(reason), "{split}: {message}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+    // A plan running the whole video in one call (as a hand-made plan might) is refused.
+    let whole = crate::solver::Plan {
+        layer: "video".into(),
+        problem: video,
+        op: ConvOp::Forward,
+        split: crate::solver::SplitDim::Batch,
+        micro_batches: vec![crate::solver::MicroBatch {
+            size: 1,
+            algo: crate::solver::Algo::Legacy(0),
+            workspace_bytes: 0,
+            time_ms: 1.0,
+        }],
+    };
+    let error = tuner.prepare(vec![whole]).unwrap_err().to_string();
+    assert!(error.contains("32-bit indexing"), "{error}");
+}

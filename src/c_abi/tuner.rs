@@ -405,6 +405,9 @@ fn tune_error(e: TuneError) -> FfiError {
     match e {
         TuneError::Backend(e) => FfiError::from(e),
         TuneError::Solve(e) => FfiError::from(e),
+        // No plan can run it: a caller runs this convolution another way (the PyTorch package
+        // falls back to PyTorch's, saying why).
+        e @ TuneError::Indexing { .. } => FfiError::NotSupported(e.to_string()),
         other => FfiError::Internal(other.to_string()),
     }
 }
