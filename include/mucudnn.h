@@ -95,6 +95,17 @@
 #define MUCUDNN_DEVICE_CPU -1
 
 /**
+ * The most characters of a caller's value a message shows ([`echo`]).
+ */
+#define ECHO_CHARS 200
+
+/**
+ * The most characters a last-error message holds ([`bounded`]); a message that echoes
+ * callers' values through [`echo`] stays far below it.
+ */
+#define MAX_MESSAGE_CHARS 4096
+
+/**
  * What every mucudnn function that can fail returns. On anything but
  * MUCUDNN_STATUS_SUCCESS, mucudnnGetLastError() says what happened, naming the function, the
  * argument or layer, and the cause.
@@ -109,7 +120,8 @@ typedef enum mucudnnStatus_t {
     MUCUDNN_STATUS_INVALID_ARGUMENT = 1,
     /**
      * No NVIDIA driver (libcuda), no cuDNN 9 (libcudnn), no usable GPU, a driver older than
-     * CUDA 13, or two different libcudnn loaded in one process.
+     * CUDA 13, or two different libcudnn loaded in one process; or the tuning cache cannot be
+     * opened because the process is out of file descriptors (never a quiet in-memory cache).
      */
     MUCUDNN_STATUS_NOT_AVAILABLE = 2,
     /**
@@ -213,7 +225,10 @@ typedef struct mucudnnOptions_t {
      * else $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite). Copied
      * by mucudnnCreate. Measurements are read from and stored into it, so a (problem, op)
      * seen before on this device (by any process) is not profiled again. A cache that cannot
-     * be opened or written never fails a call: it warns on stderr and works in memory.
+     * be opened or written never fails a call: it warns on stderr and works in memory; but a
+     * process out of file descriptors is MUCUDNN_STATUS_NOT_AVAILABLE (not a cache in
+     * memory that would quietly keep nothing), and a file that is not a mucudnn cache is
+     * MUCUDNN_STATUS_INVALID_ARGUMENT (left untouched).
      */
     const char *cache_path;
     /**
@@ -631,8 +646,15 @@ enum mucudnnStatus_t mucudnnGetPlansJson(mucudnnHandle_t handle,
  * `options_json`: NULL for the defaults, or a JSON object with any of
  *   "cache": the tuning cache file (a path; absent or null: $MUCUDNN_CACHE, else
  *            $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite),
- *   "no_cache": true to keep measurements in memory only,
+ *   "no_cache": true to keep measurements in memory only (not with a "cache" path),
  *   "verbose": true to print a line per measurement and per tuned layer on stderr.
+ *
+ * A tuner with a cache file holds three file descriptors (SQLite's database, WAL and
+ * shared-memory index) until it is destroyed; one with "no_cache" holds none. A cache that
+ * cannot be opened because the process is out of file descriptors is
+ * MUCUDNN_STATUS_NOT_AVAILABLE, a file that is not a mucudnn cache
+ * MUCUDNN_STATUS_INVALID_ARGUMENT; a damaged, unwritable or unusable cache of ours warns and
+ * works in memory (read-only, or moved aside and salvaged), as for the CLI.
  *
  * # Safety
  *
@@ -800,7 +822,9 @@ enum mucudnnStatus_t mucudnnTunerRelease(mucudnnTuner_t tuner,
  * NHWC; the filter in the same layout) and dtype.
  *
  * On a CPU tuner the pointers are host memory and `stream` is ignored; the workspace is host
- * memory (4-byte aligned). On a GPU tuner they are device memory of the tuner's GPU, the work
+ * memory (4-byte aligned), or NULL with 0 bytes: the tuner's own host workspace, one buffer
+ * per tuner shared by all its plan sets and grown to the largest plan run on it (so a caller
+ * needs no buffer per shape). On a GPU tuner they are device memory of the tuner's GPU, the work
  * is queued on `stream` (NULL: the legacy default stream) through the tuner's own cuDNN
  * handle, asynchronously, with no host synchronisation; the workspace is the caller's device
  * memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's
