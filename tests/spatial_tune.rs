@@ -364,7 +364,12 @@ fn a_batch_past_the_index_limit_runs_as_micro_batches_that_fit() {
     let limit = IndexLimit::new(1200).unwrap();
     for split in [SplitSetting::Batch, SplitSetting::Auto] {
         let plans = under(1200, split)
-            .tune(&mut CpuBackend::new(), &Cache::in_memory(), "big", &problem(5))
+            .tune(
+                &mut CpuBackend::new(),
+                &Cache::in_memory(),
+                "big",
+                &problem(5),
+            )
             .unwrap();
         for plan in &plans {
             assert_eq!(plan.split, SplitDim::Batch);
@@ -379,10 +384,18 @@ fn a_batch_past_the_index_limit_runs_as_micro_batches_that_fit() {
         policy: Policy::Undivided,
         ..under(1200, SplitSetting::Batch)
     }
-    .tune(&mut CpuBackend::new(), &Cache::in_memory(), "big", &problem(5))
+    .tune(
+        &mut CpuBackend::new(),
+        &Cache::in_memory(),
+        "big",
+        &problem(5),
+    )
     .unwrap_err()
     .to_string();
-    assert!(error.starts_with("big: fwd split along the batch: policy undivided"), "{error}");
+    assert!(
+        error.starts_with("big: fwd batch split: policy undivided"),
+        "{error}"
+    );
     assert!(error.contains("at most 2 fit in one call"), "{error}");
 }
 
@@ -414,14 +427,19 @@ fn a_sample_past_the_index_limit_runs_as_chunks_channels_last_and_is_refused_cha
         .to_string();
     assert!(error.contains("a spatial split"), "{error}");
     let error = under(300, SplitSetting::Auto)
-        .tune(&mut CpuBackend::new(), &Cache::in_memory(), "wide", &problem(1))
+        .tune(
+            &mut CpuBackend::new(),
+            &Cache::in_memory(),
+            "wide",
+            &problem(1),
+        )
         .unwrap_err();
     assert!(
         matches!(error, mucudnn::tune::TuneError::Indexing { .. }),
         "{error}"
     );
     let error = error.to_string();
-    assert!(error.starts_with("wide: fwd split along the spatial"), "{error}");
+    assert!(error.starts_with("wide: fwd spatial split"), "{error}");
     assert!(error.contains("channels-last"), "{error}");
 }
 

@@ -219,7 +219,9 @@ fn view_span(full: &[i64; 5], view: &[i64; 5], layout: Layout) -> i64 {
     view.iter()
         .zip(strides)
         .try_fold(1i64, |acc, (&dim, stride)| {
-            (dim - 1).checked_mul(stride).and_then(|x| acc.checked_add(x))
+            (dim - 1)
+                .checked_mul(stride)
+                .and_then(|x| acc.checked_add(x))
         })
         .unwrap_or(i64::MAX)
 }
@@ -262,7 +264,7 @@ fn no_fit_hint(problem: &ConvProblem, split: SplitDim, operand: Operand) -> &'st
 pub enum IndexError {
     /// Not even a size of 1 fits.
     #[error(
-        "{op} split along the {split}: a call of one {} reaches {span} elements of {operand}, \
+        "{op} {split} split: a call of one {} reaches {span} elements of {operand}, \
          more than the {limit} a call can index (cuDNN's 32-bit indexing){hint}",
         unit(*.split)
     )]
@@ -276,7 +278,7 @@ pub enum IndexError {
     },
     /// Policy `undivided` runs the whole extent in one call, which does not fit.
     #[error(
-        "{op} split along the {split}: policy undivided runs all {extent} {}s in one call, which \
+        "{op} {split} split: policy undivided runs all {extent} {}s in one call, which \
          reaches {span} elements of {operand}, more than the {limit} a call can index (cuDNN's \
          32-bit indexing); at most {largest} fit in one call: policy power-of-two or all \
          splits it",
@@ -349,7 +351,14 @@ mod tests {
             .sizes(Policy::Undivided, &p, ConvOp::Forward, SplitDim::Batch)
             .unwrap_err();
         assert!(
-            matches!(undivided, IndexError::Undivided { largest: 42, extent: 64, .. }),
+            matches!(
+                undivided,
+                IndexError::Undivided {
+                    largest: 42,
+                    extent: 64,
+                    ..
+                }
+            ),
             "{undivided}"
         );
         assert!(undivided.to_string().contains("power-of-two or all"));
@@ -375,7 +384,11 @@ mod tests {
         // Channels-last: a depth row is 480 x 832 x 128 = 51,118,080 elements; a chunk of
         // `len` output rows reads len + 2 input rows, so 40 rows (42 x 51,118,080 =
         // 2,146,959,360) fit and 41 do not.
-        for op in [ConvOp::Forward, ConvOp::BackwardFilter, ConvOp::BackwardData] {
+        for op in [
+            ConvOp::Forward,
+            ConvOp::BackwardFilter,
+            ConvOp::BackwardData,
+        ] {
             assert_eq!(
                 limit.largest_size(&last, op, SplitDim::Spatial),
                 Ok(40),
@@ -383,7 +396,12 @@ mod tests {
             );
         }
         let sizes = limit
-            .sizes(Policy::PowerOfTwo, &last, ConvOp::Forward, SplitDim::Spatial)
+            .sizes(
+                Policy::PowerOfTwo,
+                &last,
+                ConvOp::Forward,
+                SplitDim::Spatial,
+            )
             .unwrap();
         assert_eq!(sizes, [1, 2, 4, 8, 16, 32]);
         // Channels-first: a chunk of one output row reads 3 input rows of every channel, a
@@ -479,7 +497,12 @@ mod tests {
             Ok(2)
         );
         assert_eq!(
-            limit.sizes(Policy::PowerOfTwo, &p, ConvOp::BackwardData, SplitDim::Batch),
+            limit.sizes(
+                Policy::PowerOfTwo,
+                &p,
+                ConvOp::BackwardData,
+                SplitDim::Batch
+            ),
             Ok(vec![1, 2])
         );
         // The filter (54 elements) is whole in every call.
@@ -487,12 +510,22 @@ mod tests {
         let e = tiny
             .largest_size(&p, ConvOp::BackwardFilter, SplitDim::Batch)
             .unwrap_err();
-        assert!(matches!(e, IndexError::NoSizeFits { operand: "x", .. }), "{e}");
+        assert!(
+            matches!(e, IndexError::NoSizeFits { operand: "x", .. }),
+            "{e}"
+        );
         let e = IndexLimit::new(53)
             .unwrap()
-            .largest_size(&ConvProblem::new(1, 2, 3, 3, 3, 3, 3), ConvOp::BackwardFilter, SplitDim::Batch)
+            .largest_size(
+                &ConvProblem::new(1, 2, 3, 3, 3, 3, 3),
+                ConvOp::BackwardFilter,
+                SplitDim::Batch,
+            )
             .unwrap_err();
-        assert!(matches!(e, IndexError::NoSizeFits { operand: "dw", .. }), "{e}");
+        assert!(
+            matches!(e, IndexError::NoSizeFits { operand: "dw", .. }),
+            "{e}"
+        );
         assert!(e.to_string().contains("no split makes it smaller"), "{e}");
     }
 }

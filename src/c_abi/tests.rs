@@ -1368,7 +1368,10 @@ fn a_tensor_past_2_pow_31_elements_is_split_or_not_supported_with_the_reason() {
     let mut tuner = memory_tuner();
     for (split, reason) in [
         ("auto", "channels-last (nhwc) chunks span only their rows"),
-        ("spatial", "channels-last (nhwc) chunks span only their rows"),
+        (
+            "spatial",
+            "channels-last (nhwc) chunks span only their rows",
+        ),
         ("batch", "a spatial split"),
     ] {
         let settings = settings(&format!(r#"{{"split": "{split}", "ops": ["fwd"]}}"#));
@@ -1380,7 +1383,7 @@ fn a_tensor_past_2_pow_31_elements_is_split_or_not_supported_with_the_reason() {
             "{split}: {error}"
         );
         let message = error.to_string();
-        assert!(message.starts_with("video: fwd split along the"), "{message}");
+        assert!(message.starts_with("video: fwd "), "{message}");
         assert!(message.contains("32-bit indexing"), "{message}");
         assert!(message.contains(reason), "{split}: {message}");
         assert!(started.elapsed() < std::time::Duration::from_secs(5));

@@ -197,7 +197,10 @@ impl LayerTuning {
                 SplitSetting::Spatial => jobs.push(job(op, SplitDim::Spatial)),
                 SplitSetting::Auto => {
                     let batch = job(op, SplitDim::Batch);
-                    if self.index_limit.largest_size(problem, op, SplitDim::Batch).is_err()
+                    if self
+                        .index_limit
+                        .largest_size(problem, op, SplitDim::Batch)
+                        .is_err()
                         && SplitSetting::auto_looks_at(problem)
                     {
                         // No micro-batch fits 32-bit indexing: only chunks can.
@@ -244,9 +247,11 @@ impl LayerTuning {
     /// setting ([`SplitSetting::context`]), `;`-separated; empty for plain batch plans.
     pub fn plan_context(&self, problem: &ConvProblem) -> String {
         // Plans under a lowered index limit (tests) are not cuDNN's plans: cached apart.
-        let index_limit = (self.index_limit != IndexLimit::CUDNN)
-            .then(|| format!("index_limit={}", self.index_limit.max_elements()))
-            .unwrap_or_default();
+        let index_limit = if self.index_limit == IndexLimit::CUDNN {
+            String::new()
+        } else {
+            format!("index_limit={}", self.index_limit.max_elements())
+        };
         let parts = [
             if self.engines.deterministic {
                 DETERMINISTIC_CONTEXT
