@@ -37,8 +37,8 @@ pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
-    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit, MeasureKey, Measurement, OpKey,
-    OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
+    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit, MeasureKey, Measurement,
+    OpKey, OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
 };
 use open::{exhausted, Identity, OpenError};
 use rusqlite::Connection;

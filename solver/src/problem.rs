@@ -457,7 +457,12 @@ impl ConvProblem {
         let elements = |dims: &[i64]| dims.iter().try_fold(1i64, |acc, &d| acc.checked_mul(d));
         for (what, dims, limit, name) in [
             ("input", self.input_dims(), MAX_TENSOR_ELEMENTS, "2^60"),
-            ("filter", self.filter_dims(), i64::from(i32::MAX), "2^31 - 1"),
+            (
+                "filter",
+                self.filter_dims(),
+                i64::from(i32::MAX),
+                "2^31 - 1",
+            ),
             ("output", self.output_dims(), MAX_TENSOR_ELEMENTS, "2^60"),
         ] {
             if elements(&dims).is_none_or(|e| e > limit) {

@@ -392,7 +392,9 @@ fn smallest_limit_with_skipped(
         .iter()
         .map(|m| (m.micro, m.workspace_bytes))
         .chain(profile.skipped.iter().map(|s| (s.micro, s.workspace_bytes)));
-    for (micro, bytes) in workspaces.filter(|&(micro, _)| policy.allows(micro, n) && micro <= largest) {
+    for (micro, bytes) in
+        workspaces.filter(|&(micro, _)| policy.allows(micro, n) && micro <= largest)
+    {
         let entry = least.entry(micro).or_insert(bytes);
         *entry = (*entry).min(bytes);
     }

@@ -242,7 +242,10 @@ pub enum CpuError {
         "buffer `{buffer}` of one call has {elements} elements, more than the 2^31 - 1 a call \
          holds: run the problem through a plan, which splits it (mucudnn::exec::execute_cpu)"
     )]
-    CallTooLarge { buffer: &'static str, elements: usize },
+    CallTooLarge {
+        buffer: &'static str,
+        elements: usize,
+    },
 }
 
 /// Validated problem sizes as `usize`, plus derived quantities.
