@@ -157,24 +157,24 @@ impl<'de> Visitor<'de> for UniqueKeys {
     }
 }
 
-/// The value named `given` among `values` (name, value), exactly as written: the one case
-/// rule of every enumerated value in a document (lowercase, as documented; `POWER-OF-TWO` is
-/// as unknown as `pow2`). The error names `document` and `key` and lists the names.
+/// The value among `all` whose `name` is `given`, exactly as written: the one case rule of
+/// every enumerated value in a document (lowercase, as documented; `POWER-OF-TWO` is as
+/// unknown as `pow2`). The error starts with `at` (the document and key), calls the value a
+/// `what` and lists the names.
 pub(super) fn choice<T: Copy>(
-    document: &str,
-    key: &str,
+    at: &str,
     what: &str,
     given: &str,
-    values: &[(&str, T)],
+    all: &[T],
+    name: fn(T) -> &'static str,
 ) -> Result<T, FfiError> {
-    values
-        .iter()
-        .find(|(name, _)| *name == given)
-        .map(|&(_, value)| value)
+    all.iter()
+        .copied()
+        .find(|&value| name(value) == given)
         .ok_or_else(|| {
-            let names: Vec<&str> = values.iter().map(|&(name, _)| name).collect();
+            let names: Vec<&str> = all.iter().map(|&value| name(value)).collect();
             invalid(format!(
-                "{document}: {key}: unknown {what} `{}` (expected one of: {}, written exactly so)",
+                "{at}: unknown {what} `{}` (expected one of: {}, written exactly so)",
                 echo(given),
                 names.join(", ")
             ))
@@ -341,7 +341,7 @@ mod tests {
         }
         let message = error(&format!(r#"{{"flag": "{huge}"}}"#));
         assert!(message.contains("(100002 characters)"), "{message}");
-        let unknown = choice("settings", "policy", "policy", &huge, &[("all", 1)]).unwrap_err();
+        let unknown = choice("settings: policy", "policy", &huge, &[1], |_| "all").unwrap_err();
         assert!(
             unknown.to_string().len() < 400,
             "{}",
@@ -355,10 +355,13 @@ mod tests {
 
     #[test]
     fn choices_are_exact() {
-        let values = [("power-of-two", 1), ("all", 2)];
-        assert_eq!(choice("s", "policy", "policy", "all", &values).unwrap(), 2);
+        let name = |v: i32| if v == 1 { "power-of-two" } else { "all" };
+        assert_eq!(
+            choice("s: policy", "policy", "all", &[1, 2], name).unwrap(),
+            2
+        );
         for wrong in ["ALL", "All", " all", "pow2"] {
-            let e = choice("s", "policy", "policy", wrong, &values)
+            let e = choice("s: policy", "policy", wrong, &[1, 2], name)
                 .unwrap_err()
                 .to_string();
             assert_eq!(

@@ -70,11 +70,11 @@ pub fn parse_options(text: Option<&str>) -> Result<SolveOptions, FfiError> {
     )?;
     if let Some(policy) = document.policy {
         options.policy = json::choice(
-            "options",
-            "policy",
+            "options: policy",
             "policy",
             &policy,
-            &Policy::ALL.map(|p| (p.name(), p)),
+            &Policy::ALL,
+            Policy::name,
         )?;
     }
     match (document.workspace_limit, document.total_workspace) {

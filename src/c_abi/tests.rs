@@ -503,6 +503,46 @@ fn prepared_tuner(problem: &ConvProblem) -> (mucudnnTuner_t, u64, u64) {
     (tuner, set, workspace[0])
 }
 
+/// A CPU tuner made through the C ABI, its measurements in memory.
+fn cpu_tuner() -> mucudnnTuner_t {
+    let mut tuner: mucudnnTuner_t = null_mut();
+    let options = c(r#"{"no_cache": true}"#);
+    // SAFETY: a live output and a NUL-terminated string.
+    let status = unsafe { mucudnnTunerCreate(&mut tuner, MUCUDNN_DEVICE_CPU, options.as_ptr()) };
+    assert_eq!(
+        status,
+        mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS,
+        "{}",
+        last_error()
+    );
+    tuner
+}
+
+/// mucudnnTunerTune of `problem` (JSON) as layer `layer` with `settings` (`None`: NULL): its
+/// status and, on success, its result document.
+fn tune_through_c(
+    tuner: mucudnnTuner_t,
+    layer: &str,
+    problem: &str,
+    settings: Option<&str>,
+) -> (mucudnnStatus_t, Option<serde_json::Value>) {
+    let (layer, problem) = (c(layer), c(problem));
+    let settings = settings.map(c);
+    let mut result: *mut c_char = null_mut();
+    // SAFETY: NUL-terminated strings (or NULL settings) and a live output.
+    let status = unsafe {
+        mucudnnTunerTune(
+            tuner,
+            layer.as_ptr(),
+            problem.as_ptr(),
+            settings.as_ref().map_or(null(), |s| s.as_ptr()),
+            &mut result,
+        )
+    };
+    let doc = (!result.is_null()).then(|| serde_json::from_str(&take(result)).unwrap());
+    (status, doc)
+}
+
 #[test]
 fn tuner_execute_checks_operands_against_the_plan() {
     use mucudnnStatus_t as S;
@@ -909,13 +949,12 @@ fn tuner_settings_ops_errors() {
             assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT, "{text}");
         }
         // An op named twice is refused (it was merged silently before).
-        let mut result: *mut c_char = null_mut();
-        let status = mucudnnTunerTune(
+        let problem = problem.to_str().unwrap();
+        let (status, doc) = tune_through_c(
             tuner,
-            c("tiny").as_ptr(),
-            problem.as_ptr(),
-            c(r#"{"ops": ["fwd", "bwd_data", "fwd"]}"#).as_ptr(),
-            &mut result,
+            "tiny",
+            problem,
+            Some(r#"{"ops": ["fwd", "bwd_data", "fwd"]}"#),
         );
         assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
         assert!(
@@ -923,17 +962,15 @@ fn tuner_settings_ops_errors() {
             "{}",
             last_error()
         );
-        assert!(result.is_null());
-        let status = mucudnnTunerTune(
+        assert!(doc.is_none());
+        let (status, doc) = tune_through_c(
             tuner,
-            c("tiny").as_ptr(),
-            problem.as_ptr(),
-            c(r#"{"ops": ["bwd_data", "fwd"]}"#).as_ptr(),
-            &mut result,
+            "tiny",
+            problem,
+            Some(r#"{"ops": ["bwd_data", "fwd"]}"#),
         );
         assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
-        let doc: serde_json::Value = serde_json::from_str(&take(result)).unwrap();
-        assert_eq!(doc["plans"].as_array().unwrap().len(), 2);
+        assert_eq!(doc.unwrap()["plans"].as_array().unwrap().len(), 2);
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }
 }
@@ -1114,27 +1151,11 @@ fn contradictory_documents_are_refused() {
     let problem = r#"{"n": 2, "c": 2, "h": 3, "w": 3, "k": 2, "r": 1, "s": 1, "pad_h": 0,
         "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1,
         "groups": 1, "dtype": "fp32", "layout": "nchw", "n": 4}"#;
-    let problem = c(problem);
-    let mut tuner: mucudnnTuner_t = null_mut();
-    // SAFETY: live outputs and NUL-terminated strings.
+    let tuner = cpu_tuner();
+    let (status, _) = tune_through_c(tuner, "l", problem, None);
+    assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
+    // SAFETY: a live output and NUL-terminated strings.
     unsafe {
-        assert_eq!(
-            mucudnnTunerCreate(
-                &mut tuner,
-                MUCUDNN_DEVICE_CPU,
-                c(r#"{"no_cache": true}"#).as_ptr()
-            ),
-            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
-        );
-        let mut result: *mut c_char = null_mut();
-        let status = mucudnnTunerTune(
-            tuner,
-            c("l").as_ptr(),
-            problem.as_ptr(),
-            null(),
-            &mut result,
-        );
-        assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
         assert!(last_error().contains("problem_json"), "{}", last_error());
         assert!(last_error().contains("`n`"), "{}", last_error());
         let mut other: mucudnnTuner_t = null_mut();
@@ -1162,18 +1183,10 @@ fn errors_echo_bounded_values() {
     let array = format!("[{}]", vec!["1"; 2_000_000].join(","));
     let long = "p".repeat(100_000);
     let long_array = format!("[{}]", vec!["1"; 50_000].join(","));
-    let mut tuner: mucudnnTuner_t = null_mut();
-    let problem = c(&serde_json::to_string(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1)).unwrap());
+    let tuner = cpu_tuner();
+    let problem = serde_json::to_string(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1)).unwrap();
     // SAFETY: live outputs and NUL-terminated strings.
     unsafe {
-        assert_eq!(
-            mucudnnTunerCreate(
-                &mut tuner,
-                MUCUDNN_DEVICE_CPU,
-                c(r#"{"no_cache": true}"#).as_ptr()
-            ),
-            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
-        );
         for settings in [
             format!(r#"{{"policy": "{huge}"}}"#),
             format!(r#"{{"ops": {array}}}"#),
@@ -1186,14 +1199,7 @@ fn errors_echo_bounded_values() {
             format!(r#"{{"policy": {long_array}}}"#),
             long_array.clone(),
         ] {
-            let mut result: *mut c_char = null_mut();
-            let status = mucudnnTunerTune(
-                tuner,
-                c("l").as_ptr(),
-                problem.as_ptr(),
-                c(&settings).as_ptr(),
-                &mut result,
-            );
+            let (status, _) = tune_through_c(tuner, "l", &problem, Some(&settings));
             assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
             let message = last_error();
             assert!(
@@ -1210,18 +1216,10 @@ fn errors_echo_bounded_values() {
             &message[..300]
         );
         // JSON arguments and a long layer name: the last error is bounded whatever it quotes.
-        let mut result: *mut c_char = null_mut();
-        let bad_problem = c(&format!(r#"{{"n": "{long}"}}"#));
-        mucudnnTunerTune(
-            tuner,
-            c("l").as_ptr(),
-            bad_problem.as_ptr(),
-            null(),
-            &mut result,
-        );
+        tune_through_c(tuner, "l", &format!(r#"{{"n": "{long}"}}"#), None);
         assert!(last_error().len() <= 1000, "{}", last_error().len());
-        let bad = c(&serde_json::to_string(&ConvProblem::new(-2, 2, 3, 3, 2, 1, 1)).unwrap());
-        mucudnnTunerTune(tuner, c(&long).as_ptr(), bad.as_ptr(), null(), &mut result);
+        let bad = serde_json::to_string(&ConvProblem::new(-2, 2, 3, 3, 2, 1, 1)).unwrap();
+        tune_through_c(tuner, &long, &bad, None);
         assert!(
             last_error().contains("n must be positive"),
             "{}",
@@ -1249,34 +1247,19 @@ fn errors_echo_bounded_values() {
 #[test]
 fn cpu_tuner_executes_on_its_own_shared_workspace() {
     use mucudnnStatus_t as S;
-    let mut tuner: mucudnnTuner_t = null_mut();
+    let tuner = cpu_tuner();
     // SAFETY: live outputs, NUL-terminated strings, and x, w, y of the dims and bytes given.
     unsafe {
-        assert_eq!(
-            mucudnnTunerCreate(
-                &mut tuner,
-                MUCUDNN_DEVICE_CPU,
-                c(r#"{"no_cache": true}"#).as_ptr()
-            ),
-            S::MUCUDNN_STATUS_SUCCESS
-        );
         for (h, w) in [(8, 8), (12, 6), (8, 8)] {
             let problem = ConvProblem {
                 pad_h: 1,
                 pad_w: 1,
                 ..ConvProblem::new(2, 3, h, w, 4, 3, 3)
             };
-            let text = c(&serde_json::to_string(&problem).unwrap());
-            let mut result: *mut c_char = null_mut();
-            let status = mucudnnTunerTune(
-                tuner,
-                c("shared").as_ptr(),
-                text.as_ptr(),
-                c(r#"{"ops": ["fwd"]}"#).as_ptr(),
-                &mut result,
-            );
+            let text = serde_json::to_string(&problem).unwrap();
+            let (status, doc) = tune_through_c(tuner, "shared", &text, Some(r#"{"ops": ["fwd"]}"#));
             assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
-            let mut doc: serde_json::Value = serde_json::from_str(&take(result)).unwrap();
+            let mut doc = doc.unwrap();
             // im2col over whole micro-batches: a plan that needs a workspace.
             for mb in doc["plans"][0]["micro_batches"].as_array_mut().unwrap() {
                 mb["algo"] = serde_json::json!(1);
@@ -1319,32 +1302,17 @@ fn cpu_tuner_executes_on_its_own_shared_workspace() {
                     workspace_bytes,
                     null_mut(),
                 );
-                assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
-                y
+                (status, y)
             };
             let mut own = vec![0u32; (workspace[0] as usize).div_ceil(4)];
-            let with_callers = run(own.as_mut_ptr().cast(), workspace[0]);
-            let with_tuners = run(null_mut(), 0);
+            let (status, with_callers) = run(own.as_mut_ptr().cast(), workspace[0]);
+            assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+            let (status, with_tuners) = run(null_mut(), 0);
+            assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
             assert_eq!(with_callers, with_tuners);
             assert!(with_tuners.iter().all(|v| v.is_finite()));
             // A NULL workspace said to have bytes is still refused.
-            let mut y = vec![0f32; y_len];
-            let status = mucudnnTunerExecute(
-                tuner,
-                set,
-                MUCUDNN_OP_FORWARD,
-                1.0,
-                x.as_ptr().cast(),
-                wt.as_ptr().cast(),
-                0.0,
-                y.as_mut_ptr().cast(),
-                dims.as_ptr(),
-                bytes.as_ptr(),
-                null_mut(),
-                8,
-                null_mut(),
-            );
-            assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+            assert_eq!(run(null_mut(), 8).0, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
         }
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }

@@ -85,29 +85,29 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
     };
     if let Some(policy) = document.policy {
         tuning.policy = json::choice(
-            "settings",
-            "policy",
+            "settings: policy",
             "policy",
             &policy,
-            &Policy::ALL.map(|p| (p.name(), p)),
+            &Policy::ALL,
+            Policy::name,
         )?;
     }
     if let Some(split) = document.split {
         tuning.split = json::choice(
-            "settings",
-            "split",
+            "settings: split",
             "split",
             &split,
-            &SplitSetting::ALL.map(|s| (s.name(), s)),
+            &SplitSetting::ALL,
+            SplitSetting::name,
         )?;
     }
     if let Some(candidates) = document.candidates {
         tuning.candidates = json::choice(
-            "settings",
-            "candidates",
+            "settings: candidates",
             "candidate set",
             &candidates,
-            &CandidateSet::ALL.map(|c| (c.name(), c)),
+            &CandidateSet::ALL,
+            CandidateSet::name,
         )?;
     }
     match document.workspace_limit {
@@ -223,13 +223,7 @@ fn parse_ops(given: &[String]) -> Result<Vec<ConvOp>, FfiError> {
     for name in given {
         // Exactly as written in the docs: the solver's parser also takes other cases, which
         // a settings document does not (an unknown name is an error, and `FWD` is unknown).
-        let op = json::choice(
-            "settings",
-            "ops",
-            "op",
-            name,
-            &ConvOp::ALL.map(|op| (op.name(), op)),
-        )?;
+        let op = json::choice("settings: ops", "op", name, &ConvOp::ALL, ConvOp::name)?;
         if std::mem::replace(&mut wanted[op_index(op)], true) {
             return Err(invalid(format!(
                 "settings: ops: `{op}` is given twice (give each op once: {names})"
