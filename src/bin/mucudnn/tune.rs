@@ -409,10 +409,6 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         return Ok(());
     }
     args.settings.wd_options()?;
-    let (mut device, cache, timing) = args
-        .device
-        .open_checked(args.quiet, |device| check_before_measuring(args, device))?;
-    let fingerprint = device.backend().fingerprint().clone();
     let mut jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
     for job in &mut jobs {
         // `auto` chunks a layer whose micro-batches cannot fit 32-bit indexing at all (a huge
@@ -427,6 +423,19 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         }
     }
     let policy = args.settings.policy;
+    // A layer no plan can split into calls that fit 32-bit indexing is refused before the
+    // device or the cache is opened.
+    for job in &jobs {
+        job.problem
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", job.layer))?;
+        job.sizes(policy, IndexLimit::CUDNN)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", job.layer))?;
+    }
+    let (mut device, cache, timing) = args
+        .device
+        .open_checked(args.quiet, |device| check_before_measuring(args, device))?;
+    let fingerprint = device.backend().fingerprint().clone();
     let count = |job: &Job| job.sizes(policy, IndexLimit::CUDNN).map_or(0, |s| s.len());
     let total_sizes: usize = jobs.iter().map(count).sum();
     if !args.quiet {
