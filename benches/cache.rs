@@ -74,6 +74,7 @@ fn warm_tune(c: &mut Criterion) {
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
         workspace_limit_bytes: None,
+        index_limit: mucudnn::solver::IndexLimit::CUDNN,
     };
     let mut backend = NoMeasuring(device);
     let mode = Mode::WorkspaceReuse {

@@ -96,6 +96,17 @@
 #define MUCUDNN_DEVICE_CPU -1
 
 /**
+ * The most characters of a caller's value a message shows ([`echo`]).
+ */
+#define ECHO_CHARS 200
+
+/**
+ * The most characters a last-error message holds ([`bounded`]); a message that echoes
+ * callers' values through [`echo`] stays far below it.
+ */
+#define MAX_MESSAGE_CHARS 4096
+
+/**
  * What every mucudnn function that can fail returns. On anything but
  * MUCUDNN_STATUS_SUCCESS, mucudnnGetLastError() says what happened, naming the function, the
  * argument or layer, and the cause.
@@ -110,7 +121,8 @@ typedef enum mucudnnStatus_t {
     MUCUDNN_STATUS_INVALID_ARGUMENT = 1,
     /**
      * No NVIDIA driver (libcuda), no cuDNN 9 (libcudnn), no usable GPU, a driver older than
-     * CUDA 13, or two different libcudnn loaded in one process.
+     * CUDA 13, or two different libcudnn loaded in one process; or the tuning cache cannot be
+     * opened because the process is out of file descriptors (never a quiet in-memory cache).
      */
     MUCUDNN_STATUS_NOT_AVAILABLE = 2,
     /**
@@ -214,7 +226,10 @@ typedef struct mucudnnOptions_t {
      * else $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite). Copied
      * by mucudnnCreate. Measurements are read from and stored into it, so a (problem, op)
      * seen before on this device (by any process) is not profiled again. A cache that cannot
-     * be opened or written never fails a call: it warns on stderr and works in memory.
+     * be opened or written never fails a call: it warns on stderr and works in memory; but a
+     * process out of file descriptors is MUCUDNN_STATUS_NOT_AVAILABLE (not a cache in
+     * memory that would quietly keep nothing), and a file that is not a mucudnn cache is
+     * MUCUDNN_STATUS_INVALID_ARGUMENT (left untouched).
      */
     const char *cache_path;
     /**
@@ -245,7 +260,9 @@ typedef struct mucudnnOptions_t {
  * A mucudnn handle: the caller's cuDNN handle and stream, the plans tuned so far, and one
  * workspace. Made by mucudnnCreate, freed by mucudnnDestroy. Used by one thread at a time
  * (a second thread's concurrent call fails with MUCUDNN_STATUS_INVALID_ARGUMENT); it may move
- * between threads.
+ * between threads. The value is an opaque token, not an address: never reused in a process,
+ * so a destroyed handle (even when a new one is made after it) or a made-up value is
+ * MUCUDNN_STATUS_INVALID_ARGUMENT, never another handle.
  */
 typedef struct mucudnnContext *mucudnnHandle_t;
 
@@ -285,7 +302,8 @@ typedef int32_t mucudnnConvOp_t;
  * prepared so far. Made by mucudnnTunerCreate, freed by mucudnnTunerDestroy. Convolutions are
  * described as JSON problems, so no cuDNN of the caller's is needed; this is what the PyTorch
  * package (`mucudnn.torch`) uses. Thread-safe: concurrent calls on one tuner run one after
- * another.
+ * another. Like a mucudnnHandle_t, the value is an opaque token, never reused: a destroyed
+ * or made-up tuner is MUCUDNN_STATUS_INVALID_ARGUMENT, never another tuner.
  */
 typedef struct mucudnnTunerContext *mucudnnTuner_t;
 
@@ -525,7 +543,7 @@ enum mucudnnStatus_t mucudnnSetStream(mucudnnHandle_t handle,
  *
  * # Safety
  *
- * `handle` is NULL or a pointer from mucudnnCreate (stale pointers are detected); `alpha` and
+ * `handle` is any value (NULL, destroyed and made-up handles are refused); `alpha` and
  * `beta` are NULL (an error) or point to floats; each descriptor is NULL (an error) or a live
  * descriptor of its kind made by the same libcudnn (a garbage descriptor is undefined
  * behaviour, as in cuDNN); `x`, `w` and `y` are the device addresses of the tensors the
@@ -629,8 +647,15 @@ enum mucudnnStatus_t mucudnnGetPlansJson(mucudnnHandle_t handle,
  * `options_json`: NULL for the defaults, or a JSON object with any of
  *   "cache": the tuning cache file (a path; absent or null: $MUCUDNN_CACHE, else
  *            $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite),
- *   "no_cache": true to keep measurements in memory only,
+ *   "no_cache": true to keep measurements in memory only (not with a "cache" path),
  *   "verbose": true to print a line per measurement and per tuned layer on stderr.
+ *
+ * A tuner with a cache file holds three file descriptors (SQLite's database, WAL and
+ * shared-memory index) until it is destroyed; one with "no_cache" holds none. A cache that
+ * cannot be opened because the process is out of file descriptors is
+ * MUCUDNN_STATUS_NOT_AVAILABLE, a file that is not a mucudnn cache
+ * MUCUDNN_STATUS_INVALID_ARGUMENT; a damaged, unwritable or unusable cache of ours warns and
+ * works in memory (read-only, or moved aside and salvaged), as for the CLI.
  *
  * # Safety
  *
@@ -643,7 +668,7 @@ enum mucudnnStatus_t mucudnnTunerCreate(mucudnnTuner_t *tuner_out,
 
 /**
  * Destroys a tuner and every plan set prepared on it (a call still running on another thread
- * finishes first). NULL or a stale tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
+ * finishes first). NULL, a destroyed or a made-up tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
  */
 enum mucudnnStatus_t mucudnnTunerDestroy(mucudnnTuner_t tuner);
 
@@ -798,7 +823,9 @@ enum mucudnnStatus_t mucudnnTunerRelease(mucudnnTuner_t tuner,
  * NHWC; the filter in the same layout) and dtype.
  *
  * On a CPU tuner the pointers are host memory and `stream` is ignored; the workspace is host
- * memory (4-byte aligned). On a GPU tuner they are device memory of the tuner's GPU, the work
+ * memory (4-byte aligned), or NULL with 0 bytes: the tuner's own host workspace, one buffer
+ * per tuner shared by all its plan sets and grown to the largest plan run on it (so a caller
+ * needs no buffer per shape). On a GPU tuner they are device memory of the tuner's GPU, the work
  * is queued on `stream` (NULL: the legacy default stream) through the tuner's own cuDNN
  * handle, asynchronously, with no host synchronisation; the workspace is the caller's device
  * memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's

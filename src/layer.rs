@@ -226,6 +226,14 @@ impl Conv2d {
         self
     }
 
+    /// Keeps the plans of at most `shapes` input shapes (default
+    /// [`DEFAULT_CAPACITY`](crate::local_tuner::DEFAULT_CAPACITY)), the least recently used
+    /// dropped first; a dropped shape seen again is prepared from the cache.
+    pub fn with_max_shapes(mut self, shapes: std::num::NonZeroUsize) -> Self {
+        self.tuner.plans.set_capacity(Some(shapes));
+        self
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }

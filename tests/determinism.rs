@@ -56,6 +56,7 @@ fn tuning(deterministic: bool) -> LayerTuning {
             ..EngineOptions::default()
         },
         split: mucudnn::tune::SplitSetting::Batch,
+        index_limit: mucudnn::solver::IndexLimit::CUDNN,
     }
 }
 

@@ -54,6 +54,7 @@ fn tuning() -> LayerTuning {
         candidates: CandidateSet::Legacy,
         engines: EngineOptions::default(),
         split: mucudnn::tune::SplitSetting::Batch,
+        index_limit: mucudnn::solver::IndexLimit::CUDNN,
     }
 }
 

@@ -308,6 +308,10 @@ fn every_bad_input_is_one_clear_error_and_changes_nothing() {
             "transposed-huge-stride.toml",
             "field `stride`: 4611686018427387904 is too large",
         ),
+        (
+            "video-past-2-pow-31.toml",
+            "a chunk's view spans every sample of the batch",
+        ),
     ] {
         let network = p(name);
         refuses(

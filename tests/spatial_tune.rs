@@ -8,7 +8,9 @@ use mucudnn::backend::{
 use mucudnn::cache::Cache;
 use mucudnn::device::DeviceFingerprint;
 use mucudnn::exec::{cpu_workspace_bytes, execute_cpu};
-use mucudnn::solver::{CandidateSet, ConvOp, ConvProblem, MeasureKey, Plan, Policy, SplitDim};
+use mucudnn::solver::{
+    CandidateSet, ConvOp, ConvProblem, IndexLimit, Layout, MeasureKey, Plan, Policy, SplitDim,
+};
 use mucudnn::tune::{EngineOptions, LayerTuning, SplitSetting};
 
 const FAST: TimingSettings = TimingSettings {
@@ -92,6 +94,7 @@ fn tuning(split: SplitSetting, limit: u64) -> LayerTuning {
         candidates: CandidateSet::Legacy,
         engines: EngineOptions::default(),
         split,
+        index_limit: IndexLimit::CUDNN,
     }
 }
 
@@ -291,7 +294,6 @@ fn split_settings_parse_and_name_themselves() {
 #[test]
 fn the_rust_layer_runs_spatial_plans() {
     use mucudnn::layer::{Conv2d, Tensor};
-    use mucudnn::solver::Layout;
     let layer = |split| {
         Conv2d::new("toy.conv", 4, 4, 3)
             .with_padding(1)
@@ -331,4 +333,144 @@ fn the_rust_layer_runs_spatial_plans() {
     let g_batch = batch.backward(&x, &dy).unwrap();
     close(&g.input.data, &g_batch.input.data, "dx");
     close(&g.weight, &g_batch.weight, "dw");
+}
+
+/// A tuning whose calls may reach at most `elements` elements: cuDNN's 2^31 - 1 scaled down to
+/// a toy problem, so that plans split it as they split a tensor past 2^31 elements.
+fn under(elements: i64, split: SplitSetting) -> LayerTuning {
+    LayerTuning {
+        policy: Policy::PowerOfTwo,
+        index_limit: IndexLimit::new(elements).unwrap(),
+        ..tuning(split, 1 << 30)
+    }
+}
+
+/// Each call of `plan` reaches at most `limit` elements, wherever its chunks lie.
+fn assert_within(plan: &Plan, limit: IndexLimit) {
+    for mb in &plan.micro_batches {
+        assert!(
+            limit.fits(&plan.problem, plan.op, plan.split, mb.size),
+            "{} {:?}",
+            plan.op,
+            plan.micro_batches
+        );
+    }
+}
+
+/// More than a call may hold: at batch 5 (576 elements of x and y a sample) under a limit of
+/// 1,200 the plans take at most 2 samples a call, and compute what the unsplit op does.
+#[test]
+fn a_batch_past_the_index_limit_runs_as_micro_batches_that_fit() {
+    let limit = IndexLimit::new(1200).unwrap();
+    for split in [SplitSetting::Batch, SplitSetting::Auto] {
+        let plans = under(1200, split)
+            .tune(
+                &mut CpuBackend::new(),
+                &Cache::in_memory(),
+                "big",
+                &problem(5),
+            )
+            .unwrap();
+        for plan in &plans {
+            assert_eq!(plan.split, SplitDim::Batch);
+            assert_eq!(plan.extent(), 5);
+            assert!(plan.micro_batches.iter().all(|mb| mb.size <= 2), "{plan:?}");
+            assert_within(plan, limit);
+            check_against_unsplit(plan);
+        }
+    }
+    // Policy undivided cannot: it says so, naming the most that fits.
+    let error = LayerTuning {
+        policy: Policy::Undivided,
+        ..under(1200, SplitSetting::Batch)
+    }
+    .tune(
+        &mut CpuBackend::new(),
+        &Cache::in_memory(),
+        "big",
+        &problem(5),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        error.starts_with("big: fwd batch split: policy undivided"),
+        "{error}"
+    );
+    assert!(error.contains("at most 2 fit in one call"), "{error}");
+}
+
+/// One sample past the limit at batch 1: channels-last, `auto` splits its rows (a row of
+/// x is 48 elements; a chunk of 4 output rows reads 6, 288 elements) and the chunks compute
+/// what the unsplit op does; channels-first a chunk's view spans every channel, so nothing
+/// fits and the error says why.
+#[test]
+fn a_sample_past_the_index_limit_runs_as_chunks_channels_last_and_is_refused_channels_first() {
+    let limit = IndexLimit::new(300).unwrap();
+    let last = ConvProblem {
+        layout: Layout::Nhwc,
+        ..problem(1)
+    };
+    for split in [SplitSetting::Auto, SplitSetting::Spatial] {
+        let plans = under(300, split)
+            .tune(&mut CpuBackend::new(), &Cache::in_memory(), "wide", &last)
+            .unwrap();
+        for plan in &plans {
+            assert_eq!(plan.split, SplitDim::Spatial, "{}", plan.op);
+            assert!(plan.micro_batches.iter().all(|mb| mb.size <= 4), "{plan:?}");
+            assert_within(plan, limit);
+            check_against_unsplit(plan);
+        }
+    }
+    let error = under(300, SplitSetting::Batch)
+        .tune(&mut CpuBackend::new(), &Cache::in_memory(), "wide", &last)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("a spatial split"), "{error}");
+    let error = under(300, SplitSetting::Auto)
+        .tune(
+            &mut CpuBackend::new(),
+            &Cache::in_memory(),
+            "wide",
+            &problem(1),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(error, mucudnn::tune::TuneError::Indexing { .. }),
+        "{error}"
+    );
+    let error = error.to_string();
+    assert!(error.starts_with("wide: fwd spatial split"), "{error}");
+    assert!(error.contains("channels-last"), "{error}");
+}
+
+/// The Rust layer under a lowered limit: its forward and backward run split plans and equal
+/// the same layer's with cuDNN's limit (whole-batch calls).
+#[test]
+fn the_rust_layer_splits_a_batch_past_the_index_limit() {
+    use mucudnn::layer::{Conv2d, Tensor};
+    let layer = |tuning: LayerTuning| {
+        Conv2d::new("big.conv", 4, 4, 3)
+            .with_padding(1)
+            .with_tuning(tuning)
+            .with_cache(Cache::in_memory())
+    };
+    let mut split = layer(under(1200, SplitSetting::Auto));
+    let mut whole = layer(tuning(SplitSetting::Batch, 1 << 30));
+    let mut x = Tensor::zeros([5, 4, 12, 12], Layout::Nchw);
+    x.data = data(x.data.len(), 7);
+    let y = split.forward(&x).unwrap();
+    let y_whole = whole.forward(&x).unwrap();
+    let plans = split.plans(5, 12, 12).unwrap();
+    assert!(plans
+        .iter()
+        .all(|p| p.micro_batches.iter().all(|mb| mb.size <= 2)));
+    assert_eq!(y.data, y_whole.data);
+    let mut dy = y.clone();
+    dy.data = data(dy.data.len(), 8);
+    let g = split.backward(&x, &dy).unwrap();
+    let g_whole = whole.backward(&x, &dy).unwrap();
+    assert_eq!(g.input.data, g_whole.input.data);
+    for (u, v) in g.weight.iter().zip(&g_whole.weight) {
+        assert!((u - v).abs() <= 1e-4 * (1.0 + v.abs()), "{u} vs {v}");
+    }
 }

@@ -92,6 +92,7 @@ fn tuning(limit: u64) -> LayerTuning {
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
         split: Default::default(),
+        index_limit: mucudnn::solver::IndexLimit::CUDNN,
     }
 }
 

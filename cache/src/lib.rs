@@ -10,8 +10,11 @@
 //! place these meet, and [`Cache::open`] keeps them apart:
 //!
 //! - **Not a mucudnn cache** (not SQLite, another program's database, tables that are not
-//!   ours): the one error, [`NotACache`]. The file is left byte-for-byte unchanged, by every
+//!   ours): the error [`NotACache`]. The file is left byte-for-byte unchanged, by every
 //!   [`Access`]; the caller (the CLI) reports it and stops.
+//! - **The process cannot open files** (out of file descriptors, EMFILE/ENFILE, or memory):
+//!   the other error, [`OutOfResources`]. Nothing is wrong with the cache, and an in-memory
+//!   stand-in would hide that every later cache of the process keeps nothing.
 //! - **A mucudnn cache with a problem** never fails to open. Damaged: a writer moves it aside to
 //!   `<file>.corrupt-<time>`, starts a fresh one and salvages every row it can still read
 //!   ([`Salvage`]); a reader ([`Access::ReadOnly`]) moves nothing and sees an empty cache.
@@ -29,15 +32,15 @@ mod open;
 mod schema;
 mod store;
 
-pub use open::{NotACache, Salvage};
+pub use open::{NotACache, OpenFailure, OutOfResources, Salvage};
 pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
-    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measurement, OpKey,
-    OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
+    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit, MeasureKey, Measurement,
+    OpKey, OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
 };
-use open::{Identity, OpenError};
+use open::{exhausted, Identity, OpenError};
 use rusqlite::Connection;
 use std::cell::{Cell, RefCell};
 use std::path::{Path, PathBuf};
@@ -137,44 +140,36 @@ pub struct Cache {
 
 impl Cache {
     /// Opens (creating if needed) the cache at `path` for reading and writing. Fails only when
-    /// the file is not a mucudnn cache; see the module docs.
-    pub fn open(path: &Path) -> Result<Cache, NotACache> {
+    /// the file is not a mucudnn cache, or the process cannot open files; see the module docs.
+    pub fn open(path: &Path) -> Result<Cache, OpenFailure> {
         Cache::open_with(path, Access::ReadWrite)
     }
 
     /// Opens the cache at `path`. Fails only when the file is not a mucudnn cache, which is
-    /// then left unchanged; any problem of a mucudnn cache is a warning (module docs).
-    pub fn open_with(path: &Path, access: Access) -> Result<Cache, NotACache> {
+    /// then left unchanged, or when this process cannot open files now ([`OutOfResources`]);
+    /// any problem of a mucudnn cache is a warning (module docs).
+    pub fn open_with(path: &Path, access: Access) -> Result<Cache, OpenFailure> {
         let identity = open::identify(path)?;
         if let Identity::Unreachable(reason) = identity {
-            return Ok(Cache::fallback(
+            return Cache::fallback_for(
+                path,
                 vec![format!("cannot use cache {}: {reason}", path.display())],
                 access,
-            ));
+            );
         }
         if access == Access::ReadOnly {
-            return Ok(Cache::read_only_file(path, &identity, None, Vec::new()));
+            return Cache::read_only_file(path, &identity, None, Vec::new());
         }
         if read_only_forced() {
             let reason = format!("{READ_ONLY_ENV} is set");
-            return Ok(Cache::read_only_file(
-                path,
-                &identity,
-                Some(reason),
-                Vec::new(),
-            ));
+            return Cache::read_only_file(path, &identity, Some(reason), Vec::new());
         }
         let mut warnings = Vec::new();
         let location = Location::File(path.to_path_buf());
         match open::open_read_write(path) {
             Ok(conn) => return Ok(Cache::from_parts(conn, location, warnings)),
             Err(OpenError::ReadOnly(reason)) => {
-                return Ok(Cache::read_only_file(
-                    path,
-                    &identity,
-                    Some(reason),
-                    warnings,
-                ))
+                return Cache::read_only_file(path, &identity, Some(reason), warnings)
             }
             Err(OpenError::Unusable(reason)) => match open::set_aside(path) {
                 Ok(moved) => match open::open_read_write(path) {
@@ -213,7 +208,7 @@ impl Cache {
                 warnings.push(format!("cannot use cache {}: {reason}", path.display()))
             }
         }
-        Ok(Cache::fallback(warnings, access))
+        Cache::fallback_for(path, warnings, access)
     }
 
     /// A cache of ours at `path` that will not be written: `why` says why (`None`: the caller
@@ -223,7 +218,7 @@ impl Cache {
         identity: &Identity,
         why: Option<String>,
         mut warnings: Vec<String>,
-    ) -> Cache {
+    ) -> Result<Cache, OpenFailure> {
         let location = Location::File(path.to_path_buf());
         let conn = match identity {
             Identity::New => Ok(None),
@@ -247,7 +242,7 @@ impl Cache {
                 } else {
                     Access::ReadOnly
                 };
-                return Cache::fallback(warnings, access);
+                return Cache::fallback_for(path, warnings, access);
             }
         };
         if let Some(reason) = &why {
@@ -260,7 +255,26 @@ impl Cache {
         let mut cache = Cache::from_parts(conn, location, warnings);
         cache.read_only = true;
         cache.unwritable = Some(why.unwrap_or_else(|| "opened read-only".into()));
-        cache
+        Ok(cache)
+    }
+
+    /// An in-memory cache standing in for `path`, which cannot be used; unless the process is
+    /// out of file descriptors or memory now: a location that "cannot be used" may be only
+    /// that (SQLite says "unable to open database file" for both), and a stand-in would hide
+    /// it, so that is an error ([`OutOfResources`]).
+    fn fallback_for(
+        path: &Path,
+        warnings: Vec<String>,
+        access: Access,
+    ) -> Result<Cache, OpenFailure> {
+        if let Some(reason) = exhausted() {
+            return Err(OutOfResources {
+                path: path.to_path_buf(),
+                reason,
+            }
+            .into());
+        }
+        Ok(Cache::fallback(warnings, access))
     }
 
     /// An in-memory cache standing in for a location that cannot be used.
@@ -282,12 +296,15 @@ impl Cache {
 
     /// Opens `explicit`, else [`default_path`], else an in-memory cache, for reading and
     /// writing.
-    pub fn open_default(explicit: Option<&Path>) -> Result<Cache, NotACache> {
+    pub fn open_default(explicit: Option<&Path>) -> Result<Cache, OpenFailure> {
         Cache::open_default_with(explicit, Access::ReadWrite)
     }
 
     /// Opens `explicit`, else [`default_path`], else an in-memory cache.
-    pub fn open_default_with(explicit: Option<&Path>, access: Access) -> Result<Cache, NotACache> {
+    pub fn open_default_with(
+        explicit: Option<&Path>,
+        access: Access,
+    ) -> Result<Cache, OpenFailure> {
         match explicit.map(Path::to_path_buf).or_else(default_path) {
             Some(path) => Cache::open_with(&path, access),
             None => Ok(Cache::fallback(
@@ -522,9 +539,9 @@ impl Cache {
     }
 
     /// Everything cached for `key` on `device` at the sizes the policy allows of the split's
-    /// extent ([`SplitDim::extent`](mucudnn_solver::SplitDim::extent)), among `candidates`,
-    /// as a profile entry named `layer`, if every kind in the set was measured at every
-    /// allowed size.
+    /// extent ([`SplitDim::extent`](mucudnn_solver::SplitDim::extent)) whose calls fit 32-bit
+    /// indexing ([`IndexLimit`]), among `candidates`, as a profile entry named `layer`, if
+    /// every kind in the set was measured at every such size.
     pub fn op_profile(
         &self,
         device: &DeviceFingerprint,
@@ -534,7 +551,15 @@ impl Cache {
         candidates: CandidateSet,
     ) -> Option<OpProfile> {
         let extent = key.extent();
-        let sizes = policy.sizes(extent);
+        // Only sizes whose calls fit 32-bit indexing are ever measured (and solved with).
+        let largest = IndexLimit::CUDNN
+            .largest_size(&key.problem, key.op, key.split)
+            .ok()?;
+        let sizes: Vec<i64> = policy
+            .sizes(extent)
+            .into_iter()
+            .filter(|&size| size <= largest)
+            .collect();
         for &kind in candidates.kinds() {
             if !self
                 .missing_sizes(device, &key.of_kind(kind), &sizes)
@@ -552,7 +577,7 @@ impl Cache {
         let measurements = measurements?;
         let measurements = measurements
             .into_iter()
-            .filter(|m| policy.allows(m.micro, extent))
+            .filter(|m| policy.allows(m.micro, extent) && m.micro <= largest)
             .collect();
         self.write("seen", |conn| {
             store::mark_seen(conn, device, layer, &key.problem, key.op)

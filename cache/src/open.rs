@@ -41,6 +41,62 @@ pub struct NotACache {
     pub why: String,
 }
 
+/// The cache at `path` cannot be opened because this process cannot open files now: it is
+/// out of file descriptors (EMFILE, ENFILE) or memory (ENOMEM). That is not the cache's
+/// problem, and an in-memory stand-in would hide it (every later cache of the process would
+/// quietly keep nothing), so it is an error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot open cache {}: {reason}; this process cannot open more files now (close some, or raise its limit: `ulimit -n`)", path.display())]
+pub struct OutOfResources {
+    pub path: PathBuf,
+    pub reason: String,
+}
+
+/// Why [`crate::Cache::open`] failed: the only two ways it can.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpenFailure {
+    #[error(transparent)]
+    NotACache(#[from] NotACache),
+    #[error(transparent)]
+    OutOfResources(#[from] OutOfResources),
+}
+
+impl OpenFailure {
+    /// The cache path that could not be opened.
+    pub fn path(&self) -> &Path {
+        match self {
+            OpenFailure::NotACache(e) => &e.path,
+            OpenFailure::OutOfResources(e) => &e.path,
+        }
+    }
+}
+
+/// Whether `error` says the process is out of file descriptors or memory.
+pub(crate) fn is_exhaustion(error: &std::io::Error) -> bool {
+    const ENOMEM: i32 = 12;
+    const ENFILE: i32 = 23;
+    const EMFILE: i32 = 24;
+    matches!(error.raw_os_error(), Some(ENOMEM | ENFILE | EMFILE))
+}
+
+/// Whether this process can open the files a cache needs now (a database, its WAL and its
+/// shared-memory index: three descriptors): `Some(why)` when it cannot. Asked after an open
+/// failed for a reason SQLite does not name (its "unable to open database file" is also what
+/// running out of descriptors looks like), so that exhaustion is never taken for an unusable
+/// location.
+pub(crate) fn exhausted() -> Option<String> {
+    let mut held = Vec::with_capacity(3);
+    for _ in 0..3 {
+        match std::fs::File::open("/dev/null") {
+            Ok(file) => held.push(file),
+            Err(e) if is_exhaustion(&e) => return Some(e.to_string()),
+            // No /dev/null (not Unix): nothing to learn here.
+            Err(_) => return None,
+        }
+    }
+    None
+}
+
 /// What is at a cache path, judged without writing to it.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Identity {
@@ -80,10 +136,18 @@ fn special_file(path: &Path) -> Option<&'static str> {
 }
 
 /// Identifies the file at `path` without modifying it.
-pub(crate) fn identify(path: &Path) -> Result<Identity, NotACache> {
-    let refuse = |why: String| NotACache {
-        path: path.to_path_buf(),
-        why,
+pub(crate) fn identify(path: &Path) -> Result<Identity, OpenFailure> {
+    let refuse = |why: String| {
+        OpenFailure::from(NotACache {
+            path: path.to_path_buf(),
+            why,
+        })
+    };
+    let out_of = |reason: String| {
+        OpenFailure::from(OutOfResources {
+            path: path.to_path_buf(),
+            reason,
+        })
     };
     // Before any open: a FIFO would block the open itself.
     if let Some(what) = special_file(path) {
@@ -91,7 +155,14 @@ pub(crate) fn identify(path: &Path) -> Result<Identity, NotACache> {
     }
     let mut file = match std::fs::File::open(path) {
         Ok(file) => file,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Identity::New),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // Nothing there; a new cache needs descriptors too.
+            return match exhausted() {
+                Some(reason) => Err(out_of(reason)),
+                None => Ok(Identity::New),
+            };
+        }
+        Err(e) if is_exhaustion(&e) => return Err(out_of(e.to_string())),
         Err(e) => {
             return Ok(Identity::Unreachable(format!(
                 "cannot read {}: {e}",
@@ -135,10 +206,12 @@ pub(crate) fn identify(path: &Path) -> Result<Identity, NotACache> {
         )));
     }
     // No marker: an empty database, a cache written before the marker, or someone else's.
-    let conn = open_read_only(path).map_err(|e| {
-        refuse(format!(
+    let conn = open_read_only(path).map_err(|e| match exhausted() {
+        // Not the file's fault: nothing could be opened.
+        Some(reason) => out_of(reason),
+        None => refuse(format!(
             "an SQLite database without mucudnn's marker that cannot be read ({e})"
-        ))
+        )),
     })?;
     let objects: Vec<String> = conn
         .prepare("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY name")

@@ -710,7 +710,7 @@ fn another_programs_database_is_refused_and_left_unchanged() {
             let error = refused
                 .err()
                 .unwrap_or_else(|| panic!("{} was opened", path.display()));
-            assert_eq!(&error.path, path);
+            assert_eq!(error.path(), path);
             assert!(
                 error.to_string().contains("is not a mucudnn cache"),
                 "{error}"

@@ -18,9 +18,12 @@
 //! - [`solve`]: a whole profile under one mode, with the undivided baseline.
 //! - [`spatial`]: the geometry of splitting one convolution along its outermost spatial
 //!   dimension (chunks, halos, border padding).
+//! - [`indexing`]: 32-bit indexing: the micro-batch and chunk sizes whose calls cuDNN can
+//!   index ([`IndexLimit`]).
 
 pub mod algo;
 pub mod device;
+pub mod indexing;
 pub mod interchange;
 pub mod key;
 pub mod operand;
@@ -36,6 +39,7 @@ pub mod wr;
 
 pub use algo::{legacy_name, Algo, AlgoKind, AlgoNames, CandidateSet, EngineName, EngineNameError};
 pub use device::{BackendKind, DeviceFingerprint};
+pub use indexing::{IndexError, IndexLimit};
 pub use key::{MeasureKey, OpKey, SizesKey};
 pub use operand::{operand_roles, steps, timing_offset, Operand, Step};
 pub use plan::{MicroBatch, Plan};

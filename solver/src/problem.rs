@@ -226,6 +226,11 @@ fn is_zero(v: &i64) -> bool {
     *v == 0
 }
 
+/// The most elements a problem's input or output may have: 2^60, so that its bytes (8 at
+/// most an element) and every offset into it fit an `i64`. A call's operands are bounded far
+/// lower, by 32-bit indexing ([`crate::indexing`]).
+pub const MAX_TENSOR_ELEMENTS: i64 = 1 << 60;
+
 /// Why a [`ConvProblem`] is not a valid convolution.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ShapeError {
@@ -251,8 +256,14 @@ pub enum ShapeError {
         pad: i64,
         dilated: i64,
     },
-    #[error("tensor too large: {what} has more than 2^31 elements")]
-    TooLarge { what: &'static str },
+    /// The filter is whole in every call, so it must fit 32-bit indexing; the input and output
+    /// may be larger (a plan splits them: [`crate::indexing`]) as long as their byte counts
+    /// fit 64 bits.
+    #[error("tensor too large: {what} has more than {limit} elements")]
+    TooLarge {
+        what: &'static str,
+        limit: &'static str,
+    },
     /// Every field is a C `int` to cuDNN and an index to the CPU backend.
     #[error("{field} = {value} is more than 2^31 - 1")]
     FieldTooLarge { field: &'static str, value: i64 },
@@ -440,15 +451,22 @@ impl ConvProblem {
                 });
             }
         }
-        let limit = 1i64 << 31;
+        // The filter is in every call whole: 32-bit indexing bounds it. The input and output
+        // are split by plans (`crate::indexing`): their element counts need only leave room
+        // for byte counts and offsets in 64 bits.
         let elements = |dims: &[i64]| dims.iter().try_fold(1i64, |acc, &d| acc.checked_mul(d));
-        for (what, dims) in [
-            ("input", self.input_dims()),
-            ("filter", self.filter_dims()),
-            ("output", self.output_dims()),
+        for (what, dims, limit, name) in [
+            ("input", self.input_dims(), MAX_TENSOR_ELEMENTS, "2^60"),
+            (
+                "filter",
+                self.filter_dims(),
+                i64::from(i32::MAX),
+                "2^31 - 1",
+            ),
+            ("output", self.output_dims(), MAX_TENSOR_ELEMENTS, "2^60"),
         ] {
-            if elements(&dims).is_none_or(|e| e >= limit) {
-                return Err(ShapeError::TooLarge { what });
+            if elements(&dims).is_none_or(|e| e > limit) {
+                return Err(ShapeError::TooLarge { what, limit: name });
             }
         }
         Ok(())
@@ -601,15 +619,40 @@ mod tests {
             ConvProblem { s: 0, ..base }.validate(),
             Err(ShapeError::NotPositive { field: "s", .. })
         ));
+        // Past 2^31 elements is a problem to split; past 2^60, no problem at all.
+        ConvProblem {
+            n: 1 << 20,
+            c: 1 << 10,
+            ..base
+        }
+        .validate()
+        .unwrap();
         assert!(matches!(
             ConvProblem {
-                n: 1 << 20,
-                c: 1 << 20,
+                n: 1 << 30,
+                c: 1 << 30,
                 ..base
             }
             .validate(),
-            Err(ShapeError::TooLarge { .. })
+            Err(ShapeError::TooLarge { what: "input", .. })
         ));
+        // A filter is whole in every call: 2^31 elements of it are too many.
+        let wide = ConvProblem {
+            c: 1 << 16,
+            k: 1 << 15,
+            ..base
+        };
+        assert_eq!(
+            wide.validate(),
+            Err(ShapeError::TooLarge {
+                what: "filter",
+                limit: "2^31 - 1"
+            })
+        );
+        assert_eq!(
+            wide.validate().unwrap_err().to_string(),
+            "tensor too large: filter has more than 2^31 - 1 elements"
+        );
         // A stride (or padding) past a C int is refused before any backend converts it.
         assert_eq!(
             ConvProblem {

@@ -8,6 +8,7 @@
 
 use crate::algo::{Algo, AlgoNames, CandidateSet};
 use crate::device::{BackendKind, DeviceFingerprint};
+use crate::indexing::IndexLimit;
 use crate::problem::{ConvOp, ConvProblem, DType, Layout, ShapeError};
 use crate::spatial::SplitDim;
 use serde::{Deserialize, Serialize};
@@ -291,12 +292,27 @@ impl OpProfile {
         Ok(())
     }
 
-    /// The measurements a policy may use, at sizes that are in the profile.
+    /// The largest size of this entry whose calls fit 32-bit indexing
+    /// ([`IndexLimit::CUDNN`]): its extent for a problem within it, 0 when not even a size of
+    /// 1 fits. Sizes above it are never offered to the solver (a profile measured by mucudnn
+    /// has none). An invalid entry is not bounded here (its validation refuses it).
+    pub fn largest_indexable(&self) -> i64 {
+        if self.problem.validate().is_err() {
+            return i64::MAX;
+        }
+        IndexLimit::CUDNN
+            .largest_size(&self.problem, self.op, self.split)
+            .unwrap_or(0)
+    }
+
+    /// The measurements a policy may use, at sizes that are in the profile and whose calls
+    /// fit 32-bit indexing ([`OpProfile::largest_indexable`]).
     pub fn allowed(&self, policy: Policy) -> impl Iterator<Item = &Measurement> + '_ {
         let n = self.extent();
+        let largest = self.largest_indexable();
         self.measurements
             .iter()
-            .filter(move |m| policy.allows(m.micro, n))
+            .filter(move |m| policy.allows(m.micro, n) && m.micro <= largest)
     }
 }
 

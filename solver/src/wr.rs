@@ -385,13 +385,16 @@ fn smallest_limit_with_skipped(
     policy: Policy,
 ) -> Result<Option<u64>, SolveError> {
     let n = profile.extent();
+    let largest = profile.largest_indexable();
     let mut least: std::collections::BTreeMap<i64, u64> = std::collections::BTreeMap::new();
     let workspaces = profile
         .measurements
         .iter()
         .map(|m| (m.micro, m.workspace_bytes))
         .chain(profile.skipped.iter().map(|s| (s.micro, s.workspace_bytes)));
-    for (micro, bytes) in workspaces.filter(|&(micro, _)| policy.allows(micro, n)) {
+    for (micro, bytes) in
+        workspaces.filter(|&(micro, _)| policy.allows(micro, n) && micro <= largest)
+    {
         let entry = least.entry(micro).or_insert(bytes);
         *entry = (*entry).min(bytes);
     }

@@ -15,8 +15,8 @@ mod operands;
 use crate::device::DeviceFingerprint;
 use crate::solver::units::format_bytes;
 use crate::solver::{
-    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, MeasureKey, Measurement, Operand, Skipped,
-    SplitDim,
+    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, IndexLimit, MeasureKey, Measurement, Operand,
+    Skipped, SplitDim,
 };
 use std::collections::BTreeSet;
 
@@ -386,18 +386,32 @@ pub fn check_supported(backend: &dyn Backend, key: &MeasureKey) -> Result<(), Ba
 }
 
 /// The checks every [`Backend::measure`] makes first: `backend` supports the key (see
-/// [`BackendError::unsupported`]), the problem is valid, and `1 <= size <=` the split's extent.
+/// [`BackendError::unsupported`]), the problem is valid, `1 <= size <=` the split's extent,
+/// and a call at that size fits 32-bit indexing (tuning never asks for more: a key from
+/// elsewhere, another rank's task, is refused before any buffer is made).
 pub(crate) fn check_key(backend: &dyn Backend, key: &MeasureKey) -> Result<(), BackendError> {
     match key.split {
         SplitDim::Batch => {
             check_supported(backend, key)?;
-            check_measure_args(&key.problem, key.size)
+            check_measure_args(&key.problem, key.size)?;
         }
         SplitDim::Spatial => {
             check_chunk_args(&key.problem, key.op, key.size)?;
-            check_supported(backend, key)
+            check_supported(backend, key)?;
         }
     }
+    if !IndexLimit::CUDNN.fits(&key.problem, key.op, key.split, key.size) {
+        return Err(BackendError::Invalid(format!(
+            "{} {} of {}: a call of {} reaches more than the {} elements 32-bit indexing \
+             allows",
+            key.op,
+            key.split,
+            key.problem.describe(),
+            key.size,
+            IndexLimit::CUDNN
+        )));
+    }
+    Ok(())
 }
 
 /// The checks every spatial [`Backend::measure`] needs first: a valid problem and

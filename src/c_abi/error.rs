@@ -22,6 +22,10 @@ pub enum FfiError {
     /// `CUDNN_CONVOLUTION` mode, ...).
     #[error("{0}")]
     NotSupported(String),
+    /// Something the call needs cannot be had now (the process cannot open the cache file:
+    /// out of file descriptors).
+    #[error("{0}")]
+    NotAvailable(String),
     /// cuDNN will not build one micro-batch of a plan being prepared
     /// ([`crate::exec::ExecError::Unsupported`]): the caller falls back.
     #[error("{0}")]
@@ -60,6 +64,7 @@ impl FfiError {
         match self {
             FfiError::InvalidArgument(_) => mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT,
             FfiError::NotSupported(_) => mucudnnStatus_t::MUCUDNN_STATUS_NOT_SUPPORTED,
+            FfiError::NotAvailable(_) => mucudnnStatus_t::MUCUDNN_STATUS_NOT_AVAILABLE,
             FfiError::PlanNotSupported(_) => mucudnnStatus_t::MUCUDNN_STATUS_PLAN_NOT_SUPPORTED,
             FfiError::Cudnn(e) => cudnn_status(e),
             FfiError::Backend(BackendError::Cudnn(e)) => cudnn_status(e),
@@ -104,9 +109,63 @@ fn cudnn_status(e: &CudnnError) -> mucudnnStatus_t {
     }
 }
 
+/// Why a cache could not be opened, as the C caller sees it: a file that is not a mucudnn
+/// cache is an invalid argument (`what` names it), a process out of file descriptors is
+/// NOT_AVAILABLE (never a quiet in-memory stand-in).
+pub fn cache_error(what: &str, error: mucudnn_cache::OpenFailure) -> FfiError {
+    match error {
+        mucudnn_cache::OpenFailure::NotACache(e) => invalid(format!("{what}: {e}")),
+        mucudnn_cache::OpenFailure::OutOfResources(e) => {
+            FfiError::NotAvailable(format!("{what}: {e}"))
+        }
+    }
+}
+
 /// Shorthand for an [`FfiError::InvalidArgument`].
 pub fn invalid(message: impl Into<String>) -> FfiError {
     FfiError::InvalidArgument(message.into())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounded messages
+
+/// The most characters of a caller's value a message shows ([`echo`]).
+pub const ECHO_CHARS: usize = 200;
+
+/// The most characters a last-error message holds ([`bounded`]); a message that echoes
+/// callers' values through [`echo`] stays far below it.
+pub const MAX_MESSAGE_CHARS: usize = 4096;
+
+/// A caller's value as a message shows it: whole when it has at most [`ECHO_CHARS`]
+/// characters, else its first [`ECHO_CHARS`] and its length (`"aaaa…" (10000000 characters)`
+/// is not quoted: the caller's quotes stay as given).
+pub fn echo(value: &str) -> String {
+    match value.char_indices().nth(ECHO_CHARS) {
+        None => value.to_string(),
+        Some((end, _)) => format!("{}… ({} characters)", &value[..end], value.chars().count()),
+    }
+}
+
+/// `text` cut to at most `max` characters (about): whole when it fits, else its start and end
+/// with what was left out counted between them, so a message keeps its subject and its
+/// conclusion (serde's `expected ...`, a position).
+pub fn bounded(text: &str, max: usize) -> String {
+    let total = text.chars().count();
+    if total <= max {
+        return text.to_string();
+    }
+    let keep = max / 2;
+    let head_end = text.char_indices().nth(keep).map_or(text.len(), |(i, _)| i);
+    let tail_start = text
+        .char_indices()
+        .nth(total - keep)
+        .map_or(text.len(), |(i, _)| i);
+    format!(
+        "{} … ({} characters left out) … {}",
+        &text[..head_end],
+        total - 2 * keep,
+        &text[tail_start..]
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -121,9 +180,10 @@ pub fn c_string_lossless(text: &str) -> CString {
     CString::new(text.replace('\0', "\\0")).unwrap_or_default()
 }
 
-/// Replaces this thread's last-error message.
+/// Replaces this thread's last-error message, cut to [`MAX_MESSAGE_CHARS`] ([`bounded`]): a
+/// caller's huge value never makes a huge message.
 pub fn set_last_error(message: &str) {
-    let message = c_string_lossless(message);
+    let message = c_string_lossless(&bounded(message, MAX_MESSAGE_CHARS));
     // A thread being torn down has no last error to keep; ignoring that cannot panic.
     let _ = LAST_ERROR.try_with(|slot| {
         if let Ok(mut slot) = slot.try_borrow_mut() {
@@ -294,6 +354,23 @@ mod tests {
         ));
         let declined = FfiError::PlanNotSupported("l fwd: micro-batch 1".into()).context("prepare");
         assert_eq!(declined.status(), S::MUCUDNN_STATUS_PLAN_NOT_SUPPORTED);
+        // A cache the process cannot open for lack of descriptors is NOT_AVAILABLE; a file
+        // that is not a cache, an invalid argument.
+        let out_of = mucudnn_cache::OutOfResources {
+            path: "/c.sqlite".into(),
+            reason: "Too many open files (os error 24)".into(),
+        };
+        let error = cache_error("options_json cache", out_of.into());
+        assert_eq!(error.status(), S::MUCUDNN_STATUS_NOT_AVAILABLE);
+        assert!(error
+            .to_string()
+            .starts_with("options_json cache: cannot open cache /c.sqlite"));
+        let foreign = mucudnn_cache::NotACache {
+            path: "/c.sqlite".into(),
+            why: "it is not an SQLite database".into(),
+        };
+        let error = cache_error("options_json cache", foreign.into());
+        assert_eq!(error.status(), S::MUCUDNN_STATUS_INVALID_ARGUMENT);
         let solver = FfiError::from(SolveError::NothingToDivide);
         assert_eq!(solver.status(), S::MUCUDNN_STATUS_SOLVER_ERROR);
         assert_eq!(
@@ -326,6 +403,39 @@ mod tests {
         let status = guard("mucudnnTest", || std::panic::panic_any(7u8));
         assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INTERNAL_ERROR);
         assert!(last_error().contains("non-text payload"));
+    }
+
+    #[test]
+    fn echoed_values_and_messages_are_bounded() {
+        assert_eq!(echo("fwd"), "fwd");
+        let exact = "é".repeat(ECHO_CHARS);
+        assert_eq!(echo(&exact), exact);
+        let huge = "é".repeat(10_000_000);
+        let shown = echo(&huge);
+        assert!(
+            shown.ends_with("… (10000000 characters)"),
+            "{}",
+            &shown[shown.len() - 40..]
+        );
+        assert_eq!(
+            shown.chars().count(),
+            ECHO_CHARS + "… (10000000 characters)".chars().count()
+        );
+        assert_eq!(bounded("short", 10), "short");
+        let long = format!("start {} end", "x".repeat(1000));
+        let cut = bounded(&long, 100);
+        assert!(cut.starts_with("start ") && cut.ends_with(" end"), "{cut}");
+        assert!(cut.contains("(910 characters left out)"), "{cut}");
+        assert!(cut.chars().count() < 150);
+        // The last error holds at most MAX_MESSAGE_CHARS characters of any message.
+        set_last_error(&format!("mucudnnTest: policy: {}", "p".repeat(10_000_000)));
+        let kept = last_error();
+        assert!(
+            kept.chars().count() < MAX_MESSAGE_CHARS + 100,
+            "{}",
+            kept.len()
+        );
+        assert!(kept.starts_with("mucudnnTest: policy: ppp"));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! What a `mucudnnHandle_t` is: the caller's cuDNN handle and stream, the tuning settings, one
-//! prepared plan per (problem, op) seen so far, and the one workspace they share; plus the
-//! registry that tells a live handle from a stale or foreign pointer.
+//! prepared plan per (problem, op) seen so far, and the one workspace they share (C holds a
+//! handle as a token of [`super::registry::Registry`]).
 //!
 //! A convolution call reads the caller's descriptors into a [`ConvProblem`], tunes on first
 //! sight of the (problem, op) (profile every algorithm at every micro-batch size the policy
@@ -25,11 +25,8 @@ use crate::solver::{operand_roles, steps, AlgoNames, BackendKind, Operand};
 use crate::solver::{ConvOp, ConvProblem, Mode, Profile, Solution, SolvedProblem, WdOptions};
 use crate::tune::{profile_jobs, solve_accurately, CacheStats, LayerTuning, TuneError};
 use mucudnn_cache::Cache;
-use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::marker::PhantomData;
 use std::path::PathBuf;
-use std::sync::{Mutex, PoisonError};
 
 /// How a handle tunes.
 #[derive(Clone, Debug, PartialEq)]
@@ -137,7 +134,7 @@ impl Handle {
     /// cache; that file is left untouched.
     pub fn new(foreign: ForeignHandle, settings: Settings) -> Result<Self, FfiError> {
         let cache = Cache::open_default(settings.cache_path.as_deref())
-            .map_err(|e| FfiError::InvalidArgument(format!("options cache_path: {e}")))?;
+            .map_err(|e| super::error::cache_error("options cache_path", e))?;
         Ok(Handle {
             foreign,
             cache,
@@ -227,6 +224,7 @@ impl Handle {
             })
             .map_err(|e| match e {
                 TuneError::Backend(e) => FfiError::from(e),
+                e @ TuneError::Indexing { .. } => FfiError::NotSupported(e.to_string()),
                 other => FfiError::Internal(other.to_string()),
             })?;
             if verbose && stats.measured == 0 {
@@ -512,151 +510,6 @@ impl Handle {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The registry of live handles
-
-/// The addresses of the live values of type `T` that C holds (boxed), each with a busy flag:
-/// a pointer that was never handed out, or was destroyed, is refused instead of dereferenced,
-/// and a handle used by two threads at once is refused for the second.
-pub struct Registry<T> {
-    live: Mutex<BTreeMap<usize, bool>>,
-    _values: PhantomData<fn() -> T>,
-}
-
-/// Exclusive use of one registered value, through `Deref`/`DerefMut`; the busy flag is cleared
-/// on drop (also when the code using it panics).
-pub struct Entered<'r, T> {
-    registry: &'r Registry<T>,
-    ptr: *mut T,
-}
-
-impl<T> std::fmt::Debug for Entered<'_, T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Entered")
-            .field("address", &self.ptr)
-            .finish_non_exhaustive()
-    }
-}
-
-impl<T> std::ops::Deref for Entered<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        // SAFETY: `ptr` is registered and marked busy for this guard's lifetime (see
-        // `Registry::enter`), so it points to a live `T` that only this guard reaches.
-        unsafe { &*self.ptr }
-    }
-}
-
-impl<T> std::ops::DerefMut for Entered<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        // SAFETY: as for `deref`; `&mut self` makes this the only reference made through the
-        // guard.
-        unsafe { &mut *self.ptr }
-    }
-}
-
-impl<T> Registry<T> {
-    pub const fn new() -> Self {
-        Registry {
-            live: Mutex::new(BTreeMap::new()),
-            _values: PhantomData,
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, bool>> {
-        // The lock is never held across user code, so a poisoned map is still consistent.
-        self.live.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Boxes `value` and registers it; the pointer is what C holds.
-    pub fn insert(&self, value: T) -> *mut T {
-        let ptr = Box::into_raw(Box::new(value));
-        self.lock().insert(ptr as usize, false);
-        ptr
-    }
-
-    fn not_live(what: &str) -> FfiError {
-        invalid(format!(
-            "{what} is not a live mucudnn handle (never created, or already destroyed)"
-        ))
-    }
-
-    /// Marks the value at `ptr` busy and gives exclusive access to it until the returned guard
-    /// is dropped. `what` names the argument in messages.
-    pub fn enter(&self, ptr: *mut T, what: &str) -> Result<Entered<'_, T>, FfiError> {
-        if ptr.is_null() {
-            return Err(invalid(format!("{what} is NULL")));
-        }
-        let mut live = self.lock();
-        match live.get_mut(&(ptr as usize)) {
-            None => Err(Self::not_live(what)),
-            Some(busy) if *busy => Err(invalid(format!(
-                "{what} is in use by another thread (a handle is used by one thread at a time)"
-            ))),
-            Some(busy) => {
-                // From here until the guard drops, `remove` refuses the value and `enter`
-                // refuses a second user: the guard's access is exclusive.
-                *busy = true;
-                Ok(Entered {
-                    registry: self,
-                    ptr,
-                })
-            }
-        }
-    }
-
-    /// Unregisters and drops the value at `ptr` (refused while it is in use).
-    pub fn remove(&self, ptr: *mut T, what: &str) -> Result<(), FfiError> {
-        if ptr.is_null() {
-            return Err(invalid(format!("{what} is NULL")));
-        }
-        let address = ptr as usize;
-        {
-            let mut live = self.lock();
-            match live.get(&address) {
-                None => return Err(Self::not_live(what)),
-                Some(true) => {
-                    return Err(invalid(format!(
-                        "{what} is in use by another thread and cannot be destroyed now"
-                    )))
-                }
-                Some(false) => {
-                    live.remove(&address);
-                }
-            }
-        }
-        // SAFETY: `ptr` came from `Box::into_raw` in `insert` and was registered until just now;
-        // it was not busy, and no longer being registered, nobody else can reach it.
-        drop(unsafe { Box::from_raw(ptr) });
-        Ok(())
-    }
-
-    /// How many values are live (for tests).
-    #[cfg(test)]
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    #[cfg(test)]
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-impl<T> Default for Registry<T> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl<T> Drop for Entered<'_, T> {
-    fn drop(&mut self) {
-        if let Some(busy) = self.registry.lock().get_mut(&(self.ptr as usize)) {
-            *busy = false;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -667,60 +520,6 @@ mod tests {
         assert_eq!(Settings::effective_limit(None, Some(1 << 30)), 1 << 30);
         assert_eq!(Settings::effective_limit(Some(64), Some(32)), 32);
         assert_eq!(Settings::effective_limit(None, None), u64::MAX);
-    }
-
-    #[test]
-    fn registry_refuses_stale_foreign_and_busy_pointers() {
-        let registry: Registry<String> = Registry::new();
-        let ptr = registry.insert("handle".to_string());
-        assert_eq!(registry.len(), 1);
-        {
-            let mut value = registry.enter(ptr, "handle").unwrap();
-            value.push('!');
-            let busy = registry.enter(ptr, "handle").unwrap_err();
-            assert!(
-                busy.to_string().contains("in use by another thread"),
-                "{busy}"
-            );
-            let busy = registry.remove(ptr, "handle").unwrap_err();
-            assert!(
-                busy.to_string().contains("cannot be destroyed now"),
-                "{busy}"
-            );
-        }
-        {
-            let value = registry.enter(ptr, "handle").unwrap();
-            assert_eq!(*value, "handle!");
-        }
-        let foreign = 0x1000 as *mut String;
-        let err = registry.enter(foreign, "handle").unwrap_err();
-        assert!(
-            err.to_string().contains("not a live mucudnn handle"),
-            "{err}"
-        );
-        assert!(registry
-            .enter(std::ptr::null_mut(), "handle")
-            .unwrap_err()
-            .to_string()
-            .ends_with("is NULL"));
-        registry.remove(ptr, "handle").unwrap();
-        assert!(registry.is_empty());
-        // Destroyed: refused, not dereferenced.
-        assert!(registry.enter(ptr, "handle").is_err());
-        assert!(registry.remove(ptr, "handle").is_err());
-    }
-
-    #[test]
-    fn busy_flag_is_cleared_when_the_user_panics() {
-        let registry: Registry<u32> = Registry::new();
-        let ptr = registry.insert(1);
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _value = registry.enter(ptr, "handle").unwrap();
-            panic!("inside");
-        }));
-        assert!(result.is_err());
-        drop(registry.enter(ptr, "handle").unwrap());
-        registry.remove(ptr, "handle").unwrap();
     }
 
     #[test]

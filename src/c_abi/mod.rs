@@ -13,7 +13,8 @@
 //! Every entry point returns a [`mucudnnStatus_t`] and leaves a message for
 //! `mucudnnGetLastError`; its body runs under [`error::guard`], so no panic crosses into C
 //! (a panic is `MUCUDNN_STATUS_INTERNAL_ERROR`). Raw pointers are checked for null, strings
-//! for UTF-8, enum-like integers for range, handles against a registry of live handles; what
+//! for UTF-8, enum-like integers for range, handles against a registry of live handles (a
+//! handle is a token, never an address: [`registry`]); what
 //! cannot be checked (that a non-null pointer really is what the header says) is the C
 //! caller's side of the contract, stated on each function. This module names no cudarc item:
 //! it reaches cuDNN only through the FFI wall (`crate::backend::cudnn`).
@@ -26,6 +27,7 @@ mod descriptors;
 pub(crate) mod error;
 pub(crate) mod handle;
 mod json;
+mod registry;
 mod solve;
 mod torch;
 pub(crate) mod tuner;
@@ -37,13 +39,16 @@ pub use descriptors::problem_from_descriptors;
 
 use crate::backend::cudnn::{library_status, probe, ForeignHandle};
 use crate::backend::TimingSettings;
-use crate::solver::{CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, Plan, Policy};
+use crate::solver::{
+    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit, Plan, Policy,
+};
 use crate::tune::{EngineOptions, LayerTuning, MeasureTask, MeasuredTask, SplitSetting};
 use error::{
     guard, invalid, last_error_ptr, optional_str_arg, out_arg, owned_c_string, set_last_error,
     str_arg, FfiError,
 };
-use handle::{Handle, RawDescriptors, RawOperands, Registry, Settings};
+use handle::{Handle, RawDescriptors, RawOperands, Settings};
+use registry::Registry;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -63,7 +68,8 @@ pub enum mucudnnStatus_t {
     /// that is not device memory of the handle's GPU.
     MUCUDNN_STATUS_INVALID_ARGUMENT = 1,
     /// No NVIDIA driver (libcuda), no cuDNN 9 (libcudnn), no usable GPU, a driver older than
-    /// CUDA 13, or two different libcudnn loaded in one process.
+    /// CUDA 13, or two different libcudnn loaded in one process; or the tuning cache cannot be
+    /// opened because the process is out of file descriptors (never a quiet in-memory cache).
     MUCUDNN_STATUS_NOT_AVAILABLE = 2,
     /// A convolution cuDNN could run but mucudnn does not: not fully packed NCHW/NHWC, double
     /// or integer data, CUDNN_CONVOLUTION mode, a non-float compute type.
@@ -144,7 +150,10 @@ pub struct mucudnnOptions_t {
     /// else $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite). Copied
     /// by mucudnnCreate. Measurements are read from and stored into it, so a (problem, op)
     /// seen before on this device (by any process) is not profiled again. A cache that cannot
-    /// be opened or written never fails a call: it warns on stderr and works in memory.
+    /// be opened or written never fails a call: it warns on stderr and works in memory; but a
+    /// process out of file descriptors is MUCUDNN_STATUS_NOT_AVAILABLE (not a cache in
+    /// memory that would quietly keep nothing), and a file that is not a mucudnn cache is
+    /// MUCUDNN_STATUS_INVALID_ARGUMENT (left untouched).
     pub cache_path: *const c_char,
     /// A MUCUDNN_POLICY_* value (default MUCUDNN_POLICY_POWER_OF_TWO).
     pub policy: mucudnnPolicy_t,
@@ -184,7 +193,9 @@ pub struct mucudnnContext {
 /// A mucudnn handle: the caller's cuDNN handle and stream, the plans tuned so far, and one
 /// workspace. Made by mucudnnCreate, freed by mucudnnDestroy. Used by one thread at a time
 /// (a second thread's concurrent call fails with MUCUDNN_STATUS_INVALID_ARGUMENT); it may move
-/// between threads.
+/// between threads. The value is an opaque token, not an address: never reused in a process,
+/// so a destroyed handle (even when a new one is made after it) or a made-up value is
+/// MUCUDNN_STATUS_INVALID_ARGUMENT, never another handle.
 pub type mucudnnHandle_t = *mut mucudnnContext;
 
 /// cuDNN's handle struct (opaque; declared so that this header does not need cudnn.h).
@@ -221,7 +232,7 @@ pub type mucudnnConvolutionDescriptor_t = *mut cudnnConvolutionStruct;
 pub type mucudnnStream_t = *mut CUstream_st;
 
 /// The live handles.
-static HANDLES: Registry<mucudnnContext> = Registry::new();
+static HANDLES: Registry<mucudnnContext> = Registry::new("handle");
 
 // ---------------------------------------------------------------------------------------------
 // Argument helpers
@@ -332,6 +343,7 @@ unsafe fn settings_arg(options: *const mucudnnOptions_t) -> Result<Settings, Ffi
             engines: EngineOptions::default(),
             // The handle executes batch plans only (no spatial chunks on a caller's handle).
             split: SplitSetting::Batch,
+            index_limit: IndexLimit::CUDNN,
         },
         workspace_limit_bytes,
         total_workspace_bytes,
@@ -710,7 +722,7 @@ unsafe fn convolution(
 ///
 /// # Safety
 ///
-/// `handle` is NULL or a pointer from mucudnnCreate (stale pointers are detected); `alpha` and
+/// `handle` is any value (NULL, destroyed and made-up handles are refused); `alpha` and
 /// `beta` are NULL (an error) or point to floats; each descriptor is NULL (an error) or a live
 /// descriptor of its kind made by the same libcudnn (a garbage descriptor is undefined
 /// behaviour, as in cuDNN); `x`, `w` and `y` are the device addresses of the tensors the
@@ -926,7 +938,8 @@ pub struct mucudnnTunerContext {
 /// prepared so far. Made by mucudnnTunerCreate, freed by mucudnnTunerDestroy. Convolutions are
 /// described as JSON problems, so no cuDNN of the caller's is needed; this is what the PyTorch
 /// package (`mucudnn.torch`) uses. Thread-safe: concurrent calls on one tuner run one after
-/// another.
+/// another. Like a mucudnnHandle_t, the value is an opaque token, never reused: a destroyed
+/// or made-up tuner is MUCUDNN_STATUS_INVALID_ARGUMENT, never another tuner.
 pub type mucudnnTuner_t = *mut mucudnnTunerContext;
 
 /// The device argument of mucudnnTunerCreate for the CPU backend (a GPU is its CUDA ordinal).
@@ -951,7 +964,7 @@ unsafe fn json_arg<T: serde::de::DeserializeOwned>(
 ) -> Result<T, FfiError> {
     // SAFETY: this function's contract.
     let text = unsafe { str_arg(ptr, name) }?;
-    serde_json::from_str(text).map_err(|e| invalid(format!("{name}: {e}")))
+    json::parse_argument(text, name)
 }
 
 fn to_json(value: &impl serde::Serialize) -> Result<String, FfiError> {
@@ -979,8 +992,15 @@ unsafe fn settings_json_arg(
 /// `options_json`: NULL for the defaults, or a JSON object with any of
 ///   "cache": the tuning cache file (a path; absent or null: $MUCUDNN_CACHE, else
 ///            $XDG_CACHE_HOME/mucudnn/cache.sqlite, else ~/.cache/mucudnn/cache.sqlite),
-///   "no_cache": true to keep measurements in memory only,
+///   "no_cache": true to keep measurements in memory only (not with a "cache" path),
 ///   "verbose": true to print a line per measurement and per tuned layer on stderr.
+///
+/// A tuner with a cache file holds three file descriptors (SQLite's database, WAL and
+/// shared-memory index) until it is destroyed; one with "no_cache" holds none. A cache that
+/// cannot be opened because the process is out of file descriptors is
+/// MUCUDNN_STATUS_NOT_AVAILABLE, a file that is not a mucudnn cache
+/// MUCUDNN_STATUS_INVALID_ARGUMENT; a damaged, unwritable or unusable cache of ours warns and
+/// works in memory (read-only, or moved aside and salvaged), as for the CLI.
 ///
 /// # Safety
 ///
@@ -1019,7 +1039,7 @@ pub unsafe extern "C" fn mucudnnTunerCreate(
 }
 
 /// Destroys a tuner and every plan set prepared on it (a call still running on another thread
-/// finishes first). NULL or a stale tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
+/// finishes first). NULL, a destroyed or a made-up tuner is MUCUDNN_STATUS_INVALID_ARGUMENT.
 #[no_mangle]
 pub extern "C" fn mucudnnTunerDestroy(tuner: mucudnnTuner_t) -> mucudnnStatus_t {
     guard("mucudnnTunerDestroy", || tuner::unregister(tuner as usize))
@@ -1271,7 +1291,9 @@ pub extern "C" fn mucudnnTunerRelease(tuner: mucudnnTuner_t, plan_set: u64) -> m
 /// NHWC; the filter in the same layout) and dtype.
 ///
 /// On a CPU tuner the pointers are host memory and `stream` is ignored; the workspace is host
-/// memory (4-byte aligned). On a GPU tuner they are device memory of the tuner's GPU, the work
+/// memory (4-byte aligned), or NULL with 0 bytes: the tuner's own host workspace, one buffer
+/// per tuner shared by all its plan sets and grown to the largest plan run on it (so a caller
+/// needs no buffer per shape). On a GPU tuner they are device memory of the tuner's GPU, the work
 /// is queued on `stream` (NULL: the legacy default stream) through the tuner's own cuDNN
 /// handle, asynchronously, with no host synchronisation; the workspace is the caller's device
 /// memory (e.g. from a framework's caching allocator), at least mucudnnTunerPrepare's

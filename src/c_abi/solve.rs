@@ -69,9 +69,13 @@ pub fn parse_options(text: Option<&str>) -> Result<SolveOptions, FfiError> {
         },
     )?;
     if let Some(policy) = document.policy {
-        options.policy = policy
-            .parse()
-            .map_err(|e: String| invalid(format!("options: {e}")))?;
+        options.policy = json::choice(
+            "options: policy",
+            "policy",
+            &policy,
+            &Policy::ALL,
+            Policy::name,
+        )?;
     }
     match (document.workspace_limit, document.total_workspace) {
         (Some(_), Some(_)) => {

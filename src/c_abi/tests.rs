@@ -503,6 +503,46 @@ fn prepared_tuner(problem: &ConvProblem) -> (mucudnnTuner_t, u64, u64) {
     (tuner, set, workspace[0])
 }
 
+/// A CPU tuner made through the C ABI, its measurements in memory.
+fn cpu_tuner() -> mucudnnTuner_t {
+    let mut tuner: mucudnnTuner_t = null_mut();
+    let options = c(r#"{"no_cache": true}"#);
+    // SAFETY: a live output and a NUL-terminated string.
+    let status = unsafe { mucudnnTunerCreate(&mut tuner, MUCUDNN_DEVICE_CPU, options.as_ptr()) };
+    assert_eq!(
+        status,
+        mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS,
+        "{}",
+        last_error()
+    );
+    tuner
+}
+
+/// mucudnnTunerTune of `problem` (JSON) as layer `layer` with `settings` (`None`: NULL): its
+/// status and, on success, its result document.
+fn tune_through_c(
+    tuner: mucudnnTuner_t,
+    layer: &str,
+    problem: &str,
+    settings: Option<&str>,
+) -> (mucudnnStatus_t, Option<serde_json::Value>) {
+    let (layer, problem) = (c(layer), c(problem));
+    let settings = settings.map(c);
+    let mut result: *mut c_char = null_mut();
+    // SAFETY: NUL-terminated strings (or NULL settings) and a live output.
+    let status = unsafe {
+        mucudnnTunerTune(
+            tuner,
+            layer.as_ptr(),
+            problem.as_ptr(),
+            settings.as_ref().map_or(null(), |s| s.as_ptr()),
+            &mut result,
+        )
+    };
+    let doc = (!result.is_null()).then(|| serde_json::from_str(&take(result)).unwrap());
+    (status, doc)
+}
+
 #[test]
 fn tuner_execute_checks_operands_against_the_plan() {
     use mucudnnStatus_t as S;
@@ -908,18 +948,29 @@ fn tuner_settings_ops_errors() {
             let status = mucudnnTunerMeasure(tuner, layers.as_ptr(), c(text).as_ptr(), &mut tasks);
             assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT, "{text}");
         }
-        // Each op at most once is no error: a repeated name is the same op.
-        let mut result: *mut c_char = null_mut();
-        let status = mucudnnTunerTune(
+        // An op named twice is refused (it was merged silently before).
+        let problem = problem.to_str().unwrap();
+        let (status, doc) = tune_through_c(
             tuner,
-            c("tiny").as_ptr(),
-            problem.as_ptr(),
-            c(r#"{"ops": ["fwd", "fwd"]}"#).as_ptr(),
-            &mut result,
+            "tiny",
+            problem,
+            Some(r#"{"ops": ["fwd", "bwd_data", "fwd"]}"#),
+        );
+        assert_eq!(status, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        assert!(
+            last_error().contains("settings: ops: `fwd` is given twice"),
+            "{}",
+            last_error()
+        );
+        assert!(doc.is_none());
+        let (status, doc) = tune_through_c(
+            tuner,
+            "tiny",
+            problem,
+            Some(r#"{"ops": ["bwd_data", "fwd"]}"#),
         );
         assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
-        let doc: serde_json::Value = serde_json::from_str(&take(result)).unwrap();
-        assert_eq!(doc["plans"].as_array().unwrap().len(), 1);
+        assert_eq!(doc.unwrap()["plans"].as_array().unwrap().len(), 2);
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }
 }
@@ -1010,4 +1061,314 @@ fn tuner_prepares_and_runs_a_forward_only_set() {
         assert!(dx.iter().all(|&v| v == -7.0));
         assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
     }
+}
+
+/// The message a tuner call with these settings fails with (INVALID_ARGUMENT).
+fn settings_error(text: &str) -> String {
+    match tuner::parse_settings(text, tuner::TunerDevice::Cpu) {
+        Ok(_) => panic!("{text}: accepted"),
+        Err(e) => {
+            assert_eq!(
+                e.status(),
+                mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT,
+                "{text}"
+            );
+            e.to_string()
+        }
+    }
+}
+
+/// Every enumerated value of a settings or options document is taken exactly as documented
+/// (lowercase), and an unknown one lists the accepted values.
+#[test]
+fn enumerated_settings_take_one_case_rule() {
+    for (key, good, wrong, accepted) in [
+        (
+            "policy",
+            "power-of-two",
+            "Power-Of-Two",
+            "undivided, power-of-two, all",
+        ),
+        ("policy", "all", "ALL", "undivided, power-of-two, all"),
+        ("candidates", "engines", "Engines", "legacy, engines, all"),
+        ("split", "spatial", "SPATIAL", "batch, spatial, auto"),
+    ] {
+        settings(&format!(r#"{{"{key}": "{good}"}}"#));
+        let message = settings_error(&format!(r#"{{"{key}": "{wrong}"}}"#));
+        assert!(
+            message.starts_with(&format!("settings: {key}: unknown ")),
+            "{message}"
+        );
+        assert!(message.contains(&format!("`{wrong}`")), "{message}");
+        assert!(message.contains(accepted), "{message}");
+    }
+    let message = settings_error(r#"{"ops": ["Fwd"]}"#);
+    assert!(message.contains("unknown op `Fwd`"), "{message}");
+    let message = solve::parse_options(Some(r#"{"policy": "All"}"#))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("options: policy: unknown policy `All`"),
+        "{message}"
+    );
+}
+
+/// A document that says two things is refused: a key given twice (serde_json kept the last),
+/// and no_cache with a cache path (the path was ignored).
+#[test]
+fn contradictory_documents_are_refused() {
+    for text in [
+        r#"{"policy": "all", "policy": "undivided"}"#,
+        r#"{"deterministic": true, "deterministic": true}"#,
+        r#"{"ops": ["fwd"], "split": "batch", "ops": ["bwd_data"]}"#,
+    ] {
+        let message = settings_error(text);
+        assert!(message.contains("is given twice"), "{text}: {message}");
+    }
+    let options = |text: &str| tuner::TunerOptions::parse(text).map(|_| ());
+    let message = options(r#"{"no_cache": true, "cache": "/tmp/x.sqlite"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("no_cache is true and cache names a file"),
+        "{message}"
+    );
+    let message = options(r#"{"verbose": false, "verbose": true}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.starts_with("options_json: key `verbose` is given twice"),
+        "{message}"
+    );
+    // Not contradictions: no_cache false with a path, no_cache with the default location.
+    options(r#"{"no_cache": false, "cache": "/tmp/x.sqlite"}"#).unwrap();
+    options(r#"{"no_cache": true, "cache": null}"#).unwrap();
+    let message = solve::parse_options(Some(r#"{"workspace_limit": 1, "workspace_limit": 2}"#))
+        .unwrap_err()
+        .to_string();
+    assert!(message.contains("is given twice"), "{message}");
+    // JSON arguments too: a problem with `n` twice.
+    let problem = r#"{"n": 2, "c": 2, "h": 3, "w": 3, "k": 2, "r": 1, "s": 1, "pad_h": 0,
+        "pad_w": 0, "stride_h": 1, "stride_w": 1, "dilation_h": 1, "dilation_w": 1,
+        "groups": 1, "dtype": "fp32", "layout": "nchw", "n": 4}"#;
+    let tuner = cpu_tuner();
+    let (status, _) = tune_through_c(tuner, "l", problem, None);
+    assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
+    // SAFETY: a live output and NUL-terminated strings.
+    unsafe {
+        assert!(last_error().contains("problem_json"), "{}", last_error());
+        assert!(last_error().contains("`n`"), "{}", last_error());
+        let mut other: mucudnnTuner_t = null_mut();
+        let status = mucudnnTunerCreate(
+            &mut other,
+            MUCUDNN_DEVICE_CPU,
+            c(r#"{"no_cache": true, "cache": "/tmp/mucudnn-never.sqlite"}"#).as_ptr(),
+        );
+        assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        assert!(other.is_null());
+        assert_eq!(
+            mucudnnTunerDestroy(tuner),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
+        );
+    }
+}
+
+/// A huge value (a 10 MB policy, a 2-million-element array) makes a short message: every
+/// echoed value is bounded, and so is every last error.
+#[test]
+fn errors_echo_bounded_values() {
+    // The reported cases (a 10 MB policy, a 2-million-element array), and the other keys with
+    // values of 100 KB: longer only costs the test time.
+    let huge = "p".repeat(10_000_000);
+    let array = format!("[{}]", vec!["1"; 2_000_000].join(","));
+    let long = "p".repeat(100_000);
+    let long_array = format!("[{}]", vec!["1"; 50_000].join(","));
+    let tuner = cpu_tuner();
+    let problem = serde_json::to_string(&ConvProblem::new(2, 2, 3, 3, 2, 1, 1)).unwrap();
+    // SAFETY: live outputs and NUL-terminated strings.
+    unsafe {
+        for settings in [
+            format!(r#"{{"policy": "{huge}"}}"#),
+            format!(r#"{{"ops": {array}}}"#),
+            format!(r#"{{"split": "{long}"}}"#),
+            format!(r#"{{"candidates": "{long}"}}"#),
+            format!(r#"{{"ops": ["{long}"]}}"#),
+            format!(r#"{{"ops": [{{"{long}": 1}}]}}"#),
+            format!(r#"{{"workspace_limit": "{long}"}}"#),
+            format!(r#"{{"{long}": 1}}"#),
+            format!(r#"{{"policy": {long_array}}}"#),
+            long_array.clone(),
+        ] {
+            let (status, _) = tune_through_c(tuner, "l", &problem, Some(&settings));
+            assert_eq!(status, mucudnnStatus_t::MUCUDNN_STATUS_INVALID_ARGUMENT);
+            let message = last_error();
+            assert!(
+                message.len() <= 1000,
+                "{} bytes: {}",
+                message.len(),
+                &message[..300]
+            );
+        }
+        let message = settings_error(&format!(r#"{{"policy": "{long}"}}"#));
+        assert!(
+            message.contains("… (100000 characters)"),
+            "{}",
+            &message[..300]
+        );
+        // JSON arguments and a long layer name: the last error is bounded whatever it quotes.
+        tune_through_c(tuner, "l", &format!(r#"{{"n": "{long}"}}"#), None);
+        assert!(last_error().len() <= 1000, "{}", last_error().len());
+        let bad = serde_json::to_string(&ConvProblem::new(-2, 2, 3, 3, 2, 1, 1)).unwrap();
+        tune_through_c(tuner, &long, &bad, None);
+        assert!(
+            last_error().contains("n must be positive"),
+            "{}",
+            &last_error()[..300]
+        );
+        assert!(
+            last_error().len() <= error::MAX_MESSAGE_CHARS + 100,
+            "{}",
+            last_error().len()
+        );
+        let options = c(&format!(r#"{{"cache": {long_array}}}"#));
+        let mut other: mucudnnTuner_t = null_mut();
+        mucudnnTunerCreate(&mut other, MUCUDNN_DEVICE_CPU, options.as_ptr());
+        assert!(last_error().len() <= 1000, "{}", last_error().len());
+        assert_eq!(
+            mucudnnTunerDestroy(tuner),
+            mucudnnStatus_t::MUCUDNN_STATUS_SUCCESS
+        );
+    }
+}
+
+/// A CPU tuner runs plan sets given no workspace (NULL, 0 bytes) on one host workspace of its
+/// own, grown to the largest plan's, with the results of a caller's workspace: a caller needs
+/// no buffer per shape.
+#[test]
+fn cpu_tuner_executes_on_its_own_shared_workspace() {
+    use mucudnnStatus_t as S;
+    let tuner = cpu_tuner();
+    // SAFETY: live outputs, NUL-terminated strings, and x, w, y of the dims and bytes given.
+    unsafe {
+        for (h, w) in [(8, 8), (12, 6), (8, 8)] {
+            let problem = ConvProblem {
+                pad_h: 1,
+                pad_w: 1,
+                ..ConvProblem::new(2, 3, h, w, 4, 3, 3)
+            };
+            let text = serde_json::to_string(&problem).unwrap();
+            let (status, doc) = tune_through_c(tuner, "shared", &text, Some(r#"{"ops": ["fwd"]}"#));
+            assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+            let mut doc = doc.unwrap();
+            // im2col over whole micro-batches: a plan that needs a workspace.
+            for mb in doc["plans"][0]["micro_batches"].as_array_mut().unwrap() {
+                mb["algo"] = serde_json::json!(1);
+            }
+            let plans = c(&doc["plans"].to_string());
+            let (mut set, mut workspace) = (0u64, [0u64; 3]);
+            let status =
+                mucudnnTunerPrepare(tuner, plans.as_ptr(), &mut set, workspace.as_mut_ptr());
+            assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+            assert!(workspace[0] > 0);
+            let [x_len, w_len, y_len] = [
+                problem.input_dims(),
+                problem.filter_dims(),
+                problem.output_dims(),
+            ]
+            .map(|d| d.iter().product::<i64>() as usize);
+            let x: Vec<f32> = (0..x_len).map(|i| (i % 7) as f32 - 3.0).collect();
+            let wt: Vec<f32> = (0..w_len).map(|i| (i % 5) as f32 * 0.25).collect();
+            let dims: Vec<i64> = [
+                problem.input_dims(),
+                problem.filter_dims(),
+                problem.output_dims(),
+            ]
+            .concat();
+            let bytes = [x_len, w_len, y_len].map(|n| 4 * n as u64);
+            let run = |workspace_ptr: *mut c_void, workspace_bytes: u64| {
+                let mut y = vec![f32::NAN; y_len];
+                let status = mucudnnTunerExecute(
+                    tuner,
+                    set,
+                    MUCUDNN_OP_FORWARD,
+                    1.0,
+                    x.as_ptr().cast(),
+                    wt.as_ptr().cast(),
+                    0.0,
+                    y.as_mut_ptr().cast(),
+                    dims.as_ptr(),
+                    bytes.as_ptr(),
+                    workspace_ptr,
+                    workspace_bytes,
+                    null_mut(),
+                );
+                (status, y)
+            };
+            let mut own = vec![0u32; (workspace[0] as usize).div_ceil(4)];
+            let (status, with_callers) = run(own.as_mut_ptr().cast(), workspace[0]);
+            assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+            let (status, with_tuners) = run(null_mut(), 0);
+            assert_eq!(status, S::MUCUDNN_STATUS_SUCCESS, "{}", last_error());
+            assert_eq!(with_callers, with_tuners);
+            assert!(with_tuners.iter().all(|v| v.is_finite()));
+            // A NULL workspace said to have bytes is still refused.
+            assert_eq!(run(null_mut(), 8).0, S::MUCUDNN_STATUS_INVALID_ARGUMENT);
+        }
+        assert_eq!(mucudnnTunerDestroy(tuner), S::MUCUDNN_STATUS_SUCCESS);
+    }
+}
+
+/// A tensor past 2^31 elements is mucudnn's to split, not an invalid argument: a long fp16
+/// video (1 x 128 x 81 x 480 x 832, 4,140,564,480 elements) whose calls cannot fit 32-bit
+/// indexing in NCDHW (a chunk's view spans every channel) is NOT_SUPPORTED, saying why, at
+/// once (nothing is allocated), so a caller falls back; a plan that takes it whole is
+/// refused before it runs.
+#[test]
+fn a_tensor_past_2_pow_31_elements_is_split_or_not_supported_with_the_reason() {
+    let video = ConvProblem {
+        pad_d: 1,
+        pad_h: 1,
+        pad_w: 1,
+        dtype: crate::solver::DType::Fp16,
+        ..ConvProblem::new_3d(1, 128, 81, 480, 832, 128, 3, 3, 3)
+    };
+    video.validate().unwrap();
+    let mut tuner = memory_tuner();
+    for (split, reason) in [
+        ("auto", "channels-last (nhwc) chunks span only their rows"),
+        (
+            "spatial",
+            "channels-last (nhwc) chunks span only their rows",
+        ),
+        ("batch", "a spatial split"),
+    ] {
+        let settings = settings(&format!(r#"{{"split": "{split}", "ops": ["fwd"]}}"#));
+        let started = std::time::Instant::now();
+        let error = tuner.tune("video", &video, &settings).unwrap_err();
+        assert_eq!(
+            error.status(),
+            mucudnnStatus_t::MUCUDNN_STATUS_NOT_SUPPORTED,
+            "{split}: {error}"
+        );
+        let message = error.to_string();
+        assert!(message.starts_with("video: fwd "), "{message}");
+        assert!(message.contains("32-bit indexing"), "{message}");
+        assert!(message.contains(reason), "{split}: {message}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+    // A plan running the whole video in one call (as a hand-made plan might) is refused.
+    let whole = crate::solver::Plan {
+        layer: "video".into(),
+        problem: video,
+        op: ConvOp::Forward,
+        split: crate::solver::SplitDim::Batch,
+        micro_batches: vec![crate::solver::MicroBatch {
+            size: 1,
+            algo: crate::solver::Algo::Legacy(0),
+            workspace_bytes: 0,
+            time_ms: 1.0,
+        }],
+    };
+    let error = tuner.prepare(vec![whole]).unwrap_err().to_string();
+    assert!(error.contains("32-bit indexing"), "{error}");
 }

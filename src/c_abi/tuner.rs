@@ -20,31 +20,31 @@
 //! `mucudnnHandle_t`, which refuses it), so a framework may call forward on one thread and
 //! backward on another.
 
-use super::error::{invalid, FfiError};
+use super::error::{cache_error, echo, invalid, FfiError};
 use super::handle::RawOperands;
 use super::json::{self, parse_document, Document, Size};
-use crate::backend::cpu;
+use super::registry::Shared;
+use crate::backend::cpu::{self, AlignedWorkspace};
 use crate::backend::cudnn::{
     check_one_libcudnn, save_current_context, CudnnHandle, CurrentContextGuard, DeviceOperands,
     DropInCallerContext, RawDeviceView, RawDeviceViewMut, RawWorkspace,
 };
-use crate::backend::{Backend, CpuBackend, CudnnBackend, TimingSettings};
+use crate::backend::{Backend, BackendError, CpuBackend, CudnnBackend, TimingSettings};
 use crate::exec::cudnn::PreparedPlan;
 use crate::exec::{check_plan, cpu_workspace_bytes, execute_cpu, ExecError};
 use crate::local_tuner::LocalTuner;
 use crate::solver::{
-    operand_roles, AlgoNames, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan,
+    operand_roles, AlgoNames, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint, Plan,
+    Policy,
 };
 use crate::tune::{
     measure_task, missing_tasks, store_measured, CacheStats, LayerTuning, MeasureTask,
-    MeasuredTask, TuneError,
+    MeasuredTask, SplitSetting, TuneError,
 };
 use mucudnn_cache::Cache;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
 
 /// Which device a tuner measures and runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,19 +84,31 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
         })
     };
     if let Some(policy) = document.policy {
-        tuning.policy = policy
-            .parse()
-            .map_err(|e: String| invalid(format!("settings: policy: {e}")))?;
+        tuning.policy = json::choice(
+            "settings: policy",
+            "policy",
+            &policy,
+            &Policy::ALL,
+            Policy::name,
+        )?;
     }
     if let Some(split) = document.split {
-        tuning.split = split
-            .parse()
-            .map_err(|e: String| invalid(format!("settings: split: {e}")))?;
+        tuning.split = json::choice(
+            "settings: split",
+            "split",
+            &split,
+            &SplitSetting::ALL,
+            SplitSetting::name,
+        )?;
     }
     if let Some(candidates) = document.candidates {
-        tuning.candidates = candidates
-            .parse()
-            .map_err(|e: String| invalid(format!("settings: candidates: {e}")))?;
+        tuning.candidates = json::choice(
+            "settings: candidates",
+            "candidate set",
+            &candidates,
+            &CandidateSet::ALL,
+            CandidateSet::name,
+        )?;
     }
     match document.workspace_limit {
         None => {}
@@ -183,7 +195,8 @@ impl<'de> Deserialize<'de> for OpNames {
                         serde_json::Value::String(name) => names.push(name),
                         other => {
                             return Err(serde::de::Error::custom(format!(
-                                "{other} is not an op name ({})",
+                                "{} is not an op name ({})",
+                                echo(&other.to_string()),
                                 ConvOp::NAMES.join(", ")
                             )))
                         }
@@ -196,8 +209,9 @@ impl<'de> Deserialize<'de> for OpNames {
     }
 }
 
-/// The `ops` of a settings object: a non-empty array of op names, each at most once, kept in
-/// `fwd`, `bwd_data`, `bwd_filter` order.
+/// The `ops` of a settings object: a non-empty array of op names, each once (a name given
+/// twice is refused: it says nothing the first did not, and may be a typo for another op),
+/// kept in `fwd`, `bwd_data`, `bwd_filter` order.
 fn parse_ops(given: &[String]) -> Result<Vec<ConvOp>, FfiError> {
     let names = ConvOp::NAMES.join(", ");
     if given.is_empty() {
@@ -209,16 +223,12 @@ fn parse_ops(given: &[String]) -> Result<Vec<ConvOp>, FfiError> {
     for name in given {
         // Exactly as written in the docs: the solver's parser also takes other cases, which
         // a settings document does not (an unknown name is an error, and `FWD` is unknown).
-        let op = ConvOp::ALL
-            .into_iter()
-            .zip(ConvOp::NAMES)
-            .find_map(|(op, &known)| (known == name).then_some(op))
-            .ok_or_else(|| {
-                invalid(format!(
-                    "settings: ops: unknown op `{name}` (expected one of: {names})"
-                ))
-            })?;
-        wanted[op_index(op)] = true;
+        let op = json::choice("settings: ops", "op", name, &ConvOp::ALL, ConvOp::name)?;
+        if std::mem::replace(&mut wanted[op_index(op)], true) {
+            return Err(invalid(format!(
+                "settings: ops: `{op}` is given twice (give each op once: {names})"
+            )));
+        }
     }
     Ok(ConvOp::ALL
         .into_iter()
@@ -249,6 +259,12 @@ impl TunerOptions {
         if options.cache.as_deref() == Some("") {
             return Err(invalid(
                 "options_json: cache is \"\"; give a file path, or null for the default",
+            ));
+        }
+        if options.no_cache == Some(true) && options.cache.is_some() {
+            return Err(invalid(
+                "options_json: no_cache is true and cache names a file: give one of them (no \
+                 cache keeps measurements in memory, a cache path keeps them in that file)",
             ));
         }
         Ok(options)
@@ -343,7 +359,7 @@ struct CudaState {
 
 // SAFETY: a `CudaState` holds cuDNN handles (and, through prepared plans in the same tuner, `Rc`
 // clones of their owners) that are not `Send` because cuDNN forbids concurrent use of a handle.
-// A tuner is reachable only through its `Mutex` (`TUNERS`), so one thread at a time uses the
+// A tuner is reachable only through its `Mutex` (`TUNERS`, a `Shared` registry), so one thread at a time uses the
 // state, every `Rc` clone lives inside the same tuner and is never handed out, and each call
 // binds the handle's context to the calling thread before using it (`CudnnHandle::bind`), which
 // is what cuDNN requires of a handle used by several threads one after another.
@@ -354,6 +370,9 @@ unsafe impl Send for CudaState {}
 enum DeviceState {
     Cpu {
         backend: CpuBackend,
+        /// The workspace of executions given none (a null workspace of 0 bytes): one buffer
+        /// for every plan set, grown to the largest such plan's.
+        workspace: AlignedWorkspace,
     },
     /// Its handles bind the GPU's context to be destroyed; the caller's is restored after.
     Cuda(DropInCallerContext<Box<CudaState>>),
@@ -380,6 +399,9 @@ fn tune_error(e: TuneError) -> FfiError {
     match e {
         TuneError::Backend(e) => FfiError::from(e),
         TuneError::Solve(e) => FfiError::from(e),
+        // No plan can run it: a caller runs this convolution another way (the PyTorch package
+        // falls back to PyTorch's, saying why).
+        e @ TuneError::Indexing { .. } => FfiError::NotSupported(e.to_string()),
         other => FfiError::Internal(other.to_string()),
     }
 }
@@ -397,7 +419,8 @@ fn exec_error(e: ExecError) -> FfiError {
 impl Tuner {
     /// A tuner on `device` with `cache`, else the cache at `cache_path` (`None`: the default
     /// location; a cache of ours that cannot be opened falls back to memory with a warning, a
-    /// file that is not a mucudnn cache is an error and left untouched). A GPU is checked at
+    /// file that is not a mucudnn cache is an error and left untouched, and so is a process
+    /// out of file descriptors). A GPU is checked at
     /// once: no CUDA, no cuDNN or no such GPU is an error.
     pub fn new(
         device: TunerDevice,
@@ -408,6 +431,7 @@ impl Tuner {
         let state = match device {
             TunerDevice::Cpu => DeviceState::Cpu {
                 backend: CpuBackend::new(),
+                workspace: AlignedWorkspace::default(),
             },
             TunerDevice::Cuda(ordinal) => {
                 // Plans made by one libcudnn must never run on another's objects.
@@ -427,13 +451,14 @@ impl Tuner {
         let cache = match cache {
             Some(cache) => cache,
             None => Cache::open_default(cache_path.as_deref())
-                .map_err(|e| invalid(format!("options_json cache: {e}")))?,
+                .map_err(|e| cache_error("options_json cache", e))?,
         };
         Ok(Tuner {
             state,
             cache,
             verbose,
-            prepared: LocalTuner::new(),
+            // The caller keeps the ids and releases the sets: none is dropped behind its back.
+            prepared: LocalTuner::unbounded(),
             next_id: 0,
         })
     }
@@ -445,7 +470,7 @@ impl Tuner {
         f: impl FnOnce(&mut dyn Backend, &Cache) -> Result<T, FfiError>,
     ) -> Result<T, FfiError> {
         match &mut self.state {
-            DeviceState::Cpu { backend } => f(backend, &self.cache),
+            DeviceState::Cpu { backend, .. } => f(backend, &self.cache),
             DeviceState::Cuda(cuda) => {
                 let _context = save_current_context()?;
                 if cuda.tuning.is_none() {
@@ -470,7 +495,7 @@ impl Tuner {
     /// The device fingerprint measurements are stored under (ranks compare it before sharing).
     pub fn fingerprint(&mut self) -> Result<DeviceFingerprint, FfiError> {
         match &self.state {
-            DeviceState::Cpu { backend } => Ok(backend.fingerprint().clone()),
+            DeviceState::Cpu { backend, .. } => Ok(backend.fingerprint().clone()),
             DeviceState::Cuda(cuda) => Ok(cuda.fingerprint.clone()),
         }
     }
@@ -491,7 +516,7 @@ impl Tuner {
     ) -> Result<TuneResult, FfiError> {
         problem
             .validate()
-            .map_err(|e| invalid(format!("{layer}: {e}")))?;
+            .map_err(|e| invalid(format!("{}: {e}", echo(layer))))?;
         let verbose = self.verbose;
         self.use_settings(settings);
         let tuned = self.with_backend(|backend, cache| {
@@ -612,7 +637,7 @@ impl Tuner {
     /// measure call releases it). A GPU tuner that never measured holds nothing.
     pub fn measuring_memory(&self) -> crate::backend::MemoryUse {
         match &self.state {
-            DeviceState::Cpu { backend } => backend.memory(),
+            DeviceState::Cpu { backend, .. } => backend.memory(),
             DeviceState::Cuda(cuda) => cuda
                 .tuning
                 .as_ref()
@@ -727,8 +752,9 @@ impl Tuner {
     ///
     /// - On the CPU: `a`, `b` and `out` point to host memory holding the problem's element
     ///   counts of their roles in its dtype, readable (`out` writable, overlapping neither
-    ///   input), and `workspace` is null with `workspace_bytes == 0` or points to
-    ///   `workspace_bytes` writable host bytes; `stream` is ignored.
+    ///   input), and `workspace` is null with `workspace_bytes == 0` (the tuner's own shared
+    ///   workspace is used) or points to `workspace_bytes` writable host bytes; `stream` is
+    ///   ignored.
     /// - On a GPU: the same in device memory of the tuner's GPU, each valid until the work
     ///   queued on `stream` has finished with it, and `stream` is null (the legacy default
     ///   stream) or a live stream of that GPU's primary context.
@@ -783,20 +809,32 @@ impl Tuner {
             )));
         }
         match (set, &mut self.state) {
-            (PreparedSet::Cpu { plans }, DeviceState::Cpu { .. }) => {
+            (
+                PreparedSet::Cpu { plans },
+                DeviceState::Cpu {
+                    workspace: shared, ..
+                },
+            ) => {
                 let plan = plans[op_index(op)].as_ref().expect("checked above");
+                let workspace = if workspace.is_null() {
+                    // None given: the tuner's own, grown to this plan's.
+                    let needed = cpu_workspace_bytes(plan);
+                    if (shared.len() as u64) < needed {
+                        *shared = AlignedWorkspace::try_new(needed).ok_or_else(|| {
+                            FfiError::Backend(BackendError::OutOfMemory(format!(
+                                "{} {op}: the tuner's host workspace of {needed} bytes cannot be \
+                                 allocated",
+                                plan.layer
+                            )))
+                        })?;
+                    }
+                    shared.as_bytes_mut()
+                } else {
+                    // SAFETY: this function's contract: `workspace_bytes` writable bytes.
+                    unsafe { caller_workspace(plan, workspace, workspace_bytes) }?
+                };
                 // SAFETY: this function's contract for the CPU.
-                unsafe {
-                    execute_host(
-                        plan,
-                        lens.map(|(_, len)| len),
-                        data,
-                        CallerWorkspace {
-                            pointer: workspace,
-                            bytes: workspace_bytes,
-                        },
-                    )
-                }
+                unsafe { execute_host(plan, lens.map(|(_, len)| len), data, workspace) }
             }
             (PreparedSet::Cuda { plans }, DeviceState::Cuda(cuda)) => {
                 let prepared = plans[op_index(op)].as_ref().expect("checked above");
@@ -901,7 +939,32 @@ pub fn check_operands(plan: &Plan, operands: &[OperandExtent; 3]) -> Result<(), 
     Ok(())
 }
 
-/// Runs a CPU plan over host pointers.
+/// A caller's host workspace of `bytes` bytes at `pointer` (non-null), checked for alignment.
+///
+/// # Safety
+///
+/// `pointer` points to `bytes` writable host bytes that nothing else uses during the call.
+unsafe fn caller_workspace<'a>(
+    plan: &Plan,
+    pointer: *mut c_void,
+    bytes: u64,
+) -> Result<&'a mut [u8], FfiError> {
+    let len =
+        usize::try_from(bytes).map_err(|_| invalid("workspace_bytes exceeds the address space"))?;
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if (pointer as usize) % 4 != 0 {
+        return Err(invalid(format!(
+            "{} {}: the workspace must be 4-byte aligned",
+            plan.layer, plan.op
+        )));
+    }
+    // SAFETY: this function's contract; non-null and aligned (checked).
+    Ok(unsafe { std::slice::from_raw_parts_mut(pointer.cast::<u8>(), len) })
+}
+
+/// Runs a CPU plan over host pointers, on `workspace`.
 ///
 /// # Safety
 ///
@@ -910,22 +973,10 @@ unsafe fn execute_host(
     plan: &Plan,
     lens: [usize; 3],
     data: RawOperands,
-    workspace: CallerWorkspace,
+    workspace: &mut [u8],
 ) -> Result<(), FfiError> {
     let inputs = [data.a, data.b];
     let out = data.out;
-    let CallerWorkspace {
-        pointer: workspace,
-        bytes: workspace_bytes,
-    } = workspace;
-    let workspace_len = usize::try_from(workspace_bytes)
-        .map_err(|_| invalid("workspace_bytes exceeds the address space"))?;
-    if workspace_len > 0 && (workspace as usize) % 4 != 0 {
-        return Err(invalid(format!(
-            "{} {}: the workspace must be 4-byte aligned",
-            plan.layer, plan.op
-        )));
-    }
     let element = plan.problem.dtype.size_bytes();
     for ((pointer, name), len) in inputs
         .iter()
@@ -958,13 +1009,6 @@ unsafe fn execute_host(
             )));
         }
     }
-    // SAFETY: the caller's contract: `workspace` is null with 0 bytes, or `workspace_len`
-    // writable bytes (4-byte aligned, checked).
-    let workspace: &mut [u8] = if workspace_len == 0 {
-        &mut []
-    } else {
-        unsafe { std::slice::from_raw_parts_mut(workspace.cast::<u8>(), workspace_len) }
-    };
     /// # Safety: as for `execute_host`, for element type `T` of the problem's dtype.
     unsafe fn typed<T: cpu::Element>(
         plan: &Plan,
@@ -997,48 +1041,25 @@ unsafe fn execute_host(
 // ---------------------------------------------------------------------------------------------
 // The registry of live tuners
 
-/// The live tuners by the address C holds. A call clones the tuner's `Arc` out of the map and
-/// locks the tuner (waiting for another thread's call to finish); destroying removes it from
-/// the map, and the tuner is dropped when the last call using it returns.
-static TUNERS: Mutex<BTreeMap<usize, Arc<Mutex<Tuner>>>> = Mutex::new(BTreeMap::new());
+/// The live tuners by the token C holds (see [`Shared`]).
+static TUNERS: Shared<Tuner> = Shared::new("tuner");
 
-fn tuners() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Mutex<Tuner>>>> {
-    // Never held across user code or a tuner call, so a poisoned map is still consistent.
-    TUNERS.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Registers `tuner`; the returned address is what C holds (never dereferenced).
+/// Registers `tuner`; the returned token is what C holds (never dereferenced).
 pub fn register(tuner: Tuner) -> usize {
-    let shared = Arc::new(Mutex::new(tuner));
-    let address = Arc::as_ptr(&shared) as usize;
-    tuners().insert(address, shared);
-    address
+    TUNERS.insert(tuner)
 }
 
-/// The tuner at `address`, locked for this call.
+/// The tuner of `token`, locked for this call.
 pub fn with_tuner<T>(
-    address: usize,
+    token: usize,
     f: impl FnOnce(&mut Tuner) -> Result<T, FfiError>,
 ) -> Result<T, FfiError> {
-    if address == 0 {
-        return Err(invalid("tuner is NULL"));
-    }
-    let shared = tuners().get(&address).cloned().ok_or_else(|| {
-        invalid("tuner is not a live mucudnn tuner (never created, or already destroyed)")
-    })?;
-    // A panic inside an earlier call (reported as an internal error) leaves the tuner usable.
-    let mut tuner = shared.lock().unwrap_or_else(PoisonError::into_inner);
-    f(&mut tuner)
+    TUNERS.with(token, "tuner", f)
 }
 
-/// Unregisters the tuner at `address`; it is dropped once no call uses it.
-pub fn unregister(address: usize) -> Result<(), FfiError> {
-    if address == 0 {
-        return Err(invalid("tuner is NULL"));
-    }
-    tuners().remove(&address).map(drop).ok_or_else(|| {
-        invalid("tuner is not a live mucudnn tuner (never created, or already destroyed)")
-    })
+/// Unregisters the tuner of `token`; it is dropped once no call uses it.
+pub fn unregister(token: usize) -> Result<(), FfiError> {
+    TUNERS.remove(token, "tuner")
 }
 
 #[cfg(test)]

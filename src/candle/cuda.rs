@@ -122,7 +122,7 @@ where
             })
             .map_err(|e| core.error(e.0))?;
         if let Some(stats) = tuned {
-            state.tunings.push((key, stats));
+            super::record_tuning(&mut state.tunings, key, stats);
         }
     }
     let gpu = &mut state.cuda[index];

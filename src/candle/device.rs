@@ -52,12 +52,7 @@ impl std::fmt::Debug for CandleLayerDevice {
             .field("ordinal", &self.ordinal)
             .field(
                 "shapes",
-                &self
-                    .plans
-                    .tunings()
-                    .iter()
-                    .map(|(key, _)| key)
-                    .collect::<Vec<_>>(),
+                &self.plans.tunings().map(|(key, _)| key).collect::<Vec<_>>(),
             )
             .finish_non_exhaustive()
     }
@@ -108,7 +103,7 @@ impl CandleLayerDevice {
     /// The workspace bytes `op` of shape `key` needs (`None`: not tuned).
     pub fn workspace_bytes(&self, key: ShapeKey, op: ConvOp) -> Option<u64> {
         self.plans
-            .get(&key)
+            .peek(&key)
             .map(|plans| plans[op_index(op)].workspace_bytes())
     }
 

@@ -233,10 +233,22 @@ struct State {
     /// The host side: its measuring backend, plans per input shape, and their workspace.
     cpu: Option<HostPlans<ShapeKey>>,
     /// How each shape was tuned, in the order first seen: measurements read from the cache
-    /// and measured (both 0 when the solved plans were cached).
+    /// and measured (both 0 when the solved plans were cached); the last
+    /// [`DEFAULT_CAPACITY`](crate::local_tuner::DEFAULT_CAPACITY) tunings, as many as the
+    /// plans kept, so that ever new shapes do not grow it.
     tunings: Vec<(ShapeKey, CacheStats)>,
     #[cfg(feature = "candle-cuda")]
     cuda: Vec<cuda::DeviceState>,
+}
+
+/// Records in a layer's `tunings` that shape `key` was tuned with `stats`, forgetting the
+/// oldest record past the bound.
+fn record_tuning(tunings: &mut Vec<(ShapeKey, CacheStats)>, key: ShapeKey, stats: CacheStats) {
+    tunings.push((key, stats));
+    let excess = tunings
+        .len()
+        .saturating_sub(crate::local_tuner::DEFAULT_CAPACITY);
+    tunings.drain(..excess);
 }
 
 /// Which candle layer a core serves: its kind in messages and its default name.
@@ -388,7 +400,8 @@ impl LayerCore {
         let mut state = self.lock()?;
         let state = &mut *state;
         let key = (problem.n, problem.h, problem.w);
-        let cpu = state.cpu.get_or_insert_with(HostPlans::new);
+        let State { cpu, tunings, .. } = state;
+        let cpu = cpu.get_or_insert_with(HostPlans::new);
         let (plans, workspace, tuned) = cpu.get_or_tune(&key, |backend| {
             let cache = self.cache()?;
             let cache = cache
@@ -400,7 +413,7 @@ impl LayerCore {
                 .map_err(|e| self.error(e))
         })?;
         if let Some(stats) = tuned {
-            state.tunings.push((key, stats));
+            record_tuning(tunings, key, stats);
         }
         let plan = &plans[op_index(op)];
         let out_len = cpu::buffer_lens(problem, op).map_err(|e| self.error(e))?[2].1;

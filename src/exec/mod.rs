@@ -22,7 +22,7 @@ pub mod verify;
 
 use crate::backend::cpu::{self, CpuAlgo, CpuError, Element};
 use crate::backend::ConvOperands;
-use crate::solver::{operand_roles, steps, Algo, ConvOp, DType, Plan, SplitDim};
+use crate::solver::{operand_roles, steps, Algo, ConvOp, DType, IndexLimit, Plan, SplitDim};
 
 /// Why a plan could not be executed.
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +100,23 @@ pub fn check_plan(plan: &Plan) -> Result<(), ExecError> {
                 crate::solver::spatial::split_axis(&plan.problem)
             ),
         }));
+    }
+    // Every call within 32-bit indexing, as tuning makes plans: cuDNN cannot index more.
+    let limit = IndexLimit::CUDNN;
+    if let Some(mb) = plan
+        .micro_batches
+        .iter()
+        .find(|mb| !limit.fits(&plan.problem, plan.op, plan.split, mb.size))
+    {
+        return Err(invalid(format!(
+            "a {} of {} reaches more than the {limit} elements a call can index (32-bit \
+             indexing); the tuner splits such a problem into sizes that fit",
+            match plan.split {
+                SplitDim::Batch => "micro-batch",
+                SplitDim::Spatial => "chunk",
+            },
+            mb.size
+        )));
     }
     Ok(())
 }

@@ -10,7 +10,9 @@ use crate::backend::{
     check_supported, Backend, BackendError, MeasureSettings, Measured, MemoryUse, TimingSettings,
 };
 use crate::device::DeviceFingerprint;
-use crate::solver::{AlgoKind, ConvOp, ConvProblem, OpKey, OpProfile, Policy, SplitDim};
+use crate::solver::{
+    AlgoKind, ConvOp, ConvProblem, IndexError, IndexLimit, OpKey, OpProfile, Policy, SplitDim,
+};
 
 /// One tuning problem to measure.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,9 +40,17 @@ impl Job {
         OpKey::new(self.problem, self.op, self.split)
     }
 
-    /// The sizes `policy` allows: of the batch, or of the op's extent along the split axis.
-    pub fn sizes(&self, policy: Policy) -> Vec<i64> {
-        policy.sizes(self.split.extent(&self.problem, self.op))
+    /// The sizes `policy` allows whose calls fit `limit` (32-bit indexing, see
+    /// [`IndexLimit::sizes`]): of the batch, or of the op's extent along the split axis. An
+    /// error when no size fits. The problem is valid (every caller checks it first).
+    pub fn sizes(&self, policy: Policy, limit: IndexLimit) -> Result<Vec<i64>, IndexError> {
+        limit.sizes(policy, &self.problem, self.op, self.split)
+    }
+
+    /// [`Job::sizes`] under cuDNN's limit, an error naming the layer when none fits.
+    fn sizes_or_invalid(&self, policy: Policy) -> Result<Vec<i64>, BackendError> {
+        self.sizes(policy, IndexLimit::CUDNN)
+            .map_err(|e| BackendError::Invalid(format!("{}: {e}", self.layer)))
     }
 }
 
@@ -66,7 +76,7 @@ pub fn profile_job(
     job.problem
         .validate()
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
-    let sizes = job.sizes(policy);
+    let sizes = job.sizes_or_invalid(policy)?;
     let key = job.key().of_kind(AlgoKind::Legacy);
     let how = MeasureSettings::all(*timing);
     let mut measurements = Vec::new();
@@ -114,7 +124,10 @@ where
     B: Backend,
     F: Fn(usize) -> Result<B, BackendError> + Sync,
 {
-    let sizes = job.sizes(policy);
+    job.problem
+        .validate()
+        .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
+    let sizes = job.sizes_or_invalid(policy)?;
     let (fingerprint, by_size, _) =
         measure_sizes_parallel(&make, devices, job, AlgoKind::Legacy, &sizes, &|_| {
             MeasureSettings::all(*timing)

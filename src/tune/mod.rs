@@ -37,8 +37,8 @@ pub use through_cache::{jobs_for, profile_jobs};
 use crate::backend::{Backend, TimingSettings};
 use crate::profiler::Job;
 use crate::solver::{
-    solve_wr, AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, OpKey,
-    OpProfile, Plan, Policy, SplitDim,
+    solve_wr, AlgoKind, CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit,
+    MeasureKey, OpKey, OpProfile, Plan, Policy, SplitDim,
 };
 use mucudnn_cache::{Cache, PlanKey};
 use through_cache::{profile_job_cached, with_release};
@@ -56,6 +56,11 @@ pub struct LayerTuning {
     pub engines: EngineOptions,
     /// Which dimension plans may split (default `auto`).
     pub split: SplitSetting,
+    /// What one call's operand may reach: cuDNN's 32-bit indexing ([`IndexLimit::CUDNN`],
+    /// the default), lowered only by tests to split small tensors as huge ones are split.
+    /// Sizes whose calls exceed it are neither measured nor offered; a problem none of whose
+    /// sizes fit is [`TuneError::Indexing`].
+    pub index_limit: IndexLimit,
 }
 
 impl LayerTuning {
@@ -70,6 +75,7 @@ impl LayerTuning {
             candidates: CandidateSet::All,
             engines: EngineOptions::default(),
             split: SplitSetting::Auto,
+            index_limit: IndexLimit::CUDNN,
         }
     }
 
@@ -97,6 +103,7 @@ impl LayerTuning {
             candidates: self.candidates,
             engines: self.engines,
             workspace_limit_bytes: Some(self.workspace_limit_bytes),
+            index_limit: self.index_limit,
         }
     }
 
@@ -189,7 +196,18 @@ impl LayerTuning {
                 SplitSetting::Batch => jobs.push(job(op, SplitDim::Batch)),
                 SplitSetting::Spatial => jobs.push(job(op, SplitDim::Spatial)),
                 SplitSetting::Auto => {
-                    jobs.push(job(op, SplitDim::Batch));
+                    let batch = job(op, SplitDim::Batch);
+                    if self
+                        .index_limit
+                        .largest_size(problem, op, SplitDim::Batch)
+                        .is_err()
+                        && SplitSetting::auto_looks_at(problem)
+                    {
+                        // No micro-batch fits 32-bit indexing: only chunks can.
+                        jobs.push(job(op, SplitDim::Spatial));
+                        continue;
+                    }
+                    jobs.push(batch);
                     if self.cached_pressure(cache, device, offered, problem, op) {
                         jobs.push(job(op, SplitDim::Spatial));
                     }
@@ -210,9 +228,12 @@ impl LayerTuning {
         op: ConvOp,
     ) -> bool {
         let run = self.profile_run(cache);
+        let Ok(sizes) = run.sizes(&Job::batch("", *problem, op)) else {
+            return false;
+        };
         let mut skipped = Vec::new();
         for kind in run.offered_kinds(offered) {
-            for micro in self.policy.sizes(problem.n) {
+            for &micro in &sizes {
                 match cache.measured(device, &MeasureKey::batch(*problem, op, micro, kind)) {
                     None => return false,
                     Some((_, at_size)) => skipped.extend(at_size),
@@ -225,6 +246,12 @@ impl LayerTuning {
     /// The plan-cache context of this tuning's plans of `problem`: determinism and the split
     /// setting ([`SplitSetting::context`]), `;`-separated; empty for plain batch plans.
     pub fn plan_context(&self, problem: &ConvProblem) -> String {
+        // Plans under a lowered index limit (tests) are not cuDNN's plans: cached apart.
+        let index_limit = if self.index_limit == IndexLimit::CUDNN {
+            String::new()
+        } else {
+            format!("index_limit={}", self.index_limit.max_elements())
+        };
         let parts = [
             if self.engines.deterministic {
                 DETERMINISTIC_CONTEXT
@@ -232,6 +259,7 @@ impl LayerTuning {
                 ""
             },
             self.split.context(problem),
+            &index_limit,
         ];
         parts
             .into_iter()
@@ -308,7 +336,10 @@ impl LayerTuning {
                         &profile.skipped,
                         self.workspace_limit_bytes,
                     ),
-                    Err(TuneError::Solve(_)) => SplitSetting::auto_looks_at(problem),
+                    // No micro-batch plan fits the workspace limit, or 32-bit indexing.
+                    Err(TuneError::Solve(_) | TuneError::Indexing { .. }) => {
+                        SplitSetting::auto_looks_at(problem)
+                    }
                     Err(_) => false,
                 };
                 if !chunks || !Self::measures_chunks(run, backend, problem, op) {
@@ -320,6 +351,11 @@ impl LayerTuning {
                     (Err(_), Ok((_, s))) => Ok(s),
                     // Ctrl-C while measuring chunks stops the tune, as it stops a batch one.
                     (_, Err(interrupted @ TuneError::Interrupted { .. })) => Err(interrupted),
+                    // Neither micro-batches nor chunks fit 32-bit indexing: the chunks' reason
+                    // says the more (the batch's only points at them).
+                    (Err(TuneError::Indexing { .. }), Err(chunks @ TuneError::Indexing { .. })) => {
+                        Err(chunks)
+                    }
                     // The chunks do not fit: the batch outcome.
                     (batch, Err(_)) => batch.map(|(_, plan)| plan),
                 }

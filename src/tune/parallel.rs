@@ -32,7 +32,10 @@ where
     let mut stats = CacheStats::default();
     let mut entries = Vec::with_capacity(jobs.len());
     for job in jobs {
-        let sizes = job.sizes(run.policy);
+        job.problem
+            .validate()
+            .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
+        let sizes = run.sizes(job)?;
         let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
         let mut measured_sizes: BTreeSet<i64> = BTreeSet::new();
         let mut skipped = Vec::new();

@@ -6,7 +6,10 @@ use crate::backend::{
     BackendError, EngineSearch, MeasureSettings, MemoryUse, Selection, TimingSettings,
 };
 use crate::profiler::prune;
-use crate::solver::{Algo, AlgoKind, CandidateSet, Measurement, Policy, Skipped, SolveError};
+use crate::profiler::Job;
+use crate::solver::{
+    Algo, AlgoKind, CandidateSet, IndexError, IndexLimit, Measurement, Policy, Skipped, SolveError,
+};
 use mucudnn_cache::Cache;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,9 +23,18 @@ pub enum TuneError {
     Solve(#[from] SolveError),
     #[error("interrupted: {measured} micro-batch size(s) measured this run are kept in the cache")]
     Interrupted { measured: usize },
-    /// The cache path names a file that is not a mucudnn cache (left untouched).
+    /// The cache path names a file that is not a mucudnn cache (left untouched), or the
+    /// process cannot open files now.
     #[error(transparent)]
-    Cache(#[from] mucudnn_cache::NotACache),
+    Cache(#[from] mucudnn_cache::OpenFailure),
+    /// No size of the split fits 32-bit indexing (one sample's rows, the filter): no plan can
+    /// run `layer` (see [`crate::solver::indexing`]).
+    #[error("{layer}: {source}")]
+    Indexing {
+        layer: String,
+        #[source]
+        source: IndexError,
+    },
 }
 
 /// Where a profile's measurements came from.
@@ -93,6 +105,9 @@ pub struct ProfileRun<'a> {
     /// total budget): a candidate needing more at a size is not timed, only recorded as
     /// skipped. `None`: time every candidate.
     pub workspace_limit_bytes: Option<u64>,
+    /// What one call's operand may reach ([`IndexLimit::CUDNN`] but in tests): a size whose
+    /// calls exceed it is neither measured nor solved with.
+    pub index_limit: IndexLimit,
 }
 
 impl ProfileRun<'_> {
@@ -174,6 +189,16 @@ impl ProfileRun<'_> {
                 })
             }
         }
+    }
+
+    /// The sizes of `job` this run measures: its policy's, whose calls fit the run's index
+    /// limit ([`Job::sizes`]); [`TuneError::Indexing`] when none does.
+    pub fn sizes(&self, job: &Job) -> Result<Vec<i64>, TuneError> {
+        job.sizes(self.policy, self.index_limit)
+            .map_err(|source| TuneError::Indexing {
+                layer: job.layer.clone(),
+                source,
+            })
     }
 
     /// How to measure one size: this run's timing, with `search` and `select` for the size.

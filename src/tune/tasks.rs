@@ -70,7 +70,7 @@ pub fn missing_tasks(
         job.problem
             .validate()
             .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
-        let sizes = job.sizes(run.policy);
+        let sizes = run.sizes(job)?;
         let missing: BTreeMap<AlgoKind, Vec<i64>> = kinds
             .iter()
             .map(|&kind| {

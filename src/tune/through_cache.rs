@@ -93,7 +93,7 @@ pub(super) fn profile_job_cached(
         .map_err(|e| BackendError::Invalid(format!("{}: {e}", job.layer)))?;
     let device = backend.fingerprint().clone();
     let kinds = run.kinds(backend.kinds(), &device.name)?;
-    let sizes = job.sizes(run.policy);
+    let sizes = run.sizes(job)?;
     let key = job.key();
     let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
     let mut skipped = Vec::new();

@@ -334,6 +334,39 @@ static void test_tuner_execute(void) {
     CHECK_STATUS(mucudnnTunerDestroy(tuner), MUCUDNN_STATUS_SUCCESS);
 }
 
+/* Tuners are tokens, not addresses: a destroyed tuner stays refused after another is made
+ * (which may well get the old one's memory), and made-up values never reach a live tuner. */
+static void test_stale_tuners(void) {
+    for (int round = 0; round < 20; round++) {
+        mucudnnTuner_t first = NULL, second = NULL;
+        CHECK_STATUS(mucudnnTunerCreate(&first, MUCUDNN_DEVICE_CPU, "{\"no_cache\": true}"),
+                     MUCUDNN_STATUS_SUCCESS);
+        CHECK_STATUS(mucudnnTunerDestroy(first), MUCUDNN_STATUS_SUCCESS);
+        CHECK_STATUS(mucudnnTunerCreate(&second, MUCUDNN_DEVICE_CPU, "{\"no_cache\": true}"),
+                     MUCUDNN_STATUS_SUCCESS);
+        CHECK(first != second);
+        char *json = NULL;
+        CHECK_STATUS(mucudnnTunerGetFingerprint(first, &json), MUCUDNN_STATUS_INVALID_ARGUMENT);
+        CHECK(json == NULL);
+        CHECK(contains(mucudnnGetLastError(), "is not a live mucudnn tuner"));
+        CHECK_STATUS(mucudnnTunerDestroy(first), MUCUDNN_STATUS_INVALID_ARGUMENT);
+        CHECK_STATUS(mucudnnTunerGetFingerprint(second, &json), MUCUDNN_STATUS_SUCCESS);
+        mucudnnFreeString(json);
+        /* Made-up values near and far from the live one. */
+        uint64_t seed = 0x9e3779b97f4a7c15ull * (uint64_t)(round + 1);
+        for (int i = 0; i < 200; i++) {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            uintptr_t made_up = i < 100 ? (uintptr_t)seed : (uintptr_t)second + (uintptr_t)(i - 99);
+            if (made_up == (uintptr_t)second) continue;
+            CHECK_STATUS(mucudnnTunerRelease((mucudnnTuner_t)made_up, 0),
+                         MUCUDNN_STATUS_INVALID_ARGUMENT);
+        }
+        CHECK_STATUS(mucudnnTunerDestroy(second), MUCUDNN_STATUS_SUCCESS);
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s PROFILE.json\n", argv[0]);
@@ -361,6 +394,7 @@ int main(int argc, char **argv) {
     test_handles(gpu_present);
     test_threads();
     test_tuner_execute();
+    test_stale_tuners();
 
     free(profile);
     printf("c abi test: %d checks passed\n", checks);

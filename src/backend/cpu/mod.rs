@@ -236,6 +236,16 @@ pub enum CpuError {
     BadChunk(String),
     #[error("element type is {buffer} but the problem's dtype is {problem}")]
     DTypeMismatch { problem: DType, buffer: DType },
+    /// One call holds at most what 32-bit indexing reaches (the kernels' index arithmetic
+    /// relies on it, as cuDNN's does): a larger problem runs as a plan that splits it.
+    #[error(
+        "buffer `{buffer}` of one call has {elements} elements, more than the 2^31 - 1 a call \
+         holds: run the problem through a plan, which splits it (mucudnn::exec::execute_cpu)"
+    )]
+    CallTooLarge {
+        buffer: &'static str,
+        elements: usize,
+    },
 }
 
 /// Validated problem sizes as `usize`, plus derived quantities.
@@ -287,9 +297,9 @@ impl Geom {
         problem.validate()?;
         let (o, p, q) = problem.output_dhw();
         // Bounding every field by 2^31 keeps all index arithmetic (at most sums of two products
-        // of two fields, or of a field and a tensor's element count, which `validate` bounds
-        // by 2^31) inside isize/usize on 64-bit targets, even for absurd paddings or strides
-        // that `validate` accepts.
+        // of two fields, or of a field and a call's tensor's element count, which `run_geom`
+        // bounds by 2^31) inside isize/usize on 64-bit targets, even for absurd paddings or
+        // strides that `validate` accepts.
         let fields = [
             ("n", problem.n),
             ("c", problem.c),
@@ -791,6 +801,12 @@ fn run_geom<T: Element>(
                 buffer,
                 expected,
                 actual,
+            });
+        }
+        if expected > i32::MAX as usize {
+            return Err(CpuError::CallTooLarge {
+                buffer,
+                elements: expected,
             });
         }
     }

@@ -22,7 +22,7 @@ use mucudnn::report::{
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::CandidateSet;
 use mucudnn::solver::{interchange, DType, Layout, Mode, Plan, Solution};
-use mucudnn::solver::{Profile, SplitDim};
+use mucudnn::solver::{IndexLimit, Profile, SplitDim};
 use mucudnn::tune::{
     jobs_for, profile_jobs, profile_jobs_parallel, EngineOptions, ProfileRun, SplitSetting,
 };
@@ -409,18 +409,35 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         return Ok(());
     }
     args.settings.wd_options()?;
-    let (mut device, cache, timing) = args
-        .device
-        .open_checked(args.quiet, |device| check_before_measuring(args, device))?;
-    let fingerprint = device.backend().fingerprint().clone();
     let mut jobs = jobs_for(layers.iter().map(|l| (l.name.clone(), l.problem)));
-    if args.split == SplitSetting::Spatial {
-        for job in &mut jobs {
+    for job in &mut jobs {
+        // `auto` chunks a layer whose micro-batches cannot fit 32-bit indexing at all (a huge
+        // sample at a small batch), as a layer's own tuning does.
+        let chunks_only = args.split == SplitSetting::Auto
+            && SplitSetting::auto_looks_at(&job.problem)
+            && IndexLimit::CUDNN
+                .largest_size(&job.problem, job.op, SplitDim::Batch)
+                .is_err();
+        if args.split == SplitSetting::Spatial || chunks_only {
             job.split = SplitDim::Spatial;
         }
     }
     let policy = args.settings.policy;
-    let total_sizes: usize = jobs.iter().map(|job| job.sizes(policy).len()).sum();
+    // A layer no plan can split into calls that fit 32-bit indexing is refused before the
+    // device or the cache is opened.
+    for job in &jobs {
+        job.problem
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", job.layer))?;
+        job.sizes(policy, IndexLimit::CUDNN)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", job.layer))?;
+    }
+    let (mut device, cache, timing) = args
+        .device
+        .open_checked(args.quiet, |device| check_before_measuring(args, device))?;
+    let fingerprint = device.backend().fingerprint().clone();
+    let count = |job: &Job| job.sizes(policy, IndexLimit::CUDNN).map_or(0, |s| s.len());
+    let total_sizes: usize = jobs.iter().map(count).sum();
     if !args.quiet {
         let convolutions: u32 = layers.iter().map(|l| l.count).sum();
         eprintln!(
@@ -460,6 +477,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         candidates,
         engines,
         workspace_limit_bytes: Some(measuring_limit(&args.settings)),
+        index_limit: IndexLimit::CUDNN,
     };
     let mut step = |p: Progress<'_>, from_cache: bool| {
         reporter.step(&p.job.layer, p.job.op.name(), p.done == p.total, from_cache);
@@ -493,7 +511,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
     // `auto`: chunks for the small-batch layers whose batch sizes felt the limit.
     let spatial_jobs = spatial_candidates(args.split, &profile, measuring_limit(&args.settings));
     if !spatial_jobs.is_empty() {
-        let sizes: usize = spatial_jobs.iter().map(|job| job.sizes(policy).len()).sum();
+        let sizes: usize = spatial_jobs.iter().map(count).sum();
         if !args.quiet {
             eprintln!(
                 "{} (layer, op) of batch <= {} skipped candidates over the limit: also profiling chunks along {} ({sizes} sizes)",
