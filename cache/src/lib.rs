@@ -34,7 +34,7 @@ pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
-    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measurement, OpKey,
+    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measured, Measurement, OpKey,
     OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
 };
 use open::{Identity, OpenError};
@@ -428,10 +428,10 @@ impl Cache {
         found
     }
 
-    /// Records the measurements of `key`'s candidates (replacing earlier ones of that kind and
-    /// size; measurements of another kind or size are ignored), and that the named problem was
-    /// tuned on `device`. Every candidate was timed: the size is complete for every workspace
-    /// limit.
+    /// Records the measurements of `key`'s candidates, taken without verification (replacing
+    /// earlier ones of that kind and size; measurements of another kind or size are ignored),
+    /// and that the named problem was tuned on `device`. Every candidate was timed: the size is
+    /// complete for every workspace limit.
     pub fn store_measurements(
         &self,
         device: &DeviceFingerprint,
@@ -453,25 +453,83 @@ impl Cache {
         measurements: &[Measurement],
         skipped: &[Skipped],
     ) {
+        let measured = Measured {
+            measurements: measurements.to_vec(),
+            skipped: skipped.to_vec(),
+            ..Measured::default()
+        };
+        self.store_size(device, layer, key, &measured);
+    }
+
+    /// Records everything measured of `key` (replacing what was stored of that kind and
+    /// size): the measurements, the skipped candidates, the candidates rejected for wrong
+    /// results (kept with their error, never returned as measurements) and how the size was
+    /// verified; and that the named problem was tuned on `device`.
+    pub fn store_size(
+        &self,
+        device: &DeviceFingerprint,
+        layer: &str,
+        key: &MeasureKey,
+        measured: &Measured,
+    ) {
         self.write("measurements", |conn| {
-            store::store_measurements(conn, device, layer, key, measurements, skipped)
+            store::store_measurements(conn, device, layer, key, measured)
         });
     }
 
-    /// What is cached of `key`, if that size was measured: the timed measurements and the
-    /// candidates skipped for their workspace. A skipped candidate is never a measurement; it
-    /// is what a tune under a larger limit still has to time.
-    pub fn measured(
-        &self,
-        device: &DeviceFingerprint,
-        key: &MeasureKey,
-    ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
+    /// What is cached of `key`, if that size was measured: the timed measurements, the
+    /// candidates skipped for their workspace, those rejected for wrong results, and how the
+    /// size was verified. A skipped candidate is never a measurement; it is what a tune under a
+    /// larger limit still has to time. A rejected one is never a measurement either.
+    pub fn measured(&self, device: &DeviceFingerprint, key: &MeasureKey) -> Option<Measured> {
         let measurements = self.measurements(device, key)?;
         let mut skipped = self.read("skipped", store::skipped(&self.conn, device, key))?;
+        let mut bad_rows = 0;
+        let mut rejected = self.read(
+            "rejected",
+            store::rejected(&self.conn, device, key, &mut bad_rows),
+        )?;
+        self.skipped_rows(bad_rows);
+        let verification = self
+            .read(
+                "verification",
+                store::size_verification(&self.conn, device, key),
+            )?
+            .unwrap_or_default();
         // A candidate both timed and skipped (rows written by hand or by an older store) is a
         // measurement: a profile may not hold it twice.
         skipped.retain(|x| !measurements.iter().any(|m| m.algo == x.algo));
-        Some((measurements, skipped))
+        rejected.retain(|x| !measurements.iter().any(|m| m.algo == x.algo));
+        Some(Measured {
+            measurements,
+            skipped,
+            rejected,
+            verification,
+        })
+    }
+
+    /// The sizes among `sizes` whose measurements of `key` were taken without verification
+    /// ([`SizeVerification::Unverified`](mucudnn_solver::SizeVerification::Unverified)): a tune
+    /// that verifies measures them again.
+    pub fn unverified_sizes(
+        &self,
+        device: &DeviceFingerprint,
+        key: &SizesKey,
+        sizes: &[i64],
+    ) -> Vec<i64> {
+        self.read(
+            "unverified sizes",
+            store::unverified_sizes(&self.conn, device, key),
+        )
+        .map(|unverified| {
+            sizes
+                .iter()
+                .copied()
+                .filter(|s| unverified.contains(s))
+                .collect()
+        })
+        // A failed read is a miss.
+        .unwrap_or_else(|| sizes.to_vec())
     }
 
     /// The sizes among `sizes` that a tune under a workspace limit of `limit` bytes (`None`:
@@ -564,6 +622,7 @@ impl Cache {
             split: key.split,
             measurements,
             skipped: Vec::new(),
+            rejected: Vec::new(),
         })
     }
 
