@@ -507,6 +507,7 @@ mod tests {
             algo: Algo::Legacy(algo),
             time_ms,
             workspace_bytes,
+            verification: None,
         }
     }
 
@@ -525,6 +526,7 @@ mod tests {
                 measurement(4, 1, 5.0, 300),
             ],
             skipped: Vec::new(),
+            rejected: Vec::new(),
         };
         let explanation = explain(&entry, Policy::PowerOfTwo, &[50, 100, 300], 1).unwrap();
         check_consistent(&entry, &explanation);
@@ -587,6 +589,7 @@ mod tests {
             split: crate::solver::SplitDim::Batch,
             measurements: vec![],
             skipped: Vec::new(),
+            rejected: Vec::new(),
         };
         assert!(matches!(
             explain(&entry, Policy::All, &[], 1),

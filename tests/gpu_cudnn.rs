@@ -639,6 +639,7 @@ fn check_engine_candidates(cases: &[(&str, ConvProblem)]) -> Vec<String> {
                         timing: quick,
                         search,
                         select: Selection::ALL,
+                        verify: true,
                     },
                 )
                 .expect("engines measured")
@@ -840,6 +841,7 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
                         timing: quick,
                         search: search.clone(),
                         select: Selection::ALL,
+                        verify: true,
                     },
                 )
                 .expect("spatial measurement of a chunk size")

@@ -282,6 +282,7 @@ fn a_3d_layer_tunes_and_its_plans_execute_on_the_cpu() {
         candidates: CandidateSet::Legacy,
         engines: EngineOptions::default(),
         split: mucudnn::tune::SplitSetting::Batch,
+        verify: true,
     };
     let cache = Cache::in_memory();
     let plans = tuning
@@ -375,6 +376,7 @@ fn parallel_tuning_goes_through_the_cache() {
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
         workspace_limit_bytes: None,
+        verify: true,
     };
     let fingerprint = mucudnn::device::cpu_fingerprint();
     let mut steps = 0;

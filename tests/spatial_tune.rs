@@ -92,6 +92,7 @@ fn tuning(split: SplitSetting, limit: u64) -> LayerTuning {
         candidates: CandidateSet::Legacy,
         engines: EngineOptions::default(),
         split,
+        verify: true,
     }
 }
 

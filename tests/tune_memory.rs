@@ -92,6 +92,7 @@ fn tuning(limit: u64) -> LayerTuning {
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
         split: Default::default(),
+        verify: true,
     }
 }
 
@@ -101,12 +102,13 @@ fn skipped_in(cache: &Cache, backend: &dyn Backend) -> BTreeSet<(ConvOp, i64, Al
     let mut out = BTreeSet::new();
     for op in ConvOp::ALL {
         for micro in Policy::PowerOfTwo.sizes(p.n) {
-            let (_, skipped) = cache
+            let skipped = cache
                 .measured(
                     backend.fingerprint(),
                     &MeasureKey::batch(p, op, micro, AlgoKind::Legacy),
                 )
-                .expect("every size measured");
+                .expect("every size measured")
+                .skipped;
             out.extend(skipped.iter().map(|s| (op, s.micro, s.algo)));
         }
     }

@@ -27,6 +27,7 @@ fn run(cache: &Cache) -> ProfileRun<'_> {
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
         workspace_limit_bytes: None,
+        verify: true,
     }
 }
 
@@ -90,6 +91,7 @@ fn shares_measured_by_two_ranks_complete_both_caches() {
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
         split: mucudnn::tune::SplitSetting::Batch,
+        verify: true,
     };
     let problem = jobs[0].problem;
     let (plans0, stats0) = tuning

@@ -619,6 +619,7 @@ impl CudnnBackend {
             timing,
             search,
             select,
+            ..
         } = how;
         check_measure_args(problem, micro)?;
         graph_api_status()?;
@@ -656,6 +657,7 @@ impl CudnnBackend {
                         algo: Algo::Engine(name),
                         time_ms: time_ms.max(1e-6),
                         workspace_bytes,
+                        verification: None,
                     })
                 }
             }
@@ -737,6 +739,7 @@ impl CudnnBackend {
                         algo: Algo::Engine(name),
                         time_ms: time_ms.max(1e-6),
                         workspace_bytes,
+                        verification: None,
                     })
                 }
             }
@@ -786,6 +789,7 @@ impl CudnnBackend {
                     algo: Algo::Legacy(algo),
                     time_ms: time_ms.max(1e-6),
                     workspace_bytes,
+                    verification: None,
                 }),
                 // Unsupported when run, or its workspace does not fit in memory: leave it out.
                 Err(e) if e.is_not_supported() || e.is_out_of_memory() => {}

@@ -330,6 +330,7 @@ unsafe fn settings_arg(options: *const mucudnnOptions_t) -> Result<Settings, Ffi
             engines: EngineOptions::default(),
             // The handle executes batch plans only (no spatial chunks on a caller's handle).
             split: SplitSetting::Batch,
+            verify: true,
         },
         workspace_limit_bytes,
         total_workspace_bytes,

@@ -64,9 +64,11 @@ pub enum TunerDevice {
 /// `"spatial"`, chunks along the outermost spatial dimension only; `"auto"`, micro-batches and,
 /// for a batch of at most 4 under workspace pressure, chunks too, the faster plan kept), and
 /// `runtime_compiled` (`true`: also time engine configurations that compile kernels at run
-/// time, NVRTC, seconds per plan build; default false; on the CPU it changes nothing).
+/// time, NVRTC, seconds per plan build; default false; on the CPU it changes nothing), and
+/// `verify` (`false`: do not compare candidates' outputs with the reference candidate's while
+/// measuring; default true, so a candidate that computes wrong numbers is never planned).
 /// Missing keys take the defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5,
-/// false, auto) and all three ops; unknown keys are errors.
+/// false, auto, verified) and all three ops; unknown keys are errors.
 pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiError> {
     let document: SettingsDocument = parse_document(
         text,
@@ -127,6 +129,9 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
     if let Some(flag) = document.deterministic {
         tuning.engines.deterministic = flag;
     }
+    if let Some(flag) = document.verify {
+        tuning.verify = flag;
+    }
     let ops = match document.ops {
         None => ConvOp::ALL.to_vec(),
         Some(OpNames(names)) => parse_ops(&names)?,
@@ -158,6 +163,7 @@ struct SettingsDocument {
     #[serde(default, deserialize_with = "json::some")]
     split: Option<String>,
     runtime_compiled: Option<bool>,
+    verify: Option<bool>,
 }
 
 /// The `ops` of a settings object as given: an array of strings (checked by [`parse_ops`]).

@@ -96,6 +96,7 @@ pub fn profile_job(
         split: job.split,
         measurements,
         skipped: Vec::new(),
+        rejected: Vec::new(),
     })
 }
 
@@ -132,6 +133,7 @@ where
             split: job.split,
             measurements,
             skipped: Vec::new(),
+            rejected: Vec::new(),
         },
     ))
 }

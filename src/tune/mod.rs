@@ -46,6 +46,10 @@ use through_cache::{profile_job_cached, with_release};
 /// The per-layer workspace limit of [`LayerTuning::new`] (64 MiB, as the C ABI's default).
 pub const DEFAULT_WORKSPACE_LIMIT_BYTES: u64 = 64 << 20;
 
+/// The plan-cache context of plans solved from verified measurements: a plan solved before
+/// verification (or without it) is never served to a tune that verifies.
+pub const VERIFIED_CONTEXT: &str = "verified";
+
 /// How a single layer tunes itself: per-layer workspace limit (WR), since it sees only itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerTuning {
@@ -56,12 +60,15 @@ pub struct LayerTuning {
     pub engines: EngineOptions,
     /// Which dimension plans may split (default `auto`).
     pub split: SplitSetting,
+    /// Verify candidates' outputs against the reference candidate's and never plan with a
+    /// wrong one (default on; see [`ProfileRun::verify`]).
+    pub verify: bool,
 }
 
 impl LayerTuning {
     /// The defaults every integration starts from, timed as `timing` says: micro-batch sizes
     /// that are powers of two, a [`DEFAULT_WORKSPACE_LIMIT_BYTES`] limit, every candidate kind,
-    /// the default engine search, and the `auto` split.
+    /// the default engine search, the `auto` split, and verification.
     pub fn new(timing: TimingSettings) -> LayerTuning {
         LayerTuning {
             policy: Policy::PowerOfTwo,
@@ -70,6 +77,7 @@ impl LayerTuning {
             candidates: CandidateSet::All,
             engines: EngineOptions::default(),
             split: SplitSetting::Auto,
+            verify: true,
         }
     }
 
@@ -97,6 +105,7 @@ impl LayerTuning {
             candidates: self.candidates,
             engines: self.engines,
             workspace_limit_bytes: Some(self.workspace_limit_bytes),
+            verify: self.verify,
         }
     }
 
@@ -215,15 +224,19 @@ impl LayerTuning {
             for micro in self.policy.sizes(problem.n) {
                 match cache.measured(device, &MeasureKey::batch(*problem, op, micro, kind)) {
                     None => return false,
-                    Some((_, at_size)) => skipped.extend(at_size),
+                    Some(at_size) if at_size.verification.needs_measuring(self.verify) => {
+                        return false
+                    }
+                    Some(at_size) => skipped.extend(at_size.skipped),
                 }
             }
         }
         SplitSetting::auto_wants_chunks(problem, &skipped, self.workspace_limit_bytes)
     }
 
-    /// The plan-cache context of this tuning's plans of `problem`: determinism and the split
-    /// setting ([`SplitSetting::context`]), `;`-separated; empty for plain batch plans.
+    /// The plan-cache context of this tuning's plans of `problem`: determinism, the split
+    /// setting ([`SplitSetting::context`]) and verification ([`VERIFIED_CONTEXT`]),
+    /// `;`-separated; empty for plain batch plans solved without verification.
     pub fn plan_context(&self, problem: &ConvProblem) -> String {
         let parts = [
             if self.engines.deterministic {
@@ -232,6 +245,7 @@ impl LayerTuning {
                 ""
             },
             self.split.context(problem),
+            if self.verify { VERIFIED_CONTEXT } else { "" },
         ];
         parts
             .into_iter()

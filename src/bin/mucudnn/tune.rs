@@ -460,6 +460,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         candidates,
         engines,
         workspace_limit_bytes: Some(measuring_limit(&args.settings)),
+        verify: true,
     };
     let mut step = |p: Progress<'_>, from_cache: bool| {
         reporter.step(&p.job.layer, p.job.op.name(), p.done == p.total, from_cache);
