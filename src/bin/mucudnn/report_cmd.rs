@@ -167,7 +167,7 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames, i64)> {
         engines,
         // The explanation reads every limit: time every candidate.
         workspace_limit_bytes: None,
-        verify: true,
+        verify: args.device.verify(),
     };
     let (profile, _) = profile_jobs(device.backend(), &[job], &run, &mut |_, _| {})?;
     find(profile)
