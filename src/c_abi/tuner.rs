@@ -308,6 +308,11 @@ pub struct TuneResult {
     pub peak_measuring_memory_bytes: u64,
     /// The largest workspace this call's measuring allocated (at most the limit).
     pub largest_workspace_bytes: u64,
+    /// (size, candidate) outputs this call compared with the reference candidate's, and of
+    /// those the candidates rejected for wrong results (never planned; 0 and 0 with
+    /// `"verify": false`).
+    pub verified: usize,
+    pub rejected: usize,
 }
 
 /// The plans of one input shape, ready to run: each op's, or `None` for an op not prepared
@@ -526,6 +531,8 @@ impl Tuner {
             skipped: stats.skipped,
             peak_measuring_memory_bytes: stats.memory.peak_bytes,
             largest_workspace_bytes: stats.memory.largest_workspace_bytes,
+            verified: stats.verified,
+            rejected: stats.rejected,
         })
     }
 
@@ -1071,6 +1078,16 @@ mod tests {
         assert!(wrong.contains("runtime_compiled"), "{wrong}");
         // The backend's search leaves them out unless asked.
         assert!(crate::backend::cudnn::EngineSearch::default().skip_runtime_compiled);
+    }
+
+    #[test]
+    fn verification_is_on_unless_turned_off() {
+        let parse = |text| parse_settings(text, TunerDevice::Cpu);
+        assert!(parse("{}").unwrap().tuning.verify);
+        assert!(parse(r#"{"verify": true}"#).unwrap().tuning.verify);
+        assert!(!parse(r#"{"verify": false}"#).unwrap().tuning.verify);
+        let wrong = parse(r#"{"verify": 0}"#).unwrap_err().to_string();
+        assert_eq!(wrong, "settings: verify is 0; give a boolean");
     }
 
     /// After a tune, nothing of the measuring backend is alive: the tune drops it, and the
