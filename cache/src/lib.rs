@@ -411,17 +411,23 @@ impl Cache {
     /// The measurements of `key`'s candidates (its shape: the batch size is ignored; a spatial
     /// size is a chunk's rows along the split axis), if that kind was measured at that size
     /// on `device`. An empty list means measured, with no supported candidate. Rows of one
-    /// split never answer a lookup of the other.
+    /// split never answer a lookup of the other; candidates rejected for wrong results are
+    /// never among them.
     pub fn measurements(
         &self,
         device: &DeviceFingerprint,
         key: &MeasureKey,
     ) -> Option<Vec<Measurement>> {
+        self.size_rows(device, key).map(|m| m.measurements)
+    }
+
+    /// The measurements, rejected candidates and verification state of `key`'s size.
+    fn size_rows(&self, device: &DeviceFingerprint, key: &MeasureKey) -> Option<Measured> {
         let mut skipped = 0;
         let found = self
             .read(
                 "measurements",
-                store::measurements(&self.conn, device, key, &mut skipped),
+                store::size_rows(&self.conn, device, key, &mut skipped),
             )
             .flatten();
         self.skipped_rows(skipped);
@@ -482,30 +488,14 @@ impl Cache {
     /// size was verified. A skipped candidate is never a measurement; it is what a tune under a
     /// larger limit still has to time. A rejected one is never a measurement either.
     pub fn measured(&self, device: &DeviceFingerprint, key: &MeasureKey) -> Option<Measured> {
-        let measurements = self.measurements(device, key)?;
+        let mut measured = self.size_rows(device, key)?;
         let mut skipped = self.read("skipped", store::skipped(&self.conn, device, key))?;
-        let mut bad_rows = 0;
-        let mut rejected = self.read(
-            "rejected",
-            store::rejected(&self.conn, device, key, &mut bad_rows),
-        )?;
-        self.skipped_rows(bad_rows);
-        let verification = self
-            .read(
-                "verification",
-                store::size_verification(&self.conn, device, key),
-            )?
-            .unwrap_or_default();
         // A candidate both timed and skipped (rows written by hand or by an older store) is a
         // measurement: a profile may not hold it twice.
-        skipped.retain(|x| !measurements.iter().any(|m| m.algo == x.algo));
-        rejected.retain(|x| !measurements.iter().any(|m| m.algo == x.algo));
-        Some(Measured {
-            measurements,
-            skipped,
-            rejected,
-            verification,
-        })
+        let timed = &measured.measurements;
+        skipped.retain(|x| !timed.iter().any(|m| m.algo == x.algo));
+        measured.skipped = skipped;
+        Some(measured)
     }
 
     /// The sizes among `sizes` whose measurements of `key` were taken without verification

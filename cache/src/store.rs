@@ -381,100 +381,58 @@ fn kind_condition(kind: AlgoKind) -> &'static str {
     }
 }
 
-pub(crate) fn measurements(
+/// What is stored of `key`'s size, if it was measured: its measurements, its rejected
+/// candidates and its verification state, in one pass over its rows (a warm tune reads every
+/// size this way). A row that does not read as its table says (a measurement within its
+/// tolerance, a rejection over it) is left out and counted in `skipped`; a size whose
+/// measurement rows are all unusable is a miss ([`unusable_sizes`]). An unknown verification
+/// state (written by hand or a newer mucudnn) reads as unverified.
+pub(crate) fn size_rows(
     conn: &Connection,
     device: &DeviceFingerprint,
     key: &MeasureKey,
     skipped: &mut usize,
-) -> Result<Option<Vec<Measurement>>> {
+) -> Result<Option<Measured>> {
     let (problem, op, split, micro, kind) = (&key.problem, key.op, key.split, key.size, key.kind);
     let Some((d, s)) = ids(conn, device, problem)? else {
-        return Ok(None);
-    };
-    let measured: Option<i64> = conn
-        .prepare_cached("SELECT 1 FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND kind = ?5 AND split = ?6")?
-        .query_row(params![d, s, op.name(), micro, kind.name(), split.name()], |row| row.get(0))
-        .optional()?;
-    if measured.is_none()
-        || !unusable_sizes(conn, (d, s), device, &key.sizes(), Some(micro))?.is_empty()
-    {
-        return Ok(None);
-    }
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {MEASUREMENT_COLUMNS} FROM measurements
-         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND split = ?5
-           AND rejected = 0 AND {}
-         ORDER BY algo, engine",
-        kind_condition(kind)
-    ))?;
-    let rows = stmt.query_map(params![d, s, op.name(), micro, split.name()], |row| {
-        Ok(read_measurement(row))
-    })?;
-    usable_rows(rows, device, problem, op, split, skipped).map(Some)
-}
-
-/// The candidates of `key` rejected for wrong results at its size (empty when none were, or
-/// the size was never measured). A row that does not read as a rejection (over its tolerance)
-/// is left out and counted in `skipped`.
-pub(crate) fn rejected(
-    conn: &Connection,
-    device: &DeviceFingerprint,
-    key: &MeasureKey,
-    skipped: &mut usize,
-) -> Result<Vec<Measurement>> {
-    let (problem, op, split, micro, kind) = (&key.problem, key.op, key.split, key.size, key.kind);
-    let Some((d, s)) = ids(conn, device, problem)? else {
-        return Ok(Vec::new());
-    };
-    let mut stmt = conn.prepare_cached(&format!(
-        "SELECT {MEASUREMENT_COLUMNS} FROM measurements
-         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND split = ?5
-           AND rejected = 1 AND {}
-         ORDER BY algo, engine",
-        kind_condition(kind)
-    ))?;
-    let rows = stmt.query_map(params![d, s, op.name(), micro, split.name()], |row| {
-        Ok(read_measurement(row))
-    })?;
-    let check = row_check(device);
-    let mut found = Vec::new();
-    for row in rows {
-        match row? {
-            Ok(m) if usable_row(&check, problem, op, split, &m, true) => found.push(m),
-            _ => *skipped += 1,
-        }
-    }
-    Ok(found)
-}
-
-/// How `key`'s size was measured ([`SizeVerification`]); `None` when it was not measured. An
-/// unknown state (written by hand or a newer mucudnn) reads as unverified.
-pub(crate) fn size_verification(
-    conn: &Connection,
-    device: &DeviceFingerprint,
-    key: &MeasureKey,
-) -> Result<Option<SizeVerification>> {
-    let Some((d, s)) = ids(conn, device, &key.problem)? else {
         return Ok(None);
     };
     let state: Option<String> = conn
-        .prepare_cached(
-            "SELECT verification FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2
-             AND op = ?3 AND micro = ?4 AND kind = ?5 AND split = ?6",
-        )?
-        .query_row(
-            params![
-                d,
-                s,
-                key.op.name(),
-                key.size,
-                key.kind.name(),
-                key.split.name()
-            ],
-            |row| row.get(0),
-        )
+        .prepare_cached("SELECT verification FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND kind = ?5 AND split = ?6")?
+        .query_row(params![d, s, op.name(), micro, kind.name(), split.name()], |row| row.get(0))
         .optional()?;
-    Ok(state.map(|state| state.parse().unwrap_or(SizeVerification::Unverified)))
+    let Some(state) = state else {
+        return Ok(None);
+    };
+    if !unusable_sizes(conn, (d, s), device, &key.sizes(), Some(micro))?.is_empty() {
+        return Ok(None);
+    }
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {MEASUREMENT_COLUMNS}, rejected FROM measurements
+         WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND split = ?5 AND {}
+         ORDER BY algo, engine",
+        kind_condition(kind)
+    ))?;
+    let mut rows = stmt.query(params![d, s, op.name(), micro, split.name()])?;
+    let check = row_check(device);
+    let mut measured = Measured {
+        verification: state.parse().unwrap_or(SizeVerification::Unverified),
+        ..Measured::default()
+    };
+    while let Some(row) = rows.next()? {
+        let rejected = row.get::<_, i64>(7).is_ok_and(|flag| flag != 0);
+        match read_measurement(row) {
+            Ok(m) if usable_row(&check, problem, op, split, &m, rejected) => {
+                if rejected {
+                    measured.rejected.push(m);
+                } else {
+                    measured.measurements.push(m);
+                }
+            }
+            _ => *skipped += 1,
+        }
+    }
+    Ok(Some(measured))
 }
 
 /// The sizes of `key` whose measurements were taken without verification

@@ -771,6 +771,12 @@ impl RecordCheck<'_> {
     /// That `m`'s verification agrees with the list it is stored in: a rejected candidate
     /// (`rejected`) was found over its tolerance; a measurement a plan may use was not.
     pub fn verdict(&self, m: &Measurement, rejected: bool) -> Result<(), RecordError> {
+        if m.verification.is_some_and(|v| !v.is_well_formed()) {
+            return Err(RecordError::Verification {
+                algo: m.algo,
+                what: "a verification needs a positive finite tolerance and an error that is not negative",
+            });
+        }
         match (rejected, m.is_rejected()) {
             (true, false) => Err(RecordError::Verification {
                 algo: m.algo,

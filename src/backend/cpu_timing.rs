@@ -116,7 +116,11 @@ impl Check {
             return;
         }
         if algo == REFERENCE && self.references.len() == piece {
-            self.references.push(HostReference::new(out));
+            // The reference itself: kept, its error 0 (nothing to compare).
+            let kept = HostReference::new(out);
+            self.comparable &= kept.is_some();
+            self.references.push(kept);
+            return;
         }
         match self.references.get(piece) {
             Some(Some(reference)) => self.error = self.error.max(reference.relative_error(out)),
