@@ -241,21 +241,21 @@ impl CpuBackend {
         }
     }
 
-    /// Every CPU algorithm `select` asks for at one size (`micro`: a micro-batch or a chunk
-    /// size): its workspace by `workspace_of`, skipped over the limit, else timed by `time`
+    /// Every CPU algorithm `select` asks for at one size (the check's: a micro-batch or a
+    /// chunk size): its workspace by `workspace_of`, skipped over the limit, else timed by `time`
     /// on the full-batch operands and the workspace, which hands each piece's output to the
     /// [`Check`]. With verification, the reference runs first (timed if asked for, else once
     /// by `reference`), and a candidate over its tolerance is rejected.
     fn measure_each(
         &mut self,
         problem: &ConvProblem,
-        micro: i64,
         check: &mut Check,
         select: &Selection,
         workspace_of: impl Fn(CpuAlgo) -> u64,
         mut time: impl FnMut(&mut Operands, CpuAlgo, &mut [u8], &mut Check) -> Result<f64, BackendError>,
         reference: impl FnOnce(&mut Operands, &mut Check) -> Result<(), BackendError>,
     ) -> Result<Measured, BackendError> {
+        let micro = check.size;
         self.operands(problem)?;
         let mut found = Measured {
             verification: if check.verify {
@@ -334,7 +334,6 @@ impl CpuBackend {
         };
         self.measure_each(
             problem,
-            micro,
             &mut check,
             select,
             |algo| cpu::workspace_bytes(&problem.with_batch(micro), op, algo),
@@ -405,7 +404,6 @@ impl CpuBackend {
         };
         self.measure_each(
             problem,
-            size,
             &mut check,
             select,
             |algo| {

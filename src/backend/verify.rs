@@ -202,8 +202,8 @@ fn max_abs_difference(a: &[f32], b: Option<&[f32]>) -> (f32, bool) {
             let chunks = a.chunks_exact(LANES);
             let rest = chunks.remainder();
             for x in chunks {
-                for i in 0..LANES {
-                    lane(i, x[i].abs());
+                for (i, v) in x.iter().enumerate() {
+                    lane(i, v.abs());
                 }
             }
             for (i, x) in rest.iter().enumerate() {

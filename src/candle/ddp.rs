@@ -557,6 +557,7 @@ mod tests {
                 candidates: CandidateSet::All,
                 engines: EngineOptions::default(),
                 split: crate::tune::SplitSetting::Batch,
+                verify: true,
             },
             jobs: jobs_for([("conv".to_string(), problem)]),
         }
