@@ -9,7 +9,7 @@ use mucudnn::solver::synthetic::{random_entry, Rng};
 use mucudnn::solver::{
     solve_profile, ConvOp, ConvProblem, DeviceFingerprint, Measurement, Mode, Policy, WdOptions,
 };
-use mucudnn::solver::{AlgoKind, CandidateSet, MeasureKey};
+use mucudnn::solver::{AlgoKind, CandidateSet, MeasureKey, SizeVerification};
 use mucudnn::tune::{jobs_for, profile_jobs, EngineOptions, ProfileRun};
 
 /// A backend that must never be asked to measure: everything is cached.
@@ -56,11 +56,17 @@ fn warm_tune(c: &mut Criterion) {
                     .filter(|m| m.micro == micro)
                     .copied()
                     .collect();
-                cache.store_measurements(
+                // As a verifying tune stores them.
+                let measured = Measured {
+                    measurements: at,
+                    verification: SizeVerification::Verified,
+                    ..Measured::default()
+                };
+                cache.store_size(
                     &device,
                     name,
                     &MeasureKey::batch(*problem, op, micro, AlgoKind::Legacy),
-                    &at,
+                    &measured,
                 );
             }
         }
@@ -75,6 +81,7 @@ fn warm_tune(c: &mut Criterion) {
         engines: EngineOptions::default(),
         workspace_limit_bytes: None,
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: true,
     };
     let mut backend = NoMeasuring(device);
     let mode = Mode::WorkspaceReuse {

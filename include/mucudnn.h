@@ -719,7 +719,9 @@ enum mucudnnStatus_t mucudnnTunerGetFingerprint(mucudnnTuner_t tuner,
  * spatial plan has "split": "spatial" and its split string ends "along h" (d, w); on cuDNN
  * spatial plans use engine configurations only) and "runtime_compiled" (true: also time
  * engine configurations that compile kernels at run time, NVRTC, seconds per plan build;
- * default false).
+ * default false) and "verify" (false: do not compare each candidate's output with the
+ * reference candidate's while measuring; default true: a candidate that computes wrong
+ * numbers is rejected and never planned; the result's "verified" and "rejected" count them).
  *
  * # Safety
  *

@@ -72,6 +72,13 @@ pub struct Explanation {
     /// The smallest micro-batch size a plan may use (`crate::tune::min_micro_batch`: above 1
     /// for a bf16 backward-filter on cuDNN); the rows show every size, the plans obey it.
     pub min_micro: i64,
+    /// Candidates rejected for wrong results at the sizes shown (never in a cell or a plan),
+    /// by size.
+    pub rejected: Vec<Measurement>,
+    /// Timings at the sizes shown whose output was compared with the reference's, and those
+    /// never compared.
+    pub compared: usize,
+    pub unverified: usize,
 }
 
 /// Explains `entry` under `policy` at each limit (sorted, duplicates dropped); with no limits,
@@ -142,6 +149,16 @@ pub fn explain(
             }
         })
         .collect::<Result<Vec<_>, SolveError>>()?;
+    let shown = |m: &&Measurement| sizes.binary_search(&m.micro).is_ok();
+    let mut rejected: Vec<Measurement> = entry.rejected.iter().filter(shown).copied().collect();
+    rejected.sort_by_key(|m| (m.micro, m.algo));
+    let (compared, unverified) =
+        allowed
+            .iter()
+            .fold((rejected.len(), 0), |(yes, no), m| match m.verification {
+                Some(_) => (yes + 1, no),
+                None => (yes, no + 1),
+            });
     Ok(Explanation {
         name: entry.name(),
         problem: entry.problem,
@@ -151,6 +168,9 @@ pub fn explain(
         rows,
         plans,
         min_micro,
+        rejected,
+        compared,
+        unverified,
     })
 }
 
@@ -299,6 +319,7 @@ pub fn render_explanation(explanation: &Explanation, names: AlgoNames) -> String
     }
     push_table(&mut out, &table, &[0]);
     out.push('\n');
+    render_verification(&mut out, explanation, names);
     let _ = writeln!(out, "Workspace-reuse plan at each limit:");
     out.push('\n');
     let mut table = vec![[
@@ -342,6 +363,44 @@ pub fn render_explanation(explanation: &Explanation, names: AlgoNames) -> String
     }
     push_table(&mut out, &table, &[1, 2, 3, 4]);
     out
+}
+
+/// What verification found at the sizes shown: how many outputs were compared, and each
+/// rejected candidate with its error (they are in no cell and no plan above or below).
+fn render_verification(out: &mut String, explanation: &Explanation, names: AlgoNames) {
+    let op = explanation.name.op;
+    let split = explanation.name.split;
+    if explanation.compared == 0 {
+        let _ = writeln!(
+            out,
+            "Outputs not verified: these timings were measured without comparing outputs with \
+             the reference candidate's (tune without --no-verify, or clear the cache, to \
+             verify them).\n"
+        );
+        return;
+    }
+    let _ = write!(
+        out,
+        "Outputs verified against the reference candidate's: {} timing(s) compared, {} rejected",
+        explanation.compared,
+        explanation.rejected.len()
+    );
+    if explanation.unverified > 0 {
+        let _ = write!(out, ", {} not compared", explanation.unverified);
+    }
+    let _ = writeln!(out, ".");
+    for r in &explanation.rejected {
+        let _ = writeln!(
+            out,
+            "  {} at {} ({:.3}ms {}): rejected: {}",
+            names.name(op, r.algo),
+            crate::report::size_words(split, r.micro),
+            r.time_ms,
+            compact_bytes(r.workspace_bytes),
+            crate::report::rejection_reason(r)
+        );
+    }
+    out.push('\n');
 }
 
 /// Aligned columns, two spaces apart; `right` lists the right-aligned (numeric) columns.
@@ -507,6 +566,7 @@ mod tests {
             algo: Algo::Legacy(algo),
             time_ms,
             workspace_bytes,
+            verification: None,
         }
     }
 
@@ -525,6 +585,7 @@ mod tests {
                 measurement(4, 1, 5.0, 300),
             ],
             skipped: Vec::new(),
+            rejected: Vec::new(),
         };
         let explanation = explain(&entry, Policy::PowerOfTwo, &[50, 100, 300], 1).unwrap();
         check_consistent(&entry, &explanation);
@@ -587,6 +648,7 @@ mod tests {
             split: crate::solver::SplitDim::Batch,
             measurements: vec![],
             skipped: Vec::new(),
+            rejected: Vec::new(),
         };
         assert!(matches!(
             explain(&entry, Policy::All, &[], 1),

@@ -5,7 +5,9 @@ use crate::models::ModelLayer;
 pub use crate::solver::device::cudnn_version_string;
 use crate::solver::spatial::split_axis;
 use crate::solver::units::format_bytes;
-use crate::solver::{AlgoKind, ConvProblem, Mode, Plan, Solution, SplitDim};
+use crate::solver::{
+    AlgoKind, AlgoNames, ConvOp, ConvProblem, Measurement, Mode, Plan, Profile, Solution, SplitDim,
+};
 use serde::Serialize;
 use std::collections::HashMap;
 
@@ -144,14 +146,188 @@ impl SolutionJson {
 }
 
 /// The `--json` document of `tune`: the solution's keys in `solve --json`'s order, then
-/// `tuning`, then `measured` (with `--verify`).
+/// `tuning`, then `verification` (every candidate's output against the reference's), then
+/// `measured` (with `--verify`).
 #[derive(Debug, Serialize)]
 pub struct TuneJson {
     #[serde(flatten)]
     pub solution: SolutionJson,
     pub tuning: TuningJson,
+    pub verification: Vec<EntryCandidatesJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub measured: Option<VerificationJson>,
+}
+
+/// One profile entry's candidates as verification saw them: `tune --json`'s `verification`.
+#[derive(Debug, Serialize)]
+pub struct EntryCandidatesJson {
+    pub layer: String,
+    pub dtype: &'static str,
+    pub layout: &'static str,
+    pub op: &'static str,
+    pub split: SplitDim,
+    pub candidates: Vec<CandidateJson>,
+}
+
+/// One candidate at one size: its time, and how its output compared with the reference's.
+#[derive(Debug, Serialize)]
+pub struct CandidateJson {
+    /// The micro-batch size (a chunk's rows for a spatial entry).
+    pub size: i64,
+    pub kind: AlgoKind,
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub algo: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+    pub time_ms: f64,
+    pub workspace_bytes: u64,
+    /// `max |out - reference| / max |reference|`; `null` when the output was not compared
+    /// (measured without verification, or no reference output there) or, for a rejected
+    /// candidate, when it was not finite where the reference was (NaN, infinity).
+    #[serde(serialize_with = "finite_or_null_error")]
+    pub max_rel_error: Option<f64>,
+    /// The error allowed for this candidate's arithmetic here; `null` when not compared.
+    pub tolerance: Option<f64>,
+    /// Over its tolerance: computes wrong numbers, never planned.
+    pub rejected: bool,
+}
+
+/// An error that is infinite (a non-finite output) is written `null`, as JSON has no infinity.
+fn finite_or_null_error<S: serde::Serializer>(
+    value: &Option<f64>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match value {
+        Some(value) if value.is_finite() => serializer.serialize_f64(*value),
+        _ => serializer.serialize_none(),
+    }
+}
+
+impl CandidateJson {
+    fn new(m: &Measurement, op: ConvOp, names: AlgoNames) -> CandidateJson {
+        CandidateJson {
+            size: m.micro,
+            kind: m.algo.kind(),
+            name: names.name(op, m.algo).into_owned(),
+            algo: m.algo.legacy(),
+            engine: m.algo.engine().map(|e| e.to_string()),
+            time_ms: m.time_ms,
+            workspace_bytes: m.workspace_bytes,
+            max_rel_error: m.verification.map(|v| v.max_rel_error),
+            tolerance: m.verification.map(|v| v.tolerance),
+            rejected: m.is_rejected(),
+        }
+    }
+}
+
+/// Every candidate of every entry of `profile`, rejected ones included, by size then name.
+pub fn candidates_json(profile: &Profile) -> Vec<EntryCandidatesJson> {
+    let names = profile.algo_names();
+    profile
+        .entries
+        .iter()
+        .map(|entry| {
+            let mut candidates: Vec<CandidateJson> = entry
+                .measurements
+                .iter()
+                .chain(&entry.rejected)
+                .map(|m| CandidateJson::new(m, entry.op, names))
+                .collect();
+            candidates.sort_by(|a, b| a.size.cmp(&b.size).then_with(|| a.name.cmp(&b.name)));
+            EntryCandidatesJson {
+                layer: entry.layer.clone(),
+                dtype: entry.problem.dtype.name(),
+                layout: entry.problem.layout_name(),
+                op: entry.op.name(),
+                split: entry.split,
+                candidates,
+            }
+        })
+        .collect()
+}
+
+/// What verification found in a profile: candidate outputs compared, rejected, and timed
+/// without a comparison.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct VerifiedCounts {
+    /// (size, candidate) timings whose output was compared with the reference's.
+    pub compared: usize,
+    /// Of those, the candidates rejected for wrong results.
+    pub rejected: usize,
+    /// (size, candidate) timings never compared (verification off, measured before mucudnn
+    /// verified, imported without errors, or no reference output there).
+    pub unverified: usize,
+}
+
+impl VerifiedCounts {
+    pub fn of(profile: &Profile) -> VerifiedCounts {
+        let mut counts = VerifiedCounts::default();
+        for entry in &profile.entries {
+            for m in &entry.measurements {
+                if m.verification.is_some() {
+                    counts.compared += 1;
+                } else {
+                    counts.unverified += 1;
+                }
+            }
+            counts.compared += entry.rejected.len();
+            counts.rejected += entry.rejected.len();
+        }
+        counts
+    }
+}
+
+/// One line per rejected candidate of `profile` (at most `limit`, then how many more):
+/// `rejected: alexnet.conv2 fp32 nchw fwd at 8 samples: im2col-batched: wrong results, max
+/// relative error 3.1e-1 (tolerance 1.2e-5)`.
+pub fn render_rejected(profile: &Profile, limit: usize) -> String {
+    let names = profile.algo_names();
+    let mut lines = Vec::new();
+    for entry in &profile.entries {
+        for r in &entry.rejected {
+            lines.push(format!(
+                "rejected: {} {} {} {} at {}: {}: {}",
+                escape_control(&entry.layer),
+                entry.problem.dtype,
+                entry.problem.layout_name(),
+                entry.op,
+                size_words(entry.split, r.micro),
+                names.name(entry.op, r.algo),
+                rejection_reason(r)
+            ));
+        }
+    }
+    let more = lines.len().saturating_sub(limit);
+    lines.truncate(limit);
+    if more > 0 {
+        lines.push(format!("... and {more} more (tune --json lists every one)"));
+    }
+    lines.iter().map(|l| format!("{l}\n")).collect()
+}
+
+/// `8 samples` (a micro-batch) or `8 rows` (a spatial chunk).
+pub fn size_words(split: SplitDim, size: i64) -> String {
+    match (split, size) {
+        (SplitDim::Batch, 1) => "1 sample".into(),
+        (SplitDim::Batch, n) => format!("{n} samples"),
+        (SplitDim::Spatial, 1) => "1 row".into(),
+        (SplitDim::Spatial, n) => format!("{n} rows"),
+    }
+}
+
+/// Why a rejected candidate was rejected: `wrong results, max relative error 3.1e-1
+/// (tolerance 1.2e-5)`, or `wrong results, output not finite (NaN or infinity) where the
+/// reference's is`.
+pub fn rejection_reason(m: &Measurement) -> String {
+    match m.verification {
+        Some(v) if v.max_rel_error.is_finite() => format!(
+            "wrong results, max relative error {:.1e} (tolerance {:.1e})",
+            v.max_rel_error, v.tolerance
+        ),
+        _ => "wrong results, output not finite (NaN or infinity) where the reference's is"
+            .to_string(),
+    }
 }
 
 /// How the measurements of a `tune` run were obtained.
@@ -172,6 +348,15 @@ pub struct TuningJson {
     pub peak_measuring_memory_bytes: u64,
     /// The largest workspace measuring allocated.
     pub largest_workspace_bytes: u64,
+    /// Whether this run verified what it measured (`--no-verify` turns it off).
+    pub verify: bool,
+    /// Candidate outputs compared with the reference's in this run.
+    pub candidates_verified_now: usize,
+    /// In the whole profile (measured now or cached): outputs compared, candidates rejected
+    /// for wrong results, and timings never compared.
+    pub candidates_compared: usize,
+    pub candidates_rejected: usize,
+    pub candidates_unverified: usize,
 }
 
 /// One line describing the constraint, e.g. `workspace reuse: at most 64 MiB per layer`.

@@ -8,7 +8,10 @@ use candle_core::Device;
 use mucudnn::backend::cpu::{self, CpuAlgo};
 use mucudnn::backend::{Backend, CpuBackend};
 use mucudnn::candle::{ConvOptions, ShapeKey, SharedCache};
-use mucudnn::solver::{Algo, AlgoKind, ConvOp, ConvProblem, MeasureKey, Measurement, Plan, Policy};
+use mucudnn::solver::{
+    Algo, AlgoKind, ConvOp, ConvProblem, MeasureKey, Measured, Measurement, Plan, Policy,
+    SizeVerification,
+};
 use mucudnn::tune::CacheStats;
 
 #[test]
@@ -89,17 +92,23 @@ fn seed_split_measurements(cache: &SharedCache, problem: &ConvProblem) {
                 CpuAlgo::Direct
             };
             let at = ConvProblem { n: m, ..*problem };
-            let measurement = Measurement {
-                micro: m,
-                algo: Algo::Legacy(algo.id()),
-                time_ms: 1.0 + ((m - 2) * (m - 2)) as f64,
-                workspace_bytes: cpu::workspace_bytes(&at, op, algo),
+            let measurement = Measurement::new(
+                m,
+                Algo::Legacy(algo.id()),
+                1.0 + ((m - 2) * (m - 2)) as f64,
+                cpu::workspace_bytes(&at, op, algo),
+            );
+            // As a verifying tune stores a size (a tune would otherwise measure it again).
+            let measured = Measured {
+                measurements: vec![measurement],
+                verification: SizeVerification::Verified,
+                ..Measured::default()
             };
-            cache.store_measurements(
+            cache.store_size(
                 &device,
                 "seeded",
                 &MeasureKey::batch(*problem, op, m, AlgoKind::Legacy),
-                &[measurement],
+                &measured,
             );
         }
     }

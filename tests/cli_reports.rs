@@ -287,6 +287,75 @@ fn explain_measures_one_layer_of_a_network_through_the_cache() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// Verified tuning through the binary: `--no-verify` measures without comparing outputs (the
+/// summary and `--json` say so), a verifying tune then measures those sizes again, and
+/// `explain` reads the verified ones from the cache and says how they were verified.
+#[test]
+fn no_verify_is_measured_again_by_a_verifying_tune() {
+    let dir = temp("no-verify");
+    let cache = dir.join("cache.sqlite");
+    let tune = |extra: &[&str]| {
+        let mut args = vec![
+            "tune",
+            "--network",
+            TINY,
+            "--batch",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let output = mucudnn(&args, cache.to_str().unwrap());
+        assert!(output.status.success(), "{}", text(&output.stderr));
+        let doc: serde_json::Value = serde_json::from_str(&text(&output.stdout)).unwrap();
+        (doc, text(&output.stderr))
+    };
+    let (off, stderr) = tune(&["--no-verify"]);
+    assert!(
+        stderr.contains("verification off (--no-verify)"),
+        "{stderr}"
+    );
+    assert_eq!(off["tuning"]["verify"], false);
+    assert_eq!(off["tuning"]["candidates_compared"], 0);
+    let candidates = &off["verification"][0]["candidates"][0];
+    assert!(candidates["max_rel_error"].is_null() && candidates["tolerance"].is_null());
+    let (on, stderr) = tune(&[]);
+    let sizes = off["tuning"]["sizes_measured"].as_u64().unwrap();
+    assert_eq!(on["tuning"]["sizes_measured"], sizes, "{stderr}");
+    assert!(stderr.contains("candidate output(s) against the reference this run; none rejected"));
+    assert_eq!(on["tuning"]["candidates_unverified"], 0);
+    let (again, _) = tune(&["--no-verify"]);
+    assert_eq!(
+        again["tuning"]["sizes_measured"], 0,
+        "verified sizes serve it"
+    );
+    let explained = mucudnn(
+        &[
+            "explain",
+            "--network",
+            TINY,
+            "--batch",
+            "2",
+            "--device",
+            "cpu",
+            "--layer",
+            "tiny.conv1",
+            "--op",
+            "fwd",
+        ],
+        cache.to_str().unwrap(),
+    );
+    let stdout = text(&explained.stdout);
+    assert!(
+        stdout.contains(
+            "Outputs verified against the reference candidate's: 6 timing(s) compared, 0 rejected."
+        ),
+        "{stdout}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// Ctrl-C (SIGINT) stops after the current measurement; what was measured stays cached.
 #[test]
 fn ctrl_c_stops_cleanly_and_keeps_the_measurements() {
@@ -489,6 +558,7 @@ fn tune_json_orders_keys_like_solve_and_carries_multiplicity() {
     let mut expected = keys(&solved, 2);
     assert_eq!(expected[..2], ["mode", "policy"], "{solved}");
     expected.push("tuning".into());
+    expected.push("verification".into());
     assert_eq!(keys(&tuned, 2), expected, "{tuned}");
     let plan_keys = keys(&tuned, 6);
     assert_eq!(
@@ -515,12 +585,34 @@ fn tune_json_orders_keys_like_solve_and_carries_multiplicity() {
             "measuring_limit_bytes",
             "timings_skipped_over_limit",
             "peak_measuring_memory_bytes",
-            "largest_workspace_bytes"
+            "largest_workspace_bytes",
+            "verify",
+            "candidates_verified_now",
+            "candidates_compared",
+            "candidates_rejected",
+            "candidates_unverified"
         ],
         "{tuned}"
     );
 
     let doc: serde_json::Value = serde_json::from_str(&tuned).unwrap();
+    // Every candidate's output was compared with the reference's; none is wrong.
+    let entries = doc["verification"].as_array().unwrap();
+    assert_eq!(entries.len(), doc["plans"].as_array().unwrap().len());
+    for entry in entries {
+        for candidate in entry["candidates"].as_array().unwrap() {
+            let error = candidate["max_rel_error"].as_f64().unwrap();
+            let tolerance = candidate["tolerance"].as_f64().unwrap();
+            assert!(error <= tolerance && tolerance > 0.0, "{candidate}");
+            assert_eq!(candidate["rejected"], false, "{candidate}");
+        }
+    }
+    assert_eq!(doc["tuning"]["verify"], true);
+    assert_eq!(doc["tuning"]["candidates_rejected"], 0);
+    assert_eq!(
+        doc["tuning"]["candidates_compared"],
+        doc["tuning"]["candidates_verified_now"]
+    );
     // Measuring held memory, and no workspace above the default limit.
     let tuning = &doc["tuning"];
     assert_eq!(tuning["measuring_limit_bytes"], 64 << 20, "{tuning}");

@@ -18,6 +18,7 @@ use mucudnn::backend::cudnn::{
     ChunkShapes, ConvDescriptors, ConvShapes, CudnnError, DeviceDescription, EngineConfig,
     EngineSearch, HeurMode, Operand, TensorDescriptor,
 };
+use mucudnn::backend::cudnn::{operand_roles, ComparisonDescriptors, DataTypeCode};
 use mucudnn::c_abi::problem_from_descriptors;
 use mucudnn::models::Model;
 use mucudnn::solver::{ConvOp, ConvProblem, DType, Layout};
@@ -305,6 +306,76 @@ fn check_layers(layers: Vec<(String, ConvProblem)>, micro_every: usize) {
 
 fn zoo(model: Model) -> Vec<(String, ConvProblem)> {
     zoo_in(model, BATCH, &CONFIGS)
+}
+
+/// Verified tuning compares outputs with `cudnnOpTensor` (ADD, `out - reference`) and
+/// `cudnnReduceTensor` (AMAX) into a one-element tensor: their descriptors build for the
+/// output of every op (y, dx, dw) of a 2-D, a 3-D and a 1-D problem in fp32, fp16 and bf16,
+/// NCHW and NHWC (NCDHW and NDHWC), and read back as made: the wall's dims and packed strides,
+/// a one-element tensor of the same rank and dtype, ADD and AMAX in fp32 with NaN propagated.
+#[test]
+#[ignore = "needs the cuDNN host tier: run by scripts/test.sh under scripts/cudnn_host_env.sh (--include-ignored)"]
+fn output_comparison_descriptors_for_every_dtype_and_layout() {
+    if !enabled("output_comparison_descriptors_for_every_dtype_and_layout") {
+        return;
+    }
+    let mut two_d = ConvProblem::new(BATCH, 64, 28, 28, 128, 3, 3);
+    (two_d.pad_h, two_d.pad_w) = (1, 1);
+    let three_d = ConvProblem {
+        pad_d: 1,
+        pad_h: 1,
+        pad_w: 1,
+        ..ConvProblem::new_3d(2, 16, 8, 28, 28, 32, 3, 3, 3)
+    };
+    let one_d = ConvProblem::new_1d(BATCH, 512, 400, 512, 3);
+    let mut failures = Vec::new();
+    let mut built = 0;
+    for problem in [two_d, three_d, one_d] {
+        for dtype in [DType::Fp32, DType::Fp16, DType::Bf16] {
+            for layout in [Layout::Nchw, Layout::Nhwc] {
+                let p = ConvProblem {
+                    dtype,
+                    layout,
+                    ..problem
+                };
+                let shapes = ConvShapes::new(&p).unwrap();
+                for op in ConvOp::ALL {
+                    let what = format!("{} {op}", p.describe());
+                    let info = match ComparisonDescriptors::for_output(&shapes, op)
+                        .and_then(|d| d.info().map(|info| (d.len(), info)))
+                    {
+                        Ok(info) => info,
+                        Err(e) => {
+                            failures.push(format!("{what}: {e}"));
+                            continue;
+                        }
+                    };
+                    let (len, info) = info;
+                    let [_, _, role] = operand_roles(op);
+                    let dims = shapes.dims(role);
+                    let wide: Vec<i64> = dims.iter().map(|&v| i64::from(v)).collect();
+                    let strides: Vec<i64> =
+                        info.output.strides.iter().map(|&v| i64::from(v)).collect();
+                    let ones = vec![1; dims.len()];
+                    let ok = info.output.dims == dims
+                        && strides[..] == packed_strides(layout, &wide)[..]
+                        && info.output.data_type == DataTypeCode::of(dtype)
+                        && info.scalar.dims[..] == ones[..]
+                        && info.scalar.data_type == DataTypeCode::of(dtype)
+                        && info.add_in_fp32
+                        && info.amax_in_fp32
+                        && len == shapes.elements(role);
+                    if ok {
+                        built += 1;
+                    } else {
+                        failures.push(format!("{what}: {info:?} (the wall's dims {dims:?})"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert_eq!(built, 3 * 3 * 2 * 3);
 }
 
 #[test]

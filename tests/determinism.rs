@@ -20,19 +20,19 @@ impl Backend for Atomics {
     fn fingerprint(&self) -> &DeviceFingerprint {
         &self.0
     }
-    fn measure(&mut self, key: &MeasureKey, _: &MeasureSettings) -> Result<Measured, BackendError> {
+    fn measure(
+        &mut self,
+        key: &MeasureKey,
+        how: &MeasureSettings,
+    ) -> Result<Measured, BackendError> {
         let micro = key.size;
         Ok(Measured {
             measurements: [(0, 1.0), (1, 2.0)]
                 .into_iter()
-                .map(|(algo, ms)| Measurement {
-                    micro,
-                    algo: Algo::Legacy(algo),
-                    time_ms: ms * micro as f64,
-                    workspace_bytes: 0,
-                })
+                .map(|(algo, ms)| Measurement::new(micro, Algo::Legacy(algo), ms * micro as f64, 0))
                 .collect(),
-            skipped: Vec::new(),
+            verification: how.size_verification(),
+            ..Measured::default()
         })
     }
     fn is_deterministic(&self, _: ConvOp, algo: &Algo) -> bool {
@@ -57,6 +57,7 @@ fn tuning(deterministic: bool) -> LayerTuning {
         },
         split: mucudnn::tune::SplitSetting::Batch,
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: true,
     }
 }
 

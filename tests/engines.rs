@@ -178,6 +178,7 @@ fn full_probe() -> Option<Profile> {
             algo: Algo::Engine(r["plan"].as_str().unwrap().parse().unwrap()),
             time_ms: r["ms"].as_f64().unwrap(),
             workspace_bytes: r["ws"].as_u64().unwrap(),
+            verification: None,
         });
     }
     profile.validate().unwrap();

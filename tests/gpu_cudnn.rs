@@ -642,6 +642,7 @@ fn check_engine_candidates(cases: &[(&str, ConvProblem)]) -> Vec<String> {
                         timing: quick,
                         search,
                         select: Selection::ALL,
+                        verify: true,
                     },
                 )
                 .expect("engines measured")
@@ -779,6 +780,7 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
                         timing: quick,
                         search: search.clone(),
                         select: Selection::ALL,
+                        verify: true,
                     },
                 )
                 .expect("spatial measurement of a chunk size")
@@ -887,4 +889,169 @@ fn spatial_plans_equal_undivided_and_the_host_reference() {
         }
     }
     println!("\n{}", rows.join("\n"));
+}
+
+/// Verified tuning's comparison on the GPU (`cudnnOpTensor` and `cudnnReduceTensor` AMAX):
+/// against known differences, in every dtype and layout the tuner uses (2-D and 3-D): an
+/// output 1.5 times the reference differs by half its largest magnitude, an equal one by 0, one
+/// with a NaN by NaN; the maxima match the host's within the dtype's rounding.
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn gpu_output_comparison_measures_known_differences() {
+    use mucudnn::backend::cudnn::{ComparisonDescriptors, ConvShapes, OutputComparison};
+    let handle = CudnnHandle::new(0).expect("a GPU");
+    let mut two_d = ConvProblem::new(4, 8, 12, 12, 16, 3, 3);
+    (two_d.pad_h, two_d.pad_w) = (1, 1);
+    let three_d = ConvProblem::new_3d(2, 4, 6, 10, 10, 8, 3, 3, 3);
+    for problem in [two_d, three_d] {
+        for dtype in [DType::Fp32, DType::Fp16, DType::Bf16] {
+            for layout in [Layout::Nchw, Layout::Nhwc] {
+                let p = ConvProblem {
+                    dtype,
+                    layout,
+                    ..problem
+                };
+                let shapes = ConvShapes::new(&p).unwrap();
+                for op in ConvOp::ALL {
+                    let what = format!("{} {op}", p.describe());
+                    let descriptors = ComparisonDescriptors::for_output(&shapes, op).unwrap();
+                    let len = descriptors.len();
+                    let mut comparison = OutputComparison::new(&handle, descriptors).unwrap();
+                    let values = mucudnn::backend::cudnn::host::random_values(dtype, len, 5);
+                    let largest = values.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+                    let reference = handle.upload(dtype, &values).unwrap();
+                    let scaled: Vec<f32> = values.iter().map(|v| v * 1.5).collect();
+                    let mut with_nan = values.clone();
+                    with_nan[len / 2] = f32::NAN;
+                    let rounding = 4.0 * mucudnn::backend::verify::unit_roundoff(dtype);
+                    for (case, out, want) in [
+                        ("equal", values.clone(), 0.0),
+                        ("1.5 times", scaled, 0.5),
+                        ("NaN", with_nan, f64::NAN),
+                    ] {
+                        let out = handle.upload(dtype, &out).unwrap();
+                        let (difference, reference_max) = comparison
+                            .max_differences(&handle, &out.view_all(), &reference.view_all())
+                            .unwrap_or_else(|e| panic!("{what} {case}: {e}"));
+                        assert!(
+                            (reference_max - largest).abs() <= rounding * largest,
+                            "{what} {case}: max |reference| {reference_max}, host {largest}"
+                        );
+                        let relative = difference / reference_max;
+                        if want.is_nan() {
+                            assert!(difference.is_nan(), "{what} {case}: {difference}");
+                        } else {
+                            assert!(
+                                (relative - want).abs() <= rounding,
+                                "{what} {case}: relative difference {relative}, want {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Verified measuring on a GPU: every legacy algorithm and engine configuration cuDNN runs at a
+/// size is compared with the reference (implicit GEMM, FMA math), in fp32 (TF32 allowed), fp16
+/// and bf16, 2-D and 3-D; the table of each candidate's error is printed (the GPU acceptance's
+/// `verify` part prints the same from `tune --json`). A correct cuDNN rejects nothing at fp32
+/// with FMA math, where every candidate is an exact sum.
+#[test]
+#[ignore = "needs a GPU: run on the GPU machine by scripts/gpu/accept.sh (--include-ignored)"]
+fn gpu_verified_measuring_compares_every_candidate() {
+    use mucudnn::backend::{Backend, CudnnBackend, EngineSearch, MeasureSettings, Selection};
+    use mucudnn::solver::{AlgoKind, MeasureKey};
+    let mut backend = CudnnBackend::new(0).expect("a GPU");
+    let mut two_d = ConvProblem::new(8, 32, 14, 14, 32, 3, 3);
+    (two_d.pad_h, two_d.pad_w) = (1, 1);
+    let cases = [
+        (
+            "2-D fp32 FMA",
+            ConvProblem {
+                math: MathMode::Fma,
+                ..two_d
+            },
+        ),
+        ("2-D fp32 (TF32 allowed)", two_d),
+        (
+            "2-D fp16 NHWC",
+            ConvProblem {
+                dtype: DType::Fp16,
+                layout: Layout::Nhwc,
+                ..two_d
+            },
+        ),
+        (
+            "2-D bf16 NHWC",
+            ConvProblem {
+                dtype: DType::Bf16,
+                layout: Layout::Nhwc,
+                ..two_d
+            },
+        ),
+        ("3-D fp32", ConvProblem::new_3d(2, 8, 6, 12, 12, 8, 3, 3, 3)),
+    ];
+    let how = MeasureSettings {
+        search: EngineSearch {
+            max_candidates: Some(8),
+            ..Default::default()
+        },
+        select: Selection::ALL,
+        ..MeasureSettings::all(mucudnn::backend::TimingSettings {
+            warmup: 1,
+            loops: 1,
+            iterations: 1,
+            long_call_ms: 100.0,
+        })
+    };
+    println!(
+        "{:<24} {:<10} {:<5} {:<44} {:>9} {:>9}  status",
+        "case", "op", "size", "candidate", "error", "tolerance"
+    );
+    for (label, problem) in cases {
+        for op in ConvOp::ALL {
+            let mut compared = 0;
+            let mut timed = 0;
+            for kind in backend.kinds().to_vec() {
+                let found = backend
+                    .measure(&MeasureKey::batch(problem, op, 4, kind), &how)
+                    .unwrap_or_else(|e| panic!("{label} {op} {kind}: {e}"));
+                for m in found.measurements.iter().chain(&found.rejected) {
+                    timed += 1;
+                    let names = mucudnn::solver::AlgoNames::new(mucudnn::device::BackendKind::Cuda);
+                    let (error, tolerance, status) = match m.verification {
+                        Some(v) => {
+                            compared += 1;
+                            (
+                                format!("{:.1e}", v.max_rel_error),
+                                format!("{:.1e}", v.tolerance),
+                                if v.passed() { "ok" } else { "REJECTED" },
+                            )
+                        }
+                        None => ("-".into(), "-".into(), "not compared"),
+                    };
+                    println!(
+                        "{label:<24} {op:<10} {:<5} {:<44} {error:>9} {tolerance:>9}  {status}",
+                        m.micro,
+                        names.name(op, m.algo)
+                    );
+                }
+                if label == "2-D fp32 FMA" && kind == AlgoKind::Legacy {
+                    assert!(
+                        found.rejected.is_empty(),
+                        "{label} {op}: {:?}",
+                        found.rejected
+                    );
+                }
+            }
+            assert!(timed > 0, "{label} {op}: nothing ran");
+            assert!(
+                compared * 10 >= timed * 9,
+                "{label} {op}: {compared} of {timed} compared"
+            );
+        }
+    }
+    backend.release();
 }

@@ -25,16 +25,16 @@ impl Backend for SmallIsFast {
     fn fingerprint(&self) -> &DeviceFingerprint {
         &self.0
     }
-    fn measure(&mut self, key: &MeasureKey, _: &MeasureSettings) -> Result<Measured, BackendError> {
+    fn measure(
+        &mut self,
+        key: &MeasureKey,
+        how: &MeasureSettings,
+    ) -> Result<Measured, BackendError> {
         let micro = key.size;
         Ok(Measured {
-            measurements: vec![Measurement {
-                micro,
-                algo: Algo::Legacy(0),
-                time_ms: time_ms(micro),
-                workspace_bytes: 0,
-            }],
-            skipped: Vec::new(),
+            measurements: vec![Measurement::new(micro, Algo::Legacy(0), time_ms(micro), 0)],
+            verification: how.size_verification(),
+            ..Measured::default()
         })
     }
 }
@@ -55,6 +55,7 @@ fn tuning() -> LayerTuning {
         engines: EngineOptions::default(),
         split: mucudnn::tune::SplitSetting::Batch,
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: true,
     }
 }
 
@@ -123,13 +124,16 @@ fn a_bf16_backward_filter_plan_cached_before_the_rule_is_solved_again() {
                 algo: Algo::Legacy(0),
                 time_ms: time_ms(micro),
                 workspace_bytes: 0,
+                verification: None,
             })
             .collect(),
         skipped: Vec::new(),
+        rejected: Vec::new(),
     };
     let old = solve_wr(&entry, Policy::All, LIMIT).unwrap();
     assert_eq!(old.micro_batches.len(), 16);
-    let key = PlanKey::reuse(Policy::All, CandidateSet::Legacy, LIMIT);
+    let mut key = PlanKey::reuse(Policy::All, CandidateSet::Legacy, LIMIT);
+    key.context = tuning().plan_context(&problem);
     cache.store_plan(&cudnn.0, &old, &key);
     assert_eq!(
         cache.plan(&cudnn.0, &problem, ConvOp::BackwardFilter, &key),

@@ -283,6 +283,7 @@ fn a_3d_layer_tunes_and_its_plans_execute_on_the_cpu() {
         engines: EngineOptions::default(),
         split: mucudnn::tune::SplitSetting::Batch,
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: true,
     };
     let cache = Cache::in_memory();
     let plans = tuning
@@ -377,6 +378,7 @@ fn parallel_tuning_goes_through_the_cache() {
         engines: EngineOptions::default(),
         workspace_limit_bytes: None,
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: true,
     };
     let fingerprint = mucudnn::device::cpu_fingerprint();
     let mut steps = 0;

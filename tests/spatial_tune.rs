@@ -95,6 +95,7 @@ fn tuning(split: SplitSetting, limit: u64) -> LayerTuning {
         engines: EngineOptions::default(),
         split,
         index_limit: IndexLimit::CUDNN,
+        verify: true,
     }
 }
 

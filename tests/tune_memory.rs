@@ -93,6 +93,7 @@ fn tuning(limit: u64) -> LayerTuning {
         engines: EngineOptions::default(),
         split: Default::default(),
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: true,
     }
 }
 
@@ -102,12 +103,13 @@ fn skipped_in(cache: &Cache, backend: &dyn Backend) -> BTreeSet<(ConvOp, i64, Al
     let mut out = BTreeSet::new();
     for op in ConvOp::ALL {
         for micro in Policy::PowerOfTwo.sizes(p.n) {
-            let (_, skipped) = cache
+            let skipped = cache
                 .measured(
                     backend.fingerprint(),
                     &MeasureKey::batch(p, op, micro, AlgoKind::Legacy),
                 )
-                .expect("every size measured");
+                .expect("every size measured")
+                .skipped;
             out.extend(skipped.iter().map(|s| (op, s.micro, s.algo)));
         }
     }

@@ -28,6 +28,7 @@ fn run(cache: &Cache) -> ProfileRun<'_> {
         engines: EngineOptions::default(),
         workspace_limit_bytes: None,
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: true,
     }
 }
 
@@ -92,6 +93,7 @@ fn shares_measured_by_two_ranks_complete_both_caches() {
         engines: EngineOptions::default(),
         split: mucudnn::tune::SplitSetting::Batch,
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: true,
     };
     let problem = jobs[0].problem;
     let (plans0, stats0) = tuning
@@ -150,6 +152,34 @@ fn stored_records_are_checked_before_anything_is_stored() {
         (
             poisoned(&|m| m.workspace_bytes = u64::MAX),
             "more than the device's".into(),
+        ),
+        // A measurement over its tolerance is a rejected candidate, never a measurement.
+        (
+            poisoned(&|m| {
+                m.verification = Some(mucudnn::solver::Verification {
+                    max_rel_error: 0.5,
+                    tolerance: 1e-5,
+                })
+            }),
+            "a rejected candidate, not a measurement".into(),
+        ),
+        (
+            poisoned(&|m| {
+                m.verification = Some(mucudnn::solver::Verification {
+                    max_rel_error: f64::NAN,
+                    tolerance: 1e-5,
+                })
+            }),
+            "positive finite tolerance".into(),
+        ),
+        (
+            {
+                let mut bad = good.clone();
+                bad.rejected = vec![bad.measurements[0]];
+                bad.measurements.remove(0);
+                bad
+            },
+            "listed as rejected".into(),
         ),
     ];
     for (bad, expect) in cases {

@@ -37,8 +37,8 @@ pub use schema::{APPLICATION_ID, SCHEMA_VERSION};
 pub use store::{EntrySummary, PlanKey};
 
 use mucudnn_solver::{
-    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit, MeasureKey, Measurement,
-    OpKey, OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
+    CandidateSet, ConvOp, ConvProblem, DeviceFingerprint, IndexLimit, MeasureKey, Measured,
+    Measurement, OpKey, OpProfile, Plan, Policy, Profile, SizesKey, Skipped,
 };
 use open::{exhausted, Identity, OpenError};
 use rusqlite::Connection;
@@ -428,27 +428,33 @@ impl Cache {
     /// The measurements of `key`'s candidates (its shape: the batch size is ignored; a spatial
     /// size is a chunk's rows along the split axis), if that kind was measured at that size
     /// on `device`. An empty list means measured, with no supported candidate. Rows of one
-    /// split never answer a lookup of the other.
+    /// split never answer a lookup of the other; candidates rejected for wrong results are
+    /// never among them.
     pub fn measurements(
         &self,
         device: &DeviceFingerprint,
         key: &MeasureKey,
     ) -> Option<Vec<Measurement>> {
+        self.size_rows(device, key).map(|m| m.measurements)
+    }
+
+    /// The measurements, rejected candidates and verification state of `key`'s size.
+    fn size_rows(&self, device: &DeviceFingerprint, key: &MeasureKey) -> Option<Measured> {
         let mut skipped = 0;
         let found = self
             .read(
                 "measurements",
-                store::measurements(&self.conn, device, key, &mut skipped),
+                store::size_rows(&self.conn, device, key, &mut skipped),
             )
             .flatten();
         self.skipped_rows(skipped);
         found
     }
 
-    /// Records the measurements of `key`'s candidates (replacing earlier ones of that kind and
-    /// size; measurements of another kind or size are ignored), and that the named problem was
-    /// tuned on `device`. Every candidate was timed: the size is complete for every workspace
-    /// limit.
+    /// Records the measurements of `key`'s candidates, taken without verification (replacing
+    /// earlier ones of that kind and size; measurements of another kind or size are ignored),
+    /// and that the named problem was tuned on `device`. Every candidate was timed: the size is
+    /// complete for every workspace limit.
     pub fn store_measurements(
         &self,
         device: &DeviceFingerprint,
@@ -470,25 +476,67 @@ impl Cache {
         measurements: &[Measurement],
         skipped: &[Skipped],
     ) {
+        let measured = Measured {
+            measurements: measurements.to_vec(),
+            skipped: skipped.to_vec(),
+            ..Measured::default()
+        };
+        self.store_size(device, layer, key, &measured);
+    }
+
+    /// Records everything measured of `key` (replacing what was stored of that kind and
+    /// size): the measurements, the skipped candidates, the candidates rejected for wrong
+    /// results (kept with their error, never returned as measurements) and how the size was
+    /// verified; and that the named problem was tuned on `device`.
+    pub fn store_size(
+        &self,
+        device: &DeviceFingerprint,
+        layer: &str,
+        key: &MeasureKey,
+        measured: &Measured,
+    ) {
         self.write("measurements", |conn| {
-            store::store_measurements(conn, device, layer, key, measurements, skipped)
+            store::store_measurements(conn, device, layer, key, measured)
         });
     }
 
-    /// What is cached of `key`, if that size was measured: the timed measurements and the
-    /// candidates skipped for their workspace. A skipped candidate is never a measurement; it
-    /// is what a tune under a larger limit still has to time.
-    pub fn measured(
-        &self,
-        device: &DeviceFingerprint,
-        key: &MeasureKey,
-    ) -> Option<(Vec<Measurement>, Vec<Skipped>)> {
-        let measurements = self.measurements(device, key)?;
+    /// What is cached of `key`, if that size was measured: the timed measurements, the
+    /// candidates skipped for their workspace, those rejected for wrong results, and how the
+    /// size was verified. A skipped candidate is never a measurement; it is what a tune under a
+    /// larger limit still has to time. A rejected one is never a measurement either.
+    pub fn measured(&self, device: &DeviceFingerprint, key: &MeasureKey) -> Option<Measured> {
+        let mut measured = self.size_rows(device, key)?;
         let mut skipped = self.read("skipped", store::skipped(&self.conn, device, key))?;
         // A candidate both timed and skipped (rows written by hand or by an older store) is a
         // measurement: a profile may not hold it twice.
-        skipped.retain(|x| !measurements.iter().any(|m| m.algo == x.algo));
-        Some((measurements, skipped))
+        let timed = &measured.measurements;
+        skipped.retain(|x| !timed.iter().any(|m| m.algo == x.algo));
+        measured.skipped = skipped;
+        Some(measured)
+    }
+
+    /// The sizes among `sizes` whose measurements of `key` were taken without verification
+    /// ([`SizeVerification::Unverified`](mucudnn_solver::SizeVerification::Unverified)): a tune
+    /// that verifies measures them again.
+    pub fn unverified_sizes(
+        &self,
+        device: &DeviceFingerprint,
+        key: &SizesKey,
+        sizes: &[i64],
+    ) -> Vec<i64> {
+        self.read(
+            "unverified sizes",
+            store::unverified_sizes(&self.conn, device, key),
+        )
+        .map(|unverified| {
+            sizes
+                .iter()
+                .copied()
+                .filter(|s| unverified.contains(s))
+                .collect()
+        })
+        // A failed read is a miss.
+        .unwrap_or_else(|| sizes.to_vec())
     }
 
     /// The sizes among `sizes` that a tune under a workspace limit of `limit` bytes (`None`:
@@ -589,6 +637,7 @@ impl Cache {
             split: key.split,
             measurements,
             skipped: Vec::new(),
+            rejected: Vec::new(),
         })
     }
 

@@ -19,7 +19,7 @@
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 
 /// The schema this build reads and writes.
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// SQLite's `application_id` header field in every cache this build writes ("muCD"): a file
 /// is recognised as mucudnn's before anything is written to it.
@@ -251,6 +251,21 @@ DROP TABLE skipped;
 ALTER TABLE skipped_v5 RENAME TO skipped;
 ";
 
+/// Version 6: verified tuning. A measurement row gains how its output compared with the
+/// reference candidate's (`max_rel_error`, `tolerance`: NULL when not compared) and whether it
+/// was `rejected` for it (over its tolerance: kept to say why, never read as a measurement). A
+/// measured size gains its `verification`: 'verified' (measured with verification),
+/// 'unverified' (measured without: a tune that verifies measures it again) or 'imported' (from a
+/// profile without errors: used as it is). Older sizes were measured before mucudnn verified:
+/// they are 'unverified', and a verifying tune verifies them on their next measurement. New
+/// columns only, so no table is rebuilt.
+const V6: &str = "
+ALTER TABLE measurements ADD COLUMN max_rel_error REAL;
+ALTER TABLE measurements ADD COLUMN tolerance REAL;
+ALTER TABLE measurements ADD COLUMN rejected INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE measured_sizes ADD COLUMN verification TEXT NOT NULL DEFAULT 'unverified';
+";
+
 /// Why a file cannot be used as a cache.
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
@@ -351,6 +366,9 @@ fn migrate_in_transaction(conn: &mut Connection) -> Result<(), SchemaError> {
     }
     if found < 5 {
         tx.execute_batch(V5)?;
+    }
+    if found < 6 {
+        tx.execute_batch(V6)?;
     }
     tx.execute(
         "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
@@ -504,7 +522,9 @@ mod tests {
         assert_eq!(skipped, ("batch".into(), 7, 4096));
         // The split is part of the key: a spatial row of the same size is another row.
         conn.execute(
-            "INSERT INTO measurements VALUES (1, 1, 'fwd', 'spatial', 4, 6, '', 0.25, 0)",
+            "INSERT INTO measurements (device_id, shape_id, op, split, micro, algo, engine,
+                                       time_ms, workspace_bytes)
+             VALUES (1, 1, 'fwd', 'spatial', 4, 6, '', 0.25, 0)",
             [],
         )
         .unwrap();
@@ -512,6 +532,49 @@ mod tests {
             .query_row("SELECT count(*) FROM measurements", [], |r| r.get(0))
             .unwrap();
         assert_eq!(rows, 2);
+    }
+
+    #[test]
+    fn version_5_sizes_become_unverified() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        for sql in [V1, V2, V3, V4, V5] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.execute_batch(
+            "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+             INSERT INTO meta VALUES ('schema_version', '5');
+             INSERT INTO devices VALUES (1, 'cpu', 'cpu', NULL, NULL, NULL, NULL, 'cpu');
+             INSERT INTO shapes (id, c, h, w, k, r, s, pad_h, pad_w, stride_h, stride_w,
+                                 dilation_h, dilation_w, groups, dtype, layout, math)
+                 VALUES (1, 8, 9, 9, 8, 3, 3, 0, 0, 1, 1, 1, 1, 1, 'fp32', 'nchw', 'default');
+             INSERT INTO measured_sizes VALUES (1, 1, 'fwd', 'batch', 4, 'legacy', 100);
+             INSERT INTO measurements VALUES (1, 1, 'fwd', 'batch', 4, 6, '', 0.5, 1024);",
+        )
+        .unwrap();
+        migrate(&mut conn).unwrap();
+        assert_eq!(stored_version(&conn).unwrap(), Some(SCHEMA_VERSION));
+        let row: (f64, Option<f64>, Option<f64>, i64) = conn
+            .query_row(
+                "SELECT time_ms, max_rel_error, tolerance, rejected FROM measurements",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .unwrap();
+        assert_eq!(row, (0.5, None, None, 0));
+        let state: String = conn
+            .query_row("SELECT verification FROM measured_sizes", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(state, "unverified");
+        // An infinite error (an output with NaN) is a REAL SQLite keeps.
+        conn.execute(
+            "UPDATE measurements SET max_rel_error = ?1, tolerance = 1e-5, rejected = 1",
+            [f64::INFINITY],
+        )
+        .unwrap();
+        let error: f64 = conn
+            .query_row("SELECT max_rel_error FROM measurements", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(error, f64::INFINITY);
     }
 
     #[test]

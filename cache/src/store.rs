@@ -4,8 +4,8 @@
 
 use mucudnn_solver::{
     Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem, DType, DeviceFingerprint,
-    EngineName, Layout, MathMode, MeasureKey, Measurement, Mode, OpKey, OpProfile, Plan, Policy,
-    Profile, RecordCheck, SizesKey, Skipped, SplitDim,
+    EngineName, Layout, MathMode, MeasureKey, Measured, Measurement, Mode, OpKey, OpProfile, Plan,
+    Policy, Profile, RecordCheck, SizeVerification, SizesKey, Skipped, SplitDim, Verification,
 };
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -59,6 +59,8 @@ pub struct EntrySummary {
     /// Micro-batch sizes measured (up to the problem's batch size).
     pub sizes: usize,
     pub measurements: usize,
+    /// Candidates rejected for wrong results (at any size measured).
+    pub rejected: usize,
     /// Cached plans for this problem and op.
     pub plans: usize,
 }
@@ -191,19 +193,39 @@ fn ids(
     })
 }
 
-/// Columns: micro, algo, engine, time_ms, workspace_bytes. A row whose engine name does not
-/// parse (or whose algo number is negative) is an error, which the caller treats as a miss.
+/// The columns [`read_measurement`] reads, in its order.
+const MEASUREMENT_COLUMNS: &str =
+    "micro, algo, engine, time_ms, workspace_bytes, max_rel_error, tolerance";
+
+/// Columns: [`MEASUREMENT_COLUMNS`]. A row whose engine name does not parse (or whose algo
+/// number is negative) is an error, which the caller treats as a miss; so is a verification
+/// with one of its two values missing.
 fn read_measurement(row: &rusqlite::Row<'_>) -> Result<Measurement> {
     // A negative workspace is no measurement's: the row is unusable, not a 0-byte one.
     let workspace: i64 = row.get(4)?;
     let workspace_bytes = u64::try_from(workspace).map_err(|e| {
         rusqlite::Error::FromSqlConversionFailure(4, rusqlite::types::Type::Integer, Box::new(e))
     })?;
+    let verification = match (row.get::<_, Option<f64>>(5)?, row.get::<_, Option<f64>>(6)?) {
+        (None, None) => None,
+        (Some(max_rel_error), Some(tolerance)) => Some(Verification {
+            max_rel_error,
+            tolerance,
+        }),
+        _ => {
+            return Err(rusqlite::Error::FromSqlConversionFailure(
+                5,
+                rusqlite::types::Type::Null,
+                "a verification without its error or its tolerance".into(),
+            ))
+        }
+    };
     Ok(Measurement {
         micro: row.get(0)?,
         algo: read_algo(row)?,
         time_ms: row.get(3)?,
         workspace_bytes,
+        verification,
     })
 }
 
@@ -260,11 +282,24 @@ fn usable_rows(
     let mut usable = Vec::new();
     for row in rows {
         match row? {
-            Ok(m) if check.record_split(problem, op, split, &m).is_ok() => usable.push(m),
+            Ok(m) if usable_row(&check, problem, op, split, &m, false) => usable.push(m),
             _ => *skipped += 1,
         }
     }
     Ok(usable)
+}
+
+/// Whether a row read back passes the record check and agrees with its table's verdict: a
+/// measurement row (`rejected` false) within its tolerance, a rejected row over it.
+fn usable_row(
+    check: &RecordCheck<'_>,
+    problem: &ConvProblem,
+    op: ConvOp,
+    split: SplitDim,
+    m: &Measurement,
+    rejected: bool,
+) -> bool {
+    check.record_split(problem, op, split, m).is_ok() && check.verdict(m, rejected).is_ok()
 }
 
 /// More bytes than any device's memory (1 PiB): the cache does not know its device's memory,
@@ -301,9 +336,9 @@ fn unusable_sizes(
     let (problem, op, split, kind) = (problem, *op, *split, *kind);
     let [a, b, c] = ConvOp::ALL.map(ConvOp::name);
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT micro, algo, engine, time_ms, workspace_bytes, op FROM measurements
+        "SELECT {MEASUREMENT_COLUMNS}, op FROM measurements
          WHERE device_id = ?1 AND shape_id = ?2 AND split = ?3 AND (?4 IS NULL OR micro = ?4)
-           AND (op = ?5 OR op NOT IN (?6, ?7, ?8)) AND {}",
+           AND (op = ?5 OR op NOT IN (?6, ?7, ?8)) AND rejected = 0 AND {}",
         kind_condition(kind)
     ))?;
     let check = row_check(device);
@@ -313,10 +348,10 @@ fn unusable_sizes(
         let Ok(size) = row.get::<_, i64>(0) else {
             continue; // a size that is not a number is no size of ours
         };
-        let ours = row.get::<_, String>(5).is_ok_and(|name| name == op.name());
+        let ours = row.get::<_, String>(7).is_ok_and(|name| name == op.name());
         let good = ours
             && read_measurement(row)
-                .is_ok_and(|m| check.record_split(problem, op, split, &m).is_ok());
+                .is_ok_and(|m| usable_row(&check, problem, op, split, &m, false));
         *usable.entry(size).or_insert(false) |= good;
     }
     Ok(usable
@@ -331,12 +366,7 @@ fn unusable_sizes(
 fn usable_plan(plan: &Plan, device: &DeviceFingerprint) -> bool {
     let check = row_check(device);
     plan.micro_batches.iter().all(|mb| {
-        let m = Measurement {
-            micro: mb.size,
-            algo: mb.algo,
-            time_ms: mb.time_ms,
-            workspace_bytes: mb.workspace_bytes,
-        };
+        let m = Measurement::new(mb.size, mb.algo, mb.time_ms, mb.workspace_bytes);
         check
             .record_split(&plan.problem, plan.op, plan.split, &m)
             .is_ok()
@@ -351,35 +381,79 @@ fn kind_condition(kind: AlgoKind) -> &'static str {
     }
 }
 
-pub(crate) fn measurements(
+/// What is stored of `key`'s size, if it was measured: its measurements, its rejected
+/// candidates and its verification state, in one pass over its rows (a warm tune reads every
+/// size this way). A row that does not read as its table says (a measurement within its
+/// tolerance, a rejection over it) is left out and counted in `skipped`; a size whose
+/// measurement rows are all unusable is a miss ([`unusable_sizes`]). An unknown verification
+/// state (written by hand or a newer mucudnn) reads as unverified.
+pub(crate) fn size_rows(
     conn: &Connection,
     device: &DeviceFingerprint,
     key: &MeasureKey,
     skipped: &mut usize,
-) -> Result<Option<Vec<Measurement>>> {
+) -> Result<Option<Measured>> {
     let (problem, op, split, micro, kind) = (&key.problem, key.op, key.split, key.size, key.kind);
     let Some((d, s)) = ids(conn, device, problem)? else {
         return Ok(None);
     };
-    let measured: Option<i64> = conn
-        .prepare_cached("SELECT 1 FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND kind = ?5 AND split = ?6")?
+    let state: Option<String> = conn
+        .prepare_cached("SELECT verification FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND kind = ?5 AND split = ?6")?
         .query_row(params![d, s, op.name(), micro, kind.name(), split.name()], |row| row.get(0))
         .optional()?;
-    if measured.is_none()
-        || !unusable_sizes(conn, (d, s), device, &key.sizes(), Some(micro))?.is_empty()
-    {
+    let Some(state) = state else {
+        return Ok(None);
+    };
+    if !unusable_sizes(conn, (d, s), device, &key.sizes(), Some(micro))?.is_empty() {
         return Ok(None);
     }
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT micro, algo, engine, time_ms, workspace_bytes FROM measurements
+        "SELECT {MEASUREMENT_COLUMNS}, rejected FROM measurements
          WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro = ?4 AND split = ?5 AND {}
          ORDER BY algo, engine",
         kind_condition(kind)
     ))?;
-    let rows = stmt.query_map(params![d, s, op.name(), micro, split.name()], |row| {
-        Ok(read_measurement(row))
+    let mut rows = stmt.query(params![d, s, op.name(), micro, split.name()])?;
+    let check = row_check(device);
+    let mut measured = Measured {
+        verification: state.parse().unwrap_or(SizeVerification::Unverified),
+        ..Measured::default()
+    };
+    while let Some(row) = rows.next()? {
+        let rejected = row.get::<_, i64>(7).is_ok_and(|flag| flag != 0);
+        match read_measurement(row) {
+            Ok(m) if usable_row(&check, problem, op, split, &m, rejected) => {
+                if rejected {
+                    measured.rejected.push(m);
+                } else {
+                    measured.measurements.push(m);
+                }
+            }
+            _ => *skipped += 1,
+        }
+    }
+    Ok(Some(measured))
+}
+
+/// The sizes of `key` whose measurements were taken without verification
+/// ([`SizeVerification::Unverified`]).
+pub(crate) fn unverified_sizes(
+    conn: &Connection,
+    device: &DeviceFingerprint,
+    key: &SizesKey,
+) -> Result<Vec<i64>> {
+    let (problem, op, split, kind) = (&key.problem, key.op, key.split, key.kind);
+    let Some((d, s)) = ids(conn, device, problem)? else {
+        return Ok(Vec::new());
+    };
+    let mut stmt = conn.prepare_cached(
+        "SELECT micro FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3
+         AND kind = ?4 AND split = ?5 AND verification NOT IN ('verified', 'imported')",
+    )?;
+    let rows = stmt.query_map(params![d, s, op.name(), kind.name(), split.name()], |row| {
+        row.get(0)
     })?;
-    usable_rows(rows, device, problem, op, split, skipped).map(Some)
+    rows.collect()
 }
 
 /// The candidates of `kind` skipped for their workspace at micro-batch `micro` (empty when
@@ -454,9 +528,9 @@ pub(crate) fn measurements_up_to(
         CandidateSet::All => "1",
     };
     let mut stmt = conn.prepare_cached(&format!(
-        "SELECT micro, algo, engine, time_ms, workspace_bytes FROM measurements
+        "SELECT {MEASUREMENT_COLUMNS} FROM measurements
          WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND split = ?5
-           AND {condition}
+           AND rejected = 0 AND {condition}
          ORDER BY micro, algo, engine"
     ))?;
     let rows = stmt.query_map(params![d, s, op.name(), n, split.name()], |row| {
@@ -491,14 +565,14 @@ pub(crate) fn measured_sizes(
 }
 
 /// Replaces what is stored of `key` (its kind at its size) under the device and shape ids
-/// `(d, s)`: the timed `measurements` and the `skipped` candidates (a candidate also timed is
-/// not stored as skipped).
+/// `(d, s)` by `measured`: the timed measurements, the rejected candidates (rows marked
+/// `rejected`, with their error), the `skipped` candidates (a candidate also timed is not
+/// stored as skipped) and the size's verification state. Returns the measurements stored.
 fn insert_measurements(
     conn: &Connection,
     (d, s): (i64, i64),
     key: &MeasureKey,
-    measurements: &[Measurement],
-    skipped: &[Skipped],
+    measured: &Measured,
 ) -> Result<usize> {
     let (op, split, micro, kind) = (key.op, key.split, key.size, key.kind);
     for table in ["measurements", "skipped"] {
@@ -509,13 +583,20 @@ fn insert_measurements(
         ))?
         .execute(params![d, s, op.name(), micro, split.name()])?;
     }
-    let timed: HashSet<Algo> = measurements.iter().map(|m| m.algo).collect();
+    let of_key = |m: &&Measurement| m.micro == micro && m.algo.kind() == kind;
+    let timed: HashSet<Algo> = measured
+        .measurements
+        .iter()
+        .chain(&measured.rejected)
+        .map(|m| m.algo)
+        .collect();
     let mut insert_skipped = conn.prepare_cached(
         "INSERT INTO skipped (device_id, shape_id, op, micro, algo, engine, workspace_bytes, split)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
          ON CONFLICT DO UPDATE SET workspace_bytes = excluded.workspace_bytes",
     )?;
-    for x in skipped
+    for x in measured
+        .skipped
         .iter()
         .filter(|x| x.micro == micro && x.algo.kind() == kind && !timed.contains(&x.algo))
     {
@@ -532,15 +613,20 @@ fn insert_measurements(
         ])?;
     }
     let mut insert = conn.prepare_cached(
-        "INSERT INTO measurements (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes, split)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
-         ON CONFLICT DO UPDATE SET time_ms = excluded.time_ms, workspace_bytes = excluded.workspace_bytes",
+        "INSERT INTO measurements (device_id, shape_id, op, micro, algo, engine, time_ms, workspace_bytes, split,
+                                   max_rel_error, tolerance, rejected)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)
+         ON CONFLICT DO UPDATE SET time_ms = excluded.time_ms, workspace_bytes = excluded.workspace_bytes,
+             max_rel_error = excluded.max_rel_error, tolerance = excluded.tolerance, rejected = excluded.rejected",
     )?;
     let mut stored = 0;
-    for m in measurements
+    let rows = measured
+        .measurements
         .iter()
-        .filter(|m| m.micro == micro && m.algo.kind() == kind)
-    {
+        .filter(of_key)
+        .map(|m| (m, false))
+        .chain(measured.rejected.iter().filter(of_key).map(|m| (m, true)));
+    for (m, rejected) in rows {
         let (algo, engine) = algo_columns(&m.algo);
         insert.execute(params![
             d,
@@ -551,15 +637,28 @@ fn insert_measurements(
             engine,
             m.time_ms,
             clamp(m.workspace_bytes),
-            split.name()
+            split.name(),
+            m.verification.map(|v| v.max_rel_error),
+            m.verification.map(|v| v.tolerance),
+            rejected,
         ])?;
-        stored += 1;
+        stored += usize::from(!rejected);
     }
     conn.prepare_cached(
-        "INSERT INTO measured_sizes (device_id, shape_id, op, micro, kind, measured_at, split) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
-         ON CONFLICT DO UPDATE SET measured_at = excluded.measured_at",
+        "INSERT INTO measured_sizes (device_id, shape_id, op, micro, kind, measured_at, split, verification)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+         ON CONFLICT DO UPDATE SET measured_at = excluded.measured_at, verification = excluded.verification",
     )?
-    .execute(params![d, s, op.name(), micro, kind.name(), now(), split.name()])?;
+    .execute(params![
+        d,
+        s,
+        op.name(),
+        micro,
+        kind.name(),
+        now(),
+        split.name(),
+        measured.verification.name()
+    ])?;
     Ok(stored)
 }
 
@@ -585,13 +684,12 @@ pub(crate) fn store_measurements(
     device: &DeviceFingerprint,
     layer: &str,
     key: &MeasureKey,
-    measurements: &[Measurement],
-    skipped: &[Skipped],
+    measured: &Measured,
 ) -> Result<()> {
     let tx = begin(conn)?;
     let d = ensure_device(&tx, device)?;
     let s = ensure_shape(&tx, &key.problem)?;
-    insert_measurements(&tx, (d, s), key, measurements, skipped)?;
+    insert_measurements(&tx, (d, s), key, measured)?;
     insert_seen(&tx, d, s, layer, &key.problem, key.op)?;
     tx.commit()
 }
@@ -778,7 +876,10 @@ pub(crate) fn entries(conn: &Connection, skipped: &mut usize) -> Result<Vec<Entr
                 "SELECT COUNT(DISTINCT micro) FROM measured_sizes WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND split = 'batch'",
             )? as usize,
             measurements: count(
-                "SELECT COUNT(*) FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND split = 'batch'",
+                "SELECT COUNT(*) FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND split = 'batch' AND rejected = 0",
+            )? as usize,
+            rejected: count(
+                "SELECT COUNT(*) FROM measurements WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND micro <= ?4 AND rejected = 1",
             )? as usize,
             plans: count("SELECT COUNT(*) FROM plans WHERE device_id = ?1 AND shape_id = ?2 AND op = ?3 AND n = ?4")?
                 as usize,
@@ -860,6 +961,7 @@ pub(crate) fn export(
                     measurements,
                     // The interchange format carries timed measurements only.
                     skipped: Vec::new(),
+                    rejected: Vec::new(),
                 });
             }
         }
@@ -889,6 +991,8 @@ pub(crate) fn import(
         }
         for ((micro, kind), measurements) in by_size {
             // An imported size is complete: the interchange format has no skipped candidates.
+            // It is verified when every record says how its output compared; otherwise it is
+            // used as imported, not measured again.
             let key = MeasureKey {
                 problem: entry.problem,
                 op: entry.op,
@@ -896,7 +1000,17 @@ pub(crate) fn import(
                 size: micro,
                 kind,
             };
-            stored += insert_measurements(&tx, (d, s), &key, &measurements, &[])?;
+            let verification = if measurements.iter().all(|m| m.verification.is_some()) {
+                SizeVerification::Verified
+            } else {
+                SizeVerification::Imported
+            };
+            let measured = Measured {
+                measurements,
+                verification,
+                ..Measured::default()
+            };
+            stored += insert_measurements(&tx, (d, s), &key, &measured)?;
         }
         insert_seen(&tx, d, s, &entry.layer, &entry.problem, entry.op)?;
     }

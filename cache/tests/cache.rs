@@ -6,8 +6,8 @@
 use mucudnn_cache::{Access, Cache, Location, PlanKey, READ_ONLY_ENV};
 use mucudnn_solver::{
     interchange, solve_profile, Algo, AlgoKind, BackendKind, CandidateSet, ConvOp, ConvProblem,
-    DeviceFingerprint, EngineName, MeasureKey, Measurement, Mode, OpKey, Policy, Profile, SizesKey,
-    SplitDim, WdOptions,
+    DeviceFingerprint, EngineName, MeasureKey, Measured, Measurement, Mode, OpKey, Policy, Profile,
+    SizeVerification, SizesKey, SplitDim, Verification, WdOptions,
 };
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,7 +44,127 @@ fn m(micro: i64, algo: u32, time_ms: f64, workspace_bytes: u64) -> Measurement {
         algo: Algo::Legacy(algo),
         time_ms,
         workspace_bytes,
+        verification: None,
     }
+}
+
+fn verified(m: Measurement, max_rel_error: f64) -> Measurement {
+    Measurement {
+        verification: Some(Verification {
+            max_rel_error,
+            tolerance: 1e-5,
+        }),
+        ..m
+    }
+}
+
+/// A size measured with verification keeps its errors and its rejected candidates (with an
+/// infinite error, for an output with NaN): a rejection is never a measurement, in a lookup,
+/// a profile or an export, and survives reopening. A size measured without verification is
+/// listed for a verifying tune; an imported one is verified when its records carry their
+/// errors, else used as imported. A forged row, accepted but over its tolerance, is unusable.
+#[test]
+fn verified_sizes_keep_errors_and_rejections_apart() {
+    let dir = temp_dir("verified");
+    let path = dir.join("cache.sqlite");
+    let device = h100();
+    let problem = ConvProblem::new(8, 16, 12, 12, 16, 3, 3);
+    let op = ConvOp::Forward;
+    let key = |micro| MeasureKey::batch(problem, op, micro, AlgoKind::Legacy);
+    let sizes = SizesKey::new(problem, op, SplitDim::Batch, AlgoKind::Legacy);
+    let at_4 = Measured {
+        measurements: vec![
+            verified(m(4, 0, 1.0, 0), 0.0),
+            verified(m(4, 1, 0.6, 64), 2e-7),
+        ],
+        rejected: vec![
+            verified(m(4, 6, 0.1, 128), 0.31),
+            verified(m(4, 7, 0.2, 128), f64::INFINITY),
+        ],
+        skipped: Vec::new(),
+        verification: SizeVerification::Verified,
+    };
+    {
+        let cache = Cache::open(&path).unwrap().quiet();
+        cache.store_size(&device, "l", &key(4), &at_4);
+        cache.store_measurements(&device, "l", &key(8), &[m(8, 0, 2.0, 0)]);
+    }
+    let cache = Cache::open(&path).unwrap().quiet();
+    assert_eq!(cache.measured(&device, &key(4)), Some(at_4.clone()));
+    assert_eq!(
+        cache.measurements(&device, &key(4)),
+        Some(at_4.measurements.clone())
+    );
+    let unverified = cache.measured(&device, &key(8)).unwrap();
+    assert_eq!(unverified.verification, SizeVerification::Unverified);
+    assert_eq!(cache.unverified_sizes(&device, &sizes, &[4, 8]), [8]);
+    assert!(cache.missing_sizes(&device, &sizes, &[4, 8]).is_empty());
+    let entry = cache
+        .op_profile(
+            &device,
+            "l",
+            &OpKey::new(problem, op, SplitDim::Batch),
+            Policy::Undivided,
+            CandidateSet::Legacy,
+        )
+        .unwrap();
+    assert_eq!(entry.measurements, [m(8, 0, 2.0, 0)]);
+    let summary = &cache.entries().unwrap()[0];
+    assert_eq!((summary.measurements, summary.rejected), (3, 2));
+    let exported = cache.export(Some(&device)).unwrap();
+    let records: Vec<&Measurement> = exported[0].entries[0].measurements.iter().collect();
+    assert_eq!(records.len(), 3);
+    assert!(records.iter().all(|r| !r.is_rejected()));
+    assert!(cache.warnings().is_empty(), "{:?}", cache.warnings());
+
+    // Imports: a profile with every error is verified, one without is imported.
+    let other = ConvProblem::new(8, 16, 12, 12, 32, 3, 3);
+    let mut profile = exported[0].clone();
+    profile.entries = vec![mucudnn_solver::OpProfile {
+        layer: "imported".into(),
+        problem: other,
+        op,
+        split: SplitDim::Batch,
+        measurements: vec![verified(m(2, 0, 1.0, 0), 0.0), m(4, 0, 1.0, 0)],
+        skipped: Vec::new(),
+        rejected: Vec::new(),
+    }];
+    cache.import(&profile, &device, false).unwrap();
+    let state = |micro| {
+        cache
+            .measured(
+                &device,
+                &MeasureKey::batch(other, op, micro, AlgoKind::Legacy),
+            )
+            .unwrap()
+            .verification
+    };
+    assert_eq!(state(2), SizeVerification::Verified);
+    assert_eq!(state(4), SizeVerification::Imported);
+    let other_sizes = SizesKey::new(other, op, SplitDim::Batch, AlgoKind::Legacy);
+    assert!(cache
+        .unverified_sizes(&device, &other_sizes, &[2, 4])
+        .is_empty());
+
+    // A row marked accepted with an error over its tolerance is skipped, with a warning.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(
+        "UPDATE measurements SET max_rel_error = 0.5 WHERE algo = 1 AND rejected = 0",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    let cache = Cache::open(&path).unwrap().quiet();
+    assert_eq!(
+        cache.measurements(&device, &key(4)),
+        Some(vec![at_4.measurements[0]])
+    );
+    assert!(
+        cache.warnings()[0].contains("skipped 1 cached row"),
+        "{:?}",
+        cache.warnings()
+    );
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 fn engine(micro: i64, name: &str, time_ms: f64, workspace_bytes: u64) -> Measurement {
@@ -53,6 +173,7 @@ fn engine(micro: i64, name: &str, time_ms: f64, workspace_bytes: u64) -> Measure
         algo: Algo::Engine(EngineName::new(name).unwrap()),
         time_ms,
         workspace_bytes,
+        verification: None,
     }
 }
 
@@ -1224,7 +1345,11 @@ fn skipped_candidates_are_kept_apart_from_measurements() {
         );
     }
     let cache = Cache::open(&path).unwrap().quiet();
-    let (timed, skipped) = cache
+    let Measured {
+        measurements: timed,
+        skipped,
+        ..
+    } = cache
         .measured(
             &device,
             &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy),
@@ -1269,7 +1394,7 @@ fn skipped_candidates_are_kept_apart_from_measurements() {
         &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy),
         &[m(4, 0, 1.0, 0), m(4, 2, 0.2, 5000)],
     );
-    let (_, skipped) = cache
+    let Measured { skipped, .. } = cache
         .measured(
             &device,
             &MeasureKey::batch(problem, op, 4, AlgoKind::Legacy),
@@ -1618,7 +1743,11 @@ fn unusable_rows_are_misses_and_one_bad_shape_row_hides_nothing() {
 
     // The other shape: the 2^63 - 1 B row is skipped, the size still measured by algorithm 0,
     // and algorithm 0 is a measurement, not also a skipped candidate.
-    let (timed, skipped) = cache
+    let Measured {
+        measurements: timed,
+        skipped,
+        ..
+    } = cache
         .measured(&device, &MeasureKey::batch(other, op, 4, AlgoKind::Legacy))
         .unwrap();
     assert_eq!(timed, [m(4, 0, 4.0, 0)]);

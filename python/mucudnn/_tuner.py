@@ -34,7 +34,10 @@ class Settings:
     micro-batches only, ``"spatial"`` chunks along the outermost spatial dimension of the
     output only (D for 3-D, H for 2-D, W for 1-D), ``"auto"`` (the default) micro-batches,
     and chunks too at a batch of at most 4 when the batch sizes skipped a candidate over the
-    workspace limit, the faster plan kept; plans are cached per setting)."""
+    workspace limit, the faster plan kept; plans are cached per setting) and ``verify``
+    (``True``, the default: each candidate's output is compared with the reference
+    candidate's while measuring, and one that computes wrong numbers is rejected, never
+    planned; ``False`` skips the comparison; plans are cached per setting)."""
 
     policy: str = "power-of-two"
     workspace_limit: Optional[int] = 64 << 20
@@ -44,6 +47,7 @@ class Settings:
     deterministic: bool = False
     ops: Optional[Tuple[str, ...]] = None
     split: str = "auto"
+    verify: bool = True
 
     def to_dict(self) -> Dict[str, Any]:
         doc: Dict[str, Any] = {
@@ -54,6 +58,7 @@ class Settings:
             "prune_margin": self.prune_margin,
             "deterministic": self.deterministic,
             "split": self.split,
+            "verify": self.verify,
         }
         if self.ops is not None:
             doc["ops"] = list(self.ops)

@@ -108,6 +108,19 @@ def test_shared_measurements_make_tuning_free():
         assert result["measured"] == 0 and result["cached"] == 9
 
 
+def test_verification_is_on_by_default_and_counted():
+    spec = problem(n=4, c=3, h=6, w=6, k=4, r=3, s=3, padding=(1, 1))
+    assert Settings().verify and json.loads(Settings().to_json())["verify"] is True
+    verified = Tuner(cache=False).tune("a", spec, SETTINGS)
+    # 3 ops x 3 sizes x 3 CPU algorithms, each output compared with the reference's.
+    assert verified["verified"] == 27 and verified["rejected"] == 0
+    off = Settings(workspace_limit=1 << 20, verify=False)
+    assert json.loads(off.to_json())["verify"] is False
+    unverified = Tuner(cache=False).tune("a", spec, off)
+    assert unverified["measured"] == 9 and unverified["verified"] == 0
+    assert len(unverified["plans"]) == 3
+
+
 def test_store_refuses_another_fingerprint():
     tuner = Tuner(cache=False)
     spec = problem(n=2, c=2, h=4, w=4, k=2, r=1, s=1)
@@ -125,6 +138,7 @@ def test_store_refuses_another_fingerprint():
         ('{"workspace_limit": "64MB"}', "workspace_limit"),
         ('{"candidates": "engines"}', "engine"),
         ('{"prune_margin": 0.5}', "prune_margin"),
+        ('{"verify": "no"}', "verify is \"no\"; give a boolean"),
     ],
 )
 def test_bad_settings_are_clear_errors(settings, message):

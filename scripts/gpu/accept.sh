@@ -46,6 +46,7 @@ export MAX_CANDIDATES=${MAX_CANDIDATES:-8}
 # the source package), wheel (the PyTorch package's wheel), pytest, diffusers (its wheels),
 # vae_bench, candle, candle_ddp.
 PARTS="first-contact|5|tests lib pytest|the widest surface in one call: set-up (one libcudnn, the package, CUDA), PyTorch's CUDA path (18 named tests: fp32 NCHW and fp16 channels-last, legacy and engines, grouped/strided, a side stream with no host sync, CUDA graphs, Conv3d, ConvTranspose2d, batch-1 spatial 2-D/3-D; no skip, no fallback), converted AlexNet fp16 against cudnn.benchmark (error, ms/step, peak memory, tuning), the cuDNN wall (legacy vs float64, offset micro-batches, timer and Find, plans vs PyTorch, 3-D/1-D, spatial, teardown, current context)
+verify|5|bin tests|verified tuning on this GPU and cuDNN: the output comparison (cudnnOpTensor + cudnnReduceTensor) against known differences, verified measuring of every candidate (2-D fp32/TF32/fp16/bf16, 3-D), then verified tunes of AlexNet fp32 and fp16 and r3d_18 fp32 (3-D, TF32): a table per layer of each candidate's error, and which candidates are rejected (findings, not failures)
 torch|5|wheel pytest|the wheel installs and imports; every CUDA test of test_torch_cuda.py and library loading (no skip, no fallback); converted AlexNet fp32 and fp16 against PyTorch (outputs, gradients)
 torch-resnet50|5|wheel|converted ResNet-50 training step, fp32 and fp16 channels-last: mucudnn's and PyTorch's outputs and gradients against a float64 reference (mucudnn within 2x PyTorch's own error)
 torch-speed-resnet50-fp16|5|wheel|ResNet-50 fp16 channels-last at 64 MiB per layer against cudnn.benchmark: step time, peak memory, tuning time
@@ -455,6 +456,37 @@ part_torch_resnet50() {
     --max-candidates "$MAX_CANDIDATES"
 }
 
+# verified_tune NAME ARGS...: `mucudnn tune ARGS... --json` into $work/verify-NAME.json (its
+# summary on stderr goes to the log).
+verified_tune() {
+  local name=$1
+  shift
+  $G/mucudnn tune "$@" --device cuda --json > "$work/verify-$name.json"
+}
+
+part_verify() {
+  setup_binaries || { stop "set-up failed (see the log)"; return; }
+  step "the GPU comparison against known differences (gpu_cudnn.rs)" 20 \
+    $G/gpu-tests --include-ignored --nocapture --test-threads=1 --exact \
+    gpu_output_comparison_measures_known_differences
+  step "verified measuring of every candidate, 2-D and 3-D (gpu_cudnn.rs)" 40 \
+    $G/gpu-tests --include-ignored --nocapture --test-threads=1 --exact \
+    gpu_verified_measuring_compares_every_candidate
+  step "verified tune: AlexNet fp32 NCHW (legacy + engines)" 75 \
+    verified_tune alexnet-fp32 --model alexnet --batch 16 --dtype fp32 --layout nchw \
+    --candidates all --max-candidates "$MAX_CANDIDATES" --cache "$work/cache.sqlite"
+  step "verified tune: AlexNet fp16 NHWC (legacy + engines)" 65 \
+    verified_tune alexnet-fp16 --model alexnet --batch 16 --dtype fp16 --layout nhwc \
+    --candidates all --max-candidates "$MAX_CANDIDATES" --cache "$work/cache.sqlite"
+  step "verified tune: r3d_18 fp32 NCDHW (3-D, TF32 allowed)" 60 \
+    verified_tune r3d-fp32 --model r3d_18 --batch 2 --input 8x56x56 --channel-divisor 2 \
+    --dtype fp32 --layout ncdhw --candidates all --max-candidates "$MAX_CANDIDATES" \
+    --cache "$work/cache.sqlite"
+  step "a table per layer of each candidate's error (verify_table.py)" 10 \
+    python3 $G/verify_table.py "$work/verify-table.txt" "$work/verify-alexnet-fp32.json" \
+    "$work/verify-alexnet-fp16.json" "$work/verify-r3d-fp32.json"
+}
+
 # torch_speed MODEL DTYPE LIMIT
 torch_speed() {
   setup_wheel || { stop "set-up failed (see the log)"; return; }
@@ -568,6 +600,7 @@ part_train() {
 run_part() {
   case "$1" in
     first-contact) part_first_contact ;;
+    verify) part_verify ;;
     torch) part_torch ;;
     torch-resnet50) part_torch_resnet50 ;;
     torch-speed-resnet50-fp16) torch_speed resnet50 fp16 64MiB ;;

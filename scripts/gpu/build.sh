@@ -185,7 +185,7 @@ cp scripts/gpu/accept.sh scripts/gpu/libs.sh scripts/gpu/c_abi_check.sh \
   scripts/gpu/check_part.py scripts/gpu/summary.py .gpu/
 cp scripts/gpu/torch_check.py scripts/gpu/torch_cases.py scripts/gpu/torch_bench.py \
   scripts/gpu/compare_profile.py scripts/gpu/nd_bench.py scripts/gpu/spatial_bench.py \
-  scripts/gpu/bench_common.py .gpu/
+  scripts/gpu/bench_common.py scripts/gpu/verify_table.py .gpu/
 rm -f .gpu/vae_bench.py
 if [ -f scripts/gpu/vae_bench.py ]; then
   cp scripts/gpu/vae_bench.py .gpu/

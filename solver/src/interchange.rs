@@ -8,7 +8,7 @@
 
 use crate::algo::{Algo, EngineName};
 use crate::problem::{ConvOp, ConvProblem, DType, Layout, MathMode};
-use crate::profile::{Measurement, OpProfile, Profile, ProfileError};
+use crate::profile::{Measurement, OpProfile, Profile, ProfileError, Verification};
 use crate::spatial::SplitDim;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -133,6 +133,13 @@ struct Record {
     micro: i64,
     workspace_bytes: u64,
     time_ms: f64,
+    /// mucudnn's extension keys, written together for a verified measurement: its output's
+    /// largest difference from the reference candidate's, relative to the reference's largest
+    /// magnitude, and the tolerance it was held to. Absent: not verified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_rel_error: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tolerance: Option<f64>,
 }
 
 fn one() -> i64 {
@@ -289,6 +296,7 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
                 split: record.split,
                 measurements: Vec::new(),
                 skipped: Vec::new(),
+                rejected: Vec::new(),
             });
             records_of.push(Vec::new());
             profile.entries.len() - 1
@@ -331,11 +339,27 @@ pub fn from_json_str(text: &str) -> Result<Profile, InterchangeError> {
                 })
             }
         };
+        let verification = match (record.max_rel_error, record.tolerance) {
+            (None, None) => None,
+            (Some(max_rel_error), Some(tolerance)) => Some(Verification {
+                max_rel_error,
+                tolerance,
+            }),
+            _ => {
+                return Err(InterchangeError::Record {
+                    index,
+                    message: "has only one of `max_rel_error` and `tolerance` (a verified \
+                              record has both)"
+                        .into(),
+                })
+            }
+        };
         entry.measurements.push(Measurement {
             micro: record.micro,
             algo,
             time_ms: record.time_ms,
             workspace_bytes: record.workspace_bytes,
+            verification,
         });
         records_of[slot].push(index);
     }
@@ -374,6 +398,10 @@ fn record_of(entry: &OpProfile, records: &[usize], error: &ProfileError) -> Opti
         ),
         ProfileError::Duplicate { micro, algo, .. } => {
             position(&|m| m.micro == *micro && m.algo == *algo, 1)
+        }
+        ProfileError::BadVerification { micro, algo, .. }
+        | ProfileError::OverTolerance { micro, algo, .. } => {
+            position(&|m| m.micro == *micro && m.algo == *algo, 0)
         }
         _ => None,
     }
@@ -449,6 +477,8 @@ pub fn to_json_string(profile: &Profile) -> String {
                 micro: m.micro,
                 workspace_bytes: m.workspace_bytes,
                 time_ms: m.time_ms,
+                max_rel_error: m.verification.map(|v| v.max_rel_error),
+                tolerance: m.verification.map(|v| v.tolerance),
             };
             out += if first { "\n" } else { ",\n" };
             first = false;
@@ -619,6 +649,34 @@ mod tests {
         assert_eq!(from_json_str(&null).unwrap().fingerprint, None);
     }
 
+    /// A verified record carries its error and tolerance both ways; one over its tolerance,
+    /// or with only one of the two keys, is refused and named.
+    #[test]
+    fn verified_records_keep_their_error() {
+        let mut p = from_json_str(ONE).unwrap();
+        p.entries[0].measurements[0].verification = Some(Verification {
+            max_rel_error: 3.0e-7,
+            tolerance: 1.2e-5,
+        });
+        let text = to_json_string(&p);
+        assert!(
+            text.contains(r#""max_rel_error":3e-7,"tolerance":0.000012"#),
+            "{text}"
+        );
+        assert_eq!(from_json_str(&text).unwrap(), p);
+        // Other records stay plain.
+        assert_eq!(text.matches("max_rel_error").count(), 1);
+        let over = text.replace(r#""max_rel_error":3e-7"#, r#""max_rel_error":0.5"#);
+        let error = from_json_str(&over).unwrap_err().to_string();
+        assert!(
+            error.starts_with("record 1: ") && error.contains("rejected candidate"),
+            "{error}"
+        );
+        let half = text.replace(r#","tolerance":0.000012"#, "");
+        let error = from_json_str(&half).unwrap_err().to_string();
+        assert!(error.contains("only one of `max_rel_error`"), "{error}");
+    }
+
     #[test]
     fn times_survive_a_round_trip_bit_for_bit() {
         let mut p = from_json_str(ONE).unwrap();
@@ -640,6 +698,7 @@ mod tests {
                 },
                 time_ms,
                 workspace_bytes: 0,
+                verification: None,
             })
             .collect();
         let back = from_json_str(&to_json_string(&p)).unwrap();

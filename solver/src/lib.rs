@@ -45,8 +45,8 @@ pub use operand::{operand_roles, steps, timing_offset, Operand, Step};
 pub use plan::{MicroBatch, Plan};
 pub use problem::{ConvOp, ConvProblem, DType, Layout, MathMode, ShapeError};
 pub use profile::{
-    Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError, RecordCheck, RecordError,
-    RefusedRecord, Skipped,
+    Measured, Measurement, OpProfile, Policy, ProblemName, Profile, ProfileError, RecordCheck,
+    RecordError, RefusedRecord, SizeVerification, Skipped, Verification,
 };
 pub use solve::{solve_profile, Mode, Solution, SolvedProblem};
 pub use spatial::SplitDim;

@@ -28,6 +28,160 @@ pub struct Measurement {
     pub time_ms: f64,
     /// Workspace the call needs, in bytes.
     pub workspace_bytes: u64,
+    /// How its output compared with the reference candidate's on the same operands, when it
+    /// was compared (absent: measured without verification, or no reference output there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verification: Option<Verification>,
+}
+
+impl Measurement {
+    /// A measurement that was not compared with a reference.
+    pub fn new(micro: i64, algo: Algo, time_ms: f64, workspace_bytes: u64) -> Measurement {
+        Measurement {
+            micro,
+            algo,
+            time_ms,
+            workspace_bytes,
+            verification: None,
+        }
+    }
+
+    /// Whether its output was compared with the reference's and found over its tolerance.
+    pub fn is_rejected(&self) -> bool {
+        self.verification.is_some_and(|v| !v.passed())
+    }
+}
+
+/// How one candidate's output compared with the reference candidate's output on the same
+/// operands at one size: the largest absolute difference relative to the largest magnitude of
+/// the reference, against the tolerance of the candidate's arithmetic (its precision and the
+/// reduction length). A candidate over its tolerance computes wrong numbers: it is rejected,
+/// kept apart from the measurements a solver reads ([`OpProfile::rejected`]).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Verification {
+    /// `max |out - reference| / max |reference|`; infinite when the output is not finite
+    /// where the reference is (NaN, infinity). Written as JSON `null` then, as JSON has no
+    /// infinity.
+    #[serde(with = "non_finite_as_null")]
+    pub max_rel_error: f64,
+    /// The largest error a correct candidate of this arithmetic may have here.
+    pub tolerance: f64,
+}
+
+impl Verification {
+    /// Within the tolerance (an infinite or NaN error never is).
+    pub fn passed(&self) -> bool {
+        self.max_rel_error <= self.tolerance
+    }
+
+    /// A tolerance that is positive and finite and an error that is not negative (infinite
+    /// allowed): what a comparison can produce.
+    pub fn is_well_formed(&self) -> bool {
+        self.tolerance.is_finite()
+            && self.tolerance > 0.0
+            && !self.max_rel_error.is_nan()
+            && self.max_rel_error >= 0.0
+    }
+}
+
+/// `max_rel_error` in JSON: a number, or `null` for an infinite error (JSON has no infinity).
+mod non_finite_as_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &f64, serializer: S) -> Result<S::Ok, S::Error> {
+        if value.is_finite() {
+            serializer.serialize_f64(*value)
+        } else {
+            serializer.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(deserializer)?.unwrap_or(f64::INFINITY))
+    }
+}
+
+/// Whether the candidates measured at one size were verified (their outputs compared with the
+/// reference candidate's), as the cache records it per size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SizeVerification {
+    /// Measured with verification: every candidate that could be compared carries its
+    /// [`Verification`], and those over their tolerance are rejected.
+    Verified,
+    /// Measured without verification (turned off, or before mucudnn verified): a tune that
+    /// verifies measures the size again.
+    #[default]
+    Unverified,
+    /// Imported (`cache import`) from a profile that does not carry every record's error: used
+    /// as it is, reported unverified; measuring it again is the user's choice (`cache clear`).
+    Imported,
+}
+
+impl SizeVerification {
+    pub const ALL: [SizeVerification; 3] = [
+        SizeVerification::Verified,
+        SizeVerification::Unverified,
+        SizeVerification::Imported,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SizeVerification::Verified => "verified",
+            SizeVerification::Unverified => "unverified",
+            SizeVerification::Imported => "imported",
+        }
+    }
+
+    /// Whether a tune that verifies must measure a size in this state again.
+    pub fn needs_measuring(self, verify: bool) -> bool {
+        verify && self == SizeVerification::Unverified
+    }
+
+    /// The state of a size measured in two parts (a smaller limit's run, then the candidates
+    /// it skipped): verified only when both were.
+    pub fn and(self, other: SizeVerification) -> SizeVerification {
+        match (self, other) {
+            (SizeVerification::Verified, SizeVerification::Verified) => SizeVerification::Verified,
+            (SizeVerification::Unverified, _) | (_, SizeVerification::Unverified) => {
+                SizeVerification::Unverified
+            }
+            _ => SizeVerification::Imported,
+        }
+    }
+}
+
+impl fmt::Display for SizeVerification {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for SizeVerification {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        SizeVerification::ALL
+            .into_iter()
+            .find(|v| v.name() == s)
+            .ok_or_else(|| format!("unknown verification state `{s}`"))
+    }
+}
+
+/// What one size of one kind holds once measured: the candidates timed (verified or not), those
+/// skipped for their workspace, those rejected for wrong results, and whether the size was
+/// verified. What a backend returns, the cache stores and returns, and a task shares.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Measured {
+    /// Timed candidates a plan may use (none over its tolerance).
+    pub measurements: Vec<Measurement>,
+    /// Candidates not timed because their workspace exceeded the measuring limit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<Skipped>,
+    /// Timed candidates whose output was over their tolerance: never offered to a solver.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rejected: Vec<Measurement>,
+    #[serde(default)]
+    pub verification: SizeVerification,
 }
 
 /// A candidate that was not timed at one micro-batch size because its workspace exceeded the
@@ -59,6 +213,11 @@ pub struct OpProfile {
     /// workspace, no time. Only a record of what is left to measure; solving ignores it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<Skipped>,
+    /// Candidates timed whose output was over their tolerance against the reference
+    /// ([`Measurement::is_rejected`]): kept with their time and error for reports, never read
+    /// by a solver.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rejected: Vec<Measurement>,
 }
 
 /// A whole profile: the measurements of every tuning problem, plus where they were taken.
@@ -203,6 +362,30 @@ pub enum ProfileError {
         micro: i64,
         algo: Algo,
     },
+    /// A verification no comparison produces (a tolerance that is not positive and finite,
+    /// a negative or NaN error).
+    #[error("{name}: algo {algo} at micro-batch {micro}: a verification needs a positive finite tolerance and an error that is not negative")]
+    BadVerification {
+        name: ProblemName,
+        micro: i64,
+        algo: Algo,
+    },
+    /// A measurement over its tolerance: it belongs among the rejected candidates.
+    #[error("{name}: algo {algo} at micro-batch {micro} has a relative error of {max_rel_error:e} over its tolerance {tolerance:e}: it is a rejected candidate, not a measurement")]
+    OverTolerance {
+        name: ProblemName,
+        micro: i64,
+        algo: Algo,
+        max_rel_error: f64,
+        tolerance: f64,
+    },
+    /// A rejected candidate without an error over its tolerance.
+    #[error("{name}: algo {algo} at micro-batch {micro} is listed as rejected, but its output was not found over its tolerance")]
+    NotRejected {
+        name: ProblemName,
+        micro: i64,
+        algo: Algo,
+    },
     #[error("{name}: appears twice in the profile")]
     DuplicateProblem { name: ProblemName },
     #[error("cannot merge profiles of different devices: {first} and {other}")]
@@ -269,6 +452,58 @@ impl OpProfile {
                     name: name(),
                     micro: m.micro,
                     algo: m.algo,
+                });
+            }
+            if let Some(v) = m.verification {
+                if !v.is_well_formed() {
+                    return Err(ProfileError::BadVerification {
+                        name: name(),
+                        micro: m.micro,
+                        algo: m.algo,
+                    });
+                }
+                if !v.passed() {
+                    return Err(ProfileError::OverTolerance {
+                        name: name(),
+                        micro: m.micro,
+                        algo: m.algo,
+                        max_rel_error: v.max_rel_error,
+                        tolerance: v.tolerance,
+                    });
+                }
+            }
+        }
+        // A rejected candidate was timed and found wrong: never also a measurement.
+        for r in &self.rejected {
+            if r.micro < 1 || r.micro > extent {
+                return Err(ProfileError::MicroOutOfRange {
+                    name: name(),
+                    micro: r.micro,
+                    n: extent,
+                });
+            }
+            match r.verification {
+                Some(v) if !v.is_well_formed() => {
+                    return Err(ProfileError::BadVerification {
+                        name: name(),
+                        micro: r.micro,
+                        algo: r.algo,
+                    })
+                }
+                Some(v) if !v.passed() => {}
+                _ => {
+                    return Err(ProfileError::NotRejected {
+                        name: name(),
+                        micro: r.micro,
+                        algo: r.algo,
+                    })
+                }
+            }
+            if !seen.insert((r.micro, r.algo)) {
+                return Err(ProfileError::Duplicate {
+                    name: name(),
+                    micro: r.micro,
+                    algo: r.algo,
                 });
             }
         }
@@ -348,6 +583,7 @@ impl Profile {
                     mine.skipped.retain(|s| !timed.contains(&(s.micro, s.algo)));
                     mine.skipped.sort_by_key(|s| (s.micro, s.algo));
                     mine.skipped.dedup_by_key(|s| (s.micro, s.algo));
+                    mine.rejected.extend_from_slice(&entry.rejected);
                 }
                 None => self.entries.push(entry.clone()),
             }
@@ -375,6 +611,12 @@ impl Profile {
                     .skipped
                     .iter()
                     .filter(|s| candidates.contains(s.algo.kind()))
+                    .copied()
+                    .collect(),
+                rejected: e
+                    .rejected
+                    .iter()
+                    .filter(|r| candidates.contains(r.algo.kind()))
                     .copied()
                     .collect(),
                 ..e.clone()
@@ -441,6 +683,8 @@ pub enum RecordError {
         workspace_bytes: u64,
         memory_bytes: u64,
     },
+    #[error("algo {algo}: {what}")]
+    Verification { algo: Algo, what: &'static str },
 }
 
 /// A batch refused because of one record: its index in the batch, and why. Nothing of the
@@ -531,7 +775,35 @@ impl RecordCheck<'_> {
                 });
             }
         }
+        if m.verification.is_some_and(|v| !v.is_well_formed()) {
+            return Err(RecordError::Verification {
+                algo: m.algo,
+                what: "a verification needs a positive finite tolerance and an error that is not negative",
+            });
+        }
         Ok(())
+    }
+
+    /// That `m`'s verification agrees with the list it is stored in: a rejected candidate
+    /// (`rejected`) was found over its tolerance; a measurement a plan may use was not.
+    pub fn verdict(&self, m: &Measurement, rejected: bool) -> Result<(), RecordError> {
+        if m.verification.is_some_and(|v| !v.is_well_formed()) {
+            return Err(RecordError::Verification {
+                algo: m.algo,
+                what: "a verification needs a positive finite tolerance and an error that is not negative",
+            });
+        }
+        match (rejected, m.is_rejected()) {
+            (true, false) => Err(RecordError::Verification {
+                algo: m.algo,
+                what: "listed as rejected, but its output was not found over its tolerance",
+            }),
+            (false, true) => Err(RecordError::Verification {
+                algo: m.algo,
+                what: "its output is over its tolerance: a rejected candidate, not a measurement",
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// A whole batch, all or nothing: `records` are (layer, problem, op, measurement) in batch
@@ -612,6 +884,7 @@ mod tests {
             split: crate::SplitDim::Batch,
             measurements,
             skipped: Vec::new(),
+            rejected: Vec::new(),
         }
     }
 
@@ -665,6 +938,7 @@ mod tests {
             split: SplitDim::Spatial,
             measurements,
             skipped: Vec::new(),
+            rejected: Vec::new(),
         };
         let forward = spatial(
             ConvOp::Forward,
@@ -709,12 +983,110 @@ mod tests {
         ));
     }
 
+    fn verified(micro: i64, algo: u32, max_rel_error: f64) -> Measurement {
+        Measurement {
+            verification: Some(Verification {
+                max_rel_error,
+                tolerance: 1e-5,
+            }),
+            ..m(micro, algo, 1.0)
+        }
+    }
+
+    /// A rejected candidate is timed and over its tolerance, kept apart from the
+    /// measurements: never both, never a measurement over its tolerance.
+    #[test]
+    fn rejected_candidates_are_not_measurements() {
+        let mut entry = entry(vec![verified(4, 0, 0.0), verified(4, 1, 2e-6)]);
+        entry.rejected = vec![verified(4, 2, 0.31)];
+        entry.validate().unwrap();
+        assert!(entry.rejected[0].is_rejected());
+        assert!(!entry.measurements[1].is_rejected() && !m(4, 0, 1.0).is_rejected());
+        let mut over = entry.clone();
+        over.measurements.push(verified(2, 2, 0.31));
+        assert!(matches!(
+            over.validate(),
+            Err(ProfileError::OverTolerance { micro: 2, .. })
+        ));
+        let mut both = entry.clone();
+        both.rejected.push(verified(4, 1, f64::INFINITY));
+        assert!(matches!(
+            both.validate(),
+            Err(ProfileError::Duplicate { micro: 4, .. })
+        ));
+        for not_rejected in [verified(2, 2, 1e-6), m(2, 2, 1.0)] {
+            let mut wrong = entry.clone();
+            wrong.rejected.push(not_rejected);
+            assert!(matches!(
+                wrong.validate(),
+                Err(ProfileError::NotRejected { .. })
+            ));
+        }
+        for bad in [
+            Verification {
+                max_rel_error: f64::NAN,
+                tolerance: 1e-5,
+            },
+            Verification {
+                max_rel_error: -1.0,
+                tolerance: 1e-5,
+            },
+            Verification {
+                max_rel_error: 0.0,
+                tolerance: 0.0,
+            },
+        ] {
+            let mut wrong = entry.clone();
+            wrong.measurements[0].verification = Some(bad);
+            assert!(matches!(
+                wrong.validate(),
+                Err(ProfileError::BadVerification { .. })
+            ));
+        }
+        // Only a candidate kind's rejections stay with it.
+        let profile = Profile {
+            entries: vec![entry],
+            ..Default::default()
+        };
+        assert_eq!(
+            profile.only(CandidateSet::Legacy).entries[0].rejected.len(),
+            1
+        );
+        assert!(profile.only(CandidateSet::Engines).entries.is_empty());
+    }
+
+    /// An infinite error (an output with NaN where the reference has none) is `null` in JSON
+    /// and reads back infinite; a size is verified only when all of it was.
+    #[test]
+    fn verification_in_json_and_per_size() {
+        let nan_output = verified(1, 0, f64::INFINITY);
+        let json = serde_json::to_string(&nan_output).unwrap();
+        assert!(json.contains(r#""max_rel_error":null"#), "{json}");
+        let back: Measurement = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, nan_output);
+        assert!(back.is_rejected());
+        let plain = serde_json::to_string(&m(1, 0, 1.0)).unwrap();
+        assert!(!plain.contains("verification"), "{plain}");
+        use SizeVerification::*;
+        assert_eq!(Verified.and(Verified), Verified);
+        assert_eq!(Verified.and(Unverified), Unverified);
+        assert_eq!(Imported.and(Verified), Imported);
+        assert_eq!(Imported.and(Unverified), Unverified);
+        assert!(Unverified.needs_measuring(true));
+        assert!(!Unverified.needs_measuring(false));
+        assert!(!Imported.needs_measuring(true) && !Verified.needs_measuring(true));
+        for state in SizeVerification::ALL {
+            assert_eq!(state.name().parse::<SizeVerification>(), Ok(state));
+        }
+    }
+
     fn m(micro: i64, algo: u32, time_ms: f64) -> Measurement {
         Measurement {
             micro,
             algo: Algo::Legacy(algo),
             time_ms,
             workspace_bytes: 0,
+            verification: None,
         }
     }
 
@@ -811,6 +1183,29 @@ mod tests {
                 .to_string();
             assert!(error.contains(want), "{error}");
         }
+        // A verification no comparison produces is refused; the list a verified record is
+        // stored in must agree with its verdict.
+        let nan = Measurement {
+            verification: Some(Verification {
+                max_rel_error: f64::NAN,
+                tolerance: 1e-5,
+            }),
+            ..good
+        };
+        let error = check(&on_cpu, ConvOp::Forward, nan)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("positive finite tolerance"), "{error}");
+        let wrong = verified(2, 2, 0.5);
+        assert_eq!(check(&on_cpu, ConvOp::Forward, wrong), Ok(()));
+        assert!(on_cpu.verdict(&wrong, true).is_ok());
+        assert!(on_cpu
+            .verdict(&wrong, false)
+            .unwrap_err()
+            .to_string()
+            .contains("a rejected candidate, not a measurement"));
+        assert!(on_cpu.verdict(&good, true).is_err());
+        assert!(on_cpu.verdict(&good, false).is_ok());
         // An engine configuration is a cuDNN candidate only; cuDNN's counts differ per op.
         let engine = Measurement {
             algo: Algo::Engine("eng3_k2=1".parse().unwrap()),

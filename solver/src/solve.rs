@@ -252,6 +252,7 @@ mod tests {
             algo: Algo::Legacy(algo),
             time_ms,
             workspace_bytes,
+            verification: None,
         };
         let batch = OpProfile {
             layer: "l".into(),
@@ -265,6 +266,7 @@ mod tests {
                 m(2, 1, 2.0, 100),
             ],
             skipped: Vec::new(),
+            rejected: Vec::new(),
         };
         let spatial = OpProfile {
             split: SplitDim::Spatial,

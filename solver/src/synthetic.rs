@@ -48,6 +48,7 @@ pub fn random_entry(rng: &mut Rng, n: i64, algos: u32, policy: Policy) -> OpProf
                 algo: Algo::Legacy(algo),
                 time_ms: (time * 1000.0).round() / 1000.0 + 0.001,
                 workspace_bytes: ws_per_image * micro as u64 + rng.below(4096),
+                verification: None,
             });
         }
     }
@@ -58,6 +59,7 @@ pub fn random_entry(rng: &mut Rng, n: i64, algos: u32, policy: Policy) -> OpProf
         split: crate::SplitDim::Batch,
         measurements,
         skipped: Vec::new(),
+        rejected: Vec::new(),
     }
 }
 

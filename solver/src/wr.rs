@@ -599,6 +599,7 @@ mod tests {
                 algo: Algo::Legacy(0),
                 time_ms: micro as f64 * 1e-3 + 1.0,
                 workspace_bytes: 0,
+                verification: None,
             })
             .collect();
         entry

@@ -247,6 +247,7 @@ fn skipped_candidates_name_the_smallest_limit_but_never_make_a_plan() {
         algo: Algo::Legacy(algo),
         time_ms: micro as f64,
         workspace_bytes,
+        verification: None,
     };
     let s = |micro: i64, algo: u32, workspace_bytes: u64| Skipped {
         micro,
@@ -260,6 +261,7 @@ fn skipped_candidates_name_the_smallest_limit_but_never_make_a_plan() {
         split: mucudnn_solver::SplitDim::Batch,
         measurements: vec![m(1, 0, 10)],
         skipped: vec![s(2, 1, 300), s(4, 1, 200), s(4, 2, 900)],
+        rejected: Vec::new(),
     };
     // Measured under 100 bytes: size 1 alone makes up 4.
     let plan = solve_wr(&entry, Policy::PowerOfTwo, 100).unwrap();

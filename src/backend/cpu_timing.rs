@@ -2,6 +2,7 @@
 //! data with the host clock.
 
 use super::cpu::{self, AlignedWorkspace, CpuAlgo, Element};
+use super::verify::{self, Arithmetic, Fault, HostReference};
 use super::{
     check_key, median_time, Backend, BackendError, Decision, MeasureSettings, Measured, MemoryUse,
     Selection, TimingSettings,
@@ -11,7 +12,8 @@ use crate::device::DeviceFingerprint;
 use crate::solver::spatial::{split_axis, timing_chunks, AxisGeometry, Chunk};
 use crate::solver::Operand;
 use crate::solver::{
-    Algo, AlgoKind, ConvOp, ConvProblem, DType, MeasureKey, Measurement, Skipped, SplitDim,
+    Algo, AlgoKind, ConvOp, ConvProblem, DType, MeasureKey, Measurement, SizeVerification, Skipped,
+    SplitDim, Verification,
 };
 use half::{bf16, f16};
 use std::time::Instant;
@@ -39,6 +41,10 @@ impl Operands {
     }
 }
 
+/// The CPU backend's reference candidate for verification: direct loops over the sum, in the
+/// order the f64 reference walks it.
+pub const REFERENCE: CpuAlgo = CpuAlgo::Direct;
+
 /// Times the CPU algorithms. Operand buffers are made once per problem and reused until
 /// [`Backend::release`].
 pub struct CpuBackend {
@@ -46,6 +52,87 @@ pub struct CpuBackend {
     operands: Option<(ConvProblem, Operands)>,
     workspace: AlignedWorkspace,
     memory: MemoryUse,
+    /// A test's wrong candidate ([`CpuBackend::with_fault`]).
+    fault: Option<Fault>,
+}
+
+/// One size's comparison of every candidate with the reference, piece by piece (the
+/// micro-batch, or each timing chunk of a spatial size): the reference's output of each piece is
+/// kept when it runs (first), every other candidate's compared with it.
+struct Check {
+    verify: bool,
+    fault: Option<Fault>,
+    /// The micro-batch problem (a fault's rows are counted in it).
+    problem: ConvProblem,
+    op: ConvOp,
+    size: i64,
+    /// What a correct candidate's error stays within here ([`verify::tolerance`]).
+    tolerance: f64,
+    /// The reference's output per piece; `None` where it is not finite.
+    references: Vec<Option<HostReference>>,
+    /// The candidate being compared: its largest error so far, and whether every piece could
+    /// be compared.
+    error: f64,
+    comparable: bool,
+}
+
+impl Check {
+    /// The check of `op` at `size` (a micro-batch of `problem`, or a chunk size of it), whose
+    /// sums are at most as long as at micro-batch `reduction_size`.
+    fn new(
+        how: &MeasureSettings,
+        fault: Option<Fault>,
+        problem: ConvProblem,
+        op: ConvOp,
+        size: i64,
+        reduction_size: i64,
+    ) -> Check {
+        Check {
+            verify: how.verify,
+            fault,
+            problem,
+            op,
+            size,
+            tolerance: verify::tolerance(&problem, op, reduction_size, Arithmetic::Fma),
+            references: Vec::new(),
+            error: 0.0,
+            comparable: true,
+        }
+    }
+
+    /// Starts comparing the next candidate.
+    fn start(&mut self) {
+        self.error = 0.0;
+        self.comparable = true;
+    }
+
+    /// `algo`'s output of piece `piece`, after it ran: corrupted first if a test's fault hits
+    /// it, then kept (the reference, the first time) or compared.
+    fn observe<T: Element>(&mut self, algo: CpuAlgo, piece: usize, out: &mut [T]) {
+        if let Some(fault) = self.fault.filter(|f| f.hits(self.op, algo.id(), self.size)) {
+            fault.corrupt(&self.problem, out);
+        }
+        if !self.verify {
+            return;
+        }
+        if algo == REFERENCE && self.references.len() == piece {
+            // The reference itself: kept, its error 0 (nothing to compare).
+            let kept = HostReference::new(out);
+            self.comparable &= kept.is_some();
+            self.references.push(kept);
+            return;
+        }
+        match self.references.get(piece) {
+            Some(Some(reference)) => self.error = self.error.max(reference.relative_error(out)),
+            _ => self.comparable = false,
+        }
+    }
+
+    /// The verification of the candidate compared since [`Check::start`]; `None` when
+    /// verification is off or a piece had no reference to compare with.
+    fn finish(&self) -> Option<Verification> {
+        (self.verify && self.comparable).then(|| verify::verification(self.error, self.tolerance))
+    }
 }
 
 impl Default for CpuBackend {
@@ -61,7 +148,18 @@ impl CpuBackend {
             operands: None,
             workspace: AlignedWorkspace::default(),
             memory: MemoryUse::default(),
+            fault: None,
         }
+    }
+
+    /// This backend with one candidate computing wrong numbers at one size, for tests of
+    /// verified tuning: after that candidate runs there, its output is corrupted as `fault`
+    /// says, before it is compared with the reference (what a broken kernel would have
+    /// written). Timing and every other candidate are unchanged; executing a plan is not
+    /// affected.
+    pub fn with_fault(mut self, fault: Fault) -> Self {
+        self.fault = Some(fault);
+        self
     }
 
     /// Records what the operands and the workspace hold now.
@@ -143,26 +241,42 @@ impl CpuBackend {
         }
     }
 
-    /// Every CPU algorithm `select` asks for at one size (`micro`: a micro-batch or a chunk
-    /// size): its workspace by `workspace_of`, skipped over the limit, else timed by `time`
-    /// on the full-batch operands and the workspace.
+    /// Every CPU algorithm `select` asks for at one size (the check's: a micro-batch or a
+    /// chunk size): its workspace by `workspace_of`, skipped over the limit, else timed by `time`
+    /// on the full-batch operands and the workspace, which hands each piece's output to the
+    /// [`Check`]. With verification, the reference runs first (timed if asked for, else once
+    /// by `reference`), and a candidate over its tolerance is rejected.
     fn measure_each(
         &mut self,
         problem: &ConvProblem,
-        micro: i64,
+        check: &mut Check,
         select: &Selection,
         workspace_of: impl Fn(CpuAlgo) -> u64,
-        mut time: impl FnMut(&mut Operands, CpuAlgo, &mut [u8]) -> Result<f64, BackendError>,
+        mut time: impl FnMut(&mut Operands, CpuAlgo, &mut [u8], &mut Check) -> Result<f64, BackendError>,
+        reference: impl FnOnce(&mut Operands, &mut Check) -> Result<(), BackendError>,
     ) -> Result<Measured, BackendError> {
+        let micro = check.size;
         self.operands(problem)?;
-        let mut measurements = Vec::with_capacity(CpuAlgo::ALL.len());
-        let mut skipped = Vec::new();
+        let mut found = Measured {
+            verification: if check.verify {
+                SizeVerification::Verified
+            } else {
+                SizeVerification::Unverified
+            },
+            ..Measured::default()
+        };
+        // The reference needs no workspace; when it is not asked for, it runs once, untimed.
+        debug_assert_eq!(workspace_of(REFERENCE), 0);
+        if check.verify && select.decide(&Algo::Legacy(REFERENCE.id()), 0) != Decision::Time {
+            check.start();
+            reference(self.operands(problem)?, check)?;
+        }
         for algo in CpuAlgo::ALL {
             let workspace_bytes = workspace_of(algo);
             match select.decide(&Algo::Legacy(algo.id()), workspace_bytes) {
                 Decision::Leave => continue,
                 Decision::Skip => {
-                    skipped.push(Skipped {
+                    found.skipped.push(Skipped {
                         micro,
                         algo: Algo::Legacy(algo.id()),
                         workspace_bytes,
@@ -175,19 +289,28 @@ impl CpuBackend {
                 continue;
             }
             let mut workspace = std::mem::take(&mut self.workspace);
-            let time_ms = time(self.operands(problem)?, algo, workspace.as_bytes_mut());
+            check.start();
+            let time_ms = time(
+                self.operands(problem)?,
+                algo,
+                workspace.as_bytes_mut(),
+                check,
+            );
             self.workspace = workspace;
-            measurements.push(Measurement {
+            let measurement = Measurement {
                 micro,
                 algo: Algo::Legacy(algo.id()),
                 time_ms: time_ms?.max(1e-6),
                 workspace_bytes,
-            });
+                verification: check.finish(),
+            };
+            if measurement.is_rejected() {
+                found.rejected.push(measurement);
+            } else {
+                found.measurements.push(measurement);
+            }
         }
-        Ok(Measured {
-            measurements,
-            skipped,
-        })
+        Ok(found)
     }
 
     /// Each CPU algorithm at micro-batch size `micro` (checked by [`check_key`]).
@@ -199,23 +322,31 @@ impl CpuBackend {
         how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
         let (timing, select) = (&how.timing, &how.select);
+        let mut check = Check::new(how, self.fault, problem.with_batch(micro), op, micro, micro);
+        let run = |operands: &mut Operands,
+                   algo: CpuAlgo,
+                   workspace: &mut [u8],
+                   check: &mut Check,
+                   timing: Option<&TimingSettings>| match operands {
+            Operands::F32(b) => run_algo(problem, op, micro, algo, b, workspace, timing, check),
+            Operands::F16(b) => run_algo(problem, op, micro, algo, b, workspace, timing, check),
+            Operands::Bf16(b) => run_algo(problem, op, micro, algo, b, workspace, timing, check),
+        };
         self.measure_each(
             problem,
-            micro,
+            &mut check,
             select,
             |algo| cpu::workspace_bytes(&problem.with_batch(micro), op, algo),
-            |operands, algo, workspace| match operands {
-                Operands::F32(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
-                Operands::F16(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
-                Operands::Bf16(b) => time_algo(problem, op, micro, algo, b, workspace, timing),
-            },
+            |operands, algo, workspace, check| run(operands, algo, workspace, check, Some(timing)),
+            |operands, check| run(operands, REFERENCE, &mut [], check, None).map(drop),
         )
     }
 
-    /// Each CPU algorithm on chunks of `size` rows (checked by [`check_key`]), at the start, middle and end of
-    /// the split axis ([`timing_chunks`]): the slowest time, the largest workspace. A size
-    /// whose chunks have no call (every window in the padding) costs only the zero fill: it
-    /// is recorded at the clock's resolution with no workspace.
+    /// Each CPU algorithm on chunks of `size` rows (checked by [`check_key`]), at the start,
+    /// middle and end of the split axis ([`timing_chunks`]): the slowest time, the largest
+    /// workspace; verified chunk by chunk. A size whose chunks have no call (every window in
+    /// the padding) costs only the zero fill: it is recorded at the clock's resolution with no
+    /// workspace.
     fn measure_chunks(
         &mut self,
         problem: &ConvProblem,
@@ -225,9 +356,55 @@ impl CpuBackend {
     ) -> Result<Measured, BackendError> {
         let (timing, select) = (&how.timing, &how.select);
         let chunks = timing_chunks(&AxisGeometry::of(problem, split_axis(problem)), op, size);
+        // A chunk's sums are no longer than the whole batch's.
+        let mut check = Check::new(how, self.fault, *problem, op, size, problem.n);
+        let run = |operands: &mut Operands,
+                   algo: CpuAlgo,
+                   workspace: &mut [u8],
+                   check: &mut Check,
+                   timing: Option<&TimingSettings>|
+         -> Result<f64, BackendError> {
+            let mut slowest = 0.0f64;
+            for (piece, chunk) in chunks.iter().enumerate() {
+                let time = match operands {
+                    Operands::F32(b) => run_chunk(
+                        problem,
+                        op,
+                        chunk,
+                        algo,
+                        b,
+                        workspace,
+                        timing,
+                        (check, piece),
+                    ),
+                    Operands::F16(b) => run_chunk(
+                        problem,
+                        op,
+                        chunk,
+                        algo,
+                        b,
+                        workspace,
+                        timing,
+                        (check, piece),
+                    ),
+                    Operands::Bf16(b) => run_chunk(
+                        problem,
+                        op,
+                        chunk,
+                        algo,
+                        b,
+                        workspace,
+                        timing,
+                        (check, piece),
+                    ),
+                }?;
+                slowest = slowest.max(time);
+            }
+            Ok(slowest)
+        };
         self.measure_each(
             problem,
-            size,
+            &mut check,
             select,
             |algo| {
                 chunks
@@ -236,40 +413,27 @@ impl CpuBackend {
                     .max()
                     .unwrap_or(0)
             },
-            |operands, algo, workspace| {
-                let mut slowest = 0.0f64;
-                for chunk in &chunks {
-                    let time = match operands {
-                        Operands::F32(b) => {
-                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
-                        }
-                        Operands::F16(b) => {
-                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
-                        }
-                        Operands::Bf16(b) => {
-                            time_chunk(problem, op, chunk, algo, b, workspace, timing)
-                        }
-                    }?;
-                    slowest = slowest.max(time);
-                }
-                Ok(slowest)
-            },
+            |operands, algo, workspace, check| run(operands, algo, workspace, check, Some(timing)),
+            |operands, check| run(operands, REFERENCE, &mut [], check, None).map(drop),
         )
     }
 }
 
-/// Times one algorithm on one spatial chunk: the chunk's packed slabs
+/// Runs one algorithm on one spatial chunk, timed per `timing` (`None`: once, untimed), then
+/// hands its output to the check as piece `piece`: the chunk's packed slabs
 /// ([`cpu::chunk_buffer_lens`]) are the leading elements of the full-batch buffers (the CPU
 /// kernels take packed slabs; the executor stages them when they are not contiguous, a copy
 /// not timed here).
-fn time_chunk<T: Element>(
+#[allow(clippy::too_many_arguments)]
+fn run_chunk<T: Element>(
     problem: &ConvProblem,
     op: ConvOp,
     chunk: &Chunk,
     algo: CpuAlgo,
     buffers: &mut [Vec<T>; 3],
     workspace: &mut [u8],
-    timing: &TimingSettings,
+    timing: Option<&TimingSettings>,
+    (check, piece): (&mut Check, usize),
 ) -> Result<f64, BackendError> {
     let [(_, la), (_, lb), (_, lo)] = cpu::chunk_buffer_lens(problem, op, chunk)?;
     let [x, w, y] = buffers;
@@ -278,10 +442,27 @@ fn time_chunk<T: Element>(
         ConvOp::BackwardData => (&w[..la], &y[..lb], &mut x[..lo]),
         ConvOp::BackwardFilter => (&x[..la], &y[..lb], &mut w[..lo]),
     };
+    let mut call =
+        |out: &mut [T]| cpu::run_chunk(problem, op, algo, chunk, 1.0, a, b, 0.0, out, workspace);
+    let ms = timed(timing, || call(out))?;
+    check.observe(algo, piece, out);
+    Ok(ms)
+}
+
+/// `call` timed per `timing` ([`median_time`]), or run once and reported as 0 ms when `timing`
+/// is `None` (the reference, run only to be compared with).
+fn timed(
+    timing: Option<&TimingSettings>,
+    mut call: impl FnMut() -> Result<(), cpu::CpuError>,
+) -> Result<f64, BackendError> {
+    let Some(timing) = timing else {
+        call()?;
+        return Ok(0.0);
+    };
     median_time(timing, |iterations| -> Result<f64, BackendError> {
         let start = Instant::now();
         for _ in 0..iterations {
-            cpu::run_chunk(problem, op, algo, chunk, 1.0, a, b, 0.0, out, workspace)?;
+            call()?;
         }
         Ok(start.elapsed().as_secs_f64() * 1e3)
     })
@@ -298,16 +479,19 @@ fn operand_host_bytes(problem: &ConvProblem) -> u128 {
     super::operand_bytes(problem) + staging
 }
 
-/// Times one algorithm at one micro-batch of the full buffers, at the offset the cuDNN backend
-/// times it at too ([`crate::solver::timing_offset`]).
-fn time_algo<T: Element>(
+/// Runs one algorithm at one micro-batch of the full buffers, at the offset the cuDNN backend
+/// times it at too ([`crate::solver::timing_offset`]), timed per `timing` (`None`: once,
+/// untimed), then hands its output to the check.
+#[allow(clippy::too_many_arguments)]
+fn run_algo<T: Element>(
     problem: &ConvProblem,
     op: ConvOp,
     micro: i64,
     algo: CpuAlgo,
     buffers: &mut [Vec<T>; 3],
     workspace: &mut [u8],
-    timing: &TimingSettings,
+    timing: Option<&TimingSettings>,
+    check: &mut Check,
 ) -> Result<f64, BackendError> {
     let micro_problem = problem.with_batch(micro);
     let first = crate::solver::timing_offset(problem.n as usize, micro as usize);
@@ -332,14 +516,13 @@ fn time_algo<T: Element>(
         ConvOp::BackwardData => (&w[rw], &y[ry], &mut x[rx]),
         ConvOp::BackwardFilter => (&x[rx], &y[ry], &mut w[rw]),
     };
-    median_time(timing, |iterations| -> Result<f64, BackendError> {
-        let start = Instant::now();
-        for _ in 0..iterations {
-            // beta = 0: outputs are overwritten, so repeated calls stay finite.
-            cpu::run(&micro_problem, op, algo, 1.0, a, b, 0.0, out, workspace)?;
-        }
-        Ok(start.elapsed().as_secs_f64() * 1e3)
-    })
+    // beta = 0: outputs are overwritten, so repeated calls stay finite, and the last call's
+    // output is the one compared.
+    let mut call =
+        |out: &mut [T]| cpu::run(&micro_problem, op, algo, 1.0, a, b, 0.0, out, workspace);
+    let ms = timed(timing, || call(out))?;
+    check.observe(algo, 0, out);
+    Ok(ms)
 }
 
 impl Backend for CpuBackend {

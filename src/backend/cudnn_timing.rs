@@ -8,9 +8,11 @@
 
 use super::cudnn::{
     algo_count, engine_configs_for_chunk, engine_configs_with_alignments, graph_api_status,
-    legacy_deterministic, probe, Alignments, ChunkShapes, ConvDescriptors, ConvShapes, CudnnError,
-    CudnnHandle, DeviceBuffer, DeviceOperands, EngineConfig, EnginePlan, Surface, Workspace,
+    known_bad::effective_math, legacy_deterministic, probe, Alignments, ChunkShapes,
+    ComparisonDescriptors, ConvDescriptors, ConvShapes, CudnnError, CudnnHandle, DeviceBuffer,
+    DeviceOperands, EngineConfig, EngineNotes, EnginePlan, OutputComparison, Surface, Workspace,
 };
+use super::verify::{self, Arithmetic};
 use super::{
     check_chunk_args, check_key, check_measure_args, median_time, Backend, BackendError, Decision,
     MeasureSettings, Measured, MemoryUse, Selection, TimingSettings,
@@ -19,7 +21,8 @@ use crate::device::{BackendKind, DeviceFingerprint};
 use crate::solver::spatial::{split_axis, timing_chunks, AxisGeometry};
 use crate::solver::{operand_roles, timing_offset, Operand, Step};
 use crate::solver::{
-    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, MeasureKey, Measurement, Skipped, SplitDim,
+    Algo, AlgoKind, ConvOp, ConvProblem, DType, EngineName, MathMode, MeasureKey, Measurement,
+    Skipped, SplitDim, Verification,
 };
 
 /// Full-batch random operands of one problem, indexed by [`Operand`].
@@ -48,6 +51,78 @@ impl Operands {
     }
 }
 
+/// The legacy algorithms verification trusts, per op, in the order they are tried (the first
+/// cuDNN runs there is the reference), always with FMA math (no tensor cores, so no TF32):
+/// forward's implicit GEMM, the deterministic backward algorithm 1 (no atomics, no FFT or
+/// Winograd), then their precomputed-index or atomic variants where those are declined.
+pub fn reference_algos(op: ConvOp) -> &'static [u32] {
+    match op {
+        ConvOp::Forward => &[0, 1],
+        ConvOp::BackwardData => &[1, 0],
+        ConvOp::BackwardFilter => &[1, 0, 3],
+    }
+}
+
+/// Whether legacy algorithm `algo` of `op` computes through FFT or Winograd transforms (FFT,
+/// FFT_TILING, WINOGRAD, WINOGRAD_NONFUSED), whose rounding is looser than a direct sum's.
+pub fn legacy_transform(op: ConvOp, algo: u32) -> bool {
+    match op {
+        ConvOp::Forward => (4..=7).contains(&algo),
+        ConvOp::BackwardData => (2..=5).contains(&algo),
+        ConvOp::BackwardFilter => matches!(algo, 2 | 4 | 5 | 6),
+    }
+}
+
+/// The arithmetic a cuDNN candidate's tolerance assumes: transforms for FFT and Winograd
+/// algorithms and engines (and engines that reduce in less than fp32); TF32 for fp32 data
+/// whose math mode (after the known-bad list) admits tensor cores; FMA otherwise. `notes` are
+/// an engine configuration's (`None`: a legacy algorithm `algo`).
+pub fn candidate_arithmetic(
+    problem: &ConvProblem,
+    math: MathMode,
+    op: ConvOp,
+    algo: &Algo,
+    notes: Option<EngineNotes>,
+) -> Arithmetic {
+    let transform = match (algo, notes) {
+        (Algo::Legacy(number), _) => legacy_transform(op, *number),
+        (Algo::Engine(_), Some(notes)) => {
+            notes.fft || notes.winograd || notes.reduced_precision_reduction
+        }
+        (Algo::Engine(_), None) => true,
+    };
+    let tensor_cores = match notes {
+        Some(notes) => notes.tensor_core || notes.down_convert_inputs,
+        None => true,
+    };
+    if transform {
+        Arithmetic::Transform
+    } else if problem.dtype == DType::Fp32 && math != MathMode::Fma && tensor_cores {
+        Arithmetic::Tf32
+    } else {
+        Arithmetic::Fma
+    }
+}
+
+/// The reference output of one (problem, op, micro-batch size) and the comparison of the
+/// candidates' outputs with it, kept while that size is measured.
+struct Reference {
+    problem: ConvProblem,
+    op: ConvOp,
+    micro: i64,
+    /// `None` when no reference algorithm runs here, or cuDNN cannot compare these outputs:
+    /// the candidates are then not compared.
+    output: Option<(DeviceBuffer, OutputComparison)>,
+}
+
+impl Reference {
+    fn bytes(&self) -> u64 {
+        self.output.as_ref().map_or(0, |(buffer, comparison)| {
+            buffer.size_bytes() as u64 + comparison.bytes()
+        })
+    }
+}
+
 /// Times cuDNN's algorithms on one GPU: the legacy algorithms and, where the loaded cuDNN
 /// exports the graph API, its engine configurations.
 pub struct CudnnBackend {
@@ -55,6 +130,8 @@ pub struct CudnnBackend {
     fingerprint: DeviceFingerprint,
     operands: Option<Operands>,
     workspace: Option<Workspace>,
+    /// Verification's reference output at the size being measured.
+    reference: Option<Reference>,
     kinds: &'static [AlgoKind],
     /// The GPU's memory, as CUDA reports it.
     memory_bytes: u64,
@@ -93,8 +170,8 @@ enum EngineOutcome {
     Unsupported,
     /// Its workspace exceeds the measuring limit: not allocated, not timed.
     Skipped(u64),
-    /// Time (ms) and workspace bytes.
-    Timed(f64, u64),
+    /// Time (ms), workspace bytes and the engine's notes.
+    Timed(f64, u64, EngineNotes),
 }
 
 impl CudnnBackend {
@@ -129,6 +206,7 @@ impl CudnnBackend {
             fingerprint,
             operands: None,
             workspace: None,
+            reference: None,
             memory_bytes,
             memory: MemoryUse::default(),
             runtime_compiled: false,
@@ -230,11 +308,181 @@ impl CudnnBackend {
         Ok(())
     }
 
-    /// Records what the operands and the workspace hold now.
+    /// Records what the operands, the workspace and the reference output hold now.
     fn account(&mut self) {
         let operands = self.operands.as_ref().map_or(0, Operands::bytes);
         let workspace = self.workspace.as_ref().map_or(0, Workspace::bytes);
-        self.memory.hold(operands + workspace);
+        let reference = self.reference.as_ref().map_or(0, Reference::bytes);
+        self.memory.hold(operands + workspace + reference);
+    }
+
+    /// Makes the reference output of `op` at micro-batch `micro` of `problem` (at sample
+    /// `first` of the full-batch operands, where the candidates run), unless it is made
+    /// already: the first of [`reference_algos`] cuDNN runs, with FMA math. Where none runs,
+    /// or outputs cannot be compared on this GPU, the reference has no output and the
+    /// candidates are not compared.
+    fn ensure_reference(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        first: usize,
+    ) -> Result<(), CudnnError> {
+        if self
+            .reference
+            .as_ref()
+            .is_some_and(|r| r.problem == *problem && r.op == op && r.micro == micro)
+        {
+            return Ok(());
+        }
+        self.reference = None;
+        self.account();
+        let output = match self.make_reference(problem, op, micro, first) {
+            Ok(output) => output,
+            Err(e) if e.is_not_supported() || e.is_out_of_memory() => None,
+            // No comparison here (cuDNN without the tensor ops, or refusing these
+            // descriptors): the candidates are measured, not compared.
+            Err(e @ (CudnnError::Unavailable { .. } | CudnnError::Cudnn { .. })) => {
+                warn_uncompared(&e);
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        self.reference = Some(Reference {
+            problem: *problem,
+            op,
+            micro,
+            output,
+        });
+        self.account();
+        Ok(())
+    }
+
+    fn make_reference(
+        &mut self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        micro: i64,
+        first: usize,
+    ) -> Result<Option<(DeviceBuffer, OutputComparison)>, CudnnError> {
+        let fma = ConvProblem {
+            math: MathMode::Fma,
+            ..problem.with_batch(micro)
+        };
+        let d = ConvDescriptors::new(&fma)?;
+        let [_, _, out_role] = operand_roles(op);
+        let comparison = OutputComparison::new(
+            &self.handle,
+            ComparisonDescriptors::for_output(d.shapes(), op)?,
+        )?;
+        let mut output = self
+            .handle
+            .alloc_zeroed(problem.dtype, d.shapes().elements(out_role))?;
+        for &algo in reference_algos(op) {
+            let Some(bytes) = self.handle.workspace_size(&d, op, algo)? else {
+                continue;
+            };
+            self.ensure_workspace(bytes)?;
+            let full = self.operands.as_ref().expect("ensured").problem;
+            let step = Step {
+                first,
+                size: micro as usize,
+                algo: Algo::Legacy(algo),
+                beta: 0.0,
+            };
+            let [ra, rb, _] =
+                operand_roles(op).map(|role| step.range(role, role.elements_per_sample(&full)));
+            let ran = {
+                let (a, b, _) = self.operands.as_mut().expect("ensured").for_op(op);
+                let (a, b) = (a.view(ra.0, ra.1)?, b.view(rb.0, rb.1)?);
+                let mut out = output.view_all_mut();
+                let mut workspace = self.workspace.as_mut().expect("ensured").view();
+                self.handle.convolve(
+                    &d,
+                    op,
+                    algo,
+                    1.0,
+                    0.0,
+                    DeviceOperands::new(&a, &b, &mut out, &mut workspace),
+                )
+            };
+            match ran {
+                Ok(()) => return Ok(Some((output, comparison))),
+                Err(e) if e.is_not_supported() => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    /// How the output of the candidate just timed (`op` at micro-batch `micro`, sample
+    /// `first`) compares with the reference's, held to `arithmetic`'s tolerance; `None` when
+    /// there is no reference output to compare with, or cuDNN cannot compare them here.
+    fn compare_output(
+        &mut self,
+        op: ConvOp,
+        micro: i64,
+        first: usize,
+        arithmetic: Arithmetic,
+    ) -> Result<Option<Verification>, CudnnError> {
+        let full = self.operands.as_ref().expect("ensured").problem;
+        let Some(Reference {
+            output: Some((reference, comparison)),
+            ..
+        }) = self.reference.as_mut()
+        else {
+            return Ok(None);
+        };
+        let step = Step {
+            first,
+            size: micro as usize,
+            algo: Algo::Legacy(0),
+            beta: 0.0,
+        };
+        let [_, _, ro] =
+            operand_roles(op).map(|role| step.range(role, role.elements_per_sample(&full)));
+        let (_, _, out) = self.operands.as_mut().expect("ensured").for_op(op);
+        let out = out.view(ro.0, ro.1)?;
+        let compared = comparison.max_differences(&self.handle, &out, &reference.view_all());
+        let (difference, largest) = match compared {
+            Ok(maxima) => maxima,
+            Err(e) if e.is_not_supported() || matches!(e, CudnnError::Cudnn { .. }) => {
+                // This dtype or layout cannot be compared by this cuDNN: no comparisons at
+                // this size rather than a failed tune.
+                warn_uncompared(&e);
+                if let Some(r) = self.reference.as_mut() {
+                    r.output = None;
+                }
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        if !largest.is_finite() {
+            return Ok(None);
+        }
+        let tolerance = verify::tolerance(&full, op, micro, arithmetic);
+        Ok(Some(verify::verification(
+            verify::relative_error(difference, largest),
+            tolerance,
+        )))
+    }
+
+    /// The arithmetic of `algo` (with an engine's `notes`) on `problem`, as the backend runs
+    /// it (the known-bad list may have turned tensor cores off).
+    fn arithmetic(
+        &self,
+        problem: &ConvProblem,
+        op: ConvOp,
+        algo: &Algo,
+        notes: Option<EngineNotes>,
+    ) -> Arithmetic {
+        let math = effective_math(
+            self.fingerprint.cudnn_version.unwrap_or(0),
+            problem.dtype,
+            problem.spatial_dims(),
+            problem.math,
+        );
+        candidate_arithmetic(problem, math, op, algo, notes)
     }
 
     /// Runs `run` on the `(a, b, out)` views of one micro-batch at sample `first` of the
@@ -339,7 +587,7 @@ impl CudnnBackend {
             })
         });
         match timed {
-            Ok(ms) => Ok(EngineOutcome::Timed(ms, bytes)),
+            Ok(ms) => Ok(EngineOutcome::Timed(ms, bytes, plan.notes())),
             Err(e) if skip(&e) => Ok(EngineOutcome::Unsupported),
             Err(e) => Err(e),
         }
@@ -475,7 +723,8 @@ impl CudnnBackend {
                 Err(e) => return Err(e),
             }
         }
-        Ok(EngineOutcome::Timed(slowest, bytes))
+        let notes = plans.first().map(EnginePlan::notes).unwrap_or_default();
+        Ok(EngineOutcome::Timed(slowest, bytes, notes))
     }
 
     /// Every timing chunk's beta-0 plan of `config` (and for backward-filter its beta-1 plan,
@@ -506,6 +755,27 @@ impl CudnnBackend {
             }
         }
         Ok((plans, bytes))
+    }
+}
+
+/// Says once per process that outputs were left uncompared, and why.
+fn warn_uncompared(e: &CudnnError) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        eprintln!(
+            "mucudnn: warning: candidates' outputs cannot be compared on this GPU ({e}); \
+             their measurements stay unverified"
+        )
+    });
+}
+
+/// Files a timed candidate as a measurement, or as rejected when its output was over its
+/// tolerance.
+fn file(found: &mut Measured, measurement: Measurement) {
+    if measurement.is_rejected() {
+        found.rejected.push(measurement);
+    } else {
+        found.measurements.push(measurement);
     }
 }
 
@@ -596,6 +866,7 @@ impl Backend for CudnnBackend {
     fn release(&mut self) {
         self.operands = None;
         self.workspace = None;
+        self.reference = None;
         self.memory = MemoryUse::default();
     }
 
@@ -619,6 +890,7 @@ impl CudnnBackend {
             timing,
             search,
             select,
+            verify,
         } = how;
         check_measure_args(problem, micro)?;
         graph_api_status()?;
@@ -637,7 +909,13 @@ impl CudnnBackend {
             &heuristics,
             alignments,
         )?;
-        let mut found = Measured::default();
+        let mut found = Measured {
+            verification: how.size_verification(),
+            ..Measured::default()
+        };
+        if *verify {
+            self.ensure_reference(problem, op, micro, first)?;
+        }
         for config in configs {
             let name = config.name();
             if search.skip.contains(&name) || !select.wants(&Algo::Engine(name)) {
@@ -650,13 +928,24 @@ impl CudnnBackend {
                     algo: Algo::Engine(name),
                     workspace_bytes,
                 }),
-                EngineOutcome::Timed(time_ms, workspace_bytes) => {
-                    found.measurements.push(Measurement {
-                        micro,
-                        algo: Algo::Engine(name),
-                        time_ms: time_ms.max(1e-6),
-                        workspace_bytes,
-                    })
+                EngineOutcome::Timed(time_ms, workspace_bytes, notes) => {
+                    let algo = Algo::Engine(name);
+                    let verification = if *verify {
+                        let arithmetic = self.arithmetic(problem, op, &algo, Some(notes));
+                        self.compare_output(op, micro, first, arithmetic)?
+                    } else {
+                        None
+                    };
+                    file(
+                        &mut found,
+                        Measurement {
+                            micro,
+                            algo,
+                            time_ms: time_ms.max(1e-6),
+                            workspace_bytes,
+                            verification,
+                        },
+                    )
                 }
             }
         }
@@ -696,8 +985,14 @@ impl CudnnBackend {
             .iter()
             .map(|chunk| ChunkShapes::new(problem, chunk))
             .collect::<Result<Vec<_>, _>>()?;
+        // Chunks are not compared on the GPU (a chunk's reference would be rows of a whole
+        // reference output): the size counts as measured with verification, its candidates
+        // carry none.
         let Some(first) = chunks.first() else {
-            return Ok(Measured::default());
+            return Ok(Measured {
+                verification: how.size_verification(),
+                ..Measured::default()
+            });
         };
         // The least alignment of any row offset (every position of a size has the same).
         let alignments = first.any_row_alignments();
@@ -719,7 +1014,10 @@ impl CudnnBackend {
                 }
             }
         }
-        let mut found = Measured::default();
+        let mut found = Measured {
+            verification: how.size_verification(),
+            ..Measured::default()
+        };
         for (config, name) in configs.iter().zip(names) {
             if search.skip.contains(&name) || !select.wants(&Algo::Engine(name)) {
                 continue;
@@ -731,12 +1029,13 @@ impl CudnnBackend {
                     algo: Algo::Engine(name),
                     workspace_bytes,
                 }),
-                EngineOutcome::Timed(time_ms, workspace_bytes) => {
+                EngineOutcome::Timed(time_ms, workspace_bytes, _) => {
                     found.measurements.push(Measurement {
                         micro: size,
                         algo: Algo::Engine(name),
                         time_ms: time_ms.max(1e-6),
                         workspace_bytes,
+                        verification: None,
                     })
                 }
             }
@@ -751,7 +1050,12 @@ impl CudnnBackend {
         how: &MeasureSettings,
     ) -> Result<Measured, BackendError> {
         let (problem, op, micro) = (&key.problem, key.op, key.size);
-        let MeasureSettings { timing, select, .. } = how;
+        let MeasureSettings {
+            timing,
+            select,
+            verify,
+            ..
+        } = how;
         check_measure_args(problem, micro)?;
         if self.operands.as_ref().is_none_or(|o| o.problem != *problem) {
             self.check_fits(problem)?;
@@ -761,7 +1065,13 @@ impl CudnnBackend {
         // Sample 1 whenever the plan splits the batch: the least-aligned offset a micro-batch
         // of this size can run at (`solver::timing_offset`).
         let first = timing_offset(problem.n as usize, micro as usize);
-        let mut found = Measured::default();
+        let mut found = Measured {
+            verification: how.size_verification(),
+            ..Measured::default()
+        };
+        if *verify {
+            self.ensure_reference(problem, op, micro, first)?;
+        }
         for algo in 0..algo_count(op) {
             if !select.wants(&Algo::Legacy(algo)) {
                 continue;
@@ -781,12 +1091,24 @@ impl CudnnBackend {
                 .ensure_workspace(workspace_bytes)
                 .and_then(|()| self.time_algo(&d, op, algo, first, timing))
             {
-                Ok(time_ms) => found.measurements.push(Measurement {
-                    micro,
-                    algo: Algo::Legacy(algo),
-                    time_ms: time_ms.max(1e-6),
-                    workspace_bytes,
-                }),
+                Ok(time_ms) => {
+                    let verification = if *verify {
+                        let arithmetic = self.arithmetic(problem, op, &Algo::Legacy(algo), None);
+                        self.compare_output(op, micro, first, arithmetic)?
+                    } else {
+                        None
+                    };
+                    file(
+                        &mut found,
+                        Measurement {
+                            micro,
+                            algo: Algo::Legacy(algo),
+                            time_ms: time_ms.max(1e-6),
+                            workspace_bytes,
+                            verification,
+                        },
+                    )
+                }
                 // Unsupported when run, or its workspace does not fit in memory: leave it out.
                 Err(e) if e.is_not_supported() || e.is_out_of_memory() => {}
                 Err(e) => return Err(e.into()),

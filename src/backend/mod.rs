@@ -11,6 +11,7 @@ pub mod cpu_timing;
 pub mod cudnn;
 pub mod cudnn_timing;
 mod operands;
+pub mod verify;
 
 use crate::device::DeviceFingerprint;
 use crate::solver::units::format_bytes;
@@ -20,6 +21,7 @@ use crate::solver::{
 };
 use std::collections::BTreeSet;
 
+pub use crate::solver::Measured;
 pub use cpu_timing::CpuBackend;
 pub use cudnn_timing::CudnnBackend;
 pub use operands::ConvOperands;
@@ -55,23 +57,38 @@ impl TimingSettings {
     };
 }
 
-/// How to measure one [`MeasureKey`]: the timing, the engine search and the selection of
-/// candidates, grouped as one argument.
+/// How to measure one [`MeasureKey`]: the timing, the engine search, the selection of
+/// candidates and whether their outputs are verified, grouped as one argument.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MeasureSettings {
     pub timing: TimingSettings,
     /// Bounds and prunes engine configurations (legacy algorithms ignore it).
     pub search: EngineSearch,
     pub select: Selection,
+    /// Compare every candidate's output with the reference candidate's on the same operands
+    /// and reject those over their tolerance ([`verify`]); the size is then
+    /// [`SizeVerification::Verified`](crate::solver::SizeVerification::Verified).
+    pub verify: bool,
 }
 
 impl MeasureSettings {
-    /// Every candidate, no bound, timed as `timing` says.
+    /// What a size measured with these settings is: verified when they verify (the candidates
+    /// that could be compared then carry their verification).
+    pub fn size_verification(&self) -> crate::solver::SizeVerification {
+        if self.verify {
+            crate::solver::SizeVerification::Verified
+        } else {
+            crate::solver::SizeVerification::Unverified
+        }
+    }
+
+    /// Every candidate, no bound, timed as `timing` says, verified.
     pub fn all(timing: TimingSettings) -> MeasureSettings {
         MeasureSettings {
             timing,
             search: EngineSearch::default(),
             select: Selection::ALL,
+            verify: true,
         }
     }
 }
@@ -259,14 +276,6 @@ impl Selection {
     }
 }
 
-/// What a backend measured at one micro-batch size: the candidates timed, and those skipped
-/// for their workspace (known workspace, no time).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Measured {
-    pub measurements: Vec<Measurement>,
-    pub skipped: Vec<Skipped>,
-}
-
 /// Memory a backend's measuring state holds (its full-batch operands and workspace: device
 /// memory on a GPU, host memory on the CPU), since it was made or last [released].
 ///
@@ -318,6 +327,13 @@ pub trait Backend {
     /// candidates are left out; those over the selection's workspace limit are skipped,
     /// unallocated. A key the backend does not [support](Backend::supports) is an error
     /// ([`BackendError::unsupported`]).
+    ///
+    /// With `how.verify`, each timed candidate's output is compared with the reference
+    /// candidate's on the same operands ([`verify`]; the reference runs even when it is not
+    /// asked for): the measurement carries its [`Verification`](crate::solver::Verification),
+    /// one over its tolerance goes to [`Measured::rejected`] instead, and the result is
+    /// [verified](crate::solver::SizeVerification::Verified). A candidate that could not be
+    /// compared (no reference output there) carries none.
     ///
     /// A spatial size is rows along [`split_axis`](crate::solver::spatial::split_axis) of the
     /// op's output (`dx` for backward-data). Each candidate is timed on the chunks

@@ -344,6 +344,7 @@ unsafe fn settings_arg(options: *const mucudnnOptions_t) -> Result<Settings, Ffi
             // The handle executes batch plans only (no spatial chunks on a caller's handle).
             split: SplitSetting::Batch,
             index_limit: IndexLimit::CUDNN,
+            verify: true,
         },
         workspace_limit_bytes,
         total_workspace_bytes,
@@ -1100,7 +1101,9 @@ pub unsafe extern "C" fn mucudnnTunerGetFingerprint(
 /// spatial plan has "split": "spatial" and its split string ends "along h" (d, w); on cuDNN
 /// spatial plans use engine configurations only) and "runtime_compiled" (true: also time
 /// engine configurations that compile kernels at run time, NVRTC, seconds per plan build;
-/// default false).
+/// default false) and "verify" (false: do not compare each candidate's output with the
+/// reference candidate's while measuring; default true: a candidate that computes wrong
+/// numbers is rejected and never planned; the result's "verified" and "rejected" count them).
 ///
 /// # Safety
 ///

@@ -64,9 +64,11 @@ pub enum TunerDevice {
 /// `"spatial"`, chunks along the outermost spatial dimension only; `"auto"`, micro-batches and,
 /// for a batch of at most 4 under workspace pressure, chunks too, the faster plan kept), and
 /// `runtime_compiled` (`true`: also time engine configurations that compile kernels at run
-/// time, NVRTC, seconds per plan build; default false; on the CPU it changes nothing).
+/// time, NVRTC, seconds per plan build; default false; on the CPU it changes nothing), and
+/// `verify` (`false`: do not compare candidates' outputs with the reference candidate's while
+/// measuring; default true, so a candidate that computes wrong numbers is never planned).
 /// Missing keys take the defaults of `mucudnn tune` (power-of-two, 64 MiB, all, no bound, 1.5,
-/// false, auto) and all three ops; unknown keys are errors.
+/// false, auto, verified) and all three ops; unknown keys are errors.
 pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiError> {
     let document: SettingsDocument = parse_document(
         text,
@@ -139,6 +141,9 @@ pub fn parse_settings(text: &str, device: TunerDevice) -> Result<Settings, FfiEr
     if let Some(flag) = document.deterministic {
         tuning.engines.deterministic = flag;
     }
+    if let Some(flag) = document.verify {
+        tuning.verify = flag;
+    }
     let ops = match document.ops {
         None => ConvOp::ALL.to_vec(),
         Some(OpNames(names)) => parse_ops(&names)?,
@@ -170,6 +175,7 @@ struct SettingsDocument {
     #[serde(default, deserialize_with = "json::some")]
     split: Option<String>,
     runtime_compiled: Option<bool>,
+    verify: Option<bool>,
 }
 
 /// The `ops` of a settings object as given: an array of strings (checked by [`parse_ops`]).
@@ -318,6 +324,11 @@ pub struct TuneResult {
     pub peak_measuring_memory_bytes: u64,
     /// The largest workspace this call's measuring allocated (at most the limit).
     pub largest_workspace_bytes: u64,
+    /// (size, candidate) outputs this call compared with the reference candidate's, and of
+    /// those the candidates rejected for wrong results (never planned; 0 and 0 with
+    /// `"verify": false`).
+    pub verified: usize,
+    pub rejected: usize,
 }
 
 /// The plans of one input shape, ready to run: each op's, or `None` for an op not prepared
@@ -545,6 +556,8 @@ impl Tuner {
             skipped: stats.skipped,
             peak_measuring_memory_bytes: stats.memory.peak_bytes,
             largest_workspace_bytes: stats.memory.largest_workspace_bytes,
+            verified: stats.verified,
+            rejected: stats.rejected,
         })
     }
 
@@ -1086,6 +1099,16 @@ mod tests {
         assert!(wrong.contains("runtime_compiled"), "{wrong}");
         // The backend's search leaves them out unless asked.
         assert!(crate::backend::cudnn::EngineSearch::default().skip_runtime_compiled);
+    }
+
+    #[test]
+    fn verification_is_on_unless_turned_off() {
+        let parse = |text| parse_settings(text, TunerDevice::Cpu);
+        assert!(parse("{}").unwrap().tuning.verify);
+        assert!(parse(r#"{"verify": true}"#).unwrap().tuning.verify);
+        assert!(!parse(r#"{"verify": false}"#).unwrap().tuning.verify);
+        let wrong = parse(r#"{"verify": 0}"#).unwrap_err().to_string();
+        assert_eq!(wrong, "settings: verify is 0; give a boolean");
     }
 
     /// After a tune, nothing of the measuring backend is alive: the tune drops it, and the

@@ -558,6 +558,7 @@ mod tests {
                 engines: EngineOptions::default(),
                 split: crate::tune::SplitSetting::Batch,
                 index_limit: crate::solver::IndexLimit::CUDNN,
+                verify: true,
             },
             jobs: jobs_for([("conv".to_string(), problem)]),
         }

@@ -126,6 +126,9 @@ pub struct ConvOptions {
     /// Which dimension plans may split: the batch, the outermost spatial dimension, or `auto`
     /// (the default: spatial chunks at a batch of at most 4 under workspace pressure).
     pub split: SplitSetting,
+    /// Compare every candidate's output with the reference candidate's while tuning and never
+    /// plan one that computes wrong numbers (the default; see `tune::LayerTuning::verify`).
+    pub verify: bool,
     /// The cache tuning reads and fills; `None`: the user's cache file
     /// (`mucudnn_cache::default_path`), opened once per process.
     pub cache: Option<SharedCache>,
@@ -143,6 +146,7 @@ impl Default for ConvOptions {
             candidates: CandidateSet::All,
             engines: EngineOptions::default(),
             split: SplitSetting::Auto,
+            verify: true,
             cache: None,
         }
     }
@@ -157,6 +161,7 @@ impl std::fmt::Debug for ConvOptions {
             .field("candidates", &self.candidates)
             .field("engines", &self.engines)
             .field("split", &self.split)
+            .field("verify", &self.verify)
             .field("cache", &self.cache.as_ref().map(|_| "shared"))
             .finish()
     }
@@ -193,6 +198,12 @@ impl ConvOptions {
         self
     }
 
+    /// Whether tuning verifies candidates' outputs (`false` skips the comparison).
+    pub fn with_verify(mut self, verify: bool) -> Self {
+        self.verify = verify;
+        self
+    }
+
     /// Tune through `cache` (clone the `Arc` into every layer of a model).
     pub fn with_cache(mut self, cache: SharedCache) -> Self {
         self.cache = Some(cache);
@@ -207,6 +218,7 @@ impl ConvOptions {
             candidates: self.candidates,
             engines: self.engines,
             split: self.split,
+            verify: self.verify,
             ..LayerTuning::new(timing)
         }
     }

@@ -106,6 +106,7 @@ pub fn profile_job(
         split: job.split,
         measurements,
         skipped: Vec::new(),
+        rejected: Vec::new(),
     })
 }
 
@@ -145,6 +146,7 @@ where
             split: job.split,
             measurements,
             skipped: Vec::new(),
+            rejected: Vec::new(),
         },
     ))
 }

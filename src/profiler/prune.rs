@@ -172,6 +172,7 @@ mod tests {
             algo,
             time_ms,
             workspace_bytes,
+            verification: None,
         }
     }
 

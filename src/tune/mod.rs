@@ -46,6 +46,10 @@ use through_cache::{profile_job_cached, with_release};
 /// The per-layer workspace limit of [`LayerTuning::new`] (64 MiB, as the C ABI's default).
 pub const DEFAULT_WORKSPACE_LIMIT_BYTES: u64 = 64 << 20;
 
+/// The plan-cache context of plans solved from verified measurements: a plan solved before
+/// verification (or without it) is never served to a tune that verifies.
+pub const VERIFIED_CONTEXT: &str = "verified";
+
 /// How a single layer tunes itself: per-layer workspace limit (WR), since it sees only itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerTuning {
@@ -61,12 +65,15 @@ pub struct LayerTuning {
     /// Sizes whose calls exceed it are neither measured nor offered; a problem none of whose
     /// sizes fit is [`TuneError::Indexing`].
     pub index_limit: IndexLimit,
+    /// Verify candidates' outputs against the reference candidate's and never plan with a
+    /// wrong one (default on; see [`ProfileRun::verify`]).
+    pub verify: bool,
 }
 
 impl LayerTuning {
     /// The defaults every integration starts from, timed as `timing` says: micro-batch sizes
     /// that are powers of two, a [`DEFAULT_WORKSPACE_LIMIT_BYTES`] limit, every candidate kind,
-    /// the default engine search, and the `auto` split.
+    /// the default engine search, the `auto` split, and verification.
     pub fn new(timing: TimingSettings) -> LayerTuning {
         LayerTuning {
             policy: Policy::PowerOfTwo,
@@ -76,6 +83,7 @@ impl LayerTuning {
             engines: EngineOptions::default(),
             split: SplitSetting::Auto,
             index_limit: IndexLimit::CUDNN,
+            verify: true,
         }
     }
 
@@ -104,6 +112,7 @@ impl LayerTuning {
             engines: self.engines,
             workspace_limit_bytes: Some(self.workspace_limit_bytes),
             index_limit: self.index_limit,
+            verify: self.verify,
         }
     }
 
@@ -236,15 +245,19 @@ impl LayerTuning {
             for &micro in &sizes {
                 match cache.measured(device, &MeasureKey::batch(*problem, op, micro, kind)) {
                     None => return false,
-                    Some((_, at_size)) => skipped.extend(at_size),
+                    Some(at_size) if at_size.verification.needs_measuring(self.verify) => {
+                        return false
+                    }
+                    Some(at_size) => skipped.extend(at_size.skipped),
                 }
             }
         }
         SplitSetting::auto_wants_chunks(problem, &skipped, self.workspace_limit_bytes)
     }
 
-    /// The plan-cache context of this tuning's plans of `problem`: determinism and the split
-    /// setting ([`SplitSetting::context`]), `;`-separated; empty for plain batch plans.
+    /// The plan-cache context of this tuning's plans of `problem`: determinism, the split
+    /// setting ([`SplitSetting::context`]) and verification ([`VERIFIED_CONTEXT`]),
+    /// `;`-separated; empty for plain batch plans solved without verification.
     pub fn plan_context(&self, problem: &ConvProblem) -> String {
         // Plans under a lowered index limit (tests) are not cuDNN's plans: cached apart.
         let index_limit = if self.index_limit == IndexLimit::CUDNN {
@@ -260,6 +273,7 @@ impl LayerTuning {
             },
             self.split.context(problem),
             &index_limit,
+            if self.verify { VERIFIED_CONTEXT } else { "" },
         ];
         parts
             .into_iter()

@@ -5,7 +5,7 @@ use super::run::{CacheStats, ProfileRun, TuneError};
 use super::through_cache::{merge_measured, profile_header};
 use crate::backend::{Backend, BackendError, EngineSearch, MeasureSettings, Selection};
 use crate::profiler::{measure_sizes_parallel, prune, same_model, Job, Progress};
-use crate::solver::{AlgoKind, DeviceFingerprint, Measurement, OpProfile, Profile, Skipped};
+use crate::solver::{AlgoKind, DeviceFingerprint, Measured, Measurement, OpProfile, Profile};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Like [`profile_jobs`](super::profile_jobs) on several devices of one model: for each job and candidate kind,
@@ -39,21 +39,23 @@ where
         let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
         let mut measured_sizes: BTreeSet<i64> = BTreeSet::new();
         let mut skipped = Vec::new();
+        let mut rejected = Vec::new();
         for &kind in &kinds {
             let key = job.key().of_kind(kind);
             let mut missing = Vec::new();
             // What the cache has at the sizes still to measure (a smaller limit's), and what
             // to time there.
-            let mut partial: BTreeMap<i64, (Vec<Measurement>, Vec<Skipped>)> = BTreeMap::new();
+            let mut partial: BTreeMap<i64, Measured> = BTreeMap::new();
             let mut selections: BTreeMap<i64, Selection> = BTreeMap::new();
             for &micro in &sizes {
                 let cached = run.cache.measured(fingerprint, &key.at(micro));
                 match run.selection(cached.as_ref()) {
                     None => {
-                        let (found, skips) = cached.unwrap_or_default();
+                        let found = cached.unwrap_or_default();
                         stats.cached += 1;
-                        by_size.entry(micro).or_default().extend(found);
-                        skipped.extend(skips);
+                        by_size.entry(micro).or_default().extend(found.measurements);
+                        skipped.extend(found.skipped);
+                        rejected.extend(found.rejected);
                     }
                     Some(select) => {
                         missing.push(micro);
@@ -91,13 +93,14 @@ where
                     .collect();
                 let micros: Vec<i64> = pass.iter().map(|s| s.micro).collect();
                 // The run holds the cache, which stays on this thread.
-                let timing = run.timing;
+                let (timing, verify) = (run.timing, run.verify);
                 let (device, measured, memory) =
                     measure_sizes_parallel(&make, devices, job, kind, &micros, &|micro| {
                         MeasureSettings {
                             timing,
                             search: searches.get(&micro).cloned().unwrap_or_default(),
                             select: selections.get(&micro).cloned().unwrap_or_default(),
+                            verify,
                         }
                     })?;
                 stats.memory = stats.memory.max(memory);
@@ -109,21 +112,17 @@ where
                     .into());
                 }
                 for (micro, found) in measured {
-                    stats.skipped += found.skipped.len();
+                    stats.count(&found);
                     let select = selections.get(&micro).cloned().unwrap_or_default();
                     let found = merge_measured(partial.remove(&micro), &select, found);
-                    run.cache.store_measured(
-                        fingerprint,
-                        &job.layer,
-                        &key.at(micro),
-                        &found.measurements,
-                        &found.skipped,
-                    );
+                    run.cache
+                        .store_size(fingerprint, &job.layer, &key.at(micro), &found);
                     stats.measured += 1;
                     stats.pruned += searches.get(&micro).map_or(0, |s| s.skip.len());
                     measured_sizes.insert(micro);
                     by_size.entry(micro).or_default().extend(found.measurements);
                     skipped.extend(found.skipped);
+                    rejected.extend(found.rejected);
                 }
             }
         }
@@ -146,6 +145,7 @@ where
             split: job.split,
             measurements,
             skipped,
+            rejected,
         });
     }
     let mut profile = profile_header(fingerprint, &run.timing);

@@ -132,9 +132,11 @@ mod tests {
                     algo: Algo::Legacy(1),
                     time_ms: 0.5 * m as f64 + 0.01 * (m * m) as f64,
                     workspace_bytes: 1024 * m as u64,
+                    verification: None,
                 })
                 .collect(),
             skipped: Vec::new(),
+            rejected: Vec::new(),
         }
     }
 

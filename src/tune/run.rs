@@ -8,7 +8,8 @@ use crate::backend::{
 use crate::profiler::prune;
 use crate::profiler::Job;
 use crate::solver::{
-    Algo, AlgoKind, CandidateSet, IndexError, IndexLimit, Measurement, Policy, Skipped, SolveError,
+    Algo, AlgoKind, CandidateSet, IndexError, IndexLimit, Measured, Measurement, Policy, Skipped,
+    SolveError,
 };
 use mucudnn_cache::Cache;
 use std::collections::{BTreeMap, BTreeSet};
@@ -49,11 +50,28 @@ pub struct CacheStats {
     /// Candidates (size, candidate) not timed because their workspace exceeded the measuring
     /// limit (recorded as skipped; a tune under a larger limit times them).
     pub skipped: usize,
+    /// Candidates (size, candidate) measured in this run whose output was compared with the
+    /// reference candidate's.
+    pub verified: usize,
+    /// Of those, the candidates rejected for wrong results (over their tolerance).
+    pub rejected: usize,
     /// The memory measuring held (operands and workspace; device memory on a GPU) in this run.
     pub memory: MemoryUse,
 }
 
 impl CacheStats {
+    /// Counts what measuring one size found: its skipped, verified and rejected candidates.
+    pub(crate) fn count(&mut self, found: &Measured) {
+        self.skipped += found.skipped.len();
+        self.verified += found
+            .measurements
+            .iter()
+            .chain(&found.rejected)
+            .filter(|m| m.verification.is_some())
+            .count();
+        self.rejected += found.rejected.len();
+    }
+
     /// Two runs' statistics together (the larger memory of the two).
     pub fn and(self, other: CacheStats) -> CacheStats {
         CacheStats {
@@ -61,6 +79,8 @@ impl CacheStats {
             measured: self.measured + other.measured,
             pruned: self.pruned + other.pruned,
             skipped: self.skipped + other.skipped,
+            verified: self.verified + other.verified,
+            rejected: self.rejected + other.rejected,
             memory: self.memory.max(other.memory),
         }
     }
@@ -108,6 +128,10 @@ pub struct ProfileRun<'a> {
     /// What one call's operand may reach ([`IndexLimit::CUDNN`] but in tests): a size whose
     /// calls exceed it is neither measured nor solved with.
     pub index_limit: IndexLimit,
+    /// Verify what is measured: compare every candidate's output with the reference
+    /// candidate's and reject those over their tolerance (the default). A cached size measured
+    /// without verification is then measured again.
+    pub verify: bool,
 }
 
 impl ProfileRun<'_> {
@@ -164,20 +188,20 @@ impl ProfileRun<'_> {
         }
     }
 
-    /// The candidates to time at one size: every one, or, when `cached` holds what a smaller
-    /// limit measured there, only those it skipped that fit this run's limit. `None`: the
-    /// cached measurements serve this run as they are.
-    pub(crate) fn selection(
-        &self,
-        cached: Option<&(Vec<Measurement>, Vec<Skipped>)>,
-    ) -> Option<Selection> {
+    /// The candidates to time at one size: every one (also when a verifying run finds the
+    /// size measured without verification), or, when `cached` holds what a smaller limit
+    /// measured there, only those it skipped that fit this run's limit. `None`: the cached
+    /// measurements serve this run as they are.
+    pub(crate) fn selection(&self, cached: Option<&Measured>) -> Option<Selection> {
         let limit = self.workspace_limit_bytes;
+        let every = Selection {
+            workspace_limit_bytes: limit,
+            only: None,
+        };
         match cached {
-            None => Some(Selection {
-                workspace_limit_bytes: limit,
-                only: None,
-            }),
-            Some((_, skipped)) => {
+            None => Some(every),
+            Some(cached) if cached.verification.needs_measuring(self.verify) => Some(every),
+            Some(Measured { skipped, .. }) => {
                 let only: BTreeSet<Algo> = skipped
                     .iter()
                     .filter(|s| limit.is_none_or(|l| s.workspace_bytes <= l))
@@ -201,12 +225,14 @@ impl ProfileRun<'_> {
             })
     }
 
-    /// How to measure one size: this run's timing, with `search` and `select` for the size.
+    /// How to measure one size: this run's timing and verification, with `search` and
+    /// `select` for the size.
     pub(crate) fn how(&self, search: EngineSearch, select: Selection) -> MeasureSettings {
         MeasureSettings {
             timing: self.timing,
             search,
             select,
+            verify: self.verify,
         }
     }
 

@@ -7,8 +7,8 @@ use super::through_cache::size_through_cache;
 use crate::backend::{Backend, BackendError};
 use crate::profiler::{prune, Job};
 use crate::solver::{
-    AlgoKind, ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measurement, RecordCheck,
-    Skipped, SplitDim,
+    AlgoKind, ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measured, Measurement,
+    RecordCheck, SizeVerification, Skipped, SplitDim,
 };
 use mucudnn_cache::Cache;
 use serde::{Deserialize, Serialize};
@@ -52,11 +52,30 @@ pub struct MeasuredTask {
     /// Candidates not timed because their workspace exceeded the measuring limit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped: Vec<Skipped>,
+    /// Candidates timed whose output was over their tolerance: stored as rejected.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rejected: Vec<Measurement>,
+    /// Whether the size was measured with verification (unverified when absent).
+    #[serde(default)]
+    pub verification: SizeVerification,
+}
+
+impl MeasuredTask {
+    /// What the task's size holds, as the cache stores it.
+    pub fn measured(&self) -> Measured {
+        Measured {
+            measurements: self.measurements.clone(),
+            skipped: self.skipped.clone(),
+            rejected: self.rejected.clone(),
+            verification: self.verification,
+        }
+    }
 }
 
 /// The tasks the cache lacks for `jobs` on `fingerprint` (a backend offering `offered`),
 /// anchors of every job first, then the sizes between them; deterministic for the same cache
-/// contents. Errors as [`ProfileRun`] does for candidate kinds the backend lacks.
+/// contents. A verifying run also lacks the sizes measured without verification. Errors as
+/// [`ProfileRun`] does for candidate kinds the backend lacks.
 pub fn missing_tasks(
     jobs: &[Job],
     run: &ProfileRun<'_>,
@@ -74,12 +93,16 @@ pub fn missing_tasks(
         let missing: BTreeMap<AlgoKind, Vec<i64>> = kinds
             .iter()
             .map(|&kind| {
-                let missing = run.cache.missing_sizes_within(
+                let key = job.key().of_kind(kind);
+                let mut missing = run.cache.missing_sizes_within(
                     fingerprint,
-                    &job.key().of_kind(kind),
+                    &key,
                     &sizes,
                     run.workspace_limit_bytes,
                 );
+                if run.verify {
+                    missing.extend(run.cache.unverified_sizes(fingerprint, &key, &sizes));
+                }
                 (kind, missing)
             })
             .collect();
@@ -152,6 +175,8 @@ pub fn measure_task(
         task: task.clone(),
         measurements: found.measurements,
         skipped: found.skipped,
+        rejected: found.rejected,
+        verification: found.verification,
     })
 }
 
@@ -160,10 +185,12 @@ pub fn measure_task(
 ///
 /// All or nothing: first every record passes [`RecordCheck::batch`], the check every record
 /// entering the cache passes (`from` must be `backend`'s fingerprint, a candidate the backend
-/// has, a positive finite time, a workspace within [`Backend::memory_bytes`]), and each
-/// measurement must be of its task's micro-batch size and candidate kind. The first bad record
-/// refuses the whole batch, named by its index among all the batch's measurements (and its
-/// task's); nothing is stored then.
+/// has, a positive finite time, a workspace within [`Backend::memory_bytes`], a well-formed
+/// verification), and each measurement (or rejected candidate) must be of its task's
+/// micro-batch size and candidate kind, with a verification that agrees with its list
+/// ([`RecordCheck::verdict`]). The first bad record refuses the whole batch, named by its
+/// index among all the batch's measurements and rejected candidates (and its task's); nothing
+/// is stored then.
 pub fn store_measured(
     cache: &Cache,
     backend: &dyn Backend,
@@ -193,14 +220,23 @@ pub fn store_measured(
         if t.micro < 1 || t.micro > extent {
             return Err(bad(format!("outside 1..={extent} ({} split)", t.split)));
         }
-        if let Some(x) = m.measurements.iter().find(|x| x.micro != t.micro) {
+        let timed = m.measurements.iter().chain(&m.rejected);
+        if let Some(x) = timed.clone().find(|x| x.micro != t.micro) {
             return Err(bad(format!("a measurement is at micro-batch {}", x.micro)));
         }
-        if let Some(x) = m.measurements.iter().find(|x| x.algo.kind() != t.kind) {
+        if let Some(x) = timed.clone().find(|x| x.algo.kind() != t.kind) {
             return Err(bad(format!(
                 "a measurement of {} is not {}",
                 x.algo, t.kind
             )));
+        }
+        let verdicts = m
+            .measurements
+            .iter()
+            .map(|x| (x, false))
+            .chain(m.rejected.iter().map(|x| (x, true)));
+        for (x, rejected) in verdicts {
+            check.verdict(x, rejected).map_err(|e| bad(e.to_string()))?;
         }
         for x in &m.skipped {
             if x.micro != t.micro || x.algo.kind() != t.kind {
@@ -212,7 +248,7 @@ pub fn store_measured(
         }
     }
     let records = measured.iter().flat_map(|m| {
-        m.measurements.iter().map(move |x| {
+        m.measurements.iter().chain(&m.rejected).map(move |x| {
             let t = &m.task;
             (t.layer.as_str(), &t.problem, t.op, t.split, x)
         })
@@ -222,13 +258,7 @@ pub fn store_measured(
         .map_err(|refused| invalid(format!("measurement {refused}")))?;
     for m in measured {
         let t = &m.task;
-        cache.store_measured(
-            check.device,
-            &t.layer,
-            &t.key(),
-            &m.measurements,
-            &m.skipped,
-        );
+        cache.store_size(check.device, &t.layer, &t.key(), &m.measured());
     }
     Ok(measured.len())
 }

@@ -9,30 +9,29 @@ use crate::backend::{
 use crate::device::BackendKind;
 use crate::profiler::{prune, Job, Progress};
 use crate::solver::{
-    ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measurement, OpProfile, Profile, Skipped,
+    ConvOp, ConvProblem, DeviceFingerprint, MeasureKey, Measurement, OpProfile, Profile,
 };
 use std::collections::BTreeMap;
 
 /// What a size holds after measuring `found` with `select` over what the cache had: the cached
-/// timings, the new ones, and the skipped candidates that are still not timed.
+/// timings and rejections with the new ones, the skipped candidates that are still not timed,
+/// and the size verified only when both parts were. A selection of every candidate replaces
+/// what was cached.
 pub(super) fn merge_measured(
-    cached: Option<(Vec<Measurement>, Vec<Skipped>)>,
+    cached: Option<Measured>,
     select: &Selection,
     found: Measured,
 ) -> Measured {
-    let Some((mut measurements, skipped)) = cached else {
+    let Some(cached) = cached.filter(|_| select.only.is_some()) else {
         return found;
     };
-    measurements.extend(found.measurements);
-    let mut skipped: Vec<Skipped> = skipped
-        .into_iter()
-        .filter(|s| !select.wants(&s.algo))
-        .collect();
-    skipped.extend(found.skipped);
-    Measured {
-        measurements,
-        skipped,
-    }
+    let mut merged = cached;
+    merged.measurements.extend(found.measurements);
+    merged.rejected.extend(found.rejected);
+    merged.skipped.retain(|s| !select.wants(&s.algo));
+    merged.skipped.extend(found.skipped);
+    merged.verification = merged.verification.and(found.verification);
+    merged
 }
 
 /// One key (a size of one kind) through the cache: what the cache holds when it serves the
@@ -50,15 +49,8 @@ pub(super) fn size_through_cache(
     let device = backend.fingerprint().clone();
     let cached = run.cache.measured(&device, key);
     let Some(select) = run.selection(cached.as_ref()) else {
-        let (measurements, skipped) = cached.unwrap_or_default();
         stats.cached += 1;
-        return Ok((
-            Measured {
-                measurements,
-                skipped,
-            },
-            true,
-        ));
+        return Ok((cached.unwrap_or_default(), true));
     };
     if run.interrupted() {
         return Err(TuneError::Interrupted {
@@ -70,10 +62,9 @@ pub(super) fn size_through_cache(
     let how = run.how(search, select);
     let found = backend.measure(key, &how)?;
     stats.pruned += pruned;
-    stats.skipped += found.skipped.len();
+    stats.count(&found);
     let merged = merge_measured(cached, &how.select, found);
-    run.cache
-        .store_measured(&device, layer, key, &merged.measurements, &merged.skipped);
+    run.cache.store_size(&device, layer, key, &merged);
     stats.measured += 1;
     Ok((merged, false))
 }
@@ -97,6 +88,7 @@ pub(super) fn profile_job_cached(
     let key = job.key();
     let mut by_size: BTreeMap<i64, Vec<Measurement>> = BTreeMap::new();
     let mut skipped = Vec::new();
+    let mut rejected = Vec::new();
     for (index, step) in prune::measure_order(&sizes).into_iter().enumerate() {
         let micro = step.micro;
         let mut from_cache = true;
@@ -113,6 +105,7 @@ pub(super) fn profile_job_cached(
             from_cache &= cached;
             by_size.entry(micro).or_default().extend(found.measurements);
             skipped.extend(found.skipped);
+            rejected.extend(found.rejected);
         }
         progress(
             Progress {
@@ -131,6 +124,7 @@ pub(super) fn profile_job_cached(
         split: job.split,
         measurements: by_size.into_values().flatten().collect(),
         skipped,
+        rejected,
     })
 }
 

@@ -38,7 +38,7 @@ def layer_config_text(name: str, options: Dict[str, Any], label: Optional[str] =
     try:
         settings = make_settings(
             o["workspace_limit"], o["policy"], o["candidates"], o["max_candidates"],
-            o["prune_margin"], o["split"],
+            o["prune_margin"], o["split"], o["verify"],
         )
     except (TypeError, ValueError) as e:
         raise type(e)(f"{label}: {e}") from None
@@ -81,6 +81,7 @@ class _MucudnnConv:
         verbose: bool = False,
         fallback: bool = True,
         split: str = "auto",
+        verify: bool = True,
         **kwargs: Any,
     ):
         label = name or f"mucudnn.torch.{type(self).__name__}"
@@ -105,7 +106,7 @@ class _MucudnnConv:
             dict(
                 workspace_limit=workspace_limit, policy=policy, candidates=candidates,
                 cache=cache, max_candidates=max_candidates, prune_margin=prune_margin,
-                verbose=verbose, fallback=fallback, split=split,
+                verbose=verbose, fallback=fallback, split=split, verify=verify,
             ),
             label,
         )

@@ -291,6 +291,7 @@ class _MucudnnConv:
         verbose: bool = False,
         fallback: bool = True,
         split: str = "auto",
+        verify: bool = True,
         **kwargs: Any,
     ):
         label = name or f"mucudnn.torch.{type(self).__name__}"
@@ -298,7 +299,7 @@ class _MucudnnConv:
             dict(
                 workspace_limit=workspace_limit, policy=policy, candidates=candidates,
                 cache=cache, max_candidates=max_candidates, prune_margin=prune_margin,
-                verbose=verbose, fallback=fallback, split=split,
+                verbose=verbose, fallback=fallback, split=split, verify=verify,
             ),
             label,
         )

@@ -46,8 +46,11 @@ def make_settings(
     max_candidates: Optional[int] = None,
     prune_margin: Optional[float] = 1.5,
     split: str = "auto",
+    verify: bool = True,
 ) -> Settings:
     check_split(split)
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False, not {verify!r}")
     if policy not in _POLICIES:
         raise ValueError(f"policy {policy!r}: expected one of {', '.join(_POLICIES)}")
     if candidates not in _CANDIDATES:
@@ -63,6 +66,7 @@ def make_settings(
         max_candidates=max_candidates,
         prune_margin=None if prune_margin is None else float(prune_margin),
         split=split,
+        verify=verify,
     )
 
 
@@ -70,6 +74,7 @@ def make_settings(
 LAYER_OPTIONS: Dict[str, Any] = dict(
     workspace_limit="64MiB", policy="power-of-two", candidates="all", cache=None,
     max_candidates=None, prune_margin=1.5, verbose=False, fallback=True, split="auto",
+    verify=True,
 )
 
 
@@ -90,7 +95,10 @@ _OPTIONS_DOC = """
     dimension of the output (D for 3-D, H for 2-D, W for 1-D; exact: each chunk reads its
     input rows with their halo); ``"auto"``, the default: micro-batches, and chunks too when
     the batch is at most 4 and a candidate was skipped over the workspace limit, keeping the
-    faster plan; plans are tuned and kept apart per setting), and ``fallback`` (default ``True``: an
+    faster plan; plans are tuned and kept apart per setting), ``verify`` (default ``True``:
+    each candidate's output is compared with the reference candidate's while tuning, and one
+    that computes wrong numbers is never planned; ``False`` skips the comparison), and
+    ``fallback`` (default ``True``: an
     input shape that no candidate supports, or whose plans cannot fit the limit, runs PyTorch's
     own convolution, with a warning on stderr and the reason in :attr:`plans`; ``False``:
     raise instead). An input shape tuned on first use (not by :func:`mucudnn.torch.tune`) prints
@@ -116,7 +124,7 @@ def options_text(options: Dict[str, Any], label: str) -> str:
     try:
         settings = make_settings(
             o["workspace_limit"], o["policy"], o["candidates"], o["max_candidates"],
-            o["prune_margin"], o["split"],
+            o["prune_margin"], o["split"], o["verify"],
         )
         cache = o["cache"]
         if cache is not None and cache is not False:

@@ -7,6 +7,15 @@
 //! the math mode cuDNN is asked for ([`effective_math`]), which the legacy descriptors set and
 //! the engine filter (`EngineNotes::math_conflict`) applies. Pure: tested without cuDNN, and
 //! on the host tier against the real library's engine notes (`tests/cudnn_host.rs`).
+//!
+//! Verified tuning (`backend::verify`) compares every candidate's output with the reference's
+//! (implicit GEMM with FMA math) and rejects one off by more than TF32's tolerance (about 4e-3
+//! of the largest output): it would have rejected the one entry's broken TF32 3-D kernel
+//! wherever that kernel computes wrong numbers at a size tuning measures (the shape's full
+//! batch and its micro-batches, on random data), on any cuDNN version, without this list. The
+//! list stays: it keeps the kernel from being built and timed at all, and covers what
+//! verification cannot see (a wrong result that shows only on other data or at sizes never
+//! measured, or an output that is wrong by less than the tolerance).
 
 #![forbid(unsafe_code)]
 

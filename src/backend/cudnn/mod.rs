@@ -169,6 +169,8 @@ pub use wall::{
     DataTypeCode, DropInCallerContext, FilterDescriptorInfo, ForeignHandle, ForeignSession,
     ForeignWorkspace, TensorDescriptorInfo,
 };
+/// Two outputs compared on the GPU with cuDNN's tensor ops (verified tuning).
+pub use wall::{compare_api, ComparisonDescriptors, ComparisonInfo, OutputComparison};
 /// Convolution through cuDNN's graph (backend) API: engine configurations as a second
 /// candidate source beside the legacy algorithms (see `wall/graph.rs` for the data flow).
 pub use wall::{engine_configs, engine_configs_with_alignments, graph_api_status, EnginePlan};

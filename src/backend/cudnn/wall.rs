@@ -55,6 +55,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+mod compare;
 mod context;
 mod descriptors;
 mod foreign;
@@ -64,6 +65,7 @@ mod memory;
 mod stream;
 mod view;
 
+pub use compare::{compare_api, ComparisonDescriptors, ComparisonInfo, OutputComparison};
 pub use context::{
     save_current_context, CurrentContextGuard, DropInCallerContext, RestoreAfterFields,
 };

@@ -199,7 +199,8 @@ fn list(cache: &Cache, json: bool) -> Result<()> {
             .map(|e| {
                 serde_json::json!({
                     "device": e.device.to_string(), "layer": e.layer, "problem": e.problem, "op": e.op.name(),
-                    "sizes": e.sizes, "measurements": e.measurements, "plans": e.plans,
+                    "sizes": e.sizes, "measurements": e.measurements, "rejected": e.rejected,
+                    "plans": e.plans,
                 })
             })
             .collect();
@@ -213,13 +214,18 @@ fn list(cache: &Cache, json: bool) -> Result<()> {
             device = Some(&e.device);
         }
         outln!(
-            "  {:<32} {:<10} {:<44} {:>3} sizes {:>5} measurements {:>3} plans",
+            "  {:<32} {:<10} {:<44} {:>3} sizes {:>5} measurements {:>3} plans{}",
             mucudnn::report::escape_control(&e.layer),
             e.op.name(),
             e.problem.describe(),
             e.sizes,
             e.measurements,
-            e.plans
+            e.plans,
+            if e.rejected > 0 {
+                format!(" ({} rejected for wrong results)", e.rejected)
+            } else {
+                String::new()
+            }
         );
     }
     if entries.is_empty() {

@@ -168,6 +168,7 @@ fn entry(args: &ExplainArgs) -> Result<(OpProfile, AlgoNames, i64)> {
         // The explanation reads every limit: time every candidate.
         workspace_limit_bytes: None,
         index_limit: mucudnn::solver::IndexLimit::CUDNN,
+        verify: args.device.verify(),
     };
     let (profile, _) = profile_jobs(device.backend(), &[job], &run, &mut |_, _| {})?;
     find(profile)

@@ -16,8 +16,8 @@ use mucudnn::profiler::prune::DEFAULT_MARGIN;
 use mucudnn::profiler::Job;
 use mucudnn::profiler::Progress;
 use mucudnn::report::{
-    layer_list_json, render_layer_list, render_verification, verification_json, SolutionJson,
-    TuneJson, TuningJson, VerificationJson,
+    candidates_json, layer_list_json, render_layer_list, render_rejected, render_verification,
+    verification_json, SolutionJson, TuneJson, TuningJson, VerificationJson, VerifiedCounts,
 };
 use mucudnn::report_files::{write_report, ReportInput};
 use mucudnn::solver::CandidateSet;
@@ -159,7 +159,8 @@ pub(crate) struct TuneArgs {
     #[arg(long, value_name = "DIR")]
     report: Option<PathBuf>,
     /// After solving, execute every plan and its undivided baseline end to end and report
-    /// measured times next to the predicted ones.
+    /// measured times next to the predicted ones. (Checking each candidate's output against
+    /// the reference while measuring is on by default; --no-verify turns that off.)
     #[arg(long)]
     verify: bool,
     /// No progress output.
@@ -203,6 +204,11 @@ pub(crate) struct DeviceArgs {
     /// Time every engine configuration at every size.
     #[arg(long)]
     no_prune: bool,
+    /// Do not compare each candidate's output with the reference candidate's while measuring
+    /// (saves one comparison per candidate and size). By default a candidate that computes
+    /// wrong numbers is rejected, never planned; candidates already rejected stay rejected.
+    #[arg(long)]
+    no_verify: bool,
 }
 
 impl DeviceArgs {
@@ -228,6 +234,11 @@ impl DeviceArgs {
             Cache::open_default(self.cache.as_deref())?
         };
         Ok((device, cache, timing))
+    }
+
+    /// Whether measuring verifies candidates' outputs (not `--no-verify`).
+    pub fn verify(&self) -> bool {
+        !self.no_verify
     }
 
     /// The candidate set and the engine search bounds.
@@ -478,6 +489,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         engines,
         workspace_limit_bytes: Some(measuring_limit(&args.settings)),
         index_limit: IndexLimit::CUDNN,
+        verify: args.device.verify(),
     };
     let mut step = |p: Progress<'_>, from_cache: bool| {
         reporter.step(&p.job.layer, p.job.op.name(), p.done == p.total, from_cache);
@@ -535,6 +547,7 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         stats = stats.and(more_stats);
     }
     let tuning_seconds = reporter.started.elapsed().as_secs_f64();
+    let counts = VerifiedCounts::of(&profile);
     if !args.quiet {
         if stats.measured == 0 {
             eprintln!(
@@ -562,6 +575,8 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
                 }
             );
         }
+        eprintln!("{}", verification_summary(run.verify, &stats, &counts));
+        eprint!("{}", render_rejected(&profile, 10));
     }
     let tuning_json = TuningJson {
         seconds: tuning_seconds,
@@ -573,6 +588,11 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         timings_skipped_over_limit: stats.skipped,
         peak_measuring_memory_bytes: stats.memory.peak_bytes,
         largest_workspace_bytes: stats.memory.largest_workspace_bytes,
+        verify: run.verify,
+        candidates_verified_now: stats.verified,
+        candidates_compared: counts.compared,
+        candidates_rejected: counts.rejected,
+        candidates_unverified: counts.unverified,
     };
     if let Some(path) = &args.save_profile {
         std::fs::write(path, interchange::to_json_string(&profile))
@@ -607,11 +627,50 @@ pub(crate) fn run(args: &TuneArgs) -> Result<()> {
         let doc = TuneJson {
             solution: SolutionJson::new(&solution).with_multiplicity(&multiplicity),
             tuning: tuning_json,
+            verification: candidates_json(&profile),
             measured,
         };
         outln!("{}", serde_json::to_string_pretty(&doc)?);
     }
     Ok(())
+}
+
+/// The summary line of verification: what this run compared and rejected, and what the
+/// profile holds unverified.
+fn verification_summary(
+    verify: bool,
+    stats: &mucudnn::tune::CacheStats,
+    counts: &VerifiedCounts,
+) -> String {
+    let mut line = if verify {
+        format!(
+            "verified {} candidate output(s) against the reference this run",
+            stats.verified
+        )
+    } else {
+        "verification off (--no-verify): outputs measured now were not compared".to_string()
+    };
+    if counts.rejected > 0 {
+        line += &format!(
+            "; {} candidate timing(s) rejected for wrong results, never planned (listed below; \
+             `mucudnn explain` shows each layer's)",
+            counts.rejected
+        );
+    } else {
+        line += "; none rejected";
+    }
+    if counts.unverified > 0 {
+        line += &format!(
+            "; {} timing(s) not compared{}",
+            counts.unverified,
+            if verify {
+                " (imported, or no reference output there)"
+            } else {
+                ""
+            }
+        );
+    }
+    line
 }
 
 /// The spatial jobs `auto` adds after the batch profile: each (layer, op) whose batch sizes

@@ -474,6 +474,7 @@ pub(super) fn device_info(ordinal: usize) -> Result<DeviceInfo, CudnnError> {
 /// found by walking the folder, so new ones are covered without editing this test.
 #[cfg(test)]
 mod symbol_list_tests {
+    use super::super::compare::COMPARE_SYMBOLS;
     use super::super::graph::GRAPH_SYMBOLS;
     use super::CUDNN_SYMBOLS;
     use std::collections::BTreeSet;
@@ -680,7 +681,12 @@ mod symbol_list_tests {
 
     /// What the files call that the lists lack, as `file: name`.
     fn missing(files: &[(String, String)]) -> Vec<String> {
-        let listed: BTreeSet<&str> = CUDNN_SYMBOLS.iter().chain(GRAPH_SYMBOLS).copied().collect();
+        let listed: BTreeSet<&str> = CUDNN_SYMBOLS
+            .iter()
+            .chain(GRAPH_SYMBOLS)
+            .chain(COMPARE_SYMBOLS)
+            .copied()
+            .collect();
         let mut missing = Vec::new();
         for (file, source) in files {
             for call in cudnn_calls(source) {
@@ -716,7 +722,8 @@ mod symbol_list_tests {
         assert!(
             missing.is_empty(),
             "cuDNN functions the wall calls but the gate does not check (add them to \
-             CUDNN_SYMBOLS in wall.rs or GRAPH_SYMBOLS in wall/graph.rs): {missing:?}"
+             CUDNN_SYMBOLS in wall.rs, GRAPH_SYMBOLS in wall/graph.rs or COMPARE_SYMBOLS in \
+             wall/compare.rs): {missing:?}"
         );
     }
 
@@ -731,7 +738,7 @@ mod symbol_list_tests {
             /* cudnnInBlock() */
             fn f() {
                 let _ = "cudnnInString()";
-                unsafe { dnn_sys::cudnnGetReductionWorkspaceSize(a, b) };
+                unsafe { dnn_sys::cudnnDeriveBNTensorDescriptor(a, b) };
                 let p = dnn_sys::cudnnGraphVersionCheck;
                 dnn::create_handle();
                 dnn::reduce_tensor(h);
@@ -744,8 +751,8 @@ mod symbol_list_tests {
         let calls = cudnn_calls(source);
         let expected = [
             "cudnnCreate",
+            "cudnnDeriveBNTensorDescriptor",
             "cudnnDestroy",
-            "cudnnGetReductionWorkspaceSize",
             "cudnnGraphVersionCheck",
             "result::reduce_tensor",
         ];
@@ -754,7 +761,7 @@ mod symbol_list_tests {
         assert_eq!(
             missing,
             [
-                "f.rs: cudnnGetReductionWorkspaceSize",
+                "f.rs: cudnnDeriveBNTensorDescriptor",
                 "f.rs: result::reduce_tensor"
             ]
         );
