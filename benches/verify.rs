@@ -20,7 +20,7 @@ use mucudnn::cache::Cache;
 use mucudnn::models::Model;
 use mucudnn::profiler::Job;
 use mucudnn::solver::operand_roles;
-use mucudnn::solver::{CandidateSet, DType, Layout, Policy};
+use mucudnn::solver::{CandidateSet, DType, IndexLimit, Layout, Policy};
 use mucudnn::tune::{jobs_for, profile_jobs, EngineOptions, ProfileRun};
 use std::time::Duration;
 
@@ -40,6 +40,7 @@ fn tune(jobs: &[Job], verify: bool) -> usize {
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
         workspace_limit_bytes: None,
+        index_limit: IndexLimit::CUDNN,
         verify,
     };
     let mut backend = CpuBackend::new();
@@ -76,7 +77,10 @@ fn verified_tuning(c: &mut Criterion) {
 fn verification_work(jobs: &[Job], reference: &[f32], out: &[f32]) -> f64 {
     let mut sum = 0.0;
     for job in jobs {
-        for size in job.sizes(Policy::PowerOfTwo) {
+        for size in job
+            .sizes(Policy::PowerOfTwo, IndexLimit::CUDNN)
+            .expect("the zoo's layers fit 32-bit indexing")
+        {
             let [_, _, role] = operand_roles(job.op);
             let samples = if role.is_batched() { size } else { 1 };
             let len = role.elements_per_sample(&job.problem) * samples as usize;

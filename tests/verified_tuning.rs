@@ -115,6 +115,7 @@ fn run(cache: &Cache, verify: bool) -> ProfileRun<'_> {
         candidates: CandidateSet::All,
         engines: EngineOptions::default(),
         workspace_limit_bytes: None,
+        index_limit: mucudnn::solver::IndexLimit::CUDNN,
         verify,
     }
 }

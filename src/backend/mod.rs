@@ -16,8 +16,7 @@ pub mod verify;
 use crate::device::DeviceFingerprint;
 use crate::solver::units::format_bytes;
 use crate::solver::{
-    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, IndexLimit, MeasureKey, Measurement, Operand,
-    Skipped, SplitDim,
+    Algo, AlgoKind, ConvOp, ConvProblem, EngineName, IndexLimit, MeasureKey, Operand, SplitDim,
 };
 use std::collections::BTreeSet;
 

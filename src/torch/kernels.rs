@@ -27,10 +27,10 @@ use super::call::{
     self, Device, Dims, Fallback, Geometry, GradientJob, Mapped, Operand, OutputMask, TensorMeta,
 };
 use super::context::Switches;
-use super::plans::{op_index, Miss, PlanKey, Ready, Request, TunerState};
+use super::plans::{op_index, Miss, PlanKey, Ready, Request};
 use super::registry::{CallWeight, Who};
 use super::{Discovered, Runtime};
-use crate::backend::cpu::{AlignedWorkspace, Element};
+use crate::backend::cpu::Element;
 use crate::c_abi::handle::RawOperands;
 use crate::c_abi::tuner::{CallerWorkspace, OperandExtent};
 use crate::solver::{operand_roles, ConvOp, ConvProblem, DType, Layout, MathMode};
@@ -860,38 +860,20 @@ fn execute(
         }
         _ => {
             let mut state = ready.tuner.lock();
-            let TunerState {
-                tuner,
-                host_workspace,
-            } = &mut *state;
-            if (host_workspace.len() as u64) < needed {
-                *host_workspace = AlignedWorkspace::try_new(needed).ok_or_else(|| {
-                    format!(
-                        "mucudnn: {}: cannot allocate {needed} bytes of workspace",
-                        who.name
-                    )
-                })?;
-            }
-            let bytes = if needed == 0 {
-                0
-            } else {
-                host_workspace.len() as u64
-            };
-            let pointer = if needed == 0 {
-                std::ptr::null_mut()
-            } else {
-                host_workspace.as_bytes_mut().as_mut_ptr().cast()
-            };
             // SAFETY: host pointers of the call's packed tensors, of the plan's problem
             // (checked against `extents`), the output distinct from the inputs (a new
-            // tensor), and the tuner's workspace.
+            // tensor); no workspace given: the tuner runs on its own one, grown to its largest
+            // plan's.
             unsafe {
-                tuner.execute(
+                state.tuner.execute(
                     ready.id,
                     op,
                     operands,
                     &extents,
-                    CallerWorkspace { pointer, bytes },
+                    CallerWorkspace {
+                        pointer: std::ptr::null_mut(),
+                        bytes: 0,
+                    },
                     std::ptr::null_mut(),
                 )
             }

@@ -6,7 +6,7 @@
 //! Bounded: the table keeps at most [`DEFAULT_CAPACITY`] plan sets (settable), evicting the
 //! least recently used; an evicted problem is prepared again from the cache, without
 //! measuring. A host (CPU) tuner runs every plan over one workspace that grows to the largest
-//! plan's, not one per problem. A tuner is closed (its cache file with it) when no config and
+//! plan's (the C ABI tuner's own), not one per problem. A tuner is closed (its cache file with it) when no config and
 //! no plan set uses it; a config's plan sets go with its last holder.
 //!
 //! A call takes its problem's slot (creating it), then the slot's lock: tuning a problem holds
@@ -15,7 +15,6 @@
 
 use super::call::{Device, Signature};
 use super::registry::{CacheChoice, Config, Who};
-use crate::backend::cpu::AlignedWorkspace;
 use crate::c_abi::error::FfiError;
 use crate::c_abi::mucudnnStatus_t;
 use crate::c_abi::tuner::{parse_settings, Tuner, TunerDevice};
@@ -54,10 +53,9 @@ pub struct PlanKey {
     pub deterministic: bool,
 }
 
-/// A tuner and, on the CPU, the one workspace its plans run over.
+/// A tuner (on the CPU it runs every plan over one workspace of its own).
 pub struct TunerState {
     pub tuner: Tuner,
-    pub host_workspace: AlignedWorkspace,
 }
 
 pub struct TunerSlot {
@@ -347,10 +345,7 @@ impl Plans {
         }?;
         let slot = Arc::new(TunerSlot {
             device,
-            state: Mutex::new(TunerState {
-                tuner,
-                host_workspace: AlignedWorkspace::default(),
-            }),
+            state: Mutex::new(TunerState { tuner }),
         });
         tuners.insert(key, Arc::downgrade(&slot));
         Ok(slot)

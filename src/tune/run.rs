@@ -8,8 +8,7 @@ use crate::backend::{
 use crate::profiler::prune;
 use crate::profiler::Job;
 use crate::solver::{
-    Algo, AlgoKind, CandidateSet, IndexError, IndexLimit, Measured, Measurement, Policy, Skipped,
-    SolveError,
+    Algo, AlgoKind, CandidateSet, IndexError, IndexLimit, Measured, Measurement, Policy, SolveError,
 };
 use mucudnn_cache::Cache;
 use std::collections::{BTreeMap, BTreeSet};
