@@ -467,10 +467,10 @@ verified_tune() {
 part_verify() {
   setup_binaries || { stop "set-up failed (see the log)"; return; }
   step "the GPU comparison against known differences (gpu_cudnn.rs)" 20 \
-    $G/gpu-tests --include-ignored --nocapture --test-threads=1 --exact \
+    rust_tests $G/gpu-tests --include-ignored --nocapture --test-threads=1 --exact \
     gpu_output_comparison_measures_known_differences
   step "verified measuring of every candidate, 2-D and 3-D (gpu_cudnn.rs)" 40 \
-    $G/gpu-tests --include-ignored --nocapture --test-threads=1 --exact \
+    rust_tests $G/gpu-tests --include-ignored --nocapture --test-threads=1 --exact \
     gpu_verified_measuring_compares_every_candidate
   step "verified tune: AlexNet fp32 NCHW (legacy + engines)" 75 \
     verified_tune alexnet-fp32 --model alexnet --batch 16 --dtype fp32 --layout nchw \
