@@ -128,7 +128,10 @@ pub struct Report {
 struct Slot {
     cell: Arc<Mutex<Option<Entry>>>,
     used: u64,
-    signature: Signature,
+    /// The signatures whose calls used it: layers of other signatures can share a problem (a
+    /// transposed layer mirrors the convolution whose backward-data it runs), and each reports
+    /// the plans it runs.
+    signatures: Vec<Signature>,
 }
 
 #[derive(Default)]
@@ -232,9 +235,12 @@ impl Plans {
             let slot = table.slots.entry(*key).or_insert_with(|| Slot {
                 cell: Arc::default(),
                 used: clock,
-                signature,
+                signatures: Vec::new(),
             });
             slot.used = clock;
+            if !slot.signatures.contains(&signature) {
+                slot.signatures.push(signature);
+            }
             let cell = slot.cell.clone();
             (cell, self.evict(&mut table))
         };
@@ -266,7 +272,7 @@ impl Plans {
                 .slots
                 .iter()
                 .filter(|(k, s)| {
-                    k.config == config && signature.is_none_or(|sig| s.signature == *sig)
+                    k.config == config && signature.is_none_or(|sig| s.signatures.contains(sig))
                 })
                 .map(|(k, s)| (s.used, *k, s.cell.clone()))
                 .collect()
