@@ -123,14 +123,22 @@ class Adoption:
 
     @property
     def plans(self) -> "_reports.Plans":
-        """The plans prepared now for this layer's convolutions, by input shape (as called),
-        printed as a table (see :class:`mucudnn.torch.Plans`)."""
-        reports = _native.reports(self.options, self.signature)
-        return _reports.Plans(
-            self.name,
-            {tuple(doc["input"]) if doc.get("input") else _reports.shape_of(doc): _reports.from_native(doc)
-             for doc in reports},
-        )
+        """The plans prepared now for this layer's convolutions, by this layer's input shape,
+        printed as a table (see :class:`mucudnn.torch.Plans`). A problem another layer tuned
+        first (one of the same shape, or the convolution a transposed layer mirrors) is
+        reported with ``same_as`` naming it."""
+        plans = {}
+        for doc in _native.reports(self.options, self.signature):
+            report = _reports.from_native(doc)
+            tuned_by = doc.get("name")
+            if tuned_by and tuned_by != self.name:
+                # Another layer's tuning: this layer measured and waited for nothing.
+                report.same_as = tuned_by
+                report.measured = report.cached = report.skipped = 0
+                report.tuning_seconds = 0.0
+                report.peak_measuring_memory_bytes = 0
+            plans[_reports.layer_shape(report, self.signature)] = report
+        return _reports.Plans(self.name, plans)
 
     def __reduce__(self):
         return (_restored, (self.name, self.options, self.signature))
