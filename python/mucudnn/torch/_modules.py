@@ -18,6 +18,7 @@ identity: a parametrized or hooked weight is never computed by mucudnn.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import threading
 import weakref
@@ -140,6 +141,13 @@ class Adoption:
             plans[_reports.layer_shape(report, self.signature)] = report
         return _reports.Plans(self.name, plans)
 
+    def is_current(self, module: nn.Module) -> bool:
+        """Whether this registration still identifies ``module``'s calls: after surgery (a new
+        weight parameter, another stride, kernel, dilation or groups) it does not, and the
+        module's calls run PyTorch's kernels until it is converted again."""
+        weight = None if self._weight is None else self._weight()
+        return signature_of(module) == self.signature and weight is _plain_weight(module)
+
     def __reduce__(self):
         return (_restored, (self.name, self.options, self.signature))
 
@@ -213,7 +221,10 @@ def convert_(
     All or nothing: a module that cannot be converted (a lazy module not yet initialised) is an
     error naming its path, and the model is left as it was; with ``skip_unsupported=True`` it
     is left to PyTorch with one warning naming it. A module converted before takes the
-    ``options`` given (the others at their defaults); with none it is left as it is.
+    ``options`` given (the others at their defaults); with none it is left as it is, unless
+    surgery changed what identifies its calls (a new weight parameter, another stride,
+    kernel, dilation or groups: its calls then run PyTorch's kernels), when it is registered
+    again under its name and options.
 
     Returns ``model``."""
     if "name" in options:
@@ -228,13 +239,17 @@ def convert_(
             continue
         name = path or "conv"
         earlier = module.__dict__.get("_mucudnn")
-        if isinstance(earlier, Adoption) and not options:
+        if isinstance(earlier, Adoption) and not options and earlier.is_current(module):
             continue
         reason = _unsupported(module)
         if reason is not None:
             problems.append((f"{name} ({type(module).__name__})", reason))
             continue
-        targets.append((earlier.name if isinstance(earlier, Adoption) else name, module))
+        if isinstance(earlier, Adoption):
+            # Converted before: its name, and its options unless new ones are given.
+            targets.append((earlier.name, module, text if options else earlier.options))
+        else:
+            targets.append((name, module, text))
     if problems and not skip_unsupported:
         first, reason = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -246,9 +261,9 @@ def convert_(
         warn_skipped(name, reason)
     made: List[Tuple[nn.Module, Any]] = []
     try:
-        for name, module in targets:
+        for name, module, layer_options in targets:
             made.append((module, module.__dict__.get("_mucudnn")))
-            adopt(module, name, text)
+            adopt(module, name, layer_options)
     except Exception as e:
         for module, earlier in reversed(made):
             if earlier is None:
@@ -267,6 +282,9 @@ class _MucudnnConv:
     """What mucudnn's layers share: the ``torch.nn`` layer, converted at construction."""
 
     kind: str = ""
+    # torch.jit.script compiles the nn layer's forward (whose convolution mucudnn's kernel
+    # runs); these Python-only reports are left out of it.
+    __jit_unused_properties__ = ["mucudnn_name", "plans"]
 
     def __init__(
         self,
@@ -311,6 +329,13 @@ class _MucudnnConv:
         """Per input shape tuned so far (prepared now), a :class:`PlanReport`; prints as a
         table."""
         return self._mucudnn.plans  # type: ignore[attr-defined]
+
+    def extra_repr(self) -> str:
+        s = json.loads(self._mucudnn.options)["settings"]  # type: ignore[attr-defined]
+        limit = s.get("workspace_limit")
+        limit = "unlimited" if limit is None else f"{limit} B"
+        base = super().extra_repr()  # type: ignore[misc]
+        return f"{base}, mucudnn: {s['policy']}, {limit}, {s['candidates']}, split {s['split']}"
 
 
 def _doc(torch_name: str, extra: str = "") -> str:
