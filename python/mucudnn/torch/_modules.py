@@ -396,12 +396,28 @@ def _mucudnn_calls() -> int:
 
 
 class Switch:
-    """The switch while on: its options, and the layers of the model ``enable`` named."""
+    """The switch: its options, and the modules of the model ``enable`` named. Their names
+    are registered (as layers) only while this switch is the one in effect: a layer claims
+    its calls whatever the switch, so a switch turned off (or replaced by another) must not
+    leave them registered."""
 
-    def __init__(self, options: str, names: List[Adoption]):
+    def __init__(self, options: str, model: Optional[nn.Module]):
         self.options = options
-        self.names = names
+        self._modules = _naming_modules(model)
+        self.names: List[Adoption] = []
         self._start = _mucudnn_calls()
+
+    def _register(self) -> None:
+        self.names = []
+        for path, ref in self._modules:
+            module = ref()
+            if module is not None and _unsupported(module) is None:
+                self.names.append(
+                    Adoption(path, self.options, signature_of(module), _plain_weight(module))
+                )
+
+    def _unregister(self) -> None:
+        self.names = []  # each registration goes with its Adoption
 
     @property
     def calls(self) -> int:
@@ -414,24 +430,25 @@ _switch_lock = threading.RLock()
 _switch: Optional[Switch] = None
 
 
-def _naming_layers(model: Optional[nn.Module], options: str) -> List[Adoption]:
-    """Names for the switch: the convolution modules of ``model`` not converted already."""
-    names: List[Adoption] = []
+def _naming_modules(model: Optional[nn.Module]) -> List[Tuple[str, "weakref.ref[nn.Module]"]]:
+    """(path, module) for the switch's names: the convolution modules of ``model`` not
+    converted already (held weakly: the switch keeps no model alive)."""
     if model is None:
-        return names
-    for path, module in model.named_modules():
-        if _kind_of(module) is None or isinstance(module.__dict__.get("_mucudnn"), Adoption):
-            continue
-        if _unsupported(module) is None:
-            names.append(
-                Adoption(path or type(module).__name__, options, signature_of(module),
-                         _plain_weight(module))
-            )
-    return names
+        return []
+    return [
+        (path or type(module).__name__, weakref.ref(module))
+        for path, module in model.named_modules()
+        if _kind_of(module) is not None
+        and not isinstance(module.__dict__.get("_mucudnn"), Adoption)
+    ]
 
 
 def _set(switch: Optional[Switch]) -> None:
     global _switch
+    if _switch is not None and _switch is not switch:
+        _switch._unregister()
+    if switch is not None and switch is not _switch:
+        switch._register()
     _native.set_switch(None if switch is None else switch.options)
     _switch = switch
 
@@ -447,7 +464,7 @@ def enable(model: Optional[nn.Module] = None, **options: Any) -> None:
     if "name" in options:
         raise TypeError("enable names each convolution itself; do not pass name=")
     text = options_text(options, "mucudnn.torch.enable")
-    switch = Switch(text, _naming_layers(model, text))
+    switch = Switch(text, model)
     with _switch_lock:
         _set(switch)
 
@@ -474,7 +491,7 @@ def enabled(model: Optional[nn.Module] = None, **options: Any) -> Iterator[Switc
     if "name" in options:
         raise TypeError("enabled names each convolution itself; do not pass name=")
     text = options_text(options, "mucudnn.torch.enabled")
-    switch = Switch(text, _naming_layers(model, text))
+    switch = Switch(text, model)
     with _switch_lock:
         before = _switch
         _set(switch)
