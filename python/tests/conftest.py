@@ -34,6 +34,16 @@ def clean_switch_and_account():
     mt.disable()
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "python_path: a test of the Python path's own design (skipped on the native one)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "python_smoke: part of the small set scripts/test.sh also runs on the Python path",
+    )
+
+
 def pytest_report_header(config):
     try:
         import mucudnn

@@ -19,11 +19,22 @@ import mucudnn.torch as mt
 
 NATIVE = mt.PATH == "native"
 
-#: Marks a test of the Python path's own design (custom ops, replaced classes, the function
-#: mode): the native path does not have it.
-python_path_only = pytest.mark.skipif(
-    NATIVE, reason="the Python path's design (MUCUDNN_TORCH_PATH=python runs it)"
-)
+#: The marks of a test of the Python path's own design (custom ops, replaced classes, the
+#: function mode), which the native path does not have: skipped there, and marked
+#: ``python_path`` (scripts/test.sh runs those again under MUCUDNN_TORCH_PATH=python).
+PYTHON_PATH_MARKS = [
+    pytest.mark.python_path,
+    pytest.mark.skipif(
+        NATIVE, reason="the Python path's design (MUCUDNN_TORCH_PATH=python runs it)"
+    ),
+]
+
+
+def python_path_only(test):
+    """Decorates a test of the Python path's own design (see PYTHON_PATH_MARKS)."""
+    for mark in PYTHON_PATH_MARKS:
+        test = mark(test)
+    return test
 
 
 def is_converted(module: nn.Module) -> bool:

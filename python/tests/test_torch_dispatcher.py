@@ -16,7 +16,6 @@ Counts come from the public account (:func:`mucudnn.torch.account`)."""
 
 from __future__ import annotations
 
-import gc
 import threading
 
 import pytest
@@ -30,17 +29,6 @@ import mucudnn.torch as mt
 pytestmark = pytest.mark.skipif(mt.PATH != "native", reason="the native path needs torch >= 2.10")
 
 FAST = dict(cache=False, policy="undivided", split="batch", fallback=True)
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    # Layers of earlier tests' models are collected (their registrations go with them): a
-    # call of another model's with a layer's signature would be counted under its name.
-    gc.collect()
-    mt.disable()
-    mt.reset_account()
-    yield
-    mt.disable()
 
 
 def totals():

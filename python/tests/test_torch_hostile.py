@@ -19,7 +19,10 @@ import torch.nn.functional as F
 
 import mucudnn
 import mucudnn.torch as mt
-from converted import NATIVE, by_pytorch, fallbacks, is_converted, name_of, plans_of, python_path_only
+from converted import (
+    NATIVE, PYTHON_PATH_MARKS, by_pytorch, fallbacks, is_converted, name_of, plans_of,
+    python_path_only,
+)
 from mucudnn import Tuner
 
 HERE = Path(__file__).resolve().parent
@@ -37,9 +40,8 @@ NATIVE_MISSES_SURGERY = {
 
 
 def single(name):
-    if NATIVE and name in torch_scenarios.PYTHON_PATH_ONLY:
-        return pytest.param(name, marks=pytest.mark.skip(
-            reason="the Python path's custom ops and errors (MUCUDNN_TORCH_PATH=python)"))
+    if name in torch_scenarios.PYTHON_PATH_ONLY:
+        return pytest.param(name, marks=PYTHON_PATH_MARKS)
     if NATIVE and name in NATIVE_MISSES_SURGERY:
         return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=(
             "native path: after surgery the layer's calls run PyTorch's kernels, not "

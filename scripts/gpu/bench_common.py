@@ -205,6 +205,17 @@ class Clock:
         return self.peak_extra_mib(), self.device_peak_mib()
 
 
+def layer_plans(module):
+    """A converted layer's plans by input shape (mucudnn.torch.Plans), None for a module
+    mucudnn does not run: the ``plans`` of the ``_mucudnn`` attribute ``convert_`` adopts a
+    module with (torch >= 2.10, the native path), or of mucudnn's own layer (which the Python
+    path puts in a plain module's place)."""
+    adoption = module.__dict__.get("_mucudnn")
+    if hasattr(adoption, "plans"):
+        return adoption.plans
+    return getattr(module, "plans", None)
+
+
 def tune_forward(model, inputs, clock):
     """Runs each converted layer once (under no_grad: it tunes its shape's forward on first
     sight): (the seconds it took, the ops tuned)."""
@@ -213,7 +224,7 @@ def tune_forward(model, inputs, clock):
         m(x)
     clock.sync()
     tuning = time.perf_counter() - started
-    return tuning, sorted({op for m in model for r in m.plans.values() for op in r.tuned_ops})
+    return tuning, sorted({op for m in model for r in layer_plans(m).values() for op in r.tuned_ops})
 
 
 def time_layers(model, inputs, clock):
@@ -274,7 +285,7 @@ def fallback_layers(model):
     """The converted layers of `model` that run PyTorch's convolution for some shape, with the
     reason: a bench fails on any (it would time PyTorch against itself)."""
     return [f"{name}: {report.fallback}" for name, module in model.named_modules()
-            if hasattr(module, "plans") for report in module.plans.values()
+            if layer_plans(module) is not None for report in layer_plans(module).values()
             if report.fallback is not None]
 
 
