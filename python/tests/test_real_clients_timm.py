@@ -201,6 +201,7 @@ def test_timm_model_through_convert_and_enable(name):
 ADOPTABLE = {"StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame", "Conv2dSame"}
 
 
+@pytest.mark.python_smoke
 def test_the_subclasses_are_adopted_not_replaced():
     """StdConv2d's forward standardises its weight: replaced by a plain convolution it was off
     by 84% (issue found before adoption). Adopted, the module is the same object, keeps its

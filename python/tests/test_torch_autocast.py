@@ -104,6 +104,7 @@ def test_conv_fed_by_an_autocast_op_runs():
         assert rel_error(ours_grad, ref_grad) < 2e-2
 
 
+@pytest.mark.python_smoke
 def test_without_autocast_a_dtype_mismatch_is_still_an_error():
     reference = nn.Conv2d(3, 4, 3)
     conv = mt.convert_(copy.deepcopy(reference), cache=False)

@@ -57,6 +57,7 @@ def run_all(model, inputs):
     return results
 
 
+@pytest.mark.python_smoke
 def test_every_kind_forward_and_backward_runs_mucudnn_and_matches():
     model = every_kind()
     torch.manual_seed(1)
@@ -75,6 +76,7 @@ def test_every_kind_forward_and_backward_runs_mucudnn_and_matches():
         assert ran(name) == {"fwd": 1, "bwd_data": 1, "bwd_filter": 1}, name
 
 
+@pytest.mark.python_smoke
 def test_names_come_from_the_problem_without_a_model():
     torch.manual_seed(0)
     x, w = torch.randn(1, 3, 5, 5), torch.randn(4, 3, 3, 3)
@@ -194,6 +196,7 @@ def test_autocast_bf16():
     assert conv.weight.grad.dtype == torch.float32
 
 
+@pytest.mark.python_smoke
 def test_adopted_module_under_enable_uses_its_own_name_and_settings():
     class Scaled(nn.Conv2d):
         def forward(self, x, scale=1.0):

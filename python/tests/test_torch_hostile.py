@@ -95,6 +95,7 @@ def test_saved_in_one_process_runs_in_a_fresh_one(kind, tmp_path):
     run_scenario(f"{kind}_load", tmp_path)
 
 
+@pytest.mark.python_smoke
 def test_the_layer_state_is_its_conv_state_plus_one_plain_value():
     conv = mt.Conv2d(3, 4, 3, cache=False, name="state")
     conv(torch.randn(1, 3, 5, 5))
@@ -110,6 +111,7 @@ def test_the_layer_state_is_its_conv_state_plus_one_plain_value():
         assert json.loads(conv._mucudnn_config)["name"] == "state"
 
 
+@pytest.mark.python_smoke
 def test_float64_runs_pytorch_convolution_with_one_warning(capfd):
     torch.manual_seed(0)
     conv = mt.Conv2d(3, 4, 3, padding=1, cache=False, name="net.double").double()

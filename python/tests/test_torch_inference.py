@@ -96,6 +96,7 @@ INFERENCE = {
 }
 
 
+@pytest.mark.python_smoke
 @pytest.mark.parametrize("mode", list(INFERENCE))
 @pytest.mark.parametrize("kind", list(LAYERS))
 def test_inference_tunes_only_the_forward_op_then_training_tunes_the_rest(

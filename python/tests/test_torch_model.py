@@ -70,6 +70,7 @@ def test_convert_converts_every_conv_and_keeps_the_state_dict():
     converted.load_state_dict(net(seed=1).state_dict())
 
 
+@pytest.mark.python_smoke
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_converted_model_matches_the_original(channels_last):
     original, ours, x = converted_pair(channels_last)
@@ -129,6 +130,7 @@ def test_torch_compile_fullgraph():
     assert all(ran(name_of(layer))["fwd"] == 1 for layer in converted_layers(ours))
 
 
+@pytest.mark.python_smoke
 def test_plans_report_each_op():
     _, ours, x = converted_pair()
     ours(x)

@@ -217,6 +217,7 @@ def test_double_backward_matches_torch_nn(kind):
         assert_close(mine, reference, f"{kind} double backward")
 
 
+@pytest.mark.python_smoke
 def test_output_padding_beyond_the_stride_runs_pytorch(capfd):
     # PyTorch allows output_padding < dilation even when it is not < stride; those output rows
     # are outside the convolution problem, so PyTorch's transposed convolution runs (warned).
@@ -367,6 +368,7 @@ def test_convert_converts_every_kind():
     assert list(ours.state_dict()) == list(original.state_dict())
 
 
+@pytest.mark.python_smoke
 def test_convert_kinds_chooses_which_layers():
     torch.manual_seed(0)
     model = mt.convert_(Mixed(), kinds=("conv3d", "conv_transpose1d"), cache=False)
@@ -540,9 +542,11 @@ def test_autocast_runs_the_new_layers_in_bf16(kind):
     assert {r.dtype for r in plans_of(ours).values()} == {"bf16"}
 
 
+@pytest.mark.python_smoke
 @pytest.mark.parametrize("kind", sorted(OURS))
 def test_float64_runs_pytorchs_convolution(kind, capfd):
-    ours, theirs, x, _ = make(kind, "stride2_odd")
+    # A name of its own: the Python path keeps a name's plans for the process.
+    ours, theirs, x, _ = make(kind, "stride2_odd", name=f"nd.float64.{kind}")
     ours, theirs, x = ours.double(), theirs.double(), x.double().requires_grad_()
     y = ours(x)
     with by_pytorch():

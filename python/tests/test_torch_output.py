@@ -73,6 +73,7 @@ def test_a_fallback_row_gives_the_reason(monkeypatch):
     assert "no plan: net.nofit: no plan fits 0 B" in rows[0]
 
 
+@pytest.mark.python_smoke
 def test_tune_returns_a_summary_whose_fields_mean_one_thing(tmp_path):
     torch.manual_seed(0)
     # Layers 2 and 3 have one problem; layer 4 another.
@@ -131,6 +132,7 @@ def lazy_lines(err):
 
 
 # capfd, not capsys: the native path's kernels write to the process's stderr.
+@pytest.mark.python_smoke
 def test_a_lazily_tuned_shape_prints_one_line_per_new_shape(monkeypatch, capfd, tmp_path):
     monkeypatch.delenv("MUCUDNN_QUIET", raising=False)
     cache = str(tmp_path / "c.sqlite")  # its own: other tests' layers share the in-memory one

@@ -133,6 +133,7 @@ class StdConv(torch.nn.Conv2d):
         return F.conv2d(x, self.weight * 0.5, self.bias, self.stride, self.padding)
 
 
+@pytest.mark.python_smoke
 def test_convert_again_applies_new_options_and_keeps_names():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), StdConv(4, 4, 3))
     mt.convert_(model, workspace_limit="1MiB", cache=False)

@@ -225,6 +225,7 @@ def test_forced_spatial_at_batch_1_matches_pytorch(name, scripted, tmp_path):
     assert chunked >= 2, str([str(plans_of(layer)) for layer in layers(ours)])
 
 
+@pytest.mark.python_smoke
 @pytest.mark.parametrize("name", ["conv2d", "conv_transpose2d"])
 def test_auto_at_batch_1_matches_pytorch(name, scripted, tmp_path):
     reference, ours, x = converted_pair(name, "auto", tmp_path / SCRIPTED_CACHE)

@@ -132,7 +132,9 @@ class Adoption:
         for doc in _native.reports(self.options, self.signature):
             report = _reports.from_native(doc)
             tuned_by = doc.get("name")
-            if tuned_by and tuned_by != self.name:
+            # Calls matched by signature run under "<first> (or N more of its shape)": the
+            # first layer's own.
+            if tuned_by and tuned_by != self.name and not tuned_by.startswith(f"{self.name} (or "):
                 # Another layer's tuning: this layer measured and waited for nothing.
                 report.same_as = tuned_by
                 report.measured = report.cached = report.skipped = 0
