@@ -42,6 +42,8 @@ NATIVE_MISSES_SURGERY = {
 def single(name):
     if name in torch_scenarios.PYTHON_PATH_ONLY:
         return pytest.param(name, marks=PYTHON_PATH_MARKS)
+    if not NATIVE and name in torch_scenarios.NATIVE_ONLY:
+        return pytest.param(name, marks=pytest.mark.skip(reason="what the native path does"))
     if NATIVE and name in NATIVE_MISSES_SURGERY:
         return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=(
             "native path: after surgery the layer's calls run PyTorch's kernels, not "

@@ -34,6 +34,15 @@ def python_path_scenario(fn):
     return scenario(fn)
 
 
+#: Scenarios of what the native path alone does: the tests skip them on the Python path.
+NATIVE_ONLY = set()
+
+
+def native_scenario(fn):
+    NATIVE_ONLY.add(fn.__name__)
+    return scenario(fn)
+
+
 def scenario(fn):
     SCENARIOS[fn.__name__] = fn
     return fn
@@ -405,11 +414,9 @@ def jit_script_says_to_use_compile():
     raises(RuntimeError, "torch.compile", lambda: torch.jit.script(nn.Sequential(conv)))
 
 
-@scenario
+@native_scenario
 def jit_script_runs_mucudnn():
     # The native path's kernels sit in PyTorch's dispatcher, under TorchScript too.
-    if not NATIVE:
-        return
     torch.manual_seed(0)
     conv = mt.Conv2d(3, 4, 3, cache=False, name="net.scripted")
     model = mt.convert_(nn.Sequential(nn.Conv2d(4, 2, 3)), cache=False)
