@@ -78,6 +78,16 @@ def make_data(samples: int, image: int, channels: int, classes: int, seed: int):
     return x, y
 
 
+def converted_layers(model: nn.Module):
+    """(name, plans) of each converted convolution: adopted in place (``module._mucudnn``,
+    torch >= 2.10), or replaced by mucudnn's layer (the Python path, older torch)."""
+    for module in model.modules():
+        if isinstance(module, mt.Conv2d):
+            yield module.mucudnn_name, module.plans
+        elif hasattr(module.__dict__.get("_mucudnn"), "plans"):
+            yield module._mucudnn.name, module._mucudnn.plans
+
+
 def checksum(model: nn.Module) -> str:
     """A digest of the parameters (BatchNorm's running statistics are per rank under DDP)."""
     digest = hashlib.sha256()
@@ -158,12 +168,11 @@ def main() -> None:
             print(f"step {step:3d}  loss {losses[-1]:.4f}")
     seconds = time.perf_counter() - started
     plans = {
-        module.mucudnn_name: {
+        name: {
             "x".join(map(str, shape)): {op: info["split"] for op, info in report.ops.items()}
-            for shape, report in module.plans.items()
+            for shape, report in layer_plans.items()
         }
-        for module in model.modules()
-        if isinstance(module, mt.Conv2d)
+        for name, layer_plans in converted_layers(model)
     }
     if rank == 0:
         print(f"{args.steps} steps in {seconds:.2f} s on {world} rank(s) ({device.type})")

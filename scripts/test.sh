@@ -13,7 +13,9 @@
 #      installed into a fresh virtualenv with no cargo on PATH to run one tuned convolution
 #      (scripts/wheel_smoke.py); then pytest, with a virtualenv holding torch, pytest and numpy
 #      from PyPI (made once under the test cache folder and only read after) and the wheel
-#      installed into a folder of this run.
+#      installed into a folder of this run: every test on mucudnn.torch's native path (the
+#      venv's torch >= 2.10), then under MUCUDNN_TORCH_PATH=python the Python path's own tests
+#      (marked python_path) and a smoke set of the shared ones (python_smoke).
 #
 # What only downloads (the venv's torch, the host tier's cuDNN wheels, the wheel tools, Open
 # MPI's packages) starts in the background at the beginning, while cargo compiles, and is
@@ -27,8 +29,8 @@
 # (scripts/lock.sh) while the other run waits.
 #
 # Without network on first use, the cuDNN host tier says it was skipped. The Python tier is
-# skipped with a message outside CI; under CI=true that is a failure, and so is a pytest run
-# that collects no test.
+# skipped with a message outside CI; under CI=true that is a failure, and so is either pytest
+# run collecting no test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lock.sh
@@ -163,20 +165,32 @@ PATH=$no_cargo_path "$run_dir/fresh/bin/python" -m pip install --quiet --no-inde
 (repo=$PWD && cd "$run_dir" && PATH=$no_cargo_path "$run_dir/fresh/bin/python" \
   "$repo/scripts/wheel_smoke.py")
 
-tier "Python: pytest python/tests"
+# pytest against the installed wheel, on one path of mucudnn.torch: run_pytest PATH ARGS...
+# (PATH: native or python, as MUCUDNN_TORCH_PATH takes it; native is an error where the
+# runtime cannot load). A run that collects no test is a failure (pytest's exit code 5).
+run_pytest() {
+  local path=$1
+  shift
+  local status=0
+  # From the repository root, so that the installed package is imported, not python/mucudnn.
+  MUCUDNN_TORCH_PATH=$path PYTHONPATH="$run_dir/site${PYTHONPATH:+:$PYTHONPATH}" \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs "$@" || status=$?
+  if [ "$status" -eq 5 ]; then
+    echo "error: pytest ($path path) collected no test" >&2
+    exit 1
+  fi
+  [ "$status" -eq 0 ] || exit "$status"
+}
+
+tier "Python: pytest python/tests (native path)"
 # The venv was made in the background (setup_venv again: a no-op when it is ready, the reason
 # when it is not).
 join_job venv || echo "the venv's prefetch failed; making it again" >&2
 if setup_venv || skip_or_fail "could not make the Python virtualenv at $venv"; then
   section "Python: the wheel beside $venv's torch (a folder of this run), pytest python/tests"
   "$venv/bin/python" -m pip install --quiet --no-deps --no-index --target "$run_dir/site" "$wheel"
-  status=0
-  # From the repository root, so that the installed package is imported, not python/mucudnn.
-  PYTHONPATH="$run_dir/site${PYTHONPATH:+:$PYTHONPATH}" \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs python/tests || status=$?
-  if [ "$status" -eq 5 ]; then
-    echo "error: pytest collected no test" >&2
-    exit 1
-  fi
-  [ "$status" -eq 0 ] || exit "$status"
+  run_pytest native python/tests
+  tier "Python: pytest, the Python path's tests and smoke set"
+  section "Python: MUCUDNN_TORCH_PATH=python, the tests marked python_path or python_smoke"
+  run_pytest python -m "python_path or python_smoke" python/tests
 fi

@@ -403,8 +403,8 @@ impl Fixture {
 repo=$1
 mkdir -p .gpu/python/tests .gpu/c_abi .gpu/wheels stub
 cp "$repo"/scripts/gpu/*.sh "$repo"/scripts/gpu/*.py .gpu/
-cp "$repo"/python/tests/conftest.py "$repo"/python/tests/test_torch_cuda.py \
-  "$repo"/python/tests/test_loader.py .gpu/python/tests/
+cp "$repo"/python/tests/conftest.py "$repo"/python/tests/converted.py \
+  "$repo"/python/tests/test_torch_cuda.py "$repo"/python/tests/test_loader.py .gpu/python/tests/
 (cd "$repo/python" && tar -cf - --exclude=__pycache__ mucudnn) | tar -xf - -C .gpu/python
 cp "$repo"/examples/c_client.c "$repo"/examples/pytorch_ctypes.py "$repo"/include/mucudnn.h \
   .gpu/c_abi/

@@ -13,13 +13,16 @@ lines (docs/pytorch.md's table)."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
+import re
 
 import pytest
 import torch
 
 import mucudnn.torch as mt
+from converted import NATIVE, by_pytorch, converted_layers, fallbacks, name_of, plans_of, options_of
 from real_clients import (
     FAST, CountConvolutions, count_mucudnn_runs, gradient_error, gradients, relative_error,
 )
@@ -85,7 +88,7 @@ KINKS = {torch.nn.ReLU: (0.0,), torch.nn.ReLU6: (0.0, 6.0), torch.nn.Hardtanh: (
 
 def kink_crossings(a, b, x) -> int:
     """How many activation inputs lie on different sides of a kink in the training steps of
-    models ``a`` and ``b`` (two copies of one model)."""
+    models ``a`` (unconverted: PyTorch computes it) and ``b`` (two copies of one model)."""
     def inputs(model):
         seen = []
         hooks = [
@@ -101,7 +104,9 @@ def kink_crossings(a, b, x) -> int:
         return seen
 
     total = 0
-    for (p, kinks), (q, _) in zip(inputs(a), inputs(b)):
+    with by_pytorch():
+        of_a = inputs(a)
+    for (p, kinks), (q, _) in zip(of_a, inputs(b)):
         for k in kinks:
             total += int(((p <= k) != (q <= k)).sum())
     return total
@@ -138,21 +143,30 @@ def test_timm_model_through_convert_and_enable(name):
     converted = mt.convert_(fresh().eval(), **FAST)
     assert list(converted.state_dict()) == list(original.state_dict())
     classes = {type(m).__name__ for m in original.modules()}
+    # The subclasses convert_ adopted (not mucudnn's layers, nor torch.nn's classes).
     adopted = sorted(
-        type(m).__name__ for m in converted.modules()
-        if isinstance(m, mt._layer._MucudnnConv) and not type(m).__module__.startswith("mucudnn")
+        type(m).__name__ for m in converted_layers(converted)
+        if not type(m).__module__.startswith(("mucudnn", "torch.nn"))
     )
     for m, before in zip(converted.modules(), original.modules()):
         assert isinstance(m, type(before))  # every isinstance holds
     with torch.no_grad(), count_mucudnn_runs() as runs, CountConvolutions() as left:
         out = converted(x)
     left_to_pytorch = cond_conv_calls(original)
-    assert left.calls == left_to_pytorch, f"{name}: {left.calls} convolutions reached PyTorch"
+    if not NATIVE:  # the count mode sits under the converted modules' own
+        assert left.calls == left_to_pytorch, f"{name}: {left.calls} convolutions reached PyTorch"
     assert runs[0] == total - left_to_pytorch, f"{name}: mucudnn ran {runs[0]} of {total}"
+    assert fallbacks() == {}, f"{name}: {fallbacks()}"
     converted = mt.convert_(fresh(), **FAST)
     grads = gradients(converted, train_step(converted, x))
     output_error = relative_error(out, expected)
     grad_error = gradient_error(grads, expected_grads)
+    # The switch alone from here: no converted layer left to claim the calls (native path).
+    # A layer of the same options keeps their plans and in-memory measurements for it.
+    keeper = mt.Conv2d(1, 1, 1, **FAST)  # noqa: F841
+    del converted
+    gc.collect()
+    mt.reset_account()
 
     with mt.enabled(**FAST) as mode:
         model = fresh().eval()
@@ -161,6 +175,8 @@ def test_timm_model_through_convert_and_enable(name):
         model = fresh()
         enabled_grads = gradients(model, train_step(model, x))
     assert enabled_runs[0] == total and mode.calls >= total
+    # Named by their problems (conv2d_KxCxRxS_...): the switch ran them.
+    assert all(re.match(r"conv2d_\d", n) for n in mt.account()), sorted(mt.account())[:3]
     enabled_output_error = relative_error(enabled_out, expected)
     enabled_grad_error = gradient_error(enabled_grads, expected_grads)
 
@@ -185,6 +201,7 @@ def test_timm_model_through_convert_and_enable(name):
 ADOPTABLE = {"StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame", "Conv2dSame"}
 
 
+@pytest.mark.python_smoke
 def test_the_subclasses_are_adopted_not_replaced():
     """StdConv2d's forward standardises its weight: replaced by a plain convolution it was off
     by 84% (issue found before adoption). Adopted, the module is the same object, keeps its
@@ -201,15 +218,18 @@ def test_the_subclasses_are_adopted_not_replaced():
     converted = mt.convert_(model, **FAST)
     assert converted is model and list(model) == modules
     for m, cls in zip(model, (StdConv2d, ScaledStdConv2d, Conv2dSame)):
-        assert isinstance(m, cls) and type(m) is not cls and type(m).__name__ == cls.__name__
+        # The native path keeps the class itself; the Python path subclasses it once.
+        assert isinstance(m, cls) and (type(m) is cls) == NATIVE and type(m).__name__ == cls.__name__
     assert model[1].gain.shape == (8, 1, 1, 1) and model[0].eps == 1e-6
     with count_mucudnn_runs() as runs:
         out = model(x)
-    assert runs[0] == 3
+    assert runs[0] == 3 and fallbacks() == {}
     assert relative_error(out, expected) <= 1e-5
-    assert model[0].mucudnn_name == "0" and (2, 3, 9, 9) in model[0].plans
-    assert (2, 8, 11, 11) in model[2].plans  # the input Conv2dSame padded itself (9 + 2)
+    assert name_of(model[0]) == "0" and (2, 3, 9, 9) in plans_of(model[0])
+    assert (2, 8, 11, 11) in plans_of(model[2])  # the input Conv2dSame padded itself (9 + 2)
     # pickle and deepcopy keep the adopted class and its configuration
     clone = copy.deepcopy(model)
-    assert type(clone[0]) is type(model[0]) and clone[0]._mucudnn_config == model[0]._mucudnn_config
-    torch.testing.assert_close(clone(x), out, rtol=0, atol=0)
+    assert type(clone[0]) is type(model[0]) and options_of(clone[0]) == options_of(model[0])
+    with count_mucudnn_runs() as runs:
+        torch.testing.assert_close(clone(x), out, rtol=0, atol=0)
+    assert runs[0] == 3

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import mucudnn.torch as mt
+from converted import by_pytorch, converted_layers, fallbacks, name_of, ran
 
 
 def rel(a, b):
@@ -28,6 +29,20 @@ def gradients(model, x, target, dtype):
     return torch.cat(weights), xx.grad.detach().double()
 
 
+def pytorchs(model, x, target, dtype):
+    """``gradients`` computed by PyTorch's kernels (see by_pytorch)."""
+    with by_pytorch():
+        return gradients(model, x, target, dtype)
+
+
+def assert_ran(model):
+    """mucudnn ran every converted layer's forward and weight gradient."""
+    for layer in converted_layers(model):
+        counts = ran(name_of(layer))
+        assert counts.get("fwd") and counts.get("bwd_filter"), (name_of(layer), counts)
+    assert fallbacks() == {}
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_depthwise_gradients_are_as_close_to_float64_as_pytorchs(stride):
     torch.manual_seed(0)
@@ -35,9 +50,10 @@ def test_depthwise_gradients_are_as_close_to_float64_as_pytorchs(stride):
     ours = mt.convert_(copy.deepcopy(conv), cache=False)
     x = torch.randn(4, 32, 28, 28)
     target = torch.randn(4, 32, 28 // stride, 28 // stride)
-    dw64, dx64 = gradients(copy.deepcopy(conv).double(), x, target, torch.float64)
-    dw_torch, dx_torch = gradients(conv, x, target, torch.float32)
+    dw64, dx64 = pytorchs(copy.deepcopy(conv).double(), x, target, torch.float64)
+    dw_torch, dx_torch = pytorchs(conv, x, target, torch.float32)
     dw_ours, dx_ours = gradients(ours, x, target, torch.float32)
+    assert_ran(ours)
     # Measured: weight gradient 3e-7 (mucudnn) vs 1.5e-6 to 2.7e-6 (PyTorch).
     assert rel(dw_ours, dw64) <= 2 * rel(dw_torch, dw64)
     assert rel(dx_ours, dx64) <= 2 * rel(dx_torch, dx64)
@@ -61,7 +77,8 @@ def test_a_train_mode_mobilenet_block_matches_pytorchs_error_with_a_smooth_activ
     model = inverted_residual(nn.SiLU).train()
     ours = mt.convert_(copy.deepcopy(model), cache=False)
     x, target = torch.randn(4, 16, 8, 8), torch.randn(4, 10)
-    w64, _ = gradients(copy.deepcopy(model).double(), x, target, torch.float64)
-    w_torch, _ = gradients(model, x, target, torch.float32)
+    w64, _ = pytorchs(copy.deepcopy(model).double(), x, target, torch.float64)
+    w_torch, _ = pytorchs(model, x, target, torch.float32)
     w_ours, _ = gradients(ours, x, target, torch.float32)
+    assert_ran(ours)
     assert rel(w_ours, w64) <= 2 * rel(w_torch, w64), (rel(w_ours, w64), rel(w_torch, w64))

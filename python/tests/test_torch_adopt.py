@@ -10,7 +10,6 @@ outputs and gradients."""
 from __future__ import annotations
 
 import copy
-import gc
 import functools
 import io
 import pickle
@@ -23,21 +22,11 @@ import torch.nn.utils.prune
 from torch.nn.utils import parametrize
 
 import mucudnn.torch as mt
+from converted import by_pytorch, ran
 
 pytestmark = pytest.mark.skipif(mt.PATH != "native", reason="the native path needs torch >= 2.10")
 
 FAST = dict(cache=False, policy="undivided", split="batch", fallback=False)
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    # Layers of earlier tests' models are collected (their registrations go with them): a
-    # call of another model's with a layer's signature would be counted under its name.
-    gc.collect()
-    mt.disable()
-    mt.reset_account()
-    yield
-    mt.disable()
 
 
 def close(a, b, tol=1e-5):
@@ -53,11 +42,6 @@ def step(model: nn.Module, x: torch.Tensor):
     (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     return [y.detach(), x.grad] + grads
-
-
-def ran(name: str) -> dict:
-    """The account of one layer: op -> calls mucudnn ran."""
-    return {op: count["mucudnn"] for op, count in mt.account().get(name, {}).items()}
 
 
 def fell_back() -> int:
@@ -241,8 +225,8 @@ def test_parametrizations_can_be_added_and_removed_after_conversion():
     assert not parametrize.is_parametrized(conv)
     assert close(conv(x), before)
     parametrize.register_parametrization(conv, "weight", Counted())
-    halved = F.conv2d(x, conv.weight, conv.bias)
-    mt.disable()
+    with by_pytorch():
+        halved = F.conv2d(x, conv.weight, conv.bias)
     assert close(conv(x), halved)
     assert ran("conv")["fwd"] >= 3 and fell_back() == 0
 

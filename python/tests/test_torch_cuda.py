@@ -7,12 +7,14 @@ No false pass: every test asserts that mucudnn ran the convolution (no fallback 
 with the candidates it asked for, and a fallback warning from any layer fails the test. The
 parameter ids are stable names (accept.sh selects tests by them)."""
 
+import contextlib
 import sys
 
 import pytest
 import torch
 
 import mucudnn.torch as mt
+from converted import by_pytorch
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA GPU (these run on the GPU machine)"
@@ -32,11 +34,12 @@ FALLBACK_WARNING = "runs PyTorch's convolution"
 
 
 @pytest.fixture(autouse=True)
-def no_fallback_warning(capsys, request):
+def no_fallback_warning(capfd, request):
     """Fails a test during which any layer fell back to PyTorch's convolution (a test that
-    may record one sets ``request.node.allows_fallback``)."""
+    may record one sets ``request.node.allows_fallback``). capfd: the native path's kernels
+    write to the process's stderr."""
     yield
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     sys.stderr.write(err)  # kept in the test's report
     if FALLBACK_WARNING in err and not getattr(request.node, "allows_fallback", False):
         pytest.fail(f"a layer fell back to PyTorch's convolution:\n{err}")
@@ -78,12 +81,15 @@ def pair(shape, kwargs, dtype, channels_last, **options):
 
 
 def compare(ours, reference, x, tolerance):
+    """Outputs and gradients of ``ours`` against the reference's, computed by PyTorch (see
+    by_pytorch)."""
     results = []
     for module in (ours, reference):
-        xx = x.clone().requires_grad_()
-        y = module(xx)
-        grad = torch.ones_like(y)
-        y.backward(grad)
+        with by_pytorch() if module is reference else contextlib.nullcontext():
+            xx = x.clone().requires_grad_()
+            y = module(xx)
+            grad = torch.ones_like(y)
+            y.backward(grad)
         results.append([y.detach().float(), xx.grad.float(), module.weight.grad.float()])
         module.zero_grad()
     for mine, theirs in zip(*results):
@@ -122,7 +128,8 @@ def test_no_host_synchronisation_after_tuning_and_other_streams():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    expected = reference(x)
+    with by_pytorch():
+        expected = reference(x)
     error = ((y - expected).abs().max() / expected.abs().max()).item()
     assert error < 2e-2
     ran_mucudnn(ours)
@@ -144,7 +151,8 @@ def test_cuda_graph_capture_after_tuning():
     static_x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    expected = reference(static_x)
+    with by_pytorch():
+        expected = reference(static_x)
     error = ((static_y - expected).abs().max() / expected.abs().max()).item()
     assert error < 1e-2
     ran_mucudnn(ours)

@@ -16,7 +16,6 @@ Counts come from the public account (:func:`mucudnn.torch.account`)."""
 
 from __future__ import annotations
 
-import gc
 import threading
 
 import pytest
@@ -30,17 +29,6 @@ import mucudnn.torch as mt
 pytestmark = pytest.mark.skipif(mt.PATH != "native", reason="the native path needs torch >= 2.10")
 
 FAST = dict(cache=False, policy="undivided", split="batch", fallback=True)
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    # Layers of earlier tests' models are collected (their registrations go with them): a
-    # call of another model's with a layer's signature would be counted under its name.
-    gc.collect()
-    mt.disable()
-    mt.reset_account()
-    yield
-    mt.disable()
 
 
 def totals():
@@ -284,12 +272,17 @@ def test_negative_views_are_resolved():
     mt.enable(**FAST)
     got = F.conv2d(torch._neg_view(x), w)
     assert close(got, expected)
-    # Complex (conjugate views included) is PyTorch's.
+    # Complex (conjugate views included): PyTorch's kernel resolves the conjugate and runs
+    # the product as real convolutions, which mucudnn's plans run (their summation order
+    # is the tuned algorithm's, not always PyTorch's: close, not equal).
     xc = torch.randn(1, 2, 5, 5, dtype=torch.complex64)
     wc = torch.randn(3, 2, 3, 3, dtype=torch.complex64)
+    mt.reset_account()
     got = F.conv2d(xc.conj(), wc)
+    assert totals() == (3, 0), mt.account()
     mt.disable()
-    assert torch.equal(got, F.conv2d(xc.conj(), wc))
+    assert close(got.real, F.conv2d(xc.conj(), wc).real)
+    assert close(got.imag, F.conv2d(xc.conj(), wc).imag)
 
 
 BAD_CALLS = {

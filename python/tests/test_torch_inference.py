@@ -5,6 +5,7 @@ later training step tunes the missing ops then, and its gradients match ``torch.
 tuning cache itself shows what was measured (the tuner's ``missing`` tasks per op)."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import mucudnn.torch as mt
 from mucudnn import _tuner
 from mucudnn._lib import MucudnnError
 from mucudnn.torch import _runtime
+from converted import NATIVE, by_pytorch, converted_layers, name_of, plans_of, python_path_only
 
 ALL = ("fwd", "bwd_data", "bwd_filter")
 
@@ -45,21 +47,29 @@ def assert_close(ours, theirs, what):
 
 
 def only_report(layer):
-    reports = list(layer.plans.values())
+    reports = list(plans_of(layer).values())
     assert len(reports) == 1, reports
     assert reports[0].fallback is None
     return reports[0]
 
 
+def problem_and_settings(layer):
+    """The C ABI problem of the layer's one prepared plan set, and its tuning settings."""
+    if NATIVE:
+        (doc,) = mt._native.reports(layer._mucudnn.options, layer._mucudnn.signature)
+        settings = json.loads(layer._mucudnn.options)["settings"]
+        return doc["problem"], _tuner.Settings(**settings)
+    (key,) = list(layer._mucudnn.prepared)
+    return _runtime.problem_of(key), layer._mucudnn.settings
+
+
 def cached_ops(layer, cache):
     """The ops whose measurements the cache file holds in full for the layer's one problem:
     those a fresh tuner on the same file lists no missing task for."""
-    (key,) = list(layer._mucudnn.prepared)
+    problem, settings = problem_and_settings(layer)
     tuner = _tuner.Tuner(cache=str(cache))
     try:
-        tasks = tuner.missing(
-            [{"layer": "probe", "problem": _runtime.problem_of(key)}], layer._mucudnn.settings
-        )
+        tasks = tuner.missing([{"layer": "probe", "problem": problem}], settings)
     finally:
         tuner.close()
     missing = {task["op"] for task in tasks}
@@ -68,11 +78,13 @@ def cached_ops(layer, cache):
 
 def train_step(ours, theirs, x):
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    ys = [layer(xx) for layer, xx in zip((ours, theirs), xs)]
+    ys = [ours(xs[0])]
+    grad = torch.randn_like(ys[0])
+    ys[0].backward(grad)
+    with by_pytorch():
+        ys.append(theirs(xs[1]))
+        ys[1].backward(grad)
     assert_close(ys[0], ys[1], "forward")
-    grad = torch.randn_like(ys[1])
-    for y in ys:
-        y.backward(grad)
     assert_close(xs[0].grad, xs[1].grad, "input gradient")
     assert_close(ours.weight.grad, theirs.weight.grad, "weight gradient")
     assert_close(ours.bias.grad, theirs.bias.grad, "bias gradient")
@@ -84,6 +96,7 @@ INFERENCE = {
 }
 
 
+@pytest.mark.python_smoke
 @pytest.mark.parametrize("mode", list(INFERENCE))
 @pytest.mark.parametrize("kind", list(LAYERS))
 def test_inference_tunes_only_the_forward_op_then_training_tunes_the_rest(
@@ -93,14 +106,17 @@ def test_inference_tunes_only_the_forward_op_then_training_tunes_the_rest(
     ours, theirs, x, op = make(kind, cache)
     with INFERENCE[mode]():
         y = ours(x)
-        assert_close(y, theirs(x), f"{kind} inference forward")
+        with by_pytorch():
+            expected = theirs(x)
+        assert_close(y, expected, f"{kind} inference forward")
     report = only_report(ours)
     assert report.tuned_ops == (op,)
     assert list(report.ops) == [op]
     assert report.measured > 0
     assert "not tuned (no backward yet)" in str(report)
-    (ready,) = list(ours._mucudnn.prepared.values())
-    assert ready.has == tuple(name == op for name in ALL)
+    if not NATIVE:  # the prepared plan set itself (the native path reports what it prepared)
+        (ready,) = list(ours._mucudnn.prepared.values())
+        assert ready.has == tuple(name == op for name in ALL)
     # The cache holds the forward op's measurements, none of the others'.
     assert cached_ops(ours, cache) == (op,)
     forward_measured = report.measured
@@ -114,8 +130,9 @@ def test_inference_tunes_only_the_forward_op_then_training_tunes_the_rest(
     assert report.tuned_ops == ALL
     assert report.measured > forward_measured
     assert cached_ops(ours, cache) == ALL
-    (ready,) = list(ours._mucudnn.prepared.values())
-    assert ready.has == (True, True, True)
+    if not NATIVE:
+        (ready,) = list(ours._mucudnn.prepared.values())
+        assert ready.has == (True, True, True)
     # And the next step only executes.
     measured = report.measured
     train_step(ours, theirs, x)
@@ -135,6 +152,10 @@ def test_training_tunes_all_three_ops_on_its_forward(kind, tmp_path):
     train_step(ours, theirs, x)
 
 
+@pytest.mark.xfail(NATIVE, strict=True, reason=(
+    "native path: with gradients on, the kernel tunes all three ops whether or not anything "
+    "requires a gradient (PyTorch's stable C interface has no requires_grad to read below "
+    "autograd): a frozen layer measures backward ops it never runs"))
 def test_frozen_weights_with_gradients_on_tune_only_the_forward(tmp_path):
     cache = tmp_path / "cache.sqlite"
     ours, theirs, x, _ = make("conv3d", cache)
@@ -147,6 +168,7 @@ def test_frozen_weights_with_gradients_on_tune_only_the_forward(tmp_path):
     assert only_report(ours).tuned_ops == ALL
 
 
+@python_path_only  # its custom ops
 def test_direct_op_calls_decide_from_their_tensors(tmp_path):
     """Without a layer to say so, an op call with gradients on reaches the kernel only when
     nothing requires one (inference); under no_grad a weight requiring a gradient cannot be
@@ -182,24 +204,42 @@ def test_tune_for_inference_tunes_the_forward_ops_only(tmp_path):
     training = mt.tune(full, *mixed_inputs(), verbose=False)
     assert inference.layers == training.layers == 9
     assert 0 < inference.measured < training.measured
-    layers = [m for m in forward.modules() if isinstance(m, mt._layer._MucudnnConv)]
+    layers = converted_layers(forward)
+    assert len(layers) == 9
+
+    def problem(layer):
+        report = only_report(layer)
+        return report.shape, report.weight_shape, report.output_shape
+
+    # The op each layer's forward runs. On the native path layers of one problem share one
+    # plan set (Mixed's ConvTranspose3d mirrors the Conv3d before it: its forward is that
+    # convolution's bwd_data), which holds the forward ops of them all.
+    needed = {}
     for layer in layers:
-        expected = ("bwd_data",) if layer.transposed else ("fwd",)
-        assert only_report(layer).tuned_ops == expected, layer.mucudnn_name
-    for layer in full.modules():
-        if isinstance(layer, mt._layer._MucudnnConv):
-            assert only_report(layer).tuned_ops == ALL
+        op = "bwd_data" if layer.transposed else "fwd"
+        needed.setdefault(problem(layer) if NATIVE else name_of(layer), set()).add(op)
+    assert not NATIVE or max(len(ops) for ops in needed.values()) == 2
+    for layer in layers:
+        expected = needed[problem(layer) if NATIVE else name_of(layer)]
+        assert set(only_report(layer).tuned_ops) == expected, name_of(layer)
+    for layer in converted_layers(full):
+        assert only_report(layer).tuned_ops == ALL
     # Inference after it only executes; training tunes the backward ops, and matches.
     with torch.no_grad():
         before = [only_report(layer).measured for layer in layers]
-        for ours, theirs in zip(forward(*mixed_inputs()), original(*mixed_inputs())):
+        with by_pytorch():
+            expected = original(*mixed_inputs())
+        for ours, theirs in zip(forward(*mixed_inputs()), expected):
             assert_close(ours, theirs, "inference after tune")
         assert [only_report(layer).measured for layer in layers] == before
     torch.manual_seed(1)
-    for ours, theirs in zip(forward(*mixed_inputs()), original(*mixed_inputs())):
+    with by_pytorch():
+        expected = original(*mixed_inputs())
+    for ours, theirs in zip(forward(*mixed_inputs()), expected):
         grad = torch.randn_like(theirs)
         ours.backward(grad)
-        theirs.backward(grad)
+        with by_pytorch():
+            theirs.backward(grad)
     for (name, ours), (_, theirs) in zip(forward.named_parameters(), original.named_parameters()):
         assert_close(ours.grad, theirs.grad, f"{name} gradient")
     for layer in layers:
@@ -225,6 +265,7 @@ def test_tuner_settings_ops(tmp_path):
         tuner.close()
 
 
+@python_path_only  # its runtime's key; the native path's refusal is tested on a GPU
 def test_graph_capture_refuses_a_key_tuned_for_inference_only(monkeypatch):
     """Under CUDA graph capture a key (or an op of it) not tuned before is a clear error (no
     GPU needed: capture is reported by a stand-in, the refusal comes before any GPU call)."""

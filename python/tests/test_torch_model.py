@@ -2,6 +2,7 @@
 gradients), keeps its state_dict keys and optimizer, compiles with
 ``torch.compile(fullgraph=True)``, and bad input is a Python exception naming the layer."""
 
+import contextlib
 import copy
 import importlib.util
 import subprocess
@@ -15,6 +16,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mucudnn.torch as mt
+from converted import (
+    NATIVE, by_pytorch, converted_layers, fallbacks, is_converted, name_of, plans_of,
+    python_path_only, ran,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,30 +50,38 @@ def converted_pair(channels_last=False):
     return original, ours, x
 
 
-def test_convert_replaces_every_conv_and_keeps_the_state_dict():
+def computing(model, original):
+    """Where ``model``'s steps run: PyTorch's kernels for the original (see by_pytorch)."""
+    return by_pytorch() if model is original else contextlib.nullcontext()
+
+
+def test_convert_converts_every_conv_and_keeps_the_state_dict():
     original = net()
     keys = list(original.state_dict())
     weight = original.stem.weight
     converted = mt.convert_(original, cache=False)
     assert converted is original
     convs = [m for m in converted.modules() if isinstance(m, nn.Conv2d)]
-    assert convs and all(isinstance(m, mt.Conv2d) for m in convs)
+    assert convs and all(is_converted(m) for m in convs)
+    assert converted_layers(converted) == convs
     assert converted.stem.weight is weight  # parameters are shared, not copied
     assert list(converted.state_dict()) == keys
-    assert converted.block2.conv1.mucudnn_name == "block2.conv1"
+    assert name_of(converted.block2.conv1) == "block2.conv1"
     converted.load_state_dict(net(seed=1).state_dict())
 
 
+@pytest.mark.python_smoke
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_converted_model_matches_the_original(channels_last):
     original, ours, x = converted_pair(channels_last)
     outputs, grads = [], []
     for model in (original, ours):
         model.train()
-        y = model(x)
-        loss = y.pow(2).sum()
-        model.zero_grad()
-        loss.backward()
+        with computing(model, original):
+            y = model(x)
+            loss = y.pow(2).sum()
+            model.zero_grad()
+            loss.backward()
         outputs.append(y.detach())
         grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
     scale = outputs[0].abs().max().item()
@@ -78,6 +91,16 @@ def test_converted_model_matches_the_original(channels_last):
             grads[1][name], expected, rtol=0, atol=1e-4 * expected.abs().max().item(),
             msg=lambda m: f"{name}: {m}",
         )
+    # mucudnn's plans ran every convolution, forward and backward (the stem's input needs no
+    # gradient: no bwd_data there), in the input's layout.
+    for layer in converted_layers(ours):
+        expected_ops = {"fwd": 1, "bwd_filter": 1}
+        if name_of(layer) != "stem":
+            expected_ops["bwd_data"] = 1
+        assert ran(name_of(layer)) == expected_ops, name_of(layer)
+        (report,) = plans_of(layer).values()
+        assert report.layout == ("nhwc" if channels_last else "nchw")
+    assert fallbacks() == {}
 
 
 def test_a_training_step_matches_the_original():
@@ -87,7 +110,8 @@ def test_a_training_step_matches_the_original():
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for _ in range(3):
             optimizer.zero_grad()
-            F.cross_entropy(model(x), target).backward()
+            with computing(model, original):
+                F.cross_entropy(model(x), target).backward()
             optimizer.step()
     for (name, a), (_, b) in zip(original.named_parameters(), ours.named_parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
@@ -98,15 +122,19 @@ def test_torch_compile_fullgraph():
     compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
     y = compiled(x)
     y.sum().backward()
-    expected = original(x)
+    with by_pytorch():
+        expected = original(x)
     torch.testing.assert_close(y.detach(), expected.detach(), rtol=0, atol=1e-4 * expected.abs().max().item())
     assert ours.stem.weight.grad is not None
+    # The compiled graph ran mucudnn's plans.
+    assert all(ran(name_of(layer))["fwd"] == 1 for layer in converted_layers(ours))
 
 
+@pytest.mark.python_smoke
 def test_plans_report_each_op():
     _, ours, x = converted_pair()
     ours(x)
-    plans = ours.stem.plans
+    plans = plans_of(ours.stem)
     assert list(plans) == [(4, 3, 12, 12)]
     report = plans[(4, 3, 12, 12)]
     assert set(report.ops) == {"fwd", "bwd_data", "bwd_filter"}
@@ -125,6 +153,7 @@ def test_workspace_limit_zero_uses_only_algorithms_without_workspace():
         assert info["workspace_bytes"] == 0
 
 
+@python_path_only
 def test_bad_input_names_the_layer():
     conv = mt.Conv2d(3, 4, 3, cache=False, name="net.conv9")
     with pytest.raises(ValueError, match="net.conv9.*3-D .* or 4-D"):
@@ -144,6 +173,31 @@ def test_bad_input_names_the_layer():
     assert conv(torch.randn(3, 8, 8)).shape == (4, 6, 6)  # unbatched input, as nn.Conv2d
 
 
+@pytest.mark.skipif(not NATIVE, reason="the Python path names the layer (test above)")
+def test_bad_input_raises_what_nn_conv2d_raises():
+    """The native path leaves what mucudnn does not run to PyTorch's own kernel: its errors,
+    word for word (a bad option is still mucudnn's, naming the layer)."""
+    torch.manual_seed(0)
+    conv = mt.Conv2d(3, 4, 3, cache=False, name="net.conv9")
+    reference = nn.Conv2d(3, 4, 3)
+    reference.load_state_dict(conv.state_dict())
+
+    def outcome(module, x):
+        try:
+            return tuple(module(x).shape)
+        except Exception as e:
+            return type(e).__name__, str(e)
+
+    for x in (torch.randn(3, 4), torch.randn(1, 5, 8, 8), torch.randn(1, 3, 2, 2),
+              torch.randn(1, 3, 8, 8, dtype=torch.float64), torch.randn(1, 3, 8, 8, device="meta")):
+        assert outcome(conv, x) == outcome(reference, x), tuple(x.shape)
+    with pytest.raises(ValueError, match="net.conv9: .*64MB"):
+        mt.Conv2d(3, 4, 3, workspace_limit="64MB", name="net.conv9")
+    assert conv(torch.randn(3, 8, 8)).shape == (4, 6, 6)  # unbatched input, as nn.Conv2d
+    assert ran("net.conv9") == {"fwd": 1}
+
+
+@python_path_only
 def test_convert_refuses_or_skips_other_padding_modes():
     model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect"), nn.Conv2d(3, 3, 1))
     with pytest.raises(ValueError, match="0: padding_mode='reflect'.*skip_unsupported"):
@@ -158,14 +212,16 @@ def test_a_second_process_with_everything_cached_measures_nothing(tmp_path):
         f"""
         import json, sys, time, torch
         sys.path.insert(0, {str(REPO / 'examples')!r})
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torch_ddp, mucudnn.torch as mt
+        from converted import converted_layers, plans_of
         torch.manual_seed(0)
         model = mt.convert_(torch_ddp.Net(width=8), cache={str(cache)!r})
         x = torch.randn(8, 3, 16, 16)
         started = time.perf_counter()
         model(x).sum().backward()
         seconds = time.perf_counter() - started
-        reports = [r for m in model.modules() if isinstance(m, mt.Conv2d) for r in m.plans.values()]
+        reports = [r for m in converted_layers(model) for r in plans_of(m).values()]
         print(json.dumps({{"measured": sum(r.measured for r in reports),
                            "tuning": sum(r.tuning_seconds for r in reports),
                            "first_step": seconds, "layers": len(reports)}}))
@@ -185,6 +241,9 @@ def test_a_second_process_with_everything_cached_measures_nothing(tmp_path):
     assert second["tuning"] < 1.0, second
 
 
+# The tuner's failures are scripted by patching the Python tuner, which the native path's
+# kernels do not call (they tune in the library).
+@python_path_only
 def test_a_shape_without_a_plan_falls_back_to_pytorch_or_raises(monkeypatch, capsys):
     from mucudnn import MucudnnError, Tuner
 
@@ -219,6 +278,7 @@ def test_a_shape_without_a_plan_falls_back_to_pytorch_or_raises(monkeypatch, cap
     assert summary.fallbacks == 1
 
 
+@python_path_only
 def test_a_plan_cudnn_declines_to_prepare_falls_back_to_pytorch(monkeypatch, capsys):
     # PLAN_NOT_SUPPORTED: cuDNN refuses a tuned micro-batch at its real
     # offset. The layer, the forward's lazy tuning and tune() all fall back with a warning.

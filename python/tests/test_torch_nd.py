@@ -9,6 +9,7 @@ Every layer is made with ``fallback=False``, so a shape mucudnn cannot tune is a
 silent run of PyTorch's convolution, and the tests check that plans were made.
 """
 
+import contextlib
 import copy
 import io
 import pickle
@@ -19,6 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mucudnn.torch as mt
+from converted import (
+    NATIVE, by_pytorch, converted_layers, fallbacks, is_converted, name_of, options_of,
+    plans_of, python_path_only, ran,
+)
 
 OURS = {
     "conv1d": mt.Conv1d,
@@ -103,10 +108,15 @@ def assert_close(ours, theirs, what):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * max(scale, 1e-30), msg=what)
 
 
+def computing(layer, ours):
+    """Where a layer's steps run: PyTorch's kernels for the reference (see by_pytorch)."""
+    return contextlib.nullcontext() if layer is ours else by_pytorch()
+
+
 def assert_planned(layer):
     """The layer ran mucudnn's plans (at least one input shape, none on PyTorch's convolution)."""
-    reports = list(layer.plans.values())
-    assert reports, f"{layer.mucudnn_name}: no plans"
+    reports = list(plans_of(layer).values())
+    assert reports, f"{name_of(layer)}: no plans"
     assert all(r.fallback is None for r in reports), [r.fallback for r in reports]
 
 
@@ -115,9 +125,15 @@ def test_forward_and_gradients_match_torch_nn(kind, geometry):
     ours, theirs, x, pad = make(kind, geometry)
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
     ys = []
+    grad = None
     for layer, xx in zip((ours, theirs), xs):
-        inp = F.pad(xx, pad) if pad is not None else xx
-        ys.append(layer(inp))
+        with computing(layer, ours):
+            inp = F.pad(xx, pad) if pad is not None else xx
+            y = layer(inp)
+            if grad is None:
+                grad = torch.randn_like(y)
+            y.backward(grad)
+        ys.append(y)
     assert ys[0].shape == ys[1].shape
     if geometry == "channels_last":  # the output keeps the input's memory format
         if SPATIAL[kind] == 1:
@@ -126,9 +142,6 @@ def test_forward_and_gradients_match_torch_nn(kind, geometry):
             fmt = torch.channels_last_3d if SPATIAL[kind] == 3 else torch.channels_last
             assert ys[0].is_contiguous(memory_format=fmt) and not ys[0].is_contiguous()
     assert_close(ys[0], ys[1], f"{kind} {geometry} forward")
-    grad = torch.randn_like(ys[1])
-    for y in ys:
-        y.backward(grad)
     assert_close(xs[0].grad, xs[1].grad, f"{kind} {geometry} input gradient")
     assert_close(ours.weight.grad, theirs.weight.grad, f"{kind} {geometry} weight gradient")
     if ours.bias is not None:
@@ -136,11 +149,13 @@ def test_forward_and_gradients_match_torch_nn(kind, geometry):
     else:
         assert theirs.bias is None
     assert_planned(ours)
-    if geometry == "channels_last":
-        assert all(r.layout in ("nhwc", "ndhwc") for r in ours.plans.values())
+    assert ran(name_of(ours)) == {"fwd": 1, "bwd_data": 1, "bwd_filter": 1}
+    if geometry == "channels_last":  # a 1-D layer's is NWC (the Python path says NHWC)
+        assert all(r.layout in ("nwc", "nhwc", "ndhwc") for r in ours.plans.values())
     # A transposed layer's three passes are one convolution problem's plan set.
     if kind.startswith("conv_transpose"):
-        assert len(ours._mucudnn.prepared) == 1
+        (report,) = ours.plans.values()
+        assert report.tuned_ops == ("fwd", "bwd_data", "bwd_filter"), str(report)
 
 
 def test_unbatched_inputs_and_output_size():
@@ -148,14 +163,23 @@ def test_unbatched_inputs_and_output_size():
     for kind in OURS:
         ours, theirs, x, _ = make(kind, "stride2_odd")
         single = x[0]
-        assert_close(ours(single), theirs(single), f"{kind} unbatched")
+        with by_pytorch():
+            expected = theirs(single)
+        assert_close(ours(single), expected, f"{kind} unbatched")
     # output_size picks the output_padding, as in torch.nn.
-    ours, theirs, x, _ = make("conv_transpose3d", "plain")
-    ours.stride = theirs.stride = (2, 2, 2)
+    torch.manual_seed(3)
+    ours = mt.ConvTranspose3d(3, 4, 3, stride=2, padding=1, cache=False, fallback=False,
+                              name="nd.output_size")
+    theirs = nn.ConvTranspose3d(3, 4, 3, stride=2, padding=1)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 4, 5, 6)
     size = [8, 9, 12]  # output_padding (1, 0, 1)
     y = ours(x, output_size=size)
     assert tuple(y.shape[2:]) == tuple(size)
-    assert_close(y, theirs(x, output_size=size), "output_size")
+    with by_pytorch():
+        expected = theirs(x, output_size=size)
+    assert_close(y, expected, "output_size")
+    assert ran(name_of(ours)) == {"bwd_data": 1}
 
 
 @pytest.mark.parametrize("kind", ["conv1d", "conv3d"])
@@ -169,10 +193,12 @@ def test_padding_same_with_even_kernels(kind):
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn((2, 2) + (4, 5, 6)[-spatial:])
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    ys = [ours(xs[0]), theirs(xs[1])]
+    ys = []
+    for layer, xx in zip((ours, theirs), xs):
+        with computing(layer, ours):
+            ys.append(layer(xx))
+            ys[-1].pow(2).sum().backward()
     assert_close(ys[0], ys[1], "same")
-    for y in ys:
-        y.pow(2).sum().backward()
     assert_close(xs[0].grad, xs[1].grad, "same input gradient")
     assert_close(ours.weight.grad, theirs.weight.grad, "same weight gradient")
     assert_planned(ours)
@@ -183,13 +209,15 @@ def test_double_backward_matches_torch_nn(kind):
     ours, theirs, x, _ = make(kind, "stride2_odd", name=f"nd.double.{kind}")
     results = []
     for module in (ours, theirs):
-        xx = x.clone().requires_grad_()
-        (gx,) = torch.autograd.grad(module(xx).pow(2).sum(), xx, create_graph=True)
-        results.append(torch.autograd.grad(gx.pow(2).sum(), [xx, module.weight]))
+        with computing(module, ours):
+            xx = x.clone().requires_grad_()
+            (gx,) = torch.autograd.grad(module(xx).pow(2).sum(), xx, create_graph=True)
+            results.append(torch.autograd.grad(gx.pow(2).sum(), [xx, module.weight]))
     for mine, reference in zip(*results):
         assert_close(mine, reference, f"{kind} double backward")
 
 
+@pytest.mark.python_smoke
 def test_output_padding_beyond_the_stride_runs_pytorch(capfd):
     # PyTorch allows output_padding < dilation even when it is not < stride; those output rows
     # are outside the convolution problem, so PyTorch's transposed convolution runs (warned).
@@ -199,10 +227,14 @@ def test_output_padding_beyond_the_stride_runs_pytorch(capfd):
     theirs = nn.ConvTranspose2d(3, 2, 3, stride=1, dilation=2, output_padding=1)
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, 3, 4, 5)
-    assert_close(ours(x), theirs(x), "output_padding >= stride")
+    with by_pytorch():
+        expected = theirs(x)
+    assert_close(ours(x), expected, "output_padding >= stride")
     ours(x)
     err = capfd.readouterr().err
-    assert err.count("is not smaller than the stride") == 1
+    warnings = [line for line in err.splitlines() if "warning" in line and "nd.beyond" in line]
+    assert len(warnings) == 1 and "output_padding" in warnings[0], warnings
+    assert "PyTorch's" in warnings[0] and "stride" in warnings[0], warnings
     assert len(ours.plans) == 0
 
 
@@ -251,12 +283,14 @@ OPCHECK_CASES = [
 ]
 
 
+@python_path_only
 @pytest.mark.parametrize("kind,geometry", OPCHECK_CASES)
 def test_opcheck(kind, geometry):
     for op, args in op_calls(kind, geometry):
         torch.library.opcheck(op, args)
 
 
+@python_path_only
 def test_fake_ops_check_operands_as_the_real_ones():
     ours, _, x, _ = make("conv_transpose3d", "stride2_odd")
     op = mt._ops.OPS[3].transpose
@@ -321,50 +355,85 @@ def converted_mixed(**options):
     return original, ours
 
 
-def test_convert_replaces_every_kind():
+def test_convert_converts_every_kind():
     original, ours = converted_mixed()
-    kinds = {type(m).__name__ for m in ours.modules() if isinstance(m, mt._layer._MucudnnConv)}
+    kinds = {type(m).__name__ for m in converted_layers(ours)}
     assert kinds == {"Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
                      "ConvTranspose3d"}
     for m in ours.modules():
         if isinstance(m, nn.modules.conv._ConvNd):
-            assert isinstance(m, mt._layer._MucudnnConv), type(m)
-    assert ours.up.mucudnn_name == "up"
-    assert ours.audio[4].mucudnn_name == "audio.4"
+            assert is_converted(m), type(m)
+    assert name_of(ours.up) == "up"
+    assert name_of(ours.audio[4]) == "audio.4"
     assert list(ours.state_dict()) == list(original.state_dict())
 
 
+@pytest.mark.python_smoke
 def test_convert_kinds_chooses_which_layers():
     torch.manual_seed(0)
     model = mt.convert_(Mixed(), kinds=("conv3d", "conv_transpose1d"), cache=False)
-    assert type(model.enc) is mt.Conv3d and type(model.down) is mt.Conv3d
-    assert type(model.dec) is mt.Conv3d
-    assert type(model.up) is nn.ConvTranspose3d
-    assert type(model.audio[0]) is nn.Conv1d
-    assert type(model.audio[4]) is mt.ConvTranspose1d
-    assert type(model.image[0]) is nn.Conv2d
+    assert [name_of(m) for m in converted_layers(model)] == ["enc", "down", "dec", "audio.4"]
+    assert not is_converted(model.up) and not is_converted(model.audio[0])
+    assert not is_converted(model.image[0])
     # One name alone is one kind.
     model = mt.convert_(Mixed(), kinds="conv_transpose2d", cache=False)
-    assert type(model.image[2]) is mt.ConvTranspose2d and type(model.image[0]) is nn.Conv2d
+    assert [name_of(m) for m in converted_layers(model)] == ["image.2"]
     with pytest.raises(ValueError, match="unknown 'conv4d'"):
         mt.convert_(Mixed(), kinds=("conv2d", "conv4d"))
     with pytest.raises(ValueError, match="kinds is empty"):
         mt.convert_(Mixed(), kinds=())
     with pytest.raises(TypeError, match="kinds must be names"):
         mt.convert_(Mixed(), kinds=3)
-    # A layer given alone comes back converted (or as it is, when its kind is not chosen).
+    # A layer given alone comes back converted (or as it is, when its kind is not chosen):
+    # the same object on the native path, mucudnn's layer on the Python path.
     layer = nn.ConvTranspose3d(2, 3, 2)
-    assert type(mt.convert_(layer, cache=False)) is mt.ConvTranspose3d
-    assert mt.convert_(layer, kinds="conv3d") is layer
+    assert mt.convert_(layer, kinds="conv3d") is layer and not is_converted(layer)
+    converted = mt.convert_(layer, cache=False)
+    assert (converted is layer) if NATIVE else (type(converted) is mt.ConvTranspose3d)
+    assert is_converted(converted) and name_of(converted) == "conv"
 
 
-def test_padding_modes_other_than_zeros():
+@python_path_only
+def test_padding_modes_other_than_zeros_are_refused():
     with pytest.raises(ValueError, match="padding_mode='circular'"):
         mt.Conv3d(2, 2, 3, padding_mode="circular")
     model = nn.Sequential(nn.Conv1d(2, 2, 3, padding=1, padding_mode="reflect"),
                           nn.Conv3d(2, 2, 3))
     mt.convert_(model, skip_unsupported=True, cache=False)
     assert type(model[0]) is nn.Conv1d and type(model[1]) is mt.Conv3d
+
+
+@pytest.mark.skipif(not NATIVE, reason="the Python path refuses them (test above)")
+def test_padding_modes_other_than_zeros_run_mucudnn():
+    # The module pads its input itself and calls a convolution of padding 0: mucudnn runs it.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({
+        "reflect": nn.Conv1d(2, 3, 3, padding=1, padding_mode="reflect"),
+        "replicate": nn.Conv2d(2, 3, 3, padding=(1, 2), padding_mode="replicate"),
+    })
+    reference = copy.deepcopy(model)
+    mt.convert_(model, cache=False, fallback=False)
+    circular = mt.Conv3d(2, 2, 3, padding=1, padding_mode="circular", cache=False,
+                         fallback=False, name="circular")
+    plain = nn.Conv3d(2, 2, 3, padding=1, padding_mode="circular")
+    plain.load_state_dict(circular.state_dict())
+    cases = [(model["reflect"], reference["reflect"], (2, 2, 9)),
+             (model["replicate"], reference["replicate"], (2, 2, 5, 6)),
+             (circular, plain, (1, 2, 3, 4, 5))]
+    for ours, theirs, shape in cases:
+        x = torch.randn(shape)
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        ys = []
+        for layer, xx in zip((ours, theirs), xs):
+            with computing(layer, ours):
+                ys.append(layer(xx))
+                ys[-1].pow(2).sum().backward()
+        assert_close(ys[0], ys[1], f"{name_of(ours)} forward")
+        assert_close(xs[0].grad, xs[1].grad, f"{name_of(ours)} input gradient")
+        assert_close(ours.weight.grad, theirs.weight.grad, f"{name_of(ours)} weight gradient")
+        assert_planned(ours)
+        (report,) = plans_of(ours).values()
+        assert report.tuned_ops == ("fwd", "bwd_data", "bwd_filter")
 
 
 def test_a_mixed_model_trains_like_the_unconverted_one():
@@ -376,9 +445,10 @@ def test_a_mixed_model_trains_like_the_unconverted_one():
         outputs = []
         for model, optimizer in zip((original, ours), optimizers):
             optimizer.zero_grad()
-            out = model(*inputs)
-            loss = sum(o.pow(2).mean() for o in out)
-            loss.backward()
+            with computing(model, ours):
+                out = model(*inputs)
+                loss = sum(o.pow(2).mean() for o in out)
+                loss.backward()
             outputs.append(out)
         for theirs, mine in zip(*outputs):
             assert_close(mine, theirs, f"step {step} output")
@@ -387,9 +457,8 @@ def test_a_mixed_model_trains_like_the_unconverted_one():
             assert_close(params[1][name].grad, params[0][name].grad, f"step {step} {name}.grad")
         for optimizer in optimizers:
             optimizer.step()
-    for m in ours.modules():
-        if isinstance(m, mt._layer._MucudnnConv):
-            assert_planned(m)
+    for m in converted_layers(ours):
+        assert_planned(m)
 
 
 def test_torch_compile_runs_a_converted_3d_model():
@@ -406,10 +475,12 @@ def test_torch_compile_runs_a_converted_3d_model():
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = torch.randn(2, 2, 4, 6, 6)
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    ys = [compiled(xs[0]), reference(xs[1])]
+    ys = [compiled(xs[0])]
+    ys[0].pow(2).sum().backward()
+    with by_pytorch():
+        ys.append(reference(xs[1]))
+        ys[1].pow(2).sum().backward()
     assert_close(ys[0], ys[1], "compiled forward")
-    for y in ys:
-        y.pow(2).sum().backward()
     assert_close(xs[0].grad, xs[1].grad, "compiled input gradient")
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert_close(mine.grad, theirs.grad, "compiled parameter gradient")
@@ -420,12 +491,14 @@ def test_torch_compile_runs_a_converted_3d_model():
 def test_state_dict_round_trip_and_pickling():
     original, ours = converted_mixed()
     inputs = mixed_inputs(5)
-    expected = original(*inputs)
+    with by_pytorch():
+        expected = original(*inputs)
     # Converted -> plain and plain -> converted, same keys and values.
     fresh = Mixed()
     fresh.load_state_dict(ours.state_dict())
-    for a, b in zip(fresh(*inputs), expected):
-        assert_close(a, b, "state_dict into torch.nn")
+    with by_pytorch():
+        for a, b in zip(fresh(*inputs), expected):
+            assert_close(a, b, "state_dict into torch.nn")
     torch.manual_seed(7)
     other = mt.convert_(Mixed(), cache=False, fallback=False)
     other.load_state_dict(original.state_dict())
@@ -437,8 +510,10 @@ def test_state_dict_round_trip_and_pickling():
     assert set(torch.load(buffer)) == set(original.state_dict())
     # pickle and deepcopy: the layers come back with their settings, and run.
     clone = pickle.loads(pickle.dumps(ours))
-    assert type(clone.up) is mt.ConvTranspose3d and type(clone.audio[0]) is mt.Conv1d
-    assert clone.up._mucudnn_config == ours.up._mucudnn_config
+    assert [name_of(m) for m in converted_layers(clone)] == [
+        name_of(m) for m in converted_layers(ours)
+    ]
+    assert options_of(clone.up) == options_of(ours.up)
     for a, b in zip(clone(*inputs), expected):
         assert_close(a, b, "pickled")
     for a, b in zip(copy.deepcopy(ours)(*inputs), expected):
@@ -454,42 +529,54 @@ def test_autocast_runs_the_new_layers_in_bf16(kind):
     ours, theirs, x, _ = make(kind, "plain")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = ours(x)
-        expected = theirs(x)
+        with by_pytorch():
+            expected = theirs(x)
     assert y.dtype == torch.bfloat16 == expected.dtype
     torch.testing.assert_close(
         y.float(), expected.float(), rtol=0, atol=0.05 * expected.float().abs().max().item()
     )
     y.float().sum().backward()
     assert ours.weight.grad.dtype == torch.float32
+    # mucudnn ran the forward and the weight gradient, in bf16 (the input needs no gradient).
+    assert sum(ran(name_of(ours)).values()) == 2 and fallbacks() == {}
+    assert {r.dtype for r in plans_of(ours).values()} == {"bf16"}
 
 
+@pytest.mark.python_smoke
 @pytest.mark.parametrize("kind", sorted(OURS))
 def test_float64_runs_pytorchs_convolution(kind, capfd):
-    ours, theirs, x, _ = make(kind, "stride2_odd")
+    # A name of its own: the Python path keeps a name's plans for the process.
+    ours, theirs, x, _ = make(kind, "stride2_odd", name=f"nd.float64.{kind}")
     ours, theirs, x = ours.double(), theirs.double(), x.double().requires_grad_()
     y = ours(x)
-    torch.testing.assert_close(y, theirs(x))
+    with by_pytorch():
+        torch.testing.assert_close(y, theirs(x))
     y.sum().backward()
     assert x.grad.dtype == torch.float64
-    assert "float64 runs PyTorch's convolution" in capfd.readouterr().err
+    # One warning naming the layer (forward and backward are one layer's reason).
+    name = name_of(ours)
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "warning" in line and name in line]
+    assert len(warnings) == 1 and "PyTorch's convolution" in warnings[0], warnings
+    assert not plans_of(ours)
 
 
 def test_tune_and_plans_for_every_kind(capfd):
     original, ours = converted_mixed(verbose=False)
     summary = mt.tune(ours, *mixed_inputs(), verbose=False)
-    layers = [m for m in ours.modules() if isinstance(m, mt._layer._MucudnnConv)]
+    layers = converted_layers(ours)
     assert summary.layers == len(layers) == 9
     assert summary.fallbacks == 0
     # Plans are keyed by each layer's own input shape.
-    assert list(ours.audio[0].plans) == [(2, 2, 21)]
-    assert list(ours.enc.plans) == [(2, 2, 4, 6, 6)]
-    assert list(ours.up.plans) == [(2, 6, 2, 3, 3)]
-    assert list(ours.image[2].plans) == [(2, 3, 3, 3)]
+    assert list(plans_of(ours.audio[0])) == [(2, 2, 21)]
+    assert list(plans_of(ours.enc)) == [(2, 2, 4, 6, 6)]
+    assert list(plans_of(ours.up)) == [(2, 6, 2, 3, 3)]
+    assert list(plans_of(ours.image[2])) == [(2, 3, 3, 3)]
     # The transposed layer's report is its convolution problem's: input = its output.
-    report = ours.up.plans[(2, 6, 2, 3, 3)]
+    report = plans_of(ours.up)[(2, 6, 2, 3, 3)]
     assert report.shape == (2, 4, 4, 6, 6) and report.output_shape == (2, 6, 2, 3, 3)
     assert report.weight_shape == (6, 4, 3, 3, 3) and report.layout == "ncdhw"
-    assert "2x6x2x3x3" in str(ours.up.plans)
+    assert "2x6x2x3x3" in str(plans_of(ours.up))
     # Training after tune only executes (no new tuning lines).
     capfd.readouterr()
     for o in ours(*mixed_inputs()):
@@ -504,6 +591,11 @@ def test_channels_last_3d_runs_as_ndhwc():
     ours(x)
     (report,) = ours.plans.values()
     assert report.layout == "ndhwc"
-    x = x.contiguous()
-    ours(x)
-    assert sorted(r.layout for r in ours._mucudnn.reports.values()) == ["ncdhw", "ndhwc"]
+    # The same shape contiguous (input and weight: a channels-last weight makes the call
+    # channels-last, as PyTorch's kernels decide) is another problem, reported for the shape
+    # now.
+    ours.to(memory_format=torch.contiguous_format)
+    ours(x.contiguous())
+    (report,) = ours.plans.values()
+    assert report.layout == "ncdhw" and report.fallback is None
+    assert fallbacks() == {}

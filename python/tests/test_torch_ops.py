@@ -1,13 +1,16 @@
-"""The custom ops on CPU tensors: ``torch.library.opcheck`` (schema, fake tensors, autograd
-registration, AOT dispatch with dynamic shapes) and agreement with PyTorch's own convolution,
-for groups, depthwise, dilation, stride 2 with odd sizes, 1x1, padding='same', no bias and
-channels_last."""
+"""mucudnn's Conv2d on CPU tensors against PyTorch's own convolution, for groups, depthwise,
+dilation, stride 2 with odd sizes, 1x1, padding='same', no bias and channels_last; and on the
+Python path, ``torch.library.opcheck`` of its custom ops (schema, fake tensors, autograd
+registration, AOT dispatch with dynamic shapes)."""
+
+import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import mucudnn.torch as mt
+from converted import by_pytorch, fallbacks, python_path_only, ran
 
 CASES = {
     # name: (N, C, H, W), Conv2d arguments, channels_last
@@ -48,6 +51,7 @@ def op_args(conv, x):
     )
 
 
+@python_path_only
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_opcheck_conv2d(case):
     conv, x = make(case)
@@ -55,6 +59,7 @@ def test_opcheck_conv2d(case):
     torch.library.opcheck(torch.ops.mucudnn.conv2d.default, args)
 
 
+@python_path_only
 @pytest.mark.parametrize("case", ["plain", "groups", "stride2_odd", "channels_last"])
 def test_opcheck_backward_ops(case):
     conv, x = make(case)
@@ -81,16 +86,20 @@ def test_forward_and_gradients_match_pytorch(case):
     )
     reference.load_state_dict(conv.state_dict())
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    ys = [conv(xs[0]), reference(xs[1])]
+    ys = [conv(xs[0])]
+    grad = torch.randn_like(ys[0])
+    ys[0].backward(grad)
+    with by_pytorch():
+        ys.append(reference(xs[1]))
+        ys[1].backward(grad)
     scale = ys[1].abs().max().item()
     assert ys[0].shape == ys[1].shape
     if case == "channels_last":  # the output keeps the input's memory format
         assert ys[0].is_contiguous(memory_format=torch.channels_last)
         assert not ys[0].is_contiguous()
     torch.testing.assert_close(ys[0], ys[1], rtol=0, atol=1e-4 * scale)
-    grad = torch.randn_like(ys[1])
-    for y in ys:
-        y.backward(grad)
+    assert ran(f"test.{case}") == {"fwd": 1, "bwd_data": 1, "bwd_filter": 1}
+    assert fallbacks() == {}
     for ours, theirs in [(xs[0].grad, xs[1].grad), (conv.weight.grad, reference.weight.grad)] + (
         [(conv.bias.grad, reference.bias.grad)] if conv.bias is not None else []
     ):
@@ -103,21 +112,27 @@ def test_double_backward_matches_pytorch():
     reference.load_state_dict(conv.state_dict())
     results = []
     for module in (conv, reference):
-        xx = x.clone().requires_grad_()
-        y = module(xx)
-        (gx,) = torch.autograd.grad(y.pow(2).sum(), xx, create_graph=True)
-        penalty = gx.pow(2).sum()
-        results.append(torch.autograd.grad(penalty, [xx, module.weight]))
+        with by_pytorch() if module is reference else contextlib.nullcontext():
+            xx = x.clone().requires_grad_()
+            y = module(xx)
+            (gx,) = torch.autograd.grad(y.pow(2).sum(), xx, create_graph=True)
+            penalty = gx.pow(2).sum()
+            results.append(torch.autograd.grad(penalty, [xx, module.weight]))
     for ours, theirs in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4 * theirs.abs().max().item())
+    # The forward, its backward and the backward's own derivatives: mucudnn's ops.
+    counts = ran("test.stride2_odd")
+    assert counts["fwd"] >= 1 and counts["bwd_data"] >= 1 and fallbacks() == {}, counts
 
 
 def test_fp16_and_bf16_on_the_cpu():
     for dtype in (torch.float16, torch.bfloat16):
         torch.manual_seed(1)
-        conv = mt.Conv2d(3, 4, 3, padding=1, cache=False, name="low", dtype=dtype)
+        conv = mt.Conv2d(3, 4, 3, padding=1, cache=False, name=f"low.{dtype}", dtype=dtype)
         x = torch.randn(2, 3, 6, 6, dtype=dtype)
         y = conv(x)
-        expected = F.conv2d(x.float(), conv.weight.float(), conv.bias.float(), padding=1)
+        with by_pytorch():
+            expected = F.conv2d(x.float(), conv.weight.float(), conv.bias.float(), padding=1)
         assert y.dtype == dtype
+        assert ran(f"low.{dtype}") == {"fwd": 1}
         torch.testing.assert_close(y.float(), expected, rtol=0, atol=0.05 * expected.abs().max().item())

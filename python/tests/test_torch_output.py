@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import mucudnn.torch as mt
+from converted import NATIVE, plans_of, python_path_only
 
 CPU_ALGORITHMS = ("direct", "im2col-batched", "im2col-per-image")
 
@@ -55,6 +56,9 @@ def test_plans_print_as_a_table_with_algorithm_names(monkeypatch, capsys, tmp_pa
     assert str(empty) == "net.untuned: no input shape tuned yet" and len(empty) == 0
 
 
+# The tuner's failures are scripted by patching the Python tuner, which the native path's
+# kernels do not call (they tune in the library).
+@python_path_only
 def test_a_fallback_row_gives_the_reason(monkeypatch):
     from mucudnn import MucudnnError, Tuner
 
@@ -69,6 +73,7 @@ def test_a_fallback_row_gives_the_reason(monkeypatch):
     assert "no plan: net.nofit: no plan fits 0 B" in rows[0]
 
 
+@pytest.mark.python_smoke
 def test_tune_returns_a_summary_whose_fields_mean_one_thing(tmp_path):
     torch.manual_seed(0)
     # Layers 2 and 3 have one problem; layer 4 another.
@@ -82,7 +87,7 @@ def test_tune_returns_a_summary_whose_fields_mean_one_thing(tmp_path):
     summary = mt.tune(model, x, verbose=False)
     assert isinstance(summary, mt.TuneSummary)
     assert (summary.layers, summary.shapes, summary.world_size) == (4, 3, 1)
-    reports = [m.plans[tuple(m_x)] for m, m_x in (
+    reports = [plans_of(m)[tuple(m_x)] for m, m_x in (
         (model[0], x.shape), (model[1], (4, 8, 12, 12)), (model[2], (4, 8, 12, 12)),
         (model[3], (4, 8, 12, 12)))]
     assert summary.measured == sum(r.measured for r in reports) > 0
@@ -94,7 +99,7 @@ def test_tune_returns_a_summary_whose_fields_mean_one_thing(tmp_path):
     assert reports[2].same_as == "1" and reports[2].source == "plans of 1"
     assert reports[2].measured == reports[2].cached == 0
     assert reports[2].ops == reports[1].ops
-    assert "plans of 1" in str(model[2].plans)
+    assert "plans of 1" in str(plans_of(model[2]))
     # The old dict keys still read the fields.
     assert summary["layers"] == 4 and summary["measured"] == summary.measured
     assert summary["tasks"] == 0 and summary["measured_here"] == []
@@ -126,54 +131,68 @@ def lazy_lines(err):
     return [line for line in err.splitlines() if "on first use" in line]
 
 
-def test_a_lazily_tuned_shape_prints_one_line_per_new_shape(monkeypatch, capsys, tmp_path):
+# capfd, not capsys: the native path's kernels write to the process's stderr.
+@pytest.mark.python_smoke
+def test_a_lazily_tuned_shape_prints_one_line_per_new_shape(monkeypatch, capfd, tmp_path):
     monkeypatch.delenv("MUCUDNN_QUIET", raising=False)
     cache = str(tmp_path / "c.sqlite")  # its own: other tests' layers share the in-memory one
     conv = mt.Conv2d(3, 4, 3, padding=1, cache=cache, name="net.lazy")
     x = torch.randn(2, 3, 6, 6, requires_grad=True)
     conv(x).sum().backward()
     conv(x).sum().backward()
-    lines = lazy_lines(capsys.readouterr().err)
+    lines = lazy_lines(capfd.readouterr().err)
     assert len(lines) == 1, lines
     assert re.match(
-        r"mucudnn: net\.lazy: tuned input shape 2x3x6x6 \(fp32 nchw\) on first use in \d+\.\d\d s, "
-        r".*call mucudnn\.torch\.tune\(model, example_inputs\) ahead of training",
+        r"mucudnn: net\.lazy: tuned input shape 2x3x6x6 \(fp32 nchw\) on first use in \d+\.\d\d s.*; "
+        r"call mucudnn\.torch\.tune\(model, example_inputs\) ahead of training",
         lines[0],
     ), lines[0]
     conv(torch.randn(3, 3, 6, 6))  # a new shape: one more line
     conv(torch.randn(3, 3, 6, 6))
-    lines = lazy_lines(capsys.readouterr().err)
+    lines = lazy_lines(capfd.readouterr().err)
     assert len(lines) == 1 and "3x3x6x6" in lines[0], lines
-    # The same shape under another PyTorch switch is another problem, but not a new shape.
+    # The same shape under another PyTorch switch is another problem, but not a new shape:
+    # the Python path says nothing; the native path says what it tunes (from the cache).
     with torch.backends.cudnn.flags(enabled=True, deterministic=True):
         conv(torch.randn(3, 3, 6, 6))
-    assert len(conv._mucudnn.reports) == 3
-    assert lazy_lines(capsys.readouterr().err) == []
-    # A second layer with the same problem says whose plans it runs.
+    assert plans_of(conv)[(3, 3, 6, 6)].deterministic
+    lines = lazy_lines(capfd.readouterr().err)
+    if NATIVE:
+        assert len(lines) == 1 and "3x3x6x6" in lines[0] and "0 measured" in lines[0], lines
+    else:
+        assert lines == []
+    # A second layer with the same problem runs the first's plans, and says so: in its plans
+    # (and on the Python path in a line of its own; the native path prints a line when it
+    # tunes, and nothing was tuned).
     twin = mt.Conv2d(3, 4, 3, padding=1, cache=cache, name="net.twin")
     twin(torch.randn(3, 3, 6, 6))
-    lines = lazy_lines(capsys.readouterr().err)
-    assert len(lines) == 1 and "net.twin" in lines[0] and "plans of net.lazy" in lines[0], lines
+    lines = lazy_lines(capfd.readouterr().err)
+    if NATIVE:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "net.twin" in lines[0] and "plans of net.lazy" in lines[0], lines
+    assert plans_of(twin)[(3, 3, 6, 6)].same_as == "net.lazy"
     # Shapes tuned by tune() print no such line.
     model = mt.convert_(nn.Sequential(nn.Conv2d(3, 4, 3)), cache=False)
     mt.tune(model, torch.randn(5, 3, 6, 6), verbose=False)
     model(torch.randn(5, 3, 6, 6))
-    assert lazy_lines(capsys.readouterr().err) == []
+    assert lazy_lines(capfd.readouterr().err) == []
 
 
 @pytest.mark.parametrize("value", ["1", "true"])
-def test_mucudnn_quiet_silences_the_lazy_line(monkeypatch, capsys, value):
+def test_mucudnn_quiet_silences_the_lazy_line(monkeypatch, capfd, value):
     monkeypatch.setenv("MUCUDNN_QUIET", value)
     conv = mt.Conv2d(3, 4, 3, padding=1, cache=False, name="net.quiet")
     conv(torch.randn(2, 3, 7, 7))
     conv(torch.randn(4, 3, 7, 7))
-    assert lazy_lines(capsys.readouterr().err) == []
+    assert lazy_lines(capfd.readouterr().err) == []
     assert len(conv.plans) == 2  # it tuned, silently
     monkeypatch.setenv("MUCUDNN_QUIET", "0")
     conv(torch.randn(6, 3, 7, 7))
-    assert len(lazy_lines(capsys.readouterr().err)) == 1
+    assert len(lazy_lines(capfd.readouterr().err)) == 1
 
 
+@python_path_only
 def test_a_layer_sharing_a_failed_problem_keeps_its_own_fallback_setting(monkeypatch):
     from mucudnn import MucudnnError, Tuner
 

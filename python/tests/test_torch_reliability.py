@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import mucudnn.torch as mt
+from converted import NATIVE, by_pytorch, fallbacks, name_of, options_of, ran
 
 
 def assert_close(ours, theirs):
@@ -51,7 +52,8 @@ def test_eight_threads_make_the_first_call_of_a_new_shape(tmp_path):
     layer.requires_grad_(False)
     for trial in range(6):
         x = torch.randn(2, 2, 5 + trial, 6)  # a new shape each trial
-        expected = F.conv2d(x, layer.weight, layer.bias, padding=1)
+        with by_pytorch():
+            expected = F.conv2d(x, layer.weight, layer.bias, padding=1)
         results = {}
 
         def work(i):
@@ -62,6 +64,7 @@ def test_eight_threads_make_the_first_call_of_a_new_shape(tmp_path):
         assert not errors, f"trial {trial}: {errors[0]!r}"
         for y in results.values():
             assert_close(y, expected)
+    assert ran("threads.first_call") == {"fwd": 6 * 8 * 3} and fallbacks() == {}
 
 
 def test_inference_threads_while_a_backward_tunes_the_missing_ops(tmp_path):
@@ -82,7 +85,8 @@ def _inference_while_backward(tmp_path):
     for trial in range(8):
         x = torch.randn(2, 2, 6 + trial, 5)
         with torch.no_grad():
-            expected = F.conv2d(x, layer.weight, layer.bias, padding=1)
+            with by_pytorch():
+                expected = F.conv2d(x, layer.weight, layer.bias, padding=1)
             layer(x)  # the forward op alone is tuned for this shape
         stop = threading.Event()
 
@@ -109,8 +113,13 @@ def test_a_stride_past_2_31_falls_back_to_pytorch(tmp_path, capfd):
     layer = mt.Conv2d(2, 3, 1, stride=2**31, cache=str(tmp_path / "cache.sqlite"),
                       name="limits.stride")
     with torch.no_grad():
-        assert_close(layer(x), F.conv2d(x, layer.weight, layer.bias, stride=2**31))
-    assert "2^31 - 1" in capfd.readouterr().err
+        with by_pytorch():
+            expected = F.conv2d(x, layer.weight, layer.bias, stride=2**31)
+        assert_close(layer(x), expected)
+        layer(x)
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "limits.stride" in warnings[0], warnings
+    assert "2^31 - 1" in warnings[0], warnings
     strict = mt.Conv2d(2, 3, 1, stride=2**31, cache=str(tmp_path / "cache.sqlite"),
                        fallback=False, name="limits.strict")
     with torch.no_grad(), pytest.raises(RuntimeError, match="stride_h = 2147483648"):
@@ -124,23 +133,28 @@ class StdConv(torch.nn.Conv2d):
         return F.conv2d(x, self.weight * 0.5, self.bias, self.stride, self.padding)
 
 
+@pytest.mark.python_smoke
 def test_convert_again_applies_new_options_and_keeps_names():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), StdConv(4, 4, 3))
     mt.convert_(model, workspace_limit="1MiB", cache=False)
-    names = [m.mucudnn_name for m in model]
-    assert all(m._mucudnn.settings.workspace_limit == 1 << 20 for m in model)
+    names = [name_of(m) for m in model]
+    assert names == ["0", "1"]
+    assert all(options_of(m)["settings"]["workspace_limit"] == 1 << 20 for m in model)
     # No options: left as it is (a layer built with its own options keeps them).
     mt.convert_(model)
-    assert all(m._mucudnn.settings.workspace_limit == 1 << 20 for m in model)
+    assert all(options_of(m)["settings"]["workspace_limit"] == 1 << 20 for m in model)
     mt.convert_(model, workspace_limit=4096, split="batch", cache=False)
-    assert [m.mucudnn_name for m in model] == names
+    assert [name_of(m) for m in model] == names
     for m in model:
-        assert m._mucudnn.settings.workspace_limit == 4096
-        assert m._mucudnn.settings.split == "batch"
-        assert "4096 B" in m.extra_repr()
+        assert options_of(m)["settings"]["workspace_limit"] == 4096
+        assert options_of(m)["settings"]["split"] == "batch"
+        if not NATIVE:  # the Python path's layers show their options
+            assert "4096 B" in m.extra_repr()
     x = torch.randn(2, 3, 9, 9)
-    reference = F.conv2d(F.conv2d(x, model[0].weight, model[0].bias),
-                         model[1].weight * 0.5, model[1].bias)
+    with by_pytorch():
+        reference = F.conv2d(F.conv2d(x, model[0].weight, model[0].bias),
+                             model[1].weight * 0.5, model[1].bias)
     assert_close(model(x), reference)
+    assert ran("0") == {"fwd": 1} and ran("1") == {"fwd": 1}
     with pytest.raises(TypeError, match="unknown option"):
         mt.convert_(model, no_such_option=1)

@@ -10,12 +10,14 @@ a silent run of PyTorch's convolution.
 """
 
 import copy
+import json
 
 import pytest
 import torch
 from torch import nn
 
 import mucudnn.torch as mt
+from converted import NATIVE, by_pytorch, converted_layers, fallbacks, options_of, plans_of
 from mucudnn._tuner import Settings, Tuner
 
 
@@ -71,15 +73,32 @@ MODELS = {
 DIRECT, IM2COL_BATCHED, IM2COL_PER_IMAGE = 0, 1, 2
 
 
+def discovered_problems(model, x):
+    """(problem, settings) of each convolution the converted ``model`` runs on ``x``, as its
+    layers tune them (tune()'s discovery pass of the path)."""
+    if NATIVE:
+        from mucudnn.torch import _native_tune
+
+        calls = _native_tune._discover(model, (x,), {})
+        return [(c["problem"], Settings(**json.loads(c["options"])["settings"])) for c in calls]
+    from mucudnn.torch import _keys, _tune
+
+    return [
+        (_keys.problem_of(key), layer._mucudnn.settings_for(key))
+        for layer, key in _tune._discover(model, (x,), {})
+    ]
+
+
 @pytest.fixture
-def scripted(monkeypatch):
-    """Which plan wins must not depend on the host clock: before each tune, the cache gets
-    scripted measurements of the tasks it lacks (through the tuner task API: missing, then
-    store, as another rank's measurements would arrive). A chunk costs its rows squared (so
-    several small chunks beat one large one); the whole batch costs 1 ms for direct, and its
-    im2col candidates are recorded as skipped over the limit (the workspace pressure auto
-    looks for). The plans then execute for real."""
-    real_tune = Tuner.tune
+def scripted(tmp_path):
+    """Which plan wins must not depend on the host clock: ``scripted(model, x)`` stores in
+    the layers' cache file (``SCRIPTED_CACHE`` under the test's tmp dir) scripted
+    measurements of every task the model's problems lack (through the tuner task API:
+    missing, then store, as another rank's measurements would arrive), before the layers
+    tune from it. A chunk costs its rows squared (so several small chunks beat one large
+    one); the whole batch costs 1 ms for direct, and its im2col candidates are recorded as
+    skipped over the limit (the workspace pressure auto looks for). The plans then execute
+    for real."""
 
     def fake(task, limit):
         micro = task["micro"]
@@ -101,27 +120,38 @@ def scripted(monkeypatch):
             ],
         }
 
-    def tune(self, layer, problem, settings):
-        layers = [{"layer": layer, "problem": problem}]
-        # Two rounds: under auto, the chunk tasks appear once the batch sizes are stored.
-        for _ in range(2):
-            tasks = self.missing(layers, settings)
-            if not tasks:
-                break
-            measured = [fake(t, settings.workspace_limit) for t in tasks]
-            self.store({"fingerprint": self.fingerprint(), "measured": measured})
-        return real_tune(self, layer, problem, settings)
+    def script(model, x):
+        tuner = Tuner(cache=str(tmp_path / SCRIPTED_CACHE))
+        try:
+            problems = discovered_problems(model, x)
+            assert problems, "the model ran no converted convolution"
+            for problem, settings in problems:
+                layers = [{"layer": "scripted", "problem": problem}]
+                # Two rounds: under auto, the chunk tasks appear once the batch sizes are
+                # stored.
+                for _ in range(2):
+                    tasks = tuner.missing(layers, settings)
+                    if not tasks:
+                        break
+                    measured = [fake(t, settings.workspace_limit) for t in tasks]
+                    tuner.store({"fingerprint": tuner.fingerprint(), "measured": measured})
+        finally:
+            tuner.close()
 
-    monkeypatch.setattr(Tuner, "tune", tune)
+    return script
 
 
-def converted_pair(name, split):
+#: The cache file scripted measurements go to (in the test's tmp dir).
+SCRIPTED_CACHE = "scripted.sqlite"
+
+
+def converted_pair(name, split, cache=False):
     build, shape, limit = MODELS[name]
     torch.manual_seed(0)
     reference = build()
     ours = mt.convert_(
-        copy.deepcopy(reference), workspace_limit=limit, split=split, cache=False,
-        fallback=False,
+        copy.deepcopy(reference), workspace_limit=limit, split=split,
+        cache=False if cache is False else str(cache), fallback=False,
     )
     x = torch.randn(shape)
     return reference, ours, x
@@ -139,7 +169,8 @@ def run(model, x):
 
 
 def assert_match(reference, ours, x):
-    y0, dx0, g0 = run(reference, x)
+    with by_pytorch():
+        y0, dx0, g0 = run(reference, x)
     y1, dx1, g1 = run(ours, x)
     torch.testing.assert_close(y1, y0, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dx1, dx0, atol=1e-5, rtol=1e-5)
@@ -149,14 +180,14 @@ def assert_match(reference, ours, x):
 
 
 def layers(model):
-    return [m for m in model.modules() if isinstance(m, mt._layer._MucudnnConv)]
+    return converted_layers(model)
 
 
 def reports(model):
     """Each converted layer's single plan report."""
     out = []
     for layer in layers(model):
-        plans = layer.plans
+        plans = plans_of(layer)
         assert len(plans) == 1, str(plans)
         (report,) = plans.values()
         assert report.fallback is None, str(report)
@@ -165,15 +196,17 @@ def reports(model):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_forced_spatial_at_batch_1_matches_pytorch(name, scripted):
-    reference, ours, x = converted_pair(name, "spatial")
+def test_forced_spatial_at_batch_1_matches_pytorch(name, scripted, tmp_path):
+    reference, ours, x = converted_pair(name, "spatial", tmp_path / SCRIPTED_CACHE)
+    scripted(ours, x)
     assert_match(reference, ours, x)
+    assert fallbacks() == {}
     chunked = 0
     for layer, report in reports(ours):
         assert report.tuned_ops == ("fwd", "bwd_data", "bwd_filter"), str(report)
         # Forced: every op's plan splits the outermost spatial dimension, and says so.
         assert report.spatial_ops == report.tuned_ops, str(report)
-        axis = {1: "w", 2: "h", 3: "d"}[layer.spatial]
+        axis = {1: "w", 2: "h", 3: "d"}[len(layer.kernel_size)]
         for op, info in report.ops.items():
             assert info["dimension"] == "spatial", (op, info)
             assert info["split"].endswith(f" along {axis}"), (op, info)
@@ -184,19 +217,23 @@ def test_forced_spatial_at_batch_1_matches_pytorch(name, scripted):
         if any(k > 1 for k in layer.kernel_size):
             assert max(info["calls"] for info in report.ops.values()) >= 2, str(report)
             chunked += 1
-        text = str(layer.plans)
+        text = str(plans_of(layer))
         assert f"along {axis}" in text, text
-        assert "split spatial" in repr(layer), repr(layer)
-    assert chunked >= 2, str([str(layer.plans) for layer in layers(ours)])
+        assert options_of(layer)["settings"]["split"] == "spatial"
+        if not NATIVE:  # the Python path's replaced layers show their options
+            assert "split spatial" in repr(layer), repr(layer)
+    assert chunked >= 2, str([str(plans_of(layer)) for layer in layers(ours)])
 
 
+@pytest.mark.python_smoke
 @pytest.mark.parametrize("name", ["conv2d", "conv_transpose2d"])
-def test_auto_at_batch_1_matches_pytorch(name, scripted):
-    reference, ours, x = converted_pair(name, "auto")
+def test_auto_at_batch_1_matches_pytorch(name, scripted, tmp_path):
+    reference, ours, x = converted_pair(name, "auto", tmp_path / SCRIPTED_CACHE)
+    scripted(ours, x)
     assert_match(reference, ours, x)
     # Scripted: the batch sizes skipped im2col over the limit, and chunks are faster.
     assert any(report.spatial_ops for _, report in reports(ours)), [
-        str(layer.plans) for layer in layers(ours)
+        str(plans_of(layer)) for layer in layers(ours)
     ]
     for _, report in reports(ours):
         assert report.tuned_ops == ("fwd", "bwd_data", "bwd_filter"), str(report)
@@ -212,7 +249,7 @@ def test_batch_split_gives_batch_plans():
         assert report.spatial_ops == (), str(report)
         for info in report.ops.values():
             assert info["dimension"] == "batch" and " along " not in info["split"], info
-        assert "split batch" in repr(layer)
+        assert options_of(layer)["settings"]["split"] == "batch"
 
 
 @pytest.mark.parametrize("bad", ["height", "Spatial", "", None, 1])
@@ -232,10 +269,10 @@ def test_split_is_part_of_the_configuration():
     batch = mt.Conv2d(8, 8, 3, padding=1, split="batch", workspace_limit="8KiB",
                       cache=False, fallback=False)
     default = mt.Conv2d(8, 8, 3, padding=1, workspace_limit="8KiB", cache=False, fallback=False)
-    assert default._mucudnn.settings.split == "auto"
+    assert options_of(default)["settings"]["split"] == "auto"
     assert '"split": "auto"' in Settings().to_json()
-    assert '"split":"spatial"' in spatial._mucudnn_config
-    assert '"split":"batch"' in batch._mucudnn_config
+    assert options_of(spatial)["settings"]["split"] == "spatial"
+    assert options_of(batch)["settings"]["split"] == "batch"
     batch.load_state_dict(spatial.state_dict())
     x = torch.randn(1, 8, 12, 12)
     with torch.no_grad():
@@ -247,7 +284,7 @@ def test_split_is_part_of_the_configuration():
     assert r_spatial.spatial_ops == ("fwd",), str(r_spatial)
     assert r_batch.spatial_ops == () and r_batch.same_as is None, str(r_batch)
     # A pickled (deep-copied) layer keeps its setting.
-    assert copy.deepcopy(spatial)._mucudnn.settings.split == "spatial"
+    assert options_of(copy.deepcopy(spatial))["settings"]["split"] == "spatial"
 
 
 def test_tune_entry_point_uses_the_split_setting():

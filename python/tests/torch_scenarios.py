@@ -21,8 +21,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mucudnn.torch as mt
+from converted import NATIVE, by_pytorch, mucudnn_runs, name_of, plans_of, ran
 
 SCENARIOS = {}
+#: Scenarios of the Python path's design alone (its custom ops' checks, its errors naming the
+#: layer where the native path raises PyTorch's own): the tests skip them on the native path.
+PYTHON_PATH_ONLY = set()
+
+
+def python_path_scenario(fn):
+    PYTHON_PATH_ONLY.add(fn.__name__)
+    return scenario(fn)
+
+
+#: Scenarios of what the native path alone does: the tests skip them on the Python path.
+NATIVE_ONLY = set()
+
+
+def native_scenario(fn):
+    NATIVE_ONLY.add(fn.__name__)
+    return scenario(fn)
 
 
 def scenario(fn):
@@ -47,19 +65,48 @@ def raises(kind, match, fn):
 
 def check_against_pytorch(conv, x):
     """Forward and backward of a mucudnn Conv2d against F.conv2d with the layer's current
-    attributes (what nn.Conv2d computes with them)."""
+    attributes (what nn.Conv2d computes with them), and mucudnn's plans ran all three."""
+    before = ran(name_of(conv))
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
     w = conv.weight.detach().clone().requires_grad_()
     b = None if conv.bias is None else conv.bias.detach().clone().requires_grad_()
     ours = conv(xs[0])
-    theirs = F.conv2d(xs[1], w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
-    close(ours, theirs)
-    grad = torch.randn_like(theirs)
+    grad = torch.randn_like(ours)
     conv.zero_grad()
     ours.backward(grad)
-    theirs.backward(grad)
+    with by_pytorch():
+        theirs = F.conv2d(xs[1], w, b, conv.stride, conv.padding, conv.dilation, conv.groups)
+        theirs.backward(grad)
+    close(ours, theirs)
     close(xs[0].grad, xs[1].grad, "input gradient")
     close(conv.weight.grad, w.grad, "weight gradient")
+    after = ran(name_of(conv))
+    for op in ("fwd", "bwd_data", "bwd_filter"):
+        assert after.get(op, 0) == before.get(op, 0) + 1, (
+            f"{name_of(conv)}: mucudnn did not run its {op} ({before} -> {after})"
+        )
+
+
+def raises_as_nn_conv2d(conv, x, match):
+    """What a bad call of the layer raises: the Python path's own error naming the layer
+    (``match`` in it); the native path's, PyTorch's own error, word for word what nn.Conv2d
+    with the layer's attributes raises."""
+    if not NATIVE:
+        return raises((RuntimeError, ValueError), match, lambda: conv(x))
+    reference = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                          conv.padding, conv.dilation, 1, conv.bias is not None)
+    reference.groups = conv.groups
+    reference.weight, reference.bias = conv.weight, conv.bias
+    with by_pytorch():
+        try:
+            reference(x)
+        except Exception as e:
+            expected = e
+        else:
+            raise AssertionError("nn.Conv2d raised nothing")
+    raised = raises(type(expected), str(expected), lambda: conv(x))
+    assert str(raised) == str(expected), (raised, expected)
+    return raised
 
 
 def tuned(**kwargs):
@@ -100,7 +147,7 @@ def surgery_in_channels():
     conv.in_channels = 2
     check_against_pytorch(conv, x[:, :2].contiguous())
     # The old input no longer fits: a clear error, as nn.Conv2d gives one.
-    raises(ValueError, "hostile.conv: input has 4 channels, the layer expects 2", lambda: conv(x))
+    raises_as_nn_conv2d(conv, x, "hostile.conv: input has 4 channels, the layer expects 2")
 
 
 @scenario
@@ -141,7 +188,24 @@ def surgery_groups():
     check_against_pytorch(conv, x)
     # Groups that do not divide the weight: PyTorch refuses, so does the layer (naming it).
     conv.groups = 3
-    raises((RuntimeError, ValueError), "hostile.conv", lambda: conv(x))
+    raises_as_nn_conv2d(conv, x, "hostile.conv")
+
+
+@scenario
+def surgery_then_convert_again():
+    # A converted module after surgery: converting the model again picks up its geometry and
+    # weight, under its name and options (the native path identifies calls by them).
+    torch.manual_seed(0)
+    model = mt.convert_(nn.Sequential(nn.Conv2d(4, 8, 3, padding=1)), cache=False)
+    x = torch.randn(3, 4, 9, 9)
+    conv = model[0]
+    check_against_pytorch(conv, x)
+    conv.stride = (2, 2)
+    conv.weight = nn.Parameter(torch.randn(8, 4, 3, 3))
+    model = mt.convert_(model)
+    conv = model[0]
+    assert name_of(conv) == "0"
+    check_against_pytorch(conv, x)
 
 
 # --- raw ops with operands that do not agree -------------------------------------------------
@@ -151,7 +215,7 @@ def raw_args(conv, x):
     return [x, conv.weight, conv.bias, [1, 1], [1, 1], [1, 1], 1, conv._mucudnn_config]
 
 
-@scenario
+@python_path_scenario
 def raw_op_weight_of_another_dtype():
     conv, x = tuned()
     args = raw_args(conv, x)
@@ -165,7 +229,7 @@ def raw_op_weight_of_another_dtype():
     raises(RuntimeError, "but the bias is torch.float64", lambda: torch.ops.mucudnn.conv2d(*args))
 
 
-@scenario
+@python_path_scenario
 def raw_op_weight_on_another_device():
     conv, x = tuned()
     args = raw_args(conv, x)
@@ -178,7 +242,7 @@ def raw_op_weight_on_another_device():
            lambda: torch.ops.mucudnn.conv2d(*args))
 
 
-@scenario
+@python_path_scenario
 def raw_op_weight_of_another_shape():
     conv, x = tuned()
     for weight in (torch.randn(8, 3, 3, 3), torch.randn(8, 4, 3), torch.randn(7, 4, 3, 3)):
@@ -198,7 +262,7 @@ def raw_op_weight_of_another_shape():
     close(torch.ops.mucudnn.conv2d(*args), F.conv2d(x, args[1], None, 1, 1))
 
 
-@scenario
+@python_path_scenario
 def raw_backward_ops_with_a_wrong_grad():
     conv, x = tuned()
     rest = ([1, 1], [1, 1], [1, 1], 1, conv._mucudnn_config)
@@ -208,7 +272,7 @@ def raw_backward_ops_with_a_wrong_grad():
             raises(RuntimeError, "hostile.conv", lambda: op(grad, x, w, *rest))
 
 
-@scenario
+@python_path_scenario
 def raw_op_with_a_config_no_layer_made():
     x, w = torch.randn(1, 2, 4, 4), torch.randn(2, 2, 1, 1)
     for config in ("7", "{}", "not json"):
@@ -219,8 +283,10 @@ def raw_op_with_a_config_no_layer_made():
 @scenario
 def layer_of_another_dtype_than_its_input():
     conv = mt.Conv2d(3, 4, 3, cache=False, name="net.half", dtype=torch.bfloat16)
-    raises(RuntimeError, "net.half: the input is torch.float32 but the weight is torch.bfloat16",
-           lambda: conv(torch.randn(1, 3, 6, 6)))
+    raises_as_nn_conv2d(
+        conv, torch.randn(1, 3, 6, 6),
+        "net.half: the input is torch.float32 but the weight is torch.bfloat16",
+    )
 
 
 # --- graphs saved in one process, run in another ---------------------------------------------
@@ -241,9 +307,20 @@ def small(directory):
     reference = Small()
     model = mt.convert_(copy.deepcopy(reference), cache=str(Path(directory) / "cache.sqlite"))
     x = torch.randn(2, 3, 10, 10)
-    expected = reference(x)
+    with by_pytorch():
+        expected = reference(x)
     close(model(x), expected)
     return model, x, expected
+
+
+def runs_mucudnn(graph, x, expected):
+    """A saved graph run in a fresh process: PyTorch's numbers, and mucudnn's plans under the
+    switch (the Python path's graph holds mucudnn's ops, which run them anyway)."""
+    close(graph(x), expected)
+    with mt.enabled(cache=False):
+        before = mucudnn_runs()
+        close(graph(x), expected)
+        assert mucudnn_runs() - before == 2, mt.account()
 
 
 def convert_other_layers_first():
@@ -253,7 +330,9 @@ def convert_other_layers_first():
     for c, k, kernel in ((3, 5, 1), (6, 4, 3), (3, 6, 5), (4, 8, 3)):
         conv = mt.Conv2d(c, k, kernel, cache=False, name=f"other.{c}.{k}.{kernel}")
         x = torch.randn(1, c, 8, 8)
-        close(conv(x), F.conv2d(x, conv.weight, conv.bias))
+        with by_pytorch():
+            expected = F.conv2d(x, conv.weight, conv.bias)
+        close(conv(x), expected)
 
 
 @scenario
@@ -269,7 +348,7 @@ def traced_load(directory):
     convert_other_layers_first()
     io_ = torch.load(str(Path(directory) / "io.pt"))
     traced = torch.jit.load(str(Path(directory) / "traced.pt"))
-    close(traced(io_["x"]), io_["expected"])
+    runs_mucudnn(traced, io_["x"], io_["expected"])
 
 
 @scenario
@@ -285,7 +364,7 @@ def exported_load(directory):
     convert_other_layers_first()
     io_ = torch.load(str(Path(directory) / "io.pt"))
     exported = torch.export.load(str(Path(directory) / "exported.pt2"))
-    close(exported.module()(io_["x"]), io_["expected"])
+    runs_mucudnn(exported.module(), io_["x"], io_["expected"])
 
 
 # --- copies, pickles, saved models -----------------------------------------------------------
@@ -299,7 +378,7 @@ def deepcopy_after_use(directory):
     close(twin(x), expected)
     twin.a.weight.data.mul_(2)  # the copy owns its parameters
     close(model(x), expected)
-    assert twin.a.mucudnn_name == "a" and twin.a.plans, "the copy reports its plans"
+    assert name_of(twin.a) == "a" and plans_of(twin.a), "the copy reports its plans"
 
 
 @scenario
@@ -323,15 +402,30 @@ def torch_save_load(directory):
     convert_other_layers_first()
     io_ = torch.load(str(Path(directory) / "io.pt"))
     model = torch.load(str(Path(directory) / "model.pt"), weights_only=False)
-    assert isinstance(model.a, mt.Conv2d) and model.a.mucudnn_name == "a"
+    assert name_of(model.a) == "a"
     close(model(io_["x"]), io_["expected"])
     model(io_["x"]).sum().backward()
+    assert ran("a") == {"fwd": 2, "bwd_filter": 1}, mt.account()  # x needs no gradient
 
 
-@scenario
+@python_path_scenario
 def jit_script_says_to_use_compile():
     conv = mt.Conv2d(3, 4, 3, cache=False, name="net.scripted")
     raises(RuntimeError, "torch.compile", lambda: torch.jit.script(nn.Sequential(conv)))
+
+
+@native_scenario
+def jit_script_runs_mucudnn():
+    # The native path's kernels sit in PyTorch's dispatcher, under TorchScript too.
+    torch.manual_seed(0)
+    conv = mt.Conv2d(3, 4, 3, cache=False, name="net.scripted")
+    model = mt.convert_(nn.Sequential(nn.Conv2d(4, 2, 3)), cache=False)
+    x = torch.randn(2, 3, 8, 8)
+    scripted = torch.jit.script(nn.Sequential(conv, model[0]))
+    with by_pytorch():
+        expected = model[0](conv(x))
+    close(scripted(x), expected)
+    assert ran("net.scripted") == {"fwd": 1} and ran("0") == {"fwd": 1}, mt.account()
 
 
 def main(argv):

@@ -205,6 +205,14 @@ class Clock:
         return self.peak_extra_mib(), self.device_peak_mib()
 
 
+def layer_plans(module):
+    """A converted layer's plans by input shape (mucudnn.torch.Plans), None for a module
+    mucudnn does not run (``mucudnn.torch.plans_of``, on either path)."""
+    import mucudnn.torch as mt
+
+    return mt.plans_of(module)
+
+
 def tune_forward(model, inputs, clock):
     """Runs each converted layer once (under no_grad: it tunes its shape's forward on first
     sight): (the seconds it took, the ops tuned)."""
@@ -213,11 +221,7 @@ def tune_forward(model, inputs, clock):
         m(x)
     clock.sync()
     tuning = time.perf_counter() - started
-    import mucudnn.torch as mt
-
-    return tuning, sorted(
-        {op for m in model for r in mt.plans_of(m).values() for op in r.tuned_ops}
-    )
+    return tuning, sorted({op for m in model for r in layer_plans(m).values() for op in r.tuned_ops})
 
 
 def time_layers(model, inputs, clock):
@@ -277,10 +281,8 @@ def limits_of(args, default):
 def fallback_layers(model):
     """The converted layers of `model` that run PyTorch's convolution for some shape, with the
     reason: a bench fails on any (it would time PyTorch against itself)."""
-    import mucudnn.torch as mt
-
     return [f"{name}: {report.fallback}" for name, module in model.named_modules()
-            if mt.plans_of(module) is not None for report in mt.plans_of(module).values()
+            if layer_plans(module) is not None for report in layer_plans(module).values()
             if report.fallback is not None]
 
 

@@ -190,8 +190,8 @@ rm -f .gpu/vae_bench.py
 if [ -f scripts/gpu/vae_bench.py ]; then
   cp scripts/gpu/vae_bench.py .gpu/
 fi
-cp python/tests/conftest.py python/tests/test_torch_cuda.py python/tests/test_loader.py \
-  .gpu/python/tests/
+cp python/tests/conftest.py python/tests/converted.py python/tests/test_torch_cuda.py \
+  python/tests/test_loader.py .gpu/python/tests/
 cp tests/fixtures/h100-alexnet-profile.json .gpu/
 
 # What `accept.sh window` reads: the parts built for (it may reach only these), the parts

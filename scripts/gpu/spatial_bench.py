@@ -48,8 +48,9 @@ import mucudnn.torch as mt
 # The shared parts lie next to this script (scripts/gpu/ here, .gpu/ on the GPU machine).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (Clock, add_arguments, device_setup, fallback_layers,  # noqa: E402
-                          goal, layer_errors, limits_of, mib, mucudnn_binary, report_header,
-                          time_layers, tune_forward, zoo_convolutions, zoo_layers)
+                          goal, layer_errors, layer_plans, limits_of, mib, mucudnn_binary,
+                          report_header, time_layers, tune_forward, zoo_convolutions,
+                          zoo_layers)
 
 LIMITS = ("64MiB", "256MiB", "1GiB")
 GOAL_LIMIT = "256MiB"
@@ -64,9 +65,7 @@ TITLES = {"sdxl": "SDXL VAE decoder convs (fwd)",
 
 def fwd_split(module):
     """The forward's split string of the module's (one) input shape, or its fallback."""
-    import mucudnn.torch as mt
-
-    for report in mt.plans_of(module).values():
+    for report in layer_plans(module).values():
         if report.fallback is not None:
             return f"fallback: {report.fallback}"
         if "fwd" in report.ops:

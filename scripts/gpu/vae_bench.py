@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -124,11 +125,12 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 def fallbacks(model) -> List[str]:
     """The mucudnn layers (and shapes) that run PyTorch's convolution."""
-    import mucudnn.torch as mt
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_common import layer_plans
 
     found = []
     for name, module in model.named_modules():
-        plans = mt.plans_of(module)
+        plans = layer_plans(module)
         for shape, report in (plans or {}).items():
             if report.fallback is not None:
                 found.append(f"{plans.layer} {shape}: {report.fallback}")

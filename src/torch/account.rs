@@ -6,7 +6,7 @@
 
 use crate::solver::ConvOp;
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -23,6 +23,9 @@ fn op_index(op: ConvOp) -> usize {
 pub struct Counters {
     executed: [AtomicU64; 3],
     fallbacks: Mutex<BTreeMap<String, [u64; 3]>>,
+    /// The fallback reasons said on stderr for this name (kept by `reset`: said once for the
+    /// name's life, as a layer's warning is).
+    warned: Mutex<HashSet<String>>,
 }
 
 impl Counters {
@@ -36,6 +39,12 @@ impl Counters {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         map.entry(reason.to_string()).or_default()[op_index(op)] += 1;
+    }
+
+    /// Whether `reason` is new to this name's warnings (then it is one of them).
+    pub fn first_warning(&self, reason: &str) -> bool {
+        let mut warned = self.warned.lock().unwrap_or_else(PoisonError::into_inner);
+        warned.insert(reason.to_string())
     }
 
     fn reset(&self) {
@@ -130,8 +139,10 @@ mod tests {
         assert_eq!(ops["fwd"].mucudnn, 2);
         assert_eq!(ops["bwd_data"].pytorch["dtype"], 1);
         assert!(!ops.contains_key("bwd_filter"));
+        assert!(counters.first_warning("dtype") && !counters.first_warning("dtype"));
         account.reset();
         assert!(account.read().is_empty());
+        assert!(!counters.first_warning("dtype"), "said once for the name's life");
         // Held names stay (and count again); unheld ones are forgotten.
         let other: Arc<str> = Arc::from("gone");
         account.counters(&other).executed(ConvOp::Forward);

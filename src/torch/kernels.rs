@@ -587,7 +587,7 @@ fn forward<'a>(
     let mapped = match mapped {
         Ok(mapped) => mapped,
         Err(reason) => {
-            who.counters.fell_back(op, &reason.to_string());
+            leave_to_pytorch(runtime, &who, &[op], &reason, input.as_ref())?;
             return pytorch_forward(runtime, call);
         }
     };
@@ -637,6 +637,47 @@ fn forward<'a>(
     };
     who.counters.executed(op);
     Ok(y)
+}
+
+/// A claimed call mucudnn does not run: counted for `ops` with the reason, and said once per
+/// name and reason on stderr where PyTorch then computes something mucudnn was asked to (not
+/// where PyTorch raises its own error, nor for an empty tensor, whose trivial answer is
+/// PyTorch's anyway). A problem outside what mucudnn's plans hold is an error instead under
+/// `fallback=False`, as a shape no plan fits is. Under tune()'s discovery pass, where
+/// PyTorch runs every call, nothing is counted or said.
+fn leave_to_pytorch(
+    runtime: &Runtime,
+    who: &Who,
+    ops: &[ConvOp],
+    reason: &Fallback,
+    input: Option<&TensorMeta>,
+) -> Result<(), String> {
+    if runtime.discovering() {
+        return Ok(());
+    }
+    let text = reason.to_string();
+    let shape = input.map_or_else(|| "?".to_string(), |m| m.sizes.to_string());
+    if matches!(reason, Fallback::Unsupported(_)) && !who.config.fallback {
+        return Err(format!(
+            "mucudnn: {}: input shape {shape}: {text} (fallback=False: PyTorch's convolution \
+             does not run in its place)",
+            who.name
+        ));
+    }
+    for &op in ops {
+        who.counters.fell_back(op, &text);
+    }
+    let computed_by_pytorch = matches!(
+        reason,
+        Fallback::DType | Fallback::NotStrided | Fallback::OutputPadding | Fallback::Unsupported(_)
+    );
+    if computed_by_pytorch && who.counters.first_warning(&text) {
+        eprintln!(
+            "mucudnn: warning: {}: input shape {shape} runs PyTorch's convolution: {text}",
+            who.name
+        );
+    }
+    Ok(())
 }
 
 /// What the table answers a call: plans to run, or the reason PyTorch runs it.
@@ -705,7 +746,10 @@ fn backward<'a>(
     };
     let (mapped, jobs) = match mapped {
         Ok(mapped) => mapped,
-        Err(reason) => return fall_back(&reason.to_string()),
+        Err(reason) => {
+            leave_to_pytorch(runtime, &who, &call.ops(), &reason, input.as_ref())?;
+            return pytorch_backward(runtime, call);
+        }
     };
     if mask.bias && call.bias_sizes.as_deref() != Some(&[mapped.output[1]][..]) {
         return fall_back(&Fallback::Rejected.to_string());

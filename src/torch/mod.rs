@@ -206,6 +206,11 @@ impl Runtime {
     }
 
     /// Records `call` when discovering; whether it did.
+    /// Whether tune()'s discovery pass is on (PyTorch's kernels run every call).
+    fn discovering(&self) -> bool {
+        self.discovering.load(Ordering::Relaxed)
+    }
+
     fn discover(&self, call: Discovered) -> bool {
         if !self.discovering.load(Ordering::Relaxed) {
             return false;

@@ -129,7 +129,10 @@ type Cell = Arc<Mutex<Option<Entry>>>;
 struct Slot {
     cell: Cell,
     used: u64,
-    signature: Signature,
+    /// The signatures whose calls used it: layers of other signatures can share a problem (a
+    /// transposed layer mirrors the convolution whose backward-data it runs), and each reports
+    /// the plans it runs.
+    signatures: Vec<Signature>,
 }
 
 #[derive(Default)]
@@ -234,9 +237,12 @@ impl Plans {
             let slot = table.slots.entry(*key).or_insert_with(|| Slot {
                 cell: Arc::default(),
                 used: clock,
-                signature,
+                signatures: Vec::new(),
             });
             slot.used = clock;
+            if !slot.signatures.contains(&signature) {
+                slot.signatures.push(signature);
+            }
             let cell = slot.cell.clone();
             (cell, self.evict(&mut table))
         };
@@ -268,7 +274,7 @@ impl Plans {
                 .slots
                 .iter()
                 .filter(|(k, s)| {
-                    k.config == config && signature.is_none_or(|sig| s.signature == *sig)
+                    k.config == config && signature.is_none_or(|sig| s.signatures.contains(sig))
                 })
                 .map(|(k, s)| (s.used, *k, s.cell.clone()))
                 .collect()

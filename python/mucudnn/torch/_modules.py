@@ -18,6 +18,7 @@ identity: a parametrized or hooked weight is never computed by mucudnn.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import threading
 import weakref
@@ -136,14 +137,31 @@ class Adoption:
 
     @property
     def plans(self) -> "_reports.Plans":
-        """The plans prepared now for this layer's convolutions, by input shape (as called),
-        printed as a table (see :class:`mucudnn.torch.Plans`)."""
-        reports = _native.reports(self.options, self.signature)
-        return _reports.Plans(
-            self.name,
-            {tuple(doc["input"]) if doc.get("input") else _reports.shape_of(doc): _reports.from_native(doc)
-             for doc in reports},
-        )
+        """The plans prepared now for this layer's convolutions, by this layer's input shape,
+        printed as a table (see :class:`mucudnn.torch.Plans`). A problem another layer tuned
+        first (one of the same shape, or the convolution a transposed layer mirrors) is
+        reported with ``same_as`` naming it."""
+        plans = {}
+        for doc in _native.reports(self.options, self.signature):
+            report = _reports.from_native(doc)
+            tuned_by = doc.get("name")
+            # Calls matched by signature run under "<first> (or N more of its shape)": the
+            # first layer's own.
+            if tuned_by and tuned_by != self.name and not tuned_by.startswith(f"{self.name} (or "):
+                # Another layer's tuning: this layer measured and waited for nothing.
+                report.same_as = tuned_by
+                report.measured = report.cached = report.skipped = 0
+                report.tuning_seconds = 0.0
+                report.peak_measuring_memory_bytes = 0
+            plans[_reports.layer_shape(report, self.signature)] = report
+        return _reports.Plans(self.name, plans)
+
+    def is_current(self, module: nn.Module) -> bool:
+        """Whether this registration still identifies ``module``'s calls: after surgery (a new
+        weight parameter, another stride, kernel, dilation or groups) it does not, and the
+        module's calls run PyTorch's kernels until it is converted again."""
+        weight = None if self._weight is None else self._weight()
+        return layer_signature(module) == self.signature and weight is _plain_weight(module)
 
     def __reduce__(self):
         return (_restored, (self.name, self.options, self.signature))
@@ -223,7 +241,10 @@ def convert_(
     All or nothing: a module that cannot be converted (a lazy module not yet initialised) is an
     error naming its path, and the model is left as it was; with ``skip_unsupported=True`` it
     is left to PyTorch with one warning naming it. A module converted before takes the
-    ``options`` given (the others at their defaults); with none it is left as it is.
+    ``options`` given (the others at their defaults); with none it is left as it is, unless
+    surgery changed what identifies its calls (a new weight parameter, another stride,
+    kernel, dilation or groups: its calls then run PyTorch's kernels), when it is registered
+    again under its name and options.
 
     Returns ``model``."""
     if "name" in options:
@@ -238,13 +259,17 @@ def convert_(
             continue
         name = path or "conv"
         earlier = module.__dict__.get("_mucudnn")
-        if isinstance(earlier, Adoption) and not options:
+        if isinstance(earlier, Adoption) and not options and earlier.is_current(module):
             continue
         reason = _unsupported(module)
         if reason is not None:
             problems.append((f"{name} ({type(module).__name__})", reason))
             continue
-        targets.append((earlier.name if isinstance(earlier, Adoption) else name, module))
+        if isinstance(earlier, Adoption):
+            # Converted before: its name, and its options unless new ones are given.
+            targets.append((earlier.name, module, text if options else earlier.options))
+        else:
+            targets.append((name, module, text))
     if problems and not skip_unsupported:
         first, reason = problems[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -256,9 +281,9 @@ def convert_(
         warn_skipped(name, reason)
     made: List[Tuple[nn.Module, Any]] = []
     try:
-        for name, module in targets:
+        for name, module, layer_options in targets:
             made.append((module, module.__dict__.get("_mucudnn")))
-            adopt(module, name, text)
+            adopt(module, name, layer_options)
     except Exception as e:
         for module, earlier in reversed(made):
             if earlier is None:
@@ -277,6 +302,9 @@ class _MucudnnConv:
     """What mucudnn's layers share: the ``torch.nn`` layer, converted at construction."""
 
     kind: str = ""
+    # torch.jit.script compiles the nn layer's forward (whose convolution mucudnn's kernel
+    # runs); these Python-only reports are left out of it.
+    __jit_unused_properties__ = ["mucudnn_name", "plans"]
 
     def __init__(
         self,
@@ -322,6 +350,13 @@ class _MucudnnConv:
         """Per input shape tuned so far (prepared now), a :class:`PlanReport`; prints as a
         table."""
         return self._mucudnn.plans  # type: ignore[attr-defined]
+
+    def extra_repr(self) -> str:
+        s = json.loads(self._mucudnn.options)["settings"]  # type: ignore[attr-defined]
+        limit = s.get("workspace_limit")
+        limit = "unlimited" if limit is None else f"{limit} B"
+        base = super().extra_repr()  # type: ignore[misc]
+        return f"{base}, mucudnn: {s['policy']}, {limit}, {s['candidates']}, split {s['split']}"
 
 
 def _doc(torch_name: str, extra: str = "") -> str:
@@ -382,12 +417,28 @@ def _mucudnn_calls() -> int:
 
 
 class Switch:
-    """The switch while on: its options, and the layers of the model ``enable`` named."""
+    """The switch: its options, and the modules of the model ``enable`` named. Their names
+    are registered (as layers) only while this switch is the one in effect: a layer claims
+    its calls whatever the switch, so a switch turned off (or replaced by another) must not
+    leave them registered."""
 
-    def __init__(self, options: str, names: List[Adoption]):
+    def __init__(self, options: str, model: Optional[nn.Module]):
         self.options = options
-        self.names = names
+        self._modules = _naming_modules(model)
+        self.names: List[Adoption] = []
         self._start = _mucudnn_calls()
+
+    def _register(self) -> None:
+        self.names = []
+        for path, ref in self._modules:
+            module = ref()
+            if module is not None and _unsupported(module) is None:
+                self.names.append(
+                    Adoption(path, self.options, layer_signature(module), _plain_weight(module))
+                )
+
+    def _unregister(self) -> None:
+        self.names = []  # each registration goes with its Adoption
 
     @property
     def calls(self) -> int:
@@ -400,24 +451,25 @@ _switch_lock = threading.RLock()
 _switch: Optional[Switch] = None
 
 
-def _naming_layers(model: Optional[nn.Module], options: str) -> List[Adoption]:
-    """Names for the switch: the convolution modules of ``model`` not converted already."""
-    names: List[Adoption] = []
+def _naming_modules(model: Optional[nn.Module]) -> List[Tuple[str, "weakref.ref[nn.Module]"]]:
+    """(path, module) for the switch's names: the convolution modules of ``model`` not
+    converted already (held weakly: the switch keeps no model alive)."""
     if model is None:
-        return names
-    for path, module in model.named_modules():
-        if _kind_of(module) is None or isinstance(module.__dict__.get("_mucudnn"), Adoption):
-            continue
-        if _unsupported(module) is None:
-            names.append(
-                Adoption(path or type(module).__name__, options, layer_signature(module),
-                         _plain_weight(module))
-            )
-    return names
+        return []
+    return [
+        (path or type(module).__name__, weakref.ref(module))
+        for path, module in model.named_modules()
+        if _kind_of(module) is not None
+        and not isinstance(module.__dict__.get("_mucudnn"), Adoption)
+    ]
 
 
 def _set(switch: Optional[Switch]) -> None:
     global _switch
+    if _switch is not None and _switch is not switch:
+        _switch._unregister()
+    if switch is not None and switch is not _switch:
+        switch._register()
     _native.set_switch(None if switch is None else switch.options)
     _switch = switch
 
@@ -433,7 +485,7 @@ def enable(model: Optional[nn.Module] = None, **options: Any) -> None:
     if "name" in options:
         raise TypeError("enable names each convolution itself; do not pass name=")
     text = options_text(options, "mucudnn.torch.enable")
-    switch = Switch(text, _naming_layers(model, text))
+    switch = Switch(text, model)
     with _switch_lock:
         _set(switch)
 
@@ -460,7 +512,7 @@ def enabled(model: Optional[nn.Module] = None, **options: Any) -> Iterator[Switc
     if "name" in options:
         raise TypeError("enabled names each convolution itself; do not pass name=")
     text = options_text(options, "mucudnn.torch.enabled")
-    switch = Switch(text, _naming_layers(model, text))
+    switch = Switch(text, model)
     with _switch_lock:
         before = _switch
         _set(switch)

@@ -47,6 +47,41 @@ def _settings(call: Dict[str, Any], ops: str) -> Settings:
     )
 
 
+def _prepared(call: Dict[str, Any]) -> Any:
+    """Prepares a discovered call's plans (:func:`_native.prepare`); its report with
+    ``measured``, ``cached`` and the peak memory of this preparation alone (none for a problem
+    prepared before: its plans are kept, and another layer of the options may have tuned it),
+    or None when PyTorch runs the problem."""
+
+    def slot_report() -> Dict[str, Any]:
+        for doc in _native.reports(call["options"], call["signature"]):
+            if (doc.get("problem"), doc.get("device"), doc.get("deterministic")) == (
+                call["problem"], call["device"], call["deterministic"]
+            ):
+                return doc
+        return {}
+
+    before = slot_report()
+    report = _native.prepare(call)
+    if report is None:
+        return None
+    counts = {
+        field: max(0, int(report.get(field, 0)) - int(before.get(field, 0)))
+        for field in ("measured", "cached")
+    }
+    peak = report.get("peak_measuring_memory_bytes", 0) if counts["measured"] else 0
+    return dict(report, **counts, peak_measuring_memory_bytes=peak)
+
+
+def _count(summary: TuneSummary, report: Dict[str, Any]) -> None:
+    summary.measured += int(report["measured"])
+    summary.cached += int(report["cached"])
+    if summary.peak_measuring_memory_bytes is not None:
+        summary.peak_measuring_memory_bytes = max(
+            summary.peak_measuring_memory_bytes, int(report["peak_measuring_memory_bytes"])
+        )
+
+
 def _say(call: Dict[str, Any], report: Any, seconds: float, shared_with: str, verbose: bool):
     if report is None:
         _progress(f"{call['name']}: runs PyTorch's convolution (see mucudnn.torch.account())", verbose)
@@ -86,19 +121,22 @@ def tune(
     started = time.perf_counter()
     calls = _discover(model, example_inputs, example_kwargs)
     rank, world = _rank_info()
-    # Distinct (options, problem) pairs in model order, with every name that shares one.
+    # Distinct (options, problem) pairs in model order, tuned once each, and the calls of
+    # every other layer that shares one (its plans, and the op its forward runs: a transposed
+    # layer mirrors the convolution whose backward-data it runs).
     entries: Dict[Tuple[str, str, str, bool], Dict[str, Any]] = {}
-    names: Dict[Tuple[str, str, str, bool], List[str]] = {}
+    sharing: Dict[Tuple[str, str, str, bool], List[Dict[str, Any]]] = {}
     for call in calls:
         key = (call["options"], json.dumps(call["problem"], sort_keys=True), call["device"],
                call["deterministic"])
+        call = dict(call, training=ops == "all")
         if key not in entries:
-            entries[key] = dict(call, training=ops == "all")
-        names.setdefault(key, [])
-        if call["name"] not in names[key]:
-            names[key].append(call["name"])
+            entries[key] = call
+            sharing[key] = []
+        elif all(call["name"] != other["name"] for other in [entries[key]] + sharing[key]):
+            sharing[key].append(call)
     summary = TuneSummary(
-        layers=len({name for members in names.values() for name in members}),
+        layers=len({call["name"] for call in calls}),
         shapes=len(entries),
         world_size=world,
         peak_measuring_memory_bytes=0 if world == 1 else None,
@@ -111,24 +149,18 @@ def tune(
                 f"mucudnn.torch.tune: the ranks see different numbers of problems ({counts}); "
                 "call tune with the same model and example shapes on every rank"
             )
-        _deal_out(ordered, ops, rank, world, summary, verbose)
+        dealt = _deal_out(ordered, ops, rank, world, summary, verbose)
     reports = []
     for key, call in ordered:
         if call["device"].startswith("cuda"):
             torch.cuda.synchronize(int(call["device"].split(":")[1]))
         problem_started = time.perf_counter()
-        report = _native.prepare(call)
+        report = _prepared(call)
         reports.append(report)
         if world == 1:
             _say(call, report, time.perf_counter() - problem_started, "", verbose)
         if report is not None:
-            summary.measured += int(report.get("measured", 0))
-            summary.cached += int(report.get("cached", 0))
-            if summary.peak_measuring_memory_bytes is not None:
-                summary.peak_measuring_memory_bytes = max(
-                    summary.peak_measuring_memory_bytes,
-                    int(report.get("peak_measuring_memory_bytes", 0)),
-                )
+            _count(summary, report)
         else:
             summary.fallbacks += 1
     if world > 1:
@@ -138,6 +170,18 @@ def tune(
         for (key, call), plans in zip(ordered, everyone[0]):
             if plans is not None and rank != 0:
                 _native.prepare(call, plans)
+        # What was dealt out was stored before the tuning above, which read it from the
+        # cache: counted as measured here or shared, not cached.
+        summary.cached = max(0, summary.cached - dealt)
+    for (key, call), report in zip(ordered, reports):
+        for other in sharing[key]:
+            # The shared plans, and the op this layer's forward runs when they lack it.
+            other_started = time.perf_counter()
+            shared = _prepared(other) if report is not None else None
+            if shared is not None:
+                _count(summary, shared)
+            if world == 1:
+                _say(other, shared, time.perf_counter() - other_started, call["name"], verbose)
     summary.seconds = time.perf_counter() - started
     _progress(
         str(summary) + (f" on {world} ranks" if world > 1 else ""),
@@ -146,8 +190,12 @@ def tune(
     return summary
 
 
-def _deal_out(ordered, ops: str, rank: int, world: int, summary: TuneSummary, verbose: bool):
-    """Measuring dealt over the ranks, per group of (device, cache, settings)."""
+def _deal_out(
+    ordered, ops: str, rank: int, world: int, summary: TuneSummary, verbose: bool
+) -> int:
+    """Measuring dealt over the ranks, per group of (device, cache, settings). Returns the
+    measurements this rank made or stored from the others."""
+    dealt = 0
     groups: Dict[Tuple[Any, ...], List[Dict[str, Any]]] = {}
     for _, call in ordered:
         options = json.loads(call["options"])
@@ -170,5 +218,7 @@ def _deal_out(ordered, ops: str, rank: int, world: int, summary: TuneSummary, ve
         )
         summary.measured += mine
         summary.shared += shared
+        dealt += mine + shared
     if summary.shared and rank == 0:
         print(f"mucudnn: {summary.shared} measurement(s) shared between ranks", file=sys.stderr)
+    return dealt

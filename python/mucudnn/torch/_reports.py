@@ -250,6 +250,16 @@ def shape_of(doc: Dict[str, Any]) -> Tuple[int, ...]:
     return (p["n"], p["c"], p["h"], p["w"])
 
 
+def layer_shape(report: PlanReport, signature: Dict[str, Any]) -> Tuple[int, ...]:
+    """The input shape, as a layer of ``signature`` (its weight shape, ``transposed``) calls
+    it, that a native report's problem serves: a transposed layer's input is its problem's
+    output, and a 1-D layer's shapes have no unit height."""
+    shape = report.output_shape if signature["transposed"] else report.shape
+    if len(signature["weight"]) == 3 and len(shape) == 4:
+        return (shape[0], shape[1], shape[3])
+    return tuple(shape)
+
+
 def _layout_name(problem: Dict[str, Any]) -> str:
     spatial = _problem_spatial(problem)
     one_d = spatial == 2 and problem["h"] == 1 and problem["r"] == 1 and problem["pad_h"] == 0
