@@ -55,7 +55,7 @@ def run_forward(tuner, prepared, x, w, out):
 def test_version_and_library():
     # The loaded library is the package's own build, and says its version as the package does.
     assert mucudnn.version() == mucudnn.__version__
-    assert mucudnn.abi_version() == mucudnn.__abi_version__ == 2
+    assert mucudnn.abi_version() == mucudnn.__abi_version__ == 3
     assert mucudnn.library_path().name == "libmucudnn.so"
 
 
@@ -194,7 +194,7 @@ def test_a_library_of_another_abi_version_is_refused(monkeypatch):
     lib = _lib.library()
     _lib._check_abi(lib, _lib.library_path())  # the loaded one is this package's
     monkeypatch.setattr(_version, "__abi_version__", 1)
-    with pytest.raises(MucudnnError, match="C ABI version 2, but this package calls version 1"):
+    with pytest.raises(MucudnnError, match="C ABI version 3, but this package calls version 1"):
         _lib._check_abi(lib, _lib.library_path())
 
 
