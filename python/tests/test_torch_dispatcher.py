@@ -319,3 +319,59 @@ def test_bad_arguments_raise_pytorchs_own_error(case):
     expected = reference(outcome)
     mt.enable(**FAST)
     assert outcome() == expected
+
+
+def test_pytorchs_switches_are_read_at_each_call(fp32_precision_saved):
+    """TF32 (through ``allow_tf32`` and ``conv.fp32_precision``) and determinism (through
+    ``cudnn.deterministic`` and ``use_deterministic_algorithms``) are read from PyTorch's own
+    context by the Rust kernels; determinism is part of a plan's key, so flipping it plans
+    anew and flipping it back reuses the first plans."""
+    state = mt._native.state()["switches"]
+    assert state == {"allow_tf32": True, "deterministic": False, "resolved": True}
+    cudnn = torch.backends.cudnn
+    cudnn.allow_tf32 = False
+    assert mt._native.state()["switches"]["allow_tf32"] is False
+    cudnn.allow_tf32 = True
+    assert mt._native.state()["switches"]["allow_tf32"] is True
+    if hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
+        cudnn.conv.fp32_precision = "ieee"
+        assert mt._native.state()["switches"]["allow_tf32"] is False
+        cudnn.conv.fp32_precision = "tf32"
+        assert mt._native.state()["switches"]["allow_tf32"] is True
+    with cudnn.flags(enabled=cudnn.enabled, deterministic=True):
+        assert mt._native.state()["switches"]["deterministic"] is True
+    assert mt._native.state()["switches"]["deterministic"] is False
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3)
+    mt.convert_(conv, **FAST)
+    x = torch.randn(2, 3, 6, 6)
+    expected = F.conv2d(x, conv.weight, conv.bias)
+    with mt.enabled():
+        torch.testing.assert_close(conv(x), expected)
+        before = mt._native.state()["plan_sets"]
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert mt._native.state()["switches"]["deterministic"] is True
+            torch.testing.assert_close(conv(x), expected)
+            deterministic = mt._native.state()["plan_sets"]
+        finally:
+            torch.use_deterministic_algorithms(False)
+        torch.testing.assert_close(conv(x), expected)
+        after = mt._native.state()["plan_sets"]
+    assert deterministic == before + 1, "a deterministic key plans anew"
+    assert after == deterministic, "the first plans again"
+
+
+@pytest.fixture
+def fp32_precision_saved():
+    cudnn = torch.backends.cudnn
+    has_precision = hasattr(getattr(cudnn, "conv", None), "fp32_precision")
+    saved = (torch.backends.fp32_precision, cudnn.fp32_precision, cudnn.conv.fp32_precision,
+             cudnn.rnn.fp32_precision) if has_precision else None
+    tf32, deterministic = cudnn.allow_tf32, cudnn.deterministic
+    yield
+    if saved is not None:
+        torch.backends.fp32_precision, cudnn.fp32_precision = saved[:2]
+        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = saved[2:]
+    cudnn.allow_tf32, cudnn.deterministic = tf32, deterministic
+    torch.use_deterministic_algorithms(False)

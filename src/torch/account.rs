@@ -142,7 +142,10 @@ mod tests {
         assert!(counters.first_warning("dtype") && !counters.first_warning("dtype"));
         account.reset();
         assert!(account.read().is_empty());
-        assert!(!counters.first_warning("dtype"), "said once for the name's life");
+        assert!(
+            !counters.first_warning("dtype"),
+            "said once for the name's life"
+        );
         // Held names stay (and count again); unheld ones are forgotten.
         let other: Arc<str> = Arc::from("gone");
         account.counters(&other).executed(ConvOp::Forward);
