@@ -29,7 +29,7 @@ use super::call::{
 use super::context::Switches;
 use super::plans::{op_index, Miss, PlanKey, Ready, Request};
 use super::registry::{CallWeight, Who};
-use super::{Discovered, Runtime};
+use super::{logged, Discovered, Runtime};
 use crate::backend::cpu::Element;
 use crate::c_abi::handle::RawOperands;
 use crate::c_abi::tuner::{CallerWorkspace, OperandExtent};
@@ -1195,28 +1195,40 @@ fn pytorch_forward<'a>(runtime: &'a Runtime, call: &ForwardCall<'a>) -> Result<O
     let bias_pointer = bias
         .as_mut()
         .map_or(std::ptr::null_mut(), |b| b as *mut Ath);
-    let mut out: Ath = std::ptr::null_mut();
-    // SAFETY: the call's own arguments, borrowed; the result is written to a local.
-    let code = unsafe {
-        kernel(
-            call.input.get(),
-            call.weight.get(),
-            bias_pointer,
-            call.stride.as_ptr(),
-            call.stride.len() as i64,
-            call.padding.as_ptr(),
-            call.padding.len() as i64,
-            call.dilation.as_ptr(),
-            call.dilation.len() as i64,
-            i32::from(call.transposed),
-            call.output_padding.as_ptr(),
-            call.output_padding.len() as i64,
-            call.groups,
-            &mut out,
-        )
+    let run = || {
+        let mut out: Ath = std::ptr::null_mut();
+        // SAFETY: the call's own arguments, borrowed; the result is written to a local.
+        let code = unsafe {
+            kernel(
+                call.input.get(),
+                call.weight.get(),
+                bias_pointer,
+                call.stride.as_ptr(),
+                call.stride.len() as i64,
+                call.padding.as_ptr(),
+                call.padding.len() as i64,
+                call.dilation.as_ptr(),
+                call.dilation.len() as i64,
+                i32::from(call.transposed),
+                call.output_padding.as_ptr(),
+                call.output_padding.len() as i64,
+                call.groups,
+                &mut out,
+            )
+        };
+        (code, Owned::new(api, out))
     };
+    let (code, out) = run();
+    if code != 0 && api.exception_message.is_none() {
+        drop(out);
+        let ((code, out), logged) = logged::capture(run);
+        if code != 0 {
+            return Err(logged.unwrap_or_else(|| "PyTorch's convolution failed".into()));
+        }
+        return Ok(out);
+    }
     status(code, api, "convolution")?;
-    Ok(Owned::new(api, out))
+    Ok(out)
 }
 
 fn pytorch_backward<'a>(
@@ -1239,34 +1251,45 @@ fn pytorch_backward<'a>(
         .as_ref()
         .map_or(std::ptr::null(), |p| p as *const *const i64);
     let mask = call.mask.map(i32::from);
-    let mut outs: [Ath; 3] = [std::ptr::null_mut(); 3];
-    let [o0, o1, o2] = &mut outs;
-    // SAFETY: the call's own arguments, borrowed; the results are written to locals.
-    let code = unsafe {
-        kernel(
-            call.grad_output.get(),
-            forward.input.get(),
-            forward.weight.get(),
-            bias_pointer,
-            call.bias_sizes.as_ref().map_or(0, |v| v.len() as i64),
-            forward.stride.as_ptr(),
-            forward.stride.len() as i64,
-            forward.padding.as_ptr(),
-            forward.padding.len() as i64,
-            forward.dilation.as_ptr(),
-            forward.dilation.len() as i64,
-            i32::from(forward.transposed),
-            forward.output_padding.as_ptr(),
-            forward.output_padding.len() as i64,
-            forward.groups,
-            mask.as_ptr(),
-            3,
-            o0,
-            o1,
-            o2,
-        )
+    let run = || {
+        let mut outs: [Ath; 3] = [std::ptr::null_mut(); 3];
+        let [o0, o1, o2] = &mut outs;
+        // SAFETY: the call's own arguments, borrowed; the results are written to locals.
+        let code = unsafe {
+            kernel(
+                call.grad_output.get(),
+                forward.input.get(),
+                forward.weight.get(),
+                bias_pointer,
+                call.bias_sizes.as_ref().map_or(0, |v| v.len() as i64),
+                forward.stride.as_ptr(),
+                forward.stride.len() as i64,
+                forward.padding.as_ptr(),
+                forward.padding.len() as i64,
+                forward.dilation.as_ptr(),
+                forward.dilation.len() as i64,
+                i32::from(forward.transposed),
+                forward.output_padding.as_ptr(),
+                forward.output_padding.len() as i64,
+                forward.groups,
+                mask.as_ptr(),
+                3,
+                o0,
+                o1,
+                o2,
+            )
+        };
+        (code, outs.map(|h| Owned::new(api, h)))
     };
-    let owned = outs.map(|h| Owned::new(api, h));
+    let (mut code, mut owned) = run();
+    if code != 0 && api.exception_message.is_none() {
+        drop(owned);
+        let ((retried, outs), logged) = logged::capture(run);
+        (code, owned) = (retried, outs);
+        if code != 0 {
+            return Err(logged.unwrap_or_else(|| "PyTorch's convolution_backward failed".into()));
+        }
+    }
     status(code, api, "convolution_backward")?;
     let [a, b, c] = owned;
     let fix = |o: Owned<'a>| {

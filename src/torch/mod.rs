@@ -20,6 +20,7 @@ pub mod api;
 pub mod call;
 pub mod context;
 pub mod kernels;
+pub mod logged;
 pub mod plans;
 pub mod registry;
 
