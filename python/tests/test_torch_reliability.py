@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import mucudnn.torch as mt
-from converted import NATIVE, by_pytorch, fallbacks, name_of, options_of, ran
+from converted import NATIVE, by_pytorch, fallbacks, name_of, options_of, python_path_only, ran
 
 
 def assert_close(ours, theirs):
@@ -158,3 +158,41 @@ def test_convert_again_applies_new_options_and_keeps_names():
     assert ran("0") == {"fwd": 1} and ran("1") == {"fwd": 1}
     with pytest.raises(TypeError, match="unknown option"):
         mt.convert_(model, no_such_option=1)
+
+
+@python_path_only  # the Python path's own table of plan sets (the native one: test_torch_bounds)
+def test_the_python_paths_plan_sets_are_bounded(monkeypatch):
+    """At most the capacity of prepared plan sets over every layer; an evicted shape comes back
+    from the cache without measuring, and its output is right."""
+    from mucudnn._tuner import Tuner
+    from mucudnn.torch import _registry
+
+    measured = []
+    real = Tuner.tune
+
+    def tune(self, layer, problem, settings):
+        result = real(self, layer, problem, settings)
+        measured.append(result["measured"])
+        return result
+
+    monkeypatch.setattr(Tuner, "tune", tune)
+    torch.manual_seed(0)
+    conv = mt.Conv1d(1, 2, 3, cache=False, policy="undivided", split="batch", name="bounded")
+    config = conv._mucudnn
+    mt.set_plan_capacity(8)
+    try:
+        with torch.no_grad():
+            for length in range(10, 40):
+                conv(torch.randn(1, 1, length))
+            live = [r for r in config.prepared.values() if r is not None]
+            assert len(live) <= 8 and len(_registry._bound) <= 8
+            assert sum(measured) > 0
+            measured.clear()
+            x = torch.randn(1, 1, 10)  # evicted long ago
+            assert_close(conv(x), F.conv1d(x, conv.weight, conv.bias))
+        assert measured and sum(measured) == 0, measured
+        assert len([r for r in config.prepared.values() if r is not None]) <= 8
+        with pytest.raises(ValueError):
+            mt.set_plan_capacity(0)
+    finally:
+        mt.set_plan_capacity(1024)

@@ -40,9 +40,14 @@ def reset_account() -> None:
 
 
 def set_plan_capacity(capacity: int) -> None:
-    """The Python path keeps its plans per layer (released with the layer): no bound to set."""
+    """Keeps at most ``capacity`` prepared plan sets over every layer (default 1024, or
+    ``MUCUDNN_TORCH_PLAN_SETS``), evicting the one prepared longest ago: an evicted problem
+    is prepared again from the cache, without measuring."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity must be a whole number >= 1, not {capacity!r}")
+    from . import _registry
+
+    _registry._bound.set_capacity(capacity)
 
 
 def plans_of(module: Any) -> Any:

@@ -12,7 +12,10 @@ geometry at each call (:func:`._keys.plan_key`).
 from __future__ import annotations
 
 import json
+import os
 import threading
+import warnings
+from collections import OrderedDict
 import weakref
 from dataclasses import replace
 from typing import Any, Dict, Optional, Tuple
@@ -37,7 +40,7 @@ class Ready:
     call: :func:`._runtime.run` enters it or takes the set that replaced it."""
 
     __slots__ = (
-        "prepared", "tuner", "id", "workspace", "extents", "host_workspace", "has", "key",
+        "prepared", "tuner", "id", "workspace", "extents", "has", "key",
         "guard", "uses", "retired",
     )
 
@@ -55,11 +58,6 @@ class Ready:
             _tuner.operand_extents(op, x_shape, w_shape, y_shape, itemsize)
             for op in (FORWARD, BACKWARD_DATA, BACKWARD_FILTER)
         ]
-        self.host_workspace: Optional[torch.Tensor] = None
-        if key.device_type == "cpu" and max(prepared.workspace) > 0:
-            self.host_workspace = torch.empty(
-                max(prepared.workspace), dtype=torch.uint8, device="cpu"
-            )
         self.key = key
         self.guard = threading.Lock()
         #: Calls running the set now.
@@ -133,6 +131,7 @@ class LayerConfig:
         with self.lock:
             prepared = [p for p in self.prepared.values() if p is not None]
             self.prepared.clear()
+        _bound.forget(self)
         for ready in prepared:
             ready.retire()
 
@@ -157,7 +156,87 @@ class LayerConfig:
             self.reports[key] = report_of(key, result, seconds, earlier_report)
         if old is not None:
             old.retire()
+        _bound.added(self, key)
         return ready
+
+    def evict(self, key: PlanKey) -> None:
+        """Drops ``key``'s plan set (the bound of plan sets): a later call prepares it again
+        from the cache, without measuring."""
+        with self.lock:
+            ready = self.prepared.get(key)
+            if ready is None:
+                return
+            del self.prepared[key]
+        ready.retire()
+
+
+class PlanBound:
+    """At most ``capacity`` prepared plan sets over every layer of the process (default 1024,
+    or ``MUCUDNN_TORCH_PLAN_SETS``; :func:`set_capacity`): beyond it the set prepared longest
+    ago is evicted and prepared again from the cache, without measuring, when a call needs it.
+    The order is of preparation, not of use: the calls' fast route does not pay to record
+    each use, so a hot shape may be evicted once and prepared again (milliseconds, no
+    measuring)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.order: "OrderedDict[Tuple[int, PlanKey], Tuple[Any, PlanKey]]" = OrderedDict()
+        self.lock = threading.Lock()
+
+    def added(self, config: "LayerConfig", key: PlanKey) -> None:
+        with self.lock:
+            entry = (id(config), key)
+            self.order[entry] = (weakref.ref(config), key)
+            self.order.move_to_end(entry)
+            evicted = self._over()
+        for config_ref, old_key in evicted:
+            owner = config_ref()
+            if owner is not None:
+                owner.evict(old_key)
+
+    def forget(self, config: "LayerConfig") -> None:
+        with self.lock:
+            for entry in [e for e in self.order if e[0] == id(config)]:
+                del self.order[entry]
+
+    def set_capacity(self, capacity: int) -> None:
+        with self.lock:
+            self.capacity = capacity
+            evicted = self._over()
+        for config_ref, old_key in evicted:
+            owner = config_ref()
+            if owner is not None:
+                owner.evict(old_key)
+
+    def _over(self) -> list:
+        evicted = []
+        while len(self.order) > self.capacity:
+            _, value = self.order.popitem(last=False)
+            evicted.append(value)
+        return evicted
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def _capacity_from_environment() -> int:
+    text = os.environ.get("MUCUDNN_TORCH_PLAN_SETS")
+    if text is None or not text.strip():
+        return 1024
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        warnings.warn(
+            f"mucudnn: MUCUDNN_TORCH_PLAN_SETS must be a whole number >= 1, not {text!r}; "
+            "keeping at most 1024 plan sets", stacklevel=2,
+        )
+        return 1024
+    return value
+
+
+_bound = PlanBound(_capacity_from_environment())
 
 
 _CONFIG_KEYS = ("cache", "fallback", "name", "settings", "verbose")

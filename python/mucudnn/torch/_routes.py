@@ -89,8 +89,6 @@ def _route(config: Any, ready: Any, key: Any, fmt: torch.memory_format) -> Route
     tuner = ready.tuner
     plan_set = ready.id
     cuda = key.device_type == "cuda"
-    host_workspace = ready.host_workspace
-    workspace_pointer = host_workspace.data_ptr() if host_workspace is not None else 0
     spatial = len(shape) - 2
     bias_shape = (1, -1) + (1,) * spatial
     name = config.name
@@ -111,10 +109,8 @@ def _route(config: Any, ready: Any, key: Any, fmt: torch.memory_format) -> Route
                 tuner.execute(plan_set, 0, x.data_ptr(), weight.data_ptr(), y.data_ptr(), extents,
                               workspace=pointer, workspace_bytes=needed if pointer else 0,
                               stream=stream)
-            else:
-                tuner.execute(plan_set, 0, x.data_ptr(), weight.data_ptr(), y.data_ptr(), extents,
-                              workspace=workspace_pointer,
-                              workspace_bytes=needed if workspace_pointer else 0)
+            else:  # the CPU tuner's own host workspace, shared by all its plan sets
+                tuner.execute(plan_set, 0, x.data_ptr(), weight.data_ptr(), y.data_ptr(), extents)
         finally:
             ready.leave()
         _legacy_account.executed(name, "fwd")

@@ -58,6 +58,9 @@ def run(
         # Another thread replaced the set since this call found it; the new one holds every
         # op the old one did.
         newer = config.prepared.get(ready.key)
+        if newer is None and ready.key not in config.prepared:
+            # Evicted (the bound of plan sets): prepared again from the cache, no measuring.
+            newer = plans_for(config, ready.key, [op])
         if newer is None or newer is ready:
             raise RuntimeError(
                 f"{config.name}: the plans of input shape {ready.key.input_shape} were released "
@@ -72,8 +75,7 @@ def run(
             if needed:
                 workspace = torch.empty(needed, dtype=torch.uint8, device=out.device)
             stream = torch.cuda.current_stream(out.device).cuda_stream
-        elif needed:
-            workspace = ready.host_workspace
+        # On the CPU no workspace is passed: the tuner's own, shared by all its plan sets.
         _legacy_account.executed(config.name, _keys.OP_NAMES[op])
         ready.tuner.execute(
             ready.id,
