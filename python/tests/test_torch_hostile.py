@@ -85,14 +85,7 @@ def test_copy_scenario_in_a_subprocess(name, tmp_path):
     run_scenario(name, tmp_path)
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param(kind, marks=pytest.mark.xfail(NATIVE, strict=True, reason=(
-        "native path: torch.jit.trace of a model whose convolutions mucudnn's kernel runs "
-        "fails ('Cannot insert a Tensor that requires grad as a constant'): the tracer "
-        "records aten::_convolution, which the kernel for aten::convolution never calls, and "
-        "traces the ops the kernel calls instead"))) if kind == "traced" else kind
-    for kind in SAVED_AND_LOADED
-])
+@pytest.mark.parametrize("kind", SAVED_AND_LOADED)
 def test_saved_in_one_process_runs_in_a_fresh_one(kind, tmp_path):
     run_scenario(f"{kind}_save", tmp_path)
     run_scenario(f"{kind}_load", tmp_path)

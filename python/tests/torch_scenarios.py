@@ -338,7 +338,12 @@ def convert_other_layers_first():
 @scenario
 def traced_save(directory):
     model, x, expected = small(directory)
-    traced = torch.jit.trace(model, x)
+    before = mucudnn_runs()
+    traced = torch.jit.trace(model, x)  # records, then checks the trace against the model
+    if mt.PATH == "native":
+        assert mucudnn_runs() > before, "the model's own run after recording is mucudnn's"
+        names = [n.kind() for n in traced.inlined_graph.nodes()]
+        assert names.count("aten::_convolution") == 2, names
     torch.jit.save(traced, str(Path(directory) / "traced.pt"))
     torch.save({"x": x, "expected": expected}, str(Path(directory) / "io.pt"))
 
@@ -348,6 +353,16 @@ def traced_load(directory):
     convert_other_layers_first()
     io_ = torch.load(str(Path(directory) / "io.pt"))
     traced = torch.jit.load(str(Path(directory) / "traced.pt"))
+    if mt.PATH == "native":
+        # The native path leaves a call torch.jit.trace records to PyTorch, so the trace holds
+        # PyTorch's aten::_convolution (not mucudnn's kernel's operations): PyTorch's numbers,
+        # run by PyTorch's kernels, even under the switch.
+        close(traced(io_["x"]), io_["expected"])
+        with mt.enabled(cache=False):
+            before = mucudnn_runs()
+            close(traced(io_["x"]), io_["expected"])
+            assert mucudnn_runs() == before, mt.account()
+        return
     runs_mucudnn(traced, io_["x"], io_["expected"])
 
 

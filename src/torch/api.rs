@@ -153,6 +153,10 @@ pub struct TorchApi {
     /// `torch_exception_get_what_without_backtrace` (torch >= 2.13): the message of the
     /// exception a fallback kernel raised, so that it reaches the caller as PyTorch's.
     pub exception_message: Option<unsafe extern "C-unwind" fn() -> *const c_char>,
+    /// `torch::jit::tracer::getTracingState()`: a reference to this thread's
+    /// `std::shared_ptr<TracingState>`, whose first word is null unless `torch.jit.trace` is
+    /// recording (libtorch's C++ ABI; absent, no call is seen as traced).
+    tracing_state: Option<unsafe extern "C-unwind" fn() -> *const *const c_void>,
     pub codes: Codes,
     /// libtorch_cpu's handle (kept open for the process: its symbols are in use).
     pub(crate) library: *mut c_void,
@@ -259,6 +263,12 @@ impl TorchApi {
             optional_symbol(library, "torch_exception_get_what_without_backtrace")
                 // SAFETY: the stable interface's signature of this name.
                 .map(|a| unsafe { std::mem::transmute::<*mut c_void, Message>(a) });
+        type TracingState = unsafe extern "C-unwind" fn() -> *const *const c_void;
+        let tracing_state = optional_symbol(library, "_ZN5torch3jit6tracer15getTracingStateEv")
+            // SAFETY: `const std::shared_ptr<TracingState>& getTracingState()`: no arguments,
+            // returns the address of the thread's shared_ptr (checked in the library: it
+            // returns the thread-local's address, with no hidden result argument).
+            .map(|a| unsafe { std::mem::transmute::<*mut c_void, TracingState>(a) });
         // SAFETY: getters without arguments.
         let codes = unsafe {
             Codes {
@@ -275,6 +285,7 @@ impl TorchApi {
             cuda,
             boxes,
             exception_message,
+            tracing_state,
             codes,
             library,
         })
@@ -318,6 +329,19 @@ impl TorchApi {
         // SAFETY: a fresh, writable 8-byte box.
         unsafe { *boxed = value };
         Some(boxed)
+    }
+
+    /// Whether `torch.jit.trace` is recording on this thread.
+    pub fn is_tracing(&self) -> bool {
+        let Some(get) = self.tracing_state else {
+            return false;
+        };
+        // SAFETY: the getter returns the address of a live thread-local shared_ptr, whose
+        // first word is its element pointer.
+        unsafe {
+            let state = get();
+            !state.is_null() && !(*state).is_null()
+        }
     }
 
     /// The message of the exception the last failing interface call caught on this thread, if

@@ -182,6 +182,9 @@ pub enum Fallback {
     Rejected,
     /// Valid for PyTorch but outside what mucudnn's problems hold (the message says what).
     Unsupported(String),
+    /// `torch.jit.trace` is recording: PyTorch's kernel runs, so that the trace holds its
+    /// convolution (`aten::_convolution`) rather than the operations of mucudnn's kernel.
+    Tracing,
 }
 
 impl fmt::Display for Fallback {
@@ -195,6 +198,10 @@ impl fmt::Display for Fallback {
             Fallback::OutputPadding => f.write_str("output_padding is not below the stride"),
             Fallback::Rejected => f.write_str("arguments PyTorch rejects (its error is raised)"),
             Fallback::Unsupported(why) => f.write_str(why),
+            Fallback::Tracing => f.write_str(
+                "torch.jit.trace is recording: the trace holds PyTorch's convolution, which runs \
+                 PyTorch's kernels (torch.compile and torch.export keep mucudnn's)",
+            ),
         }
     }
 }

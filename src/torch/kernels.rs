@@ -578,6 +578,10 @@ fn forward<'a>(
         return pytorch_forward(runtime, call);
     };
     let op = call.forward_op();
+    if api.is_tracing() {
+        leave_to_pytorch(runtime, &who, &[op], &Fallback::Tracing, input.as_ref())?;
+        return pytorch_forward(runtime, call);
+    }
     let bias = call.bias.as_ref().map(|b| meta(api, b.get()));
     let mapped = match (input, weight, call.geometry(), bias) {
         (Some(x), Some(w), Some(g), None) => call::map_forward(&x, &w, None, &g),
@@ -669,7 +673,11 @@ fn leave_to_pytorch(
     }
     let computed_by_pytorch = matches!(
         reason,
-        Fallback::DType | Fallback::NotStrided | Fallback::OutputPadding | Fallback::Unsupported(_)
+        Fallback::DType
+            | Fallback::NotStrided
+            | Fallback::OutputPadding
+            | Fallback::Unsupported(_)
+            | Fallback::Tracing
     );
     if computed_by_pytorch && who.counters.first_warning(&text) {
         eprintln!(
@@ -729,6 +737,16 @@ fn backward<'a>(
     let Some(who) = weight.as_ref().and_then(|w| claim(runtime, forward, w)) else {
         return pytorch_backward(runtime, call);
     };
+    if api.is_tracing() {
+        leave_to_pytorch(
+            runtime,
+            &who,
+            &call.ops(),
+            &Fallback::Tracing,
+            input.as_ref(),
+        )?;
+        return pytorch_backward(runtime, call);
+    }
     let mask = OutputMask {
         input: call.mask[0],
         weight: call.mask[1],

@@ -1,8 +1,8 @@
 //! PyTorch's error message where this torch does not hand it over.
 //!
-//! A call through PyTorch's C shim that throws returns an error code; torch >= 2.12 keeps the
-//! exception's text for `torch_exception_get_what_without_backtrace`, but torch 2.10 and 2.11
-//! only log it to standard error (`Exception in aoti_torch: <message>`, then the C++
+//! A call through PyTorch's C shim that throws returns an error code; newer torches keep the
+//! exception's text for `torch_exception_get_what_without_backtrace` (2.15 does), but torch
+//! 2.10 and 2.11 have no such getter and only log it to standard error (`Exception in aoti_torch: <message>`, then the C++
 //! backtrace) and drop it. So where the getter is missing, a failed call of PyTorch's own
 //! kernel is made once more with file descriptor 2 pointed at an in-memory file, and the
 //! message is read back from what PyTorch logged: the `RuntimeError` the user gets then
