@@ -35,7 +35,7 @@ use crate::c_abi::handle::RawOperands;
 use crate::c_abi::tuner::{CallerWorkspace, OperandExtent};
 use crate::solver::{operand_roles, ConvOp, ConvProblem, DType, Layout, MathMode};
 use std::cell::RefCell;
-use std::ffi::{c_void, CString};
+use std::ffi::{c_char, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
@@ -313,29 +313,60 @@ fn packed<'a>(
 
 // ---------------------------------------------------------------------------------------------
 // Raising PyTorch's exception
+//
+// `aoti_torch_check(false, ...)` throws a C++ exception from libtorch, unwound by the C++
+// runtime's unwinder (libgcc_s) through the frames between it and the dispatcher: `throw_check`
+// and the kernel's entry function. Those two frames must have no personality routine: this
+// library may carry an unwinder of its own (the wheel, linked by zig, has LLVM's libunwind
+// statically), and Rust's personality routine would then be handed a context of another
+// unwinder (a segmentation fault). So the body runs to completion in `run_kernel` (its own
+// frame, never inlined, which catches panics), the entry function holds nothing that needs
+// dropping (no landing pad, so no personality), and `throw_check` only makes the call.
 
 thread_local! {
     /// The message of the exception being raised (alive while PyTorch copies it).
     static RAISED: RefCell<CString> = RefCell::new(CString::default());
 }
 
-/// Throws PyTorch's exception with `message`; returns only if it did not (never, with the
-/// interface this was resolved from).
-fn raise(api: &TorchApi, message: &str) {
-    let pointer = RAISED.with(|slot| {
+type CheckFn = unsafe extern "C-unwind" fn(bool, *const c_char, *const c_char, u32, *const c_char);
+
+/// An exception to raise once the kernel's body has returned: PyTorch's check function and the
+/// message (in `RAISED`). Plain values, nothing to drop.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Pending {
+    check: CheckFn,
+    message: *const c_char,
+}
+
+fn pending(api: &TorchApi, message: &str) -> Pending {
+    let message = RAISED.with(|slot| {
         *slot.borrow_mut() = crate::c_abi::error::c_string_lossless(message);
         slot.borrow().as_ptr()
     });
+    Pending {
+        check: api.cpu.check,
+        message,
+    }
+}
+
+/// Throws PyTorch's exception; returns only if it did not (never, with the interface this was
+/// resolved from).
+///
+/// # Safety
+///
+/// `pending` was made by [`pending`] on this thread (its message still in `RAISED`).
+#[inline(never)]
+unsafe extern "C-unwind" fn throw_check(pending: Pending) {
     // SAFETY: NUL-terminated strings: the message lives in thread-local storage, the others
-    // are static; `aoti_torch_check(false, ...)` throws a C++ exception that unwinds through
-    // this frame and the kernel's (`C-unwind`), which hold nothing to drop.
+    // are static.
     unsafe {
-        (api.cpu.check)(
+        (pending.check)(
             false,
             c"mucudnn".as_ptr(),
             c"mucudnn/src/torch/kernels.rs".as_ptr(),
             line!(),
-            pointer,
+            pending.message,
         )
     };
 }
@@ -348,22 +379,25 @@ fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "a panic".into())
 }
 
-/// Runs a kernel body, then raises its error (every handle it took already freed).
-fn run_kernel(body: impl FnOnce(&'static Runtime, Switches) -> Result<(), String>) {
+/// Runs a kernel body to completion (every handle it took freed) and says what to raise, if
+/// anything. Never inlined: its frame, which catches panics, is gone before anything throws.
+#[inline(never)]
+fn run_kernel(
+    body: impl FnOnce(&'static Runtime, Switches) -> Result<(), String>,
+) -> Option<Pending> {
     let Some(runtime) = super::runtime() else {
         // Registered only by an initialised runtime: unreachable; no exception to raise with.
         eprintln!("mucudnn: a kernel ran without its runtime");
         std::process::abort();
     };
-    // Outside `catch_unwind`: these are C++ calls that could throw.
     let switches = runtime.context.read();
     let outcome = catch_unwind(AssertUnwindSafe(|| body(runtime, switches)));
     let message = match outcome {
-        Ok(Ok(())) => return,
+        Ok(Ok(())) => return None,
         Ok(Err(message)) => message,
         Err(payload) => format!("mucudnn: internal error: {}", panic_text(payload)),
     };
-    raise(&runtime.api, &message);
+    Some(pending(&runtime.api, &message))
 }
 
 /// `aten::convolution`'s kernel.
@@ -373,7 +407,7 @@ fn run_kernel(body: impl FnOnce(&'static Runtime, Switches) -> Result<(), String
 /// Called by PyTorch's dispatcher with the op's boxed stack (9 arguments, room for 1 return),
 /// as `torch_library_impl` registered it.
 pub unsafe extern "C-unwind" fn convolution(stack: *mut Siv, _args: u64, _returns: u64) {
-    run_kernel(|runtime, switches| {
+    let raised = run_kernel(|runtime, switches| {
         // SAFETY: the dispatcher's stack of this op's 9 arguments (1 return).
         let stack = unsafe { std::slice::from_raw_parts_mut(stack, 9) };
         let api = &runtime.api;
@@ -391,7 +425,11 @@ pub unsafe extern "C-unwind" fn convolution(stack: *mut Siv, _args: u64, _return
         let output = forward(runtime, &call, switches)?;
         stack[0] = output.into_raw() as usize as Siv;
         Ok(())
-    })
+    });
+    if let Some(pending) = raised {
+        // SAFETY: made by `pending` on this thread just now.
+        unsafe { throw_check(pending) };
+    }
 }
 
 /// `aten::convolution_backward`'s kernel.
@@ -401,7 +439,7 @@ pub unsafe extern "C-unwind" fn convolution(stack: *mut Siv, _args: u64, _return
 /// Called by PyTorch's dispatcher with the op's boxed stack (11 arguments, room for 3
 /// returns), as `torch_library_impl` registered it.
 pub unsafe extern "C-unwind" fn convolution_backward(stack: *mut Siv, _args: u64, _returns: u64) {
-    run_kernel(|runtime, switches| {
+    let raised = run_kernel(|runtime, switches| {
         // SAFETY: the dispatcher's stack of this op's 11 arguments (3 returns).
         let stack = unsafe { std::slice::from_raw_parts_mut(stack, 11) };
         let api = &runtime.api;
@@ -427,7 +465,11 @@ pub unsafe extern "C-unwind" fn convolution_backward(stack: *mut Siv, _args: u64
         stack[1] = grad_weight.into_raw() as usize as Siv;
         stack[2] = grad_bias.into_raw() as usize as Siv;
         Ok(())
-    })
+    });
+    if let Some(pending) = raised {
+        // SAFETY: made by `pending` on this thread just now.
+        unsafe { throw_check(pending) };
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
