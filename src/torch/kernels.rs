@@ -20,7 +20,9 @@
 //! Errors: a kernel's body runs under `catch_unwind`; its error (or panic) is raised after
 //! every handle of the call is freed, through `aoti_torch_check`, which throws PyTorch's
 //! exception (a `RuntimeError` naming the layer and the problem). That exception unwinds
-//! through the kernel's own frame only (`extern "C-unwind"`), which holds nothing.
+//! through two frames of this library only, neither with a personality routine (the kernel's
+//! entry, `extern "C-unwind"`, holding nothing, and the function that throws): this library may
+//! carry an unwinder other than the C++ runtime's (see "Raising PyTorch's exception").
 
 use super::api::{Ath, Siv, TorchApi, TorchError};
 use super::call::{
