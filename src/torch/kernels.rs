@@ -1280,16 +1280,27 @@ fn pytorch_forward<'a>(runtime: &'a Runtime, call: &ForwardCall<'a>) -> Result<O
         };
         (code, Owned::new(api, out))
     };
+    pytorch_call(api, "convolution", run)
+}
+
+/// Runs one of PyTorch's own kernels through its C shim (`run` gives the shim's code and what
+/// it wrote) and gives its results, or PyTorch's message: read from the interface where this
+/// torch keeps it, else from what its shim logged during a second call ([`logged`]).
+fn pytorch_call<T>(
+    api: &TorchApi,
+    what: &str,
+    run: impl Fn() -> (TorchError, T),
+) -> Result<T, String> {
     let (code, out) = run();
-    if code != 0 && api.exception_message.is_none() {
-        drop(out);
-        let ((code, out), logged) = logged::capture(run);
-        if code != 0 {
-            return Err(logged.unwrap_or_else(|| "PyTorch's convolution failed".into()));
-        }
+    if code == 0 || api.exception_message.is_some() {
+        status(code, api, what)?;
         return Ok(out);
     }
-    status(code, api, "convolution")?;
+    drop(out);
+    let ((code, out), logged) = logged::capture(run);
+    if code != 0 {
+        return Err(logged.unwrap_or_else(|| format!("PyTorch's {what} failed")));
+    }
     Ok(out)
 }
 
@@ -1343,17 +1354,7 @@ fn pytorch_backward<'a>(
         };
         (code, outs.map(|h| Owned::new(api, h)))
     };
-    let (mut code, mut owned) = run();
-    if code != 0 && api.exception_message.is_none() {
-        drop(owned);
-        let ((retried, outs), logged) = logged::capture(run);
-        (code, owned) = (retried, outs);
-        if code != 0 {
-            return Err(logged.unwrap_or_else(|| "PyTorch's convolution_backward failed".into()));
-        }
-    }
-    status(code, api, "convolution_backward")?;
-    let [a, b, c] = owned;
+    let [a, b, c] = pytorch_call(api, "convolution_backward", run)?;
     let fix = |o: Owned<'a>| {
         if o.get().is_null() {
             undefined(api)
