@@ -20,6 +20,7 @@ from . import _keys, _ops, _registry, _reports, _routes
 from ._options import (  # noqa: F401 (the names this module exported before)
     _OPTIONS_DOC,
     LAYER_OPTIONS,
+    check_kinds,
     check_split,
     make_settings,
     parse_size,
@@ -459,25 +460,7 @@ _TORCH_CLASSES = {kind: base for kind, (base, _) in KINDS.items()}
 
 
 def _kinds(kinds: Union[str, Iterable[str], None]) -> Tuple[str, ...]:
-    if kinds is None:
-        return tuple(KINDS)
-    if isinstance(kinds, str):
-        kinds = (kinds,)
-    try:
-        chosen = tuple(kinds)
-    except TypeError:
-        raise TypeError(
-            f"kinds must be names of layer kinds ({', '.join(KINDS)}), not {kinds!r}"
-        ) from None
-    unknown = [k for k in chosen if k not in KINDS]
-    if unknown:
-        raise ValueError(
-            f"kinds: unknown {', '.join(map(repr, unknown))} (expected some of "
-            f"{', '.join(KINDS)})"
-        )
-    if not chosen:
-        raise ValueError(f"kinds is empty: name at least one of {', '.join(KINDS)}")
-    return chosen
+    return check_kinds(kinds, KINDS)
 
 
 def _adopt(module: nn.Module, name: str, options: Dict[str, Any]) -> Optional[str]:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import _native, _reports
-from ._options import _OPTIONS_DOC, options_text
+from ._options import _OPTIONS_DOC, check_kinds, options_text
 
 _CONV_BASES: Dict[str, Tuple[Type[nn.Module], int, bool]] = {
     "conv1d": (nn.Conv1d, 1, False),
@@ -196,25 +196,7 @@ def adopt(module: nn.Module, name: str, options: str) -> Adoption:
 
 
 def _kinds(kinds: Union[str, Iterable[str], None]) -> Tuple[str, ...]:
-    if kinds is None:
-        return tuple(_CONV_BASES)
-    if isinstance(kinds, str):
-        kinds = (kinds,)
-    try:
-        chosen = tuple(kinds)
-    except TypeError:
-        raise TypeError(
-            f"kinds must be names of layer kinds ({', '.join(_CONV_BASES)}), not {kinds!r}"
-        ) from None
-    unknown = [k for k in chosen if k not in _CONV_BASES]
-    if unknown:
-        raise ValueError(
-            f"kinds: unknown {', '.join(map(repr, unknown))} (expected some of "
-            f"{', '.join(_CONV_BASES)})"
-        )
-    if not chosen:
-        raise ValueError(f"kinds is empty: name at least one of {', '.join(_CONV_BASES)}")
-    return chosen
+    return check_kinds(kinds, _CONV_BASES)
 
 
 def warn_skipped(name: str, reason: str) -> None:

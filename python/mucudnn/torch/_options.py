@@ -3,7 +3,7 @@ checking them, and their documentation."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 from .. import _lib
 from .._lib import MucudnnError
@@ -147,3 +147,27 @@ def options_text(options: Dict[str, Any], label: str) -> str:
         sort_keys=True,
         separators=(",", ":"),
     )
+
+
+def check_kinds(kinds: Union[str, Iterable[str], None], known: Iterable[str]) -> Tuple[str, ...]:
+    """``convert_``'s ``kinds``: one name or several of ``known`` (all of them for ``None``)."""
+    known = tuple(known)
+    if kinds is None:
+        return known
+    if isinstance(kinds, str):
+        kinds = (kinds,)
+    try:
+        chosen = tuple(kinds)
+    except TypeError:
+        raise TypeError(
+            f"kinds must be names of layer kinds ({', '.join(known)}), not {kinds!r}"
+        ) from None
+    unknown = [k for k in chosen if k not in known]
+    if unknown:
+        raise ValueError(
+            f"kinds: unknown {', '.join(map(repr, unknown))} (expected some of "
+            f"{', '.join(known)})"
+        )
+    if not chosen:
+        raise ValueError(f"kinds is empty: name at least one of {', '.join(known)}")
+    return chosen
