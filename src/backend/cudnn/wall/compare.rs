@@ -34,20 +34,12 @@ pub(super) const COMPARE_SYMBOLS: &[&str] = &[
 pub fn compare_api() -> Result<(), CudnnError> {
     static GATE: OnceLock<Result<(), CudnnError>> = OnceLock::new();
     GATE.get_or_init(|| {
-        let version = cudnn()?;
-        let missing = missing_cudnn_symbols(COMPARE_SYMBOLS);
-        if missing.is_empty() {
-            Ok(())
-        } else {
-            Err(CudnnError::Unavailable {
-                what: "libcudnn",
-                detail: format!(
-                    "cuDNN {version} does not export {}: outputs cannot be compared on the GPU \
-                     (measurements stay unverified)",
-                    missing.join(", ")
-                ),
-            })
-        }
+        symbols_gate(COMPARE_SYMBOLS, |version, missing| {
+            format!(
+                "cuDNN {version} does not export {missing}: outputs cannot be compared on the \
+                 GPU (measurements stay unverified)"
+            )
+        })
     })
     .clone()
 }

@@ -374,6 +374,25 @@ pub(super) fn missing_cudnn_symbols(_symbols: &[&'static str]) -> Vec<&'static s
     Vec::new()
 }
 
+/// A gate over the legacy one: `cudnn()`, then every name in `symbols` exported; else
+/// `Unavailable`, its detail from `unavailable(version, the missing names joined)`. Callers cache
+/// the result (each in its own `OnceLock`).
+pub(super) fn symbols_gate(
+    symbols: &[&'static str],
+    unavailable: impl FnOnce(&str, &str) -> String,
+) -> Result<(), CudnnError> {
+    let version = cudnn()?;
+    let missing = missing_cudnn_symbols(symbols);
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(CudnnError::Unavailable {
+            what: "libcudnn",
+            detail: unavailable(&version.to_string(), &missing.join(", ")),
+        })
+    }
+}
+
 /// The version of the libcudnn this process uses (`cudnnGetVersion`, e.g. 91400 for 9.14.0),
 /// after the availability checks. Engine configurations are only meaningful within one
 /// version: it belongs in the key of anything cached about them.

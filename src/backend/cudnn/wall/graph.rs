@@ -43,8 +43,8 @@
 //!   ([`CudnnError::Misaligned`] otherwise) and the workspace to [`WORKSPACE_ALIGNMENT`].
 
 use super::{
-    check_operands, compute_type, cudnn, data_type, invalid, missing_cudnn_symbols, warn_drop,
-    CudnnError, CudnnHandle, DeviceOperands, HandleOwner, Origin, RestoreAfterFields, Surface,
+    check_operands, compute_type, cudnn, data_type, invalid, symbols_gate, warn_drop, CudnnError,
+    CudnnHandle, DeviceOperands, HandleOwner, Origin, RestoreAfterFields, Surface,
 };
 use crate::backend::cudnn::engine_name::EngineConfig;
 use crate::backend::cudnn::engine_search::{
@@ -127,20 +127,12 @@ pub fn graph_api_status() -> Result<(), CudnnError> {
 fn graph_api() -> Result<GraphApi, CudnnError> {
     static GATE: OnceLock<Result<(), CudnnError>> = OnceLock::new();
     GATE.get_or_init(|| {
-        let version = cudnn()?;
-        let missing = missing_cudnn_symbols(GRAPH_SYMBOLS);
-        if missing.is_empty() {
-            Ok(())
-        } else {
-            Err(CudnnError::Unavailable {
-                what: "libcudnn",
-                detail: format!(
-                    "cuDNN {version} does not export the graph API ({}): engine configurations \
-                     cannot be used (the legacy algorithms can)",
-                    missing.join(", ")
-                ),
-            })
-        }
+        symbols_gate(GRAPH_SYMBOLS, |version, missing| {
+            format!(
+                "cuDNN {version} does not export the graph API ({missing}): engine \
+                 configurations cannot be used (the legacy algorithms can)"
+            )
+        })
     })
     .clone()
     .map(|()| GraphApi { _private: () })
