@@ -415,6 +415,26 @@ impl CudnnBackend {
         Ok(None)
     }
 
+    /// The verification of a candidate just timed at `micro` (its output compared with the
+    /// reference's), or `None` when this tune does not verify.
+    #[allow(clippy::too_many_arguments)]
+    fn verify_timed(
+        &mut self,
+        verify: bool,
+        problem: &ConvProblem,
+        op: ConvOp,
+        algo: &Algo,
+        notes: Option<EngineNotes>,
+        micro: i64,
+        first: usize,
+    ) -> Result<Option<Verification>, CudnnError> {
+        if !verify {
+            return Ok(None);
+        }
+        let arithmetic = self.arithmetic(problem, op, algo, notes);
+        self.compare_output(op, micro, first, arithmetic)
+    }
+
     /// How the output of the candidate just timed (`op` at micro-batch `micro`, sample
     /// `first`) compares with the reference's, held to `arithmetic`'s tolerance; `None` when
     /// there is no reference output to compare with, or cuDNN cannot compare them here.
@@ -930,12 +950,8 @@ impl CudnnBackend {
                 }),
                 EngineOutcome::Timed(time_ms, workspace_bytes, notes) => {
                     let algo = Algo::Engine(name);
-                    let verification = if *verify {
-                        let arithmetic = self.arithmetic(problem, op, &algo, Some(notes));
-                        self.compare_output(op, micro, first, arithmetic)?
-                    } else {
-                        None
-                    };
+                    let verification =
+                        self.verify_timed(*verify, problem, op, &algo, Some(notes), micro, first)?;
                     file(
                         &mut found,
                         Measurement {
@@ -1092,17 +1108,14 @@ impl CudnnBackend {
                 .and_then(|()| self.time_algo(&d, op, algo, first, timing))
             {
                 Ok(time_ms) => {
-                    let verification = if *verify {
-                        let arithmetic = self.arithmetic(problem, op, &Algo::Legacy(algo), None);
-                        self.compare_output(op, micro, first, arithmetic)?
-                    } else {
-                        None
-                    };
+                    let algo = Algo::Legacy(algo);
+                    let verification =
+                        self.verify_timed(*verify, problem, op, &algo, None, micro, first)?;
                     file(
                         &mut found,
                         Measurement {
                             micro,
-                            algo: Algo::Legacy(algo),
+                            algo,
                             time_ms: time_ms.max(1e-6),
                             workspace_bytes,
                             verification,
